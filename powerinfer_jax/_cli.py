@@ -1,0 +1,97 @@
+"""Flags and start-up shared by every CLI (generate, evaluate, bench, calibrate).
+
+Imports nothing heavy at module level: `--threads` must pin the process before XLA's CPU client
+starts its thread pool (XLA sizes the pool from the CPUs the process may run on).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_CONTEXT_CAP = 2048  # KV cache slots unless --max-seq-len says otherwise
+
+
+def add_common_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="registry name, .gguf file or Hugging Face directory (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weight dtype for matmuls (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for XLA and the sparse kernels (default: all available)")
+    p.add_argument("--sparsity", default="dense", choices=["dense", "oracle"],
+                   help="how the FFN's active neurons are found (default: %(default)s)")
+    p.add_argument("--threshold", type=float, default=0.0,
+                   help="oracle: a neuron is active when |a_i| > threshold (default: 0)")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help=f"KV cache length (default: min(model context, {DEFAULT_CONTEXT_CAP}))")
+    p.add_argument("--json", action=argparse.BooleanOptionalAction, default=False,
+                   help="print one JSON object as the last line of stdout")
+
+
+def configure_threads(threads: int | None) -> int:
+    """Pin the process to `threads` CPUs (before XLA starts) and return the thread count in use."""
+    available = sorted(os.sched_getaffinity(0))
+    if threads is None:
+        return len(available)
+    if threads < 1:
+        raise ValueError(f"--threads: expected a positive integer, got {threads}")
+    if threads > len(available):
+        raise ValueError(f"--threads: expected at most {len(available)} (CPUs available), "
+                         f"got {threads}")
+    os.sched_setaffinity(0, available[:threads])
+    return threads
+
+
+def setup(args) -> int:
+    """Apply --threads everywhere it matters; returns the thread count."""
+    n = configure_threads(args.threads)
+    if args.sparsity != "dense":
+        from powerinfer_jax import ops
+
+        ops.set_num_threads(n)
+    return n
+
+
+def fail(msg: str) -> "SystemExit":
+    """A user error: print it plainly (no traceback) and exit with status 2."""
+    print(f"error: {msg}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def run_main(main) -> None:
+    """Call main(), turning user errors (ValueError, FileNotFoundError) into a clear message."""
+    try:
+        main()
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        raise fail(str(e)) from None
+
+
+def print_json(obj) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpus": os.cpu_count(), "host": platform.node()}
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=5, cwd=os.path.dirname(os.path.abspath(__file__)))
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

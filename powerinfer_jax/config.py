@@ -1,0 +1,151 @@
+"""Frozen, validated configuration dataclasses.
+
+Every config is hashable (so it can be a static argument of `jax.jit`) and validates itself in
+`__post_init__`; errors follow the project rule "<what>: expected <rule>, got <value>".
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+Activation = Literal["silu", "relu", "gelu"]
+NormType = Literal["rms", "layer"]
+PositionScheme = Literal["rope", "learned"]
+SparsityMode = Literal["dense", "oracle", "threshold", "predictor"]
+
+ACTIVATIONS = ("silu", "relu", "gelu")
+NORM_TYPES = ("rms", "layer")
+POSITION_SCHEMES = ("rope", "learned")
+SPARSITY_MODES = ("dense", "oracle", "threshold", "predictor")
+DTYPES = ("float32", "bfloat16")
+
+
+def _check(ok: bool, what: str, rule: str, value, hint: str = "") -> None:
+    if not ok:
+        msg = f"{what}: expected {rule}, got {value!r}"
+        raise ValueError(msg + (f" ({hint})" if hint else ""))
+
+
+def _check_choice(what: str, value, choices) -> None:
+    _check(value in choices, what, f"one of {list(choices)}", value)
+
+
+def _check_positive(what: str, value) -> None:
+    _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, what,
+           "a positive integer", value)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of one decoder-only transformer; one `Transformer` serves every family.
+
+    Families map onto the switches below:
+      llama family (Llama-2, ReLU-LLaMA, Mistral, SmolLM2): norm="rms", gated=True, bias=False,
+        positions="rope", activation in {"silu", "relu"}.
+      OPT: norm="layer", gated=False, bias=True, positions="learned" with position_offset=2,
+        activation="relu".
+    """
+
+    arch: str
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    max_seq_len: int
+    activation: Activation = "silu"
+    gated: bool = True
+    bias: bool = False
+    norm: NormType = "rms"
+    norm_eps: float = 1e-5
+    positions: PositionScheme = "rope"
+    rope_theta: float = 10000.0
+    position_offset: int = 0
+    tie_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                     "d_ff", "max_seq_len"):
+            _check_positive(f"ModelConfig.{name}", getattr(self, name))
+        _check_choice("ModelConfig.activation", self.activation, ACTIVATIONS)
+        _check_choice("ModelConfig.norm", self.norm, NORM_TYPES)
+        _check_choice("ModelConfig.positions", self.positions, POSITION_SCHEMES)
+        _check(self.n_heads % self.n_kv_heads == 0, "ModelConfig.n_heads",
+               f"a multiple of n_kv_heads={self.n_kv_heads}", self.n_heads)
+        _check(self.positions != "rope" or self.head_dim % 2 == 0, "ModelConfig.head_dim",
+               "an even number with rotary positions", self.head_dim)
+        _check(math.isfinite(self.norm_eps) and self.norm_eps > 0, "ModelConfig.norm_eps",
+               "a finite positive float", self.norm_eps)
+        _check(self.position_offset >= 0, "ModelConfig.position_offset", ">= 0",
+               self.position_offset)
+        if not isinstance(self.eos_token_ids, tuple):
+            object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        for t in self.eos_token_ids:
+            _check(0 <= t < self.vocab_size, "ModelConfig.eos_token_ids",
+                   f"ids in [0, {self.vocab_size})", self.eos_token_ids)
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsityConfig:
+    """How the FFN's active neuron set is found.
+
+    dense: every neuron computed with XLA's dense matmuls (the reference).
+    oracle: the true active set from the layer's own activations: neuron i is active for a token when
+      |a_i| > threshold (ReLU with threshold 0: a_i != 0). Quality upper bound; FFN through the custom call.
+    threshold: per-layer calibrated thresholds (CATS-style); the gate is computed densely.
+    predictor: per-layer predictor MLPs decide the active set before any FFN row is read.
+    """
+
+    mode: SparsityMode = "dense"
+    threshold: float = 0.0
+    impl: Literal["ffi", "reference"] = "ffi"
+
+    def __post_init__(self):
+        _check_choice("SparsityConfig.mode", self.mode, SPARSITY_MODES)
+        _check_choice("SparsityConfig.impl", self.impl, ("ffi", "reference"))
+        _check(math.isfinite(self.threshold) and self.threshold >= 0, "SparsityConfig.threshold",
+               "a finite float >= 0", self.threshold)
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """Settings of one generation run."""
+
+    dtype: str = "float32"
+    threads: int | None = None
+    max_seq_len: int | None = None  # KV cache length; None: min(model context, 2048)
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        _check_choice("--dtype", self.dtype, DTYPES)
+        if self.threads is not None:
+            _check_positive("--threads", self.threads)
+        if self.max_seq_len is not None:
+            _check_positive("--max-seq-len", self.max_seq_len)
+        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
+               "--max-new-tokens", "an integer >= 0", self.max_new_tokens)
+        _check(math.isfinite(self.temperature) and self.temperature >= 0, "--temperature",
+               "a finite float >= 0 (0 means greedy)", self.temperature)
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "--top-k",
+               "an integer >= 0 (0 disables)", self.top_k)
+        _check(0 < self.top_p <= 1, "--top-p", "a float in (0, 1]", self.top_p)

@@ -1,0 +1,74 @@
+"""The feed-forward block: dense XLA matmuls or the neuron-aware sparse custom call.
+
+Weights are neuron-major: `gate.weight` [F, D], `up.weight` [F, D], `down_t.weight` [F, D] (down
+transposed), so neuron i's three rows are contiguous and a sparse kernel reads only active rows.
+  gated:     a_i = act(gate_i . x) * (up_i . x + b_up_i)
+  non-gated: a_i = act(up_i . x + b_up_i)
+  y = b_down + sum_i a_i * down_t[i]
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from powerinfer_jax.config import SparsityConfig
+from powerinfer_jax.models.layers import F32, Linear, _param, matmul
+
+
+def activate(name: str, x):
+    """The FFN activation by name. GELU is the tanh approximation, as the C++ kernels use."""
+    if name == "silu":
+        return jax.nn.silu(x)
+    if name == "relu":
+        return jax.nn.relu(x)
+    if name == "gelu":
+        return jax.nn.gelu(x, approximate=True)
+    raise ValueError(f"activation: expected one of ['silu', 'relu', 'gelu'], got {name!r}")
+
+
+class DownT(nnx.Module):
+    """The down projection stored transposed: weight [F, D] (row i is neuron i), bias [D]."""
+
+    def __init__(self, d_ff: int, d_model: int, *, bias: bool, dtype, rngs: nnx.Rngs | None):
+        self.weight = _param((d_ff, d_model), dtype, rngs, scale=d_ff ** -0.5)
+        self.bias = _param((d_model,), F32, None) if bias else None
+
+    def __call__(self, a_btf):
+        w = self.weight[...]
+        y = jnp.einsum("btf,fd->btd", a_btf.astype(w.dtype), w, preferred_element_type=F32)
+        return y + self.bias[...] if self.bias is not None else y
+
+
+class FFN(nnx.Module):
+    def __init__(self, *, d_model: int, d_ff: int, activation: str, gated: bool, bias: bool,
+                 dtype, rngs: nnx.Rngs | None):
+        self.activation = activation
+        self.gate = Linear(d_model, d_ff, bias=False, dtype=dtype, rngs=rngs) if gated else None
+        self.up = Linear(d_model, d_ff, bias=bias, dtype=dtype, rngs=rngs)
+        self.down_t = DownT(d_ff, d_model, bias=bias, dtype=dtype, rngs=rngs)
+
+    def activations(self, x_btd):
+        """The neuron activations a [B, T, F] (float32), computed densely."""
+        up = self.up(x_btd)
+        if self.gate is None:
+            return activate(self.activation, up)
+        return activate(self.activation, matmul(x_btd, self.gate.weight[...])) * up
+
+    def dense(self, x_btd):
+        return self.down_t(self.activations(x_btd))
+
+    def __call__(self, x_btd, *, sparsity: SparsityConfig, threshold: float = 0.0, scores=None):
+        """Returns (y [B, T, D] float32, n_active [B, T] int32 or None for dense)."""
+        if sparsity.mode == "dense":
+            return self.dense(x_btd), None
+        from powerinfer_jax import ops  # the compiled extension is only needed for sparse modes
+
+        criterion = "oracle" if scores is None else "scores"
+        return ops.sparse_ffn(
+            x_btd, self.up.weight[...], self.down_t.weight[...],
+            w_gate=None if self.gate is None else self.gate.weight[...],
+            b_up=None if self.up.bias is None else self.up.bias[...],
+            b_down=None if self.down_t.bias is None else self.down_t.bias[...],
+            scores=scores, threshold=float(threshold), activation=self.activation,
+            criterion=criterion, impl=sparsity.impl)

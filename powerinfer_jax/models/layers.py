@@ -1,0 +1,116 @@
+"""Building blocks of the decoder: linear, norms, rotary positions, attention with a KV cache.
+
+Axis legend (used in einsum strings and as name suffixes):
+  B batch, T tokens (queries), S keys (cache slots), D model, F FFN neurons, N query heads,
+  K kv heads, G query heads per kv head (N = K * G), H head dim, V vocab, R predictor rank.
+
+Weights are stored [out, in] ("neuron-major", like HF's Linear), so a matrix-vector product reads
+each output row contiguously and the checkpoint names map onto module paths one to one.
+Activations between layers are float32; matmul inputs are cast to the weight dtype and accumulate in
+float32 (`preferred_element_type`), so bfloat16 weights halve the bytes read without a bf16 residual.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+F32 = jnp.float32
+_NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
+
+
+def matmul(x, w_od):
+    """x [..., I] times a weight stored [O, I] -> [..., O], float32 accumulation."""
+    return jnp.einsum("...i,oi->...o", x.astype(w_od.dtype), w_od, preferred_element_type=F32)
+
+
+def _param(shape, dtype, rngs: nnx.Rngs | None, scale: float | None = None, fill: float = 0.0):
+    """A parameter initialised randomly (tests, tiny models) or with a constant (loaded later)."""
+    if rngs is not None and scale is not None:
+        return nnx.Param((jax.random.normal(rngs.params(), shape, F32) * scale).astype(dtype))
+    return nnx.Param(jnp.full(shape, fill, dtype))
+
+
+class Linear(nnx.Module):
+    """y = x @ weight.T (+ bias); weight [out, in]."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs | None):
+        self.weight = _param((d_out, d_in), dtype, rngs, scale=d_in ** -0.5)
+        self.bias = _param((d_out,), F32, None) if bias else None
+
+    def __call__(self, x):
+        y = matmul(x, self.weight[...])
+        return y + self.bias[...] if self.bias is not None else y
+
+
+class Norm(nnx.Module):
+    """RMSNorm (llama) or LayerNorm (OPT), computed in float32."""
+
+    def __init__(self, d: int, *, kind: str, eps: float):
+        self.kind = kind
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((d,), F32))
+        self.bias = nnx.Param(jnp.zeros((d,), F32)) if kind == "layer" else None
+
+    def __call__(self, x):
+        x = x.astype(F32)
+        if self.kind == "rms":
+            y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+            return y * self.scale[...]
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
+
+
+def rope(x_btnh, positions_bt, theta: float):
+    """Rotary embedding in HF's "rotate half" layout: pairs are (h, h + H/2)."""
+    half = x_btnh.shape[-1] // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=F32) / half)  # [H/2]
+    angles = positions_bt.astype(F32)[..., None] * inv_freq  # [B, T, H/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = x_btnh[..., :half], x_btnh[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with grouped KV heads and an optional fixed-size KV cache."""
+
+    def __init__(self, *, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                 bias: bool, use_rope: bool, rope_theta: float, dtype, rngs: nnx.Rngs | None):
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.use_rope, self.rope_theta = use_rope, rope_theta
+        self.q = Linear(d_model, n_heads * head_dim, bias=bias, dtype=dtype, rngs=rngs)
+        self.k = Linear(d_model, n_kv_heads * head_dim, bias=bias, dtype=dtype, rngs=rngs)
+        self.v = Linear(d_model, n_kv_heads * head_dim, bias=bias, dtype=dtype, rngs=rngs)
+        self.o = Linear(n_heads * head_dim, d_model, bias=bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x_btd, positions_bt, cache=None, cache_index=None):
+        """cache: None (attend within x only) or (k_bskh, v_bskh); new keys are written at slots
+        [cache_index, cache_index + T). Returns (y_btd, new_cache)."""
+        b, t, _ = x_btd.shape
+        kh, g, h = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
+        q = self.q(x_btd).reshape(b, t, kh * g, h)
+        k = self.k(x_btd).reshape(b, t, kh, h)
+        v = self.v(x_btd).reshape(b, t, kh, h)
+        if self.use_rope:
+            q = rope(q, positions_bt, self.rope_theta)
+            k = rope(k, positions_bt, self.rope_theta)
+        if cache is None:
+            k_all, v_all, key_pos = k, v, positions_bt  # [B, S=T, ...]
+            new_cache = None
+        else:
+            k_cache, v_cache = cache
+            start = (0, cache_index, 0, 0)
+            k_all = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
+            v_all = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
+            new_cache = (k_all, v_all)
+            # Slot s holds position s; slots past the written range are masked by causality.
+            key_pos = jnp.broadcast_to(jnp.arange(k_all.shape[1]), (b, k_all.shape[1]))
+        q = q.reshape(b, t, kh, g, h).astype(F32) * (h ** -0.5)
+        scores = jnp.einsum("btkgh,bskh->bkgts", q, k_all.astype(F32))
+        causal = key_pos[:, None, :] <= positions_bt[:, :, None]  # [B, T, S]
+        scores = jnp.where(causal[:, None, None], scores, _NEG_INF)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bkgts,bskh->btkgh", probs, v_all.astype(F32))
+        return self.o(out.reshape(b, t, kh * g * h)), new_cache

@@ -1,0 +1,134 @@
+"""ONE decoder-only Transformer for every supported family, driven by `ModelConfig`.
+
+Module paths equal the checkpoint's canonical names ("layers.3.attn.q.weight"), so loading is a
+name-for-name copy (`load_params`). The one exception: the down projection's bias is called
+"ffn.down.bias" in checkpoints and lives on `ffn.down_t`.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from powerinfer_jax.config import ModelConfig, SparsityConfig
+from powerinfer_jax.models.ffn import FFN
+from powerinfer_jax.models.layers import F32, Attention, Linear, Norm
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x))."""
+
+    def __init__(self, c: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
+        self.attn_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps)
+        self.attn = Attention(d_model=c.d_model, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
+                              head_dim=c.head_dim, bias=c.bias, use_rope=c.positions == "rope",
+                              rope_theta=c.rope_theta, dtype=dtype, rngs=rngs)
+        self.ffn_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps)
+        self.ffn = FFN(d_model=c.d_model, d_ff=c.d_ff, activation=c.activation, gated=c.gated,
+                       bias=c.bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x_btd, positions_bt, cache, cache_index, *, sparsity, threshold, scores):
+        attn_out, new_cache = self.attn(self.attn_norm(x_btd), positions_bt, cache, cache_index)
+        x_btd = x_btd + attn_out
+        ffn_out, n_active = self.ffn(self.ffn_norm(x_btd), sparsity=sparsity,
+                                     threshold=threshold, scores=scores)
+        return x_btd + ffn_out, new_cache, n_active
+
+
+class Transformer(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype=F32, rngs: nnx.Rngs | None = None):
+        """rngs: random weights (tests, tiny models); None: constant placeholders to be loaded."""
+        c = config
+        self.config = c
+        self.dtype = jnp.dtype(dtype)
+        self.tok_embed = _embedding((c.vocab_size, c.d_model), dtype, rngs)
+        self.pos_embed = (_embedding((c.max_seq_len + c.position_offset, c.d_model), dtype, rngs)
+                          if c.positions == "learned" else None)
+        self.layers = nnx.List([Block(c, dtype=dtype, rngs=rngs) for _ in range(c.n_layers)])
+        self.final_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps)
+        self.lm_head = (None if c.tie_embeddings else
+                        Linear(c.d_model, c.vocab_size, bias=False, dtype=dtype, rngs=rngs))
+
+    def hidden(self, tokens_bt, positions_bt, cache=None, cache_index=None, *,
+               sparsity: SparsityConfig = SparsityConfig(), thresholds=None):
+        """The final-norm hidden states [B, T, D] (float32).
+
+        cache: None or a list of per-layer (k, v) arrays [B, S, K, H]; returns the updated list.
+        thresholds: per-layer activation thresholds for the sparse modes (default: sparsity.threshold).
+        Returns (h_btd, new_cache, n_active [L, B, T] int32 or None in dense mode).
+        """
+        x = self.tok_embed[...][tokens_bt].astype(F32)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed[...][positions_bt + self.config.position_offset].astype(F32)
+        new_cache, n_active = [], []
+        for i, layer in enumerate(self.layers):
+            thr = sparsity.threshold if thresholds is None else thresholds[i]
+            x, layer_cache, act = layer(x, positions_bt, None if cache is None else cache[i],
+                                        cache_index, sparsity=sparsity, threshold=thr, scores=None)
+            new_cache.append(layer_cache)
+            n_active.append(act)
+        n_active = None if n_active[0] is None else jnp.stack(n_active)
+        return self.final_norm(x), (None if cache is None else new_cache), n_active
+
+    def logits(self, h_btd):
+        """Vocabulary logits [B, T, V] in float32."""
+        w = self.tok_embed[...] if self.lm_head is None else self.lm_head.weight[...]
+        return jnp.einsum("btd,vd->btv", h_btd.astype(w.dtype), w, preferred_element_type=F32)
+
+    def __call__(self, tokens_bt, positions_bt=None, **kwargs):
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        h, _, _ = self.hidden(tokens_bt, positions_bt, **kwargs)
+        return self.logits(h)
+
+
+def _embedding(shape, dtype, rngs):
+    if rngs is None:
+        return nnx.Param(jnp.zeros(shape, dtype))
+    return nnx.Param((jax.random.normal(rngs.params(), shape, F32) * 0.02).astype(dtype))
+
+
+def init_cache(config: ModelConfig, *, batch: int, max_len: int, dtype):
+    """A zeroed KV cache: per layer (k, v), each [B, S, K, H]."""
+    shape = (batch, max_len, config.n_kv_heads, config.head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.n_layers)]
+
+
+def _param_name(path) -> str:
+    name = ".".join(str(p) for p in path)
+    return name.replace("ffn.down_t.bias", "ffn.down.bias")
+
+
+def param_names(config: ModelConfig) -> list[str]:
+    """Canonical checkpoint names this config's model expects."""
+    abstract = nnx.eval_shape(lambda: Transformer(config))
+    return [_param_name(p) for p, _ in nnx.to_flat_state(nnx.state(abstract, nnx.Param))]
+
+
+def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=F32) -> Transformer:
+    """Build a Transformer from canonical named arrays (e.g. a loaded checkpoint).
+
+    Matrices take `dtype`; norms and biases stay float32. Missing, unexpected or misshaped tensors
+    are a ValueError naming them.
+    """
+    model = nnx.eval_shape(lambda: Transformer(config, dtype=dtype))
+    state = nnx.state(model, nnx.Param)
+    flat = nnx.to_flat_state(state)
+    expected = {_param_name(p) for p, _ in flat}
+    missing = sorted(expected - set(params))
+    extra = sorted(set(params) - expected)
+    if missing or extra:
+        raise ValueError(f"checkpoint tensors: expected exactly the {len(expected)} tensors of a "
+                         f"{config.arch} model, missing {missing[:8]}, unexpected {extra[:8]}")
+    for path, var in flat:
+        name = _param_name(path)
+        want = var.get_value()
+        arr = np.asarray(params[name])
+        if arr.shape != want.shape:
+            raise ValueError(f"tensor {name}: expected shape {want.shape}, got {arr.shape}")
+        var.set_value(jnp.asarray(arr, dtype=want.dtype))
+    nnx.update(model, state)
+    return model

@@ -1,0 +1,127 @@
+"""Jitted prefill and decode over a fixed-size KV cache, and the generation loop.
+
+Shapes are static: the cache holds `max_seq_len` slots, prefill pads the prompt to a power-of-two
+bucket, decode always runs one token. So XLA compiles once per prefill bucket plus once for decode,
+never per token (`Engine.compile_count` lets tests check that).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from powerinfer_jax.config import SparsityConfig
+from powerinfer_jax.models.transformer import Transformer, init_cache
+from powerinfer_jax.runtime.sampling import SamplingParams, sample
+
+_MIN_BUCKET = 16
+
+
+def prefill_bucket(n: int, max_len: int) -> int:
+    """Smallest power of two >= n (at least 16), capped at the cache length."""
+    return min(max(_MIN_BUCKET, 1 << (n - 1).bit_length()), max_len)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[int]  # generated ids (stop token included when one was hit)
+    prompt_tokens: int
+    prefill_s: float  # wall time of the first token (prefill + sampling), compile included if cold
+    decode_s: float  # wall time of the remaining tokens
+    stop_reason: str  # "eos" | "length"
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        n = len(self.tokens) - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+class Engine:
+    """Owns the jitted step functions of one model, sparsity setting and cache length."""
+
+    def __init__(self, model: Transformer, *, max_seq_len: int,
+                 sparsity: SparsityConfig = SparsityConfig(), thresholds: Sequence[float] | None = None):
+        c = model.config
+        if not 0 < max_seq_len <= c.max_seq_len:
+            raise ValueError(f"max_seq_len: expected 1..{c.max_seq_len} (the model's context), "
+                             f"got {max_seq_len}")
+        self.config = c
+        self.max_seq_len = max_seq_len
+        self.cache_dtype = model.dtype
+        self.sparsity = sparsity
+        self.compile_count = 0
+        graphdef, self._state = nnx.split(model)
+        thresholds = None if thresholds is None else tuple(float(t) for t in thresholds)
+
+        def run(state, tokens_bt, positions_bt, cache, cache_index):
+            self.compile_count += 1  # runs once per trace, i.e. per compilation
+            m = nnx.merge(graphdef, state)
+            return m, m.hidden(tokens_bt, positions_bt, cache, cache_index, sparsity=sparsity,
+                               thresholds=thresholds)
+
+        def prefill(state, tokens_bt, n_valid, cache, key, params: SamplingParams):
+            positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+            m, (h, cache, _) = run(state, tokens_bt, positions, cache, 0)
+            last = jax.lax.dynamic_slice_in_dim(h, n_valid - 1, 1, axis=1)  # [B, 1, D]
+            return sample(m.logits(last)[:, 0], key, params), cache
+
+        def decode(state, token_b, position, cache, key, params: SamplingParams):
+            positions = jnp.full((token_b.shape[0], 1), position, jnp.int32)
+            m, (h, cache, _) = run(state, token_b[:, None], positions, cache, position)
+            return sample(m.logits(h)[:, 0], key, params), cache
+
+        self._prefill = jax.jit(prefill, static_argnames="params", donate_argnames="cache")
+        self._decode = jax.jit(decode, static_argnames="params", donate_argnames="cache")
+
+    def check_prompt(self, n_prompt: int) -> None:
+        if n_prompt == 0:
+            raise ValueError("prompt: expected at least one token, got an empty prompt")
+        if n_prompt >= self.max_seq_len:
+            raise ValueError(f"prompt: expected fewer than {self.max_seq_len} tokens (the context "
+                             f"length, --max-seq-len), got {n_prompt}; shorten the prompt")
+
+    def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int,
+                 sampling: SamplingParams = SamplingParams(), seed: int = 0,
+                 stop_ids: Sequence[int] = (), on_token: Callable[[int], None] | None = None
+                 ) -> GenerationResult:
+        """Generate up to max_new_tokens (fewer if the context fills up or a stop id is sampled)."""
+        n = len(prompt_ids)
+        self.check_prompt(n)
+        bucket = prefill_bucket(n, self.max_seq_len)
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, :n] = prompt_ids
+        cache = init_cache(self.config, batch=1, max_len=self.max_seq_len, dtype=self.cache_dtype)
+        key = jax.random.key(seed)
+        budget = min(max_new_tokens, self.max_seq_len - n)
+        out: list[int] = []
+        stop = set(int(s) for s in stop_ids)
+        reason = "length"
+        t0 = time.perf_counter()
+        t_first = t0
+        for step in range(budget):
+            key, sub = jax.random.split(key)
+            if step == 0:
+                tok, cache = self._prefill(self._state, tokens, n, cache, sub, sampling)
+            else:
+                tok, cache = self._decode(self._state, tok, n + step - 1, cache, sub, sampling)
+            tid = int(tok[0])  # host sync: the token is needed for streaming and stop checks
+            if step == 0:
+                t_first = time.perf_counter()
+            out.append(tid)
+            if on_token is not None:
+                on_token(tid)
+            if tid in stop:
+                reason = "eos"
+                break
+        t1 = time.perf_counter()
+        return GenerationResult(tokens=out, prompt_tokens=n, prefill_s=t_first - t0,
+                                decode_s=t1 - t_first if out else 0.0, stop_reason=reason)
