@@ -1,0 +1,113 @@
+"""What every loader returns: `Checkpoint`, and the canonical parameter names and shapes.
+
+Canonical names (weights [out, in] like a HF Linear, FFN neuron-major):
+  tok_embed [V, D]; pos_embed [P, D] (learned positions); lm_head [V, D] (untied only);
+  final_norm.scale/.bias [D];
+  layers.{i}.attn_norm.scale/.bias [D]; layers.{i}.attn.{q,k,v,o}.weight (+ .bias when config.bias):
+    q [N*H, D], k/v [K*H, D], o [D, N*H]; Q/K rows in HF's rotate-half RoPE layout;
+  layers.{i}.ffn_norm.scale/.bias [D]; layers.{i}.ffn.gate.weight [F, D] (gated only),
+    ffn.up.weight [F, D], ffn.down_t.weight [F, D] (= down_proj.weight.T), ffn.up.bias [F],
+    ffn.down.bias [D].
+`.bias` norm entries exist only for LayerNorm; attention/FFN biases only when config.bias.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from powerinfer_jax.config import ModelConfig
+from powerinfer_jax.tokenizer import Tokenizer
+
+
+class RawTensor(NamedTuple):
+    """A tensor kept in its stored quantized form (GGUF only).
+
+    blocks: uint8 [rows, row_bytes], the file's bytes (Q/K rows already un-permuted to HF order).
+    qtype: GGML type name ("Q4_1", ...). shape: the dequantized shape of `blocks`, [rows, cols].
+    transposed: True when the canonical param is `dequant(blocks).reshape(shape).T` (ffn.down_t).
+    """
+
+    blocks: np.ndarray
+    qtype: str
+    shape: tuple[int, ...]
+    transposed: bool = False
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    config: ModelConfig
+    params: dict[str, np.ndarray]
+    tokenizer: Tokenizer
+    source: str
+    raw: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+SUPPORTED_ARCHITECTURES = ("llama (LlamaForCausalLM, MistralForCausalLM, GGUF 'llama')",
+                           "opt (OPTForCausalLM)")
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical param the config implies, with its shape."""
+    c = config
+    d, f = c.d_model, c.d_ff
+    shapes: dict[str, tuple[int, ...]] = {"tok_embed": (c.vocab_size, d), "final_norm.scale": (d,)}
+    if c.positions == "learned":
+        shapes["pos_embed"] = (c.max_seq_len + c.position_offset, d)
+    if not c.tie_embeddings:
+        shapes["lm_head"] = (c.vocab_size, d)
+    layer_norm = c.norm == "layer"
+    if layer_norm:
+        shapes["final_norm.bias"] = (d,)
+    for i in range(c.n_layers):
+        p = f"layers.{i}."
+        for norm in ("attn_norm", "ffn_norm"):
+            shapes[p + norm + ".scale"] = (d,)
+            if layer_norm:
+                shapes[p + norm + ".bias"] = (d,)
+        attn = {"q": (c.q_dim, d), "k": (c.kv_dim, d), "v": (c.kv_dim, d), "o": (d, c.q_dim)}
+        for name, shape in attn.items():
+            shapes[f"{p}attn.{name}.weight"] = shape
+            if c.bias:
+                shapes[f"{p}attn.{name}.bias"] = shape[:1]
+        if c.gated:
+            shapes[p + "ffn.gate.weight"] = (f, d)
+        shapes[p + "ffn.up.weight"] = (f, d)
+        shapes[p + "ffn.down_t.weight"] = (f, d)
+        if c.bias:
+            shapes[p + "ffn.up.bias"] = (f,)
+            shapes[p + "ffn.down.bias"] = (d,)
+    return shapes
+
+
+def check_params(config: ModelConfig, params: dict[str, np.ndarray], source: str) -> None:
+    """Every param the config implies is present with the right shape."""
+    for name, shape in expected_shapes(config).items():
+        if name not in params:
+            raise ValueError(f"{source}: expected tensor {name!r} (shape {shape}), got none "
+                             "(the checkpoint is incomplete or not the architecture it claims)")
+        if tuple(params[name].shape) != shape:
+            raise ValueError(f"{source}: tensor {name!r}: expected shape {shape} from the config, "
+                             f"got {tuple(params[name].shape)}")
+
+
+def unsupported_architecture(arch: Any, source: str) -> ValueError:
+    return ValueError(f"{source}: architecture: expected one of {list(SUPPORTED_ARCHITECTURES)}, "
+                      f"got {arch!r}")
+
+
+def rope_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """HF rotate-half row order -> llama.cpp's interleaved order (what convert_hf_to_gguf writes).
+
+    Within each head, HF keeps the two RoPE halves [x_0..x_{h/2-1}, x_{h/2}..] apart; llama.cpp
+    interleaves them as pairs (x_0, x_{h/2}), (x_1, x_{h/2+1}), ...
+    """
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def rope_unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of `rope_permute`: llama.cpp's interleaved rows -> HF rotate-half order."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,0 +1,244 @@
+"""Read (and, for tests and conversion, write) llama-architecture GGUF files.
+
+GGUF conventions this module undoes (read) and applies (write):
+  * Each tensor's `ne` lists dimensions fastest-first; the numpy shape is `ne` reversed, so a GGUF
+    weight is already [out, in] like a HF Linear.
+  * llama.cpp's convert script permutes the rows of attn_q / attn_k per head for its interleaved
+    RoPE; we restore HF's rotate-half order (`base.rope_unpermute`).
+  * ffn_down is stored [D, F]; the canonical `ffn.down_t.weight` is its transpose [F, D].
+  * Tied embeddings: no `output.weight` tensor.
+Tensor types read: F32, F16, BF16, Q8_0, Q4_0, Q4_1 (see `quants.py`). Quantized tensors are also
+kept raw in `Checkpoint.raw` for quantized kernels.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from powerinfer_jax.checkpoint import quants
+from powerinfer_jax.checkpoint.base import (Checkpoint, RawTensor, check_params, expected_shapes,
+                                            rope_permute, rope_unpermute, unsupported_architecture)
+from powerinfer_jax.config import ModelConfig
+from powerinfer_jax.tokenizer import Tokenizer
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+
+# canonical name suffix -> GGUF name suffix, per layer ("layers.{i}." <-> "blk.{i}.")
+_LAYER_NAMES = {
+    "attn_norm.scale": "attn_norm.weight",
+    "attn.q.weight": "attn_q.weight",
+    "attn.k.weight": "attn_k.weight",
+    "attn.v.weight": "attn_v.weight",
+    "attn.o.weight": "attn_output.weight",
+    "ffn_norm.scale": "ffn_norm.weight",
+    "ffn.gate.weight": "ffn_gate.weight",
+    "ffn.up.weight": "ffn_up.weight",
+    "ffn.down_t.weight": "ffn_down.weight",
+}
+_GLOBAL_NAMES = {"tok_embed": "token_embd.weight", "final_norm.scale": "output_norm.weight",
+                 "lm_head": "output.weight"}
+
+
+def gguf_name(canonical: str) -> str:
+    if canonical in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[canonical]
+    _, layer, rest = canonical.split(".", 2)
+    return f"blk.{layer}.{_LAYER_NAMES[rest]}"
+
+
+def _open(path: Path):
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise ValueError(f"GGUF file: expected an existing file, got {str(path)!r}")
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:  # GGUFReader raises ValueError/IndexError/KeyError/OSError on bad bytes
+        raise ValueError(f"GGUF file {str(path)!r}: expected a complete GGUF v2/v3 file, got one "
+                         f"that cannot be parsed ({type(e).__name__}: {e}); the file is truncated, "
+                         "corrupt or not GGUF — download it again") from e
+    size = path.stat().st_size
+    for t in reader.tensors:  # a memmap past the end only fails when touched, so check up front
+        if int(t.data_offset) + int(t.n_bytes) > size:
+            raise ValueError(f"GGUF file {str(path)!r}: tensor {t.name!r}: expected its data to end "
+                             f"within the file ({size} bytes), got an end at byte "
+                             f"{int(t.data_offset) + int(t.n_bytes)}; the file is truncated")
+    return reader
+
+
+def read_metadata(reader) -> dict[str, Any]:
+    """All key/value metadata as plain python values (arrays -> lists)."""
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = field.contents()
+        out[key] = value.tolist() if isinstance(value, np.ndarray) else value
+    return out
+
+
+def _require(meta: Mapping[str, Any], key: str, source: str):
+    if key not in meta:
+        raise ValueError(f"{source}: expected metadata key {key!r}, got none "
+                         "(the file is not a complete llama GGUF)")
+    return meta[key]
+
+
+def config_from_metadata(meta: Mapping[str, Any], source: str,
+                         vocab_size: int | None = None, tied: bool = False) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise unsupported_architecture(arch, f"{source}: general.architecture")
+    a = arch + "."
+    d = int(_require(meta, a + "embedding_length", source))
+    n_heads = int(_require(meta, a + "attention.head_count", source))
+    head_dim = int(meta.get(a + "rope.dimension_count") or meta.get(a + "attention.key_length")
+                   or d // n_heads)
+    if vocab_size is None:
+        vocab_size = int(meta.get(a + "vocab_size") or len(meta.get("tokenizer.ggml.tokens", ())))
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                             "tokenizer.ggml.eom_token_id") if meta.get(k) is not None]
+    return ModelConfig(
+        arch="llama", vocab_size=vocab_size, d_model=d,
+        n_layers=int(_require(meta, a + "block_count", source)),
+        n_heads=n_heads, n_kv_heads=int(meta.get(a + "attention.head_count_kv", n_heads)),
+        head_dim=head_dim, d_ff=int(_require(meta, a + "feed_forward_length", source)),
+        max_seq_len=int(_require(meta, a + "context_length", source)),
+        activation="silu", gated=True, bias=False, norm="rms",
+        norm_eps=float(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
+        positions="rope", rope_theta=float(meta.get(a + "rope.freq_base", 10000.0)),
+        tie_embeddings=tied, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos)),
+    )
+
+
+def _tensor_type(t) -> str:
+    return t.tensor_type.name
+
+
+def _read_tensor(t, expected: tuple[int, ...], source: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """(float32 array of numpy shape `expected`, raw uint8 rows or None for float types)."""
+    qtype = _tensor_type(t)
+    if qtype not in quants.SUPPORTED_TYPES:
+        raise ValueError(f"{source}: tensor {t.name!r}: expected type one of "
+                         f"{list(quants.SUPPORTED_TYPES)}, got {qtype} (requantize the model to "
+                         "Q8_0/Q4_0/Q4_1 or a float type)")
+    shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+    if shape != expected:
+        raise ValueError(f"{source}: tensor {t.name!r}: expected shape {expected} (numpy order) "
+                         f"from the metadata, got {shape}")
+    data = np.asarray(t.data)
+    rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
+    values = quants.dequantize(rows, qtype).reshape(shape)
+    raw = np.array(rows, dtype=np.uint8) if qtype in quants.QUANTIZED_TYPES else None
+    return values, raw
+
+
+def load_gguf(path: str | os.PathLike) -> Checkpoint:
+    path = Path(path)
+    source = f"GGUF file {str(path)!r}"
+    reader = _open(path)
+    meta = read_metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        arch = meta.get("general.architecture")
+        if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+            raise unsupported_architecture(arch, f"{source}: general.architecture")
+        raise ValueError(f"{source}: expected tensor 'token_embd.weight', got none")
+    vocab = int(tensors["token_embd.weight"].shape[1])  # ne = [D, V]
+    config = config_from_metadata(meta, source, vocab_size=vocab,
+                                  tied="output.weight" not in tensors)
+    params: dict[str, np.ndarray] = {}
+    raw: dict[str, RawTensor] = {}
+    for name, shape in expected_shapes(config).items():
+        g = gguf_name(name)
+        if g not in tensors:
+            raise ValueError(f"{source}: expected tensor {g!r} (for {name}, shape {shape}), got none")
+        transposed = name.endswith("ffn.down_t.weight")
+        stored = shape[::-1] if transposed else shape
+        values, blocks = _read_tensor(tensors[g], stored, source)
+        heads = {"attn.q.weight": config.n_heads, "attn.k.weight": config.n_kv_heads}
+        n = heads.get(name.split(".", 2)[-1]) if name.startswith("layers.") else None
+        if n is not None:  # undo llama.cpp's RoPE row permutation (rows permute whole, so raw too)
+            values = rope_unpermute(values, n)
+            blocks = rope_unpermute(blocks, n) if blocks is not None else None
+        params[name] = np.ascontiguousarray(values.T) if transposed else values
+        if blocks is not None:
+            raw[name] = RawTensor(blocks, _tensor_type(tensors[g]), stored, transposed)
+    check_params(config, params, source)
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    return Checkpoint(config=config, params=params, tokenizer=tokenizer, source=str(path), raw=raw)
+
+
+# ------------------------------------------------------------------------------------ writer
+_TOKENIZER_WRITERS = {  # tokenizer_meta key -> GGUFWriter method
+    "model": "add_tokenizer_model", "pre": "add_tokenizer_pre", "tokens": "add_token_list",
+    "merges": "add_token_merges", "scores": "add_token_scores", "token_type": "add_token_types",
+    "bos_token_id": "add_bos_token_id", "eos_token_id": "add_eos_token_id",
+    "unknown_token_id": "add_unk_token_id", "padding_token_id": "add_pad_token_id",
+    "add_bos_token": "add_add_bos_token", "add_eos_token": "add_add_eos_token",
+    "add_space_prefix": "add_add_space_prefix", "chat_template": "add_chat_template",
+}
+
+
+def write_gguf(path: str | os.PathLike, config: ModelConfig, params: Mapping[str, np.ndarray],
+               tokenizer_meta: Mapping[str, Any], tensor_types: Mapping[str, str] | None = None,
+               *, arch: str = "llama", default_type: str = "F32") -> Path:
+    """Write a llama-convention GGUF from canonical params (Q/K permuted back, ffn_down [D, F]).
+
+    tensor_types: canonical name -> GGML type name ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1",
+    or any type `gguf.quants.quantize` knows, e.g. "Q5_0" to test rejection); others `default_type`.
+    tokenizer_meta: keys of `_TOKENIZER_WRITERS` (e.g. {"model": "gpt2", "tokens": [...], ...}).
+    `arch` only renames the metadata prefix (tests use it to write unsupported architectures).
+    """
+    import gguf
+
+    if config.arch != "llama" or config.bias or not config.gated:
+        raise ValueError(f"write_gguf: expected a llama-family config (gated, no bias), got "
+                         f"arch={config.arch!r} gated={config.gated} bias={config.bias}")
+    tensor_types = dict(tensor_types or {})
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("powerinfer_jax test model")
+    w.add_context_length(config.max_seq_len)
+    w.add_embedding_length(config.d_model)
+    w.add_block_count(config.n_layers)
+    w.add_feed_forward_length(config.d_ff)
+    w.add_head_count(config.n_heads)
+    w.add_head_count_kv(config.n_kv_heads)
+    w.add_rope_dimension_count(config.head_dim)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
+    w.add_rope_freq_base(config.rope_theta)
+    w.add_layer_norm_rms_eps(config.norm_eps)
+    w.add_vocab_size(config.vocab_size)
+    for key, value in tokenizer_meta.items():
+        if key not in _TOKENIZER_WRITERS:
+            raise ValueError(f"write_gguf tokenizer_meta: expected keys in {list(_TOKENIZER_WRITERS)}, "
+                             f"got {key!r}")
+        getattr(w, _TOKENIZER_WRITERS[key])(value)
+    for name in expected_shapes(config):
+        value = np.asarray(params[name], dtype=np.float32)
+        if name.endswith("attn.q.weight"):
+            value = rope_permute(value, config.n_heads)
+        elif name.endswith("attn.k.weight"):
+            value = rope_permute(value, config.n_kv_heads)
+        elif name.endswith("ffn.down_t.weight"):
+            value = value.T
+        value = np.ascontiguousarray(value)
+        qtype = tensor_types.get(name, default_type if value.ndim > 1 else "F32")
+        if qtype == "F32":
+            w.add_tensor(gguf_name(name), value)
+        elif qtype == "F16":
+            w.add_tensor(gguf_name(name), value.astype(np.float16))
+        else:
+            kind = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(value, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,0 +1,282 @@
+"""Text <-> token ids, built on the `tokenizers` library.
+
+One `Tokenizer` class, built either from a Hugging Face `tokenizer.json` (`Tokenizer.from_file`) or
+from the vocabulary a GGUF file carries in its metadata (`Tokenizer.from_gguf_metadata`). The GGUF
+builders reproduce what transformers' GGUF converter builds, so the ids agree with
+`AutoTokenizer.from_pretrained(dir, gguf_file=...)`:
+  tokenizer.ggml.model == "gpt2":  byte-level BPE from tokens + merges; the split regex picked by
+                                   `tokenizer.ggml.pre` (see `_PRE_SPLITS`).
+  tokenizer.ggml.model == "llama": SentencePiece-style BPE with byte fallback; merges derived from the
+                                   token scores; "\u2581" marks spaces; one space prepended to the text.
+BOS is added by `encode` itself (never by a post-processor), so every source behaves the same.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as _Backend
+
+# llama.cpp token types (tokenizer.ggml.token_type)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> (split digits one by one first?, split regex). llama.cpp's "smollm" splits
+# every digit on its own, then applies the GPT-2 regex (as SmolLM2's own tokenizer.json does).
+_PRE_SPLITS = {
+    "default": (False, _GPT2_SPLIT),
+    "gpt2": (False, _GPT2_SPLIT),
+    "smollm": (True, _GPT2_SPLIT),
+    "llama3": (False, _LLAMA3_SPLIT),
+    "llama-v3": (False, _LLAMA3_SPLIT),
+    "llama-bpe": (False, _LLAMA3_SPLIT),
+    "qwen2": (False, _QWEN2_SPLIT),
+}
+SUPPORTED_GGUF_TOKENIZERS = ("gpt2", "llama")
+
+# Used when a model ships no chat template (documented in `Tokenizer.apply_chat`).
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class Tokenizer:
+    """Encode/decode text; knows its BOS/EOS ids and chat template."""
+
+    def __init__(self, backend: _Backend, *, bos_id: int | None, eos_ids: Sequence[int] = (),
+                 add_bos: bool = False, chat_template: str | None = None):
+        self.backend = backend
+        self.bos_id = bos_id
+        self.eos_ids = tuple(int(i) for i in eos_ids)
+        self.add_bos = bool(add_bos)
+        self.chat_template = chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; special tokens written in the text (e.g. `<|im_start|>`) stay whole."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(int(token_id))
+
+    def apply_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render `messages` ([{"role": ..., "content": ...}]) with the model's jinja chat template.
+
+        Without a template, falls back to ChatML: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per
+        message, then `<|im_start|>assistant\\n` when `add_generation_prompt`.
+        """
+        import jinja2.sandbox
+
+        def raise_exception(message):
+            raise ValueError(f"chat template: {message}")
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        template = env.from_string(self.chat_template or CHATML_TEMPLATE)
+        special = {name: self.id_to_token(i) if i is not None else ""
+                   for name, i in (("bos_token", self.bos_id),
+                                   ("eos_token", self.eos_ids[0] if self.eos_ids else None))}
+        return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                               **special)
+
+    # ----------------------------------------------------------------------------- builders
+    @classmethod
+    def from_file(cls, path: str | Path, *, bos_id: int | None = None, eos_ids: Sequence[int] = (),
+                  add_bos: bool | None = None) -> "Tokenizer":
+        """A Hugging Face `tokenizer.json`; `tokenizer_config.json` beside it (when present) supplies
+        the BOS/EOS tokens, `add_bos_token` and the chat template. Explicit arguments win."""
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"tokenizer file: expected an existing tokenizer.json, got {str(path)!r}")
+        backend = _Backend.from_file(str(path))
+        cfg_path = path.with_name("tokenizer_config.json")
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+
+        def token_id(entry):
+            content = entry.get("content") if isinstance(entry, dict) else entry
+            return backend.token_to_id(content) if content else None
+
+        if bos_id is None:
+            bos_id = token_id(cfg.get("bos_token"))
+        eos = [*eos_ids]
+        cfg_eos = token_id(cfg.get("eos_token"))
+        if cfg_eos is not None and cfg_eos not in eos:
+            eos.append(cfg_eos)
+        if add_bos is None:
+            add_bos = cfg.get("add_bos_token")
+        if add_bos is None:  # ask the file's post-processor whether it adds one
+            with_special = backend.encode("a", add_special_tokens=True).ids
+            add_bos = bos_id is not None and bool(with_special) and with_special[0] == bos_id
+        template = cfg.get("chat_template")
+        if template is None and path.with_name("chat_template.jinja").is_file():
+            template = path.with_name("chat_template.jinja").read_text()
+        return cls(backend, bos_id=bos_id, eos_ids=eos, add_bos=add_bos,
+                   chat_template=template if isinstance(template, str) else None)
+
+    @classmethod
+    def from_gguf_metadata(cls, fields: Mapping[str, Any]) -> "Tokenizer":
+        """Build from GGUF metadata: a mapping of key -> plain python value (`tokenizer.ggml.*`,
+        `tokenizer.chat_template`), as `checkpoint.gguf.read_metadata` returns."""
+        kind = fields.get("tokenizer.ggml.model")
+        if kind not in SUPPORTED_GGUF_TOKENIZERS:
+            raise ValueError(f"tokenizer.ggml.model: expected one of {list(SUPPORTED_GGUF_TOKENIZERS)}, "
+                             f"got {kind!r} (this GGUF's vocabulary type is not supported)")
+        tokens = list(fields.get("tokenizer.ggml.tokens") or ())
+        if not tokens:
+            raise ValueError("tokenizer.ggml.tokens: expected a non-empty token list, got none")
+        types = list(fields.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
+        if kind == "gpt2":
+            backend = _byte_level_bpe(tokens, fields.get("tokenizer.ggml.merges") or (),
+                                      fields.get("tokenizer.ggml.pre"))
+            add_bos_default = False
+        else:
+            unk = fields.get("tokenizer.ggml.unknown_token_id")
+            backend = _sentencepiece_bpe(tokens, fields.get("tokenizer.ggml.scores"),
+                                         unk_token=tokens[unk] if unk is not None else None,
+                                         add_space_prefix=fields.get("tokenizer.ggml.add_space_prefix",
+                                                                     True))
+            add_bos_default = True  # llama.cpp adds BOS to a SentencePiece vocabulary by default
+        _add_special_tokens(backend, tokens, types, byte_level=kind == "gpt2")
+        eos_ids = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                       "tokenizer.ggml.eom_token_id") if fields.get(k) is not None]
+        return cls(backend, bos_id=fields.get("tokenizer.ggml.bos_token_id"),
+                   eos_ids=dict.fromkeys(int(i) for i in eos_ids),
+                   add_bos=fields.get("tokenizer.ggml.add_bos_token", add_bos_default),
+                   chat_template=fields.get("tokenizer.chat_template"))
+
+
+class StreamDecoder:
+    """Incremental detokenizer: `feed(ids)` returns only the text completed so far.
+
+    Text is decoded over a window starting a few tokens back and diffed against the previous decode,
+    so spacing rules that depend on context (SentencePiece's leading space) come out as in a full
+    decode; text ending in U+FFFD (a multi-byte UTF-8 character split across tokens) is held back
+    until the next token completes it. `flush()` returns whatever is still held.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # tokens whose text has been returned
+
+    def _decode(self, start: int, stop: int | None = None) -> str:
+        return self.tokenizer.decode(self._ids[start:stop], skip_special=self.skip_special)
+
+    def feed(self, ids: int | Iterable[int]) -> str:
+        self._ids.extend([int(ids)] if isinstance(ids, int) else (int(i) for i in ids))
+        done = self._decode(self._prefix, self._read)
+        text = self._decode(self._prefix)
+        if len(text) > len(done) and not text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return text[len(done):]
+        return ""
+
+    def flush(self) -> str:
+        done = self._decode(self._prefix, self._read)
+        text = self._decode(self._prefix)
+        self._prefix = self._read = len(self._ids)
+        return text[len(done):]
+
+
+# --------------------------------------------------------------------------------- GGUF helpers
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+            *range(ord("\xae"), ord("\xff") + 1)]
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _byte_level_bpe(tokens: list[str], merges: Iterable[str], pre: str | None) -> _Backend:
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # A token written outside the byte alphabet (a mislabelled special token) is respelled byte-wise.
+    vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode())): i
+             for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ")) for m in merges]
+    backend = _Backend(models.BPE(vocab=vocab, merges=pairs, continuing_subword_prefix="",
+                                  end_of_word_suffix="", fuse_unk=False))
+    digits, split = _PRE_SPLITS.get(pre or "default", (False, None))
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+    if split is None or split == _GPT2_SPLIT:  # unknown `pre`: GPT-2's split, as transformers does
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    else:
+        steps += [pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    backend.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _scored_merges(tokens: list[str], scores: Sequence[float] | None) -> list[tuple[str, str]]:
+    """SentencePiece BPE stores no merges: every split of a token into two known tokens is a merge,
+    ranked by the merged token's score (best first), ties by the pieces' lengths then ids."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if scores is None:
+        scores = [-float(i) for i in range(len(tokens))]
+    ranked = []
+    for token, score in zip(tokens, scores):
+        splits = [(token[:k], token[k:]) for k in range(1, len(token))
+                  if token[:k] in vocab and token[k:] in vocab]
+        splits.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        ranked.extend((float(score), len(l), len(r), l, r) for l, r in splits)
+    # Stable sort, descending on (score, len(left), len(right)); equal keys keep the id order above.
+    ranked.sort(key=lambda m: (m[0], m[1], m[2]), reverse=True)
+    return [(l, r) for _, _, _, l, r in ranked]
+
+
+def _sentencepiece_bpe(tokens: list[str], scores, *, unk_token: str | None,
+                       add_space_prefix: bool) -> _Backend:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    backend = _Backend(models.BPE(vocab=vocab, merges=_scored_merges(tokens, scores),
+                                  unk_token=unk_token, fuse_unk=True, byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _add_special_tokens(backend: _Backend, tokens: list[str], types: list[int], *, byte_level: bool):
+    """Control tokens become special (never split, skippable on decode); user-defined ones are
+    matched whole. In a byte-level vocabulary a control token outside the byte alphabet is a
+    llama.cpp mislabel and is left alone (as transformers does)."""
+    alphabet = set(_bytes_to_unicode().values()) if byte_level else None
+    control = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types)
+               if k == _CONTROL and (alphabet is None or set(t) <= alphabet)]
+    if control:
+        backend.add_special_tokens(control)
+    user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types)
+            if k == _USER_DEFINED]
+    if user:
+        backend.add_tokens(user)
