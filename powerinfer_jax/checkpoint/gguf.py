@@ -186,13 +186,15 @@ _TOKENIZER_WRITERS = {  # tokenizer_meta key -> GGUFWriter method
 
 def write_gguf(path: str | os.PathLike, config: ModelConfig, params: Mapping[str, np.ndarray],
                tokenizer_meta: Mapping[str, Any], tensor_types: Mapping[str, str] | None = None,
-               *, arch: str = "llama", default_type: str = "F32") -> Path:
+               *, arch: str = "llama", default_type: str = "F32",
+               overrides: Mapping[str, Any] | None = None) -> Path:
     """Write a llama-convention GGUF from canonical params (Q/K permuted back, ffn_down [D, F]).
 
     tensor_types: canonical name -> GGML type name ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1",
     or any type `gguf.quants.quantize` knows, e.g. "Q5_0" to test rejection); others `default_type`.
     tokenizer_meta: keys of `_TOKENIZER_WRITERS` (e.g. {"model": "gpt2", "tokens": [...], ...}).
-    `arch` only renames the metadata prefix (tests use it to write unsupported architectures).
+    `arch` only renames the metadata prefix, and `overrides` ({"block_count": 3, ...}) replaces
+    model metadata values; tests use both to write inconsistent or unsupported files.
     """
     import gguf
 
@@ -203,18 +205,17 @@ def write_gguf(path: str | os.PathLike, config: ModelConfig, params: Mapping[str
     path = Path(path)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("powerinfer_jax test model")
-    w.add_context_length(config.max_seq_len)
-    w.add_embedding_length(config.d_model)
-    w.add_block_count(config.n_layers)
-    w.add_feed_forward_length(config.d_ff)
-    w.add_head_count(config.n_heads)
-    w.add_head_count_kv(config.n_kv_heads)
-    w.add_rope_dimension_count(config.head_dim)
-    w.add_key_length(config.head_dim)
-    w.add_value_length(config.head_dim)
-    w.add_rope_freq_base(config.rope_theta)
-    w.add_layer_norm_rms_eps(config.norm_eps)
-    w.add_vocab_size(config.vocab_size)
+    model_meta = {
+        "context_length": config.max_seq_len, "embedding_length": config.d_model,
+        "block_count": config.n_layers, "feed_forward_length": config.d_ff,
+        "head_count": config.n_heads, "head_count_kv": config.n_kv_heads,
+        "rope_dimension_count": config.head_dim, "key_length": config.head_dim,
+        "value_length": config.head_dim, "rope_freq_base": config.rope_theta,
+        "layer_norm_rms_eps": config.norm_eps, "vocab_size": config.vocab_size,
+    }
+    model_meta.update(overrides or {})
+    for key, value in model_meta.items():  # GGUFWriter.add_<key> writes "<arch>.<gguf key>"
+        getattr(w, "add_" + key)(value)
     for key, value in tokenizer_meta.items():
         if key not in _TOKENIZER_WRITERS:
             raise ValueError(f"write_gguf tokenizer_meta: expected keys in {list(_TOKENIZER_WRITERS)}, "

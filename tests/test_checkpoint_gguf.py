@@ -1,0 +1,194 @@
+"""GGUF reading: round trips through our writer, HF transformers' own GGUF loader, bad files."""
+import shutil
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants as ref
+
+from helpers_models import gpt2_tokenizer_meta, random_params, tiny_llama_config, write_tiny_gguf
+from powerinfer_jax.checkpoint import load_checkpoint
+from powerinfer_jax.checkpoint.base import rope_permute, rope_unpermute
+from powerinfer_jax.checkpoint.gguf import load_gguf, write_gguf
+from powerinfer_jax.checkpoint.quants import dequantize
+
+TYPES = {
+    "tok_embed": "Q8_0",
+    "layers.0.attn.q.weight": "Q4_0",
+    "layers.0.attn.k.weight": "Q4_1",
+    "layers.0.attn.v.weight": "Q8_0",
+    "layers.0.ffn.up.weight": "Q4_1",
+    "layers.0.ffn.down_t.weight": "Q4_0",  # stored [D, F]: blocks along F=96
+    "layers.1.attn.q.weight": "F16",
+    "layers.1.attn.k.weight": "BF16",
+    "layers.1.ffn.gate.weight": "Q4_1",
+    "lm_head": "Q8_0",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    config, params = write_tiny_gguf(path, tensor_types=TYPES)
+    return path, config, params, load_gguf(path)
+
+
+def _quant_roundtrip(x, qtype):
+    kind = GGMLQuantizationType[qtype]
+    return ref.dequantize(ref.quantize(np.ascontiguousarray(x), kind), kind).astype(np.float32)
+
+
+def test_config_round_trip(tiny):
+    path, config, _, ck = tiny
+    assert ck.config.replace(norm_eps=config.norm_eps) == config
+    assert ck.config.norm_eps == pytest.approx(config.norm_eps)
+    assert ck.source == str(path)
+
+
+def test_params_round_trip(tiny):
+    _, config, params, ck = tiny
+    assert set(ck.params) == set(params)
+    for name, want in params.items():
+        got = ck.params[name]
+        assert got.dtype == np.float32 and got.shape == want.shape, name
+        qtype = TYPES.get(name, "F32")
+        if qtype == "F32":  # Q/K permutation undone exactly
+            np.testing.assert_array_equal(got, want, err_msg=name)
+        else:  # exactly what quantize -> dequantize of the file's layout gives
+            stored = want.T if name.endswith("down_t.weight") else want
+            expected = _quant_roundtrip(stored, qtype)
+            expected = expected.T if name.endswith("down_t.weight") else expected
+            np.testing.assert_array_equal(got, expected, err_msg=name)
+            bound = {"Q8_0": 0.02, "Q4_0": 0.3, "Q4_1": 0.3}.get(qtype, 0.01)
+            assert np.abs(got - want).max() < bound * np.abs(want).max(), name
+
+
+def test_raw_blocks_dequantize_to_params(tiny):
+    _, _, _, ck = tiny
+    assert set(ck.raw) == {n for n, t in TYPES.items() if t.startswith("Q")}
+    for name, raw in ck.raw.items():
+        assert raw.qtype == TYPES[name] and raw.blocks.dtype == np.uint8
+        values = dequantize(raw.blocks, raw.qtype).reshape(raw.shape)
+        np.testing.assert_array_equal(values.T if raw.transposed else values, ck.params[name])
+    assert ck.raw["layers.0.ffn.down_t.weight"].transposed
+
+
+def _rope_halves(x, pos, theta=10000.0):  # HF rotate_half convention, x [..., H]
+    h = x.shape[-1]
+    freq = pos * theta ** (-np.arange(h // 2) * 2.0 / h)
+    a, b = x[..., : h // 2], x[..., h // 2:]
+    return np.concatenate([a * np.cos(freq) - b * np.sin(freq), b * np.cos(freq) + a * np.sin(freq)], -1)
+
+
+def _rope_interleaved(x, pos, theta=10000.0):  # llama.cpp's convention: pairs (2i, 2i+1)
+    h = x.shape[-1]
+    freq = pos * theta ** (-np.arange(h // 2) * 2.0 / h)
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = a * np.cos(freq) - b * np.sin(freq)
+    out[..., 1::2] = b * np.cos(freq) + a * np.sin(freq)
+    return out
+
+
+def test_rope_permutation_maps_conventions():
+    """llama.cpp's interleaved RoPE on the permuted weights == HF's rotate-half RoPE on ours."""
+    rng = np.random.default_rng(0)
+    n_heads, h, d = 3, 8, 10
+    w_hf = rng.standard_normal((n_heads * h, d))
+    x = rng.standard_normal(d)
+    np.testing.assert_array_equal(rope_unpermute(rope_permute(w_hf, n_heads), n_heads), w_hf)
+    for pos in (0, 1, 7):
+        ours = _rope_halves((w_hf @ x).reshape(n_heads, h), pos)
+        theirs = _rope_interleaved((rope_permute(w_hf, n_heads) @ x).reshape(n_heads, h), pos)
+        np.testing.assert_allclose(rope_permute(ours.reshape(-1, 1), n_heads).ravel(),
+                                   theirs.ravel(), rtol=1e-12, atol=1e-12)
+
+
+def test_tied_embeddings(tmp_path):
+    config = tiny_llama_config(tie_embeddings=True)
+    _, params = write_tiny_gguf(tmp_path / "tied.gguf", config)
+    ck = load_checkpoint(tmp_path / "tied.gguf")
+    assert ck.config.tie_embeddings and "lm_head" not in ck.params
+    np.testing.assert_array_equal(ck.params["tok_embed"], params["tok_embed"])
+
+
+def _hf_to_canonical(name):
+    name = name.removeprefix("model.")
+    table = {"embed_tokens.weight": "tok_embed", "norm.weight": "final_norm.scale",
+             "lm_head.weight": "lm_head"}
+    if name in table:
+        return table[name]
+    _, i, rest = name.split(".", 2)
+    layer = {"input_layernorm.weight": "attn_norm.scale",
+             "post_attention_layernorm.weight": "ffn_norm.scale",
+             "self_attn.q_proj.weight": "attn.q.weight", "self_attn.k_proj.weight": "attn.k.weight",
+             "self_attn.v_proj.weight": "attn.v.weight", "self_attn.o_proj.weight": "attn.o.weight",
+             "mlp.gate_proj.weight": "ffn.gate.weight", "mlp.up_proj.weight": "ffn.up.weight",
+             "mlp.down_proj.weight": "ffn.down_t.weight"}[rest]
+    return f"layers.{i}.{layer}"
+
+
+def test_matches_transformers_gguf_loader(tiny, tmp_path):
+    """transformers dequantizes and un-permutes GGUF itself; its state_dict must equal our params."""
+    pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    path, config, _, ck = tiny
+    shutil.copy(path, tmp_path / "tiny.gguf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    assert model.config.num_key_value_heads == config.n_kv_heads
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    assert len(state) == len(ck.params)
+    for hf_name, value in state.items():
+        name = _hf_to_canonical(hf_name)
+        ours = ck.params[name].T if name.endswith("down_t.weight") else ck.params[name]
+        np.testing.assert_allclose(ours, value, rtol=1e-6, atol=1e-6, err_msg=hf_name)
+
+
+# ------------------------------------------------------------------------------- bad input
+def test_missing_file(tmp_path):
+    with pytest.raises(ValueError, match="expected an existing file, got .*nope.gguf"):
+        load_gguf(tmp_path / "nope.gguf")
+
+
+def test_truncated_file(tiny, tmp_path):
+    data = tiny[0].read_bytes()
+    for cut in (len(data) // 2, 40):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match=r"cut\d+\.gguf.*truncated"):
+            load_checkpoint(bad)
+
+
+def test_garbage_bytes(tmp_path):
+    bad = tmp_path / "garbage.gguf"
+    bad.write_bytes(np.random.default_rng(0).bytes(4096))
+    with pytest.raises(ValueError, match="garbage.gguf.*expected a complete GGUF"):
+        load_checkpoint(bad)
+
+
+def test_unsupported_architecture(tmp_path):
+    write_tiny_gguf(tmp_path / "g.gguf", arch="gpt2")
+    with pytest.raises(ValueError, match=r"architecture: expected one of .*llama.*got 'gpt2'"):
+        load_gguf(tmp_path / "g.gguf")
+
+
+def test_unsupported_tensor_type(tmp_path):
+    write_tiny_gguf(tmp_path / "q5.gguf", tensor_types={"layers.1.ffn.up.weight": "Q5_0"})
+    with pytest.raises(ValueError, match=r"tensor 'blk.1.ffn_up.weight': expected type one of .*got Q5_0"):
+        load_gguf(tmp_path / "q5.gguf")
+
+
+def test_missing_tensor(tmp_path):
+    config = tiny_llama_config()
+    write_gguf(tmp_path / "m.gguf", config, random_params(config), gpt2_tokenizer_meta(),
+               overrides={"block_count": 3})
+    with pytest.raises(ValueError, match=r"expected tensor 'blk.2.attn_norm.weight'.*got none"):
+        load_gguf(tmp_path / "m.gguf")
+
+
+def test_wrong_shape_vs_metadata(tmp_path):
+    config = tiny_llama_config()
+    write_gguf(tmp_path / "s.gguf", config, random_params(config), gpt2_tokenizer_meta(),
+               overrides={"feed_forward_length": 128})
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.ffn_gate.weight': expected shape \(128, 64\).*got \(96, 64\)"):
+        load_gguf(tmp_path / "s.gguf")
