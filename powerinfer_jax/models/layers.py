@@ -85,9 +85,11 @@ class Attention(nnx.Module):
         self.v = Linear(d_model, n_kv_heads * head_dim, bias=bias, dtype=dtype, rngs=rngs)
         self.o = Linear(n_heads * head_dim, d_model, bias=bias, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_btd, positions_bt, cache=None, cache_index=None):
+    def __call__(self, x_btd, positions_bt, cache=None, cache_index=None, kv_len=None):
         """cache: None (attend within x only) or (k_bskh, v_bskh); new keys are written at slots
-        [cache_index, cache_index + T). Returns (y_btd, new_cache)."""
+        [cache_index, cache_index + T). kv_len (static): attend only to the first kv_len slots,
+        which must cover every position in positions_bt; it keeps decode from reading the whole
+        cache while the sequence is short. Returns (y_btd, new_cache)."""
         b, t, _ = x_btd.shape
         kh, g, h = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
         q = self.q(x_btd).reshape(b, t, kh * g, h)
@@ -105,6 +107,8 @@ class Attention(nnx.Module):
             k_all = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
             v_all = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
             new_cache = (k_all, v_all)
+            if kv_len is not None:
+                k_all, v_all = k_all[:, :kv_len], v_all[:, :kv_len]
             # Slot s holds position s; slots past the written range are masked by causality.
             key_pos = jnp.broadcast_to(jnp.arange(k_all.shape[1]), (b, k_all.shape[1]))
         q = q.reshape(b, t, kh, g, h).astype(F32) * (h ** -0.5)

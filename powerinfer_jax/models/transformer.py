@@ -30,8 +30,10 @@ class Block(nnx.Module):
         self.ffn = FFN(d_model=c.d_model, d_ff=c.d_ff, activation=c.activation, gated=c.gated,
                        bias=c.bias, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_btd, positions_bt, cache, cache_index, *, sparsity, threshold, scores):
-        attn_out, new_cache = self.attn(self.attn_norm(x_btd), positions_bt, cache, cache_index)
+    def __call__(self, x_btd, positions_bt, cache, cache_index, kv_len, *, sparsity, threshold,
+                 scores):
+        attn_out, new_cache = self.attn(self.attn_norm(x_btd), positions_bt, cache, cache_index,
+                                        kv_len)
         x_btd = x_btd + attn_out
         ffn_out, n_active = self.ffn(self.ffn_norm(x_btd), sparsity=sparsity,
                                      threshold=threshold, scores=scores)
@@ -52,11 +54,12 @@ class Transformer(nnx.Module):
         self.lm_head = (None if c.tie_embeddings else
                         Linear(c.d_model, c.vocab_size, bias=False, dtype=dtype, rngs=rngs))
 
-    def hidden(self, tokens_bt, positions_bt, cache=None, cache_index=None, *,
+    def hidden(self, tokens_bt, positions_bt, cache=None, cache_index=None, kv_len=None, *,
                sparsity: SparsityConfig = SparsityConfig(), thresholds=None):
         """The final-norm hidden states [B, T, D] (float32).
 
         cache: None or a list of per-layer (k, v) arrays [B, S, K, H]; returns the updated list.
+        kv_len: static number of cache slots attention reads (see `Attention`).
         thresholds: per-layer activation thresholds for the sparse modes (default: sparsity.threshold).
         Returns (h_btd, new_cache, n_active [L, B, T] int32 or None in dense mode).
         """
@@ -67,7 +70,8 @@ class Transformer(nnx.Module):
         for i, layer in enumerate(self.layers):
             thr = sparsity.threshold if thresholds is None else thresholds[i]
             x, layer_cache, act = layer(x, positions_bt, None if cache is None else cache[i],
-                                        cache_index, sparsity=sparsity, threshold=thr, scores=None)
+                                        cache_index, kv_len, sparsity=sparsity, threshold=thr,
+                                        scores=None)
             new_cache.append(layer_cache)
             n_active.append(act)
         n_active = None if n_active[0] is None else jnp.stack(n_active)

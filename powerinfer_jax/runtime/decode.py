@@ -1,8 +1,9 @@
 """Jitted prefill and decode over a fixed-size KV cache, and the generation loop.
 
 Shapes are static: the cache holds `max_seq_len` slots, prefill pads the prompt to a power-of-two
-bucket, decode always runs one token. So XLA compiles once per prefill bucket plus once for decode,
-never per token (`Engine.compile_count` lets tests check that).
+bucket, decode always runs one token and attends to a power-of-two prefix of the cache that covers
+the current position (so a short sequence does not read the whole cache every step). XLA compiles
+once per prefill bucket and once per decode bucket, never per token (`Engine.compile_count`).
 """
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ from powerinfer_jax.models.transformer import Transformer, init_cache
 from powerinfer_jax.runtime.sampling import SamplingParams, sample
 
 _MIN_BUCKET = 16
+_MIN_KV_BUCKET = 128  # decode compiles at most log2(max_seq_len / 128) + 1 times
 
 
-def prefill_bucket(n: int, max_len: int) -> int:
-    """Smallest power of two >= n (at least 16), capped at the cache length."""
-    return min(max(_MIN_BUCKET, 1 << (n - 1).bit_length()), max_len)
+def prefill_bucket(n: int, max_len: int, minimum: int = _MIN_BUCKET) -> int:
+    """Smallest power of two >= n (at least `minimum`), capped at the cache length."""
+    return min(max(minimum, 1 << (n - 1).bit_length()), max_len)
 
 
 @dataclasses.dataclass
@@ -62,25 +64,26 @@ class Engine:
         graphdef, self._state = nnx.split(model)
         thresholds = None if thresholds is None else tuple(float(t) for t in thresholds)
 
-        def run(state, tokens_bt, positions_bt, cache, cache_index):
+        def run(state, tokens_bt, positions_bt, cache, cache_index, kv_len):
             self.compile_count += 1  # runs once per trace, i.e. per compilation
             m = nnx.merge(graphdef, state)
-            return m, m.hidden(tokens_bt, positions_bt, cache, cache_index, sparsity=sparsity,
-                               thresholds=thresholds)
+            return m, m.hidden(tokens_bt, positions_bt, cache, cache_index, kv_len,
+                               sparsity=sparsity, thresholds=thresholds)
 
         def prefill(state, tokens_bt, n_valid, cache, key, params: SamplingParams):
             positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-            m, (h, cache, _) = run(state, tokens_bt, positions, cache, 0)
+            m, (h, cache, _) = run(state, tokens_bt, positions, cache, 0, tokens_bt.shape[1])
             last = jax.lax.dynamic_slice_in_dim(h, n_valid - 1, 1, axis=1)  # [B, 1, D]
             return sample(m.logits(last)[:, 0], key, params), cache
 
-        def decode(state, token_b, position, cache, key, params: SamplingParams):
+        def decode(state, token_b, position, cache, key, params: SamplingParams, kv_len: int):
             positions = jnp.full((token_b.shape[0], 1), position, jnp.int32)
-            m, (h, cache, _) = run(state, token_b[:, None], positions, cache, position)
+            m, (h, cache, _) = run(state, token_b[:, None], positions, cache, position, kv_len)
             return sample(m.logits(h)[:, 0], key, params), cache
 
         self._prefill = jax.jit(prefill, static_argnames="params", donate_argnames="cache")
-        self._decode = jax.jit(decode, static_argnames="params", donate_argnames="cache")
+        self._decode = jax.jit(decode, static_argnames=("params", "kv_len"),
+                               donate_argnames="cache")
 
     def check_prompt(self, n_prompt: int) -> None:
         if n_prompt == 0:
@@ -112,7 +115,9 @@ class Engine:
             if step == 0:
                 tok, cache = self._prefill(self._state, tokens, n, cache, sub, sampling)
             else:
-                tok, cache = self._decode(self._state, tok, n + step - 1, cache, sub, sampling)
+                pos = n + step - 1
+                kv_len = prefill_bucket(pos + 1, self.max_seq_len, _MIN_KV_BUCKET)
+                tok, cache = self._decode(self._state, tok, pos, cache, sub, sampling, kv_len)
             tid = int(tok[0])  # host sync: the token is needed for streaming and stop checks
             if step == 0:
                 t_first = time.perf_counter()
