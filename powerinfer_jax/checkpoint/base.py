@@ -92,9 +92,9 @@ def check_params(config: ModelConfig, params: dict[str, np.ndarray], source: str
                              f"got {tuple(params[name].shape)}")
 
 
-def unsupported_architecture(arch: Any, source: str) -> ValueError:
-    return ValueError(f"{source}: architecture: expected one of {list(SUPPORTED_ARCHITECTURES)}, "
-                      f"got {arch!r}")
+def unsupported_architecture(arch: Any, source: str, detail: str = "") -> ValueError:
+    return ValueError(f"{source}: architecture: expected one of {'; '.join(SUPPORTED_ARCHITECTURES)}, "
+                      f"got {arch!r}{detail}")
 
 
 def rope_permute(w: np.ndarray, n_heads: int) -> np.ndarray:

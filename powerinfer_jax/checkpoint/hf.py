@@ -178,8 +178,7 @@ def config_from_hf(cfg: Mapping[str, Any], d: Path, source: str) -> ModelConfig:
             positions="learned", position_offset=2,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", True)))
     arch = (cfg.get("architectures") or [model_type])[0]
-    raise unsupported_architecture(arch if model_type is None else f"{arch} (model_type {model_type!r})",
-                                   source)
+    raise unsupported_architecture(arch, source, f" (model_type {model_type!r})")
 
 
 # ------------------------------------------------------------------------------------ params
