@@ -65,7 +65,7 @@ def bench_model(session, *, prompt_tokens: int, new_tokens: int, repeats: int) -
     return {
         "prefill_tok_s": statistics.median(r.prefill_tok_s for r in runs),
         "decode_tok_s": statistics.median(r.decode_tok_s for r in runs),
-        "first_token_s": cold.prefill_s,
+        "first_token_s": cold.first_token_s, "compile_s": cold.compile_s,
         "decode_tok_s_runs": [r.decode_tok_s for r in runs],
         "prompt_tokens": len(ids), "new_tokens": new_tokens, "repeats": repeats,
         "compiles": eng.compile_count,

@@ -32,6 +32,7 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     threads = _cli.setup(args)
     from powerinfer_jax.runtime.sampling import SamplingParams
+    from powerinfer_jax.tokenizer import StreamDecoder
     from powerinfer_jax.runtime.session import configs_from_args, open_session
 
     runtime, sparsity = configs_from_args(
@@ -44,7 +45,7 @@ def main(argv=None) -> None:
     text = tok.apply_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     ids = tok.encode(text)
     s.engine.check_prompt(len(ids))
-    stream = tok.stream_decoder()
+    stream = StreamDecoder(tok)
 
     def on_token(t: int) -> None:
         if args.stream and t not in tok.eos_ids:
@@ -65,7 +66,7 @@ def main(argv=None) -> None:
         _cli.print_json({
             "text": text_out, "tokens": res.tokens, "prompt_tokens": res.prompt_tokens,
             "prefill_tok_s": res.prefill_tok_s, "decode_tok_s": res.decode_tok_s,
-            "first_token_s": res.prefill_s, "stop_reason": res.stop_reason,
+            "first_token_s": res.first_token_s, "compile_s": res.compile_s, "stop_reason": res.stop_reason,
             "model": args.model, "dtype": runtime.dtype, "threads": threads,
             "sparsity": sparsity.mode})
 

@@ -33,9 +33,15 @@ def prefill_bucket(n: int, max_len: int, minimum: int = _MIN_BUCKET) -> int:
 class GenerationResult:
     tokens: list[int]  # generated ids (stop token included when one was hit)
     prompt_tokens: int
-    prefill_s: float  # wall time of the first token (prefill + sampling), compile included if cold
-    decode_s: float  # wall time of the remaining tokens
+    prefill_s: float  # wall time of the first token (prefill + sampling), compile excluded
+    decode_s: float  # wall time of the remaining tokens, compile excluded
     stop_reason: str  # "eos" | "length"
+    compile_s: float = 0.0  # compilation done by this call before timing started
+
+    @property
+    def first_token_s(self) -> float:
+        """What a user waits for the first token: compilation (when cold) plus prefill."""
+        return self.compile_s + self.prefill_s
 
     @property
     def prefill_tok_s(self) -> float:
@@ -61,11 +67,11 @@ class Engine:
         self.cache_dtype = model.dtype
         self.sparsity = sparsity
         self.compile_count = 0
+        self._executables: dict = {}
         graphdef, self._state = nnx.split(model)
         thresholds = None if thresholds is None else tuple(float(t) for t in thresholds)
 
         def run(state, tokens_bt, positions_bt, cache, cache_index, kv_len):
-            self.compile_count += 1  # runs once per trace, i.e. per compilation
             m = nnx.merge(graphdef, state)
             return m, m.hidden(tokens_bt, positions_bt, cache, cache_index, kv_len,
                                sparsity=sparsity, thresholds=thresholds)
@@ -74,16 +80,45 @@ class Engine:
             positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
             m, (h, cache, _) = run(state, tokens_bt, positions, cache, 0, tokens_bt.shape[1])
             last = jax.lax.dynamic_slice_in_dim(h, n_valid - 1, 1, axis=1)  # [B, 1, D]
-            return sample(m.logits(last)[:, 0], key, params), cache
+            return sample(m.logits(last)[:, 0], jax.random.fold_in(key, 0), params), cache
 
         def decode(state, token_b, position, cache, key, params: SamplingParams, kv_len: int):
             positions = jnp.full((token_b.shape[0], 1), position, jnp.int32)
             m, (h, cache, _) = run(state, token_b[:, None], positions, cache, position, kv_len)
-            return sample(m.logits(h)[:, 0], key, params), cache
+            return sample(m.logits(h)[:, 0], jax.random.fold_in(key, position), params), cache
 
         self._prefill = jax.jit(prefill, static_argnames="params", donate_argnames="cache")
         self._decode = jax.jit(decode, static_argnames=("params", "kv_len"),
                                donate_argnames="cache")
+
+    def _executable(self, kind: str, shape_key: int, sampling: SamplingParams):
+        """The compiled step for one shape bucket, compiled ahead of time on first need.
+
+        Explicit executables make compilation visible: it happens before timing starts, is counted
+        (`compile_count`), and a call with a new shape can never silently recompile.
+        """
+        k = (kind, shape_key, sampling)
+        exe = self._executables.get(k)
+        if exe is None:
+            cache = jax.eval_shape(lambda: init_cache(self.config, batch=1,
+                                                      max_len=self.max_seq_len,
+                                                      dtype=self.cache_dtype))
+            i32 = jax.ShapeDtypeStruct((), jnp.int32)
+            key = jax.eval_shape(lambda: jax.random.key(0))
+            if kind == "prefill":
+                tokens = jax.ShapeDtypeStruct((1, shape_key), jnp.int32)
+                exe = self._prefill.lower(self._state, tokens, i32, cache, key,
+                                          params=sampling).compile()
+            else:
+                token = jax.ShapeDtypeStruct((1,), jnp.int32)
+                exe = self._decode.lower(self._state, token, i32, cache, key, params=sampling,
+                                         kv_len=shape_key).compile()
+            self._executables[k] = exe
+            self.compile_count += 1
+        return exe
+
+    def kv_bucket(self, position: int) -> int:
+        return prefill_bucket(position + 1, self.max_seq_len, _MIN_KV_BUCKET)
 
     def check_prompt(self, n_prompt: int) -> None:
         if n_prompt == 0:
@@ -100,24 +135,28 @@ class Engine:
         n = len(prompt_ids)
         self.check_prompt(n)
         bucket = prefill_bucket(n, self.max_seq_len)
+        budget = min(max_new_tokens, self.max_seq_len - n)
+        t_compile = time.perf_counter()
+        prefill = self._executable("prefill", bucket, sampling)
+        decoders = {b: self._executable("decode", b, sampling)
+                    for b in sorted({self.kv_bucket(n + s - 1) for s in range(1, budget)})}
+        compile_s = time.perf_counter() - t_compile
         tokens = np.zeros((1, bucket), np.int32)
         tokens[0, :n] = prompt_ids
         cache = init_cache(self.config, batch=1, max_len=self.max_seq_len, dtype=self.cache_dtype)
         key = jax.random.key(seed)
-        budget = min(max_new_tokens, self.max_seq_len - n)
         out: list[int] = []
         stop = set(int(s) for s in stop_ids)
         reason = "length"
         t0 = time.perf_counter()
         t_first = t0
         for step in range(budget):
-            key, sub = jax.random.split(key)
             if step == 0:
-                tok, cache = self._prefill(self._state, tokens, n, cache, sub, sampling)
+                tok, cache = prefill(self._state, tokens, np.int32(n), cache, key)
             else:
                 pos = n + step - 1
-                kv_len = prefill_bucket(pos + 1, self.max_seq_len, _MIN_KV_BUCKET)
-                tok, cache = self._decode(self._state, tok, pos, cache, sub, sampling, kv_len)
+                tok, cache = decoders[self.kv_bucket(pos)](self._state, tok, np.int32(pos),
+                                                           cache, key)
             tid = int(tok[0])  # host sync: the token is needed for streaming and stop checks
             if step == 0:
                 t_first = time.perf_counter()
@@ -129,4 +168,5 @@ class Engine:
                 break
         t1 = time.perf_counter()
         return GenerationResult(tokens=out, prompt_tokens=n, prefill_s=t_first - t0,
-                                decode_s=t1 - t_first if out else 0.0, stop_reason=reason)
+                                decode_s=t1 - t_first if out else 0.0, stop_reason=reason,
+                                compile_s=compile_s)
