@@ -1,8 +1,9 @@
 """ONE decoder-only Transformer for every supported family, driven by `ModelConfig`.
 
 Module paths equal the checkpoint's canonical names ("layers.3.attn.q.weight"), so loading is a
-name-for-name copy (`load_params`). The one exception: the down projection's bias is called
-"ffn.down.bias" in checkpoints and lives on `ffn.down_t`.
+name-for-name copy (`from_params`). Two exceptions: the down projection's bias is called
+"ffn.down.bias" in checkpoints and lives on `ffn.down_t`, and the untied output matrix is called
+"lm_head" in checkpoints and lives at `lm_head.weight`.
 """
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ def init_cache(config: ModelConfig, *, batch: int, max_len: int, dtype):
 
 def _param_name(path) -> str:
     name = ".".join(str(p) for p in path)
-    return name.replace("ffn.down_t.bias", "ffn.down.bias")
+    return "lm_head" if name == "lm_head.weight" else name.replace("ffn.down_t.bias",
+                                                                    "ffn.down.bias")
 
 
 def param_names(config: ModelConfig) -> list[str]:

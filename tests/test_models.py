@@ -1,0 +1,95 @@
+"""Our Transformer's logits against HF transformers' on tiny random models it builds and saves itself."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from helpers_models import VOCAB, save_hf_llama, save_hf_opt, write_tiny_gguf
+from powerinfer_jax.checkpoint import load_checkpoint
+from powerinfer_jax.models.transformer import from_params, init_cache, param_names
+
+TOKENS = np.random.default_rng(0).integers(0, VOCAB, size=(2, 11))
+
+
+def hf_logits(model_dir, tokens, **kw):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, **kw).eval()
+    with torch.no_grad():
+        return m(torch.tensor(tokens)).logits.float().numpy()
+
+
+def our_logits(path, tokens, dtype=jnp.float32):
+    ckpt = load_checkpoint(path)
+    model = from_params(ckpt.config, ckpt.params, dtype=dtype)
+    return np.asarray(model(jnp.asarray(tokens))), model
+
+
+@pytest.mark.parametrize("variant", [
+    dict(hidden_act="silu", tied=False, n_kv_heads=2),
+    dict(hidden_act="relu", tied=False, n_kv_heads=1),
+    dict(hidden_act="silu", tied=True, n_kv_heads=4),
+    dict(hidden_act="relu", tied=True, n_kv_heads=2, model_type="mistral"),
+], ids=["silu-gqa-untied", "relu-mqa-untied", "silu-mha-tied", "mistral-relu-tied"])
+def test_llama_family_logits_match_hf(tmp_path, variant):
+    save_hf_llama(tmp_path, **variant)
+    ours, _ = our_logits(tmp_path, TOKENS)
+    np.testing.assert_allclose(ours, hf_logits(tmp_path, TOKENS), atol=2e-5, rtol=1e-4)
+
+
+def test_opt_logits_match_hf(tmp_path):
+    save_hf_opt(tmp_path)
+    ours, _ = our_logits(tmp_path, TOKENS)
+    np.testing.assert_allclose(ours, hf_logits(tmp_path, TOKENS), atol=2e-5, rtol=1e-4)
+
+
+def test_opt_cached_decode_matches_full_forward(tmp_path):
+    """Learned positions with OPT's offset must index the same rows with and without a cache."""
+    save_hf_opt(tmp_path)
+    full, model = our_logits(tmp_path, TOKENS[:1])
+    cache = init_cache(model.config, batch=1, max_len=32, dtype=jnp.float32)
+    h, cache, _ = model.hidden(jnp.asarray(TOKENS[:1, :6]), jnp.arange(6)[None], cache, 0)
+    steps = [model.logits(h)]
+    for t in range(6, TOKENS.shape[1]):
+        h, cache, _ = model.hidden(jnp.asarray(TOKENS[:1, t:t + 1]), jnp.full((1, 1), t), cache, t)
+        steps.append(model.logits(h))
+    np.testing.assert_allclose(np.concatenate([np.asarray(s) for s in steps], 1), full,
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tensor_types", [None, "mixed"])
+def test_gguf_logits_match_hf_gguf_loader(tmp_path, tensor_types):
+    """A tiny GGUF (incl. Q8_0/Q4_0/Q4_1 tensors) read by us and by HF's own GGUF loader."""
+    types = None
+    if tensor_types == "mixed":
+        types = {"layers.0.ffn.up.weight": "Q4_1", "layers.0.attn.q.weight": "Q8_0",
+                 "layers.1.ffn.gate.weight": "Q4_0", "layers.1.attn.k.weight": "Q4_1",
+                 "layers.1.ffn.down_t.weight": "Q8_0"}
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, tensor_types=types)
+    ours, _ = our_logits(path, TOKENS)
+    theirs = hf_logits(tmp_path, TOKENS, gguf_file=path.name)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_weights_stay_close_to_float32(tmp_path):
+    save_hf_llama(tmp_path)
+    f32, _ = our_logits(tmp_path, TOKENS)
+    bf16, model = our_logits(tmp_path, TOKENS, dtype=jnp.bfloat16)
+    assert model.layers[0].attn.q.weight[...].dtype == jnp.bfloat16
+    assert np.mean(np.argmax(f32, -1) == np.argmax(bf16, -1)) > 0.9
+    np.testing.assert_allclose(bf16, f32, atol=0.1)
+
+
+def test_from_params_names_missing_and_misshaped_tensors(tmp_path):
+    save_hf_llama(tmp_path)
+    ckpt = load_checkpoint(tmp_path)
+    params = dict(ckpt.params)
+    assert set(params) == set(param_names(ckpt.config))
+    del params["layers.1.ffn.up.weight"]
+    with pytest.raises(ValueError, match=r"missing \['layers.1.ffn.up.weight'\]"):
+        from_params(ckpt.config, params)
+    params = dict(ckpt.params)
+    params["final_norm.scale"] = params["final_norm.scale"][:-1]
+    with pytest.raises(ValueError, match=r"tensor final_norm.scale: expected shape \(64,\)"):
+        from_params(ckpt.config, params)
