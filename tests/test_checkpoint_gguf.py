@@ -192,3 +192,27 @@ def test_wrong_shape_vs_metadata(tmp_path):
                overrides={"feed_forward_length": 128})
     with pytest.raises(ValueError, match=r"tensor 'blk.0.ffn_gate.weight': expected shape \(128, 64\).*got \(96, 64\)"):
         load_gguf(tmp_path / "s.gguf")
+
+
+def test_real_smollm2_matches_transformers(tmp_path):
+    """The real Q4_1 SmolLM2 (GQA 9/3, tied): every tensor equals transformers' dequantization."""
+    from helpers_models import real_gguf_path
+
+    path = real_gguf_path()
+    if path is None:
+        pytest.skip("no SmolLM2 GGUF: set PIJ_TEST_GGUF or fetch smollm2-135m into the cache")
+    pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    ck = load_checkpoint(path)
+    c = ck.config
+    assert (c.n_layers, c.d_model, c.d_ff, c.n_heads, c.n_kv_heads, c.head_dim) == (30, 576, 1536, 9, 3, 64)
+    assert (c.tie_embeddings, c.max_seq_len, c.rope_theta, c.eos_token_ids) == (True, 8192, 100000.0, (2,))
+    assert ck.raw["layers.0.attn.q.weight"].qtype == "Q4_1" and ck.raw["tok_embed"].qtype == "Q8_0"
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    for hf_name, value in model.state_dict().items():
+        if hf_name == "lm_head.weight":  # tied
+            continue
+        name = _hf_to_canonical(hf_name)
+        ours = ck.params[name].T if name.endswith("down_t.weight") else ck.params[name]
+        np.testing.assert_array_equal(ours, value.float().numpy(), err_msg=hf_name)
