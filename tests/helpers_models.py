@@ -117,7 +117,7 @@ def _save_tokenizer(d: Path, bos: str = "<|im_start|>", eos: str = "<|im_end|>")
 
 
 def save_hf_llama(d: Path, *, hidden_act="silu", tied=False, n_kv_heads=2, max_shard_size=None,
-                  model_type="llama", seed=0) -> dict[str, np.ndarray]:
+                  model_type="llama", seed=0, dtype=None) -> dict[str, np.ndarray]:
     """Save a tiny random Llama (or Mistral) to `d`; returns its HF state_dict as numpy."""
     import torch
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig,
@@ -131,6 +131,8 @@ def save_hf_llama(d: Path, *, hidden_act="silu", tied=False, n_kv_heads=2, max_s
                   hidden_act=hidden_act, max_position_embeddings=128, rms_norm_eps=1e-5,
                   tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, rope_theta=5000.0)
     model = model_cls(cfg).eval()
+    if dtype is not None:  # e.g. torch.bfloat16: exercises the BF16 safetensors path
+        model = model.to(getattr(torch, dtype))
     _save(model, d, max_shard_size)
     return {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
 

@@ -54,7 +54,8 @@ def _check_all_tensors(state, ck, table, prefix):
     dict(hidden_act="relu", tied=True, n_kv_heads=4),
     dict(hidden_act="silu", tied=False, n_kv_heads=1, max_shard_size="40KB"),
     dict(hidden_act="silu", tied=True, n_kv_heads=2, model_type="mistral"),
-], ids=["silu-gqa-untied", "relu-mha-tied", "mqa-sharded", "mistral-tied"])
+    dict(hidden_act="silu", tied=False, n_kv_heads=2, dtype="bfloat16"),
+], ids=["silu-gqa-untied", "relu-mha-tied", "mqa-sharded", "mistral-tied", "bf16"])
 def test_llama_family(tmp_path, kw):
     state = save_hf_llama(tmp_path, **kw)
     if "max_shard_size" in kw:
