@@ -36,9 +36,10 @@ class Block(nnx.Module):
         attn_out, new_cache = self.attn(self.attn_norm(x_btd), positions_bt, cache, cache_index,
                                         kv_len)
         x_btd = x_btd + attn_out
-        ffn_out, n_active = self.ffn(self.ffn_norm(x_btd), sparsity=sparsity,
-                                     threshold=threshold, scores=scores)
-        return x_btd + ffn_out, new_cache, n_active
+        ffn_in = self.ffn_norm(x_btd)
+        ffn_out, n_active = self.ffn(ffn_in, sparsity=sparsity, threshold=threshold,
+                                     scores=scores)
+        return x_btd + ffn_out, new_cache, n_active, ffn_in
 
 
 class Transformer(nnx.Module):
@@ -56,27 +57,32 @@ class Transformer(nnx.Module):
                         Linear(c.d_model, c.vocab_size, bias=False, dtype=dtype, rngs=rngs))
 
     def hidden(self, tokens_bt, positions_bt, cache=None, cache_index=None, kv_len=None, *,
-               sparsity: SparsityConfig = SparsityConfig(), thresholds=None):
+               sparsity: SparsityConfig = SparsityConfig(), thresholds=None,
+               return_ffn_inputs: bool = False):
         """The final-norm hidden states [B, T, D] (float32).
 
         cache: None or a list of per-layer (k, v) arrays [B, S, K, H]; returns the updated list.
         kv_len: static number of cache slots attention reads (see `Attention`).
         thresholds: per-layer activation thresholds for the sparse modes (default: sparsity.threshold).
-        Returns (h_btd, new_cache, n_active [L, B, T] int32 or None in dense mode).
+        Returns (h_btd, new_cache, n_active [L, B, T] int32 or None in dense mode), plus the
+        per-layer FFN inputs (after ffn_norm) [L, B, T, D] when return_ffn_inputs (profiling).
         """
         x = self.tok_embed[...][tokens_bt].astype(F32)
         if self.pos_embed is not None:
             x = x + self.pos_embed[...][positions_bt + self.config.position_offset].astype(F32)
-        new_cache, n_active = [], []
+        new_cache, n_active, ffn_inputs = [], [], []
         for i, layer in enumerate(self.layers):
             thr = sparsity.threshold if thresholds is None else thresholds[i]
-            x, layer_cache, act = layer(x, positions_bt, None if cache is None else cache[i],
-                                        cache_index, kv_len, sparsity=sparsity, threshold=thr,
-                                        scores=None)
+            x, layer_cache, act, ffn_in = layer(x, positions_bt,
+                                                None if cache is None else cache[i], cache_index,
+                                                kv_len, sparsity=sparsity, threshold=thr,
+                                                scores=None)
             new_cache.append(layer_cache)
             n_active.append(act)
+            ffn_inputs.append(ffn_in)
         n_active = None if n_active[0] is None else jnp.stack(n_active)
-        return self.final_norm(x), (None if cache is None else new_cache), n_active
+        out = (self.final_norm(x), (None if cache is None else new_cache), n_active)
+        return out + (jnp.stack(ffn_inputs),) if return_ffn_inputs else out
 
     def logits(self, h_btd):
         """Vocabulary logits [B, T, V] in float32."""
