@@ -1,0 +1,95 @@
+// The few vector operations the CPU kernels need, chosen at compile time: AVX-512 (16 lanes),
+// AVX2+FMA+F16C (8 lanes) or portable scalar code (1 lane). Every weight type widens to float32
+// on load, so kernels are written once over `Vec` and accumulate in float32.
+#ifndef PIJ_CPU_BACKEND_SIMD_H_
+#define PIJ_CPU_BACKEND_SIMD_H_
+
+#include <cstdint>
+
+#include "cpu_backend/pij_math.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PIJ_SIMD_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PIJ_SIMD_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace pij::simd {
+
+#if defined(PIJ_SIMD_AVX512)
+
+constexpr int kLanes = 16;
+using Vec = __m512;
+inline const char* Name() { return "avx512"; }
+inline Vec Zero() { return _mm512_setzero_ps(); }
+inline Vec Set1(float v) { return _mm512_set1_ps(v); }
+inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
+// bf16 -> f32 is a 16-bit left shift of the zero-extended bits.
+inline Vec Load(const Bf16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline Vec Load(const F16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec MulAdd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline float ReduceSum(Vec v) { return _mm512_reduce_add_ps(v); }
+
+#elif defined(PIJ_SIMD_AVX2)
+
+constexpr int kLanes = 8;
+using Vec = __m256;
+inline const char* Name() { return "avx2"; }
+inline Vec Zero() { return _mm256_setzero_ps(); }
+inline Vec Set1(float v) { return _mm256_set1_ps(v); }
+inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec Load(const Bf16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline Vec Load(const F16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec MulAdd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline float ReduceSum(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+#else
+
+constexpr int kLanes = 1;
+using Vec = float;
+inline const char* Name() { return "scalar"; }
+inline Vec Zero() { return 0.0f; }
+inline Vec Set1(float v) { return v; }
+template <typename W>
+inline Vec Load(const W* p) { return ToF32(*p); }
+inline void Store(float* p, Vec v) { *p = v; }
+inline Vec MulAdd(Vec a, Vec b, Vec c) { return a * b + c; }
+inline Vec Add(Vec a, Vec b) { return a + b; }
+inline float ReduceSum(Vec v) { return v; }
+
+#endif
+
+// Hints the next rows into cache. Rows of different neurons are not adjacent in memory, so the
+// hardware prefetcher cannot see the next active row coming; it also stops at page boundaries.
+inline void Prefetch(const void* p) {
+#if defined(PIJ_SIMD_AVX512) || defined(PIJ_SIMD_AVX2)
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
+}  // namespace pij::simd
+
+#endif  // PIJ_CPU_BACKEND_SIMD_H_

@@ -1,0 +1,181 @@
+// The inner loops of the sparse FFN: for a list of neurons, compute each neuron's activation for
+// a small group of tokens and accumulate a_i * down_t[i] into per-token partial outputs.
+// Single-threaded and allocation-free; sparse_ffn.cc splits the work over threads.
+#ifndef PIJ_CPU_BACKEND_SPARSE_FFN_KERNEL_H_
+#define PIJ_CPU_BACKEND_SPARSE_FFN_KERNEL_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <span>
+
+#include "cpu_backend/simd.h"
+#include "cpu_backend/sparse_ffn.h"
+
+namespace pij::internal {
+
+// Up to this many tokens share one pass over a neuron's rows: each loaded (and widened) weight
+// vector feeds kMaxGroup FMAs, so prefill reads each row from memory once per 4 tokens at most,
+// while the 2 * kMaxGroup accumulators still fit in registers.
+constexpr int kMaxGroup = 4;
+
+// Dot products of one neuron's gate and up rows with kTok token rows. With one token the loop is
+// unrolled kUnroll times so several independent FMA chains hide the FMA latency.
+template <typename W, int kTok, bool kGated>
+inline void NeuronDots(const W* gate_row, const W* up_row, const float* const* x, int64_t dim,
+                       float* gate_dot, float* up_dot) {
+  constexpr int kUnroll = kTok == 1 ? 4 : (kTok == 2 ? 2 : 1);
+  constexpr int kStep = simd::kLanes * kUnroll;
+  simd::Vec acc_g[kTok][kUnroll];
+  simd::Vec acc_u[kTok][kUnroll];
+  for (int t = 0; t < kTok; ++t) {
+    for (int u = 0; u < kUnroll; ++u) {
+      acc_g[t][u] = simd::Zero();
+      acc_u[t][u] = simd::Zero();
+    }
+  }
+  int64_t d = 0;
+  for (; d + kStep <= dim; d += kStep) {
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t off = d + u * simd::kLanes;
+      const simd::Vec up_v = simd::Load(up_row + off);
+      if constexpr (kGated) {
+        const simd::Vec gate_v = simd::Load(gate_row + off);
+        for (int t = 0; t < kTok; ++t) {
+          const simd::Vec x_v = simd::Load(x[t] + off);
+          acc_g[t][u] = simd::MulAdd(gate_v, x_v, acc_g[t][u]);
+          acc_u[t][u] = simd::MulAdd(up_v, x_v, acc_u[t][u]);
+        }
+      } else {
+        for (int t = 0; t < kTok; ++t) {
+          acc_u[t][u] = simd::MulAdd(up_v, simd::Load(x[t] + off), acc_u[t][u]);
+        }
+      }
+    }
+  }
+  // Whole vectors left over after the unrolled loop.
+  for (; d + simd::kLanes <= dim; d += simd::kLanes) {
+    const simd::Vec up_v = simd::Load(up_row + d);
+    for (int t = 0; t < kTok; ++t) {
+      const simd::Vec x_v = simd::Load(x[t] + d);
+      if constexpr (kGated) acc_g[t][0] = simd::MulAdd(simd::Load(gate_row + d), x_v, acc_g[t][0]);
+      acc_u[t][0] = simd::MulAdd(up_v, x_v, acc_u[t][0]);
+    }
+  }
+  for (int t = 0; t < kTok; ++t) {
+    simd::Vec g = acc_g[t][0];
+    simd::Vec v = acc_u[t][0];
+    for (int u = 1; u < kUnroll; ++u) {
+      g = simd::Add(g, acc_g[t][u]);
+      v = simd::Add(v, acc_u[t][u]);
+    }
+    float g_sum = simd::ReduceSum(g);
+    float u_sum = simd::ReduceSum(v);
+    for (int64_t e = d; e < dim; ++e) {  // scalar tail (dim not a multiple of the lane count)
+      if constexpr (kGated) g_sum += ToF32(gate_row[e]) * x[t][e];
+      u_sum += ToF32(up_row[e]) * x[t][e];
+    }
+    gate_dot[t] = g_sum;
+    up_dot[t] = u_sum;
+  }
+}
+
+// y[k] += coef[k] * down_row for the n active tokens of a group; each down vector is loaded once.
+template <typename W>
+inline void AccumulateDown(const W* down_row, int64_t dim, int n, const float* coef,
+                           float* const* y) {
+  int64_t d = 0;
+  if (n == 1) {  // decode: the common case, kept free of the inner token loop
+    const simd::Vec c = simd::Set1(coef[0]);
+    float* y0 = y[0];
+    for (; d + simd::kLanes <= dim; d += simd::kLanes) {
+      simd::Store(y0 + d, simd::MulAdd(c, simd::Load(down_row + d), simd::Load(y0 + d)));
+    }
+  } else {
+    simd::Vec c[kMaxGroup];
+    for (int k = 0; k < n; ++k) c[k] = simd::Set1(coef[k]);
+    for (; d + simd::kLanes <= dim; d += simd::kLanes) {
+      const simd::Vec down_v = simd::Load(down_row + d);
+      for (int k = 0; k < n; ++k) {
+        simd::Store(y[k] + d, simd::MulAdd(c[k], down_v, simd::Load(y[k] + d)));
+      }
+    }
+  }
+  for (; d < dim; ++d) {
+    const float w = ToF32(down_row[d]);
+    for (int k = 0; k < n; ++k) y[k][d] += coef[k] * w;
+  }
+}
+
+// One neuron, tokens [t0, t0 + kTok): decides per token whether the neuron is active and
+// accumulates its contribution into that token's partial output row and count.
+template <typename W, int kTok, bool kGated>
+inline void ProcessNeuron(const FfnWeights<W>& w, const FfnTokens& tokens,
+                          const SparseFfnParams& p, int32_t i, int64_t t0, float* y_partial,
+                          int32_t* counts) {
+  const int64_t dim = w.dim;
+  const bool by_scores = p.criterion == Criterion::kScores;
+  bool wanted[kTok];
+  if (by_scores) {
+    bool any = false;
+    for (int t = 0; t < kTok; ++t) {
+      wanted[t] = tokens.score_rows[t0 + t][i] > p.threshold;
+      any = any || wanted[t];
+    }
+    if (!any) return;  // no token of this group needs the neuron: its rows stay untouched
+  }
+  const int64_t row = static_cast<int64_t>(i) * dim;
+  float gate_dot[kTok];
+  float up_dot[kTok];
+  NeuronDots<W, kTok, kGated>(kGated ? w.gate + row : nullptr, w.up + row,
+                              tokens.x_rows.data() + t0, dim, gate_dot, up_dot);
+  const float b_up = w.b_up != nullptr ? w.b_up[i] : 0.0f;
+  float coef[kTok];
+  float* active_y[kTok];
+  int n = 0;
+  for (int t = 0; t < kTok; ++t) {
+    const float up = up_dot[t] + b_up;
+    const float a = kGated ? Activate(p.activation, gate_dot[t]) * up : Activate(p.activation, up);
+    const bool active = by_scores ? wanted[t] : std::fabs(a) > p.threshold;
+    if (!active) continue;
+    ++counts[t0 + t];
+    coef[n] = a;
+    active_y[n] = y_partial + (t0 + t) * dim;
+    ++n;
+  }
+  if (n > 0) AccumulateDown(w.down_t + row, dim, n, coef, active_y);
+}
+
+// Accumulates the contributions of `neurons` for all tokens into y_partial [T, D] (zeroed by the
+// caller) and counts [T]. Neurons are the outer loop so each weight row comes from memory once;
+// token groups reuse it from L1/L2.
+template <typename W, bool kGated>
+void AccumulateNeuronsImpl(const FfnWeights<W>& w, const FfnTokens& tokens,
+                           const SparseFfnParams& p, std::span<const int32_t> neurons,
+                           float* y_partial, int32_t* counts) {
+  const int64_t num_tokens = static_cast<int64_t>(tokens.x_rows.size());
+  for (const int32_t i : neurons) {
+    for (int64_t t0 = 0; t0 < num_tokens; t0 += kMaxGroup) {
+      switch (std::min<int64_t>(kMaxGroup, num_tokens - t0)) {
+        case 1: ProcessNeuron<W, 1, kGated>(w, tokens, p, i, t0, y_partial, counts); break;
+        case 2: ProcessNeuron<W, 2, kGated>(w, tokens, p, i, t0, y_partial, counts); break;
+        case 3: ProcessNeuron<W, 3, kGated>(w, tokens, p, i, t0, y_partial, counts); break;
+        default: ProcessNeuron<W, 4, kGated>(w, tokens, p, i, t0, y_partial, counts); break;
+      }
+    }
+  }
+}
+
+template <typename W>
+void AccumulateNeurons(const FfnWeights<W>& w, const FfnTokens& tokens, const SparseFfnParams& p,
+                       std::span<const int32_t> neurons, float* y_partial, int32_t* counts) {
+  if (w.gate != nullptr) {
+    AccumulateNeuronsImpl<W, true>(w, tokens, p, neurons, y_partial, counts);
+  } else {
+    AccumulateNeuronsImpl<W, false>(w, tokens, p, neurons, y_partial, counts);
+  }
+}
+
+}  // namespace pij::internal
+
+#endif  // PIJ_CPU_BACKEND_SPARSE_FFN_KERNEL_H_

@@ -1,0 +1,93 @@
+"""Argument validation shared by the FFI and reference implementations.
+
+Errors follow the project rule "<what>: expected <rule>, got <value>". The C++ handlers validate
+again (they can be called without this module), so both layers are tested.
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+ACTIVATIONS = ("silu", "relu", "gelu")
+CRITERIA = ("scores", "oracle")
+IMPLS = ("ffi", "reference")
+WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def fail(what: str, rule: str, value, hint: str = "") -> None:
+    msg = f"{what}: expected {rule}, got {value!r}"
+    raise ValueError(msg + (f" ({hint})" if hint else ""))
+
+
+def check_choice(what: str, value, choices) -> None:
+    if value not in choices:
+        fail(what, f"one of {list(choices)}", value)
+
+
+def check_threshold(threshold) -> float:
+    try:
+        t = float(threshold)
+    except (TypeError, ValueError):
+        fail("threshold", "a Python float (a static attribute, not a traced array)", threshold)
+    if not math.isfinite(t) or t < 0:
+        fail("threshold", "a finite float >= 0", threshold,
+             "shift predictor logits rather than using a negative threshold")
+    return t
+
+
+def _shape(a) -> tuple[int, ...]:
+    return tuple(np.shape(a))
+
+
+def check_sparse_ffn(x, w_up, w_down_t, *, w_gate, b_up, b_down, scores, threshold, activation,
+                     criterion) -> float:
+    """Validates shapes, dtypes and options; returns the threshold as a float."""
+    check_choice("activation", activation, ACTIVATIONS)
+    check_choice("criterion", criterion, CRITERIA)
+    t = check_threshold(threshold)
+    if np.ndim(x) < 2:
+        fail("x shape", "rank >= 2 ([..., T, D])", _shape(x))
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        fail("x dtype", "a floating dtype", jnp.result_type(x))
+    d = _shape(x)[-1]
+    if np.ndim(w_up) != 2:
+        fail("w_up shape", "rank 2 ([F, D])", _shape(w_up))
+    f = _shape(w_up)[0]
+    w_dtype = jnp.result_type(w_up)
+    if w_dtype not in WEIGHT_DTYPES:
+        fail("w_up dtype", "float32, bfloat16 or float16", w_dtype)
+    for name, w in (("w_up", w_up), ("w_down_t", w_down_t), ("w_gate", w_gate)):
+        if w is None:
+            continue
+        if _shape(w) != (f, d):
+            fail(f"{name} shape", f"[F, D] = {(f, d)} (D from x, F from w_up)", _shape(w))
+        if jnp.result_type(w) != w_dtype:
+            fail(f"{name} dtype", f"the same dtype as w_up ({w_dtype})", jnp.result_type(w))
+    for name, b, n in (("b_up", b_up, f), ("b_down", b_down, d)):
+        if b is not None and _shape(b) != (n,):
+            fail(f"{name} shape", f"[{n}]", _shape(b))
+    if criterion == "scores":
+        if scores is None:
+            fail("scores", "an array [..., T, F] when criterion='scores'", None,
+                 "pass scores, or use criterion='oracle'")
+        if _shape(scores)[-1:] != (f,) or np.ndim(scores) != np.ndim(x) or \
+                _shape(scores)[:-1] != _shape(x)[:-1]:
+            fail("scores shape", f"x's leading dims + [F] = {_shape(x)[:-1] + (f,)}",
+                 _shape(scores))
+    return t
+
+
+def check_rms_norm(x, scale, eps) -> float:
+    if np.ndim(x) < 1:
+        fail("x shape", "rank >= 1 ([..., D])", _shape(x))
+    if _shape(scale) != _shape(x)[-1:]:
+        fail("scale shape", f"[D] = {_shape(x)[-1:]}", _shape(scale))
+    try:
+        e = float(eps)
+    except (TypeError, ValueError):
+        fail("eps", "a Python float", eps)
+    if not (math.isfinite(e) and e > 0):
+        fail("eps", "a finite float > 0", eps)
+    return e

@@ -1,0 +1,87 @@
+"""The only module that loads the compiled extension: registers FFI targets once and calls them.
+
+Absent optional operands are passed as zero-size arrays (the handler's convention, see
+xla_ffi/sparse_ffn_args.h). vmap uses vmap_method="expand_dims": unbatched operands get a leading
+size-1 dim, which the handlers accept without copying weights per batch element.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+try:
+    from powerinfer_jax import _pij_ext
+except ImportError as e:  # pragma: no cover - exercised only on unbuilt checkouts
+    raise ImportError(
+        "powerinfer_jax._pij_ext (the compiled kernels) is not built. From the repo root run "
+        "`pip install -e . --no-build-isolation` (see BUILD.md), or use impl='reference'."
+    ) from e
+
+try:  # the CUDA module exists only in builds with -Ccmake.define.PIJ_CUDA=ON
+    from powerinfer_jax import _pij_cuda
+except ImportError:
+    _pij_cuda = None
+
+SPARSE_FFN_TARGET = "pij_sparse_ffn"
+RMS_NORM_TARGET = "pij_rms_norm"
+
+
+def _register() -> None:
+    for name, capsule in _pij_ext.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    if _pij_cuda is not None:
+        for name, capsule in _pij_cuda.registrations().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+
+
+_register()  # module import runs once per process
+
+
+def set_num_threads(n: int) -> None:
+    """Threads used by the CPU kernels (the calling thread counts as one)."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"set_num_threads: n: expected an integer >= 1, got {n!r}")
+    _pij_ext.set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    return _pij_ext.get_num_threads()
+
+
+def simd_name() -> str:
+    return _pij_ext.simd_name()
+
+
+def _absent(shape, dtype):
+    return jnp.zeros(shape, dtype)
+
+
+def sparse_ffn(x, w_up, w_down_t, *, w_gate, b_up, b_down, scores, threshold, activation,
+               criterion):
+    x32 = jnp.asarray(x, jnp.float32)
+    f, d = w_up.shape
+    rows = x32.shape[:-1]
+    operands = (
+        x32,
+        _absent((0, d), w_up.dtype) if w_gate is None else w_gate,
+        w_up,
+        w_down_t,
+        _absent((0,), jnp.float32) if b_up is None else jnp.asarray(b_up, jnp.float32),
+        _absent((0,), jnp.float32) if b_down is None else jnp.asarray(b_down, jnp.float32),
+        _absent((0,), jnp.float32) if criterion == "oracle" else jnp.asarray(scores, jnp.float32),
+    )
+    call = jax.ffi.ffi_call(
+        SPARSE_FFN_TARGET,
+        (jax.ShapeDtypeStruct(rows + (d,), jnp.float32), jax.ShapeDtypeStruct(rows, jnp.int32)),
+        vmap_method="expand_dims")
+    return call(*operands, threshold=np.float32(threshold), activation=activation,
+                criterion=criterion)
+
+
+def rms_norm(x, scale, *, eps):
+    x32 = jnp.asarray(x, jnp.float32)
+    call = jax.ffi.ffi_call(RMS_NORM_TARGET, jax.ShapeDtypeStruct(x32.shape, jnp.float32),
+                            vmap_method="expand_dims")
+    y = call(x32, jnp.asarray(scale, jnp.float32), eps=np.float32(eps))
+    return y.astype(jnp.result_type(x))

@@ -1,0 +1,43 @@
+"""Public ops: validate once, then run the FFI kernel or its pure-jnp reference."""
+from __future__ import annotations
+
+from powerinfer_jax.ops import _checks, reference
+
+
+def sparse_ffn(x, w_up, w_down_t, *, w_gate=None, b_up=None, b_down=None, scores=None,
+               threshold=0.0, activation="silu", criterion="scores", impl="ffi"):
+    """Sparse FFN over the neurons active for each token.
+
+    x: [..., T, D] any float dtype (cast to f32 for the kernel); weights f32/bf16/f16 same dtype,
+    neuron-major: w_up, w_gate, w_down_t all [F, D]; b_up [F], b_down [D].
+    scores [..., T, F] float32 (required when criterion == "scores", ignored for "oracle").
+    Active: "scores": scores > threshold; "oracle": |a| > threshold from the true activations.
+    a = act(gate.x) * (up.x + b_up) (gated) or act(up.x + b_up); gelu is the tanh approximation.
+    Returns (y [..., T, D] float32, n_active [..., T] int32). impl: "ffi" | "reference".
+    """
+    _checks.check_choice("impl", impl, _checks.IMPLS)
+    t = _checks.check_sparse_ffn(x, w_up, w_down_t, w_gate=w_gate, b_up=b_up, b_down=b_down,
+                                 scores=scores, threshold=threshold, activation=activation,
+                                 criterion=criterion)
+    kwargs = dict(w_gate=w_gate, b_up=b_up, b_down=b_down, scores=scores, threshold=t,
+                  activation=activation, criterion=criterion)
+    if impl == "reference":
+        return reference.sparse_ffn(x, w_up, w_down_t, **kwargs)
+    from powerinfer_jax.ops import _ffi  # the extension is only needed here
+    return _ffi.sparse_ffn(x, w_up, w_down_t, **kwargs)
+
+
+def rms_norm(x, scale, *, eps, impl="ffi"):
+    """x * rsqrt(mean(x^2, -1) + eps) * scale, computed in float32, returned in x.dtype."""
+    _checks.check_choice("impl", impl, _checks.IMPLS)
+    e = _checks.check_rms_norm(x, scale, eps)
+    if impl == "reference":
+        return reference.rms_norm(x, scale, eps=e)
+    from powerinfer_jax.ops import _ffi
+    return _ffi.rms_norm(x, scale, eps=e)
+
+
+def set_num_threads(n: int) -> None:
+    """Threads used by the CPU kernels (the calling thread counts as one)."""
+    from powerinfer_jax.ops import _ffi
+    _ffi.set_num_threads(n)

@@ -1,0 +1,53 @@
+"""Pure-jnp twins of the custom calls: the oracle every kernel is tested against.
+
+Same signatures and semantics as powerinfer_jax.ops.api (without `impl`); float32 math throughout.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def activate(activation: str, v):
+    """silu, relu, or the tanh-approximate gelu (jax.nn.gelu(approximate=True)) like the kernel."""
+    if activation == "silu":
+        return jax.nn.silu(v)
+    if activation == "relu":
+        return jax.nn.relu(v)
+    if activation == "gelu":
+        return jax.nn.gelu(v, approximate=True)
+    raise ValueError(f"activation: expected one of ['silu', 'relu', 'gelu'], got {activation!r}")
+
+
+def sparse_ffn(x, w_up, w_down_t, *, w_gate=None, b_up=None, b_down=None, scores=None,
+               threshold=0.0, activation="silu", criterion="scores"):
+    """Returns (y [..., T, D] float32, n_active [..., T] int32). See ops.api.sparse_ffn."""
+    x_td = jnp.asarray(x, jnp.float32)
+    up_tf = jnp.einsum("...TD,FD->...TF", x_td, w_up.astype(jnp.float32), precision=_HIGHEST)
+    if b_up is not None:
+        up_tf = up_tf + b_up.astype(jnp.float32)
+    if w_gate is None:
+        act_tf = activate(activation, up_tf)
+    else:
+        gate_tf = jnp.einsum("...TD,FD->...TF", x_td, w_gate.astype(jnp.float32),
+                             precision=_HIGHEST)
+        act_tf = activate(activation, gate_tf) * up_tf
+    if criterion == "scores":
+        mask_tf = jnp.asarray(scores, jnp.float32) > threshold
+    else:
+        mask_tf = jnp.abs(act_tf) > threshold
+    act_tf = jnp.where(mask_tf, act_tf, 0.0)
+    y_td = jnp.einsum("...TF,FD->...TD", act_tf, w_down_t.astype(jnp.float32),
+                      precision=_HIGHEST)
+    if b_down is not None:
+        y_td = y_td + b_down.astype(jnp.float32)
+    return y_td, jnp.sum(mask_tf, axis=-1, dtype=jnp.int32)
+
+
+def rms_norm(x, scale, *, eps):
+    """x * rsqrt(mean(x^2) + eps) * scale in float32, returned in x.dtype."""
+    x32 = jnp.asarray(x, jnp.float32)
+    inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * inv_rms * scale.astype(jnp.float32)).astype(jnp.result_type(x))

@@ -1,0 +1,40 @@
+// nanobind module powerinfer_jax._pij_ext: hands the CPU FFI handlers to Python (as capsules for
+// jax.ffi.register_ffi_target) and sizes the shared thread pool.
+#include <nanobind/nanobind.h>
+
+#include <stdexcept>
+
+#include "cpu_backend/simd.h"
+#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_runtime.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename Fn>
+nb::capsule Capsule(Fn* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>,
+                "not an XLA FFI handler");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+NB_MODULE(_pij_ext, m) {
+  m.doc() = "powerinfer_jax CPU kernels (XLA FFI handlers) and thread pool control.";
+  m.def("registrations", []() {
+    nb::dict d;
+    d["pij_sparse_ffn"] = Capsule(PijSparseFfnCpu);
+    d["pij_rms_norm"] = Capsule(PijRmsNormCpu);
+    return d;
+  }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target(platform='cpu').");
+  m.def("set_num_threads", [](int n) {
+    if (n < 1) throw std::invalid_argument("set_num_threads: n: expected >= 1, got " + std::to_string(n));
+    nb::gil_scoped_release release;  // joining workers may wait for a running call to finish
+    pij::GetCpuRuntime().pool.SetNumThreads(n);
+  }, nb::arg("n"), "Resize the kernel thread pool (the calling thread counts as one).");
+  m.def("get_num_threads", []() { return pij::GetCpuRuntime().pool.NumThreads(); });
+  m.def("simd_name", []() { return pij::simd::Name(); },
+        "The vector instruction set the kernels were compiled for.");
+}

@@ -1,0 +1,28 @@
+// The process-wide CPU runtime behind the FFI handlers: one thread pool and the kernels' reusable
+// scratch. One instance because the pool's threads are a machine resource (two pools would fight
+// over the same cores); calls are serialized by `mutex` so scratch is never shared.
+#ifndef PIJ_XLA_FFI_CPU_RUNTIME_H_
+#define PIJ_XLA_FFI_CPU_RUNTIME_H_
+
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "cpu_backend/sparse_ffn.h"
+#include "cpu_backend/thread_pool.h"
+
+namespace pij {
+
+struct CpuRuntime {
+  std::mutex mutex;  // held for a whole call: guards everything below except the pool itself
+  ThreadPool pool;
+  SparseFfnScratch ffn_scratch;
+  std::vector<int64_t> x_src, score_src;
+  std::vector<const float*> x_rows, score_rows;
+};
+
+CpuRuntime& GetCpuRuntime();
+
+}  // namespace pij
+
+#endif  // PIJ_XLA_FFI_CPU_RUNTIME_H_

@@ -1,0 +1,35 @@
+// Small helpers for FFI adapters: readable shapes and dtypes in error messages, and the
+// row-broadcast rule used by vmap(expand_dims).
+#ifndef PIJ_XLA_FFI_FFI_UTIL_H_
+#define PIJ_XLA_FFI_FFI_UTIL_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace pij {
+
+namespace ffi = xla::ffi;
+
+std::string ShapeString(ffi::Span<const int64_t> dims);
+std::string_view DtypeName(ffi::DataType dtype);
+
+// "<op>: <what>: expected <rule>, got <got>" -- the project's error format.
+ffi::Error InvalidArg(std::string_view op, std::string_view what, std::string_view rule,
+                      std::string_view got);
+
+// True if dims[0 .. dims.size() - keep) are all 1 (extra leading dims added by vmap).
+bool LeadingOnes(ffi::Span<const int64_t> dims, size_t keep);
+
+// For every row of an output whose leading (row) dims are out_dims, the index of the input row
+// it reads when the input's row dims in_dims broadcast against out_dims (right-aligned; each dim
+// equal or 1). Returns false if they do not broadcast.
+bool BroadcastRows(ffi::Span<const int64_t> in_dims, ffi::Span<const int64_t> out_dims,
+                   std::vector<int64_t>& src);
+
+}  // namespace pij
+
+#endif  // PIJ_XLA_FFI_FFI_UTIL_H_
