@@ -102,6 +102,11 @@ ffi::Error DecodeSparseFfn(ffi::AnyBuffer x, ffi::AnyBuffer w_gate, ffi::AnyBuff
     return InvalidArg(kOp, "x shape", "rank >= 2 ([..., T, D])", ShapeString(x_dims));
   }
   const int64_t d = x_dims.back();
+  const Dims up_dims = w_up.dimensions();
+  if (up_dims.size() < 2 || up_dims.back() != d) {
+    return InvalidArg(kOp, "w_up shape", "[..1, F, D] with D = " + std::to_string(d) + " (x's last dim)",
+                      ShapeString(up_dims));
+  }
   if (y.element_type() != ffi::DataType::F32 || y_dims.size() < 2 || y_dims.back() != d) {
     return InvalidArg(kOp, "y (result)", "float32 [..., T, D] with D = " + std::to_string(d),
                       std::string(DtypeName(y.element_type())) + " " + ShapeString(y_dims));
@@ -125,10 +130,6 @@ ffi::Error DecodeSparseFfn(ffi::AnyBuffer x, ffi::AnyBuffer w_gate, ffi::AnyBuff
   const ffi::DataType wt = w_up.element_type();
   if (!IsWeightType(wt)) {
     return InvalidArg(kOp, "w_up dtype", "float32, bfloat16 or float16", DtypeName(wt));
-  }
-  const Dims up_dims = w_up.dimensions();
-  if (up_dims.size() < 2) {
-    return InvalidArg(kOp, "w_up shape", "[..1, F, D]", ShapeString(up_dims));
   }
   const int64_t f = up_dims[up_dims.size() - 2];
   if (ffi::Error e = CheckWeight("w_up", w_up, wt, f, d); e.failure()) return e;

@@ -60,7 +60,7 @@ def _absent(shape, dtype):
 def sparse_ffn(x, w_up, w_down_t, *, w_gate, b_up, b_down, scores, threshold, activation,
                criterion):
     x32 = jnp.asarray(x, jnp.float32)
-    f, d = w_up.shape
+    f, d = w_up.shape[-2:]
     rows = x32.shape[:-1]
     operands = (
         x32,
