@@ -6,12 +6,13 @@
 
 #include <cstdint>
 
+#include <bit>
+#include <cmath>
+
 #if defined(__CUDACC__)
 #define PIJ_HOST_DEVICE __host__ __device__
 #else
 #define PIJ_HOST_DEVICE
-#include <bit>
-#include <cmath>
 #endif
 
 namespace pij {
