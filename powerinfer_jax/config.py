@@ -110,17 +110,30 @@ class SparsityConfig:
       |a_i| > threshold (ReLU with threshold 0: a_i != 0). Quality upper bound; FFN through the custom call.
     threshold: per-layer calibrated thresholds (CATS-style); the gate is computed densely.
     predictor: per-layer predictor MLPs decide the active set before any FFN row is read.
+    target_sparsity: which calibrated artifacts to use (fraction of FFN neurons skipped). Required
+      by threshold/predictor modes (the CLIs default it to 0.5); with oracle mode it replaces the
+      scalar threshold by the calibrated per-layer ones.
     """
 
     mode: SparsityMode = "dense"
     threshold: float = 0.0
     impl: Literal["ffi", "reference"] = "ffi"
+    target_sparsity: float | None = None
 
     def __post_init__(self):
         _check_choice("SparsityConfig.mode", self.mode, SPARSITY_MODES)
         _check_choice("SparsityConfig.impl", self.impl, ("ffi", "reference"))
         _check(math.isfinite(self.threshold) and self.threshold >= 0, "SparsityConfig.threshold",
                "a finite float >= 0", self.threshold)
+        if self.target_sparsity is not None:
+            _check(isinstance(self.target_sparsity, float) and 0 < self.target_sparsity < 1,
+                   "SparsityConfig.target_sparsity", "a float in (0, 1)", self.target_sparsity)
+
+    @property
+    def calibrated(self) -> bool:
+        """True when the mode runs on calibrated per-layer artifacts."""
+        return self.mode in ("threshold", "predictor") or (
+            self.mode == "oracle" and self.target_sparsity is not None)
 
 
 @dataclasses.dataclass(frozen=True)

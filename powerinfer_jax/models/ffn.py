@@ -5,6 +5,11 @@ transposed), so neuron i's three rows are contiguous and a sparse kernel reads o
   gated:     a_i = act(gate_i . x) * (up_i . x + b_up_i)
   non-gated: a_i = act(up_i . x + b_up_i)
   y = b_down + sum_i a_i * down_t[i]
+
+Sparse modes (SparsityConfig.mode) choose the active set handed to the custom call:
+  oracle:    |a_i| > threshold, from the true activations (the quality upper bound)
+  threshold: |act(gate_i . x)| > threshold, the gate computed densely (CATS-style)
+  predictor: predictor logits > threshold, from `self.predictor` (attached after loading)
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ class FFN(nnx.Module):
         self.gate = Linear(d_model, d_ff, bias=False, dtype=dtype, rngs=rngs) if gated else None
         self.up = Linear(d_model, d_ff, bias=bias, dtype=dtype, rngs=rngs)
         self.down_t = DownT(d_ff, d_model, bias=bias, dtype=dtype, rngs=rngs)
+        self.predictor = nnx.data(None)  # a sparsity.predictor.Predictor, for predictor mode
 
     def activations(self, x_btd):
         """The neuron activations a [B, T, F] (float32), computed densely."""
@@ -58,12 +64,34 @@ class FFN(nnx.Module):
     def dense(self, x_btd):
         return self.down_t(self.activations(x_btd))
 
+    def gate_magnitude(self, x_btd):
+        """|act(gate . x)| [B, T, F] (non-gated: |a|), the threshold mode's criterion."""
+        if self.gate is None:
+            return jnp.abs(self.activations(x_btd))
+        return jnp.abs(activate(self.activation, matmul(x_btd, self.gate.weight[...])))
+
+    def mode_scores(self, x_btd, mode: str):
+        """The scores [B, T, F] a sparse mode compares with its threshold (None: oracle)."""
+        if mode == "threshold":
+            return self.gate_magnitude(x_btd)
+        if mode == "predictor":
+            if self.predictor is None:
+                raise ValueError("FFN.predictor: expected a predictor attached for "
+                                 "sparsity mode 'predictor', got None (load sparsity artifacts)")
+            return self.predictor(x_btd)
+        return None
+
     def __call__(self, x_btd, *, sparsity: SparsityConfig, threshold: float = 0.0, scores=None):
-        """Returns (y [B, T, D] float32, n_active [B, T] int32 or None for dense)."""
+        """Returns (y [B, T, D] float32, n_active [B, T] int32 or None for dense).
+
+        scores: overrides the mode's own scores (tests feed exact masks this way).
+        """
         if sparsity.mode == "dense":
             return self.dense(x_btd), None
         from powerinfer_jax import ops  # the compiled extension is only needed for sparse modes
 
+        if scores is None:
+            scores = self.mode_scores(x_btd, sparsity.mode)
         criterion = "oracle" if scores is None else "scores"
         return ops.sparse_ffn(
             x_btd, self.up.weight[...], self.down_t.weight[...],

@@ -1,0 +1,226 @@
+"""Sparsity artifacts on disk: build, save, validate, load, and attach to a model.
+
+Layout, under the model's directory (`artifacts_root`), one folder per target sparsity:
+  sparsity/target_0.50/meta.json       fingerprint, model shape, thresholds, predictor report
+                      /profile.npz     ActivationProfile (histograms, per-neuron counts)
+                      /frequency.png   sorted activation frequency per layer
+                      /predictor/      PredictorStack weights (orbax)
+The fingerprint ties artifacts to the exact model file; a different or changed model, or a shape
+mismatch, is a ValueError that says how to rebuild.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from powerinfer_jax.sparsity import calibrate as cal
+from powerinfer_jax.sparsity import corpus as corpus_mod
+from powerinfer_jax.sparsity import predictor as pred
+from powerinfer_jax.sparsity import profile as prof
+
+FORMAT_VERSION = 1
+HASH_WINDOW = 4 << 20  # bytes hashed at each end of a weight file (header + tail) for the fingerprint
+DEFAULT_CTX = 512
+DEFAULT_MAX_TOKENS = 32768  # profiled tokens; FFN inputs are kept in memory: L * N * D * 4 bytes
+
+
+def model_fingerprint(model_arg: str, source: str | Path, config) -> dict:
+    """Identity of a model: registry sha256, or size + sha256 of both ends of each weight file,
+    plus the FFN shape the artifacts depend on."""
+    from powerinfer_jax.checkpoint.registry import KNOWN_MODELS
+
+    if str(model_arg) in KNOWN_MODELS:
+        ident = f"registry:{model_arg}:{KNOWN_MODELS[str(model_arg)].sha256}"
+    else:
+        path = Path(source)
+        files = [path] if path.is_file() else sorted(
+            p for p in path.iterdir() if p.suffix in (".json", ".safetensors"))
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read(HASH_WINDOW))
+                fh.seek(max(0, f.stat().st_size - HASH_WINDOW))
+                h.update(fh.read(HASH_WINDOW))
+        ident = f"files:{h.hexdigest()}"
+    return {"id": ident, "shape": model_shape(config)}
+
+
+def model_shape(config) -> dict:
+    return {"n_layers": config.n_layers, "d_model": config.d_model, "d_ff": config.d_ff,
+            "activation": config.activation, "gated": config.gated}
+
+
+def artifacts_root(model_arg: str, source: str | Path) -> Path:
+    """<cache>/models/<name>/sparsity for a registry name, <dir>/sparsity for an HF directory,
+    <file dir>/<stem>.sparsity for a GGUF file."""
+    from powerinfer_jax.checkpoint.registry import KNOWN_MODELS, cache_dir
+
+    if str(model_arg) in KNOWN_MODELS:
+        return cache_dir() / "models" / str(model_arg) / "sparsity"
+    path = Path(source)
+    return path / "sparsity" if path.is_dir() else path.with_name(path.stem + ".sparsity")
+
+
+def target_dir(root: Path, target_sparsity: float) -> Path:
+    return Path(root) / f"target_{cal.check_target_sparsity(target_sparsity):.2f}"
+
+
+@dataclasses.dataclass
+class SparsityArtifacts:
+    target_sparsity: float
+    thresholds_contribution: tuple[float, ...]  # oracle mode
+    thresholds_gate: tuple[float, ...]  # threshold mode
+    predictors: pred.PredictorStack | None
+    meta: dict
+
+    def thresholds_for(self, mode: str) -> tuple[float, ...]:
+        """The per-layer thresholds the sparse FFN call uses in `mode`."""
+        if mode == "oracle":
+            return self.thresholds_contribution
+        if mode == "threshold":
+            return self.thresholds_gate
+        if mode == "predictor":  # decision thresholds are folded into the predictor biases
+            return tuple(0.0 for _ in self.thresholds_gate)
+        raise ValueError(f"sparsity mode: expected oracle, threshold or predictor, got {mode!r}")
+
+
+def build_for_target(model, x_lnd: np.ndarray, base: prof.ActivationProfile, target: float, *,
+                     train: pred.TrainConfig | None = pred.TrainConfig(), progress: bool = True
+                     ) -> tuple[SparsityArtifacts, prof.ActivationProfile]:
+    """Calibrate thresholds from `base` histograms and train predictors on x_lnd's active masks."""
+    thr_c = cal.calibrate_thresholds(base, target, criterion="contribution")
+    thr_g = cal.calibrate_thresholds(base, target, criterion="gate")
+    masks = prof.active_masks(model, x_lnd, thr_c, progress=progress)
+    profile = dataclasses.replace(base, thresholds=np.asarray(thr_c),
+                                  counts=masks.sum(axis=1, dtype=np.int64))
+    stack, report = (None, {}) if train is None else pred.train_predictors(
+        x_lnd, masks, train, progress=progress)
+    c = model.config
+    if train is not None:
+        report["cost"] = pred.predictor_cost(d_model=c.d_model, d_ff=c.d_ff, rank=train.rank,
+                                             gated=c.gated)
+    meta = {"target_sparsity": target, "thresholds_contribution": list(thr_c),
+            "thresholds_gate": list(thr_g), "predictor": report, "profile": profile.summary()}
+    return SparsityArtifacts(target, thr_c, thr_g, stack, meta), profile
+
+
+def build_artifacts(model, tokenizer, *, fingerprint: dict, root: Path, target_sparsity: float,
+                    corpus_files=None, ctx: int = DEFAULT_CTX, max_tokens: int = DEFAULT_MAX_TOKENS,
+                    train: pred.TrainConfig | None = pred.TrainConfig(), progress: bool = True
+                    ) -> SparsityArtifacts:
+    """Profile the model on the corpus, calibrate, train predictors and save into root/target_*."""
+    target = cal.check_target_sparsity(target_sparsity)
+    files = corpus_mod.default_corpus_files() if corpus_files is None else list(corpus_files)
+    ids = tokenizer.encode(corpus_mod.read_corpus(files), add_bos=False)
+    chunks = corpus_mod.corpus_chunks(ids, min(ctx, model.config.max_seq_len), max_tokens)
+    x_lnd = prof.collect_ffn_inputs(model, chunks, progress=progress)
+    base = prof.profile_activations(model, x_lnd, progress=progress)
+    arts, profile = build_for_target(model, x_lnd, base, target, train=train, progress=progress)
+    arts.meta.update(corpus=[str(f) for f in files], tokens=int(chunks.size), ctx=int(chunks.shape[1]))
+    save_artifacts(target_dir(root, target), arts, profile, fingerprint)
+    return arts
+
+
+def save_artifacts(directory: Path, arts: SparsityArtifacts, profile: prof.ActivationProfile,
+                   fingerprint: dict) -> None:
+    directory = Path(directory).resolve()
+    if directory.exists():
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    profile.save(directory / "profile.npz")
+    prof.plot_frequency(profile, directory / "frequency.png")
+    if arts.predictors is not None:
+        import orbax.checkpoint as ocp
+
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(directory / "predictor", arts.predictors.arrays())
+        ckptr.wait_until_finished()
+    meta = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, **arts.meta,
+            "has_predictor": arts.predictors is not None}
+    (directory / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def load_artifacts(directory: Path, *, fingerprint: dict, need_predictor: bool
+                   ) -> SparsityArtifacts:
+    """Read and validate artifacts: same model (fingerprint), same shapes, format, predictor."""
+    directory = Path(directory).resolve()
+    meta_path = directory / "meta.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"sparsity artifacts: expected {meta_path}, got no such file "
+                                "(build them with python -m powerinfer_jax.calibrate)")
+    meta = json.loads(meta_path.read_text())
+    rebuild = "rebuild with python -m powerinfer_jax.calibrate for this model"
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"sparsity artifacts {directory}: expected format_version "
+                         f"{FORMAT_VERSION}, got {meta.get('format_version')!r} ({rebuild})")
+    got = meta.get("fingerprint", {})
+    if got.get("shape") != fingerprint["shape"]:
+        raise ValueError(f"sparsity artifacts {directory}: expected a model of shape "
+                         f"{fingerprint['shape']}, got artifacts for {got.get('shape')} "
+                         f"(built for another model; {rebuild})")
+    if got.get("id") != fingerprint["id"]:
+        raise ValueError(f"sparsity artifacts {directory}: expected model fingerprint "
+                         f"{fingerprint['id']}, got {got.get('id')!r} (stale: the model changed "
+                         f"since they were built; {rebuild})")
+    n_layers = fingerprint["shape"]["n_layers"]
+    for key in ("thresholds_contribution", "thresholds_gate"):
+        if len(meta[key]) != n_layers:
+            raise ValueError(f"sparsity artifacts {key}: expected {n_layers} per-layer values, "
+                             f"got {len(meta[key])} ({rebuild})")
+    stack = None
+    if need_predictor:
+        if not meta.get("has_predictor"):
+            raise ValueError(f"sparsity artifacts {directory}: expected trained predictors, got "
+                             f"none ({rebuild} without --no-predictor)")
+        import orbax.checkpoint as ocp
+
+        arrays = ocp.StandardCheckpointer().restore(directory / "predictor")
+        stack = pred.PredictorStack.from_arrays(arrays)
+        check_predictor_shape(stack, fingerprint["shape"])
+    return SparsityArtifacts(float(meta["target_sparsity"]),
+                             tuple(meta["thresholds_contribution"]), tuple(meta["thresholds_gate"]),
+                             stack, meta)
+
+
+def check_predictor_shape(stack: pred.PredictorStack, shape: dict) -> None:
+    n_layers, d, _, f = stack.shape
+    want = (shape["n_layers"], shape["d_model"], shape["d_ff"])
+    if (n_layers, d, f) != want:
+        raise ValueError(f"predictors: expected (layers, D, F) = {want} of the model, got "
+                         f"{(n_layers, d, f)} (predictor files from another model)")
+
+
+def attach_predictors(model, stack: pred.PredictorStack) -> None:
+    """Give each layer's FFN its slice of the stack (FFN.predictor)."""
+    check_predictor_shape(stack, model_shape(model.config))
+    for l, layer in enumerate(model.layers):
+        layer.ffn.predictor = stack.layer(l)
+
+
+def ensure_artifacts(model_arg: str, source, model, tokenizer, target_sparsity: float, *,
+                     need_predictor: bool, root: Path | None = None, progress: bool = True
+                     ) -> SparsityArtifacts:
+    """Load the artifacts for (model, target); for a registry model build them on first use."""
+    from powerinfer_jax.checkpoint.registry import KNOWN_MODELS
+
+    fp = model_fingerprint(model_arg, source, model.config)
+    root = artifacts_root(model_arg, source) if root is None else Path(root)
+    directory = target_dir(root, target_sparsity)
+    if not (directory / "meta.json").is_file():
+        if str(model_arg) not in KNOWN_MODELS:
+            raise FileNotFoundError(
+                f"sparsity artifacts: expected {directory}, got none; build them with "
+                f"python -m powerinfer_jax.calibrate --model {model_arg} "
+                f"--target-sparsity {target_sparsity}")
+        print(f"powerinfer_jax: building sparsity artifacts for {model_arg} at target sparsity "
+              f"{target_sparsity} (once; cached in {directory})", file=sys.stderr)
+        build_artifacts(model, tokenizer, fingerprint=fp, root=root,
+                        target_sparsity=target_sparsity, progress=progress)
+    return load_artifacts(directory, fingerprint=fp, need_predictor=need_predictor)
