@@ -14,6 +14,7 @@ import sys
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CONTEXT_CAP = 2048  # KV cache slots unless --max-seq-len says otherwise
+DEFAULT_TARGET_SPARSITY = 0.5  # threshold/predictor modes without --target-sparsity
 
 
 def add_common_flags(p: argparse.ArgumentParser) -> None:
@@ -23,10 +24,21 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
                    help="weight dtype for matmuls (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for XLA and the sparse kernels (default: all available)")
-    p.add_argument("--sparsity", default="dense", choices=["dense", "oracle"],
-                   help="how the FFN's active neurons are found (default: %(default)s)")
+    p.add_argument("--sparsity", default="dense",
+                   choices=["dense", "oracle", "threshold", "predictor"],
+                   help="how the FFN's active neurons are found: dense; oracle (true activations); "
+                        "threshold (calibrated |act(gate)|, CATS-style); predictor (trained "
+                        "low-rank predictors) (default: %(default)s)")
     p.add_argument("--threshold", type=float, default=0.0,
                    help="oracle: a neuron is active when |a_i| > threshold (default: 0)")
+    p.add_argument("--target-sparsity", type=float, default=None,
+                   help="calibrated FFN sparsity to run at (threshold/predictor: default "
+                        f"{DEFAULT_TARGET_SPARSITY}; oracle: use calibrated per-layer thresholds "
+                        "instead of --threshold); artifacts are built by python -m "
+                        "powerinfer_jax.calibrate, for the default model on first use")
+    p.add_argument("--impl", default="ffi", choices=["ffi", "reference"],
+                   help="sparse FFN implementation: the compiled custom call or its pure-jnp "
+                        "reference (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help=f"KV cache length (default: min(model context, {DEFAULT_CONTEXT_CAP}))")
     p.add_argument("--json", action=argparse.BooleanOptionalAction, default=False,
@@ -50,7 +62,7 @@ def configure_threads(threads: int | None) -> int:
 def setup(args) -> int:
     """Apply --threads everywhere it matters; returns the thread count."""
     n = configure_threads(args.threads)
-    if args.sparsity != "dense":
+    if args.sparsity != "dense" and getattr(args, "impl", "ffi") == "ffi":
         from powerinfer_jax import ops
 
         ops.set_num_threads(n)

@@ -2,7 +2,10 @@
 
 The whole file is tokenized once (no BOS) and cut into non-overlapping chunks of --ctx tokens; every
 token of a chunk but the first is scored. With a sparse mode, also reports the measured FFN sparsity
-(fraction of neurons skipped, averaged over layers and tokens).
+(fraction of neurons skipped, averaged over layers and tokens). Modes threshold and predictor (and
+oracle with --target-sparsity) use the model's calibrated sparsity artifacts; predictor mode also
+reports `predictor_recall`: the fraction of the oracle active set (|a_i| above the calibrated
+contribution threshold, on the same FFN inputs) that the predictors selected, averaged over layers.
 """
 from __future__ import annotations
 
@@ -40,48 +43,75 @@ def chunk_tokens(ids, ctx: int, max_chunks: int | None) -> np.ndarray:
     return np.asarray(ids[: n * ctx], np.int32).reshape(n, ctx)
 
 
-def make_scorer(model, sparsity, thresholds=None):
-    """A jitted function chunk [1, T] -> (sum of NLL of tokens 1..T-1, mean active fraction)."""
+def make_scorer(model, sparsity, thresholds=None, oracle_thresholds=None):
+    """A jitted function chunk [1, T] -> (sum of NLL of tokens 1..T-1, mean active fraction,
+    per-layer [true positives, oracle positives] [L, 2] or None).
+
+    oracle_thresholds (predictor mode): per-layer contribution thresholds defining the oracle set.
+    """
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     graphdef, state = nnx.split(model)
     d_ff = model.config.d_ff
+    recall = sparsity.mode == "predictor" and oracle_thresholds is not None
+    if recall and thresholds is None:
+        thresholds = (sparsity.threshold,) * model.config.n_layers
 
     @jax.jit
     def score(state, tokens_bt):
         m = nnx.merge(graphdef, state)
         positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        h, _, n_active = m.hidden(tokens_bt, positions, sparsity=sparsity, thresholds=thresholds)
+        out = m.hidden(tokens_bt, positions, sparsity=sparsity, thresholds=thresholds,
+                       return_ffn_inputs=recall)
+        h, n_active = out[0], out[2]
         logp = jax.nn.log_softmax(m.logits(h[:, :-1]), axis=-1)
         nll = -jnp.take_along_axis(logp, tokens_bt[:, 1:, None], axis=-1).sum()
         frac = jnp.float32(1.0) if n_active is None else n_active.mean() / d_ff
-        return nll, frac
+        hits = None
+        if recall:
+            hits = jnp.stack([_recall_counts(layer.ffn, x, thresholds[i], oracle_thresholds[i])
+                              for i, (layer, x) in enumerate(zip(m.layers, out[3]))])
+        return nll, frac, hits
 
     return lambda tokens: score(state, tokens)
 
 
+def _recall_counts(ffn, x_btd, threshold, oracle_threshold):
+    """[true positives, oracle positives] of the predictor's active set vs the oracle's."""
+    import jax.numpy as jnp
+
+    oracle = jnp.abs(ffn.activations(x_btd)) > oracle_threshold
+    chosen = ffn.predictor(x_btd) > threshold
+    return jnp.stack([jnp.sum(oracle & chosen), jnp.sum(oracle)]).astype(jnp.float32)
+
+
 def perplexity(model, ids, *, ctx: int, max_chunks: int | None, sparsity, thresholds=None,
-               progress: bool = False) -> dict:
+               oracle_thresholds=None, progress: bool = False) -> dict:
     chunks = chunk_tokens(ids, ctx, max_chunks)
     if ctx > model.config.max_seq_len:
         raise ValueError(f"--ctx: expected at most {model.config.max_seq_len} (the model's "
                          f"context), got {ctx}")
-    score = make_scorer(model, sparsity, thresholds)
-    total, fracs = 0.0, []
+    score = make_scorer(model, sparsity, thresholds, oracle_thresholds)
+    total, fracs, hits = 0.0, [], 0.0
     it = chunks
     if progress:
         from tqdm import tqdm
 
         it = tqdm(chunks, desc="perplexity", unit="chunk")
     for chunk in it:
-        nll, frac = score(chunk[None])
+        nll, frac, h = score(chunk[None])
         total += float(nll)
         fracs.append(float(frac))
+        if h is not None:
+            hits = hits + np.asarray(h, np.float64)
     scored = chunks.shape[0] * (ctx - 1)
-    return {"ppl": math.exp(total / scored), "tokens_scored": scored,
-            "chunks": int(chunks.shape[0]), "ffn_sparsity": 1.0 - float(np.mean(fracs))}
+    res = {"ppl": math.exp(total / scored), "tokens_scored": scored,
+           "chunks": int(chunks.shape[0]), "ffn_sparsity": 1.0 - float(np.mean(fracs))}
+    if isinstance(hits, np.ndarray):
+        res["predictor_recall"] = float(np.mean(hits[:, 0] / np.maximum(hits[:, 1], 1)))
+    return res
 
 
 def main(argv=None) -> None:
@@ -97,12 +127,15 @@ def main(argv=None) -> None:
     s = open_session(args.model, runtime, sparsity)
     ids = s.tokenizer.encode(text, add_bos=False)
     res = perplexity(s.model, ids, ctx=args.ctx, max_chunks=args.max_chunks, sparsity=sparsity,
+                     thresholds=s.thresholds, oracle_thresholds=s.oracle_thresholds,
                      progress=args.progress and not args.json)
+    recall = f", predictor recall {res['predictor_recall']:.3f}" if "predictor_recall" in res else ""
     print(f"perplexity {res['ppl']:.4f} over {res['tokens_scored']} tokens "
-          f"({res['chunks']} chunks of {args.ctx}), FFN sparsity {res['ffn_sparsity']:.3f}")
+          f"({res['chunks']} chunks of {args.ctx}), FFN sparsity {res['ffn_sparsity']:.3f}{recall}")
     if args.json:
         _cli.print_json({**res, "model": args.model, "dtype": runtime.dtype, "threads": threads,
                          "sparsity": sparsity.mode, "threshold": sparsity.threshold,
+                         "target_sparsity": sparsity.target_sparsity, "impl": sparsity.impl,
                          "ctx": args.ctx})
 
 

@@ -5,7 +5,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from powerinfer_jax._cli import DEFAULT_CONTEXT_CAP
+from powerinfer_jax._cli import DEFAULT_CONTEXT_CAP, DEFAULT_TARGET_SPARSITY
 from powerinfer_jax.config import ModelConfig, RuntimeConfig, SparsityConfig
 from powerinfer_jax.models.transformer import Transformer, from_params
 from powerinfer_jax.runtime.decode import Engine
@@ -19,17 +19,23 @@ class Session:
     runtime: RuntimeConfig
     sparsity: SparsityConfig
     source: str
+    thresholds: tuple[float, ...] | None = None  # per-layer, from the sparsity artifacts
+    oracle_thresholds: tuple[float, ...] | None = None  # predictor mode: defines recall's oracle
     _engine: Engine | None = None
 
     @property
     def engine(self) -> Engine:
         if self._engine is None:
             max_len = self.runtime.max_seq_len or min(self.config.max_seq_len, DEFAULT_CONTEXT_CAP)
-            self._engine = Engine(self.model, max_seq_len=max_len, sparsity=self.sparsity)
+            self._engine = Engine(self.model, max_seq_len=max_len, sparsity=self.sparsity,
+                                  thresholds=self.thresholds)
         return self._engine
 
 
-def open_session(model: str, runtime: RuntimeConfig, sparsity: SparsityConfig) -> Session:
+def open_session(model: str, runtime: RuntimeConfig, sparsity: SparsityConfig, *,
+                 artifacts_root=None, progress: bool = True) -> Session:
+    """Load the model; for calibrated sparse modes also its sparsity artifacts (thresholds, and
+    predictors attached to each FFN), built on first use for a registry model."""
     from powerinfer_jax.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(model)
@@ -38,12 +44,29 @@ def open_session(model: str, runtime: RuntimeConfig, sparsity: SparsityConfig) -
                          f"context), got {runtime.max_seq_len}")
     dtype = jnp.dtype(runtime.dtype)
     m = from_params(ckpt.config, ckpt.params, dtype=dtype)
+    thresholds = oracle_thresholds = None
+    if sparsity.calibrated:
+        from powerinfer_jax.sparsity.artifacts import attach_predictors, ensure_artifacts
+
+        arts = ensure_artifacts(model, ckpt.source, m, ckpt.tokenizer, sparsity.target_sparsity,
+                                need_predictor=sparsity.mode == "predictor", root=artifacts_root,
+                                progress=progress)
+        thresholds = arts.thresholds_for(sparsity.mode)
+        if sparsity.mode == "predictor":
+            attach_predictors(m, arts.predictors)
+            oracle_thresholds = arts.thresholds_contribution
     return Session(config=ckpt.config, model=m, tokenizer=ckpt.tokenizer, runtime=runtime,
-                   sparsity=sparsity, source=str(ckpt.source))
+                   sparsity=sparsity, source=str(ckpt.source), thresholds=thresholds,
+                   oracle_thresholds=oracle_thresholds)
 
 
 def configs_from_args(args, **runtime_fields) -> tuple[RuntimeConfig, SparsityConfig]:
     runtime = RuntimeConfig(dtype=args.dtype, threads=args.threads, max_seq_len=args.max_seq_len,
                             **runtime_fields)
-    sparsity = SparsityConfig(mode=args.sparsity, threshold=args.threshold)
+    target = getattr(args, "target_sparsity", None)
+    if target is None and args.sparsity in ("threshold", "predictor"):
+        target = DEFAULT_TARGET_SPARSITY
+    sparsity = SparsityConfig(mode=args.sparsity, threshold=args.threshold,
+                              impl=getattr(args, "impl", "ffi"),
+                              target_sparsity=None if target is None else float(target))
     return runtime, sparsity
