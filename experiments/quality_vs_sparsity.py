@@ -1,0 +1,107 @@
+"""Hypothesis: on SmolLM2-135M (SwiGLU), skipping the FFN neurons with the smallest contributions
+costs little perplexity (oracle), a CATS-style gate threshold costs more, and trained low-rank
+predictors get close to the oracle at >= 50% sparsity with recall >= 0.90.
+
+Calibrates on wiki.train.txt (profiling --max-tokens tokens), evaluates on wiki.valid.txt
+(ctx 512, 16 chunks) for each target sparsity and mode; one JSONL row per (mode, target) appended
+to results/quality_vs_sparsity.jsonl. The artifacts of each target are also saved into the model's
+cache dir, where `--sparsity threshold|predictor` finds them.
+
+  python experiments/quality_vs_sparsity.py [--targets 0.3 0.5 ...] [--impl reference]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--targets", type=float, nargs="+", default=[0.3, 0.5, 0.6, 0.7, 0.8, 0.9])
+    p.add_argument("--impl", default="reference", choices=["ffi", "reference"])
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--chunks", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=32768)
+    p.add_argument("--rank", type=int, default=128)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=str(REPO / "results" / "quality_vs_sparsity.jsonl"))
+    p.add_argument("--save-artifacts", action=argparse.BooleanOptionalAction, default=True)
+    args = p.parse_args()
+
+    from powerinfer_jax import _cli
+
+    threads = _cli.configure_threads(args.threads)
+    from powerinfer_jax.checkpoint import load_checkpoint
+    from powerinfer_jax.config import SparsityConfig
+    from powerinfer_jax.evaluate import perplexity
+    from powerinfer_jax.models.transformer import from_params
+    from powerinfer_jax.sparsity import artifacts as A
+    from powerinfer_jax.sparsity import corpus as C
+    from powerinfer_jax.sparsity import profile as P
+    from powerinfer_jax.sparsity.predictor import TrainConfig
+
+    ckpt = load_checkpoint(args.model)
+    model = from_params(ckpt.config, ckpt.params)
+    tok = ckpt.tokenizer
+    fp = A.model_fingerprint(args.model, ckpt.source, ckpt.config)
+    train_files = [DATA / "wiki.train.txt"]
+    train_ids = tok.encode(C.read_corpus(train_files), add_bos=False)
+    valid_ids = tok.encode((DATA / "wiki.valid.txt").read_text(encoding="utf-8"), add_bos=False)
+    chunks = C.corpus_chunks(train_ids, args.ctx, args.max_tokens)
+    x_lnd = P.collect_ffn_inputs(model, chunks)
+    base = P.profile_activations(model, x_lnd)
+    common = {"model": args.model, "commit": _cli.git_commit(), "machine": _cli.machine_info(),
+              "threads": threads, "dtype": "float32", "impl": args.impl, "ctx": args.ctx,
+              "eval_chunks": args.chunks, "eval_text": "wiki.valid.txt",
+              "calib_text": "wiki.train.txt", "calib_tokens": int(chunks.size)}
+    out = open(args.out, "a")
+
+    def emit(row):
+        row = {**common, **row}
+        print(json.dumps({k: v for k, v in row.items() if k != "machine"}), flush=True)
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+
+    def ppl(mode, thresholds=None, oracle_thresholds=None):
+        t0 = time.perf_counter()
+        r = perplexity(model, valid_ids, ctx=args.ctx, max_chunks=args.chunks,
+                       sparsity=SparsityConfig(mode=mode, impl=args.impl), thresholds=thresholds,
+                       oracle_thresholds=oracle_thresholds, progress=True)
+        r["eval_s"] = time.perf_counter() - t0
+        return r
+
+    dense = ppl("dense")
+    emit({"mode": "dense", "target_sparsity": 0.0, **dense, "ppl_ratio": 1.0})
+    for target in args.targets:
+        train = TrainConfig(rank=args.rank, steps=args.steps)
+        arts, prof = A.build_for_target(model, x_lnd, base, target, train=train)
+        if args.save_artifacts:
+            A.save_artifacts(A.target_dir(A.artifacts_root(args.model, ckpt.source), target),
+                             arts, prof, fp)
+        for mode in ("oracle", "threshold", "predictor"):
+            extra = {}
+            if mode == "predictor":
+                A.attach_predictors(model, arts.predictors)
+                rep = arts.meta["predictor"]
+                extra = {"rank": args.rank, "train_steps": args.steps,
+                         "heldout_recall": rep["mean_recall"],
+                         "heldout_precision": rep["mean_precision"],
+                         "heldout_predicted_sparsity": rep["mean_predicted_sparsity"],
+                         "predictor_flops_fraction": rep["cost"]["flops_fraction"]}
+            r = ppl(mode, arts.thresholds_for(mode),
+                    arts.thresholds_contribution if mode == "predictor" else None)
+            emit({"mode": mode, "target_sparsity": target, **r,
+                  "ppl_ratio": r["ppl"] / dense["ppl"], **extra})
+    out.close()
+
+
+if __name__ == "__main__":
+    main()
