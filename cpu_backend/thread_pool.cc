@@ -67,21 +67,24 @@ void ThreadPool::RunErased(int64_t begin, int64_t end, TaskFn fn, void* ctx) {
   job_ctx_ = ctx;
   job_end_ = end;
   next_task_.store(begin, std::memory_order_relaxed);
-  pending_.store(num_threads_ - 1, std::memory_order_relaxed);
-  epoch_.fetch_add(1, std::memory_order_release);  // publishes the job fields above
+  inside_.store(0, std::memory_order_release);  // publishes the job fields above to check-ins
+  epoch_.fetch_add(1, std::memory_order_release);
   epoch_.notify_all();
 
   DrainTasks(0);
 
-  // Wait for every worker to leave the job (not merely for the tasks to be claimed): fn and ctx
-  // live on the caller's stack and must outlive every use.
+  // Close the job, then wait only for the workers that checked in before it closed: fn and ctx
+  // live on the caller's stack and must outlive every use, but a worker that was not scheduled
+  // in time (a busy machine) never touches the job, so the caller need not wait for it.
+  const uint32_t left = inside_.fetch_or(kClosed, std::memory_order_acq_rel) & ~kClosed;
+  if (left == 0) return;
   for (int spin = 0;; ++spin) {
-    const int left = pending_.load(std::memory_order_acquire);
-    if (left == 0) return;
+    const uint32_t now = inside_.load(std::memory_order_acquire);
+    if ((now & ~kClosed) == 0) return;
     if (spin < kSpinIterations) {
       CpuRelax();
     } else {
-      pending_.wait(left, std::memory_order_acquire);
+      inside_.wait(now, std::memory_order_acquire);
     }
   }
 }
@@ -99,8 +102,9 @@ void ThreadPool::WorkerLoop(int worker, uint32_t seen) {
     }
     seen = now;
     if (stop_.load(std::memory_order_relaxed)) return;
-    DrainTasks(worker);
-    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) pending_.notify_one();
+    // Check in; a job already closed (the caller finished without us) is left untouched.
+    if ((inside_.fetch_add(1, std::memory_order_acq_rel) & kClosed) == 0) DrainTasks(worker);
+    if (inside_.fetch_sub(1, std::memory_order_acq_rel) == (kClosed | 1u)) inside_.notify_one();
   }
 }
 

@@ -72,10 +72,14 @@ class ThreadPool {
   TaskFn job_fn_ = nullptr;
   void* job_ctx_ = nullptr;
   int64_t job_end_ = 0;
-  // Each on its own cache line: workers hammer next_task_ while the caller waits on pending_.
+  // Each on its own cache line: workers hammer next_task_ while the caller waits on inside_.
   alignas(64) std::atomic<int64_t> next_task_{0};
   alignas(64) std::atomic<uint32_t> epoch_{0};
-  alignas(64) std::atomic<int> pending_{0};  // workers still inside the current job
+  // Workers inside the current job (low bits) and kClosed once the caller has finished its share:
+  // a worker that checks in after that leaves at once, so the caller waits only for workers that
+  // actually started, never for one the OS has not scheduled.
+  static constexpr uint32_t kClosed = 1u << 31;
+  alignas(64) std::atomic<uint32_t> inside_{kClosed};
   std::atomic<bool> stop_{false};
 };
 
