@@ -91,3 +91,16 @@ def check_rms_norm(x, scale, eps) -> float:
     if not (math.isfinite(e) and e > 0):
         fail("eps", "a finite float > 0", eps)
     return e
+
+
+def check_linear(x, w, b) -> None:
+    if np.ndim(x) < 1:
+        fail("x shape", "rank >= 1 ([..., D])", _shape(x))
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        fail("x dtype", "a floating dtype", jnp.result_type(x))
+    if np.ndim(w) != 2 or _shape(w)[1] != _shape(x)[-1]:
+        fail("w shape", f"[O, D] with D = {_shape(x)[-1]} (x's last dim)", _shape(w))
+    if jnp.result_type(w) not in WEIGHT_DTYPES:
+        fail("w dtype", "float32, bfloat16 or float16", jnp.result_type(w))
+    if b is not None and _shape(b) != _shape(w)[:1]:
+        fail("b shape", f"[O] = {_shape(w)[:1]}", _shape(b))

@@ -25,6 +25,7 @@ except ImportError:
 
 SPARSE_FFN_TARGET = "pij_sparse_ffn"
 RMS_NORM_TARGET = "pij_rms_norm"
+LINEAR_TARGET = "pij_linear"
 
 
 def _register() -> None:
@@ -77,6 +78,13 @@ def sparse_ffn(x, w_up, w_down_t, *, w_gate, b_up, b_down, scores, threshold, ac
         vmap_method="expand_dims")
     return call(*operands, threshold=np.float32(threshold), activation=activation,
                 criterion=criterion)
+
+
+def linear(x, w, b):
+    x32 = jnp.asarray(x, jnp.float32)
+    out = jax.ShapeDtypeStruct(x32.shape[:-1] + (w.shape[-2],), jnp.float32)
+    call = jax.ffi.ffi_call(LINEAR_TARGET, out, vmap_method="expand_dims")
+    return call(x32, w, _absent((0,), jnp.float32) if b is None else jnp.asarray(b, jnp.float32))
 
 
 def rms_norm(x, scale, *, eps):

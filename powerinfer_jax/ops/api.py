@@ -27,6 +27,20 @@ def sparse_ffn(x, w_up, w_down_t, *, w_gate=None, b_up=None, b_down=None, scores
     return _ffi.sparse_ffn(x, w_up, w_down_t, **kwargs)
 
 
+def linear(x, w, b=None, *, impl="ffi"):
+    """Dense y = x @ w.T (+ b) with w stored [O, D] (f32/bf16/f16), float32 accumulation.
+
+    x: [..., D] any float dtype (cast to f32). Returns y [..., O] float32. The FFI kernel streams
+    each weight row once per call at its stored width: the decode-time matvec.
+    """
+    _checks.check_choice("impl", impl, _checks.IMPLS)
+    _checks.check_linear(x, w, b)
+    if impl == "reference":
+        return reference.linear(x, w, b)
+    from powerinfer_jax.ops import _ffi
+    return _ffi.linear(x, w, b)
+
+
 def rms_norm(x, scale, *, eps, impl="ffi"):
     """x * rsqrt(mean(x^2, -1) + eps) * scale, computed in float32, returned in x.dtype."""
     _checks.check_choice("impl", impl, _checks.IMPLS)

@@ -46,6 +46,13 @@ def sparse_ffn(x, w_up, w_down_t, *, w_gate=None, b_up=None, b_down=None, scores
     return y_td, jnp.sum(mask_tf, axis=-1, dtype=jnp.int32)
 
 
+def linear(x, w, b=None):
+    """y = x @ w.T (+ b) in float32; w stored [O, D]."""
+    y = jnp.einsum("...D,OD->...O", jnp.asarray(x, jnp.float32), w.astype(jnp.float32),
+                   precision=_HIGHEST)
+    return y if b is None else y + b.astype(jnp.float32)
+
+
 def rms_norm(x, scale, *, eps):
     """x * rsqrt(mean(x^2) + eps) * scale in float32, returned in x.dtype."""
     x32 = jnp.asarray(x, jnp.float32)

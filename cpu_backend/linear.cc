@@ -1,0 +1,61 @@
+#include "cpu_backend/linear.h"
+
+#include <algorithm>
+
+#include "cpu_backend/sparse_ffn_kernel.h"
+
+namespace pij {
+namespace {
+
+// Below this many weight elements one thread finishes before a wake-up would pay off.
+constexpr int64_t kParallelMinElements = 1 << 15;
+// Rows per task: several tasks per thread even out cores that run at different speeds, while each
+// task still streams a long contiguous stretch of the weight matrix.
+constexpr int64_t kTasksPerThread = 4;
+
+template <typename W>
+void Rows(const W* w, const float* bias, int64_t out_dim, int64_t dim,
+          std::span<const float* const> x_rows, float* y, int64_t lo, int64_t hi) {
+  const int64_t num_tokens = static_cast<int64_t>(x_rows.size());
+  float unused[internal::kMaxGroup];
+  float dots[internal::kMaxGroup];
+  for (int64_t o = lo; o < hi; ++o) {
+    const W* row = w + o * dim;
+    const float b = bias != nullptr ? bias[o] : 0.0f;
+    for (int64_t t0 = 0; t0 < num_tokens; t0 += internal::kMaxGroup) {
+      const float* const* x = x_rows.data() + t0;
+      const int64_t n = std::min<int64_t>(internal::kMaxGroup, num_tokens - t0);
+      switch (n) {  // one pass over the row serves up to kMaxGroup tokens
+        case 1: internal::NeuronDots<W, 1, false>(nullptr, row, x, dim, unused, dots); break;
+        case 2: internal::NeuronDots<W, 2, false>(nullptr, row, x, dim, unused, dots); break;
+        case 3: internal::NeuronDots<W, 3, false>(nullptr, row, x, dim, unused, dots); break;
+        default: internal::NeuronDots<W, 4, false>(nullptr, row, x, dim, unused, dots); break;
+      }
+      for (int64_t t = 0; t < n; ++t) y[(t0 + t) * out_dim + o] = dots[t] + b;
+    }
+  }
+}
+
+}  // namespace
+
+template <typename W>
+void Linear(const W* w, const float* bias, int64_t out_dim, int64_t dim,
+            std::span<const float* const> x_rows, float* y, ThreadPool& pool) {
+  if (out_dim * dim < kParallelMinElements || pool.NumThreads() == 1) {
+    Rows(w, bias, out_dim, dim, x_rows, y, 0, out_dim);
+    return;
+  }
+  const int64_t tasks = std::min<int64_t>(out_dim, pool.NumThreads() * kTasksPerThread);
+  pool.Run(0, tasks, [&](int64_t task, int /*worker*/) {
+    Rows(w, bias, out_dim, dim, x_rows, y, out_dim * task / tasks, out_dim * (task + 1) / tasks);
+  });
+}
+
+template void Linear<float>(const float*, const float*, int64_t, int64_t,
+                            std::span<const float* const>, float*, ThreadPool&);
+template void Linear<Bf16>(const Bf16*, const float*, int64_t, int64_t,
+                           std::span<const float* const>, float*, ThreadPool&);
+template void Linear<F16>(const F16*, const float*, int64_t, int64_t,
+                          std::span<const float* const>, float*, ThreadPool&);
+
+}  // namespace pij
