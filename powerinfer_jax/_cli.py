@@ -39,6 +39,9 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impl", default="ffi", choices=["ffi", "reference"],
                    help="sparse FFN implementation: the compiled custom call or its pure-jnp "
                         "reference (default: %(default)s)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "xla", "ffi"],
+                   help="who runs the dense matmuls: XLA, or the project's custom calls on the C++ "
+                        "thread pool (auto: the custom calls on CPU) (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help=f"KV cache length (default: min(model context, {DEFAULT_CONTEXT_CAP}))")
     p.add_argument("--json", action=argparse.BooleanOptionalAction, default=False,

@@ -78,7 +78,8 @@ def row_header(args, threads: int) -> dict:
     return {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": _cli.git_commit(), "machine": _cli.machine_info(), "threads": threads,
             "dtype": args.dtype, "model": args.model, "sparsity": args.sparsity,
-            "threshold": args.threshold, "jax": jax.__version__,
+            "threshold": args.threshold, "kernels": getattr(args, "kernels", "auto"),
+            "jax": jax.__version__,
             "backend": jax.default_backend(), "tag": args.tag}
 
 

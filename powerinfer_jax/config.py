@@ -143,6 +143,7 @@ class RuntimeConfig:
     dtype: str = "float32"
     threads: int | None = None
     max_seq_len: int | None = None  # KV cache length; None: min(model context, 2048)
+    kernels: str = "auto"  # dense matmuls: "xla", "ffi" (custom calls), "auto" (ffi on CPU)
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 0
@@ -151,6 +152,7 @@ class RuntimeConfig:
 
     def __post_init__(self):
         _check_choice("--dtype", self.dtype, DTYPES)
+        _check_choice("--kernels", self.kernels, ("auto", "xla", "ffi"))
         if self.threads is not None:
             _check_positive("--threads", self.threads)
         if self.max_seq_len is not None:

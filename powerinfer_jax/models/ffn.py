@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from powerinfer_jax.config import SparsityConfig
-from powerinfer_jax.models.layers import F32, Linear, _param, matmul
+from powerinfer_jax.models.layers import F32, Linear, _param, use_ffi
 
 
 def activate(name: str, x):
@@ -47,10 +47,12 @@ class DownT(nnx.Module):
 
 class FFN(nnx.Module):
     def __init__(self, *, d_model: int, d_ff: int, activation: str, gated: bool, bias: bool,
-                 dtype, rngs: nnx.Rngs | None):
+                 dtype, rngs: nnx.Rngs | None, kernels: str = "xla"):
         self.activation = activation
-        self.gate = Linear(d_model, d_ff, bias=False, dtype=dtype, rngs=rngs) if gated else None
-        self.up = Linear(d_model, d_ff, bias=bias, dtype=dtype, rngs=rngs)
+        self.kernels = kernels
+        lin = dict(dtype=dtype, rngs=rngs, kernels=kernels)
+        self.gate = Linear(d_model, d_ff, bias=False, **lin) if gated else None
+        self.up = Linear(d_model, d_ff, bias=bias, **lin)
         self.down_t = DownT(d_ff, d_model, bias=bias, dtype=dtype, rngs=rngs)
         self.predictor = nnx.data(None)  # a sparsity.predictor.Predictor, for predictor mode
 
@@ -59,16 +61,20 @@ class FFN(nnx.Module):
         up = self.up(x_btd)
         if self.gate is None:
             return activate(self.activation, up)
-        return activate(self.activation, matmul(x_btd, self.gate.weight[...])) * up
+        return activate(self.activation, self.gate(x_btd)) * up
 
     def dense(self, x_btd):
+        if use_ffi(self.kernels, x_btd, self.up.weight[...]):
+            # Every neuron through the custom call: "oracle" with threshold 0 skips only exact
+            # zeros, so this is the dense FFN, with rows streamed at their stored width.
+            return self.sparse(x_btd, scores=None, threshold=0.0, impl="ffi")[0]
         return self.down_t(self.activations(x_btd))
 
     def gate_magnitude(self, x_btd):
         """|act(gate . x)| [B, T, F] (non-gated: |a|), the threshold mode's criterion."""
         if self.gate is None:
             return jnp.abs(self.activations(x_btd))
-        return jnp.abs(activate(self.activation, matmul(x_btd, self.gate.weight[...])))
+        return jnp.abs(activate(self.activation, self.gate(x_btd)))
 
     def mode_scores(self, x_btd, mode: str):
         """The scores [B, T, F] a sparse mode compares with its threshold (None: oracle)."""
@@ -88,10 +94,14 @@ class FFN(nnx.Module):
         """
         if sparsity.mode == "dense":
             return self.dense(x_btd), None
-        from powerinfer_jax import ops  # the compiled extension is only needed for sparse modes
-
         if scores is None:
             scores = self.mode_scores(x_btd, sparsity.mode)
+        return self.sparse(x_btd, scores=scores, threshold=threshold, impl=sparsity.impl)
+
+    def sparse(self, x_btd, *, scores, threshold: float, impl: str):
+        """The custom call: neurons with scores > threshold, or |a_i| > threshold if scores is None."""
+        from powerinfer_jax import ops
+
         criterion = "oracle" if scores is None else "scores"
         return ops.sparse_ffn(
             x_btd, self.up.weight[...], self.down_t.weight[...],
@@ -99,4 +109,4 @@ class FFN(nnx.Module):
             b_up=None if self.up.bias is None else self.up.bias[...],
             b_down=None if self.down_t.bias is None else self.down_t.bias[...],
             scores=scores, threshold=float(threshold), activation=self.activation,
-            criterion=criterion, impl=sparsity.impl)
+            criterion=criterion, impl=impl)

@@ -8,8 +8,16 @@ Weights are stored [out, in] ("neuron-major", like HF's Linear), so a matrix-vec
 each output row contiguously and the checkpoint names map onto module paths one to one.
 Activations between layers are float32; matmul inputs are cast to the weight dtype and accumulate in
 float32 (`preferred_element_type`), so bfloat16 weights halve the bytes read without a bf16 residual.
+
+`kernels` (a static module attribute) picks who runs the matmuls: "xla" (jnp.einsum) or "ffi" (the
+project's `ops.linear` custom call on the C++ thread pool). On CPU, XLA has no fast bfloat16 dot
+(~20x slower than streaming the rows, measured) and reads float32 below bandwidth at decode sizes;
+so with "ffi", bfloat16/float16 matmuls always use the custom call, float32 ones only for
+decode-sized inputs (<= FFI_F32_MAX_ROWS rows), where XLA's blocked GEMM wins beyond that.
 """
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +25,37 @@ from flax import nnx
 
 F32 = jnp.float32
 _NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
+KERNELS = ("xla", "ffi")
+FFI_F32_MAX_ROWS = 4  # the C++ kernel's token group: one pass over each weight row
 
 
-def matmul(x, w_od):
+def resolve_kernels(kernels: str) -> str:
+    """"auto" -> "ffi" on the CPU backend when the extension is built, else "xla"."""
+    if kernels in KERNELS:
+        return kernels
+    if kernels != "auto":
+        raise ValueError(f"kernels: expected one of ['auto', 'xla', 'ffi'], got {kernels!r}")
+    if jax.default_backend() != "cpu":
+        return "xla"
+    try:
+        from powerinfer_jax.ops import _ffi  # noqa: F401  (builds and registers the targets)
+    except ImportError:
+        return "xla"
+    return "ffi"
+
+
+def use_ffi(kernels: str, x, w) -> bool:
+    """Whether a matmul of x [..., I] with w takes the custom call (see the module docstring)."""
+    rows = math.prod(x.shape[:-1])
+    return kernels == "ffi" and (w.dtype != F32 or rows <= FFI_F32_MAX_ROWS)
+
+
+def matmul(x, w_od, kernels: str = "xla"):
     """x [..., I] times a weight stored [O, I] -> [..., O], float32 accumulation."""
+    if use_ffi(kernels, x, w_od):
+        from powerinfer_jax import ops
+
+        return ops.linear(x, w_od)
     return jnp.einsum("...i,oi->...o", x.astype(w_od.dtype), w_od, preferred_element_type=F32)
 
 
@@ -34,12 +69,14 @@ def _param(shape, dtype, rngs: nnx.Rngs | None, scale: float | None = None, fill
 class Linear(nnx.Module):
     """y = x @ weight.T (+ bias); weight [out, in]."""
 
-    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs | None):
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs | None,
+                 kernels: str = "xla"):
+        self.kernels = kernels
         self.weight = _param((d_out, d_in), dtype, rngs, scale=d_in ** -0.5)
         self.bias = _param((d_out,), F32, None) if bias else None
 
     def __call__(self, x):
-        y = matmul(x, self.weight[...])
+        y = matmul(x, self.weight[...], self.kernels)
         return y + self.bias[...] if self.bias is not None else y
 
 
@@ -77,13 +114,15 @@ class Attention(nnx.Module):
     """Multi-head attention with grouped KV heads and an optional fixed-size KV cache."""
 
     def __init__(self, *, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                 bias: bool, use_rope: bool, rope_theta: float, dtype, rngs: nnx.Rngs | None):
+                 bias: bool, use_rope: bool, rope_theta: float, dtype, rngs: nnx.Rngs | None,
+                 kernels: str = "xla"):
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.use_rope, self.rope_theta = use_rope, rope_theta
-        self.q = Linear(d_model, n_heads * head_dim, bias=bias, dtype=dtype, rngs=rngs)
-        self.k = Linear(d_model, n_kv_heads * head_dim, bias=bias, dtype=dtype, rngs=rngs)
-        self.v = Linear(d_model, n_kv_heads * head_dim, bias=bias, dtype=dtype, rngs=rngs)
-        self.o = Linear(n_heads * head_dim, d_model, bias=bias, dtype=dtype, rngs=rngs)
+        lin = dict(bias=bias, dtype=dtype, rngs=rngs, kernels=kernels)
+        self.q = Linear(d_model, n_heads * head_dim, **lin)
+        self.k = Linear(d_model, n_kv_heads * head_dim, **lin)
+        self.v = Linear(d_model, n_kv_heads * head_dim, **lin)
+        self.o = Linear(n_heads * head_dim, d_model, **lin)
 
     def __call__(self, x_btd, positions_bt, cache=None, cache_index=None, kv_len=None):
         """cache: None (attend within x only) or (k_bskh, v_bskh); new keys are written at slots

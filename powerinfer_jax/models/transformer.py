@@ -16,20 +16,21 @@ from flax import nnx
 
 from powerinfer_jax.config import ModelConfig, SparsityConfig
 from powerinfer_jax.models.ffn import FFN
-from powerinfer_jax.models.layers import F32, Attention, Linear, Norm
+from powerinfer_jax.models.layers import (F32, Attention, Linear, Norm, matmul,
+                                         resolve_kernels)
 
 
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x))."""
 
-    def __init__(self, c: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
+    def __init__(self, c: ModelConfig, *, dtype, rngs: nnx.Rngs | None, kernels: str):
         self.attn_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps)
         self.attn = Attention(d_model=c.d_model, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
                               head_dim=c.head_dim, bias=c.bias, use_rope=c.positions == "rope",
-                              rope_theta=c.rope_theta, dtype=dtype, rngs=rngs)
+                              rope_theta=c.rope_theta, dtype=dtype, rngs=rngs, kernels=kernels)
         self.ffn_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps)
         self.ffn = FFN(d_model=c.d_model, d_ff=c.d_ff, activation=c.activation, gated=c.gated,
-                       bias=c.bias, dtype=dtype, rngs=rngs)
+                       bias=c.bias, dtype=dtype, rngs=rngs, kernels=kernels)
 
     def __call__(self, x_btd, positions_bt, cache, cache_index, kv_len, *, sparsity, threshold,
                  scores):
@@ -43,18 +44,24 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype=F32, rngs: nnx.Rngs | None = None):
-        """rngs: random weights (tests, tiny models); None: constant placeholders to be loaded."""
+    def __init__(self, config: ModelConfig, *, dtype=F32, rngs: nnx.Rngs | None = None,
+                 kernels: str = "xla"):
+        """rngs: random weights (tests, tiny models); None: constant placeholders to be loaded.
+        kernels: "xla", "ffi" or "auto" (see models/layers.py)."""
         c = config
+        kernels = resolve_kernels(kernels)
         self.config = c
+        self.kernels = kernels
         self.dtype = jnp.dtype(dtype)
         self.tok_embed = _embedding((c.vocab_size, c.d_model), dtype, rngs)
         self.pos_embed = (_embedding((c.max_seq_len + c.position_offset, c.d_model), dtype, rngs)
                           if c.positions == "learned" else None)
-        self.layers = nnx.List([Block(c, dtype=dtype, rngs=rngs) for _ in range(c.n_layers)])
+        self.layers = nnx.List([Block(c, dtype=dtype, rngs=rngs, kernels=kernels)
+                                for _ in range(c.n_layers)])
         self.final_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps)
         self.lm_head = (None if c.tie_embeddings else
-                        Linear(c.d_model, c.vocab_size, bias=False, dtype=dtype, rngs=rngs))
+                        Linear(c.d_model, c.vocab_size, bias=False, dtype=dtype, rngs=rngs,
+                               kernels=kernels))
 
     def hidden(self, tokens_bt, positions_bt, cache=None, cache_index=None, kv_len=None, *,
                sparsity: SparsityConfig = SparsityConfig(), thresholds=None,
@@ -87,7 +94,7 @@ class Transformer(nnx.Module):
     def logits(self, h_btd):
         """Vocabulary logits [B, T, V] in float32."""
         w = self.tok_embed[...] if self.lm_head is None else self.lm_head.weight[...]
-        return jnp.einsum("btd,vd->btv", h_btd.astype(w.dtype), w, preferred_element_type=F32)
+        return matmul(h_btd, w, self.kernels)
 
     def __call__(self, tokens_bt, positions_bt=None, **kwargs):
         if positions_bt is None:
@@ -120,13 +127,15 @@ def param_names(config: ModelConfig) -> list[str]:
     return [_param_name(p) for p, _ in nnx.to_flat_state(nnx.state(abstract, nnx.Param))]
 
 
-def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=F32) -> Transformer:
+def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=F32,
+                kernels: str = "auto") -> Transformer:
     """Build a Transformer from canonical named arrays (e.g. a loaded checkpoint).
 
     Matrices take `dtype`; norms and biases stay float32. Missing, unexpected or misshaped tensors
-    are a ValueError naming them.
+    are a ValueError naming them. kernels: see models/layers.py ("auto": the custom calls on CPU).
     """
-    model = nnx.eval_shape(lambda: Transformer(config, dtype=dtype))
+    kernels = resolve_kernels(kernels)
+    model = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, kernels=kernels))
     state = nnx.state(model, nnx.Param)
     flat = nnx.to_flat_state(state)
     expected = {_param_name(p) for p, _ in flat}

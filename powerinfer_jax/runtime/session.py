@@ -43,7 +43,7 @@ def open_session(model: str, runtime: RuntimeConfig, sparsity: SparsityConfig, *
         raise ValueError(f"--max-seq-len: expected at most {ckpt.config.max_seq_len} (the model's "
                          f"context), got {runtime.max_seq_len}")
     dtype = jnp.dtype(runtime.dtype)
-    m = from_params(ckpt.config, ckpt.params, dtype=dtype)
+    m = from_params(ckpt.config, ckpt.params, dtype=dtype, kernels=runtime.kernels)
     thresholds = oracle_thresholds = None
     if sparsity.calibrated:
         from powerinfer_jax.sparsity.artifacts import attach_predictors, ensure_artifacts
@@ -62,7 +62,7 @@ def open_session(model: str, runtime: RuntimeConfig, sparsity: SparsityConfig, *
 
 def configs_from_args(args, **runtime_fields) -> tuple[RuntimeConfig, SparsityConfig]:
     runtime = RuntimeConfig(dtype=args.dtype, threads=args.threads, max_seq_len=args.max_seq_len,
-                            **runtime_fields)
+                            kernels=getattr(args, "kernels", "auto"), **runtime_fields)
     target = getattr(args, "target_sparsity", None)
     if target is None and args.sparsity in ("threshold", "predictor"):
         target = DEFAULT_TARGET_SPARSITY
