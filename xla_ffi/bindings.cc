@@ -4,6 +4,9 @@
 
 #include <stdexcept>
 
+#include <nanobind/ndarray.h>
+
+#include "cpu_backend/bandwidth.h"
 #include "cpu_backend/simd.h"
 #include "xla_ffi/cpu_handlers.h"
 #include "xla_ffi/cpu_runtime.h"
@@ -36,6 +39,10 @@ NB_MODULE(_pij_ext, m) {
     pij::GetCpuRuntime().pool.SetNumThreads(n);
   }, nb::arg("n"), "Resize the kernel thread pool (the calling thread counts as one).");
   m.def("get_num_threads", []() { return pij::GetCpuRuntime().pool.NumThreads(); });
+  m.def("stream_sum", [](nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> a) {
+    nb::gil_scoped_release release;
+    return pij::StreamSum(std::span<const float>(a.data(), a.shape(0)), pij::GetCpuRuntime().pool);
+  }, nb::arg("data"), "Sum a float32 array with all pool threads: times the machine's read bandwidth.");
   m.def("simd_name", []() { return pij::simd::Name(); },
         "The vector instruction set the kernels were compiled for.");
 }

@@ -1,0 +1,31 @@
+#include "cpu_backend/bandwidth.h"
+
+#include <vector>
+
+#include "cpu_backend/simd.h"
+
+namespace pij {
+
+float StreamSum(std::span<const float> data, ThreadPool& pool) {
+  const int64_t n = static_cast<int64_t>(data.size());
+  const int64_t chunks = pool.NumThreads();
+  std::vector<float> partial(chunks, 0.0f);
+  pool.Run(0, chunks, [&](int64_t c, int /*worker*/) {
+    const int64_t lo = n * c / chunks;
+    const int64_t hi = n * (c + 1) / chunks;
+    // Four independent accumulators keep several loads in flight.
+    simd::Vec acc[4] = {simd::Zero(), simd::Zero(), simd::Zero(), simd::Zero()};
+    int64_t i = lo;
+    for (; i + 4 * simd::kLanes <= hi; i += 4 * simd::kLanes) {
+      for (int u = 0; u < 4; ++u) acc[u] = simd::Add(acc[u], simd::Load(&data[i + u * simd::kLanes]));
+    }
+    float sum = simd::ReduceSum(simd::Add(simd::Add(acc[0], acc[1]), simd::Add(acc[2], acc[3])));
+    for (; i < hi; ++i) sum += data[i];
+    partial[c] = sum;
+  });
+  float total = 0.0f;
+  for (const float p : partial) total += p;
+  return total;
+}
+
+}  // namespace pij

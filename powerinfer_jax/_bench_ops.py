@@ -1,0 +1,109 @@
+"""`bench --op sparse_ffn`: the sparse FFN custom call alone, against dense formulations.
+
+Validates first (max_abs_err vs the jnp reference on the same inputs), then times, then does the
+napkin math: bytes of the active rows read per call / time, next to the machine's read bandwidth
+measured in the same run (all pool threads streaming a 256 MiB buffer).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_BANDWIDTH_BYTES = 256 << 20
+
+
+def _median_us(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile + warm caches
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def read_bandwidth_gbs(repeats: int = 5) -> float:
+    """The machine's read bandwidth (GB/s) with the kernel thread pool's current thread count."""
+    from powerinfer_jax.ops import _ffi
+
+    data = np.ones(_BANDWIDTH_BYTES // 4, np.float32)
+    _ffi._pij_ext.stream_sum(data)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _ffi._pij_ext.stream_sum(data)
+        best = min(best, time.perf_counter() - t0)
+    return data.nbytes / best / 1e9
+
+
+def bench_sparse_ffn(*, d: int, f: int, t: int, active: float, dtype: str, gated: bool,
+                     repeats: int) -> dict:
+    from powerinfer_jax import ops
+
+    if not 0.0 < active <= 1.0:
+        raise ValueError(f"--active: expected a fraction in (0, 1], got {active}")
+    for name, v in (("--d", d), ("--f", f), ("--t", t)):
+        if v < 1:
+            raise ValueError(f"{name}: expected a positive integer, got {v}")
+    wdt = jnp.dtype(dtype)
+    rng = np.random.default_rng(0)
+    w = lambda: jnp.asarray(rng.standard_normal((f, d), np.float32) / np.sqrt(d), wdt)
+    w_up, w_down_t = w(), w()
+    w_gate = w() if gated else None
+    x = jnp.asarray(rng.standard_normal((t, d), np.float32))
+    # The same neurons active for every token (a decode step's set; for T > 1 the union is the same).
+    n_active = max(1, round(active * f))
+    mask = np.zeros((t, f), np.float32)
+    mask[:, rng.permutation(f)[:n_active]] = 1.0
+    scores = jnp.asarray(mask)
+
+    def sparse(x, w_up, w_down_t, w_gate, scores):
+        return ops.sparse_ffn(x, w_up, w_down_t, w_gate=w_gate, scores=scores, threshold=0.5,
+                              activation="silu")[0]
+
+    def dense_all(x, w_up, w_down_t, w_gate):  # our kernel, every neuron
+        return ops.sparse_ffn(x, w_up, w_down_t, w_gate=w_gate, threshold=0.0,
+                              activation="silu", criterion="oracle")[0]
+
+    def xla_native(x, w_up, w_down_t, w_gate):  # XLA dots in the weight dtype, f32 accumulation
+        mm = lambda a, b, s: jnp.einsum(s, a.astype(b.dtype), b, preferred_element_type=jnp.float32)
+        up = mm(x, w_up, "td,fd->tf")
+        a = up if w_gate is None else jax.nn.silu(mm(x, w_gate, "td,fd->tf")) * up
+        a = a if w_gate is not None else jax.nn.silu(a)
+        return mm(a, w_down_t, "tf,fd->td")
+
+    def xla_upcast(x, w_up, w_down_t, w_gate):  # weights widened to f32, then XLA's f32 GEMM
+        f32 = lambda a: a.astype(jnp.float32)
+        up = x @ f32(w_up).T
+        a = up if w_gate is None else jax.nn.silu(x @ f32(w_gate).T) * up
+        a = a if w_gate is not None else jax.nn.silu(a)
+        return a @ f32(w_down_t)
+
+    got = jax.jit(sparse)(x, w_up, w_down_t, w_gate, scores)
+    want = ops.sparse_ffn(x, w_up, w_down_t, w_gate=w_gate, scores=scores, threshold=0.5,
+                          activation="silu", impl="reference")[0]
+    max_abs_err = float(jnp.max(jnp.abs(got - want)))
+    sparse_us = _median_us(jax.jit(sparse), x, w_up, w_down_t, w_gate, scores, repeats=repeats)
+    dense_ffi_us = _median_us(jax.jit(dense_all), x, w_up, w_down_t, w_gate, repeats=repeats)
+    dense_variants = {"xla_native": xla_native}
+    if wdt != jnp.float32:
+        dense_variants["xla_upcast"] = xla_upcast
+    xla_us = {k: _median_us(jax.jit(fn), x, w_up, w_down_t, w_gate, repeats=max(3, repeats // 4))
+              for k, fn in dense_variants.items()}
+    best = min(xla_us, key=xla_us.get)
+    rows_per_neuron = 3 if gated else 2
+    active_bytes = n_active * rows_per_neuron * d * wdt.itemsize
+    bw = read_bandwidth_gbs()
+    gbps = active_bytes / (sparse_us * 1e-6) / 1e9
+    return {
+        "d": d, "f": f, "t": t, "active": active, "n_active": n_active, "weight_dtype": dtype,
+        "gated": gated, "sparse_us": sparse_us, "dense_us": xla_us[best], "dense_formulation": best,
+        "dense_xla_us": xla_us, "dense_ffi_us": dense_ffi_us,
+        "speedup": xla_us[best] / sparse_us, "speedup_vs_dense_ffi": dense_ffi_us / sparse_us,
+        "max_abs_err": max_abs_err, "gbps": gbps, "read_bandwidth_gbs": bw,
+        "bandwidth_fraction": gbps / bw, "repeats": repeats,
+    }
