@@ -1,0 +1,49 @@
+"""CUDA sparse FFN handler vs the jnp reference. Needs a GPU and a PIJ_CUDA=ON build; skips
+otherwise (this suite's CI machines have no GPU: run it on one, see BUILD.md)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from powerinfer_jax import ops
+
+
+def _gpu():
+    try:
+        from powerinfer_jax.ops import _ffi
+    except ImportError:
+        return None
+    gpus = [d for d in jax.devices() if d.platform == "gpu"] if jax.default_backend() == "gpu" else []
+    return gpus[0] if gpus and _ffi._pij_cuda is not None else None
+
+
+pytestmark = pytest.mark.skipif(_gpu() is None, reason="needs a GPU and the PIJ_CUDA=ON build")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("criterion", ["scores", "oracle"])
+def test_cuda_matches_reference(dtype, gated, t, criterion):
+    rng = np.random.default_rng(0)
+    d, f = 96, 301
+    w = lambda: jnp.asarray(rng.standard_normal((f, d), np.float32) / np.sqrt(d), dtype)
+    args = dict(w_gate=w() if gated else None, b_up=None, b_down=None,
+                activation="silu" if gated else "relu", criterion=criterion)
+    x = jnp.asarray(rng.standard_normal((t, d), np.float32))
+    w_up, w_down_t = w(), w()
+    if criterion == "scores":
+        args.update(scores=jnp.asarray((rng.random((t, f)) < 0.3).astype(np.float32)),
+                    threshold=0.5)
+    else:
+        args.update(threshold=0.05)
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        want_y, want_n = ops.sparse_ffn(x, w_up, w_down_t, impl="reference", **args)
+    gpu = _gpu()
+    put = lambda a: None if a is None else jax.device_put(a, gpu)
+    got_y, got_n = jax.jit(lambda x, u, dn, g, s: ops.sparse_ffn(
+        x, u, dn, **{**args, "w_gate": g, "scores": s}))(
+        put(x), put(w_up), put(w_down_t), put(args["w_gate"]), put(args.get("scores")))
+    np.testing.assert_allclose(np.asarray(got_y), np.asarray(want_y), rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(got_n), np.asarray(want_n))
