@@ -58,3 +58,20 @@ def test_perplexity_within_one_percent_of_hf(ours, hf_model):
     assert res["tokens_scored"] == 16 * 511
     assert 5 < res["ppl"] < 40, res  # sanity: a wrong Q/K layout lands near 180
     assert abs(res["ppl"] / hf_ppl - 1) < 0.01, (res["ppl"], hf_ppl)
+
+
+@pytest.mark.skipif(not VALID.is_file(), reason=f"{VALID} not present (shared data folder)")
+def test_oracle_at_threshold_zero_equals_dense(ours):
+    """Oracle sparsity skips only exact zeros at threshold 0: same perplexity and greedy tokens
+    as dense, but through the sparse FFN custom call (the dense f32 path here is XLA's)."""
+    ckpt, model = ours
+    ids = ckpt.tokenizer.encode(VALID.read_text(encoding="utf-8"), add_bos=False)
+    dense = perplexity(model, ids, ctx=512, max_chunks=4, sparsity=SparsityConfig())
+    oracle = perplexity(model, ids, ctx=512, max_chunks=4,
+                        sparsity=SparsityConfig(mode="oracle", threshold=0.0))
+    assert abs(oracle["ppl"] / dense["ppl"] - 1) < 1e-4, (oracle["ppl"], dense["ppl"])
+    prompt = ckpt.tokenizer.encode(PROMPT)
+    a = Engine(model, max_seq_len=128).generate(prompt, max_new_tokens=16)
+    b = Engine(model, max_seq_len=128,
+               sparsity=SparsityConfig(mode="oracle")).generate(prompt, max_new_tokens=16)
+    assert a.tokens == b.tokens
