@@ -99,6 +99,27 @@ class Norm(nnx.Module):
         return (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
 
 
+def cache_storage_dtype(dtype):
+    """KV cache element type for a model dtype. bfloat16 is stored as its raw bits (uint16):
+    XLA's CPU backend widens bf16 ops to f32, which turns the in-place cache update into a copy of
+    the whole cache every step (measured 111 us vs 8 us for a 3 MB cache); bit patterns keep the
+    update in place and the read widens exactly with an integer shift."""
+    return jnp.uint16 if jnp.dtype(dtype) == jnp.bfloat16 else F32
+
+
+def to_cache(x, storage):
+    if storage == jnp.uint16:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    return x.astype(storage)
+
+
+def from_cache(c):
+    """Cache contents as float32 (bf16 bits widen exactly: they are the high half of an f32)."""
+    if c.dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(c.astype(jnp.uint32) << 16, F32)
+    return c.astype(F32)
+
+
 def rope(x_btnh, positions_bt, theta: float):
     """Rotary embedding in HF's "rotate half" layout: pairs are (h, h + H/2)."""
     half = x_btnh.shape[-1] // 2
@@ -143,17 +164,17 @@ class Attention(nnx.Module):
         else:
             k_cache, v_cache = cache
             start = (0, cache_index, 0, 0)
-            k_all = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
-            v_all = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
+            k_all = jax.lax.dynamic_update_slice(k_cache, to_cache(k, k_cache.dtype), start)
+            v_all = jax.lax.dynamic_update_slice(v_cache, to_cache(v, v_cache.dtype), start)
             new_cache = (k_all, v_all)
             if kv_len is not None:
                 k_all, v_all = k_all[:, :kv_len], v_all[:, :kv_len]
             # Slot s holds position s; slots past the written range are masked by causality.
             key_pos = jnp.broadcast_to(jnp.arange(k_all.shape[1]), (b, k_all.shape[1]))
         q = q.reshape(b, t, kh, g, h).astype(F32) * (h ** -0.5)
-        scores = jnp.einsum("btkgh,bskh->bkgts", q, k_all.astype(F32))
+        scores = jnp.einsum("btkgh,bskh->bkgts", q, from_cache(k_all))
         causal = key_pos[:, None, :] <= positions_bt[:, :, None]  # [B, T, S]
         scores = jnp.where(causal[:, None, None], scores, _NEG_INF)
         probs = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, v_all.astype(F32))
+        out = jnp.einsum("bkgts,bskh->btkgh", probs, from_cache(v_all))
         return self.o(out.reshape(b, t, kh * g * h)), new_cache

@@ -16,8 +16,8 @@ from flax import nnx
 
 from powerinfer_jax.config import ModelConfig, SparsityConfig
 from powerinfer_jax.models.ffn import FFN
-from powerinfer_jax.models.layers import (F32, Attention, Linear, Norm, matmul,
-                                         resolve_kernels)
+from powerinfer_jax.models.layers import (F32, Attention, Linear, Norm, cache_storage_dtype,
+                                         matmul, resolve_kernels)
 
 
 class Block(nnx.Module):
@@ -110,9 +110,12 @@ def _embedding(shape, dtype, rngs):
 
 
 def init_cache(config: ModelConfig, *, batch: int, max_len: int, dtype):
-    """A zeroed KV cache: per layer (k, v), each [B, S, K, H]."""
+    """A zeroed KV cache for a model of `dtype`: per layer (k, v), each [B, S, K, H], stored as
+    `cache_storage_dtype(dtype)` (bfloat16 as raw uint16 bits, see models/layers.py)."""
     shape = (batch, max_len, config.n_kv_heads, config.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.n_layers)]
+    storage = cache_storage_dtype(dtype)
+    return [(jnp.zeros(shape, storage), jnp.zeros(shape, storage))
+            for _ in range(config.n_layers)]
 
 
 def _param_name(path) -> str:
