@@ -122,3 +122,15 @@ def test_runtime_config_rejects_bad_values(field, value, match):
 def test_model_config_rejects_bad_head_split():
     with pytest.raises(ValueError, match="n_heads: expected a multiple of n_kv_heads=3"):
         dataclasses.replace(TINY, n_kv_heads=3)
+
+
+def test_bf16_cache_is_stored_as_bits_and_round_trips_exactly():
+    from powerinfer_jax.models.layers import cache_storage_dtype, from_cache, to_cache
+    from powerinfer_jax.models.transformer import init_cache
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 5)) * 100, jnp.float32)
+    storage = cache_storage_dtype(jnp.bfloat16)
+    assert storage == jnp.uint16 and cache_storage_dtype(jnp.float32) == jnp.float32
+    np.testing.assert_array_equal(np.asarray(from_cache(to_cache(x, storage))),
+                                  np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32)))
+    assert init_cache(TINY, batch=1, max_len=8, dtype=jnp.bfloat16)[0][0].dtype == jnp.uint16
