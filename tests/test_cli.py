@@ -1,0 +1,101 @@
+"""The CLIs end to end on a tiny model saved to disk: JSON contract, flags, and clean user errors."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers_models import save_hf_llama
+from powerinfer_jax import bench, evaluate, generate
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_llama")
+    save_hf_llama(d)
+    return d
+
+
+def last_json(capsys):
+    out = capsys.readouterr().out.strip().splitlines()
+    return json.loads(out[-1])
+
+
+def test_generate_json_contract(tiny_dir, capsys):
+    generate.main(["--model", str(tiny_dir), "--prompt", "the quick brown fox", "--max-new-tokens",
+                   "6", "--json", "--threads", "1"])
+    row = last_json(capsys)
+    assert {"text", "tokens", "prompt_tokens", "prefill_tok_s", "decode_tok_s"} <= set(row)
+    assert 1 <= len(row["tokens"]) <= 6 and row["prompt_tokens"] > 0
+
+
+def test_generate_is_deterministic_for_a_seed(tiny_dir, capsys):
+    argv = ["--model", str(tiny_dir), "--prompt", "hello world", "--max-new-tokens", "8",
+            "--temperature", "0.9", "--top-k", "20", "--seed", "3", "--json"]
+    generate.main(argv)
+    a = last_json(capsys)["tokens"]
+    generate.main(argv)
+    assert last_json(capsys)["tokens"] == a
+
+
+@pytest.mark.parametrize("kernels", ["xla", "ffi"])
+def test_generate_kernels_agree(tiny_dir, capsys, kernels):
+    generate.main(["--model", str(tiny_dir), "--prompt", "the dog", "--max-new-tokens", "8",
+                   "--json", "--kernels", kernels])
+    tokens = last_json(capsys)["tokens"]
+    generate.main(["--model", str(tiny_dir), "--prompt", "the dog", "--max-new-tokens", "8",
+                   "--json", "--kernels", "xla"])
+    assert tokens == last_json(capsys)["tokens"]
+
+
+def test_evaluate_json(tiny_dir, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    evaluate.main(["--model", str(tiny_dir), "--text", str(text), "--ctx", "32", "--max-chunks",
+                   "3", "--json", "--no-progress"])
+    row = last_json(capsys)
+    assert row["tokens_scored"] == 3 * 31 and row["ppl"] > 1 and row["ffn_sparsity"] == 0.0
+
+
+def test_bench_appends_a_row(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "b.jsonl"
+    bench.main(["--model", str(tiny_dir), "--prompt-tokens", "8", "--new-tokens", "4",
+                "--repeats", "1", "--out", str(out)])
+    row = json.loads(out.read_text().splitlines()[-1])
+    assert row["bench"] == "model" and row["decode_tok_s"] > 0
+    assert {"commit", "machine", "threads", "dtype", "model"} <= set(row)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--prompt", ""], "--prompt: expected non-empty text"),
+    (["--prompt", "the fox " * 200, "--max-seq-len", "64"], r"prompt: expected fewer than 64 tokens"),
+    (["--prompt", "x", "--max-seq-len", "100000"], r"--max-seq-len: expected at most 128"),
+    (["--prompt", "x", "--temperature", "-1"], "--temperature: expected a finite float >= 0"),
+])
+def test_generate_user_errors(tiny_dir, argv, match):
+    with pytest.raises(ValueError, match=match):
+        generate.main(["--model", str(tiny_dir), *argv])
+
+
+def test_evaluate_user_errors(tiny_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="--text: expected an existing file"):
+        evaluate.main(["--model", str(tiny_dir), "--text", str(tmp_path / "missing.txt")])
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    with pytest.raises(ValueError, match=r"--text: expected at least --ctx=512 tokens"):
+        evaluate.main(["--model", str(tiny_dir), "--text", str(short)])
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--model", "no-such-model", "--prompt", "x"], "no-such-model"),
+    (["--dtype", "float16", "--prompt", "x"], "invalid choice: 'float16'"),
+])
+def test_cli_errors_are_one_clean_line(argv, match):
+    """Through `python -m`: exit status 2, the message on stderr, no traceback."""
+    r = subprocess.run([sys.executable, "-m", "powerinfer_jax.generate", *argv],
+                       capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 2
+    assert match in r.stderr and "Traceback" not in r.stderr
