@@ -10,6 +10,12 @@ Sparse modes (SparsityConfig.mode) choose the active set handed to the custom ca
   oracle:    |a_i| > threshold, from the true activations (the quality upper bound)
   threshold: |act(gate_i . x)| > threshold, the gate computed densely (CATS-style)
   predictor: predictor logits > threshold, from `self.predictor` (attached after loading)
+
+Placed (hybrid) FFNs: `permute(order)` reorders the neurons (and the predictor's outputs) so the
+hot ones come first, then `split(n_hot)` keeps rows [0, n_hot) in the Params (the accelerator's
+rows) and moves rows [n_hot, F) into `HostRows` variables (`self.cold`). A placed FFN computes the
+hot rows with XLA (jnp, masked by the active set) and the cold rows with the FFI custom call on the
+host pool, and adds the two partial sums. See sparsity/placement.py and models/hybrid.py.
 """
 from __future__ import annotations
 
@@ -30,6 +36,10 @@ def activate(name: str, x):
     if name == "gelu":
         return jax.nn.gelu(x, approximate=True)
     raise ValueError(f"activation: expected one of ['silu', 'relu', 'gelu'], got {name!r}")
+
+
+class HostRows(nnx.Variable):
+    """FFN rows kept in host memory: the cold part of a placed FFN."""
 
 
 class DownT(nnx.Module):
@@ -55,15 +65,114 @@ class FFN(nnx.Module):
         self.up = Linear(d_model, d_ff, bias=bias, **lin)
         self.down_t = DownT(d_ff, d_model, bias=bias, dtype=dtype, rngs=rngs)
         self.predictor = nnx.data(None)  # a sparsity.predictor.Predictor, for predictor mode
+        self.cold = nnx.data(None)  # after split(): {"gate", "up", "down_t", "b_up"} HostRows
+
+    @property
+    def placed(self) -> bool:
+        return self.cold is not None
+
+    def permute(self, order) -> None:
+        """Reorder the neurons: new row j is old neuron order[j] (gate/up/down_t rows, up bias and
+        the predictor's output rows). The FFN's output is unchanged."""
+        if self.placed:
+            raise ValueError("FFN.permute: expected an unsplit FFN, got one already split")
+        perm = jnp.asarray(order, jnp.int32)
+        f = self.up.weight.shape[0]
+        if perm.shape != (f,) or not bool(jnp.all(jnp.sort(perm) == jnp.arange(f))):
+            raise ValueError(f"FFN.permute: expected a permutation of range({f}), got shape "
+                             f"{perm.shape}")
+        for lin in (self.gate, self.up, self.down_t):
+            if lin is not None:
+                lin.weight.set_value(lin.weight[...][perm])
+        if self.up.bias is not None:
+            self.up.bias.set_value(self.up.bias[...][perm])
+        if self.predictor is not None:
+            self.predictor.w_out_rf.set_value(self.predictor.w_out_rf[...][:, perm])
+            self.predictor.b_out_f.set_value(self.predictor.b_out_f[...][perm])
+
+    def split(self, n_hot: int) -> None:
+        """Keep rows [0, n_hot) as the hot Params; move rows [n_hot, F) to host rows."""
+        f = self.up.weight.shape[0]
+        if self.placed or not (isinstance(n_hot, int) and 0 <= n_hot <= f):
+            raise ValueError(f"FFN.split: n_hot: expected an integer in [0, {f}] on an unsplit "
+                             f"FFN, got {n_hot!r} (placed={self.placed})")
+        cold = {}
+        for key, var in (("gate", None if self.gate is None else self.gate.weight),
+                         ("up", self.up.weight), ("down_t", self.down_t.weight),
+                         ("b_up", self.up.bias)):
+            if var is None:
+                continue
+            rows = var[...]
+            cold[key] = HostRows(rows[n_hot:])
+            var.set_value(rows[:n_hot])
+        self.cold = nnx.data(cold)
+
+    @property
+    def n_hot(self) -> int:
+        return self.up.weight.shape[0]
+
+    def _rows_act(self, x_btd, gate, up, b_up):
+        """Activations [B, T, F_rows] of the given rows, with XLA."""
+        def proj(w):
+            return jnp.einsum("btd,fd->btf", x_btd.astype(w.dtype), w, preferred_element_type=F32)
+        u = proj(up) if b_up is None else proj(up) + b_up
+        return activate(self.activation, u) if gate is None else activate(
+            self.activation, proj(gate)) * u
+
+    def _hot_act(self, x_btd):
+        return self._rows_act(x_btd, None if self.gate is None else self.gate.weight[...],
+                              self.up.weight[...],
+                              None if self.up.bias is None else self.up.bias[...])
+
+    def _cold_act(self, x_btd):
+        c = self.cold
+        return self._rows_act(x_btd, c["gate"][...] if "gate" in c else None, c["up"][...],
+                              c["b_up"][...] if "b_up" in c else None)
+
+    def hybrid(self, x_btd, *, scores, threshold: float, impl: str, dense: bool):
+        """Hot rows with XLA, cold rows through the custom call, summed. dense: every neuron
+        (cold ones through the custom call's oracle at threshold 0). Returns (y, n_active|None)."""
+        from powerinfer_jax import ops
+
+        n_hot, c = self.n_hot, self.cold
+        n_cold = c["up"][...].shape[0]
+        b_down = None if self.down_t.bias is None else self.down_t.bias[...]
+        y = jnp.zeros(x_btd.shape[:-1] + (self.down_t.weight.shape[1],), F32)
+        count = jnp.zeros(x_btd.shape[:-1], jnp.int32)
+        if n_hot:
+            a = self._hot_act(x_btd)  # [B, T, F_hot]
+            if not dense:
+                mask = jnp.abs(a) > threshold if scores is None else scores[..., :n_hot] > threshold
+                a = jnp.where(mask, a, 0.0)
+                count = count + jnp.sum(mask, axis=-1, dtype=jnp.int32)
+            w = self.down_t.weight[...]
+            y = y + jnp.einsum("btf,fd->btd", a.astype(w.dtype), w, preferred_element_type=F32)
+        if n_cold:
+            y_cold, n_active_cold = ops.sparse_ffn(
+                x_btd, c["up"][...], c["down_t"][...],
+                w_gate=c["gate"][...] if "gate" in c else None,
+                b_up=c["b_up"][...] if "b_up" in c else None, b_down=None,
+                scores=None if (dense or scores is None) else scores[..., n_hot:],
+                threshold=0.0 if dense else float(threshold), activation=self.activation,
+                criterion="oracle" if (dense or scores is None) else "scores", impl=impl)
+            y = y + y_cold
+            count = count + n_active_cold
+        if b_down is not None:
+            y = y + b_down
+        return y, (None if dense else count)
 
     def activations(self, x_btd):
         """The neuron activations a [B, T, F] (float32), computed densely."""
+        if self.placed:
+            return jnp.concatenate([self._hot_act(x_btd), self._cold_act(x_btd)], axis=-1)
         up = self.up(x_btd)
         if self.gate is None:
             return activate(self.activation, up)
         return activate(self.activation, self.gate(x_btd)) * up
 
     def dense(self, x_btd):
+        if self.placed:
+            return self.hybrid(x_btd, scores=None, threshold=0.0, impl="ffi", dense=True)[0]
         if use_ffi(self.kernels, x_btd, self.up.weight[...]):
             # Every neuron through the custom call: "oracle" with threshold 0 skips only exact
             # zeros, so this is the dense FFN, with rows streamed at their stored width.
@@ -72,7 +181,11 @@ class FFN(nnx.Module):
 
     def gate_magnitude(self, x_btd):
         """|act(gate . x)| [B, T, F] (non-gated: |a|), the threshold mode's criterion."""
-        if self.gate is None:
+        if self.gate is None or self.placed:
+            if self.gate is not None:  # placed: |act(gate)| over hot and cold rows, with XLA
+                return jnp.abs(jnp.concatenate(  # act(gate . x): the gate rows as "up" rows
+                    [self._rows_act(x_btd, None, self.gate.weight[...], None),
+                     self._rows_act(x_btd, None, self.cold["gate"][...], None)], axis=-1))
             return jnp.abs(self.activations(x_btd))
         return jnp.abs(activate(self.activation, self.gate(x_btd)))
 
@@ -102,6 +215,8 @@ class FFN(nnx.Module):
         """The custom call: neurons with scores > threshold, or |a_i| > threshold if scores is None."""
         from powerinfer_jax import ops
 
+        if self.placed:
+            return self.hybrid(x_btd, scores=scores, threshold=threshold, impl=impl, dense=False)
         criterion = "oracle" if scores is None else "scores"
         return ops.sparse_ffn(
             x_btd, self.up.weight[...], self.down_t.weight[...],

@@ -1,0 +1,35 @@
+"""Applying a `Placement` to a loaded Transformer: hot-first permutation, then the hot/cold split.
+
+After `apply_placement`, layer l's FFN keeps rows [0, hot[l]) as ordinary (accelerator) Params and
+rows [hot[l], F) as `HostRows`; its call runs hot rows with XLA and cold rows through the FFI custom
+call (models/ffn.py, FFN.hybrid). No index remapping happens at run time.
+
+Cold rows are passed to the custom call as ordinary operands (XLA host buffers on CPU). The
+handle-based host store (rows registered once with cpu_backend, referenced by an attribute) is
+implemented for the CUDA hybrid handler only (xla_ffi/sparse_ffn_hybrid_cuda.cu).
+"""
+from __future__ import annotations
+
+from powerinfer_jax.sparsity.placement import Placement
+
+
+def permute_model(model, placement: Placement) -> None:
+    """Reorder every layer's neurons hot-first (output unchanged)."""
+    _check(model, placement)
+    for layer, order in zip(model.layers, placement.order):
+        layer.ffn.permute(order)
+
+
+def apply_placement(model, placement: Placement) -> None:
+    """Permute hot-first and split each FFN at its hot count (in place)."""
+    permute_model(model, placement)
+    for layer, n_hot in zip(model.layers, placement.hot):
+        layer.ffn.split(int(n_hot))
+
+
+def _check(model, p: Placement) -> None:
+    c = model.config
+    if p.n_layers != c.n_layers or any(f != c.d_ff for f in p.sizes.d_ff):
+        raise ValueError(f"placement: expected {c.n_layers} layers of {c.d_ff} neurons (the "
+                         f"model's), got {p.n_layers} layers of {set(p.sizes.d_ff)} neurons "
+                         f"(a placement made for another model)")

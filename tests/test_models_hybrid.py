@@ -1,0 +1,101 @@
+"""Hybrid placement on the CPU: hot rows through XLA, cold rows through the FFI pool, summed.
+
+Invariants: the hot-first permutation leaves outputs unchanged; a placed model equals the unplaced
+one (dense and oracle logits, greedy tokens) for budgets putting 0%, 30% and 100% of FFN bytes hot.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from powerinfer_jax.config import ModelConfig, SparsityConfig
+from powerinfer_jax.models.hybrid import apply_placement, permute_model
+from powerinfer_jax.models.transformer import Transformer
+from powerinfer_jax.runtime.decode import Engine
+from powerinfer_jax.sparsity import placement as pl
+from powerinfer_jax.sparsity.predictor import Predictor
+
+CFG = ModelConfig(arch="llama", vocab_size=53, d_model=12, n_layers=3, n_heads=2, n_kv_heads=1,
+                  head_dim=6, d_ff=37, max_seq_len=32, activation="relu")
+OPT = CFG.replace(arch="opt", gated=False, bias=True, norm="layer", positions="learned",
+                  position_offset=2)
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 53, size=(2, 7)))
+TOL = dict(atol=2e-5, rtol=2e-5)
+ORACLE = SparsityConfig(mode="oracle", threshold=0.0)
+
+
+def model_and_placement(cfg, frac, mode="hybrid", seed=0):
+    m = Transformer(cfg, rngs=nnx.Rngs(seed), kernels="ffi")
+    s = pl.model_bytes(m, kv_len=cfg.max_seq_len)
+    freqs = [np.random.default_rng(seed + l).random(cfg.d_ff) for l in range(cfg.n_layers)]
+    budget = s.dense + int(frac * s.ffn)
+    return m, pl.place(mode, freqs, s, budget)
+
+
+def test_permutation_leaves_dense_output_unchanged():
+    m, p = model_and_placement(CFG, 0.3)
+    ref = np.asarray(m(TOKENS))
+    permute_model(m, p)
+    assert not all(o == tuple(range(37)) for o in p.order)
+    np.testing.assert_allclose(np.asarray(m(TOKENS)), ref, **TOL)
+
+
+@pytest.mark.parametrize("cfg", [CFG, OPT], ids=["relu-gated", "opt-bias"])
+@pytest.mark.parametrize("frac", [0.0, 0.3, 1.0])
+def test_hybrid_equals_unplaced(cfg, frac):
+    m, p = model_and_placement(cfg, frac)
+    want = {mode: np.asarray(m(TOKENS, sparsity=s)) for mode, s in
+            (("dense", SparsityConfig()), ("oracle", ORACLE))}
+    apply_placement(m, p)
+    expect_hot = {0.0: 0, 1.0: 3 * 37}.get(frac)
+    if expect_hot is not None:
+        assert sum(p.hot) == expect_hot
+    else:
+        assert 0 < sum(p.hot) < 3 * 37
+    for layer, h in zip(m.layers, p.hot):
+        ffn = layer.ffn
+        assert ffn.n_hot == h and ffn.cold["up"][...].shape[0] == 37 - h
+    np.testing.assert_allclose(np.asarray(m(TOKENS)), want["dense"], **TOL)
+    np.testing.assert_allclose(np.asarray(m(TOKENS, sparsity=ORACLE)), want["oracle"], **TOL)
+
+
+def test_hybrid_greedy_tokens_equal_unplaced():
+    m, p = model_and_placement(CFG, 0.3)
+    prompt = [3, 17, 5, 42, 8]
+    want = Engine(m, max_seq_len=32, sparsity=ORACLE).generate(prompt, max_new_tokens=8).tokens
+    apply_placement(m, p)
+    eng = Engine(m, max_seq_len=32, sparsity=ORACLE)
+    assert eng.generate(prompt, max_new_tokens=8).tokens == want
+    eng.generate(prompt[:3], max_new_tokens=8)
+    assert eng.compile_count == 2  # no recompilation per token with a placement
+
+
+def test_layers_mode_equals_unplaced():
+    m, p = model_and_placement(CFG, 0.5, mode="layers")
+    want = np.asarray(m(TOKENS, sparsity=ORACLE))
+    apply_placement(m, p)
+    assert set(p.hot) <= {0, 37} and p.hot[0] >= p.hot[-1]
+    np.testing.assert_allclose(np.asarray(m(TOKENS, sparsity=ORACLE)), want, **TOL)
+
+
+@pytest.mark.parametrize("mode", ["threshold", "predictor"])
+def test_scores_modes_permute_with_the_neurons(mode):
+    m, p = model_and_placement(CFG.replace(activation="silu"), 0.3)
+    if mode == "predictor":
+        for i, layer in enumerate(m.layers):
+            layer.ffn.predictor = Predictor(12, 5, 37, rngs=nnx.Rngs(10 + i))
+    sp = SparsityConfig(mode=mode, threshold=0.1)
+    want = np.asarray(m(TOKENS, sparsity=sp))
+    _, _, n_want = m.hidden(TOKENS, jnp.broadcast_to(jnp.arange(7), (2, 7)), sparsity=sp)
+    apply_placement(m, p)
+    np.testing.assert_allclose(np.asarray(m(TOKENS, sparsity=sp)), want, **TOL)
+    _, _, n_got = m.hidden(TOKENS, jnp.broadcast_to(jnp.arange(7), (2, 7)), sparsity=sp)
+    np.testing.assert_array_equal(np.asarray(n_got), np.asarray(n_want))
+
+
+def test_placement_for_another_model_is_rejected():
+    _, p = model_and_placement(CFG, 0.3)
+    other = Transformer(CFG.replace(d_ff=41), rngs=nnx.Rngs(0), kernels="ffi")
+    with pytest.raises(ValueError, match="another model"):
+        apply_placement(other, p)
