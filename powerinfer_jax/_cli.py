@@ -44,6 +44,15 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
                         "thread pool (auto: the custom calls on CPU) (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help=f"KV cache length (default: min(model context, {DEFAULT_CONTEXT_CAP}))")
+    p.add_argument("--vram-budget", type=float, default=None, metavar="GIB",
+                   help="accelerator memory for the model in GiB (dense parts, KV cache, hot FFN "
+                        "rows); default: a GPU's free memory minus a margin; on a CPU-only machine "
+                        "no placement unless given (then it is the notional accelerator of the "
+                        "CPU hybrid: hot rows through XLA, cold rows through the FFI pool)")
+    p.add_argument("--offload", default="hybrid", choices=["hybrid", "layers"],
+                   help="what stays off the accelerator: hybrid (cold FFN neurons, by activation "
+                        "frequency) or layers (whole trailing layers, llama.cpp -ngl style) "
+                        "(default: %(default)s)")
     p.add_argument("--json", action=argparse.BooleanOptionalAction, default=False,
                    help="print one JSON object as the last line of stdout")
 

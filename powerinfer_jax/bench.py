@@ -93,12 +93,14 @@ def main(argv=None) -> None:
                **bench_sparse_ffn(d=args.d, f=args.f, t=args.t, active=args.active,
                                   dtype=args.dtype, gated=args.gated, repeats=args.repeats)}
     else:
-        from powerinfer_jax.runtime.session import configs_from_args, open_session
+        from powerinfer_jax.runtime.session import (configs_from_args, open_session,
+                                                    placement_from_args)
 
         runtime, sparsity = configs_from_args(args)
-        s = open_session(args.model, runtime, sparsity)
+        s = open_session(args.model, runtime, sparsity, placement=placement_from_args(args))
         res = {"bench": "model", **bench_model(s, prompt_tokens=args.prompt_tokens,
-                                               new_tokens=args.new_tokens, repeats=args.repeats)}
+                                               new_tokens=args.new_tokens, repeats=args.repeats),
+               "placement": None if s.placement is None else s.placement.summary()}
     row = {**row_header(args, threads), **res}
     summary = {k: v for k, v in res.items() if isinstance(v, (int, float, str))}
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"

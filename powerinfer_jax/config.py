@@ -164,3 +164,29 @@ class RuntimeConfig:
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "--top-k",
                "an integer >= 0 (0 disables)", self.top_k)
         _check(0 < self.top_p <= 1, "--top-p", "a float in (0, 1]", self.top_p)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementConfig:
+    """Where FFN neurons live under an accelerator memory budget (sparsity/placement.py).
+
+    vram_budget_gib: accelerator bytes for the whole model (dense parts, KV cache, hot FFN rows), in
+      GiB. None: on a GPU, its free memory minus a margin; on a CPU-only machine, no placement (every
+      FFN row is "cold", run by the FFI pool as without the flag).
+    offload: "hybrid" (hot neurons by activation frequency, PowerInfer) or "layers" (the first k
+      whole layers on the accelerator, llama.cpp -ngl style).
+    """
+
+    vram_budget_gib: float | None = None
+    offload: Literal["hybrid", "layers"] = "hybrid"
+
+    def __post_init__(self):
+        _check_choice("--offload", self.offload, ("hybrid", "layers"))
+        if self.vram_budget_gib is not None:
+            _check(isinstance(self.vram_budget_gib, (int, float))
+                   and math.isfinite(self.vram_budget_gib) and self.vram_budget_gib >= 0,
+                   "--vram-budget", "a finite number of GiB >= 0", self.vram_budget_gib)
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return None if self.vram_budget_gib is None else int(self.vram_budget_gib * (1 << 30))

@@ -117,14 +117,15 @@ def perplexity(model, ids, *, ctx: int, max_chunks: int | None, sparsity, thresh
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     threads = _cli.setup(args)
-    from powerinfer_jax.runtime.session import configs_from_args, open_session
+    from powerinfer_jax.runtime.session import (configs_from_args, open_session,
+                                                placement_from_args)
 
     if not os.path.isfile(args.text):
         raise FileNotFoundError(f"--text: expected an existing file, got {args.text!r}")
     with open(args.text, encoding="utf-8") as f:
         text = f.read()
     runtime, sparsity = configs_from_args(args)
-    s = open_session(args.model, runtime, sparsity)
+    s = open_session(args.model, runtime, sparsity, placement=placement_from_args(args))
     ids = s.tokenizer.encode(text, add_bos=False)
     res = perplexity(s.model, ids, ctx=args.ctx, max_chunks=args.max_chunks, sparsity=sparsity,
                      thresholds=s.thresholds, oracle_thresholds=s.oracle_thresholds,

@@ -33,14 +33,15 @@ def main(argv=None) -> None:
     threads = _cli.setup(args)
     from powerinfer_jax.runtime.sampling import SamplingParams
     from powerinfer_jax.tokenizer import StreamDecoder
-    from powerinfer_jax.runtime.session import configs_from_args, open_session
+    from powerinfer_jax.runtime.session import (configs_from_args, open_session,
+                                                placement_from_args)
 
     runtime, sparsity = configs_from_args(
         args, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if not args.prompt:
         raise ValueError("--prompt: expected non-empty text, got ''")
-    s = open_session(args.model, runtime, sparsity)
+    s = open_session(args.model, runtime, sparsity, placement=placement_from_args(args))
     tok = s.tokenizer
     text = tok.apply_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     ids = tok.encode(text)

@@ -6,7 +6,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from powerinfer_jax._cli import DEFAULT_CONTEXT_CAP, DEFAULT_TARGET_SPARSITY
-from powerinfer_jax.config import ModelConfig, RuntimeConfig, SparsityConfig
+from powerinfer_jax.config import ModelConfig, PlacementConfig, RuntimeConfig, SparsityConfig
 from powerinfer_jax.models.transformer import Transformer, from_params
 from powerinfer_jax.runtime.decode import Engine
 
@@ -21,21 +21,28 @@ class Session:
     source: str
     thresholds: tuple[float, ...] | None = None  # per-layer, from the sparsity artifacts
     oracle_thresholds: tuple[float, ...] | None = None  # predictor mode: defines recall's oracle
+    placement: object | None = None  # sparsity.placement.Placement applied to the model, if any
     _engine: Engine | None = None
 
     @property
     def engine(self) -> Engine:
         if self._engine is None:
-            max_len = self.runtime.max_seq_len or min(self.config.max_seq_len, DEFAULT_CONTEXT_CAP)
+            max_len = kv_length(self.config, self.runtime)
             self._engine = Engine(self.model, max_seq_len=max_len, sparsity=self.sparsity,
                                   thresholds=self.thresholds)
         return self._engine
 
 
+def kv_length(config: ModelConfig, runtime: RuntimeConfig) -> int:
+    return runtime.max_seq_len or min(config.max_seq_len, DEFAULT_CONTEXT_CAP)
+
+
 def open_session(model: str, runtime: RuntimeConfig, sparsity: SparsityConfig, *,
-                 artifacts_root=None, progress: bool = True) -> Session:
+                 placement: PlacementConfig = PlacementConfig(), artifacts_root=None,
+                 progress: bool = True) -> Session:
     """Load the model; for calibrated sparse modes also its sparsity artifacts (thresholds, and
-    predictors attached to each FFN), built on first use for a registry model."""
+    predictors attached to each FFN), built on first use for a registry model. Then, under a
+    `--vram-budget` (or a GPU's default one), place FFN neurons hot/cold (runtime/placing.py)."""
     from powerinfer_jax.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(model)
@@ -55,9 +62,29 @@ def open_session(model: str, runtime: RuntimeConfig, sparsity: SparsityConfig, *
         if sparsity.mode == "predictor":
             attach_predictors(m, arts.predictors)
             oracle_thresholds = arts.thresholds_contribution
+    placed = _place(model, ckpt, m, runtime, sparsity, placement, artifacts_root)
     return Session(config=ckpt.config, model=m, tokenizer=ckpt.tokenizer, runtime=runtime,
                    sparsity=sparsity, source=str(ckpt.source), thresholds=thresholds,
-                   oracle_thresholds=oracle_thresholds)
+                   oracle_thresholds=oracle_thresholds, placement=placed)
+
+
+def _place(model_arg, ckpt, m, runtime, sparsity, placement, artifacts_root):
+    from powerinfer_jax.runtime.placing import default_budget_bytes, place_model
+    from powerinfer_jax.sparsity.artifacts import artifacts_root as default_root
+    from powerinfer_jax.sparsity.artifacts import model_fingerprint, target_dir
+
+    if placement.budget_bytes is None and default_budget_bytes() is None:
+        return None  # CPU-only without --vram-budget: every FFN row runs on the FFI pool
+    root = default_root(model_arg, ckpt.source) if artifacts_root is None else artifacts_root
+    target = sparsity.target_sparsity or DEFAULT_TARGET_SPARSITY
+    return place_model(m, placement, kv_len=kv_length(ckpt.config, runtime),
+                       model_fingerprint=model_fingerprint(model_arg, ckpt.source, ckpt.config),
+                       artifacts_dir=target_dir(root, target), cache_dir=root)
+
+
+def placement_from_args(args) -> PlacementConfig:
+    return PlacementConfig(vram_budget_gib=getattr(args, "vram_budget", None),
+                           offload=getattr(args, "offload", "hybrid"))
 
 
 def configs_from_args(args, **runtime_fields) -> tuple[RuntimeConfig, SparsityConfig]:

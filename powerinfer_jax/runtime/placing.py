@@ -1,0 +1,74 @@
+"""Session start-up for `--vram-budget` / `--offload`: budget, statistics, cached placement, apply.
+
+The placement itself is sparsity/placement.py (pure); this module does the I/O around it: reads
+the profiled activation frequencies from the model's sparsity artifacts, sizes the default budget
+from the device, and keeps the placement cache next to the artifacts.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from powerinfer_jax.config import PlacementConfig
+from powerinfer_jax.sparsity import placement as pl
+
+# Headroom left free on a GPU by the default budget: XLA's temporaries (prefill activations,
+# attention scores, the custom calls' scratch) and allocator fragmentation are not in the tensor
+# byte count. A fraction of the device so it scales with the model sizes a device is used for;
+# 10% is a conservative guess, not a measurement.
+DEFAULT_GPU_MARGIN = 0.10
+
+
+def default_budget_bytes() -> int | None:
+    """A GPU's free memory minus DEFAULT_GPU_MARGIN of its capacity; None on CPU-only machines."""
+    import jax
+
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return None
+    stats = dev.memory_stats() or {}
+    limit = int(stats.get("bytes_limit", 0))
+    free = limit - int(stats.get("bytes_in_use", 0))
+    return max(0, free - int(DEFAULT_GPU_MARGIN * limit))
+
+
+def load_frequencies(artifacts_dir: Path | None, n_layers: int, d_ff: int
+                     ) -> tuple[list[np.ndarray], str]:
+    """Per-layer activation frequencies from <artifacts_dir>/profile.npz; uniform (with a note on
+    stderr) when there are none: the placement is then by index, not by activity."""
+    from powerinfer_jax.sparsity.profile import ActivationProfile
+
+    path = None if artifacts_dir is None else Path(artifacts_dir) / "profile.npz"
+    if path is not None and path.is_file():
+        freq = ActivationProfile.load(path).frequency
+        if freq.shape == (n_layers, d_ff):
+            return list(freq), str(path)
+        print(f"powerinfer_jax: ignoring {path}: expected frequencies of shape "
+              f"{(n_layers, d_ff)}, got {freq.shape}", file=sys.stderr)
+    print("powerinfer_jax: no activation profile for this model (python -m "
+          "powerinfer_jax.calibrate builds one); placing neurons by index", file=sys.stderr)
+    return [np.ones(d_ff) for _ in range(n_layers)], "uniform"
+
+
+def place_model(model, cfg: PlacementConfig, *, kv_len: int, model_fingerprint,
+                artifacts_dir: Path | None, cache_dir: Path | None) -> pl.Placement | None:
+    """Decide (or reuse from the cache) and apply the placement; None when none applies."""
+    from powerinfer_jax.models.hybrid import apply_placement
+    from powerinfer_jax.sparsity.placement_cache import load_or_place
+
+    budget = cfg.budget_bytes if cfg.budget_bytes is not None else default_budget_bytes()
+    if budget is None:
+        return None
+    c = model.config
+    freqs, source = (load_frequencies(artifacts_dir, c.n_layers, c.d_ff)
+                     if cfg.offload == "hybrid" else (None, "none"))
+    sizes = pl.model_bytes(model, kv_len=kv_len)
+    key = pl.cache_key(model_fingerprint=model_fingerprint, mode=cfg.offload,
+                       budget_bytes=budget, sizes=sizes,
+                       stats=pl.stats_fingerprint(freqs) if freqs is not None else "none",
+                       cold_balance=pl.DEFAULT_COLD_BALANCE)
+    p, _ = load_or_place(cache_dir, key, lambda: pl.place(cfg.offload, freqs, sizes, budget))
+    apply_placement(model, p)
+    return p
