@@ -1,0 +1,241 @@
+"""Hypothesis: at decode, time goes where bytes go: the sparse FFN's share shrinks with sparsity,
+and the whole step approaches the machine's read bandwidth over the bytes a token really touches.
+
+At the model's real decode shapes and dtypes (one token, the KV prefix a decode step reads after
+--prompt-tokens), each component runs as its own jitted function over all layers, on the real FFN
+inputs of the prompt's last token:
+  attention  attn_norm + q/k/v/o + RoPE + cached attention (cache donated, as in decode)
+  predictor  the per-layer predictors (predictor mode)
+  ffn_hot    FFN rows on the accelerator: none on a CPU-only machine (every neuron is cold there,
+             DESIGN.md "Hot and cold"), so 0
+  ffn_cold   the FFN through the custom call on the host pool (dense: every neuron)
+  lm_head    final norm + logits + greedy pick
+then the whole decode step (the Engine's executable, median per token over a generation);
+overhead = whole - sum of the parts (embedding, residuals, dispatch between calls).
+Bytes touched per token: attention weights, the KV prefix read, predictor weights, the FFN rows of
+the active neurons (measured on the same inputs) and the lm_head; achieved GB/s = bytes / step
+time, next to the read bandwidth measured in the same process (`_bench_ops.read_bandwidth_gbs`).
+
+  python -m experiments.cost_breakdown [--threads 1 2] [--dtypes float32 bfloat16]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from experiments import _common
+
+TARGET_SPARSITY = 0.5
+MODES = ("dense", "predictor")
+
+
+def median_ms(fn, *args, repeats: int, carry=None):
+    """Median wall ms of fn(*args) after one warm-up. carry: index of an argument that fn donates
+    and returns as its second output (the KV cache), threaded through the calls."""
+    import jax
+
+    args = list(args)
+
+    def call():
+        out = fn(*args)
+        if carry is not None:
+            args[carry] = out[1]
+        jax.block_until_ready(out)
+
+    call()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def components(model, x_l11d, *, mode: str, thresholds, position: int, kv_len: int,
+               max_seq_len: int, repeats: int) -> dict:
+    """Per-token ms of each component (all layers), and the active neurons per layer."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from powerinfer_jax.models.transformer import init_cache
+
+    c = model.config
+    graphdef, state = nnx.split(model)
+    pos_bt = jnp.full((1, 1), position, jnp.int32)
+
+    def attention(state, x, caches):
+        m = nnx.merge(graphdef, state)
+        ys, new = [], []
+        for l, layer in enumerate(m.layers):
+            y, cache = layer.attn(layer.attn_norm(x[l]), pos_bt, caches[l], position, kv_len)
+            ys.append(y)
+            new.append(cache)
+        return jnp.stack(ys), new
+
+    def predictor(state, x):
+        m = nnx.merge(graphdef, state)
+        return jnp.stack([layer.ffn.predictor(x[l]) for l, layer in enumerate(m.layers)])
+
+    def ffn(state, x, scores):
+        m = nnx.merge(graphdef, state)
+        if mode == "dense":
+            return jnp.stack([layer.ffn.dense(x[l]) for l, layer in enumerate(m.layers)])
+        return jnp.stack([layer.ffn.sparse(x[l], scores=scores[l], threshold=thresholds[l],
+                                           impl="ffi")[0] for l, layer in enumerate(m.layers)])
+
+    def head(state, x):
+        m = nnx.merge(graphdef, state)
+        return jnp.argmax(m.logits(m.final_norm(x)), axis=-1)
+
+    caches = init_cache(c, batch=1, max_len=max_seq_len, dtype=model.dtype)
+    x = jnp.asarray(x_l11d)
+    out = {"attention_ms": median_ms(jax.jit(attention, donate_argnums=2), state, x, caches,
+                                     repeats=repeats, carry=2)}
+    scores = None
+    if mode == "predictor":
+        pred = jax.jit(predictor)
+        out["predictor_ms"] = median_ms(pred, state, x, repeats=repeats)
+        scores = pred(state, x)  # [L, 1, 1, F]
+        thr = np.asarray(thresholds, np.float32)[:, None, None, None]
+        out["active_per_layer"] = np.asarray(scores > thr).sum(axis=(1, 2, 3)).tolist()
+    else:
+        out["predictor_ms"] = 0.0
+        out["active_per_layer"] = [c.d_ff] * c.n_layers
+    out["ffn_hot_ms"] = 0.0
+    out["ffn_cold_ms"] = median_ms(jax.jit(ffn), state, x, scores, repeats=repeats)
+    out["lm_head_ms"] = median_ms(jax.jit(head), state, x[-1], repeats=repeats)
+    return out
+
+
+def bytes_per_token(model, *, active_per_layer, kv_len: int, predictor: bool) -> dict:
+    """Bytes a decode step reads: weights actually used and the KV prefix."""
+    import jax.numpy as jnp
+
+    from powerinfer_jax.models.layers import cache_storage_dtype
+
+    c = model.config
+    item = jnp.dtype(model.dtype).itemsize
+    attn = (c.d_model * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.d_model) * item * c.n_layers
+    kv = 2 * kv_len * c.kv_dim * jnp.dtype(cache_storage_dtype(model.dtype)).itemsize * c.n_layers
+    rows = 3 if c.gated else 2
+    ffn = sum(int(a) for a in active_per_layer) * rows * c.d_model * item
+    pred = 0
+    if predictor:
+        r = model.layers[0].ffn.predictor.w_in_dr.shape[1]
+        pred = 4 * (c.d_model * r + r + r * c.d_ff + c.d_ff) * c.n_layers
+    head = c.vocab_size * c.d_model * item
+    total = attn + kv + ffn + pred + head
+    return {"attention_weights": attn, "kv_cache": kv, "ffn_rows": ffn, "predictor": pred,
+            "lm_head": head, "total": total}
+
+
+def child(args) -> None:
+    import jax.numpy as jnp
+
+    from powerinfer_jax import _bench_ops, _cli, ops
+    from powerinfer_jax.bench import prompt_ids
+    from powerinfer_jax.checkpoint import load_checkpoint
+    from powerinfer_jax.config import SparsityConfig
+    from powerinfer_jax.models.transformer import from_params
+    from powerinfer_jax.runtime.decode import Engine
+    from powerinfer_jax.sparsity import artifacts as A
+
+    threads = _cli.configure_threads(args.child_threads)
+    ops.set_num_threads(threads)
+    bandwidth = _bench_ops.read_bandwidth_gbs()
+    ckpt = load_checkpoint(args.model)
+    ids = prompt_ids(ckpt.tokenizer, args.prompt_tokens)
+    max_len = len(ids) + args.new_tokens
+    arts = None
+    for dtype in args.dtypes:
+        for mode in args.modes:
+            head = _common.header("cost_breakdown", threads=threads, dtype=dtype,
+                                  model=args.model, config={"sparsity": mode,
+                                                            "prompt_tokens": len(ids),
+                                                            "repeats": args.repeats},
+                                  quick=args.quick)
+            try:
+                model = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(dtype),
+                                    kernels="auto")
+                sparsity, thresholds = SparsityConfig(), (0.0,) * ckpt.config.n_layers
+                if mode == "predictor":
+                    if arts is None:
+                        arts = A.ensure_artifacts(args.model, ckpt.source, model, ckpt.tokenizer,
+                                                  TARGET_SPARSITY, need_predictor=True)
+                    A.attach_predictors(model, arts.predictors)
+                    sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY)
+                    thresholds = arts.thresholds_for("predictor")
+                eng = Engine(model, max_seq_len=max_len, sparsity=sparsity, thresholds=thresholds)
+                kv_len = eng.kv_bucket(len(ids))
+                step = _common.bench_engine(eng, ckpt.tokenizer, prompt_tokens=len(ids),
+                                            new_tokens=args.new_tokens, repeats=3,
+                                            max_seconds=args.max_seconds, prompt=ids)
+                tokens = jnp.asarray([ids])
+                positions = jnp.arange(len(ids))[None]
+                x = model.hidden(tokens, positions, return_ffn_inputs=True)[3][:, :, -1:]
+                parts = components(model, np.asarray(x)[:, :, :, :], mode=mode,
+                                   thresholds=thresholds, position=len(ids), kv_len=kv_len,
+                                   max_seq_len=max_len, repeats=args.repeats)
+                step_ms = step["decode_ms_per_token"]
+                summed = sum(parts[k] for k in ("attention_ms", "predictor_ms", "ffn_hot_ms",
+                                                "ffn_cold_ms", "lm_head_ms"))
+                nbytes = bytes_per_token(model, active_per_layer=parts["active_per_layer"],
+                                         kv_len=kv_len, predictor=mode == "predictor")
+                achieved = nbytes["total"] / (step_ms * 1e-3) / 1e9
+                row = {**head, "status": "ok", "sparsity": mode, "kv_len": kv_len, **parts,
+                       "step_ms": step_ms, "overhead_ms": step_ms - summed,
+                       "ffn_sparsity": 1.0 - float(np.mean(parts["active_per_layer"]))
+                       / ckpt.config.d_ff,
+                       "bytes_per_token": nbytes, "achieved_gbs": achieved,
+                       "read_bandwidth_gbs": bandwidth, "bandwidth_fraction": achieved / bandwidth,
+                       "bandwidth_bound_tok_s": bandwidth * 1e9 / nbytes["total"],
+                       "decode_tok_s": step["decode_tok_s"]}
+                print(f"threads={threads} {dtype:9s} {mode:9s} step {step_ms:6.2f} ms: attn "
+                      f"{parts['attention_ms']:.2f} pred {parts['predictor_ms']:.2f} ffn "
+                      f"{parts['ffn_cold_ms']:.2f} head {parts['lm_head_ms']:.2f} other "
+                      f"{row['overhead_ms']:.2f}; {nbytes['total'] / 1e6:.1f} MB/token, "
+                      f"{achieved:.1f} of {bandwidth:.1f} GB/s", flush=True)
+            except Exception as e:
+                row = {**head, "status": "failed", "sparsity": mode,
+                       "reason": f"{type(e).__name__}: {e}"}
+            _common.emit(row)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common.add_common_args(p)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                   choices=["float32", "bfloat16"])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--prompt-tokens", type=int, default=None, help="default 64 (quick: 16)")
+    p.add_argument("--new-tokens", type=int, default=None, help="default 64 (quick: 16)")
+    p.add_argument("--repeats", type=int, default=None, help="default 20 (quick: 5)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="whole-step timing budget per configuration (default 6, quick: 2)")
+    p.add_argument("--out", default=str(_common.RESULTS / "cost_breakdown.jsonl"))
+    args = p.parse_args(argv)
+    q = args.quick
+    args.prompt_tokens = args.prompt_tokens or (16 if q else 64)
+    args.new_tokens = args.new_tokens or (16 if q else 64)
+    args.repeats = args.repeats or (5 if q else 20)
+    args.max_seconds = args.max_seconds or (2.0 if q else 6.0)
+    if args.child_threads is not None:
+        return child(args)
+    threads = args.threads or ([max(_common.available_threads())] if q
+                               else _common.available_threads())
+    child_args = ["--model", args.model, "--dtypes", *args.dtypes, "--modes", *args.modes,
+                  "--prompt-tokens", str(args.prompt_tokens), "--new-tokens",
+                  str(args.new_tokens), "--repeats", str(args.repeats), "--max-seconds",
+                  str(args.max_seconds)] + (["--quick"] if q else [])
+    rows = _common.run_children("experiments.cost_breakdown", threads, child_args)
+    _common.append_rows(args.out, rows)
+    print(f"wrote {len(rows)} rows to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

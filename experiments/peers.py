@@ -1,0 +1,257 @@
+"""Hypothesis: on the same machine, model file and threads, our best sparse mode decodes at least as
+fast as llama.cpp at the same weight precision (our bfloat16 vs llama.cpp BF16), and faster than HF
+transformers (torch CPU, fp32), while generating the same greedy tokens as the dense model.
+
+Systems, each thread count in its own child process (same prompt ids, greedy, EOS ignored):
+  powerinfer_jax   dense and predictor mode (target 0.5), float32 and bfloat16
+  llama.cpp        via llama-cpp-python (CPU, n_threads = n_threads_batch = threads), on the
+                   registry GGUF (Q4_1) and on F32 and BF16 GGUFs written from the same dequantized
+                   weights (so llama.cpp F32/BF16 read exactly our float32/bfloat16 weights)
+  hf_transformers  fp32, loaded from the registry GGUF (experiments/bench_dense_vs_hf.py)
+Prefill: wall time of one eval of the prompt; decode: wall time per generated token after it.
+Greedy agreement: each system's first N tokens against our dense model at its precision (Q4_1 and
+F32 vs our float32: our float32 *is* the dequantized Q4_1). Without llama-cpp-python the llama.cpp
+rows say how to install it.
+
+  python -m experiments.peers [--threads 1 2] [--prompt-tokens 64] [--new-tokens 64]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from experiments import _common
+
+LLAMA_CPP_INSTALL = ("pip install llama-cpp-python  (builds llama.cpp from source with the "
+                     "machine's compiler: ~10-20 min on 2 cores)")
+TARGET_SPARSITY = 0.5
+REFERENCE = {"Q4_1": "float32", "F32": "float32", "BF16": "bfloat16", "float32": "float32",
+             "bfloat16": "bfloat16"}  # weights -> the precision of our dense reference tokens
+
+
+def tokenizer_meta(path: Path) -> dict:
+    """The tokenizer metadata of a GGUF file, as `write_gguf`'s tokenizer_meta."""
+    from powerinfer_jax.checkpoint.gguf import _TOKENIZER_WRITERS, _open, read_metadata
+
+    meta = read_metadata(_open(path))
+    out = {}
+    for key, value in meta.items():
+        short = key.removeprefix("tokenizer.ggml.").removeprefix("tokenizer.")
+        if key.startswith("tokenizer.") and short in _TOKENIZER_WRITERS:
+            out[short] = value
+    return out
+
+
+def peer_ggufs(model: str, ckpt) -> dict[str, Path]:
+    """{"Q4_1": registry file, "F32": ..., "BF16": ...}: F32/BF16 written once next to the
+    registry file from the dequantized params (what our float32/bfloat16 models load)."""
+    from powerinfer_jax.checkpoint.gguf import write_gguf
+    from powerinfer_jax.checkpoint.registry import resolve_model
+
+    src = Path(resolve_model(model))
+    out = {"Q4_1" if "Q4_1" in src.name else "source": src}
+    meta = tokenizer_meta(src)
+    for kind in ("F32", "BF16"):
+        dst = src.parent / "peers" / f"{src.stem.split('.')[0]}.{kind}.gguf"
+        if not dst.is_file():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dst.with_suffix(".tmp")
+            print(f"peers: writing {dst} (once)", file=sys.stderr, flush=True)
+            write_gguf(tmp, ckpt.config, ckpt.params, meta, default_type=kind)
+            tmp.replace(dst)
+        out[kind] = dst
+    return out
+
+
+def bench_llama_cpp(path: Path, ids: list[int], *, threads: int, new_tokens: int,
+                    repeats: int, max_seconds: float) -> dict:
+    """Prefill and greedy decode through llama-cpp-python's low-level eval (no sampling layer)."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=len(ids) + new_tokens + 8, n_batch=max(len(ids), 8),
+                n_threads=threads, n_threads_batch=threads, verbose=False)
+
+    def run(n_new: int):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t1 = time.perf_counter()
+        out = [tok]
+        for _ in range(n_new - 1):
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            out.append(tok)
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t1, out
+
+    run(8)  # warm-up (page in the weights)
+    runs = [run(new_tokens)]
+    while len(runs) < repeats and sum(r[0] + r[1] for r in runs) < max_seconds:
+        runs.append(run(new_tokens))
+    return {"prefill_tok_s": statistics.median(len(ids) / r[0] for r in runs),
+            "decode_tok_s": statistics.median((new_tokens - 1) / r[1] for r in runs),
+            "decode_tok_s_runs": [(new_tokens - 1) / r[1] for r in runs],
+            "prompt_tokens": len(ids), "new_tokens": new_tokens, "repeats": len(runs),
+            "tokens": runs[0][2], "file": path.name}
+
+
+def agreement(tokens: list[int], reference: list[int]) -> dict:
+    """Fraction of the first N positions with equal tokens, and the first divergence."""
+    n = min(len(tokens), len(reference))
+    same = [a == b for a, b in zip(tokens[:n], reference[:n])]
+    first = next((i for i, s in enumerate(same) if not s), n)
+    return {"agree_n": n, "agree_fraction": sum(same) / n if n else 0.0,
+            "agree_prefix": first}
+
+
+def child(args) -> None:
+    import jax.numpy as jnp
+
+    from powerinfer_jax import _cli, ops
+    from powerinfer_jax.bench import prompt_ids
+    from powerinfer_jax.checkpoint import load_checkpoint
+    from powerinfer_jax.config import SparsityConfig
+    from powerinfer_jax.models.transformer import from_params
+    from powerinfer_jax.runtime.decode import Engine
+    from powerinfer_jax.sparsity import artifacts as A
+
+    threads = _cli.configure_threads(args.child_threads)
+    ops.set_num_threads(threads)
+    ckpt = load_checkpoint(args.model)
+    ids = prompt_ids(ckpt.tokenizer, args.prompt_tokens)
+    max_len = len(ids) + max(args.new_tokens, args.agree_tokens)
+    rows, reference = [], {}
+
+    def head(system, weights, sparsity):
+        cfg = {"system": system, "weights": weights, "sparsity": sparsity,
+               "prompt_tokens": len(ids), "new_tokens": args.new_tokens}
+        dtype = REFERENCE.get(weights, weights)
+        return {**_common.header("peers", threads=threads, dtype=dtype, model=args.model,
+                                 config=cfg, quick=args.quick),
+                "system": system, "weights": weights, "sparsity": sparsity}
+
+    def record(row):
+        rows.append(row)
+        if row.get("status") == "ok":
+            print(f"threads={threads} {row['system']:16s} {row['weights']:9s} "
+                  f"{row['sparsity']:9s} decode {row['decode_tok_s']:7.1f} tok/s prefill "
+                  f"{row['prefill_tok_s']:8.1f} tok/s", file=sys.stderr, flush=True)
+
+    # ours
+    arts = None
+    for dtype in args.dtypes:
+        for mode in ("dense", "predictor"):
+            h = head("powerinfer_jax", dtype, mode)
+            try:
+                model = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(dtype),
+                                    kernels="auto")
+                sparsity, thresholds = SparsityConfig(), None
+                if mode == "predictor":
+                    if arts is None:
+                        arts = A.ensure_artifacts(args.model, ckpt.source, model, ckpt.tokenizer,
+                                                  TARGET_SPARSITY, need_predictor=True)
+                    A.attach_predictors(model, arts.predictors)
+                    sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY)
+                    thresholds = arts.thresholds_for("predictor")
+                eng = Engine(model, max_seq_len=max_len, sparsity=sparsity, thresholds=thresholds)
+                res = _common.bench_engine(eng, ckpt.tokenizer, prompt_tokens=len(ids),
+                                           new_tokens=args.new_tokens, repeats=args.repeats,
+                                           max_seconds=args.max_seconds, prompt=ids)
+                res["tokens"] = eng.generate(ids, max_new_tokens=args.agree_tokens).tokens
+                if mode == "dense":
+                    reference[dtype] = res["tokens"]
+                record({**h, "status": "ok", "kernels": model.kernels, **res})
+            except Exception as e:  # keep the other systems' rows
+                record({**h, "status": "failed", "reason": f"{type(e).__name__}: {e}"})
+
+    # llama.cpp
+    try:
+        import llama_cpp  # noqa: F401
+        missing = None
+    except ImportError as e:
+        missing = f"llama-cpp-python not importable ({e}); install: {LLAMA_CPP_INSTALL}"
+    files = {} if missing else peer_ggufs(args.model, ckpt)
+    for weights in args.llama_cpp_weights:
+        h = head("llama.cpp", weights, "dense")
+        if missing:
+            record({**h, "status": "not available", "reason": missing})
+            continue
+        try:
+            res = bench_llama_cpp(files[weights], ids, threads=threads,
+                                  new_tokens=max(args.new_tokens, args.agree_tokens),
+                                  repeats=args.repeats, max_seconds=args.max_seconds)
+            import llama_cpp
+
+            record({**h, "status": "ok", "llama_cpp_version": llama_cpp.__version__, **res})
+        except Exception as e:
+            record({**h, "status": "failed", "reason": f"{type(e).__name__}: {e}"})
+
+    # HF transformers
+    if args.hf:
+        h = head("hf_transformers", "float32", "dense")
+        try:
+            from experiments.bench_dense_vs_hf import bench_hf
+
+            res = bench_hf(args.model, ids, max(args.new_tokens, args.agree_tokens),
+                           args.repeats, threads)
+            record({**h, "status": "ok", "prompt_tokens": len(ids),
+                    "new_tokens": max(args.new_tokens, args.agree_tokens), **res})
+        except Exception as e:
+            record({**h, "status": "failed", "reason": f"{type(e).__name__}: {e}"})
+
+    for r in rows:
+        ref = reference.get(REFERENCE.get(r["weights"]))
+        if r.get("status") == "ok" and ref is not None:
+            r.update(agreement(r["tokens"][:args.agree_tokens], ref),
+                     agree_reference=f"powerinfer_jax dense {REFERENCE[r['weights']]}")
+        _common.emit(r)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common.add_common_args(p)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                   choices=["float32", "bfloat16"])
+    p.add_argument("--llama-cpp-weights", nargs="+", default=["Q4_1", "F32", "BF16"],
+                   choices=["Q4_1", "F32", "BF16"])
+    p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
+                   help="also HF transformers fp32")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="default 64 (quick: 16)")
+    p.add_argument("--new-tokens", type=int, default=None, help="default 64 (quick: 16)")
+    p.add_argument("--agree-tokens", type=int, default=None,
+                   help="greedy tokens compared with our dense model (default 32; quick: 16)")
+    p.add_argument("--repeats", type=int, default=None, help="default 3 (quick: 1)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="timed runs' wall-time budget per configuration (default 10, quick: 3)")
+    p.add_argument("--out", default=str(_common.RESULTS / "peers.jsonl"))
+    args = p.parse_args(argv)
+    q = args.quick
+    args.prompt_tokens = args.prompt_tokens or (16 if q else 64)
+    args.new_tokens = args.new_tokens or (16 if q else 64)
+    args.agree_tokens = args.agree_tokens or (16 if q else 32)
+    args.repeats = args.repeats or (1 if q else 3)
+    args.max_seconds = args.max_seconds or (3.0 if q else 10.0)
+    if args.child_threads is not None:
+        return child(args)
+    threads = args.threads or ([max(_common.available_threads())] if q
+                               else _common.available_threads())
+    child_args = ["--model", args.model, "--dtypes", *args.dtypes, "--llama-cpp-weights",
+                  *args.llama_cpp_weights, "--hf" if args.hf else "--no-hf",
+                  "--prompt-tokens", str(args.prompt_tokens), "--new-tokens",
+                  str(args.new_tokens), "--agree-tokens", str(args.agree_tokens),
+                  "--repeats", str(args.repeats), "--max-seconds", str(args.max_seconds)
+                  ] + (["--quick"] if q else [])
+    rows = _common.run_children("experiments.peers", threads, child_args)
+    _common.append_rows(args.out, rows)
+    print(f"wrote {len(rows)} rows to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
