@@ -58,7 +58,8 @@ def main() -> None:
     chunks = C.corpus_chunks(train_ids, args.ctx, args.max_tokens)
     x_lnd = P.collect_ffn_inputs(model, chunks)
     base = P.profile_activations(model, x_lnd)
-    common = {"model": args.model, "commit": _cli.git_commit(), "machine": _cli.machine_info(),
+    common = {"experiment": "quality_vs_sparsity", "run_id": os.environ.get("PIJ_RUN_ID"),
+              "model": args.model, "commit": _cli.git_commit(), "machine": _cli.machine_info(),
               "threads": threads, "dtype": "float32", "impl": args.impl, "ctx": args.ctx,
               "eval_chunks": args.chunks, "eval_text": "wiki.valid.txt",
               "calib_text": "wiki.train.txt", "calib_tokens": int(chunks.size)}
