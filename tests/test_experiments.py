@@ -1,0 +1,149 @@
+"""experiments/: REPORT.md tables from synthetic JSONL, run_all's registry, isolation and resume,
+and the pieces of the experiments that run on a tiny model."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from experiments import _common, cost_breakdown, peers, power_law, report, run_all  # noqa: E402
+
+MACHINE = {"cpu": "Test CPU", "cpus": 2, "host": "ci"}
+
+
+def _row(experiment, run, **fields):
+    return {"experiment": experiment, "run_id": run, "quick": False, "commit": "abc1234",
+            "machine": MACHINE, "model": "tiny", "config": fields.pop("config", {}), **fields}
+
+
+def _write(d: Path, name: str, rows):
+    _common.append_rows(d / report.FILES[name], rows)
+
+
+def test_report_tables_from_synthetic_rows(tmp_path):
+    abl = [_row("ablation", "r1", threads=2, dtype="bfloat16", status="ok", decode_tok_s=99.0,
+                config={"step": "dense_xla"})]  # an older run: must not appear
+    for step, v in (("dense_xla", 10.0), ("dense_ffi", 20.0), ("predictor", 25.0)):
+        abl.append(_row("ablation", "r2", threads=2, dtype="bfloat16", status="ok",
+                        decode_tok_s=v, config={"step": step}))
+    abl.append(_row("ablation", "r2", threads=2, dtype="bfloat16", status="not available",
+                    reason="no hybrid", config={"step": "hybrid_naive"}))
+    _write(tmp_path, "ablation", abl)
+    peer = [_row("peers", "r2", threads=1, system="powerinfer_jax", weights="bfloat16",
+                 sparsity="predictor", status="ok", decode_tok_s=30.0, prefill_tok_s=100.0,
+                 agree_fraction=0.5, agree_prefix=4, agree_n=8),
+            _row("peers", "r2", threads=1, system="llama.cpp", weights="BF16", sparsity="dense",
+                 status="ok", decode_tok_s=20.0, prefill_tok_s=200.0),
+            _row("peers", "r2", threads=1, system="llama.cpp", weights="F32", sparsity="dense",
+                 status="not available", reason="pip install llama-cpp-python")]
+    _write(tmp_path, "peers", peer)
+    _write(tmp_path, "prompt_length", [
+        _row("prompt_length", "r2", threads=2, dtype="bfloat16", status="ok", sparsity=m,
+             prompt_tokens=8, prefill_tok_s=p, decode_tok_s=d)
+        for m, p, d in (("dense", 100.0, 10.0), ("predictor", 50.0, 20.0))])
+    _write(tmp_path, "quality_vs_sparsity", [  # the pre-run-id schema of quality_vs_sparsity.py
+        {"model": "tiny", "commit": "old", "machine": MACHINE, "dtype": "float32", "mode": m,
+         "target_sparsity": t, "ppl": p, "ffn_sparsity": s, "eval_text": "wiki.valid.txt",
+         "ctx": 512, "eval_chunks": 16}
+        for m, t, p, s in (("dense", 0.0, 10.0, 0.0), ("oracle", 0.5, 10.5, 0.5))])
+    _common.append_rows(tmp_path / report.STATUS_FILE, [
+        {"experiment": "peers", "status": "failed", "seconds": 3.0, "commit": "abc1234",
+         "error": "exit status 1: boom"}])
+    text = report.render(tmp_path, tmp_path / "REPORT.md")
+
+    assert "| 2 | bfloat16 | 10.0 (1.00x) | 20.0 (2.00x) | 25.0 (2.50x) | not available | - |" in text
+    assert "99.0" not in text  # older run ignored
+    assert "| 1 | llama.cpp | F32 | dense | not available |" in text
+    assert "| 1 | 30.0 | 20.0 | 1.50 | yes |" in text  # sparse bf16 vs llama.cpp BF16 target
+    assert "0.50 (prefix 4/8)" in text
+    assert "| 2 | bfloat16 | 8 | 100.0 | 50.0 | 0.50 | 10.0 | 20.0 | 2.00 |" in text
+    assert "| 0.50 | oracle | 0.500 | 10.500 | 1.050 |" in text
+    assert "| peers | failed | 3 | abc1234 | exit status 1: boom |" in text
+    assert "Test CPU (2 CPUs, host ci)" in text and "commit: abc1234" in text
+    assert "## power_law\n\nNo results yet" in text  # missing experiment: says so, no crash
+
+
+def test_latest_run_prefers_newest_run_id():
+    rows = [{"run_id": "a", "v": 1}, {"run_id": "b", "v": 2}, {"v": 3, "commit": "x"}]
+    assert [r["v"] for r in report.latest_run(rows)] == [2]
+    assert [r["v"] for r in report.latest_run([{"commit": "x", "v": 1},
+                                               {"commit": "y", "v": 2}])] == [2]
+
+
+def test_registry_lists_every_script():
+    scripts = {p.stem for p in (REPO / "experiments").glob("*.py")
+               if not p.stem.startswith("_")}
+    registered = {e.name for e in run_all.REGISTRY}
+    assert registered.isdisjoint(run_all.NOT_RUN)
+    assert scripts == registered | set(run_all.NOT_RUN), (
+        f"unregistered: {scripts - registered - set(run_all.NOT_RUN)}")
+    for e in run_all.REGISTRY:
+        assert e.name in report.FILES
+
+
+def test_run_all_records_a_failing_experiment_and_resumes(tmp_path):
+    bad = run_all.Experiment("no_such_experiment", (), (), (1, 1))
+    row = run_all.run_experiment(bad, quick=True, out_dir=tmp_path, timeout_s=60)
+    assert row["status"] == "failed" and "exit status" in row["error"]
+    assert (tmp_path / "logs" / "no_such_experiment.log").is_file()
+    ok = dict(row, status="ok", args=[])
+    assert run_all.done_at_commit(bad, True, row["commit"], [ok])
+    assert not run_all.done_at_commit(bad, False, row["commit"], [ok])  # other settings
+    assert not run_all.done_at_commit(bad, True, "other", [ok])  # other commit
+    assert run_all.estimate(bad, True, [dict(ok, seconds=42.0)]) == 42.0
+
+
+def test_power_law_rows_on_a_planted_distribution():
+    f = 100
+    counts = np.zeros((2, f), np.int64)
+    counts[0, :10] = 90  # 10 neurons carry 900 of 910 activations
+    counts[0, 10:20] = 1
+    counts[1] = 5  # uniform: 80% of neurons cover 80%
+    rows = power_law.layer_rows(counts, n_tokens=100)
+    assert rows[0]["neurons_for_80pct"] == pytest.approx(0.09)
+    assert rows[1]["neurons_for_80pct"] == pytest.approx(0.80)
+    assert rows[0]["curve_frequency"][0] == pytest.approx(0.9)
+    assert len(rows[0]["curve_frequency"]) == power_law.CURVE_POINTS
+    with pytest.raises(ValueError, match="activation counts: expected"):
+        power_law.layer_rows(counts[0], n_tokens=100)
+
+
+def test_greedy_agreement():
+    assert peers.agreement([1, 2, 3, 4], [1, 2, 9, 4]) == {"agree_n": 4, "agree_fraction": 0.75,
+                                                          "agree_prefix": 2}
+    assert peers.agreement([1, 2], [1, 2, 3])["agree_prefix"] == 2
+
+
+@pytest.mark.parametrize("mode", ["dense", "predictor"])
+def test_cost_breakdown_components_on_a_tiny_model(mode):
+    from flax import nnx
+
+    from helpers_models import tiny_llama_config
+    from powerinfer_jax.models.transformer import Transformer
+    from powerinfer_jax.sparsity.predictor import Predictor
+
+    c = tiny_llama_config()
+    model = Transformer(c, rngs=nnx.Rngs(0), kernels="xla")
+    if mode == "predictor":
+        for layer in model.layers:
+            layer.ffn.predictor = Predictor(c.d_model, 8, c.d_ff, rngs=nnx.Rngs(1))
+    x = np.random.default_rng(0).standard_normal((c.n_layers, 1, 1, c.d_model)).astype(np.float32)
+    parts = cost_breakdown.components(model, x, mode=mode, thresholds=(0.0,) * c.n_layers,
+                                      position=5, kv_len=16, max_seq_len=32, repeats=2)
+    for key in ("attention_ms", "ffn_cold_ms", "lm_head_ms"):
+        assert parts[key] > 0
+    assert (parts["predictor_ms"] > 0) == (mode == "predictor")
+    active = parts["active_per_layer"]
+    assert len(active) == c.n_layers and all(0 <= a <= c.d_ff for a in active)
+    b = cost_breakdown.bytes_per_token(model, active_per_layer=active, kv_len=16,
+                                       predictor=mode == "predictor")
+    assert b["lm_head"] == c.vocab_size * c.d_model * 4
+    assert b["kv_cache"] == 2 * 16 * c.kv_dim * 4 * c.n_layers
+    assert b["total"] == sum(v for k, v in b.items() if k != "total")
