@@ -1,6 +1,6 @@
 """The CUDA sources must keep compiling (nvcc is on the CI machines; no GPU is needed to build).
 
-Builds only the CUDA kernel library target (not the nanobind module) in a temporary directory with
+Builds the CUDA kernel library and the _pij_cuda nanobind module in a temporary directory with
 the same CMakeLists.txt the pip build uses. Skips with a reason where nvcc or cmake is absent.
 Running the kernels needs a GPU: see tests/test_cuda_kernels.py.
 """
@@ -28,8 +28,11 @@ def test_cuda_sources_compile(tmp_path):
         ["cmake", "-S", str(REPO), "-B", str(tmp_path), "-DPIJ_CUDA=ON",
          f"-DPython_EXECUTABLE={sys.executable}"], capture_output=True, text=True, env=env)
     assert configure.returncode == 0, configure.stdout[-3000:] + configure.stderr[-3000:]
+    # The kernel library (both .cu files) and the nanobind module with the hybrid handler's
+    # cold-row store bindings.
     build = subprocess.run(
-        ["cmake", "--build", str(tmp_path), "--target", "pij_cuda_kernels", "-j", "2"],
+        ["cmake", "--build", str(tmp_path), "--target", "pij_cuda_kernels", "_pij_cuda", "-j", "2"],
         capture_output=True, text=True, env=env)
     assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
     assert list(tmp_path.rglob("libpij_cuda_kernels.a"))
+    assert list(tmp_path.rglob("_pij_cuda*.so"))

@@ -1,16 +1,83 @@
 // nanobind module powerinfer_jax._pij_cuda: the CUDA FFI handlers, registered by
-// powerinfer_jax/ops/_ffi.py with platform="CUDA" when this module was built (PIJ_CUDA=ON).
+// powerinfer_jax/ops/_ffi.py with platform="CUDA" when this module was built (PIJ_CUDA=ON), and the
+// host store of cold FFN rows the hybrid handler reads (rows copied once; referenced by handle).
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <stdexcept>
+#include <string>
 
 #include "xla_ffi/sparse_ffn_cuda.h"
+#include "xla_ffi/sparse_ffn_hybrid_cuda.h"
 
 namespace nb = nanobind;
 
+namespace {
+
+using HostArray = nb::ndarray<nb::device::cpu, nb::c_contig>;
+
+pij::RowType TypeOf(const HostArray& a) {
+  if (a.dtype() == nb::dtype<float>()) return pij::RowType::kF32;
+  if (a.dtype().code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && a.dtype().bits == 16) {
+    return pij::RowType::kBf16;
+  }
+  if (a.dtype().code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && a.dtype().bits == 16) {
+    return pij::RowType::kF16;
+  }
+  throw std::invalid_argument("register_cold_rows: weights: expected float32, bfloat16 or "
+                              "float16 arrays");
+}
+
+void CheckMatrix(const char* what, const HostArray& a, pij::RowType type, int64_t f, int64_t d) {
+  if (a.ndim() != 2 || static_cast<int64_t>(a.shape(0)) != f ||
+      static_cast<int64_t>(a.shape(1)) != d || TypeOf(a) != type) {
+    throw std::invalid_argument(std::string("register_cold_rows: ") + what +
+                                ": expected [F_cold, D] of up's dtype and shape");
+  }
+}
+
+}  // namespace
+
 NB_MODULE(_pij_cuda, m) {
-  m.doc() = "powerinfer_jax CUDA kernels (XLA FFI handlers).";
+  m.doc() = "powerinfer_jax CUDA kernels (XLA FFI handlers) and the hybrid handler's cold rows.";
   m.def("registrations", []() {
     nb::dict d;
     d["pij_sparse_ffn"] = nb::capsule(reinterpret_cast<void*>(PijSparseFfnCuda));
+    d["pij_sparse_ffn_hybrid"] = nb::capsule(reinterpret_cast<void*>(PijSparseFfnHybridCuda));
     return d;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target(platform='CUDA').");
+  m.def("register_cold_rows", [](HostArray up, HostArray down_t, nb::object gate,
+                                 nb::object b_up) {
+    if (up.ndim() != 2) throw std::invalid_argument("register_cold_rows: up: expected [F_cold, D]");
+    const pij::RowType type = TypeOf(up);
+    const int64_t f = up.shape(0), d = up.shape(1);
+    CheckMatrix("down_t", down_t, type, f, d);
+    const void* gate_ptr = nullptr;
+    const float* b_up_ptr = nullptr;
+    HostArray g, b;
+    if (!gate.is_none()) {
+      g = nb::cast<HostArray>(gate);
+      CheckMatrix("gate", g, type, f, d);
+      gate_ptr = g.data();
+    }
+    if (!b_up.is_none()) {
+      b = nb::cast<HostArray>(b_up);
+      if (b.ndim() != 1 || static_cast<int64_t>(b.shape(0)) != f || b.dtype() != nb::dtype<float>()) {
+        throw std::invalid_argument("register_cold_rows: b_up: expected float32 [F_cold]");
+      }
+      b_up_ptr = static_cast<const float*>(b.data());
+    }
+    return pij::HybridColdStore().Add(type, f, d, gate_ptr, up.data(), down_t.data(), b_up_ptr);
+  }, nb::arg("up"), nb::arg("down_t"), nb::arg("gate").none() = nb::none(),
+     nb::arg("b_up").none() = nb::none(),
+     "Copy one layer's cold rows into host memory owned by the backend; returns the handle the "
+     "hybrid custom call takes as its cold_handle attribute.");
+  m.def("release_cold_rows", [](int64_t handle) { return pij::HybridColdStore().Remove(handle); },
+        nb::arg("handle"), "Free a layer's cold rows (no running computation may still use them).");
+  m.def("cold_store_bytes", []() { return pij::HybridColdStore().Bytes(); });
+  m.def("set_num_threads", [](int n) {
+    if (n < 1) throw std::invalid_argument("set_num_threads: n: expected >= 1, got " + std::to_string(n));
+    nb::gil_scoped_release release;
+    pij::SetHybridThreads(n);
+  }, nb::arg("n"), "Threads of the hybrid handler's host pool (the calling thread counts as one).");
 }

@@ -18,6 +18,7 @@
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/sparse_ffn_args.h"
 #include "xla_ffi/sparse_ffn_cuda.h"
+#include "xla_ffi/sparse_ffn_cuda_launch.h"
 
 namespace pij {
 namespace {
@@ -151,16 +152,20 @@ ffi::Error SparseFfnCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
   if (!act.has_value()) {
     return ffi::Error::Internal("sparse_ffn (CUDA): could not allocate [rows, F] scratch");
   }
-  float* act_ptr = static_cast<float*>(*act);
+  return LaunchSparseFfnCuda(call, static_cast<float*>(*act), stream);
+}
+
+}  // namespace
+
+ffi::Error LaunchSparseFfnCuda(const SparseFfnCall& call, float* act, cudaStream_t stream) {
   switch (call.weight_type) {  // the one dtype dispatch
-    case ffi::DataType::F32: return Launch<float>(call, act_ptr, stream);
-    case ffi::DataType::BF16: return Launch<Bf16>(call, act_ptr, stream);
-    case ffi::DataType::F16: return Launch<F16>(call, act_ptr, stream);
+    case ffi::DataType::F32: return Launch<float>(call, act, stream);
+    case ffi::DataType::BF16: return Launch<Bf16>(call, act, stream);
+    case ffi::DataType::F16: return Launch<F16>(call, act, stream);
     default: return ffi::Error::Internal("sparse_ffn (CUDA): unreachable weight dtype");
   }
 }
 
-}  // namespace
 }  // namespace pij
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PijSparseFfnCuda, pij::SparseFfnCudaImpl,

@@ -87,6 +87,44 @@ def linear(x, w, b):
     return call(x32, w, _absent((0,), jnp.float32) if b is None else jnp.asarray(b, jnp.float32))
 
 
+HYBRID_TARGET = "pij_sparse_ffn_hybrid"
+
+
+def register_cold_rows(up, down_t, *, gate=None, b_up=None) -> int:
+    """GPU builds: copy one layer's cold rows into host memory owned by the backend (once, at
+    load); returns the handle `sparse_ffn_hybrid` takes."""
+    if _pij_cuda is None:
+        raise RuntimeError("register_cold_rows: expected the PIJ_CUDA=ON build (powerinfer_jax."
+                           "_pij_cuda), got a CPU-only build")
+    host = lambda a: None if a is None else np.ascontiguousarray(np.asarray(a))
+    return _pij_cuda.register_cold_rows(host(up), host(down_t), host(gate), host(b_up))
+
+
+def sparse_ffn_hybrid(x, w_up, w_down_t, *, w_gate, b_up, b_down, scores, scores_cold,
+                      threshold, activation, criterion, cold_handle: int):
+    """GPU: hot rows (these weights, on the device) plus the cold rows behind cold_handle (host
+    pool), in one custom call. x and scores [T, ...] dense, no vmap."""
+    x32 = jnp.asarray(x, jnp.float32)
+    f, d = w_up.shape[-2:]
+    rows = x32.shape[:-1]
+    oracle = criterion == "oracle"
+    operands = (
+        x32,
+        _absent((0, d), w_up.dtype) if w_gate is None else w_gate,
+        w_up,
+        w_down_t,
+        _absent((0,), jnp.float32) if b_up is None else jnp.asarray(b_up, jnp.float32),
+        _absent((0,), jnp.float32) if b_down is None else jnp.asarray(b_down, jnp.float32),
+        _absent((0,), jnp.float32) if oracle else jnp.asarray(scores, jnp.float32),
+        _absent((0,), jnp.float32) if oracle else jnp.asarray(scores_cold, jnp.float32),
+    )
+    call = jax.ffi.ffi_call(
+        HYBRID_TARGET,
+        (jax.ShapeDtypeStruct(rows + (d,), jnp.float32), jax.ShapeDtypeStruct(rows, jnp.int32)))
+    return call(*operands, threshold=np.float32(threshold), activation=activation,
+                criterion=criterion, cold_handle=np.int64(cold_handle))
+
+
 def rms_norm(x, scale, *, eps):
     x32 = jnp.asarray(x, jnp.float32)
     call = jax.ffi.ffi_call(RMS_NORM_TARGET, jax.ShapeDtypeStruct(x32.shape, jnp.float32),
