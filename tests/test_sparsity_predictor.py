@@ -197,3 +197,18 @@ def test_sparsity_config_target(bad):
         SparsityConfig("threshold", target_sparsity=bad)
     assert SparsityConfig("threshold", target_sparsity=0.5).calibrated
     assert not SparsityConfig("oracle").calibrated
+
+
+@pytest.mark.parametrize("kernels", ["xla", "ffi"])
+def test_inference_layer_matches_the_training_stack(kernels):
+    """PredictorStack.layer transposes to [out, in] for decode: same logits as the stack."""
+    from flax import nnx as _nnx
+
+    from powerinfer_jax.sparsity.predictor import PredictorStack
+
+    stack = PredictorStack(3, 12, 5, 37, rngs=_nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 4, 12)), jnp.float32)
+    want = stack(x)
+    for l in range(3):
+        got = stack.layer(l, kernels=kernels)(x[l])
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want[l]), rtol=1e-5, atol=1e-5)

@@ -87,7 +87,7 @@ class FFN(nnx.Module):
         if self.up.bias is not None:
             self.up.bias.set_value(self.up.bias[...][perm])
         if self.predictor is not None:
-            self.predictor.w_out_rf.set_value(self.predictor.w_out_rf[...][:, perm])
+            self.predictor.w_out_fr.set_value(self.predictor.w_out_fr[...][perm])
             self.predictor.b_out_f.set_value(self.predictor.b_out_f[...][perm])
 
     def split(self, n_hot: int) -> None:

@@ -201,7 +201,7 @@ def attach_predictors(model, stack: pred.PredictorStack) -> None:
     """Give each layer's FFN its slice of the stack (FFN.predictor)."""
     check_predictor_shape(stack, model_shape(model.config))
     for l, layer in enumerate(model.layers):
-        layer.ffn.predictor = stack.layer(l)
+        layer.ffn.predictor = stack.layer(l, dtype=model.dtype, kernels=model.kernels)
 
 
 def ensure_artifacts(model_arg: str, source, model, tokenizer, target_sparsity: float, *,

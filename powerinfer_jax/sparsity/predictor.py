@@ -20,18 +20,27 @@ F32 = jnp.float32
 
 
 class Predictor(nnx.Module):
-    """One layer's predictor: logits [..., F] = relu(x @ w_in + b_in) @ w_out + b_out."""
+    """One layer's predictor at inference: logits [..., F] = relu(x @ w_in.T + b_in) @ w_out.T + b_out.
 
-    def __init__(self, d_model: int, rank: int, d_ff: int, *, rngs: nnx.Rngs | None = None):
-        self.w_in_dr = nnx.Param(_init(rngs, (d_model, rank), d_model))
+    Weights are stored [out, in] (`w_in_rd` [R, D], `w_out_fr` [F, R]) in the model's dtype, like
+    every other matrix, so at decode they run through the same `matmul` (the `ops.linear` custom
+    call on CPU) and the hot-first permutation reorders rows of `w_out_fr`. Training uses the
+    stacked in-major layout of `PredictorStack`; `PredictorStack.layer` converts once at load.
+    """
+
+    def __init__(self, d_model: int, rank: int, d_ff: int, *, rngs: nnx.Rngs | None = None,
+                 dtype=F32, kernels: str = "xla"):
+        self.kernels = kernels
+        self.w_in_rd = nnx.Param(_init(rngs, (rank, d_model), d_model).astype(dtype))
         self.b_in_r = nnx.Param(jnp.zeros((rank,), F32))
-        self.w_out_rf = nnx.Param(_init(rngs, (rank, d_ff), rank))
+        self.w_out_fr = nnx.Param(_init(rngs, (d_ff, rank), rank).astype(dtype))
         self.b_out_f = nnx.Param(jnp.zeros((d_ff,), F32))
 
     def __call__(self, x_btd):
-        h = jax.nn.relu(jnp.einsum("...D,DR->...R", x_btd.astype(F32), self.w_in_dr[...])
-                        + self.b_in_r[...])
-        return jnp.einsum("...R,RF->...F", h, self.w_out_rf[...]) + self.b_out_f[...]
+        from powerinfer_jax.models.layers import matmul
+
+        h = jax.nn.relu(matmul(x_btd, self.w_in_rd[...], self.kernels) + self.b_in_r[...])
+        return matmul(h, self.w_out_fr[...], self.kernels) + self.b_out_f[...]
 
 
 class PredictorStack(nnx.Module):
@@ -70,16 +79,18 @@ class PredictorStack(nnx.Module):
             setattr(stack, k, nnx.Param(jnp.asarray(arrays[k], F32)))
         return stack
 
-    def layer(self, l: int) -> Predictor:
+    def layer(self, l: int, *, dtype=F32, kernels: str = "xla") -> Predictor:
+        """Layer l's predictor for inference: weights transposed to [out, in], in `dtype`."""
         n_layers, d, r, f = self.shape
-        p = nnx.eval_shape(lambda: Predictor(d, r, f, rngs=nnx.Rngs(0)))
-        for k_layer, k_stack in zip(_LAYER_FIELDS, _STACK_FIELDS):
-            setattr(p, k_layer, nnx.Param(getattr(self, k_stack)[...][l]))
+        p = nnx.eval_shape(lambda: Predictor(d, r, f, dtype=dtype, kernels=kernels))
+        p.w_in_rd = nnx.Param(jnp.asarray(self.w_in_ldr[...][l].T, dtype))
+        p.b_in_r = nnx.Param(self.b_in_lr[...][l])
+        p.w_out_fr = nnx.Param(jnp.asarray(self.w_out_lrf[...][l].T, dtype))
+        p.b_out_f = nnx.Param(self.b_out_lf[...][l])
         return p
 
 
 _STACK_FIELDS = ("w_in_ldr", "b_in_lr", "w_out_lrf", "b_out_lf")
-_LAYER_FIELDS = ("w_in_dr", "b_in_r", "w_out_rf", "b_out_f")
 
 
 def _init(rngs, shape, fan_in):
