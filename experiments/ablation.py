@@ -144,7 +144,7 @@ def main(argv=None) -> None:
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (quick: 16)")
     p.add_argument("--repeats", type=int, default=None, help="default 3 (quick: 1)")
     p.add_argument("--max-seconds", type=float, default=None,
-                   help="timed runs' wall-time budget per configuration (default 10, quick: 3)")
+                   help="timed runs' wall-time budget per configuration (default 6, quick: 3)")
     p.add_argument("--budget", type=float, default=0.5,
                    help="hybrid steps: notional accelerator budget, fraction of FFN bytes")
     p.add_argument("--out", default=str(_common.RESULTS / "ablation.jsonl"))
@@ -153,7 +153,7 @@ def main(argv=None) -> None:
     args.prompt_tokens = args.prompt_tokens or (16 if q else 64)
     args.new_tokens = args.new_tokens or (16 if q else 128)
     args.repeats = args.repeats or (1 if q else 3)
-    args.max_seconds = args.max_seconds or (3.0 if q else 10.0)
+    args.max_seconds = args.max_seconds or (3.0 if q else 6.0)
     if not 0.0 <= args.budget <= 1.0:
         raise SystemExit(f"--budget: expected a fraction in [0, 1], got {args.budget}")
     if args.child_threads is not None:

@@ -125,8 +125,8 @@ def bytes_per_token(model, *, active_per_layer, kv_len: int, predictor: bool) ->
     ffn = sum(int(a) for a in active_per_layer) * rows * c.d_model * item
     pred = 0
     if predictor:
-        r = model.layers[0].ffn.predictor.w_in_dr.shape[1]
-        pred = 4 * (c.d_model * r + r + r * c.d_ff + c.d_ff) * c.n_layers
+        r = model.layers[0].ffn.predictor.w_in_rd.shape[0]
+        pred = (item * (c.d_model * r + r * c.d_ff) + 4 * (r + c.d_ff)) * c.n_layers
     head = c.vocab_size * c.d_model * item
     total = attn + kv + ffn + pred + head
     return {"attention_weights": attn, "kv_cache": kv, "ffn_rows": ffn, "predictor": pred,

@@ -76,16 +76,24 @@ def bench_llama_cpp(path: Path, ids: list[int], *, threads: int, new_tokens: int
     llm = Llama(model_path=str(path), n_ctx=len(ids) + new_tokens + 8, n_batch=max(len(ids), 8),
                 n_threads=threads, n_threads_batch=threads, verbose=False)
 
+    n_vocab = llm.n_vocab()
+
+    def greedy() -> int:
+        # llama-cpp-python >= 0.3 keeps no logits in `scores` unless logits_all (which would make
+        # the prompt's eval compute V logits per token): read the last token's from the context.
+        logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
+        return int(np.argmax(logits))
+
     def run(n_new: int):
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(ids)
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = greedy()
         t1 = time.perf_counter()
         out = [tok]
         for _ in range(n_new - 1):
             llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = greedy()
             out.append(tok)
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1, out

@@ -72,14 +72,14 @@ def main(argv=None) -> None:
     p.add_argument("--new-tokens", type=int, default=None, help="default 32 (quick: 16)")
     p.add_argument("--repeats", type=int, default=None, help="default 3 (quick: 1)")
     p.add_argument("--max-seconds", type=float, default=None,
-                   help="timed runs' wall-time budget per configuration (default 8, quick: 3)")
+                   help="timed runs' wall-time budget per configuration (default 5, quick: 3)")
     p.add_argument("--out", default=str(_common.RESULTS / "prompt_length.jsonl"))
     args = p.parse_args(argv)
     q = args.quick
     args.lengths = args.lengths or ([8, 128] if q else [8, 32, 128, 512, 1024])
     args.new_tokens = args.new_tokens or (16 if q else 32)
     args.repeats = args.repeats or (1 if q else 3)
-    args.max_seconds = args.max_seconds or (3.0 if q else 8.0)
+    args.max_seconds = args.max_seconds or (3.0 if q else 5.0)
     if args.child_threads is not None:
         return child(args)
     threads = args.threads or [max(_common.available_threads())]
