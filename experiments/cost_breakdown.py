@@ -16,7 +16,8 @@ Bytes touched per token: attention weights, the KV prefix read, predictor weight
 the active neurons (measured on the same inputs) and the lm_head; achieved GB/s = bytes / step
 time, next to the read bandwidth measured in the same process (`_bench_ops.read_bandwidth_gbs`).
 
-  python -m experiments.cost_breakdown [--threads 1 2] [--dtypes float32 bfloat16]
+  python -m experiments.cost_breakdown [--threads 2] [--dtypes float32 bfloat16]  (default: all
+  the CPUs this process may use)
 """
 from __future__ import annotations
 
@@ -226,8 +227,7 @@ def main(argv=None) -> None:
     args.max_seconds = args.max_seconds or (2.0 if q else 6.0)
     if args.child_threads is not None:
         return child(args)
-    threads = args.threads or ([max(_common.available_threads())] if q
-                               else _common.available_threads())
+    threads = args.threads or [max(_common.available_threads())]  # --threads 1 2 for both
     child_args = ["--model", args.model, "--dtypes", *args.dtypes, "--modes", *args.modes,
                   "--prompt-tokens", str(args.prompt_tokens), "--new-tokens",
                   str(args.new_tokens), "--repeats", str(args.repeats), "--max-seconds",

@@ -45,7 +45,7 @@ REGISTRY = (
                 "--impl", "ffi", "--no-save-artifacts"), (600, 240)),
     Experiment("ablation", (), ("--quick",), (360, 150)),
     Experiment("peers", (), ("--quick",), (300, 150)),
-    Experiment("cost_breakdown", (), ("--quick", "--dtypes", "bfloat16"), (150, 60)),
+    Experiment("cost_breakdown", (), ("--quick", "--dtypes", "bfloat16"), (90, 60)),
     Experiment("prompt_length", (), ("--quick",), (180, 40)),
 )
 # Scripts in experiments/ that run_all does not run, and why (tests check every script is either
