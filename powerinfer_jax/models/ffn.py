@@ -19,23 +19,12 @@ host pool, and adds the two partial sums. See sparsity/placement.py and models/h
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from powerinfer_jax.config import SparsityConfig
 from powerinfer_jax.models.layers import F32, Linear, _param, use_ffi
-
-
-def activate(name: str, x):
-    """The FFN activation by name. GELU is the tanh approximation, as the C++ kernels use."""
-    if name == "silu":
-        return jax.nn.silu(x)
-    if name == "relu":
-        return jax.nn.relu(x)
-    if name == "gelu":
-        return jax.nn.gelu(x, approximate=True)
-    raise ValueError(f"activation: expected one of ['silu', 'relu', 'gelu'], got {name!r}")
+from powerinfer_jax.ops.reference import activate  # pure jnp, shared with the kernels' oracle
 
 
 class HostRows(nnx.Variable):

@@ -58,20 +58,20 @@ def _absent(shape, dtype):
     return jnp.zeros(shape, dtype)
 
 
+def _ffn_operands(x, w_up, w_down_t, w_gate, b_up, b_down, scores):
+    """x as float32 and the handler's operand tuple (absent optionals as zero-size arrays)."""
+    x32 = jnp.asarray(x, jnp.float32)
+    f32 = lambda a: _absent((0,), jnp.float32) if a is None else jnp.asarray(a, jnp.float32)
+    gate = _absent((0, w_up.shape[-1]), w_up.dtype) if w_gate is None else w_gate
+    return x32, (x32, gate, w_up, w_down_t, f32(b_up), f32(b_down), f32(scores))
+
+
 def sparse_ffn(x, w_up, w_down_t, *, w_gate, b_up, b_down, scores, threshold, activation,
                criterion):
-    x32 = jnp.asarray(x, jnp.float32)
-    f, d = w_up.shape[-2:]
+    x32, operands = _ffn_operands(x, w_up, w_down_t, w_gate, b_up, b_down,
+                                  None if criterion == "oracle" else scores)
+    d = w_up.shape[-1]
     rows = x32.shape[:-1]
-    operands = (
-        x32,
-        _absent((0, d), w_up.dtype) if w_gate is None else w_gate,
-        w_up,
-        w_down_t,
-        _absent((0,), jnp.float32) if b_up is None else jnp.asarray(b_up, jnp.float32),
-        _absent((0,), jnp.float32) if b_down is None else jnp.asarray(b_down, jnp.float32),
-        _absent((0,), jnp.float32) if criterion == "oracle" else jnp.asarray(scores, jnp.float32),
-    )
     call = jax.ffi.ffi_call(
         SPARSE_FFN_TARGET,
         (jax.ShapeDtypeStruct(rows + (d,), jnp.float32), jax.ShapeDtypeStruct(rows, jnp.int32)),
@@ -104,20 +104,13 @@ def sparse_ffn_hybrid(x, w_up, w_down_t, *, w_gate, b_up, b_down, scores, scores
                       threshold, activation, criterion, cold_handle: int):
     """GPU: hot rows (these weights, on the device) plus the cold rows behind cold_handle (host
     pool), in one custom call. x and scores [T, ...] dense, no vmap."""
-    x32 = jnp.asarray(x, jnp.float32)
-    f, d = w_up.shape[-2:]
-    rows = x32.shape[:-1]
     oracle = criterion == "oracle"
-    operands = (
-        x32,
-        _absent((0, d), w_up.dtype) if w_gate is None else w_gate,
-        w_up,
-        w_down_t,
-        _absent((0,), jnp.float32) if b_up is None else jnp.asarray(b_up, jnp.float32),
-        _absent((0,), jnp.float32) if b_down is None else jnp.asarray(b_down, jnp.float32),
-        _absent((0,), jnp.float32) if oracle else jnp.asarray(scores, jnp.float32),
-        _absent((0,), jnp.float32) if oracle else jnp.asarray(scores_cold, jnp.float32),
-    )
+    x32, operands = _ffn_operands(x, w_up, w_down_t, w_gate, b_up, b_down,
+                                  None if oracle else scores)
+    operands += (_absent((0,), jnp.float32) if oracle
+                 else jnp.asarray(scores_cold, jnp.float32),)
+    d = w_up.shape[-1]
+    rows = x32.shape[:-1]
     call = jax.ffi.ffi_call(
         HYBRID_TARGET,
         (jax.ShapeDtypeStruct(rows + (d,), jnp.float32), jax.ShapeDtypeStruct(rows, jnp.int32)))
