@@ -8,6 +8,7 @@ sweeps thread counts runs each count in a child process (`run_children`) that pr
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -108,10 +109,7 @@ def add_common_args(p, *, threads_default=None) -> None:
                    "numbers are indicative only")
     p.add_argument("--threads", type=int, nargs="+", default=threads_default,
                    help="thread counts, each in its own child process (default: 1 and 2)")
-    p.add_argument("--child-threads", type=int, default=None, help=SUPPRESS)
-
-
-SUPPRESS = "==SUPPRESS=="  # argparse.SUPPRESS without importing argparse here
+    p.add_argument("--child-threads", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def bench_engine(engine, tokenizer, *, prompt_tokens: int, new_tokens: int, repeats: int,

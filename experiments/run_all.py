@@ -84,10 +84,11 @@ def done_at_commit(exp: Experiment, quick: bool, commit: str, status_rows: list[
 
 def run_experiment(exp: Experiment, *, quick: bool, out_dir: Path, timeout_s: float,
                    module_prefix: str = "experiments.") -> dict:
-    """Run one experiment in its own process; returns its status row (never raises)."""
+    """Run one experiment in its own process; returns its status row (never raises). Its output
+    goes to results/tmp/logs/ (git-ignored); the status row keeps the log's last lines."""
     args = list(exp.quick_args if quick else exp.full_args)
     out = out_dir / f"{exp.name}.jsonl"
-    log = out_dir / "logs" / f"{exp.name}.log"
+    log = _common.RESULTS / "tmp" / "logs" / ("quick" if quick else "full") / f"{exp.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", module_prefix + exp.name, *args, exp.out_flag, str(out)]
     t0 = time.perf_counter()

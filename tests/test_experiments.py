@@ -92,7 +92,7 @@ def test_run_all_records_a_failing_experiment_and_resumes(tmp_path):
     bad = run_all.Experiment("no_such_experiment", (), (), (1, 1))
     row = run_all.run_experiment(bad, quick=True, out_dir=tmp_path, timeout_s=60)
     assert row["status"] == "failed" and "exit status" in row["error"]
-    assert (tmp_path / "logs" / "no_such_experiment.log").is_file()
+    assert Path(row["log"]).is_file()
     ok = dict(row, status="ok", args=[])
     assert run_all.done_at_commit(bad, True, row["commit"], [ok])
     assert not run_all.done_at_commit(bad, False, row["commit"], [ok])  # other settings
