@@ -139,7 +139,7 @@ def make_figures_and_report(quick: bool) -> None:
     for path in plots.make_all(out_dir):
         print(f"  figure {path.relative_to(_common.REPO)}")
     path = report_path(quick)
-    path.write_text(report.render(out_dir, path), encoding="utf-8")
+    path.write_text(report.render(out_dir, path, quick=quick), encoding="utf-8")
     print(f"  report {path.relative_to(_common.REPO)}")
 
 
