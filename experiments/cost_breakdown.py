@@ -125,9 +125,12 @@ def bytes_per_token(model, *, active_per_layer, kv_len: int, predictor: bool) ->
     rows = 3 if c.gated else 2
     ffn = sum(int(a) for a in active_per_layer) * rows * c.d_model * item
     pred = 0
-    if predictor:
-        r = model.layers[0].ffn.predictor.w_in_rd.shape[0]
-        pred = (item * (c.d_model * r + r * c.d_ff) + 4 * (r + c.d_ff)) * c.n_layers
+    if predictor:  # every predictor array at its stored dtype (robust to layout changes)
+        from flax import nnx
+
+        pred = sum(int(np.prod(v.shape)) * jnp.dtype(v.dtype).itemsize
+                   for layer in model.layers
+                   for _, v in nnx.to_flat_state(nnx.state(layer.ffn.predictor, nnx.Param)))
     head = c.vocab_size * c.d_model * item
     total = attn + kv + ffn + pred + head
     return {"attention_weights": attn, "kv_cache": kv, "ffn_rows": ffn, "predictor": pred,

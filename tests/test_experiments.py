@@ -147,3 +147,5 @@ def test_cost_breakdown_components_on_a_tiny_model(mode):
     assert b["lm_head"] == c.vocab_size * c.d_model * 4
     assert b["kv_cache"] == 2 * 16 * c.kv_dim * 4 * c.n_layers
     assert b["total"] == sum(v for k, v in b.items() if k != "total")
+    if mode == "predictor":  # weights [R, D] and [F, R] in the model's dtype, f32 biases
+        assert b["predictor"] == c.n_layers * 4 * (8 * c.d_model + 8 + c.d_ff * 8 + c.d_ff)
