@@ -149,12 +149,40 @@ inline void ProcessNeuron(const FfnWeights<W>& w, const FfnTokens& tokens,
 // Accumulates the contributions of `neurons` for all tokens into y_partial [T, D] (zeroed by the
 // caller) and counts [T]. Neurons are the outer loop so each weight row comes from memory once;
 // token groups reuse it from L1/L2.
+// Active neurons are scattered, so their rows are short runs with gaps that the hardware
+// prefetcher does not follow: without help each neuron starts with a DRAM round trip (measured:
+// 50% active read 7 GB/s vs 26 GB/s dense). Requesting the rows of the neuron kPrefetchAhead
+// places ahead keeps that many neurons' loads in flight while the current one computes.
+constexpr int kPrefetchAhead = 6;
+constexpr int64_t kCacheLine = 64;
+
+template <typename W>
+inline void PrefetchRow(const W* row, int64_t dim) {
+  const char* p = reinterpret_cast<const char*>(row);
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(W));
+  for (int64_t off = 0; off < bytes; off += kCacheLine) __builtin_prefetch(p + off, 0, 3);
+}
+
+template <typename W, bool kGated>
+inline void PrefetchNeuron(const FfnWeights<W>& w, int32_t i) {
+  const int64_t row = static_cast<int64_t>(i) * w.dim;
+  if constexpr (kGated) PrefetchRow(w.gate + row, w.dim);
+  PrefetchRow(w.up + row, w.dim);
+  PrefetchRow(w.down_t + row, w.dim);
+}
+
 template <typename W, bool kGated>
 void AccumulateNeuronsImpl(const FfnWeights<W>& w, const FfnTokens& tokens,
                            const SparseFfnParams& p, std::span<const int32_t> neurons,
                            float* y_partial, int32_t* counts) {
   const int64_t num_tokens = static_cast<int64_t>(tokens.x_rows.size());
-  for (const int32_t i : neurons) {
+  const int64_t n = static_cast<int64_t>(neurons.size());
+  for (int64_t k = 0; k < std::min<int64_t>(kPrefetchAhead, n); ++k) {
+    PrefetchNeuron<W, kGated>(w, neurons[k]);
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const int32_t i = neurons[k];
+    if (k + kPrefetchAhead < n) PrefetchNeuron<W, kGated>(w, neurons[k + kPrefetchAhead]);
     for (int64_t t0 = 0; t0 < num_tokens; t0 += kMaxGroup) {
       switch (std::min<int64_t>(kMaxGroup, num_tokens - t0)) {
         case 1: ProcessNeuron<W, 1, kGated>(w, tokens, p, i, t0, y_partial, counts); break;
