@@ -147,3 +147,11 @@ def bench_engine(engine, tokenizer, *, prompt_tokens: int, new_tokens: int, repe
             "prompt_tokens": len(ids), "new_tokens": n_new, "new_tokens_requested": new_tokens,
             "repeats": len(runs), "compiles": engine.compile_count,
             "tokens": runs[0].tokens}
+
+
+def mode_label(row: dict) -> str:
+    """A quality row's mode, naming predictor mode's predictor ("predictor (q4)"); predictor rows
+    from before the q4 predictor existed were low-rank."""
+    if row.get("mode") != "predictor":
+        return row.get("mode", "")
+    return f"predictor ({row.get('predictor', 'lowrank')})"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -14,18 +15,22 @@ def main() -> None:
     p.add_argument("--jsonl", default=str(REPO / "results" / "quality_vs_sparsity.jsonl"))
     p.add_argument("--out", default=str(REPO / "results" / "quality_vs_sparsity.png"))
     args = p.parse_args()
+    sys.path.insert(0, str(REPO))
+    from experiments._common import mode_label
+
     rows = [json.loads(line) for line in open(args.jsonl) if line.strip()]
     dense = [r for r in rows if r["mode"] == "dense"][-1]
     latest = {}
     for r in rows:  # the last row of each (mode, target) wins
-        latest[(r["mode"], r["target_sparsity"])] = r
+        latest[(mode_label(r), r["target_sparsity"])] = r
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode, marker in (("oracle", "o"), ("threshold", "s"), ("predictor", "^")):
+    for mode, marker in (("oracle", "o"), ("threshold", "s"), ("predictor (lowrank)", "^"),
+                         ("predictor (q4)", "D")):
         pts = sorted((r["ffn_sparsity"], r["ppl"]) for (m, _), r in latest.items() if m == mode)
         if pts:
             ax.plot(*zip(*pts), marker=marker, label=mode)

@@ -1,13 +1,15 @@
 """Hypothesis: on SmolLM2-135M (SwiGLU), skipping the FFN neurons with the smallest contributions
-costs little perplexity (oracle), a CATS-style gate threshold costs more, and trained low-rank
-predictors get close to the oracle at >= 50% sparsity with recall >= 0.90.
+costs little perplexity (oracle), a CATS-style gate threshold costs more, and a predictor gets close
+to the oracle at >= 50% sparsity with recall >= 0.90. Two predictors: trained low-rank MLPs
+("lowrank", DejaVu/PowerInfer-style) and 4-bit estimates of |a_i| ("q4").
 
 Calibrates on wiki.train.txt (profiling --max-tokens tokens), evaluates on wiki.valid.txt
 (ctx 512, 16 chunks) for each target sparsity and mode; one JSONL row per (mode, target) appended
 to results/quality_vs_sparsity.jsonl. The artifacts of each target are also saved into the model's
 cache dir, where `--sparsity threshold|predictor` finds them.
 
-  python experiments/quality_vs_sparsity.py [--targets 0.3 0.5 ...] [--impl reference]
+  python experiments/quality_vs_sparsity.py [--targets 0.3 0.5 ...] [--modes oracle q4 ...]
+      [--impl reference]
 """
 from __future__ import annotations
 
@@ -19,12 +21,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
+MODES = ("oracle", "threshold", "lowrank", "q4")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--targets", type=float, nargs="+", default=[0.3, 0.5, 0.6, 0.7, 0.8, 0.9])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                   help="sparse modes per target; lowrank and q4 are predictor mode's predictors")
     p.add_argument("--impl", default="reference", choices=["ffi", "reference"])
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--chunks", type=int, default=16)
@@ -46,6 +51,7 @@ def main() -> None:
     from powerinfer_jax.sparsity import artifacts as A
     from powerinfer_jax.sparsity import corpus as C
     from powerinfer_jax.sparsity import profile as P
+    from powerinfer_jax.sparsity import q4_predictor as Q4
     from powerinfer_jax.sparsity.predictor import TrainConfig
 
     ckpt = load_checkpoint(args.model)
@@ -71,10 +77,11 @@ def main() -> None:
         out.write(json.dumps(row) + "\n")
         out.flush()
 
-    def ppl(mode, thresholds=None, oracle_thresholds=None):
+    def ppl(mode, thresholds=None, oracle_thresholds=None, predictor="q4"):
         t0 = time.perf_counter()
         r = perplexity(model, valid_ids, ctx=args.ctx, max_chunks=args.chunks,
-                       sparsity=SparsityConfig(mode=mode, impl=args.impl), thresholds=thresholds,
+                       sparsity=SparsityConfig(mode=mode, impl=args.impl, predictor=predictor),
+                       thresholds=thresholds,
                        oracle_thresholds=oracle_thresholds, progress=True)
         r["eval_s"] = time.perf_counter() - t0
         return r
@@ -82,23 +89,29 @@ def main() -> None:
     dense = ppl("dense")
     emit({"mode": "dense", "target_sparsity": 0.0, **dense, "ppl_ratio": 1.0})
     for target in args.targets:
-        train = TrainConfig(rank=args.rank, steps=args.steps)
+        train = TrainConfig(rank=args.rank, steps=args.steps) if "lowrank" in args.modes else None
         arts, prof = A.build_for_target(model, x_lnd, base, target, train=train)
         if args.save_artifacts:
             A.save_artifacts(A.target_dir(A.artifacts_root(args.model, ckpt.source), target),
                              arts, prof, fp)
-        for mode in ("oracle", "threshold", "predictor"):
-            extra = {}
-            if mode == "predictor":
-                A.attach_predictors(model, arts.predictors)
-                rep = arts.meta["predictor"]
-                extra = {"rank": args.rank, "train_steps": args.steps,
-                         "heldout_recall": rep["mean_recall"],
-                         "heldout_precision": rep["mean_precision"],
-                         "heldout_predicted_sparsity": rep["mean_predicted_sparsity"],
-                         "predictor_flops_fraction": rep["cost"]["flops_fraction"]}
-            r = ppl(mode, arts.thresholds_for(mode),
-                    arts.thresholds_contribution if mode == "predictor" else None)
+        for label in args.modes:
+            mode, predictor, extra = label, "q4", {}
+            if label in ("lowrank", "q4"):
+                mode, predictor = "predictor", label
+                if label == "lowrank":
+                    A.attach_predictors(model, arts.predictors)
+                    rep = arts.meta["predictor"]
+                    extra = {"rank": args.rank, "train_steps": args.steps,
+                             "predictor_flops_fraction": rep["cost"]["flops_fraction"]}
+                else:
+                    Q4.attach(model)
+                    rep = arts.meta["q4"]
+                    extra = {"predictor_bytes_fraction_bf16": rep["cost"]["bytes_fraction"]}
+                extra.update(predictor=label, heldout_recall=rep["mean_recall"],
+                             heldout_precision=rep["mean_precision"],
+                             heldout_predicted_sparsity=rep["mean_predicted_sparsity"])
+            r = ppl(mode, arts.thresholds_for(mode, predictor),
+                    arts.thresholds_contribution if mode == "predictor" else None, predictor)
             emit({"mode": mode, "target_sparsity": target, **r,
                   "ppl_ratio": r["ppl"] / dense["ppl"], **extra})
     out.close()

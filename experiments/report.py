@@ -121,8 +121,8 @@ def section_quality(rows, fig) -> str:
         return ""
     d = dense[-1]
     body = []
-    for r in sorted(rows, key=lambda r: (r["target_sparsity"], r["mode"])):
-        body.append([f"{r['target_sparsity']:.2f}", r["mode"], f"{r['ffn_sparsity']:.3f}",
+    for r in sorted(rows, key=lambda r: (r["target_sparsity"], _common.mode_label(r))):
+        body.append([f"{r['target_sparsity']:.2f}", _common.mode_label(r), f"{r['ffn_sparsity']:.3f}",
                      f"{r['ppl']:.3f}", f"{r['ppl'] / d['ppl']:.3f}",
                      fmt(r.get("predictor_recall"), 3), fmt(r.get("heldout_precision"), 3)])
     return ("## 2. Quality vs FFN sparsity\n\n" + provenance(rows) +

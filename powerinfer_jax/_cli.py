@@ -27,8 +27,11 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sparsity", default="dense",
                    choices=["dense", "oracle", "threshold", "predictor"],
                    help="how the FFN's active neurons are found: dense; oracle (true activations); "
-                        "threshold (calibrated |act(gate)|, CATS-style); predictor (trained "
-                        "low-rank predictors) (default: %(default)s)")
+                        "threshold (calibrated |act(gate)|, CATS-style); predictor (see --predictor) "
+                        "(default: %(default)s)")
+    p.add_argument("--predictor", default="q4", choices=["q4", "lowrank"],
+                   help="predictor mode's predictor: q4 (|a_i| estimated from 4-bit gate/up rows; "
+                        "default) or lowrank (trained D->R->F MLPs, built by calibrate)")
     p.add_argument("--threshold", type=float, default=0.0,
                    help="oracle: a neuron is active when |a_i| > threshold (default: 0)")
     p.add_argument("--target-sparsity", type=float, default=None,

@@ -3,7 +3,8 @@
 
 Profiles the dense model over the corpus (default: the project's wiki training text), calibrates
 per-layer thresholds for the target FFN sparsity, trains per-layer predictors, and writes stats,
-thresholds, a frequency plot and predictors (orbax) into the model's directory (for a registry
+thresholds (oracle, threshold and q4-predictor modes), a frequency plot and
+low-rank predictors (orbax) into the model's directory (for a registry
 name: its cache dir), where generate/evaluate/bench --sparsity threshold|predictor find them.
 """
 from __future__ import annotations
@@ -31,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="profile at most this many corpus tokens (default: %(default)s)")
     p.add_argument("--predictor", action=argparse.BooleanOptionalAction, default=True,
-                   help="train predictors (default: yes)")
+                   help="train the low-rank predictors (default: yes; the q4 predictor needs no "
+                        "training and is always calibrated)")
     p.add_argument("--predictor-rank", type=int, default=t.rank, help="R (default: %(default)s)")
     p.add_argument("--predictor-steps", type=int, default=t.steps, help="(default: %(default)s)")
     p.add_argument("--target-recall", type=float, default=t.target_recall,
@@ -64,11 +66,14 @@ def main(argv=None) -> None:
                                     ctx=args.ctx, max_tokens=args.max_tokens, train=train,
                                     progress=args.progress)
     directory = arts_mod.target_dir(root, target)
-    rep = arts.meta.get("predictor", {})
-    print(f"wrote {directory}: thresholds for target sparsity {target}"
-          + (f", predictors R={rep['rank']}: held-out recall {rep['mean_recall']:.3f}, precision "
-             f"{rep['mean_precision']:.3f}, predicted sparsity {rep['mean_predicted_sparsity']:.3f}, "
-             f"cost {rep['cost']['flops_fraction']:.3f} of the FFN's FLOPs" if rep else ""))
+    rep, q4 = arts.meta.get("predictor", {}), arts.meta["q4"]
+    print(f"wrote {directory}: thresholds for target sparsity {target}; q4 predictor: held-out "
+          f"recall {q4['mean_recall']:.3f}, precision {q4['mean_precision']:.3f}, predicted "
+          f"sparsity {q4['mean_predicted_sparsity']:.3f}"
+          + (f"; low-rank predictors R={rep['rank']}: held-out recall {rep['mean_recall']:.3f}, "
+             f"precision {rep['mean_precision']:.3f}, predicted sparsity "
+             f"{rep['mean_predicted_sparsity']:.3f}, cost {rep['cost']['flops_fraction']:.3f} of "
+             "the FFN's FLOPs" if rep else ""))
     if args.json:
         _cli.print_json({"dir": str(directory), "threads": threads, "model": args.model, **arts.meta})
 

@@ -18,6 +18,7 @@ ACTIVATIONS = ("silu", "relu", "gelu")
 NORM_TYPES = ("rms", "layer")
 POSITION_SCHEMES = ("rope", "learned")
 SPARSITY_MODES = ("dense", "oracle", "threshold", "predictor")
+PREDICTOR_KINDS = ("q4", "lowrank")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -109,7 +110,9 @@ class SparsityConfig:
     oracle: the true active set from the layer's own activations: neuron i is active for a token when
       |a_i| > threshold (ReLU with threshold 0: a_i != 0). Quality upper bound; FFN through the custom call.
     threshold: per-layer calibrated thresholds (CATS-style); the gate is computed densely.
-    predictor: per-layer predictor MLPs decide the active set before any FFN row is read.
+    predictor: per-layer predictors decide the active set before any FFN row is read. `predictor`
+      picks which: "q4" (default: each neuron's |a_i| estimated from 4-bit gate/up rows,
+      sparsity/q4_predictor.py) or "lowrank" (trained D -> R -> F MLPs, sparsity/predictor.py).
     target_sparsity: which calibrated artifacts to use (fraction of FFN neurons skipped). Required
       by threshold/predictor modes (the CLIs default it to 0.5); with oracle mode it replaces the
       scalar threshold by the calibrated per-layer ones.
@@ -119,9 +122,11 @@ class SparsityConfig:
     threshold: float = 0.0
     impl: Literal["ffi", "reference"] = "ffi"
     target_sparsity: float | None = None
+    predictor: Literal["q4", "lowrank"] = "q4"
 
     def __post_init__(self):
         _check_choice("SparsityConfig.mode", self.mode, SPARSITY_MODES)
+        _check_choice("SparsityConfig.predictor", self.predictor, PREDICTOR_KINDS)
         _check_choice("SparsityConfig.impl", self.impl, ("ffi", "reference"))
         _check(math.isfinite(self.threshold) and self.threshold >= 0, "SparsityConfig.threshold",
                "a finite float >= 0", self.threshold)

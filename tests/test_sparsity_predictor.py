@@ -111,7 +111,9 @@ def built(tmp_path_factory):
 def test_artifacts_round_trip(built):
     model, root, fp = built
     arts = A.load_artifacts(A.target_dir(root, 0.5), fingerprint=fp, need_predictor=True)
-    assert len(arts.thresholds_for("threshold")) == 2 and arts.thresholds_for("predictor") == (0, 0)
+    assert len(arts.thresholds_for("threshold")) == 2
+    assert arts.thresholds_for("predictor", "lowrank") == (0, 0)  # folded into the biases
+    assert arts.thresholds_for("predictor") == arts.thresholds_q4 and min(arts.thresholds_q4) > 0
     A.attach_predictors(model, arts.predictors)
     tokens = jnp.zeros((1, 8), jnp.int32)
     out = model(tokens, sparsity=SparsityConfig("predictor", impl="reference"))
@@ -147,7 +149,7 @@ def test_artifacts_missing_and_format(built, tmp_path):
         A.load_artifacts(tmp_path, fingerprint=fp, need_predictor=False)
     meta = json.loads((A.target_dir(root, 0.5) / "meta.json").read_text())
     (tmp_path / "meta.json").write_text(json.dumps({**meta, "format_version": 0}))
-    with pytest.raises(ValueError, match="expected format_version 1, got 0"):
+    with pytest.raises(ValueError, match=f"expected format_version {A.FORMAT_VERSION}, got 0"):
         A.load_artifacts(tmp_path, fingerprint=fp, need_predictor=False)
 
 

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <vector>
 
+#include "cpu_backend/q4_estimate.h"
 #include "cpu_backend/sparse_ffn.h"
 #include "cpu_backend/thread_pool.h"
 
@@ -19,6 +20,7 @@ struct CpuRuntime {
   SparseFfnScratch ffn_scratch;
   std::vector<int64_t> x_src, score_src;
   std::vector<const float*> x_rows, score_rows;
+  std::vector<Q8Row> q8_rows;  // q4_scores: the tokens quantized to int8
 };
 
 CpuRuntime& GetCpuRuntime();

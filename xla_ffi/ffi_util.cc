@@ -76,4 +76,17 @@ bool BroadcastRows(ffi::Span<const int64_t> in_dims, ffi::Span<const int64_t> ou
   return true;
 }
 
+ffi::Error ParseActivation(std::string_view op, std::string_view name, Activation& out) {
+  if (name == "silu") {
+    out = Activation::kSilu;
+  } else if (name == "relu") {
+    out = Activation::kRelu;
+  } else if (name == "gelu") {
+    out = Activation::kGelu;
+  } else {
+    return InvalidArg(op, "activation", "one of silu, relu, gelu", name);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace pij

@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "cpu_backend/pij_math.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace pij {
@@ -20,6 +21,9 @@ std::string_view DtypeName(ffi::DataType dtype);
 // "<op>: <what>: expected <rule>, got <got>" -- the project's error format.
 ffi::Error InvalidArg(std::string_view op, std::string_view what, std::string_view rule,
                       std::string_view got);
+
+// The "activation" attribute ("silu" | "relu" | "gelu") into `out`, or an InvalidArg error.
+ffi::Error ParseActivation(std::string_view op, std::string_view name, Activation& out);
 
 // True if dims[0 .. dims.size() - keep) are all 1 (extra leading dims added by vmap).
 bool LeadingOnes(ffi::Span<const int64_t> dims, size_t keep);

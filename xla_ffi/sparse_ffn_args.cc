@@ -69,14 +69,8 @@ ffi::Error DecodeSparseFfn(ffi::AnyBuffer x, ffi::AnyBuffer w_gate, ffi::AnyBuff
                            std::vector<int64_t>& x_src, std::vector<int64_t>& score_src) {
   // Attributes.
   SparseFfnParams& p = call.params;
-  if (activation == "silu") {
-    p.activation = Activation::kSilu;
-  } else if (activation == "relu") {
-    p.activation = Activation::kRelu;
-  } else if (activation == "gelu") {
-    p.activation = Activation::kGelu;
-  } else {
-    return InvalidArg(kOp, "activation", "one of silu, relu, gelu", activation);
+  if (ffi::Error err = ParseActivation(kOp, activation, p.activation); err.failure()) {
+    return err;
   }
   if (criterion == "scores") {
     p.criterion = Criterion::kScores;

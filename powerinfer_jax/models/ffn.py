@@ -9,7 +9,8 @@ transposed), so neuron i's three rows are contiguous and a sparse kernel reads o
 Sparse modes (SparsityConfig.mode) choose the active set handed to the custom call:
   oracle:    |a_i| > threshold, from the true activations (the quality upper bound)
   threshold: |act(gate_i . x)| > threshold, the gate computed densely (CATS-style)
-  predictor: predictor logits > threshold, from `self.predictor` (attached after loading)
+  predictor: predictor scores > threshold, from `self.predictor` (attached after loading: the q4
+             estimate of |a_i| or a low-rank MLP's logits)
 
 Placed (hybrid) FFNs: `permute(order)` reorders the neurons (and the predictor's outputs) so the
 hot ones come first, then `split(n_hot)` keeps rows [0, n_hot) in the Params (the accelerator's
@@ -76,8 +77,7 @@ class FFN(nnx.Module):
         if self.up.bias is not None:
             self.up.bias.set_value(self.up.bias[...][perm])
         if self.predictor is not None:
-            self.predictor.w_out_fr.set_value(self.predictor.w_out_fr[...][perm])
-            self.predictor.b_out_f.set_value(self.predictor.b_out_f[...][perm])
+            self.predictor.permute(perm)
 
     def split(self, n_hot: int) -> None:
         """Keep rows [0, n_hot) as the hot Params; move rows [n_hot, F) to host rows."""

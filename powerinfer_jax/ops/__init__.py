@@ -1,4 +1,4 @@
-"""Custom-call ops (sparse FFN, dense linear, RMSNorm) and their pure-jnp references."""
-from powerinfer_jax.ops.api import linear, rms_norm, set_num_threads, sparse_ffn
+"""Custom-call ops (sparse FFN, dense linear, RMSNorm, q4 neuron estimates) and their pure-jnp references."""
+from powerinfer_jax.ops.api import linear, q4_scores, rms_norm, set_num_threads, sparse_ffn
 
-__all__ = ["linear", "rms_norm", "set_num_threads", "sparse_ffn"]
+__all__ = ["linear", "q4_scores", "rms_norm", "set_num_threads", "sparse_ffn"]

@@ -104,3 +104,22 @@ def check_linear(x, w, b) -> None:
         fail("w dtype", "float32, bfloat16 or float16", jnp.result_type(w))
     if b is not None and _shape(b) != _shape(w)[:1]:
         fail("b shape", f"[O] = {_shape(w)[:1]}", _shape(b))
+
+
+def check_q4_scores(x, q, dm, b_up, activation) -> None:
+    from powerinfer_jax.ops.q4 import PAIR_BYTES, num_pairs
+
+    check_choice("activation", activation, ACTIVATIONS)
+    if np.ndim(x) < 1 or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        fail("x", "a floating array [..., D]", f"{jnp.result_type(x)} {_shape(x)}")
+    d = _shape(x)[-1]
+    p = num_pairs(d)
+    if (np.ndim(q) != 3 or _shape(q)[1] not in (1, 2) or _shape(q)[2] != p * PAIR_BYTES
+            or jnp.result_type(q) != jnp.uint8):
+        fail("q", f"uint8 [F, G in (1, 2), {p * PAIR_BYTES}] for D = {d}",
+             f"{jnp.result_type(q)} {_shape(q)}")
+    f, g = _shape(q)[:2]
+    if _shape(dm) != (f, g, 4 * p) or jnp.result_type(dm) != jnp.float16:
+        fail("dm", f"float16 [{f}, {g}, {4 * p}]", f"{jnp.result_type(dm)} {_shape(dm)}")
+    if b_up is not None and _shape(b_up) != (f,):
+        fail("b_up shape", f"[F] = ({f},)", _shape(b_up))

@@ -26,6 +26,7 @@ except ImportError:
 SPARSE_FFN_TARGET = "pij_sparse_ffn"
 RMS_NORM_TARGET = "pij_rms_norm"
 LINEAR_TARGET = "pij_linear"
+Q4_SCORES_TARGET = "pij_q4_scores"
 
 
 def _register() -> None:
@@ -85,6 +86,14 @@ def linear(x, w, b):
     out = jax.ShapeDtypeStruct(x32.shape[:-1] + (w.shape[-2],), jnp.float32)
     call = jax.ffi.ffi_call(LINEAR_TARGET, out, vmap_method="expand_dims")
     return call(x32, w, _absent((0,), jnp.float32) if b is None else jnp.asarray(b, jnp.float32))
+
+
+def q4_scores(x, q, dm, b_up, *, activation):
+    x32 = jnp.asarray(x, jnp.float32)
+    out = jax.ShapeDtypeStruct(x32.shape[:-1] + (q.shape[-3],), jnp.float32)
+    call = jax.ffi.ffi_call(Q4_SCORES_TARGET, out, vmap_method="expand_dims")
+    b = _absent((0,), jnp.float32) if b_up is None else jnp.asarray(b_up, jnp.float32)
+    return call(x32, q, dm, b, activation=activation)
 
 
 HYBRID_TARGET = "pij_sparse_ffn_hybrid"

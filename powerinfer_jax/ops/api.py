@@ -41,6 +41,22 @@ def linear(x, w, b=None, *, impl="ffi"):
     return _ffi.linear(x, w, b)
 
 
+def q4_scores(x, q, dm, b_up=None, *, activation="silu", impl="ffi"):
+    """The q4 predictor's estimate of every neuron's |a_i| from 4-bit gate/up rows.
+
+    x: [..., T, D] any float dtype (cast to f32, then quantized per 32-block to int8).
+    q: uint8 [F, G, P * 32], dm: float16 [F, G, 4P] from `ops.q4.quantize_rows` of the stacked
+    (gate, up) rows (G = 2) or the up rows alone (G = 1); b_up [F]. Returns float32 [..., T, F]:
+    |act(gate.x) * (up.x + b_up)| (G = 2) or |act(up.x + b_up)| (G = 1), estimated.
+    """
+    _checks.check_choice("impl", impl, _checks.IMPLS)
+    _checks.check_q4_scores(x, q, dm, b_up, activation)
+    if impl == "reference":
+        return reference.q4_scores(x, q, dm, b_up, activation=activation)
+    from powerinfer_jax.ops import _ffi
+    return _ffi.q4_scores(x, q, dm, b_up, activation=activation)
+
+
 def rms_norm(x, scale, *, eps, impl="ffi"):
     """x * rsqrt(mean(x^2, -1) + eps) * scale, computed in float32, returned in x.dtype."""
     _checks.check_choice("impl", impl, _checks.IMPLS)

@@ -58,3 +58,18 @@ def rms_norm(x, scale, *, eps):
     x32 = jnp.asarray(x, jnp.float32)
     inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (x32 * inv_rms * scale.astype(jnp.float32)).astype(jnp.result_type(x))
+
+
+def q4_scores(x, q, dm, b_up=None, *, activation="silu"):
+    """The q4 predictor's estimates |a| [..., T, F] float32. See ops.api.q4_scores."""
+    from powerinfer_jax.ops import q4
+
+    x = jnp.asarray(x, jnp.float32)
+    w_fgd = q4.dequantize_rows(q, dm, x.shape[-1])
+    proj = jnp.einsum("...d,fgd->...fg", q4.quantize_q8(x), w_fgd, precision=_HIGHEST)
+    b = 0.0 if b_up is None else jnp.asarray(b_up, jnp.float32)
+    if w_fgd.shape[1] == 2:
+        a = activate(activation, proj[..., 0]) * (proj[..., 1] + b)
+    else:
+        a = activate(activation, proj[..., 0] + b)
+    return jnp.abs(a)

@@ -56,11 +56,17 @@ def open_session(model: str, runtime: RuntimeConfig, sparsity: SparsityConfig, *
         from powerinfer_jax.sparsity.artifacts import attach_predictors, ensure_artifacts
 
         arts = ensure_artifacts(model, ckpt.source, m, ckpt.tokenizer, sparsity.target_sparsity,
-                                need_predictor=sparsity.mode == "predictor", root=artifacts_root,
-                                progress=progress)
-        thresholds = arts.thresholds_for(sparsity.mode)
+                                need_predictor=(sparsity.mode == "predictor"
+                                                and sparsity.predictor == "lowrank"),
+                                root=artifacts_root, progress=progress)
+        thresholds = arts.thresholds_for(sparsity.mode, sparsity.predictor)
         if sparsity.mode == "predictor":
-            attach_predictors(m, arts.predictors)
+            if sparsity.predictor == "q4":
+                from powerinfer_jax.sparsity import q4_predictor
+
+                q4_predictor.attach(m)
+            else:
+                attach_predictors(m, arts.predictors)
             oracle_thresholds = arts.thresholds_contribution
     placed = _place(model, ckpt, m, runtime, sparsity, placement, artifacts_root)
     return Session(config=ckpt.config, model=m, tokenizer=ckpt.tokenizer, runtime=runtime,
@@ -95,5 +101,6 @@ def configs_from_args(args, **runtime_fields) -> tuple[RuntimeConfig, SparsityCo
         target = DEFAULT_TARGET_SPARSITY
     sparsity = SparsityConfig(mode=args.sparsity, threshold=args.threshold,
                               impl=getattr(args, "impl", "ffi"),
+                              predictor=getattr(args, "predictor", "q4"),
                               target_sparsity=None if target is None else float(target))
     return runtime, sparsity

@@ -22,9 +22,10 @@ import numpy as np
 from powerinfer_jax.sparsity import calibrate as cal
 from powerinfer_jax.sparsity import corpus as corpus_mod
 from powerinfer_jax.sparsity import predictor as pred
+from powerinfer_jax.sparsity import q4_predictor as q4p
 from powerinfer_jax.sparsity import profile as prof
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: q4 predictor thresholds
 HASH_WINDOW = 4 << 20  # bytes hashed at each end of a weight file (header + tail) for the fingerprint
 DEFAULT_CTX = 512
 DEFAULT_MAX_TOKENS = 32768  # profiled tokens; FFN inputs are kept in memory: L * N * D * 4 bytes
@@ -77,16 +78,19 @@ class SparsityArtifacts:
     target_sparsity: float
     thresholds_contribution: tuple[float, ...]  # oracle mode
     thresholds_gate: tuple[float, ...]  # threshold mode
-    predictors: pred.PredictorStack | None
+    thresholds_q4: tuple[float, ...]  # predictor mode, q4 predictor
+    predictors: pred.PredictorStack | None  # the low-rank predictors, if trained
     meta: dict
 
-    def thresholds_for(self, mode: str) -> tuple[float, ...]:
-        """The per-layer thresholds the sparse FFN call uses in `mode`."""
+    def thresholds_for(self, mode: str, predictor: str = "q4") -> tuple[float, ...]:
+        """The per-layer thresholds the sparse FFN call uses in `mode` (and predictor kind)."""
         if mode == "oracle":
             return self.thresholds_contribution
         if mode == "threshold":
             return self.thresholds_gate
-        if mode == "predictor":  # decision thresholds are folded into the predictor biases
+        if mode == "predictor" and predictor == "q4":
+            return self.thresholds_q4
+        if mode == "predictor":  # low-rank: decision thresholds are folded into the biases
             return tuple(0.0 for _ in self.thresholds_gate)
         raise ValueError(f"sparsity mode: expected oracle, threshold or predictor, got {mode!r}")
 
@@ -106,9 +110,34 @@ def build_for_target(model, x_lnd: np.ndarray, base: prof.ActivationProfile, tar
     if train is not None:
         report["cost"] = pred.predictor_cost(d_model=c.d_model, d_ff=c.d_ff, rank=train.rank,
                                              gated=c.gated)
+    thr_q4, q4_report = calibrate_q4(model, x_lnd, masks, target)
     meta = {"target_sparsity": target, "thresholds_contribution": list(thr_c),
-            "thresholds_gate": list(thr_g), "predictor": report, "profile": profile.summary()}
-    return SparsityArtifacts(target, thr_c, thr_g, stack, meta), profile
+            "thresholds_gate": list(thr_g), "thresholds_q4": list(thr_q4), "predictor": report,
+            "q4": q4_report, "profile": profile.summary()}
+    return SparsityArtifacts(target, thr_c, thr_g, thr_q4, stack, meta), profile
+
+
+Q4_CALIBRATION_TOKENS = 8192  # quantiles of L x 8192 x F scores are stable to well under a point
+Q4_HOLDOUT_FRACTION = 0.1
+
+
+def calibrate_q4(model, x_lnd: np.ndarray, masks: np.ndarray, target: float
+                 ) -> tuple[tuple[float, ...], dict]:
+    """Per-layer q4 thresholds for `target` on the first tokens, recall/precision/sparsity vs the
+    oracle masks on the held-out last tokens (as the low-rank predictors are reported)."""
+    n = x_lnd.shape[1]
+    n_hold = max(1, int(round(n * Q4_HOLDOUT_FRACTION)))
+    n_cal = min(n - n_hold, Q4_CALIBRATION_TOKENS)
+    if n_cal < 1:
+        raise ValueError(f"q4 calibration tokens: expected at least 2 profiled tokens, got {n}")
+    thr = q4p.calibrate_thresholds(q4p.layer_scores(model, x_lnd[:, :n_cal]), target)
+    report = q4p.quality(q4p.layer_scores(model, x_lnd[:, n - n_hold:]), thr,
+                         masks[:, n - n_hold:])
+    c = model.config
+    report.update(calibration_tokens=n_cal, holdout_tokens=n_hold,
+                  cost=q4p.cost(d_model=c.d_model, d_ff=c.d_ff, gated=c.gated,
+                                ffn_bytes_per_param=2.0))
+    return tuple(float(t) for t in thr), report
 
 
 def build_artifacts(model, tokenizer, *, fingerprint: dict, root: Path, target_sparsity: float,
@@ -170,7 +199,7 @@ def load_artifacts(directory: Path, *, fingerprint: dict, need_predictor: bool
                          f"{fingerprint['id']}, got {got.get('id')!r} (stale: the model changed "
                          f"since they were built; {rebuild})")
     n_layers = fingerprint["shape"]["n_layers"]
-    for key in ("thresholds_contribution", "thresholds_gate"):
+    for key in ("thresholds_contribution", "thresholds_gate", "thresholds_q4"):
         if len(meta[key]) != n_layers:
             raise ValueError(f"sparsity artifacts {key}: expected {n_layers} per-layer values, "
                              f"got {len(meta[key])} ({rebuild})")
@@ -186,7 +215,7 @@ def load_artifacts(directory: Path, *, fingerprint: dict, need_predictor: bool
         check_predictor_shape(stack, fingerprint["shape"])
     return SparsityArtifacts(float(meta["target_sparsity"]),
                              tuple(meta["thresholds_contribution"]), tuple(meta["thresholds_gate"]),
-                             stack, meta)
+                             tuple(meta["thresholds_q4"]), stack, meta)
 
 
 def check_predictor_shape(stack: pred.PredictorStack, shape: dict) -> None:

@@ -42,6 +42,11 @@ class Predictor(nnx.Module):
         h = jax.nn.relu(matmul(x_btd, self.w_in_rd[...], self.kernels) + self.b_in_r[...])
         return matmul(h, self.w_out_fr[...], self.kernels) + self.b_out_f[...]
 
+    def permute(self, perm) -> None:
+        """Reorder the output neurons (FFN.permute)."""
+        self.w_out_fr.set_value(self.w_out_fr[...][perm])
+        self.b_out_f.set_value(self.b_out_f[...][perm])
+
 
 class PredictorStack(nnx.Module):
     """L predictors with stacked weights ([L, D, R], [L, R], [L, R, F], [L, F])."""
@@ -208,7 +213,12 @@ def decision_thresholds(logits_lnf: np.ndarray, mask_lnf: np.ndarray,
 
 def predictor_quality(stack: PredictorStack, x_lnd: np.ndarray, mask_lnf: np.ndarray) -> dict:
     """Per-layer recall, precision and predicted sparsity of `logit > 0` vs the true mask."""
-    pred = _logits(stack, x_lnd) > 0
+    return mask_quality(_logits(stack, x_lnd) > 0, mask_lnf)
+
+
+def mask_quality(pred_lnf: np.ndarray, mask_lnf: np.ndarray) -> dict:
+    """Per-layer recall, precision and predicted sparsity of a predicted mask vs the true one."""
+    pred = pred_lnf
     tp = (pred & mask_lnf).sum(axis=(1, 2))
     recall = tp / np.maximum(mask_lnf.sum(axis=(1, 2)), 1)
     precision = tp / np.maximum(pred.sum(axis=(1, 2)), 1)

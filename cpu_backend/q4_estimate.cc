@@ -1,0 +1,143 @@
+#include "cpu_backend/q4_estimate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PIJ_Q4_VNNI 1
+#include <immintrin.h>
+#endif
+
+namespace pij {
+namespace {
+
+// Below this many weights one thread finishes before a wake-up would pay off.
+constexpr int64_t kParallelMinWeights = 1 << 15;
+constexpr int64_t kTasksPerThread = 4;  // as in linear.cc: evens out unequal cores
+
+}  // namespace
+
+void QuantizeQ8(const float* x, int64_t dim, Q8Row& out) {
+  const int64_t pairs = Q4Pairs(dim);
+  const int64_t blocks = 2 * pairs;
+  out.q.assign(static_cast<size_t>(blocks * kQ4Block), 0);
+  out.d.resize(static_cast<size_t>(blocks));
+  out.c.resize(static_cast<size_t>(blocks));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t lo = b * kQ4Block;
+    const int64_t hi = std::min(dim, lo + kQ4Block);
+    float amax = 0.0f;
+    for (int64_t j = lo; j < hi; ++j) amax = std::max(amax, std::fabs(x[j]));
+    const float d = amax / 127.0f;
+    const float id = d > 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int64_t j = lo; j < hi; ++j) {
+      const float v = std::nearbyint(x[j] * id);  // round half to even, like numpy
+      const int32_t qj = static_cast<int32_t>(std::clamp(v, -127.0f, 127.0f));
+      out.q[static_cast<size_t>(j)] = static_cast<int8_t>(qj);
+      sum += qj;
+    }
+    out.d[static_cast<size_t>(b)] = d;
+    out.c[static_cast<size_t>(b)] = d * static_cast<float>(sum);
+  }
+}
+
+#if defined(PIJ_Q4_VNNI)
+
+float Q4DotQ8(const uint8_t* q, const F16* dm, const Q8Row& x, int64_t pairs) {
+  const int8_t* xq = x.q.data();
+  const float* xd = x.d.data();
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  // Lanes 0-7 take the pair's first block scale, lanes 8-15 its second.
+  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + p * 32));
+    const __m256i lo = _mm256_and_si256(bytes, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    const __m512i xv = _mm512_loadu_si512(xq + p * 64);
+    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);  // u8 x s8 -> s32
+    int32_t d_bits;
+    std::memcpy(&d_bits, dm + 2 * p, sizeof(d_bits));
+    const __m128 wd = _mm_cvtph_ps(_mm_cvtsi32_si128(d_bits));
+    const __m128 xdd = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xd + 2 * p)));
+    const __m512 scale = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_mul_ps(wd, xdd)));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
+  }
+  // The minimums: sum_b m_b * c_b over 2 * pairs blocks, 16 at a time.
+  const F16* m = dm + 2 * pairs;
+  const float* c = x.c.data();
+  for (int64_t b = 0; b < 2 * pairs; b += 16) {
+    const __mmask16 k = static_cast<__mmask16>(
+        (2 * pairs - b) >= 16 ? 0xffff : ((1u << (2 * pairs - b)) - 1u));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, m + b));
+    acc = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, c + b), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+#else
+
+float Q4DotQ8(const uint8_t* q, const F16* dm, const Q8Row& x, int64_t pairs) {
+  const F16* m = dm + 2 * pairs;
+  float acc = 0.0f;
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int half = 0; half < 2; ++half) {
+      const int8_t* xq = x.q.data() + p * 64 + half * 32;
+      int32_t s = 0;
+      for (int j = 0; j < 32; ++j) {
+        const uint8_t byte = q[p * 32 + j];
+        s += static_cast<int32_t>(half ? byte >> 4 : byte & 0x0f) * xq[j];
+      }
+      const int64_t b = 2 * p + half;
+      acc += ToF32(dm[b]) * x.d[b] * static_cast<float>(s) + ToF32(m[b]) * x.c[b];
+    }
+  }
+  return acc;
+}
+
+#endif
+
+void Q4Scores(const Q4EstimateArgs& args, std::span<const float* const> x_rows, float* scores,
+              std::vector<Q8Row>& scratch, ThreadPool& pool) {
+  const int64_t num_tokens = static_cast<int64_t>(x_rows.size());
+  const int64_t f = args.num_neurons;
+  const int64_t pairs = Q4Pairs(args.dim);
+  if (num_tokens == 0 || f == 0) return;
+  if (static_cast<int64_t>(scratch.size()) < num_tokens) scratch.resize(num_tokens);
+  for (int64_t t = 0; t < num_tokens; ++t) QuantizeQ8(x_rows[t], args.dim, scratch[t]);
+  const int64_t g = args.gated ? 2 : 1;
+  const int64_t q_stride = g * pairs * kQ4PairBytes;
+  const int64_t dm_stride = g * 4 * pairs;
+  auto rows = [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const uint8_t* qi = args.q + i * q_stride;
+      const F16* dmi = args.dm + i * dm_stride;
+      const float b = args.b_up != nullptr ? args.b_up[i] : 0.0f;
+      for (int64_t t = 0; t < num_tokens; ++t) {
+        const Q8Row& x = scratch[t];
+        float a;
+        if (args.gated) {
+          const float gate = Q4DotQ8(qi, dmi, x, pairs);
+          const float up = Q4DotQ8(qi + pairs * kQ4PairBytes, dmi + 4 * pairs, x, pairs) + b;
+          a = Activate(args.activation, gate) * up;
+        } else {
+          a = Activate(args.activation, Q4DotQ8(qi, dmi, x, pairs) + b);
+        }
+        scores[t * f + i] = std::fabs(a);
+      }
+    }
+  };
+  if (f * args.dim * g < kParallelMinWeights || pool.NumThreads() == 1) {
+    rows(0, f);
+    return;
+  }
+  const int64_t tasks = std::min<int64_t>(f, pool.NumThreads() * kTasksPerThread);
+  pool.Run(0, tasks, [&](int64_t task, int /*worker*/) {
+    rows(f * task / tasks, f * (task + 1) / tasks);
+  });
+}
+
+}  // namespace pij

@@ -1,0 +1,210 @@
+"""The q4 predictor: 4-bit row format (exact on llama.cpp Q4_1 data), the q4_scores custom call vs
+its jnp twin and vs an independent numpy estimate, determinism, recall vs the exact |a_i|,
+predictor mode end to end against a numpy FFN, placement permutation, calibration, bad input."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from helpers_models import tiny_llama_config
+from powerinfer_jax import ops
+from powerinfer_jax.checkpoint.quants import dequantize_q4_1
+from powerinfer_jax.config import SparsityConfig
+from powerinfer_jax.models.transformer import Transformer
+from powerinfer_jax.ops import _ffi
+from powerinfer_jax.ops import q4
+from powerinfer_jax.sparsity import artifacts as A
+from powerinfer_jax.sparsity import profile as P
+from powerinfer_jax.sparsity import q4_predictor as Q4
+
+
+def _silu(v):
+    return v / (1.0 + np.exp(-v))
+
+
+def _random_q4_1_rows(rng, rows, dim):
+    """Rows of weights as llama.cpp stores them in Q4_1 (GGUF blocks: f16 d, f16 m, 16 bytes of
+    nibbles), dequantized by the project's GGUF loader. Every block uses nibbles 0 and 15."""
+    n_blocks = rows * dim // 32
+    d = (rng.uniform(0.001, 0.01, n_blocks)).astype(np.float16)
+    m = (-rng.uniform(0.0, 0.05, n_blocks)).astype(np.float16)
+    nib = rng.integers(0, 16, (n_blocks, 32)).astype(np.uint8)
+    nib[:, 0], nib[:, 1] = 0, 15
+    packed = nib[:, :16] | (nib[:, 16:] << 4)
+    raw = np.concatenate([d.view(np.uint8).reshape(-1, 2), m.view(np.uint8).reshape(-1, 2),
+                          packed], axis=1)
+    return dequantize_q4_1(raw.reshape(-1)).reshape(rows, dim)
+
+
+def test_q4_1_checkpoint_rows_are_reproduced_exactly():
+    w = _random_q4_1_rows(np.random.default_rng(0), 6, 192)
+    q, dm = q4.quantize_rows(w)
+    assert q.shape == (6, 3 * 32) and q.dtype == np.uint8 and dm.shape == (6, 12)
+    np.testing.assert_array_equal(np.asarray(q4.dequantize_rows(q, dm, 192)), w)
+
+
+@pytest.mark.parametrize("dim", [32, 64, 100, 576])
+def test_round_trip_error_is_within_half_a_step(dim):
+    w = np.random.default_rng(1).standard_normal((5, dim)).astype(np.float32)
+    q, dm = q4.quantize_rows(w)
+    back = np.asarray(q4.dequantize_rows(q, dm, dim))
+    p = q4.num_pairs(dim)
+    step = np.repeat(dm[:, :2 * p].astype(np.float32), 32, axis=1)[:, :dim]
+    # half a step, plus the fp16 rounding of the stored minimum
+    assert np.all(np.abs(back - w) <= 0.5 * step + 1e-3 * np.abs(w).max())
+
+
+def _numpy_scores(x, w_gate, w_up, b_up=None):
+    """An independent estimate: Q8 activations by hand (numpy), the dequantized 4-bit rows."""
+    t, d = x.shape
+    nb = -(-d // 32)
+    xb = np.zeros((t, nb * 32), np.float32)
+    xb[:, :d] = x
+    xb = xb.reshape(t, nb, 32)
+    s = (np.abs(xb).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.where(s > 0, np.float32(1) / np.where(s > 0, s, 1), 0).astype(np.float32)
+    xq = (np.clip(np.rint(xb * inv), -127, 127) * s).reshape(t, -1)[:, :d]
+    deq = lambda w: np.asarray(q4.dequantize_rows(*q4.quantize_rows(w), d), np.float64)
+    up = xq @ deq(w_up).T + (0 if b_up is None else b_up)
+    return np.abs(up) if w_gate is None else np.abs(_silu(xq @ deq(w_gate).T) * up)
+
+
+def _operands(seed, *, t=3, d=100, f=37, gated=True, bias=True):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    gate = (rng.standard_normal((f, d)) / np.sqrt(d)).astype(np.float32)
+    up = (rng.standard_normal((f, d)) / np.sqrt(d)).astype(np.float32)
+    b = (0.1 * rng.standard_normal(f)).astype(np.float32) if bias else None
+    q, dm = q4.quantize_rows(np.stack([gate, up], 1) if gated else up[:, None])
+    return x, gate if gated else None, up, b, q, dm
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("t,d,f", [(1, 576, 1536), (3, 100, 37), (5, 64, 8), (2, 33, 300)])
+def test_kernel_matches_reference_and_numpy(gated, bias, t, d, f):
+    x, gate, up, b, q, dm = _operands(0, t=t, d=d, f=f, gated=gated, bias=bias)
+    act = "silu" if gated else "relu"
+    got = np.asarray(jax.jit(lambda x: ops.q4_scores(x, q, dm, b, activation=act))(x))
+    ref = np.asarray(ops.q4_scores(x, q, dm, b, activation=act, impl="reference"))
+    assert got.shape == (t, f) and got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    if gated:  # the numpy twin knows only silu
+        np.testing.assert_allclose(got, _numpy_scores(x, gate, up, b), rtol=1e-4, atol=1e-5)
+
+
+def test_vmap_and_thread_count_do_not_change_scores():
+    x, _, _, b, q, dm = _operands(1, t=4, d=576, f=3000)
+    runs = []
+    for n in (1, 2, 1):
+        ops.set_num_threads(n)
+        runs.append(np.asarray(ops.q4_scores(x, q, dm, b)))
+    ops.set_num_threads(2)
+    assert all(np.array_equal(runs[0], r) for r in runs[1:])
+    batched = jax.vmap(lambda xi: ops.q4_scores(xi, q, dm, b))(x.reshape(2, 2, 576))
+    np.testing.assert_array_equal(np.asarray(batched).reshape(4, 3000), runs[0])
+
+
+def test_estimate_ranks_neurons_like_the_exact_contribution():
+    """At 50% sparsity the estimate keeps >= 0.9 of the exact top-|a_i| set (random weights are
+    the hard case: no Q4_1 grid to reproduce)."""
+    x, gate, up, _, q, dm = _operands(2, t=64, d=576, f=1536, bias=False)
+    exact = np.abs(_silu(x @ gate.T) * (x @ up.T))
+    est = np.asarray(ops.q4_scores(x, q, dm))
+    oracle = exact > np.quantile(exact, 0.5)
+    chosen = est > np.quantile(est, 0.5)
+    assert (oracle & chosen).sum() / oracle.sum() > 0.9
+
+
+def _tiny_model(seed=0, **cfg):
+    model = Transformer(tiny_llama_config(d_model=64, d_ff=96, **cfg), rngs=nnx.Rngs(seed))
+    return model
+
+
+def test_predictor_mode_matches_a_numpy_ffn():
+    """Predictor mode with the q4 predictor: y = sum over neurons whose numpy estimate clears the
+    threshold of the exact a_i * down_i, computed here without the project's kernels."""
+    model = _tiny_model()
+    Q4.attach(model)
+    ffn = model.layers[0].ffn
+    x = np.random.default_rng(3).standard_normal((1, 5, 64)).astype(np.float32)
+    g = np.asarray(ffn.gate.weight[...], np.float64)
+    u = np.asarray(ffn.up.weight[...], np.float64)
+    down_t = np.asarray(ffn.down_t.weight[...], np.float64)
+    est = _numpy_scores(x[0], g, u)
+    thr = float(np.quantile(est, 0.5))
+    a = _silu(x[0] @ g.T) * (x[0] @ u.T)
+    want = (a * (est > thr)) @ down_t
+    for impl in ("ffi", "reference"):
+        y, n_active = ffn(jnp.asarray(x), sparsity=SparsityConfig("predictor", impl=impl),
+                          threshold=thr)
+        np.testing.assert_allclose(np.asarray(y)[0], want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(np.asarray(n_active)[0], (est > thr).sum(-1))
+
+
+def test_permuted_ffn_keeps_its_output():
+    model = _tiny_model(seed=1)
+    Q4.attach(model)
+    ffn = model.layers[1].ffn
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((1, 3, 64)), jnp.float32)
+    cfg = SparsityConfig("predictor")
+    before = np.asarray(ffn(x, sparsity=cfg, threshold=0.05)[0])
+    ffn.permute(np.random.default_rng(5).permutation(96))
+    np.testing.assert_allclose(np.asarray(ffn(x, sparsity=cfg, threshold=0.05)[0]), before,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_calibrated_thresholds_hit_the_target_on_held_out_tokens():
+    model = _tiny_model(seed=2)
+    chunks = np.random.default_rng(6).integers(0, model.config.vocab_size, (8, 64))
+    x = P.collect_ffn_inputs(model, chunks.astype(np.int32), progress=False)
+    base = P.profile_activations(model, x, progress=False)
+    for target in (0.3, 0.7):
+        arts, _ = A.build_for_target(model, x, base, target, train=None, progress=False)
+        rep = arts.meta["q4"]
+        assert len(arts.thresholds_q4) == model.config.n_layers
+        assert rep["mean_predicted_sparsity"] == pytest.approx(target, abs=0.02)
+        assert rep["mean_recall"] > 0.9
+        assert 0 < rep["cost"]["bytes_fraction"] < 0.25
+
+
+def test_from_placed_ffn_is_an_error():
+    model = _tiny_model()
+    model.layers[0].ffn.split(48)
+    with pytest.raises(ValueError, match="expected an unsplit FFN"):
+        Q4.Q4Predictor.from_ffn(model.layers[0].ffn)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda q, dm: (q[:, :, :-1], dm), r"q: expected uint8 \[F, G in \(1, 2\), 64\] for D = 100"),
+    (lambda q, dm: (q.astype(np.int8), dm), r"q: expected uint8"),
+    (lambda q, dm: (q, dm[:5]), r"dm: expected float16 \[37, 2, 8\]"),
+    (lambda q, dm: (q, dm.astype(np.float32)), r"dm: expected float16"),
+])
+def test_bad_input_is_a_clear_error(change, match):
+    x, _, _, b, q, dm = _operands(7)
+    q, dm = change(q, dm)
+    with pytest.raises(ValueError, match=match):
+        ops.q4_scores(x, q, dm, b)
+
+
+def test_bad_bias_and_activation():
+    x, _, _, b, q, dm = _operands(8)
+    with pytest.raises(ValueError, match=r"b_up shape: expected \[F\] = \(37,\)"):
+        ops.q4_scores(x, q, dm, b[:3])
+    with pytest.raises(ValueError, match="activation"):
+        ops.q4_scores(x, q, dm, b, activation="tanh")
+
+
+def test_handler_validates_too():
+    """The FFI layer called directly (no Python checks) fails cleanly, never crashes."""
+    x, _, _, b, q, dm = _operands(9)
+    with pytest.raises(Exception, match=r"q4_scores: q: expected uint8 \[F, G in \{1, 2\}, 64\]"):
+        jax.block_until_ready(_ffi.q4_scores(x, q[:, :, :32], dm, b, activation="silu"))
+    with pytest.raises(Exception, match=r"q4_scores: dm: expected float16 \[37, 2, 8\]"):
+        jax.block_until_ready(_ffi.q4_scores(x, q, dm[:, :, :4], b, activation="silu"))
+    with pytest.raises(Exception, match=r"q4_scores: b_up: expected float32 \[37\] or absent"):
+        jax.block_until_ready(_ffi.q4_scores(x, q, dm, b[:2], activation="silu"))
+    with pytest.raises(Exception, match=r"q4_scores: activation: expected one of silu"):
+        jax.block_until_ready(_ffi.q4_scores(x, q, dm, b, activation="tanh"))
