@@ -24,6 +24,7 @@ from experiments import _common
 
 STEPS = ("dense_xla", "dense_ffi", "predictor", "hybrid_naive", "hybrid_policy")
 TARGET_SPARSITY = 0.5  # the predictor artifacts' target (issue 4: >= 50% at <= 1.08x perplexity)
+PREDICTOR = "q4"  # predictor mode's predictor (sparsity/q4_predictor.py)
 
 
 def hybrid_available() -> str | None:
@@ -47,22 +48,22 @@ def build_step(step: str, ckpt, arts, counts, *, dtype: str, max_seq_len: int, b
     from powerinfer_jax.config import SparsityConfig
     from powerinfer_jax.models.transformer import from_params
     from powerinfer_jax.runtime.decode import Engine
-    from powerinfer_jax.sparsity.artifacts import attach_predictors
+    from powerinfer_jax.sparsity.artifacts import use_predictor
 
     kernels = "xla" if step == "dense_xla" else "ffi"
     model = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(dtype), kernels=kernels)
     extra = {"kernels": kernels, "sparsity": "dense"}
     if step in ("dense_xla", "dense_ffi"):
         return Engine(model, max_seq_len=max_seq_len), extra
-    sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY)
-    attach_predictors(model, arts.predictors)
-    extra.update(sparsity="predictor", target_sparsity=TARGET_SPARSITY,
-                 heldout_predicted_sparsity=arts.meta["predictor"]["mean_predicted_sparsity"],
-                 heldout_recall=arts.meta["predictor"]["mean_recall"])
+    sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY,
+                              predictor=PREDICTOR)
+    thresholds = use_predictor(model, arts, PREDICTOR)
+    extra.update(sparsity="predictor", predictor=PREDICTOR, target_sparsity=TARGET_SPARSITY,
+                 heldout_predicted_sparsity=arts.meta["q4"]["mean_predicted_sparsity"],
+                 heldout_recall=arts.meta["q4"]["mean_recall"])
     if step != "predictor":
         extra["placement"] = place(step, model, counts, max_seq_len=max_seq_len, budget=budget)
-    return (Engine(model, max_seq_len=max_seq_len, sparsity=sparsity,
-                   thresholds=arts.thresholds_for("predictor")), extra)
+    return Engine(model, max_seq_len=max_seq_len, sparsity=sparsity, thresholds=thresholds), extra
 
 
 def place(step: str, model, counts, *, max_seq_len: int, budget: float) -> dict:
@@ -114,7 +115,7 @@ def child(args) -> None:
 
                 probe = from_params(ckpt.config, ckpt.params, kernels="xla")
                 arts = A.ensure_artifacts(args.model, ckpt.source, probe, ckpt.tokenizer,
-                                          TARGET_SPARSITY, need_predictor=True)
+                                          TARGET_SPARSITY, need_predictor=PREDICTOR == "lowrank")
                 directory = A.target_dir(A.artifacts_root(args.model, ckpt.source),
                                          TARGET_SPARSITY)
                 counts = ActivationProfile.load(directory / "profile.npz").counts

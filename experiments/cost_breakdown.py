@@ -5,7 +5,7 @@ At the model's real decode shapes and dtypes (one token, the KV prefix a decode 
 --prompt-tokens), each component runs as its own jitted function over all layers, on the real FFN
 inputs of the prompt's last token:
   attention  attn_norm + q/k/v/o + RoPE + cached attention (cache donated, as in decode)
-  predictor  the per-layer predictors (predictor mode)
+  predictor  the per-layer predictors (predictor mode: "q4" or "lowrank", the --modes labels)
   ffn_hot    FFN rows on the accelerator: none on a CPU-only machine (every neuron is cold there,
              DESIGN.md "Hot and cold"), so 0
   ffn_cold   the FFN through the custom call on the host pool (dense: every neuron)
@@ -30,7 +30,7 @@ import numpy as np
 from experiments import _common
 
 TARGET_SPARSITY = 0.5
-MODES = ("dense", "predictor")
+MODES = ("dense", "q4", "lowrank")  # dense, then predictor mode with each predictor
 
 
 def median_ms(fn, *args, repeats: int, carry=None):
@@ -97,7 +97,7 @@ def components(model, x_l11d, *, mode: str, thresholds, position: int, kv_len: i
     out = {"attention_ms": median_ms(jax.jit(attention, donate_argnums=2), state, x, caches,
                                      repeats=repeats, carry=2)}
     scores = None
-    if mode == "predictor":
+    if mode != "dense":
         pred = jax.jit(predictor)
         out["predictor_ms"] = median_ms(pred, state, x, repeats=repeats)
         scores = pred(state, x)  # [L, 1, 1, F]
@@ -130,7 +130,7 @@ def bytes_per_token(model, *, active_per_layer, kv_len: int, predictor: bool) ->
 
         pred = sum(int(np.prod(v.shape)) * jnp.dtype(v.dtype).itemsize
                    for layer in model.layers
-                   for _, v in nnx.to_flat_state(nnx.state(layer.ffn.predictor, nnx.Param)))
+                   for _, v in nnx.to_flat_state(nnx.state(layer.ffn.predictor)))
     head = c.vocab_size * c.d_model * item
     total = attn + kv + ffn + pred + head
     return {"attention_weights": attn, "kv_cache": kv, "ffn_rows": ffn, "predictor": pred,
@@ -166,13 +166,13 @@ def child(args) -> None:
                 model = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(dtype),
                                     kernels="auto")
                 sparsity, thresholds = SparsityConfig(), (0.0,) * ckpt.config.n_layers
-                if mode == "predictor":
+                if mode != "dense":  # predictor mode with the q4 or low-rank predictor
                     if arts is None:
                         arts = A.ensure_artifacts(args.model, ckpt.source, model, ckpt.tokenizer,
                                                   TARGET_SPARSITY, need_predictor=True)
-                    A.attach_predictors(model, arts.predictors)
-                    sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY)
-                    thresholds = arts.thresholds_for("predictor")
+                    thresholds = A.use_predictor(model, arts, mode)
+                    sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY,
+                                              predictor=mode)
                 eng = Engine(model, max_seq_len=max_len, sparsity=sparsity, thresholds=thresholds)
                 kv_len = eng.kv_bucket(len(ids))
                 step = _common.bench_engine(eng, ckpt.tokenizer, prompt_tokens=len(ids),
@@ -188,7 +188,7 @@ def child(args) -> None:
                 summed = sum(parts[k] for k in ("attention_ms", "predictor_ms", "ffn_hot_ms",
                                                 "ffn_cold_ms", "lm_head_ms"))
                 nbytes = bytes_per_token(model, active_per_layer=parts["active_per_layer"],
-                                         kv_len=kv_len, predictor=mode == "predictor")
+                                         kv_len=kv_len, predictor=mode != "dense")
                 achieved = nbytes["total"] / (step_ms * 1e-3) / 1e9
                 row = {**head, "status": "ok", "sparsity": mode, "kv_len": kv_len, **parts,
                        "step_ms": step_ms, "overhead_ms": step_ms - summed,

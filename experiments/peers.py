@@ -30,6 +30,7 @@ from experiments import _common
 LLAMA_CPP_INSTALL = ("pip install llama-cpp-python  (builds llama.cpp from source with the "
                      "machine's compiler: ~10-20 min on 2 cores)")
 TARGET_SPARSITY = 0.5
+PREDICTOR = "q4"  # predictor mode's predictor (sparsity/q4_predictor.py)
 REFERENCE = {"Q4_1": "float32", "F32": "float32", "BF16": "bfloat16", "float32": "float32",
              "bfloat16": "bfloat16"}  # weights -> the precision of our dense reference tokens
 
@@ -163,10 +164,11 @@ def child(args) -> None:
                 if mode == "predictor":
                     if arts is None:
                         arts = A.ensure_artifacts(args.model, ckpt.source, model, ckpt.tokenizer,
-                                                  TARGET_SPARSITY, need_predictor=True)
-                    A.attach_predictors(model, arts.predictors)
-                    sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY)
-                    thresholds = arts.thresholds_for("predictor")
+                                                  TARGET_SPARSITY,
+                                                  need_predictor=PREDICTOR == "lowrank")
+                    thresholds = A.use_predictor(model, arts, PREDICTOR)
+                    sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY,
+                                              predictor=PREDICTOR)
                 eng = Engine(model, max_seq_len=max_len, sparsity=sparsity, thresholds=thresholds)
                 res = _common.bench_engine(eng, ckpt.tokenizer, prompt_tokens=len(ids),
                                            new_tokens=args.new_tokens, repeats=args.repeats,

@@ -14,6 +14,7 @@ import argparse
 from experiments import _common
 
 TARGET_SPARSITY = 0.5
+PREDICTOR = "q4"  # predictor mode's predictor (sparsity/q4_predictor.py)
 MODES = ("dense", "predictor")
 
 
@@ -36,10 +37,10 @@ def child(args) -> None:
         sparsity, thresholds = SparsityConfig(), None
         if mode == "predictor":
             arts = A.ensure_artifacts(args.model, ckpt.source, model, ckpt.tokenizer,
-                                      TARGET_SPARSITY, need_predictor=True)
-            A.attach_predictors(model, arts.predictors)
-            sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY)
-            thresholds = arts.thresholds_for("predictor")
+                                      TARGET_SPARSITY, need_predictor=PREDICTOR == "lowrank")
+            thresholds = A.use_predictor(model, arts, PREDICTOR)
+            sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY,
+                                      predictor=PREDICTOR)
         eng = Engine(model, max_seq_len=max_len, sparsity=sparsity, thresholds=thresholds)
         for n in args.lengths:
             head = _common.header("prompt_length", threads=threads, dtype=args.dtype,

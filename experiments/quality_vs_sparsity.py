@@ -51,7 +51,6 @@ def main() -> None:
     from powerinfer_jax.sparsity import artifacts as A
     from powerinfer_jax.sparsity import corpus as C
     from powerinfer_jax.sparsity import profile as P
-    from powerinfer_jax.sparsity import q4_predictor as Q4
     from powerinfer_jax.sparsity.predictor import TrainConfig
 
     ckpt = load_checkpoint(args.model)
@@ -98,13 +97,12 @@ def main() -> None:
             mode, predictor, extra = label, "q4", {}
             if label in ("lowrank", "q4"):
                 mode, predictor = "predictor", label
+                A.use_predictor(model, arts, label)
                 if label == "lowrank":
-                    A.attach_predictors(model, arts.predictors)
                     rep = arts.meta["predictor"]
                     extra = {"rank": args.rank, "train_steps": args.steps,
                              "predictor_flops_fraction": rep["cost"]["flops_fraction"]}
                 else:
-                    Q4.attach(model)
                     rep = arts.meta["q4"]
                     extra = {"predictor_bytes_fraction_bf16": rep["cost"]["bytes_fraction"]}
                 extra.update(predictor=label, heldout_recall=rep["mean_recall"],

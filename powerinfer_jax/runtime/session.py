@@ -53,7 +53,7 @@ def open_session(model: str, runtime: RuntimeConfig, sparsity: SparsityConfig, *
     m = from_params(ckpt.config, ckpt.params, dtype=dtype, kernels=runtime.kernels)
     thresholds = oracle_thresholds = None
     if sparsity.calibrated:
-        from powerinfer_jax.sparsity.artifacts import attach_predictors, ensure_artifacts
+        from powerinfer_jax.sparsity.artifacts import ensure_artifacts, use_predictor
 
         arts = ensure_artifacts(model, ckpt.source, m, ckpt.tokenizer, sparsity.target_sparsity,
                                 need_predictor=(sparsity.mode == "predictor"
@@ -61,12 +61,7 @@ def open_session(model: str, runtime: RuntimeConfig, sparsity: SparsityConfig, *
                                 root=artifacts_root, progress=progress)
         thresholds = arts.thresholds_for(sparsity.mode, sparsity.predictor)
         if sparsity.mode == "predictor":
-            if sparsity.predictor == "q4":
-                from powerinfer_jax.sparsity import q4_predictor
-
-                q4_predictor.attach(m)
-            else:
-                attach_predictors(m, arts.predictors)
+            thresholds = use_predictor(m, arts, sparsity.predictor)
             oracle_thresholds = arts.thresholds_contribution
     placed = _place(model, ckpt, m, runtime, sparsity, placement, artifacts_root)
     return Session(config=ckpt.config, model=m, tokenizer=ckpt.tokenizer, runtime=runtime,

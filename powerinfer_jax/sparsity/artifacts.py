@@ -233,6 +233,22 @@ def attach_predictors(model, stack: pred.PredictorStack) -> None:
         layer.ffn.predictor = stack.layer(l, dtype=model.dtype, kernels=model.kernels)
 
 
+def use_predictor(model, arts: SparsityArtifacts, kind: str = "q4") -> tuple[float, ...]:
+    """Attach predictor mode's predictor of `kind` ("q4" or "lowrank") to every FFN of `model`;
+    returns the per-layer thresholds the sparse FFN call then uses."""
+    if kind == "q4":
+        q4p.attach(model)
+    elif kind == "lowrank":
+        if arts.predictors is None:
+            raise ValueError("predictor lowrank: expected trained low-rank predictors in the "
+                             "artifacts, got none (load them with need_predictor=True, or build "
+                             "them with python -m powerinfer_jax.calibrate --predictor)")
+        attach_predictors(model, arts.predictors)
+    else:
+        raise ValueError(f"predictor: expected one of ['q4', 'lowrank'], got {kind!r}")
+    return arts.thresholds_for("predictor", kind)
+
+
 def ensure_artifacts(model_arg: str, source, model, tokenizer, target_sparsity: float, *,
                      need_predictor: bool, root: Path | None = None, progress: bool = True
                      ) -> SparsityArtifacts:
