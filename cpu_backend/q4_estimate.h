@@ -44,6 +44,10 @@ void QuantizeQ8(const float* x, int64_t dim, Q8Row& out);
 // One row's dot with a Q8 row: sum_b d_b * xd_b * sum(q * xq) + m_b * xc_b.
 float Q4DotQ8(const uint8_t* q, const F16* dm, const Q8Row& x, int64_t pairs);
 
+// A neuron's gate and up dots with the same Q8 row, sharing the activation loads.
+void Q4GateUpDotsQ8(const uint8_t* q_gate, const F16* dm_gate, const uint8_t* q_up,
+                    const F16* dm_up, const Q8Row& x, int64_t pairs, float* gate, float* up);
+
 struct Q4EstimateArgs {
   const uint8_t* q = nullptr;  // [F, G, pairs * 32]
   const F16* dm = nullptr;     // [F, G, 4 * pairs]

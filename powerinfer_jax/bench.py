@@ -79,6 +79,8 @@ def row_header(args, threads: int) -> dict:
             "commit": _cli.git_commit(), "machine": _cli.machine_info(), "threads": threads,
             "dtype": args.dtype, "model": args.model, "sparsity": args.sparsity,
             "threshold": args.threshold, "kernels": getattr(args, "kernels", "auto"),
+            "predictor": args.predictor if args.sparsity == "predictor" else None,
+            "target_sparsity": args.target_sparsity,
             "jax": jax.__version__,
             "backend": jax.default_backend(), "tag": args.tag}
 

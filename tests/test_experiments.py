@@ -121,31 +121,37 @@ def test_greedy_agreement():
     assert peers.agreement([1, 2], [1, 2, 3])["agree_prefix"] == 2
 
 
-@pytest.mark.parametrize("mode", ["dense", "predictor"])
+@pytest.mark.parametrize("mode", ["dense", "lowrank", "q4"])
 def test_cost_breakdown_components_on_a_tiny_model(mode):
     from flax import nnx
 
     from helpers_models import tiny_llama_config
     from powerinfer_jax.models.transformer import Transformer
+    from powerinfer_jax.sparsity import q4_predictor
     from powerinfer_jax.sparsity.predictor import Predictor
 
     c = tiny_llama_config()
     model = Transformer(c, rngs=nnx.Rngs(0), kernels="xla")
-    if mode == "predictor":
+    if mode == "lowrank":
         for layer in model.layers:
             layer.ffn.predictor = Predictor(c.d_model, 8, c.d_ff, rngs=nnx.Rngs(1))
+    elif mode == "q4":
+        q4_predictor.attach(model)
     x = np.random.default_rng(0).standard_normal((c.n_layers, 1, 1, c.d_model)).astype(np.float32)
     parts = cost_breakdown.components(model, x, mode=mode, thresholds=(0.0,) * c.n_layers,
                                       position=5, kv_len=16, max_seq_len=32, repeats=2)
     for key in ("attention_ms", "ffn_cold_ms", "lm_head_ms"):
         assert parts[key] > 0
-    assert (parts["predictor_ms"] > 0) == (mode == "predictor")
+    assert (parts["predictor_ms"] > 0) == (mode != "dense")
     active = parts["active_per_layer"]
     assert len(active) == c.n_layers and all(0 <= a <= c.d_ff for a in active)
     b = cost_breakdown.bytes_per_token(model, active_per_layer=active, kv_len=16,
-                                       predictor=mode == "predictor")
+                                       predictor=mode != "dense")
     assert b["lm_head"] == c.vocab_size * c.d_model * 4
     assert b["kv_cache"] == 2 * 16 * c.kv_dim * 4 * c.n_layers
     assert b["total"] == sum(v for k, v in b.items() if k != "total")
-    if mode == "predictor":  # weights [R, D] and [F, R] in the model's dtype, f32 biases
+    if mode == "lowrank":  # weights [R, D] and [F, R] in the model's dtype, f32 biases
         assert b["predictor"] == c.n_layers * 4 * (8 * c.d_model + 8 + c.d_ff * 8 + c.d_ff)
+    if mode == "q4":  # per neuron: gate and up, each 64 nibble bytes + 8 fp16 scales/minimums
+        pairs = -(-c.d_model // 64)
+        assert b["predictor"] == c.n_layers * c.d_ff * 2 * (32 * pairs + 2 * 4 * pairs)
