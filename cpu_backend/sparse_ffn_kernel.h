@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <span>
 
 #include "cpu_backend/simd.h"
@@ -151,9 +152,17 @@ inline void ProcessNeuron(const FfnWeights<W>& w, const FfnTokens& tokens,
 // token groups reuse it from L1/L2.
 // Active neurons are scattered, so their rows are short runs with gaps that the hardware
 // prefetcher does not follow: without help each neuron starts with a DRAM round trip (measured:
-// 50% active read 7 GB/s vs 26 GB/s dense). Requesting the rows of the neuron kPrefetchAhead
+// 50% active read 7 GB/s vs 26 GB/s dense). Requesting the rows of the neuron PrefetchAhead()
 // places ahead keeps that many neurons' loads in flight while the current one computes.
-constexpr int kPrefetchAhead = 6;
+// The distance is a tuning knob (PIJ_PREFETCH_AHEAD=n, read once; default 6) for ablations.
+inline int64_t PrefetchAhead() {
+  static const int64_t ahead = [] {
+    const char* env = std::getenv("PIJ_PREFETCH_AHEAD");
+    const long v = env != nullptr ? std::strtol(env, nullptr, 10) : 6;
+    return static_cast<int64_t>(std::clamp<long>(v, 0, 64));
+  }();
+  return ahead;
+}
 constexpr int64_t kCacheLine = 64;
 
 template <typename W>
@@ -177,12 +186,13 @@ void AccumulateNeuronsImpl(const FfnWeights<W>& w, const FfnTokens& tokens,
                            float* y_partial, int32_t* counts) {
   const int64_t num_tokens = static_cast<int64_t>(tokens.x_rows.size());
   const int64_t n = static_cast<int64_t>(neurons.size());
-  for (int64_t k = 0; k < std::min<int64_t>(kPrefetchAhead, n); ++k) {
+  const int64_t ahead = PrefetchAhead();
+  for (int64_t k = 0; k < std::min<int64_t>(ahead, n); ++k) {
     PrefetchNeuron<W, kGated>(w, neurons[k]);
   }
   for (int64_t k = 0; k < n; ++k) {
     const int32_t i = neurons[k];
-    if (k + kPrefetchAhead < n) PrefetchNeuron<W, kGated>(w, neurons[k + kPrefetchAhead]);
+    if (k + ahead < n) PrefetchNeuron<W, kGated>(w, neurons[k + ahead]);
     for (int64_t t0 = 0; t0 < num_tokens; t0 += kMaxGroup) {
       switch (std::min<int64_t>(kMaxGroup, num_tokens - t0)) {
         case 1: ProcessNeuron<W, 1, kGated>(w, tokens, p, i, t0, y_partial, counts); break;

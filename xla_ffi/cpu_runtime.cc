@@ -9,4 +9,9 @@ CpuRuntime& GetCpuRuntime() {
   return *runtime;
 }
 
+void SetContiguousRows(CpuRuntime& rt, const float* data, int64_t rows, int64_t dim) {
+  rt.x_rows.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) rt.x_rows[r] = data + r * dim;
+}
+
 }  // namespace pij

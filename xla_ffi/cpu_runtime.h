@@ -25,6 +25,9 @@ struct CpuRuntime {
 
 CpuRuntime& GetCpuRuntime();
 
+// rt.x_rows = the `rows` contiguous rows of `dim` floats at `data` (the kernels take row tables).
+void SetContiguousRows(CpuRuntime& rt, const float* data, int64_t rows, int64_t dim);
+
 }  // namespace pij
 
 #endif  // PIJ_XLA_FFI_CPU_RUNTIME_H_

@@ -54,9 +54,7 @@ ffi::Error LinearCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias
   try {
     CpuRuntime& rt = GetCpuRuntime();
     std::lock_guard<std::mutex> lock(rt.mutex);
-    const float* x_data = static_cast<const float*>(x.untyped_data());
-    rt.x_rows.resize(rows);
-    for (int64_t r = 0; r < rows; ++r) rt.x_rows[r] = x_data + r * dim;
+    SetContiguousRows(rt, static_cast<const float*>(x.untyped_data()), rows, dim);
     float* y_data = static_cast<float*>(y->untyped_data());
     const void* w_data = w.untyped_data();
     switch (w_type) {  // the one dtype dispatch

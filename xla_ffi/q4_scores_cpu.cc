@@ -71,9 +71,7 @@ ffi::Error Q4ScoresCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::AnyBuffer dm
   try {
     CpuRuntime& rt = GetCpuRuntime();
     std::lock_guard<std::mutex> lock(rt.mutex);
-    const float* x_data = static_cast<const float*>(x.untyped_data());
-    rt.x_rows.resize(rows);
-    for (int64_t r = 0; r < rows; ++r) rt.x_rows[r] = x_data + r * dim;
+    SetContiguousRows(rt, static_cast<const float*>(x.untyped_data()), rows, dim);
     Q4Scores(args, rt.x_rows, static_cast<float*>(scores->untyped_data()), rt.q8_rows, rt.pool);
     return ffi::Error::Success();
   } catch (const std::exception& e) {  // bad_alloc growing scratch: report, never abort
