@@ -169,7 +169,8 @@ def child(args) -> None:
                 if mode != "dense":  # predictor mode with the q4 or low-rank predictor
                     if arts is None:
                         arts = A.ensure_artifacts(args.model, ckpt.source, model, ckpt.tokenizer,
-                                                  TARGET_SPARSITY, need_predictor=True)
+                                                  TARGET_SPARSITY,
+                                                  need_predictor="lowrank" in args.modes)
                     thresholds = A.use_predictor(model, arts, mode)
                     sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY,
                                               predictor=mode)
