@@ -165,7 +165,7 @@ void Q4Scores(const Q4EstimateArgs& args, std::span<const float* const> x_rows, 
         } else {
           a = Activate(args.activation, Q4DotQ8(qi, dmi, x, pairs) + b);
         }
-        scores[t * f + i] = std::fabs(a);
+        scores[t * f + i] = args.signed_output ? a : std::fabs(a);
       }
     }
   };

@@ -55,10 +55,11 @@ struct Q4EstimateArgs {
   int64_t num_neurons = 0, dim = 0;
   bool gated = true;
   Activation activation = Activation::kSilu;
+  bool signed_output = false;  // a_i itself instead of |a_i|
 };
 
 // scores[t * F + i] = |act(gate_i . x_t) * (up_i . x_t + b_up_i)| (gated) or
-// |act(up_i . x_t + b_up_i)|, estimated. Neurons are split into contiguous ranges; each score is
+// |act(up_i . x_t + b_up_i)|, estimated (without the absolute value if args.signed_output). Neurons are split into contiguous ranges; each score is
 // computed by one task in a fixed order, so results do not depend on the thread count.
 // `scratch` holds the tokens' Q8 rows between calls (no allocation in steady state).
 void Q4Scores(const Q4EstimateArgs& args, std::span<const float* const> x_rows, float* scores,

@@ -1,6 +1,7 @@
 #include "cpu_backend/sparse_ffn.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "cpu_backend/sparse_ffn_kernel.h"
@@ -13,7 +14,8 @@ namespace {
 constexpr int64_t kParallelReduceMin = 1 << 15;
 
 // Fills scratch.neurons with the neurons the kernel must visit: all of them for kOracle (every
-// activation is needed to decide), else the union over tokens of scores > threshold.
+// activation is needed to decide), else the union over tokens of scores > threshold (kScores)
+// or |scores| > threshold (kActivations).
 void CollectNeurons(const FfnTokens& tokens, const SparseFfnParams& p, int64_t num_neurons,
                     SparseFfnScratch& scratch) {
   std::vector<int32_t>& neurons = scratch.neurons;
@@ -23,17 +25,22 @@ void CollectNeurons(const FfnTokens& tokens, const SparseFfnParams& p, int64_t n
     for (int64_t i = 0; i < num_neurons; ++i) neurons.push_back(static_cast<int32_t>(i));
     return;
   }
+  const bool magnitude = p.criterion == Criterion::kActivations;
+  const float threshold = p.threshold;
+  auto selected = [magnitude, threshold](float v) {
+    return (magnitude ? std::fabs(v) : v) > threshold;
+  };
   if (tokens.score_rows.size() == 1) {
     const float* s = tokens.score_rows[0];
     for (int64_t i = 0; i < num_neurons; ++i) {
-      if (s[i] > p.threshold) neurons.push_back(static_cast<int32_t>(i));
+      if (selected(s[i])) neurons.push_back(static_cast<int32_t>(i));
     }
     return;
   }
   scratch.marks.assign(num_neurons, 0);
   uint8_t* marks = scratch.marks.data();
   for (const float* s : tokens.score_rows) {
-    for (int64_t i = 0; i < num_neurons; ++i) marks[i] |= static_cast<uint8_t>(s[i] > p.threshold);
+    for (int64_t i = 0; i < num_neurons; ++i) marks[i] |= static_cast<uint8_t>(selected(s[i]));
   }
   for (int64_t i = 0; i < num_neurons; ++i) {
     if (marks[i]) neurons.push_back(static_cast<int32_t>(i));

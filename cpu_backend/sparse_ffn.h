@@ -20,7 +20,10 @@ namespace pij {
 //   kScores: neuron i is active for token t iff scores[t][i] > threshold (predictor logits, or a
 //            0/1 mask with threshold 0.5). Inactive rows are never read.
 //   kOracle: every a_i(x_t) is computed; active iff |a_i| > threshold (threshold 0: a_i != 0).
-enum class Criterion : int32_t { kScores = 0, kOracle = 1 };
+//   kActivations: scores[t][i] already holds a_i (e.g. the q4 predictor's signed estimate);
+//            active iff |a_i| > threshold, and a_i is the coefficient, so only the active
+//            neurons' down rows are read: gate and up rows are never touched.
+enum class Criterion : int32_t { kScores = 0, kOracle = 1, kActivations = 2 };
 
 template <typename W>
 struct FfnWeights {

@@ -115,6 +115,22 @@ inline void ProcessNeuron(const FfnWeights<W>& w, const FfnTokens& tokens,
                           const SparseFfnParams& p, int32_t i, int64_t t0, float* y_partial,
                           int32_t* counts) {
   const int64_t dim = w.dim;
+  const int64_t row = static_cast<int64_t>(i) * dim;
+  float coef[kTok];
+  float* active_y[kTok];
+  int n = 0;
+  if (p.criterion == Criterion::kActivations) {  // a_i given: only the down row is read
+    for (int t = 0; t < kTok; ++t) {
+      const float a = tokens.score_rows[t0 + t][i];
+      if (!(std::fabs(a) > p.threshold)) continue;
+      ++counts[t0 + t];
+      coef[n] = a;
+      active_y[n] = y_partial + (t0 + t) * dim;
+      ++n;
+    }
+    if (n > 0) AccumulateDown(w.down_t + row, dim, n, coef, active_y);
+    return;
+  }
   const bool by_scores = p.criterion == Criterion::kScores;
   bool wanted[kTok];
   if (by_scores) {
@@ -125,15 +141,11 @@ inline void ProcessNeuron(const FfnWeights<W>& w, const FfnTokens& tokens,
     }
     if (!any) return;  // no token of this group needs the neuron: its rows stay untouched
   }
-  const int64_t row = static_cast<int64_t>(i) * dim;
   float gate_dot[kTok];
   float up_dot[kTok];
   NeuronDots<W, kTok, kGated>(kGated ? w.gate + row : nullptr, w.up + row,
                               tokens.x_rows.data() + t0, dim, gate_dot, up_dot);
   const float b_up = w.b_up != nullptr ? w.b_up[i] : 0.0f;
-  float coef[kTok];
-  float* active_y[kTok];
-  int n = 0;
   for (int t = 0; t < kTok; ++t) {
     const float up = up_dot[t] + b_up;
     const float a = kGated ? Activate(p.activation, gate_dot[t]) * up : Activate(p.activation, up);
@@ -172,11 +184,14 @@ inline void PrefetchRow(const W* row, int64_t dim) {
   for (int64_t off = 0; off < bytes; off += kCacheLine) __builtin_prefetch(p + off, 0, 3);
 }
 
+// down_only: the kActivations criterion, which never reads gate and up rows.
 template <typename W, bool kGated>
-inline void PrefetchNeuron(const FfnWeights<W>& w, int32_t i) {
+inline void PrefetchNeuron(const FfnWeights<W>& w, int32_t i, bool down_only) {
   const int64_t row = static_cast<int64_t>(i) * w.dim;
-  if constexpr (kGated) PrefetchRow(w.gate + row, w.dim);
-  PrefetchRow(w.up + row, w.dim);
+  if (!down_only) {
+    if constexpr (kGated) PrefetchRow(w.gate + row, w.dim);
+    PrefetchRow(w.up + row, w.dim);
+  }
   PrefetchRow(w.down_t + row, w.dim);
 }
 
@@ -187,12 +202,13 @@ void AccumulateNeuronsImpl(const FfnWeights<W>& w, const FfnTokens& tokens,
   const int64_t num_tokens = static_cast<int64_t>(tokens.x_rows.size());
   const int64_t n = static_cast<int64_t>(neurons.size());
   const int64_t ahead = PrefetchAhead();
+  const bool down_only = p.criterion == Criterion::kActivations;
   for (int64_t k = 0; k < std::min<int64_t>(ahead, n); ++k) {
-    PrefetchNeuron<W, kGated>(w, neurons[k]);
+    PrefetchNeuron<W, kGated>(w, neurons[k], down_only);
   }
   for (int64_t k = 0; k < n; ++k) {
     const int32_t i = neurons[k];
-    if (k + ahead < n) PrefetchNeuron<W, kGated>(w, neurons[k + ahead]);
+    if (k + ahead < n) PrefetchNeuron<W, kGated>(w, neurons[k + ahead], down_only);
     for (int64_t t0 = 0; t0 < num_tokens; t0 += kMaxGroup) {
       switch (std::min<int64_t>(kMaxGroup, num_tokens - t0)) {
         case 1: ProcessNeuron<W, 1, kGated>(w, tokens, p, i, t0, y_partial, counts); break;

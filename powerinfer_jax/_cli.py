@@ -32,6 +32,12 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predictor", default="q4", choices=["q4", "lowrank"],
                    help="predictor mode's predictor: q4 (|a_i| estimated from 4-bit gate/up rows; "
                         "default) or lowrank (trained D->R->F MLPs, built by calibrate)")
+    p.add_argument("--gate-up", default="full", choices=["full", "q4"],
+                   help="predictor mode with --predictor q4: where the active neurons' gate/up "
+                        "dots come from: full (their rows at --dtype) or q4 (the predictor's own "
+                        "4-bit estimate, so only down rows are read at --dtype; for a Q4_1 "
+                        "checkpoint these are its own gate/up weights, with 8-bit activations) "
+                        "(default: %(default)s)")
     p.add_argument("--threshold", type=float, default=0.0,
                    help="oracle: a neuron is active when |a_i| > threshold (default: 0)")
     p.add_argument("--target-sparsity", type=float, default=None,

@@ -80,6 +80,7 @@ def row_header(args, threads: int) -> dict:
             "dtype": args.dtype, "model": args.model, "sparsity": args.sparsity,
             "threshold": args.threshold, "kernels": getattr(args, "kernels", "auto"),
             "predictor": args.predictor if args.sparsity == "predictor" else None,
+            "gate_up": getattr(args, "gate_up", "full") if args.sparsity == "predictor" else None,
             "target_sparsity": args.target_sparsity,
             "jax": jax.__version__,
             "backend": jax.default_backend(), "tag": args.tag}

@@ -19,6 +19,7 @@ NORM_TYPES = ("rms", "layer")
 POSITION_SCHEMES = ("rope", "learned")
 SPARSITY_MODES = ("dense", "oracle", "threshold", "predictor")
 PREDICTOR_KINDS = ("q4", "lowrank")
+GATE_UP_SOURCES = ("full", "q4")  # SparsityConfig.gate_up
 DTYPES = ("float32", "bfloat16")
 
 
@@ -113,6 +114,12 @@ class SparsityConfig:
     predictor: per-layer predictors decide the active set before any FFN row is read. `predictor`
       picks which: "q4" (default: each neuron's |a_i| estimated from 4-bit gate/up rows,
       sparsity/q4_predictor.py) or "lowrank" (trained D -> R -> F MLPs, sparsity/predictor.py).
+    gate_up: where predictor mode takes the active neurons' gate/up dots from. "full": their gate
+      and up rows at the run's dtype (the predictor only selects). "q4": from the q4 predictor's
+      estimate itself (4-bit rows, 8-bit activations), so only the active neurons' down rows are
+      read: a third of the bytes. For a Q4_1 checkpoint (the default model) the 4-bit rows are
+      the checkpoint's own gate/up weights; the approximation is the 8-bit activations, as in
+      llama.cpp's Q4_1 matmuls. Requires mode "predictor" with predictor "q4".
     target_sparsity: which calibrated artifacts to use (fraction of FFN neurons skipped). Required
       by threshold/predictor modes (the CLIs default it to 0.5); with oracle mode it replaces the
       scalar threshold by the calibrated per-layer ones.
@@ -123,10 +130,17 @@ class SparsityConfig:
     impl: Literal["ffi", "reference"] = "ffi"
     target_sparsity: float | None = None
     predictor: Literal["q4", "lowrank"] = "q4"
+    gate_up: Literal["full", "q4"] = "full"
 
     def __post_init__(self):
         _check_choice("SparsityConfig.mode", self.mode, SPARSITY_MODES)
         _check_choice("SparsityConfig.predictor", self.predictor, PREDICTOR_KINDS)
+        _check_choice("SparsityConfig.gate_up", self.gate_up, GATE_UP_SOURCES)
+        if self.gate_up == "q4":
+            _check(self.mode == "predictor" and self.predictor == "q4", "SparsityConfig.gate_up",
+                   "'full' unless mode is 'predictor' with predictor 'q4' (the q4 estimate "
+                   "supplies the activations)", self.gate_up,
+                   f"mode={self.mode!r}, predictor={self.predictor!r}")
         _check_choice("SparsityConfig.impl", self.impl, ("ffi", "reference"))
         _check(math.isfinite(self.threshold) and self.threshold >= 0, "SparsityConfig.threshold",
                "a finite float >= 0", self.threshold)

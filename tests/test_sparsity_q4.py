@@ -55,8 +55,9 @@ def test_round_trip_error_is_within_half_a_step(dim):
     assert np.all(np.abs(back - w) <= 0.5 * step + 1e-3 * np.abs(w).max())
 
 
-def _numpy_scores(x, w_gate, w_up, b_up=None):
-    """An independent estimate: Q8 activations by hand (numpy), the dequantized 4-bit rows."""
+def _numpy_scores(x, w_gate, w_up, b_up=None, *, signed=False):
+    """An independent estimate: Q8 activations by hand (numpy), the dequantized 4-bit rows.
+    |a| (the predictor's scores), or a itself with signed=True."""
     t, d = x.shape
     nb = -(-d // 32)
     xb = np.zeros((t, nb * 32), np.float32)
@@ -67,7 +68,8 @@ def _numpy_scores(x, w_gate, w_up, b_up=None):
     xq = (np.clip(np.rint(xb * inv), -127, 127) * s).reshape(t, -1)[:, :d]
     deq = lambda w: np.asarray(q4.dequantize_rows(*q4.quantize_rows(w), d), np.float64)
     up = xq @ deq(w_up).T + (0 if b_up is None else b_up)
-    return np.abs(up) if w_gate is None else np.abs(_silu(xq @ deq(w_gate).T) * up)
+    a = up if w_gate is None else _silu(xq @ deq(w_gate).T) * up
+    return a if signed else np.abs(a)
 
 
 def _operands(seed, *, t=3, d=100, f=37, gated=True, bias=True):
@@ -141,6 +143,94 @@ def test_predictor_mode_matches_a_numpy_ffn():
                           threshold=thr)
         np.testing.assert_allclose(np.asarray(y)[0], want, rtol=1e-4, atol=1e-4)
         np.testing.assert_array_equal(np.asarray(n_active)[0], (est > thr).sum(-1))
+
+
+def test_signed_estimates_match_numpy_and_the_magnitudes():
+    x, gate, up, b, q, dm = _operands(10, t=3, d=576, f=300)
+    got = np.asarray(ops.q4_scores(x, q, dm, b, signed=True))
+    np.testing.assert_allclose(got, _numpy_scores(x, gate, up, b, signed=True), rtol=1e-4,
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ops.q4_scores(x, q, dm, b, signed=True,
+                                                        impl="reference")), got, rtol=1e-4,
+                               atol=1e-5)
+    np.testing.assert_array_equal(np.abs(got), np.asarray(ops.q4_scores(x, q, dm, b)))
+    assert (got < 0).any() and (got > 0).any()
+
+
+@pytest.mark.parametrize("placed", [False, True])
+def test_gate_up_q4_mode_matches_a_numpy_ffn(placed):
+    """gate_up="q4": each active neuron contributes its numpy *estimate* a_i (4-bit rows, Q8
+    activations) times its down row; inactive neurons nothing. Placed FFNs (hot rows with XLA,
+    cold rows through the custom call) give the same output."""
+    model = _tiny_model(seed=4)
+    Q4.attach(model)
+    ffn = model.layers[1].ffn
+    x = np.random.default_rng(11).standard_normal((1, 5, 64)).astype(np.float32)
+    g = np.asarray(ffn.gate.weight[...], np.float64)
+    u = np.asarray(ffn.up.weight[...], np.float64)
+    down_t = np.asarray(ffn.down_t.weight[...], np.float64)
+    est = _numpy_scores(x[0], g, u, signed=True)
+    thr = float(np.quantile(np.abs(est), 0.6))
+    want = (est * (np.abs(est) > thr)) @ down_t
+    if placed:
+        ffn.permute(np.random.default_rng(12).permutation(96))
+        ffn.split(40)
+    for impl in ("ffi", "reference"):
+        y, n_active = ffn(jnp.asarray(x), sparsity=SparsityConfig("predictor", impl=impl,
+                                                                  gate_up="q4"), threshold=thr)
+        np.testing.assert_allclose(np.asarray(y)[0], want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(np.asarray(n_active)[0], (np.abs(est) > thr).sum(-1))
+
+
+def test_gate_up_q4_is_close_to_full_rows_on_a_q4_1_checkpoint():
+    """When the weights are a Q4_1 checkpoint's (exact on the 4-bit grid), gate_up="q4" differs
+    from reading the full gate/up rows only by the 8-bit activations: same active set at these
+    thresholds, outputs within 2% of the output's scale."""
+    model = _tiny_model(seed=5)
+    rng = np.random.default_rng(13)
+    ffn = model.layers[0].ffn
+    for w in (ffn.gate.weight, ffn.up.weight):
+        w.set_value(jnp.asarray(_random_q4_1_rows(rng, 96, 64), jnp.float32))
+    Q4.attach(model)
+    x = jnp.asarray(rng.standard_normal((1, 7, 64)), jnp.float32)
+    thr = float(np.quantile(np.asarray(ffn.predictor(x)), 0.5))
+    full, n_full = ffn(x, sparsity=SparsityConfig("predictor"), threshold=thr)
+    est, n_est = ffn(x, sparsity=SparsityConfig("predictor", gate_up="q4"), threshold=thr)
+    np.testing.assert_array_equal(np.asarray(n_est), np.asarray(n_full))
+    scale = float(np.max(np.abs(np.asarray(full))))
+    np.testing.assert_allclose(np.asarray(est), np.asarray(full), atol=0.02 * scale)
+    assert not np.array_equal(np.asarray(est), np.asarray(full))  # the estimate really is used
+
+
+@pytest.mark.parametrize("kw", [dict(mode="dense"), dict(mode="oracle"),
+                                dict(mode="predictor", predictor="lowrank")])
+def test_gate_up_q4_needs_the_q4_predictor(kw):
+    with pytest.raises(ValueError, match=r"SparsityConfig.gate_up: expected 'full' unless mode "
+                                         r"is 'predictor' with predictor 'q4'"):
+        SparsityConfig(gate_up="q4", **kw)
+    with pytest.raises(ValueError, match=r"SparsityConfig.gate_up: expected one of"):
+        SparsityConfig(mode="predictor", gate_up="int4")
+
+
+def test_activations_criterion_needs_scores_and_rejects_bad_names():
+    x, gate, up, b, q, dm = _operands(14, t=2, d=64, f=16)
+    down = up.copy()
+    with pytest.raises(ValueError, match=r"scores: expected an array \[\.\.\., T, F\] when "
+                                         r"criterion='activations'"):
+        ops.sparse_ffn(x, up, down, w_gate=gate, criterion="activations")
+    a = np.ones((2, 16), np.float32)
+    with pytest.raises(Exception, match=r"sparse_ffn: criterion: expected one of scores, oracle, "
+                                        r"activations"):
+        jax.block_until_ready(_ffi.sparse_ffn(x, up, down, w_gate=gate, b_up=None, b_down=None,
+                                              scores=a, threshold=0.0, activation="silu",
+                                              criterion="bogus")[0])
+    with pytest.raises(Exception, match=r"sparse_ffn: scores shape"):
+        jax.block_until_ready(_ffi.sparse_ffn(x, up, down, w_gate=gate, b_up=None, b_down=None,
+                                              scores=a[:, :3], threshold=0.0, activation="silu",
+                                              criterion="activations")[0])
+    with pytest.raises(Exception, match=r"q4_scores: output: expected one of magnitude, signed"):
+        jax.block_until_ready(jax.ffi.ffi_call(_ffi.Q4_SCORES_TARGET, jax.ShapeDtypeStruct(
+            (2, 16), jnp.float32))(x, q, dm, b, activation="silu", output="sign"))
 
 
 def test_permuted_ffn_keeps_its_output():

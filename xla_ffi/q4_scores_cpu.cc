@@ -1,6 +1,7 @@
 // CPU FFI handler for the q4 predictor's estimates (cpu_backend/q4_estimate.h):
 //   x f32 [..., D]; q u8 [F, G, P * 32]; dm f16 [F, G, 4 * P]; b_up f32 [F] or zero-size;
-//   attribute activation; result scores f32 [..., F]. G = 2 (gated) or 1, P = ceil(D / 64).
+//   attributes activation and output ("magnitude": |a_i|, the predictor's scores; "signed": a_i,
+//   the coefficients of the sparse FFN's "activations" criterion); result scores f32 [..., F]. G = 2 (gated) or 1, P = ceil(D / 64).
 // Weights may carry extra leading size-1 dims (vmap's expand_dims).
 #include <exception>
 #include <mutex>
@@ -19,9 +20,13 @@ constexpr std::string_view kOp = "q4_scores";
 
 ffi::Error Q4ScoresCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::AnyBuffer dm,
                            ffi::AnyBuffer b_up, ffi::Result<ffi::AnyBuffer> scores,
-                           std::string_view activation) {
+                           std::string_view activation, std::string_view output) {
   Q4EstimateArgs args;
   if (ffi::Error e = ParseActivation(kOp, activation, args.activation); e.failure()) return e;
+  if (output != "magnitude" && output != "signed") {
+    return InvalidArg(kOp, "output", "one of magnitude, signed", output);
+  }
+  args.signed_output = output == "signed";
   const auto x_dims = x.dimensions();
   if (x.element_type() != ffi::DataType::F32 || x_dims.size() == 0) {
     return InvalidArg(kOp, "x", "float32 [..., D]",
@@ -89,4 +94,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQ4ScoresCpu, pij::Q4ScoresCpuImpl,
                                   .Arg<xla::ffi::AnyBuffer>()  // dm
                                   .Arg<xla::ffi::AnyBuffer>()  // b_up
                                   .Ret<xla::ffi::AnyBuffer>()  // scores
-                                  .Attr<std::string_view>("activation"));
+                                  .Attr<std::string_view>("activation")
+                                  .Attr<std::string_view>("output"));

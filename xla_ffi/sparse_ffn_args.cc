@@ -76,8 +76,10 @@ ffi::Error DecodeSparseFfn(ffi::AnyBuffer x, ffi::AnyBuffer w_gate, ffi::AnyBuff
     p.criterion = Criterion::kScores;
   } else if (criterion == "oracle") {
     p.criterion = Criterion::kOracle;
+  } else if (criterion == "activations") {
+    p.criterion = Criterion::kActivations;
   } else {
-    return InvalidArg(kOp, "criterion", "one of scores, oracle", criterion);
+    return InvalidArg(kOp, "criterion", "one of scores, oracle, activations", criterion);
   }
   // Negative thresholds are rejected for both criteria (as SparsityConfig does): for "oracle"
   // |a| > negative would mark everything active; predictor logits can be shifted instead.
@@ -142,7 +144,7 @@ ffi::Error DecodeSparseFfn(ffi::AnyBuffer x, ffi::AnyBuffer w_gate, ffi::AnyBuff
   // Scores.
   call.scores = nullptr;
   score_src.clear();
-  if (p.criterion == Criterion::kScores) {
+  if (p.criterion != Criterion::kOracle) {
     const Dims s_dims = scores.dimensions();
     if (scores.element_type() != ffi::DataType::F32) {
       return InvalidArg(kOp, "scores dtype", "float32", DtypeName(scores.element_type()));

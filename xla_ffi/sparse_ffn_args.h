@@ -8,10 +8,10 @@
 //   w_down_t W   [1.., F, D]
 //   b_up     f32 [1.., F] or empty
 //   b_down   f32 [1.., D] or empty
-//   scores   f32 [..., T, F]          criterion "scores" only (empty or ignored for "oracle")
+//   scores   f32 [..., T, F]          criteria "scores" and "activations" (ignored for "oracle")
 // Results: y f32 [..., T, D], n_active s32 [..., T].
 // Attributes: threshold (f32, finite, >= 0), activation ("silu" | "relu" | "gelu"),
-// criterion ("scores" | "oracle").
+// criterion ("scores" | "oracle" | "activations", see cpu_backend/sparse_ffn.h).
 //
 // vmap: jax.ffi.ffi_call(vmap_method="expand_dims") gives unbatched operands a leading size-1 dim.
 // Weights and biases therefore accept any number of leading size-1 dims (no copy per batch

@@ -137,6 +137,11 @@ ffi::Error SparseFfnCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
       e.failure()) {
     return e;
   }
+  if (call.params.criterion == Criterion::kActivations) {  // CPU backend only, for now
+    return ffi::Error::InvalidArgument(std::string("sparse_ffn (CUDA)") +
+                                       ": criterion: expected scores or oracle on CUDA, got "
+                                       "activations (the q4 gate/up mode runs on the CPU backend)");
+  }
   // Row pointers would live in host memory; on the device x and scores must be dense instead.
   if (!IsIdentity(x_src) || (call.scores != nullptr && !IsIdentity(score_src))) {
     return ffi::Error::InvalidArgument(

@@ -171,6 +171,11 @@ ffi::Error HybridImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
       e.failure()) {
     return e;
   }
+  if (call.params.criterion == Criterion::kActivations) {  // CPU backend only, for now
+    return ffi::Error::InvalidArgument(std::string(kOp) +
+                                       ": criterion: expected scores or oracle on CUDA, got "
+                                       "activations (the q4 gate/up mode runs on the CPU backend)");
+  }
   if (static_cast<int64_t>(x.element_count()) != call.rows * call.dim) {
     return ffi::Error::InvalidArgument(std::string(kOp) +
                                        ": x: expected dense [rows, D] (no broadcasting)");

@@ -118,20 +118,28 @@ class FFN(nnx.Module):
         return self._rows_act(x_btd, c["gate"][...] if "gate" in c else None, c["up"][...],
                               c["b_up"][...] if "b_up" in c else None)
 
-    def hybrid(self, x_btd, *, scores, threshold: float, impl: str, dense: bool):
+    def hybrid(self, x_btd, *, scores, threshold: float, impl: str, dense: bool,
+               criterion: str | None = None):
         """Hot rows with XLA, cold rows through the custom call, summed. dense: every neuron
-        (cold ones through the custom call's oracle at threshold 0). Returns (y, n_active|None)."""
+        (cold ones through the custom call's oracle at threshold 0). criterion: as `sparse`.
+        Returns (y, n_active|None)."""
         from powerinfer_jax import ops
 
+        if dense:
+            criterion, scores = "oracle", None
+        elif criterion is None:
+            criterion = "oracle" if scores is None else "scores"
         n_hot, c = self.n_hot, self.cold
         n_cold = c["up"][...].shape[0]
         b_down = None if self.down_t.bias is None else self.down_t.bias[...]
         y = jnp.zeros(x_btd.shape[:-1] + (self.down_t.weight.shape[1],), F32)
         count = jnp.zeros(x_btd.shape[:-1], jnp.int32)
         if n_hot:
-            a = self._hot_act(x_btd)  # [B, T, F_hot]
+            # [B, T, F_hot]; "activations": the scores are the activations (no gate/up rows read)
+            a = scores[..., :n_hot] if criterion == "activations" else self._hot_act(x_btd)
             if not dense:
-                mask = jnp.abs(a) > threshold if scores is None else scores[..., :n_hot] > threshold
+                mask = scores[..., :n_hot] > threshold if criterion == "scores" else \
+                    jnp.abs(a) > threshold
                 a = jnp.where(mask, a, 0.0)
                 count = count + jnp.sum(mask, axis=-1, dtype=jnp.int32)
             w = self.down_t.weight[...]
@@ -141,9 +149,9 @@ class FFN(nnx.Module):
                 x_btd, c["up"][...], c["down_t"][...],
                 w_gate=c["gate"][...] if "gate" in c else None,
                 b_up=c["b_up"][...] if "b_up" in c else None, b_down=None,
-                scores=None if (dense or scores is None) else scores[..., n_hot:],
+                scores=None if scores is None else scores[..., n_hot:],
                 threshold=0.0 if dense else float(threshold), activation=self.activation,
-                criterion="oracle" if (dense or scores is None) else "scores", impl=impl)
+                criterion=criterion, impl=impl)
             y = y + y_cold
             count = count + n_active_cold
         if b_down is not None:
@@ -178,35 +186,49 @@ class FFN(nnx.Module):
             return jnp.abs(self.activations(x_btd))
         return jnp.abs(activate(self.activation, self.gate(x_btd)))
 
-    def mode_scores(self, x_btd, mode: str):
-        """The scores [B, T, F] a sparse mode compares with its threshold (None: oracle)."""
+    def mode_scores(self, x_btd, mode: str, *, signed: bool = False):
+        """The scores [B, T, F] a sparse mode compares with its threshold (None: oracle).
+        signed: the q4 predictor's signed estimates a_i (SparsityConfig.gate_up == "q4")."""
         if mode == "threshold":
             return self.gate_magnitude(x_btd)
         if mode == "predictor":
             if self.predictor is None:
                 raise ValueError("FFN.predictor: expected a predictor attached for "
                                  "sparsity mode 'predictor', got None (load sparsity artifacts)")
-            return self.predictor(x_btd)
+            if not signed:
+                return self.predictor(x_btd)
+            from powerinfer_jax.sparsity.q4_predictor import Q4Predictor
+
+            if not isinstance(self.predictor, Q4Predictor):
+                raise ValueError("FFN.predictor: expected the q4 predictor for gate_up='q4', got "
+                                 f"{type(self.predictor).__name__}")
+            return self.predictor(x_btd, signed=True)
         return None
 
     def __call__(self, x_btd, *, sparsity: SparsityConfig, threshold: float = 0.0, scores=None):
         """Returns (y [B, T, D] float32, n_active [B, T] int32 or None for dense).
 
-        scores: overrides the mode's own scores (tests feed exact masks this way).
+        scores: overrides the mode's own scores (tests feed exact masks this way; with
+        sparsity.gate_up == "q4" they are the activations themselves).
         """
         if sparsity.mode == "dense":
             return self.dense(x_btd), None
+        q4_gate_up = sparsity.gate_up == "q4"
         if scores is None:
-            scores = self.mode_scores(x_btd, sparsity.mode)
-        return self.sparse(x_btd, scores=scores, threshold=threshold, impl=sparsity.impl)
+            scores = self.mode_scores(x_btd, sparsity.mode, signed=q4_gate_up)
+        return self.sparse(x_btd, scores=scores, threshold=threshold, impl=sparsity.impl,
+                           criterion="activations" if q4_gate_up else None)
 
-    def sparse(self, x_btd, *, scores, threshold: float, impl: str):
-        """The custom call: neurons with scores > threshold, or |a_i| > threshold if scores is None."""
+    def sparse(self, x_btd, *, scores, threshold: float, impl: str, criterion: str | None = None):
+        """The custom call: neurons with scores > threshold, or |a_i| > threshold if scores is None.
+        criterion="activations": scores are the neurons' activations; only down rows are read."""
         from powerinfer_jax import ops
 
         if self.placed:
-            return self.hybrid(x_btd, scores=scores, threshold=threshold, impl=impl, dense=False)
-        criterion = "oracle" if scores is None else "scores"
+            return self.hybrid(x_btd, scores=scores, threshold=threshold, impl=impl, dense=False,
+                               criterion=criterion)
+        if criterion is None:
+            criterion = "oracle" if scores is None else "scores"
         return ops.sparse_ffn(
             x_btd, self.up.weight[...], self.down_t.weight[...],
             w_gate=None if self.gate is None else self.gate.weight[...],

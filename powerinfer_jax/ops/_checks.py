@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 ACTIVATIONS = ("silu", "relu", "gelu")
-CRITERIA = ("scores", "oracle")
+CRITERIA = ("scores", "oracle", "activations")
 IMPLS = ("ffi", "reference")
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -68,9 +68,9 @@ def check_sparse_ffn(x, w_up, w_down_t, *, w_gate, b_up, b_down, scores, thresho
     for name, b, n in (("b_up", b_up, f), ("b_down", b_down, d)):
         if b is not None and _shape(b) != (n,):
             fail(f"{name} shape", f"[{n}]", _shape(b))
-    if criterion == "scores":
+    if criterion != "oracle":
         if scores is None:
-            fail("scores", "an array [..., T, F] when criterion='scores'", None,
+            fail("scores", f"an array [..., T, F] when criterion={criterion!r}", None,
                  "pass scores, or use criterion='oracle'")
         if _shape(scores)[-1:] != (f,) or np.ndim(scores) != np.ndim(x) or \
                 _shape(scores)[:-1] != _shape(x)[:-1]:

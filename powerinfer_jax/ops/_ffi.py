@@ -88,12 +88,12 @@ def linear(x, w, b):
     return call(x32, w, _absent((0,), jnp.float32) if b is None else jnp.asarray(b, jnp.float32))
 
 
-def q4_scores(x, q, dm, b_up, *, activation):
+def q4_scores(x, q, dm, b_up, *, activation, signed=False):
     x32 = jnp.asarray(x, jnp.float32)
     out = jax.ShapeDtypeStruct(x32.shape[:-1] + (q.shape[-3],), jnp.float32)
     call = jax.ffi.ffi_call(Q4_SCORES_TARGET, out, vmap_method="expand_dims")
     b = _absent((0,), jnp.float32) if b_up is None else jnp.asarray(b_up, jnp.float32)
-    return call(x32, q, dm, b, activation=activation)
+    return call(x32, q, dm, b, activation=activation, output="signed" if signed else "magnitude")
 
 
 HYBRID_TARGET = "pij_sparse_ffn_hybrid"

@@ -10,8 +10,11 @@ def sparse_ffn(x, w_up, w_down_t, *, w_gate=None, b_up=None, b_down=None, scores
 
     x: [..., T, D] any float dtype (cast to f32 for the kernel); weights f32/bf16/f16 same dtype,
     neuron-major: w_up, w_gate, w_down_t all [F, D]; b_up [F], b_down [D].
-    scores [..., T, F] float32 (required when criterion == "scores", ignored for "oracle").
-    Active: "scores": scores > threshold; "oracle": |a| > threshold from the true activations.
+    scores [..., T, F] float32 (required unless criterion == "oracle").
+    Active: "scores": scores > threshold; "oracle": |a| > threshold from the true activations;
+    "activations": scores *are* the activations a (e.g. `q4_scores(..., signed=True)`), active
+    where |a| > threshold, and only the active neurons' down rows are read (w_up/w_gate are
+    checked for shape but never read).
     a = act(gate.x) * (up.x + b_up) (gated) or act(up.x + b_up); gelu is the tanh approximation.
     Returns (y [..., T, D] float32, n_active [..., T] int32). impl: "ffi" | "reference".
     """
@@ -41,20 +44,21 @@ def linear(x, w, b=None, *, impl="ffi"):
     return _ffi.linear(x, w, b)
 
 
-def q4_scores(x, q, dm, b_up=None, *, activation="silu", impl="ffi"):
+def q4_scores(x, q, dm, b_up=None, *, activation="silu", signed=False, impl="ffi"):
     """The q4 predictor's estimate of every neuron's |a_i| from 4-bit gate/up rows.
 
     x: [..., T, D] any float dtype (cast to f32, then quantized per 32-block to int8).
     q: uint8 [F, G, P * 32], dm: float16 [F, G, 4P] from `ops.q4.quantize_rows` of the stacked
     (gate, up) rows (G = 2) or the up rows alone (G = 1); b_up [F]. Returns float32 [..., T, F]:
-    |act(gate.x) * (up.x + b_up)| (G = 2) or |act(up.x + b_up)| (G = 1), estimated.
+    |act(gate.x) * (up.x + b_up)| (G = 2) or |act(up.x + b_up)| (G = 1), estimated; with
+    signed=True the estimates a themselves (sparse_ffn's "activations" criterion takes them).
     """
     _checks.check_choice("impl", impl, _checks.IMPLS)
     _checks.check_q4_scores(x, q, dm, b_up, activation)
     if impl == "reference":
-        return reference.q4_scores(x, q, dm, b_up, activation=activation)
+        return reference.q4_scores(x, q, dm, b_up, activation=activation, signed=bool(signed))
     from powerinfer_jax.ops import _ffi
-    return _ffi.q4_scores(x, q, dm, b_up, activation=activation)
+    return _ffi.q4_scores(x, q, dm, b_up, activation=activation, signed=bool(signed))
 
 
 def rms_norm(x, scale, *, eps, impl="ffi"):

@@ -21,23 +21,30 @@ def activate(activation: str, v):
     raise ValueError(f"activation: expected one of ['silu', 'relu', 'gelu'], got {activation!r}")
 
 
-def sparse_ffn(x, w_up, w_down_t, *, w_gate=None, b_up=None, b_down=None, scores=None,
-               threshold=0.0, activation="silu", criterion="scores"):
-    """Returns (y [..., T, D] float32, n_active [..., T] int32). See ops.api.sparse_ffn."""
-    x_td = jnp.asarray(x, jnp.float32)
+def _activations(x_td, w_up, w_gate, b_up, activation):
+    """a [..., T, F] = act(gate.x) * (up.x + b_up) (gated) or act(up.x + b_up), float32."""
     up_tf = jnp.einsum("...TD,FD->...TF", x_td, w_up.astype(jnp.float32), precision=_HIGHEST)
     if b_up is not None:
         up_tf = up_tf + b_up.astype(jnp.float32)
     if w_gate is None:
-        act_tf = activate(activation, up_tf)
-    else:
-        gate_tf = jnp.einsum("...TD,FD->...TF", x_td, w_gate.astype(jnp.float32),
-                             precision=_HIGHEST)
-        act_tf = activate(activation, gate_tf) * up_tf
-    if criterion == "scores":
-        mask_tf = jnp.asarray(scores, jnp.float32) > threshold
-    else:
+        return activate(activation, up_tf)
+    gate_tf = jnp.einsum("...TD,FD->...TF", x_td, w_gate.astype(jnp.float32), precision=_HIGHEST)
+    return activate(activation, gate_tf) * up_tf
+
+
+def sparse_ffn(x, w_up, w_down_t, *, w_gate=None, b_up=None, b_down=None, scores=None,
+               threshold=0.0, activation="silu", criterion="scores"):
+    """Returns (y [..., T, D] float32, n_active [..., T] int32). See ops.api.sparse_ffn."""
+    x_td = jnp.asarray(x, jnp.float32)
+    if criterion == "activations":  # the scores are the activations; gate/up are not read
+        act_tf = jnp.asarray(scores, jnp.float32)
         mask_tf = jnp.abs(act_tf) > threshold
+    else:
+        act_tf = _activations(x_td, w_up, w_gate, b_up, activation)
+        if criterion == "scores":
+            mask_tf = jnp.asarray(scores, jnp.float32) > threshold
+        else:
+            mask_tf = jnp.abs(act_tf) > threshold
     act_tf = jnp.where(mask_tf, act_tf, 0.0)
     y_td = jnp.einsum("...TF,FD->...TD", act_tf, w_down_t.astype(jnp.float32),
                       precision=_HIGHEST)
@@ -60,8 +67,9 @@ def rms_norm(x, scale, *, eps):
     return (x32 * inv_rms * scale.astype(jnp.float32)).astype(jnp.result_type(x))
 
 
-def q4_scores(x, q, dm, b_up=None, *, activation="silu"):
-    """The q4 predictor's estimates |a| [..., T, F] float32. See ops.api.q4_scores."""
+def q4_scores(x, q, dm, b_up=None, *, activation="silu", signed=False):
+    """The q4 predictor's estimates |a| (or a if signed) [..., T, F] float32. See
+    ops.api.q4_scores."""
     from powerinfer_jax.ops import q4
 
     x = jnp.asarray(x, jnp.float32)
@@ -72,4 +80,4 @@ def q4_scores(x, q, dm, b_up=None, *, activation="silu"):
         a = activate(activation, proj[..., 0]) * (proj[..., 1] + b)
     else:
         a = activate(activation, proj[..., 0] + b)
-    return jnp.abs(a)
+    return a if signed else jnp.abs(a)

@@ -97,5 +97,6 @@ def configs_from_args(args, **runtime_fields) -> tuple[RuntimeConfig, SparsityCo
     sparsity = SparsityConfig(mode=args.sparsity, threshold=args.threshold,
                               impl=getattr(args, "impl", "ffi"),
                               predictor=getattr(args, "predictor", "q4"),
+                              gate_up=getattr(args, "gate_up", "full"),
                               target_sparsity=None if target is None else float(target))
     return runtime, sparsity

@@ -42,12 +42,13 @@ class Q4Predictor(nnx.Module):
         b = None if ffn.up.bias is None else ffn.up.bias[...]
         return cls(q, dm, b, activation=ffn.activation, kernels=kernels)
 
-    def __call__(self, x_btd):
+    def __call__(self, x_btd, *, signed: bool = False):
+        """Estimated |a_i| [..., F] (a_i with signed=True: the gate_up="q4" coefficients)."""
         from powerinfer_jax import ops
 
         return ops.q4_scores(x_btd, self.q[...], self.dm[...],
                              None if self.b_up is None else self.b_up[...],
-                             activation=self.activation,
+                             activation=self.activation, signed=signed,
                              impl="ffi" if self.kernels == "ffi" else "reference")
 
     def permute(self, perm) -> None:
