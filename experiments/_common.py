@@ -154,4 +154,5 @@ def mode_label(row: dict) -> str:
     from before the q4 predictor existed were low-rank."""
     if row.get("mode") != "predictor":
         return row.get("mode", "")
-    return f"predictor ({row.get('predictor', 'lowrank')})"
+    kind = row.get("predictor", "lowrank")
+    return f"predictor ({kind}, gate/up q4)" if row.get("gate_up") == "q4" else f"predictor ({kind})"

@@ -3,7 +3,9 @@
 Steps, in the paper's order (each builds on the one before):
   dense_xla        dense model, XLA matmuls (--kernels xla)
   dense_ffi        dense model, our custom calls on the C++ thread pool (--kernels ffi)
-  predictor        + trained predictors and the sparse FFN operator (--sparsity predictor)
+  predictor        + the q4 predictor and the sparse FFN operator (--sparsity predictor)
+  gate_up_q4       + the predictor's estimates serve as the active neurons' gate/up dots, so only
+                   their down rows are read (--gate-up q4); the hybrid steps keep this
   hybrid_naive     + hybrid hot/cold engine (issue 5) with a naive placement: the first neurons by
                    index fill the notional accelerator budget
   hybrid_policy    + the placement policy: hot neurons chosen by profiled frequency
@@ -22,7 +24,7 @@ import numpy as np
 
 from experiments import _common
 
-STEPS = ("dense_xla", "dense_ffi", "predictor", "hybrid_naive", "hybrid_policy")
+STEPS = ("dense_xla", "dense_ffi", "predictor", "gate_up_q4", "hybrid_naive", "hybrid_policy")
 TARGET_SPARSITY = 0.5  # the predictor artifacts' target (issue 4: >= 50% at <= 1.08x perplexity)
 PREDICTOR = "q4"  # predictor mode's predictor (sparsity/q4_predictor.py)
 
@@ -55,13 +57,15 @@ def build_step(step: str, ckpt, arts, counts, *, dtype: str, max_seq_len: int, b
     extra = {"kernels": kernels, "sparsity": "dense"}
     if step in ("dense_xla", "dense_ffi"):
         return Engine(model, max_seq_len=max_seq_len), extra
+    gate_up = "full" if step == "predictor" else "q4"
     sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY,
-                              predictor=PREDICTOR)
+                              predictor=PREDICTOR, gate_up=gate_up)
     thresholds = use_predictor(model, arts, PREDICTOR)
-    extra.update(sparsity="predictor", predictor=PREDICTOR, target_sparsity=TARGET_SPARSITY,
+    extra.update(sparsity="predictor", predictor=PREDICTOR, gate_up=gate_up,
+                 target_sparsity=TARGET_SPARSITY,
                  heldout_predicted_sparsity=arts.meta["q4"]["mean_predicted_sparsity"],
                  heldout_recall=arts.meta["q4"]["mean_recall"])
-    if step != "predictor":
+    if step.startswith("hybrid"):
         extra["placement"] = place(step, model, counts, max_seq_len=max_seq_len, budget=budget)
     return Engine(model, max_seq_len=max_seq_len, sparsity=sparsity, thresholds=thresholds), extra
 

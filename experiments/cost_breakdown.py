@@ -30,7 +30,8 @@ import numpy as np
 from experiments import _common
 
 TARGET_SPARSITY = 0.5
-MODES = ("dense", "q4", "lowrank")  # dense, then predictor mode with each predictor
+MODES = ("dense", "q4", "q4gu", "lowrank")  # dense, then predictor mode with each predictor;
+# q4gu: the q4 predictor with --gate-up q4 (its estimates are the activations: down rows only)
 
 
 def median_ms(fn, *args, repeats: int, carry=None):
@@ -79,14 +80,17 @@ def components(model, x_l11d, *, mode: str, thresholds, position: int, kv_len: i
 
     def predictor(state, x):
         m = nnx.merge(graphdef, state)
-        return jnp.stack([layer.ffn.predictor(x[l]) for l, layer in enumerate(m.layers)])
+        kw = {"signed": True} if mode == "q4gu" else {}
+        return jnp.stack([layer.ffn.predictor(x[l], **kw) for l, layer in enumerate(m.layers)])
 
     def ffn(state, x, scores):
         m = nnx.merge(graphdef, state)
         if mode == "dense":
             return jnp.stack([layer.ffn.dense(x[l]) for l, layer in enumerate(m.layers)])
+        criterion = "activations" if mode == "q4gu" else None
         return jnp.stack([layer.ffn.sparse(x[l], scores=scores[l], threshold=thresholds[l],
-                                           impl="ffi")[0] for l, layer in enumerate(m.layers)])
+                                           impl="ffi", criterion=criterion)[0]
+                          for l, layer in enumerate(m.layers)])
 
     def head(state, x):
         m = nnx.merge(graphdef, state)
@@ -102,7 +106,8 @@ def components(model, x_l11d, *, mode: str, thresholds, position: int, kv_len: i
         out["predictor_ms"] = median_ms(pred, state, x, repeats=repeats)
         scores = pred(state, x)  # [L, 1, 1, F]
         thr = np.asarray(thresholds, np.float32)[:, None, None, None]
-        out["active_per_layer"] = np.asarray(scores > thr).sum(axis=(1, 2, 3)).tolist()
+        s = np.abs(np.asarray(scores)) if mode == "q4gu" else np.asarray(scores)
+        out["active_per_layer"] = (s > thr).sum(axis=(1, 2, 3)).tolist()
     else:
         out["predictor_ms"] = 0.0
         out["active_per_layer"] = [c.d_ff] * c.n_layers
@@ -112,8 +117,10 @@ def components(model, x_l11d, *, mode: str, thresholds, position: int, kv_len: i
     return out
 
 
-def bytes_per_token(model, *, active_per_layer, kv_len: int, predictor: bool) -> dict:
-    """Bytes a decode step reads: weights actually used and the KV prefix."""
+def bytes_per_token(model, *, active_per_layer, kv_len: int, predictor: bool,
+                    down_only: bool = False) -> dict:
+    """Bytes a decode step reads: weights actually used and the KV prefix. down_only: active
+    neurons read only their down rows (--gate-up q4)."""
     import jax.numpy as jnp
 
     from powerinfer_jax.models.layers import cache_storage_dtype
@@ -122,7 +129,7 @@ def bytes_per_token(model, *, active_per_layer, kv_len: int, predictor: bool) ->
     item = jnp.dtype(model.dtype).itemsize
     attn = (c.d_model * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.d_model) * item * c.n_layers
     kv = 2 * kv_len * c.kv_dim * jnp.dtype(cache_storage_dtype(model.dtype)).itemsize * c.n_layers
-    rows = 3 if c.gated else 2
+    rows = 1 if down_only else (3 if c.gated else 2)
     ffn = sum(int(a) for a in active_per_layer) * rows * c.d_model * item
     pred = 0
     if predictor:  # every predictor array at its stored dtype (robust to layout changes)
@@ -171,9 +178,11 @@ def child(args) -> None:
                         arts = A.ensure_artifacts(args.model, ckpt.source, model, ckpt.tokenizer,
                                                   TARGET_SPARSITY,
                                                   need_predictor="lowrank" in args.modes)
-                    thresholds = A.use_predictor(model, arts, mode)
+                    kind = "q4" if mode == "q4gu" else mode
+                    thresholds = A.use_predictor(model, arts, kind)
                     sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY,
-                                              predictor=mode)
+                                              predictor=kind,
+                                              gate_up="q4" if mode == "q4gu" else "full")
                 eng = Engine(model, max_seq_len=max_len, sparsity=sparsity, thresholds=thresholds)
                 kv_len = eng.kv_bucket(len(ids))
                 step = _common.bench_engine(eng, ckpt.tokenizer, prompt_tokens=len(ids),
@@ -189,7 +198,8 @@ def child(args) -> None:
                 summed = sum(parts[k] for k in ("attention_ms", "predictor_ms", "ffn_hot_ms",
                                                 "ffn_cold_ms", "lm_head_ms"))
                 nbytes = bytes_per_token(model, active_per_layer=parts["active_per_layer"],
-                                         kv_len=kv_len, predictor=mode != "dense")
+                                         kv_len=kv_len, predictor=mode != "dense",
+                                         down_only=mode == "q4gu")
                 achieved = nbytes["total"] / (step_ms * 1e-3) / 1e9
                 row = {**head, "status": "ok", "sparsity": mode, "kv_len": kv_len, **parts,
                        "step_ms": step_ms, "overhead_ms": step_ms - summed,

@@ -3,7 +3,9 @@ fast as llama.cpp at the same weight precision (our bfloat16 vs llama.cpp BF16),
 transformers (torch CPU, fp32), while generating the same greedy tokens as the dense model.
 
 Systems, each thread count in its own child process (same prompt ids, greedy, EOS ignored):
-  powerinfer_jax   dense and predictor mode (target 0.5), float32 and bfloat16
+  powerinfer_jax   dense, predictor mode (q4 predictor, target 0.5) and predictor mode with
+                   --gate-up q4 (sparsity "predictor_q4gu": only down rows at the dtype),
+                   float32 and bfloat16
   llama.cpp        via llama-cpp-python (CPU, n_threads = n_threads_batch = threads), on the
                    registry GGUF (Q4_1) and on F32 and BF16 GGUFs written from the same dequantized
                    weights (so llama.cpp F32/BF16 read exactly our float32/bfloat16 weights)
@@ -155,20 +157,21 @@ def child(args) -> None:
     # ours
     arts = None
     for dtype in args.dtypes:
-        for mode in ("dense", "predictor"):
+        for mode in ("dense", "predictor", "predictor_q4gu"):
             h = head("powerinfer_jax", dtype, mode)
             try:
                 model = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(dtype),
                                     kernels="auto")
                 sparsity, thresholds = SparsityConfig(), None
-                if mode == "predictor":
+                if mode.startswith("predictor"):
                     if arts is None:
                         arts = A.ensure_artifacts(args.model, ckpt.source, model, ckpt.tokenizer,
                                                   TARGET_SPARSITY,
                                                   need_predictor=PREDICTOR == "lowrank")
                     thresholds = A.use_predictor(model, arts, PREDICTOR)
                     sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY,
-                                              predictor=PREDICTOR)
+                                              predictor=PREDICTOR,
+                                              gate_up="q4" if mode == "predictor_q4gu" else "full")
                 eng = Engine(model, max_seq_len=max_len, sparsity=sparsity, thresholds=thresholds)
                 res = _common.bench_engine(eng, ckpt.tokenizer, prompt_tokens=len(ids),
                                            new_tokens=args.new_tokens, repeats=args.repeats,

@@ -3,7 +3,7 @@ prompt grows (prefill runs the union of the tokens' active neurons, which tends 
 while longer prompts slow decode through the KV cache reads that sparsity does not touch.
 
 For each prompt length, prefill tok/s and decode tok/s of the dense model and the best sparse mode
-(predictor, target 0.5), one --dtype, each thread count in a child process.
+(predictor with --gate-up q4, target 0.5), one --dtype, each thread count in a child process.
 
   python -m experiments.prompt_length [--lengths 8 32 128 512 1024] [--dtype bfloat16]
 """
@@ -15,7 +15,8 @@ from experiments import _common
 
 TARGET_SPARSITY = 0.5
 PREDICTOR = "q4"  # predictor mode's predictor (sparsity/q4_predictor.py)
-MODES = ("dense", "predictor")
+MODES = ("dense", "predictor", "predictor_q4gu")  # q4gu: predictor mode with --gate-up q4
+DEFAULT_MODES = ("dense", "predictor_q4gu")
 
 
 def child(args) -> None:
@@ -35,12 +36,13 @@ def child(args) -> None:
     for mode in args.modes:
         model = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(args.dtype), kernels="auto")
         sparsity, thresholds = SparsityConfig(), None
-        if mode == "predictor":
+        if mode.startswith("predictor"):
             arts = A.ensure_artifacts(args.model, ckpt.source, model, ckpt.tokenizer,
                                       TARGET_SPARSITY, need_predictor=PREDICTOR == "lowrank")
             thresholds = A.use_predictor(model, arts, PREDICTOR)
             sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY,
-                                      predictor=PREDICTOR)
+                                      predictor=PREDICTOR,
+                                      gate_up="q4" if mode == "predictor_q4gu" else "full")
         eng = Engine(model, max_seq_len=max_len, sparsity=sparsity, thresholds=thresholds)
         for n in args.lengths:
             head = _common.header("prompt_length", threads=threads, dtype=args.dtype,
@@ -69,7 +71,7 @@ def main(argv=None) -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=None,
                    help="prompt lengths (default 8 32 128 512 1024; quick: 8 128)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES)
     p.add_argument("--new-tokens", type=int, default=None, help="default 32 (quick: 16)")
     p.add_argument("--repeats", type=int, default=None, help="default 3 (quick: 1)")
     p.add_argument("--max-seconds", type=float, default=None,

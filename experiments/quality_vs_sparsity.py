@@ -1,7 +1,9 @@
 """Hypothesis: on SmolLM2-135M (SwiGLU), skipping the FFN neurons with the smallest contributions
 costs little perplexity (oracle), a CATS-style gate threshold costs more, and a predictor gets close
 to the oracle at >= 50% sparsity with recall >= 0.90. Two predictors: trained low-rank MLPs
-("lowrank", DejaVu/PowerInfer-style) and 4-bit estimates of |a_i| ("q4").
+("lowrank", DejaVu/PowerInfer-style) and 4-bit estimates of |a_i| ("q4"); "q4-gate-up" is the q4
+predictor whose estimates also serve as the active neurons' activations (--gate-up q4: only down
+rows read at full precision).
 
 Calibrates on wiki.train.txt (profiling --max-tokens tokens), evaluates on wiki.valid.txt
 (ctx 512, 16 chunks) for each target sparsity and mode; one JSONL row per (mode, target) appended
@@ -21,7 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
-MODES = ("oracle", "threshold", "lowrank", "q4")
+MODES = ("oracle", "threshold", "lowrank", "q4", "q4-gate-up")
 
 
 def main() -> None:
@@ -76,10 +78,11 @@ def main() -> None:
         out.write(json.dumps(row) + "\n")
         out.flush()
 
-    def ppl(mode, thresholds=None, oracle_thresholds=None, predictor="q4"):
+    def ppl(mode, thresholds=None, oracle_thresholds=None, predictor="q4", gate_up="full"):
         t0 = time.perf_counter()
         r = perplexity(model, valid_ids, ctx=args.ctx, max_chunks=args.chunks,
-                       sparsity=SparsityConfig(mode=mode, impl=args.impl, predictor=predictor),
+                       sparsity=SparsityConfig(mode=mode, impl=args.impl, predictor=predictor,
+                                               gate_up=gate_up),
                        thresholds=thresholds,
                        oracle_thresholds=oracle_thresholds, progress=True)
         r["eval_s"] = time.perf_counter() - t0
@@ -95,21 +98,24 @@ def main() -> None:
                              arts, prof, fp)
         for label in args.modes:
             mode, predictor, extra = label, "q4", {}
-            if label in ("lowrank", "q4"):
-                mode, predictor = "predictor", label
-                A.use_predictor(model, arts, label)
-                if label == "lowrank":
+            gate_up = "q4" if label == "q4-gate-up" else "full"
+            if label in ("lowrank", "q4", "q4-gate-up"):
+                mode, predictor = "predictor", label.removesuffix("-gate-up")
+                A.use_predictor(model, arts, predictor)
+                if predictor == "lowrank":
                     rep = arts.meta["predictor"]
                     extra = {"rank": args.rank, "train_steps": args.steps,
                              "predictor_flops_fraction": rep["cost"]["flops_fraction"]}
                 else:
                     rep = arts.meta["q4"]
                     extra = {"predictor_bytes_fraction_bf16": rep["cost"]["bytes_fraction"]}
-                extra.update(predictor=label, heldout_recall=rep["mean_recall"],
+                extra.update(predictor=predictor, gate_up=gate_up,
+                             heldout_recall=rep["mean_recall"],
                              heldout_precision=rep["mean_precision"],
                              heldout_predicted_sparsity=rep["mean_predicted_sparsity"])
             r = ppl(mode, arts.thresholds_for(mode, predictor),
-                    arts.thresholds_contribution if mode == "predictor" else None, predictor)
+                    arts.thresholds_contribution if mode == "predictor" else None, predictor,
+                    gate_up)
             emit({"mode": mode, "target_sparsity": target, **r,
                   "ppl_ratio": r["ppl"] / dense["ppl"], **extra})
     out.close()

@@ -58,10 +58,11 @@ def test_report_tables_from_synthetic_rows(tmp_path):
          "error": "exit status 1: boom"}])
     text = report.render(tmp_path, tmp_path / "REPORT.md")
 
-    assert "| 2 | bfloat16 | 10.0 (1.00x) | 20.0 (2.00x) | 25.0 (2.50x) | not available | - |" in text
+    assert ("| 2 | bfloat16 | 10.0 (1.00x) | 20.0 (2.00x) | 25.0 (2.50x) | - | not available | - |"
+            in text)
     assert "99.0" not in text  # older run ignored
     assert "| 1 | llama.cpp | F32 | dense | not available |" in text
-    assert "| 1 | 30.0 | 20.0 | 1.50 | yes |" in text  # sparse bf16 vs llama.cpp BF16 target
+    assert "| 1 | predictor | 30.0 | 20.0 | 1.50 | yes |" in text  # bf16 vs llama.cpp BF16 target
     assert "0.50 (prefix 4/8)" in text
     assert "| 2 | bfloat16 | 8 | 100.0 | 50.0 | 0.50 | 10.0 | 20.0 | 2.00 |" in text
     assert "| 0.50 | oracle | 0.500 | 10.500 | 1.050 |" in text
@@ -121,7 +122,7 @@ def test_greedy_agreement():
     assert peers.agreement([1, 2], [1, 2, 3])["agree_prefix"] == 2
 
 
-@pytest.mark.parametrize("mode", ["dense", "lowrank", "q4"])
+@pytest.mark.parametrize("mode", ["dense", "lowrank", "q4", "q4gu"])
 def test_cost_breakdown_components_on_a_tiny_model(mode):
     from flax import nnx
 
@@ -135,7 +136,7 @@ def test_cost_breakdown_components_on_a_tiny_model(mode):
     if mode == "lowrank":
         for layer in model.layers:
             layer.ffn.predictor = Predictor(c.d_model, 8, c.d_ff, rngs=nnx.Rngs(1))
-    elif mode == "q4":
+    elif mode in ("q4", "q4gu"):
         q4_predictor.attach(model)
     x = np.random.default_rng(0).standard_normal((c.n_layers, 1, 1, c.d_model)).astype(np.float32)
     parts = cost_breakdown.components(model, x, mode=mode, thresholds=(0.0,) * c.n_layers,
@@ -146,12 +147,13 @@ def test_cost_breakdown_components_on_a_tiny_model(mode):
     active = parts["active_per_layer"]
     assert len(active) == c.n_layers and all(0 <= a <= c.d_ff for a in active)
     b = cost_breakdown.bytes_per_token(model, active_per_layer=active, kv_len=16,
-                                       predictor=mode != "dense")
+                                       predictor=mode != "dense", down_only=mode == "q4gu")
+    assert b["ffn_rows"] == sum(active) * (1 if mode == "q4gu" else 3) * c.d_model * 4
     assert b["lm_head"] == c.vocab_size * c.d_model * 4
     assert b["kv_cache"] == 2 * 16 * c.kv_dim * 4 * c.n_layers
     assert b["total"] == sum(v for k, v in b.items() if k != "total")
     if mode == "lowrank":  # weights [R, D] and [F, R] in the model's dtype, f32 biases
         assert b["predictor"] == c.n_layers * 4 * (8 * c.d_model + 8 + c.d_ff * 8 + c.d_ff)
-    if mode == "q4":  # per neuron: gate and up, each 64 nibble bytes + 8 fp16 scales/minimums
+    if mode in ("q4", "q4gu"):  # per neuron: gate and up, each 64 nibble bytes + 8 fp16 scales/minimums
         pairs = -(-c.d_model // 64)
         assert b["predictor"] == c.n_layers * c.d_ff * 2 * (32 * pairs + 2 * 4 * pairs)
