@@ -67,7 +67,12 @@ void ThreadPool::RunErased(int64_t begin, int64_t end, TaskFn fn, void* ctx) {
   job_ctx_ = ctx;
   job_end_ = end;
   next_task_.store(begin, std::memory_order_relaxed);
-  inside_.store(0, std::memory_order_release);  // publishes the job fields above to check-ins
+  // Open the job: clear kClosed but keep the count. A straggler of the previous job (it saw
+  // that job's epoch, was descheduled, and checked in after it closed) may still be counted; it
+  // leaves without touching anything, and must not be forgotten: overwriting the count with 0 let
+  // its check-out underflow it, and the next caller waited forever (a hang seen under load).
+  // The release half publishes the job fields above to check-ins.
+  inside_.fetch_and(~kClosed, std::memory_order_acq_rel);
   epoch_.fetch_add(1, std::memory_order_release);
   epoch_.notify_all();
 

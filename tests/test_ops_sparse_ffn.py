@@ -318,3 +318,20 @@ def test_thread_counts_agree():
         assert_close(r, results[0], jnp.float32)
     with pytest.raises(ValueError, match="expected an integer >= 1"):
         ops.set_num_threads(0)
+
+
+def test_thread_pool_survives_back_to_back_jobs_with_more_threads_than_cores():
+    """Many tiny jobs on an oversubscribed pool: workers get descheduled between seeing a job and
+    checking in, the race that once lost a check-in count and hung the next job forever. Run in a
+    child process so a hang fails the test instead of the suite."""
+    import subprocess
+    import sys
+
+    code = ("from powerinfer_jax import _pij_ext as e; "
+            "print(e.pool_stress(8, 100000, 3), e.pool_stress(3, 100000, 5))")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120, check=True).stdout.split()
+    except subprocess.TimeoutExpired:
+        pytest.fail("thread pool hung: back-to-back jobs did not finish in 120 s")
+    assert out == ["300000", "500000"]

@@ -2,12 +2,14 @@
 // jax.ffi.register_ffi_target) and sizes the shared thread pool.
 #include <nanobind/nanobind.h>
 
+#include <atomic>
 #include <stdexcept>
 
 #include <nanobind/ndarray.h>
 
 #include "cpu_backend/bandwidth.h"
 #include "cpu_backend/simd.h"
+#include "cpu_backend/thread_pool.h"
 #include "xla_ffi/cpu_handlers.h"
 #include "xla_ffi/cpu_runtime.h"
 
@@ -44,6 +46,19 @@ NB_MODULE(_pij_ext, m) {
     nb::gil_scoped_release release;
     return pij::StreamSum(std::span<const float>(a.data(), a.shape(0)), pij::GetCpuRuntime().pool);
   }, nb::arg("data"), "Sum a float32 array with all pool threads: times the machine's read bandwidth.");
+  m.def("pool_stress", [](int threads, int64_t runs, int64_t tasks) {
+    if (threads < 1 || runs < 0 || tasks < 0) {
+      throw std::invalid_argument("pool_stress: expected threads >= 1, runs >= 0, tasks >= 0");
+    }
+    nb::gil_scoped_release release;
+    pij::ThreadPool pool(threads);  // a private pool: the kernels' pool is left alone
+    std::atomic<int64_t> done{0};
+    for (int64_t r = 0; r < runs; ++r) {
+      pool.Run(0, tasks, [&](int64_t, int) { done.fetch_add(1, std::memory_order_relaxed); });
+    }
+    return done.load();
+  }, nb::arg("threads"), nb::arg("runs"), nb::arg("tasks"),
+        "Tests: `runs` back-to-back tiny jobs on a fresh pool; returns the tasks executed.");
   m.def("simd_name", []() { return pij::simd::Name(); },
         "The vector instruction set the kernels were compiled for.");
 }
