@@ -71,6 +71,18 @@ def test_report_tables_from_synthetic_rows(tmp_path):
     assert "## power_law\n\nNo results yet" in text  # missing experiment: says so, no crash
 
 
+def test_quality_rows_keep_the_latest_row_of_each_mode_and_target():
+    rows = [{"run_id": "a", "mode": "oracle", "target_sparsity": 0.5, "ppl": 1.0},
+            {"run_id": "a", "mode": "predictor", "predictor": "q4", "target_sparsity": 0.5,
+             "ppl": 2.0},
+            {"run_id": "b", "mode": "predictor", "predictor": "q4", "target_sparsity": 0.5,
+             "ppl": 3.0},
+            {"run_id": "b", "mode": "predictor", "predictor": "q4", "gate_up": "q4",
+             "target_sparsity": 0.5, "ppl": 4.0}]
+    assert sorted(r["ppl"] for r in report.latest_per_mode(rows)) == [1.0, 3.0, 4.0]
+    assert _common.mode_label(rows[3]) == "predictor (q4, gate/up q4)"
+
+
 def test_latest_run_prefers_newest_run_id():
     rows = [{"run_id": "a", "v": 1}, {"run_id": "b", "v": 2}, {"v": 3, "commit": "x"}]
     assert [r["v"] for r in report.latest_run(rows)] == [2]
