@@ -138,44 +138,54 @@ void Q4GateUpDotsQ8(const uint8_t* q_gate, const F16* dm_gate, const uint8_t* q_
 
 #endif
 
+void Q4EstimateRange(const Q4EstimateArgs& args, std::span<const Q8Row> q8, int64_t lo,
+                     int64_t hi, float* out) {
+  const int64_t f = args.num_neurons;
+  const int64_t pairs = Q4Pairs(args.dim);
+  const int64_t g = args.gated ? 2 : 1;
+  const int64_t q_stride = g * pairs * kQ4PairBytes;
+  const int64_t dm_stride = g * 4 * pairs;
+  const int64_t num_tokens = static_cast<int64_t>(q8.size());
+  for (int64_t i = lo; i < hi; ++i) {
+    const uint8_t* qi = args.q + i * q_stride;
+    const F16* dmi = args.dm + i * dm_stride;
+    const float b = args.b_up != nullptr ? args.b_up[i] : 0.0f;
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const Q8Row& x = q8[t];
+      float a;
+      if (args.gated) {
+        float gate, up;
+        Q4GateUpDotsQ8(qi, dmi, qi + pairs * kQ4PairBytes, dmi + 4 * pairs, x, pairs, &gate, &up);
+        a = Activate(args.activation, gate) * (up + b);
+      } else {
+        a = Activate(args.activation, Q4DotQ8(qi, dmi, x, pairs) + b);
+      }
+      out[t * f + i] = args.signed_output ? a : std::fabs(a);
+    }
+  }
+}
+
+void QuantizeTokens(std::span<const float* const> x_rows, int64_t dim,
+                    std::vector<Q8Row>& scratch) {
+  if (scratch.size() < x_rows.size()) scratch.resize(x_rows.size());
+  for (size_t t = 0; t < x_rows.size(); ++t) QuantizeQ8(x_rows[t], dim, scratch[t]);
+}
+
 void Q4Scores(const Q4EstimateArgs& args, std::span<const float* const> x_rows, float* scores,
               std::vector<Q8Row>& scratch, ThreadPool& pool) {
   const int64_t num_tokens = static_cast<int64_t>(x_rows.size());
   const int64_t f = args.num_neurons;
-  const int64_t pairs = Q4Pairs(args.dim);
   if (num_tokens == 0 || f == 0) return;
-  if (static_cast<int64_t>(scratch.size()) < num_tokens) scratch.resize(num_tokens);
-  for (int64_t t = 0; t < num_tokens; ++t) QuantizeQ8(x_rows[t], args.dim, scratch[t]);
+  QuantizeTokens(x_rows, args.dim, scratch);
+  const std::span<const Q8Row> q8(scratch.data(), static_cast<size_t>(num_tokens));
   const int64_t g = args.gated ? 2 : 1;
-  const int64_t q_stride = g * pairs * kQ4PairBytes;
-  const int64_t dm_stride = g * 4 * pairs;
-  auto rows = [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      const uint8_t* qi = args.q + i * q_stride;
-      const F16* dmi = args.dm + i * dm_stride;
-      const float b = args.b_up != nullptr ? args.b_up[i] : 0.0f;
-      for (int64_t t = 0; t < num_tokens; ++t) {
-        const Q8Row& x = scratch[t];
-        float a;
-        if (args.gated) {
-          float gate, up;
-          Q4GateUpDotsQ8(qi, dmi, qi + pairs * kQ4PairBytes, dmi + 4 * pairs, x, pairs, &gate,
-                         &up);
-          a = Activate(args.activation, gate) * (up + b);
-        } else {
-          a = Activate(args.activation, Q4DotQ8(qi, dmi, x, pairs) + b);
-        }
-        scores[t * f + i] = args.signed_output ? a : std::fabs(a);
-      }
-    }
-  };
   if (f * args.dim * g < kParallelMinWeights || pool.NumThreads() == 1) {
-    rows(0, f);
+    Q4EstimateRange(args, q8, 0, f, scores);
     return;
   }
   const int64_t tasks = std::min<int64_t>(f, pool.NumThreads() * kTasksPerThread);
   pool.Run(0, tasks, [&](int64_t task, int /*worker*/) {
-    rows(f * task / tasks, f * (task + 1) / tasks);
+    Q4EstimateRange(args, q8, f * task / tasks, f * (task + 1) / tasks, scores);
   });
 }
 

@@ -58,6 +58,14 @@ struct Q4EstimateArgs {
   bool signed_output = false;  // a_i itself instead of |a_i|
 };
 
+// Tokens -> Q8 rows (scratch grows, never shrinks).
+void QuantizeTokens(std::span<const float* const> x_rows, int64_t dim, std::vector<Q8Row>& scratch);
+
+// Single-threaded: the estimates of neurons [lo, hi) for every token in q8, written to
+// out[t * F + i] (|a| or a, per args.signed_output).
+void Q4EstimateRange(const Q4EstimateArgs& args, std::span<const Q8Row> q8, int64_t lo,
+                     int64_t hi, float* out);
+
 // scores[t * F + i] = |act(gate_i . x_t) * (up_i . x_t + b_up_i)| (gated) or
 // |act(up_i . x_t + b_up_i)|, estimated (without the absolute value if args.signed_output). Neurons are split into contiguous ranges; each score is
 // computed by one task in a fixed order, so results do not depend on the thread count.

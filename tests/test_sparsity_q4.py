@@ -233,6 +233,71 @@ def test_activations_criterion_needs_scores_and_rejects_bad_names():
             (2, 16), jnp.float32))(x, q, dm, b, activation="silu", output="sign"))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("t,d,f,bias", [(1, 576, 1536, False), (5, 100, 37, True),
+                                        (3, 64, 300, True)])
+def test_fused_q4_ffn_matches_the_two_call_path_and_numpy(dtype, t, d, f, bias):
+    """ops.q4_sparse_ffn (estimate + select + down rows in one call) against the estimate call
+    followed by the sparse FFN's activations criterion, and against numpy."""
+    x, gate, up, b, q, dm = _operands(15, t=t, d=d, f=f, bias=bias)
+    rng = np.random.default_rng(16)
+    down = jnp.asarray(rng.standard_normal((f, d)) / np.sqrt(f), dtype)
+    b_down = jnp.asarray(rng.standard_normal(d), jnp.float32) if bias else None
+    a = np.asarray(ops.q4_scores(x, q, dm, b, signed=True))
+    thr = float(np.quantile(np.abs(a), 0.55))
+    y, n = jax.jit(lambda x: ops.q4_sparse_ffn(x, q, dm, down, b, b_down, threshold=thr))(x)
+    y2, n2 = ops.sparse_ffn(x, down, down, scores=a, b_down=b_down, threshold=thr,
+                            criterion="activations")
+    yr, nr = ops.q4_sparse_ffn(x, q, dm, down, b, b_down, threshold=thr, impl="reference")
+    want = (a * (np.abs(a) > thr)) @ np.asarray(down, np.float64) + (
+        0 if b_down is None else np.asarray(b_down))
+    np.testing.assert_array_equal(np.asarray(n), (np.abs(a) > thr).sum(-1))
+    np.testing.assert_array_equal(np.asarray(n), np.asarray(n2))
+    np.testing.assert_array_equal(np.asarray(n), np.asarray(nr))
+    for got in (y2, yr):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(got), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_q4_ffn_is_deterministic_and_vmaps():
+    x, _, _, b, q, dm = _operands(17, t=4, d=576, f=1536)
+    down = jnp.asarray(np.random.default_rng(18).standard_normal((1536, 576)) / 40, jnp.bfloat16)
+    runs = {}
+    for n in (1, 2, 2, 1):
+        ops.set_num_threads(n)
+        y, _ = ops.q4_sparse_ffn(x, q, dm, down, b, threshold=0.01)
+        runs.setdefault(n, []).append(np.asarray(y))
+    ops.set_num_threads(2)
+    for ys in runs.values():  # bitwise identical for a given thread count
+        np.testing.assert_array_equal(ys[0], ys[1])
+    np.testing.assert_allclose(runs[1][0], runs[2][0], rtol=1e-4, atol=1e-5)
+    yv, nv = jax.vmap(lambda xi: ops.q4_sparse_ffn(xi, q, dm, down, b, threshold=0.01))(
+        x.reshape(2, 2, 576))
+    np.testing.assert_array_equal(np.asarray(yv).reshape(4, 576), runs[2][0])
+
+
+def test_fused_q4_ffn_bad_input():
+    x, _, _, b, q, dm = _operands(19, t=2, d=64, f=16)
+    down = np.zeros((16, 64), np.float32)
+    with pytest.raises(ValueError, match=r"w_down_t shape: expected \[F, D\] = \(16, 64\)"):
+        ops.q4_sparse_ffn(x, q, dm, down[:, :32], b, threshold=0.1)
+    with pytest.raises(ValueError, match=r"threshold: expected a finite float >= 0"):
+        ops.q4_sparse_ffn(x, q, dm, down, b, threshold=-1.0)
+    with pytest.raises(ValueError, match=r"b_down shape: expected \[64\]"):
+        ops.q4_sparse_ffn(x, q, dm, down, b, np.zeros(3, np.float32), threshold=0.1)
+    # The handler checks again when called without the Python layer.
+    with pytest.raises(Exception, match=r"q4_sparse_ffn: down_t: expected "
+                                        r"float32/bfloat16/float16 \[16, 64\]"):
+        jax.block_until_ready(_ffi.q4_sparse_ffn(x, q, dm, down[:8], b, None, threshold=0.1,
+                                                 activation="silu")[0])
+    with pytest.raises(Exception, match=r"q4_sparse_ffn: threshold: expected a finite number"):
+        jax.block_until_ready(_ffi.q4_sparse_ffn(x, q, dm, down, b, None, threshold=-1.0,
+                                                 activation="silu")[0])
+    with pytest.raises(Exception, match=r"q4_sparse_ffn: q: expected uint8"):
+        jax.block_until_ready(_ffi.q4_sparse_ffn(x, q[:, :, :16], dm, down, b, None,
+                                                 threshold=0.1, activation="silu")[0])
+
+
 def test_permuted_ffn_keeps_its_output():
     model = _tiny_model(seed=1)
     Q4.attach(model)

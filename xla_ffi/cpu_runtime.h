@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cpu_backend/q4_estimate.h"
+#include "cpu_backend/q4_ffn.h"
 #include "cpu_backend/sparse_ffn.h"
 #include "cpu_backend/thread_pool.h"
 
@@ -21,6 +22,7 @@ struct CpuRuntime {
   std::vector<int64_t> x_src, score_src;
   std::vector<const float*> x_rows, score_rows;
   std::vector<Q8Row> q8_rows;  // q4_scores: the tokens quantized to int8
+  Q4FfnScratch q4_ffn;         // q4_sparse_ffn
 };
 
 CpuRuntime& GetCpuRuntime();

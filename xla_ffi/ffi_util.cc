@@ -89,4 +89,8 @@ ffi::Error ParseActivation(std::string_view op, std::string_view name, Activatio
   return ffi::Error::Success();
 }
 
+bool IsWeightType(ffi::DataType t) {
+  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
+}
+
 }  // namespace pij

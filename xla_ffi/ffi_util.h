@@ -28,6 +28,9 @@ ffi::Error ParseActivation(std::string_view op, std::string_view name, Activatio
 // True if dims[0 .. dims.size() - keep) are all 1 (extra leading dims added by vmap).
 bool LeadingOnes(ffi::Span<const int64_t> dims, size_t keep);
 
+// The weight dtypes the CPU kernels read: float32, bfloat16, float16.
+bool IsWeightType(ffi::DataType t);
+
 // For every row of an output whose leading (row) dims are out_dims, the index of the input row
 // it reads when the input's row dims in_dims broadcast against out_dims (right-aligned; each dim
 // equal or 1). Returns false if they do not broadcast.

@@ -1,13 +1,18 @@
-// CPU FFI handler for the q4 predictor's estimates (cpu_backend/q4_estimate.h):
-//   x f32 [..., D]; q u8 [F, G, P * 32]; dm f16 [F, G, 4 * P]; b_up f32 [F] or zero-size;
-//   attributes activation and output ("magnitude": |a_i|, the predictor's scores; "signed": a_i,
-//   the coefficients of the sparse FFN's "activations" criterion); result scores f32 [..., F]. G = 2 (gated) or 1, P = ceil(D / 64).
+// CPU FFI handlers of the q4 predictor (cpu_backend/q4_estimate.h) and the q4 FFN
+// (cpu_backend/q4_ffn.h). Shared operands: x f32 [..., D]; q u8 [F, G, P * 32]; dm f16
+// [F, G, 4 * P]; b_up f32 [F] or zero-size; G = 2 (gated) or 1, P = ceil(D / 64).
+//   pij_q4_scores: attributes activation and output ("magnitude": |a_i|, the predictor's scores;
+//     "signed": a_i); result scores f32 [..., F].
+//   pij_q4_sparse_ffn: also down_t [F, D] and b_down; see Q4SparseFfnCpuImpl.
 // Weights may carry extra leading size-1 dims (vmap's expand_dims).
+#include <algorithm>
+#include <cmath>
 #include <exception>
 #include <mutex>
 #include <string>
 
 #include "cpu_backend/q4_estimate.h"
+#include "cpu_backend/q4_ffn.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/cpu_handlers.h"
 #include "xla_ffi/cpu_runtime.h"
@@ -18,6 +23,53 @@ namespace {
 
 constexpr std::string_view kOp = "q4_scores";
 
+// x, q, dm, b_up -> args (q, dm, b_up, F, D, gated) and the number of token rows.
+ffi::Error DecodeQ4(std::string_view op, ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::AnyBuffer dm,
+                    ffi::AnyBuffer b_up, Q4EstimateArgs& args, int64_t& rows) {
+  const auto x_dims = x.dimensions();
+  if (x.element_type() != ffi::DataType::F32 || x_dims.size() == 0) {
+    return InvalidArg(op, "x", "float32 [..., D]",
+                      std::string(DtypeName(x.element_type())) + " " + ShapeString(x_dims));
+  }
+  const int64_t dim = x_dims.back();
+  const int64_t pairs = Q4Pairs(dim);
+  const auto q_dims = q.dimensions();
+  if (q.element_type() != ffi::DataType::U8 || q_dims.size() < 3 || !LeadingOnes(q_dims, 3) ||
+      (q_dims[q_dims.size() - 2] != 1 && q_dims[q_dims.size() - 2] != 2) ||
+      q_dims.back() != pairs * kQ4PairBytes) {
+    return InvalidArg(op, "q", "uint8 [F, G in {1, 2}, " + std::to_string(pairs * kQ4PairBytes) +
+                                   "] for D = " + std::to_string(dim),
+                      std::string(DtypeName(q.element_type())) + " " + ShapeString(q_dims));
+  }
+  const int64_t f = q_dims[q_dims.size() - 3];
+  const int64_t g = q_dims[q_dims.size() - 2];
+  const auto dm_dims = dm.dimensions();
+  if (dm.element_type() != ffi::DataType::F16 || dm_dims.size() < 3 || !LeadingOnes(dm_dims, 3) ||
+      dm_dims[dm_dims.size() - 3] != f || dm_dims[dm_dims.size() - 2] != g ||
+      dm_dims.back() != 4 * pairs) {
+    return InvalidArg(op, "dm", "float16 [" + std::to_string(f) + ", " + std::to_string(g) +
+                                    ", " + std::to_string(4 * pairs) + "]",
+                      std::string(DtypeName(dm.element_type())) + " " + ShapeString(dm_dims));
+  }
+  args.b_up = nullptr;
+  if (b_up.element_count() != 0) {
+    const auto b_dims = b_up.dimensions();
+    if (b_up.element_type() != ffi::DataType::F32 || b_dims.back() != f ||
+        !LeadingOnes(b_dims, 1)) {
+      return InvalidArg(op, "b_up", "float32 [" + std::to_string(f) + "] or absent",
+                        std::string(DtypeName(b_up.element_type())) + " " + ShapeString(b_dims));
+    }
+    args.b_up = static_cast<const float*>(b_up.untyped_data());
+  }
+  rows = dim == 0 ? 0 : static_cast<int64_t>(x.element_count()) / dim;
+  args.q = static_cast<const uint8_t*>(q.untyped_data());
+  args.dm = static_cast<const F16*>(dm.untyped_data());
+  args.num_neurons = f;
+  args.dim = dim;
+  args.gated = g == 2;
+  return ffi::Error::Success();
+}
+
 ffi::Error Q4ScoresCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::AnyBuffer dm,
                            ffi::AnyBuffer b_up, ffi::Result<ffi::AnyBuffer> scores,
                            std::string_view activation, std::string_view output) {
@@ -27,60 +79,100 @@ ffi::Error Q4ScoresCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::AnyBuffer dm
     return InvalidArg(kOp, "output", "one of magnitude, signed", output);
   }
   args.signed_output = output == "signed";
-  const auto x_dims = x.dimensions();
-  if (x.element_type() != ffi::DataType::F32 || x_dims.size() == 0) {
-    return InvalidArg(kOp, "x", "float32 [..., D]",
-                      std::string(DtypeName(x.element_type())) + " " + ShapeString(x_dims));
-  }
-  const int64_t dim = x_dims.back();
-  const int64_t pairs = Q4Pairs(dim);
-  const auto q_dims = q.dimensions();
-  if (q.element_type() != ffi::DataType::U8 || q_dims.size() < 3 || !LeadingOnes(q_dims, 3) ||
-      (q_dims[q_dims.size() - 2] != 1 && q_dims[q_dims.size() - 2] != 2) ||
-      q_dims.back() != pairs * kQ4PairBytes) {
-    return InvalidArg(kOp, "q", "uint8 [F, G in {1, 2}, " + std::to_string(pairs * kQ4PairBytes) +
-                                    "] for D = " + std::to_string(dim),
-                      std::string(DtypeName(q.element_type())) + " " + ShapeString(q_dims));
-  }
-  const int64_t f = q_dims[q_dims.size() - 3];
-  const int64_t g = q_dims[q_dims.size() - 2];
-  const auto dm_dims = dm.dimensions();
-  if (dm.element_type() != ffi::DataType::F16 || dm_dims.size() < 3 || !LeadingOnes(dm_dims, 3) ||
-      dm_dims[dm_dims.size() - 3] != f || dm_dims[dm_dims.size() - 2] != g ||
-      dm_dims.back() != 4 * pairs) {
-    return InvalidArg(kOp, "dm", "float16 [" + std::to_string(f) + ", " + std::to_string(g) +
-                                     ", " + std::to_string(4 * pairs) + "]",
-                      std::string(DtypeName(dm.element_type())) + " " + ShapeString(dm_dims));
-  }
-  if (b_up.element_count() != 0) {
-    const auto b_dims = b_up.dimensions();
-    if (b_up.element_type() != ffi::DataType::F32 || b_dims.back() != f ||
-        !LeadingOnes(b_dims, 1)) {
-      return InvalidArg(kOp, "b_up", "float32 [" + std::to_string(f) + "] or absent",
-                        std::string(DtypeName(b_up.element_type())) + " " + ShapeString(b_dims));
-    }
-    args.b_up = static_cast<const float*>(b_up.untyped_data());
-  }
-  const int64_t rows = dim == 0 ? 0 : static_cast<int64_t>(x.element_count()) / dim;
+  int64_t rows = 0;
+  if (ffi::Error e = DecodeQ4(kOp, x, q, dm, b_up, args, rows); e.failure()) return e;
+  const int64_t f = args.num_neurons;
   if (scores->element_type() != ffi::DataType::F32 ||
       static_cast<int64_t>(scores->element_count()) != rows * f) {
     return InvalidArg(kOp, "scores (result)", "float32 [..., " + std::to_string(f) + "]",
                       ShapeString(scores->dimensions()));
   }
   if (rows == 0 || f == 0) return ffi::Error::Success();
-  args.q = static_cast<const uint8_t*>(q.untyped_data());
-  args.dm = static_cast<const F16*>(dm.untyped_data());
-  args.num_neurons = f;
-  args.dim = dim;
-  args.gated = g == 2;
   try {
     CpuRuntime& rt = GetCpuRuntime();
     std::lock_guard<std::mutex> lock(rt.mutex);
-    SetContiguousRows(rt, static_cast<const float*>(x.untyped_data()), rows, dim);
+    SetContiguousRows(rt, static_cast<const float*>(x.untyped_data()), rows, args.dim);
     Q4Scores(args, rt.x_rows, static_cast<float*>(scores->untyped_data()), rt.q8_rows, rt.pool);
     return ffi::Error::Success();
   } catch (const std::exception& e) {  // bad_alloc growing scratch: report, never abort
     return ffi::Error::Internal(std::string("q4_scores: ") + e.what());
+  }
+}
+
+constexpr std::string_view kFfnOp = "q4_sparse_ffn";
+
+// The q4 FFN (cpu_backend/q4_ffn.h): x, q, dm, b_up as q4_scores; down_t [F, D] (f32/bf16/f16),
+// b_down f32 [D] or zero-size; attributes activation, threshold; results y f32 [..., D] and
+// n_active s32 [...].
+ffi::Error Q4SparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::AnyBuffer dm,
+                              ffi::AnyBuffer b_up, ffi::AnyBuffer down_t, ffi::AnyBuffer b_down,
+                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> n_active,
+                              std::string_view activation, float threshold) {
+  Q4EstimateArgs args;
+  if (ffi::Error e = ParseActivation(kFfnOp, activation, args.activation); e.failure()) return e;
+  if (!std::isfinite(threshold) || threshold < 0.0f) {
+    return InvalidArg(kFfnOp, "threshold", "a finite number >= 0", std::to_string(threshold));
+  }
+  int64_t rows = 0;
+  if (ffi::Error e = DecodeQ4(kFfnOp, x, q, dm, b_up, args, rows); e.failure()) return e;
+  const int64_t f = args.num_neurons;
+  const int64_t d = args.dim;
+  const auto w_dims = down_t.dimensions();
+  const ffi::DataType wt = down_t.element_type();
+  if (!IsWeightType(wt) || w_dims.size() < 2 || !LeadingOnes(w_dims, 2) ||
+      w_dims[w_dims.size() - 2] != f || w_dims.back() != d) {
+    return InvalidArg(kFfnOp, "down_t", "float32/bfloat16/float16 [" + std::to_string(f) + ", " +
+                                            std::to_string(d) + "] (F from q, D from x)",
+                      std::string(DtypeName(wt)) + " " + ShapeString(w_dims));
+  }
+  const float* bd = nullptr;
+  if (b_down.element_count() != 0) {
+    const auto b_dims = b_down.dimensions();
+    if (b_down.element_type() != ffi::DataType::F32 || b_dims.back() != d ||
+        !LeadingOnes(b_dims, 1)) {
+      return InvalidArg(kFfnOp, "b_down", "float32 [" + std::to_string(d) + "] or absent",
+                        std::string(DtypeName(b_down.element_type())) + " " +
+                            ShapeString(b_dims));
+    }
+    bd = static_cast<const float*>(b_down.untyped_data());
+  }
+  if (y->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(y->element_count()) != rows * d ||
+      n_active->element_type() != ffi::DataType::S32 ||
+      static_cast<int64_t>(n_active->element_count()) != rows) {
+    return InvalidArg(kFfnOp, "results", "float32 [..., " + std::to_string(d) + "] and int32 [...]",
+                      ShapeString(y->dimensions()) + ", " + ShapeString(n_active->dimensions()));
+  }
+  if (rows == 0) return ffi::Error::Success();
+  try {
+    CpuRuntime& rt = GetCpuRuntime();
+    std::lock_guard<std::mutex> lock(rt.mutex);
+    SetContiguousRows(rt, static_cast<const float*>(x.untyped_data()), rows, d);
+    float* yp = static_cast<float*>(y->untyped_data());
+    int32_t* np = static_cast<int32_t*>(n_active->untyped_data());
+    if (f == 0) {  // no neurons: y = b_down
+      for (int64_t j = 0; j < rows * d; ++j) yp[j] = bd != nullptr ? bd[j % d] : 0.0f;
+      std::fill_n(np, rows, 0);
+      return ffi::Error::Success();
+    }
+    const void* w = down_t.untyped_data();
+    switch (wt) {
+      case ffi::DataType::F32:
+        Q4SparseFfn(args, static_cast<const float*>(w), bd, threshold, rt.x_rows, yp, np,
+                    rt.q4_ffn, rt.pool);
+        break;
+      case ffi::DataType::BF16:
+        Q4SparseFfn(args, static_cast<const Bf16*>(w), bd, threshold, rt.x_rows, yp, np,
+                    rt.q4_ffn, rt.pool);
+        break;
+      default:
+        Q4SparseFfn(args, static_cast<const F16*>(w), bd, threshold, rt.x_rows, yp, np,
+                    rt.q4_ffn, rt.pool);
+        break;
+    }
+    return ffi::Error::Success();
+  } catch (const std::exception& e) {  // bad_alloc growing scratch: report, never abort
+    return ffi::Error::Internal(std::string("q4_sparse_ffn: ") + e.what());
   }
 }
 
@@ -96,3 +188,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQ4ScoresCpu, pij::Q4ScoresCpuImpl,
                                   .Ret<xla::ffi::AnyBuffer>()  // scores
                                   .Attr<std::string_view>("activation")
                                   .Attr<std::string_view>("output"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQ4SparseFfnCpu, pij::Q4SparseFfnCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // q
+                                  .Arg<xla::ffi::AnyBuffer>()  // dm
+                                  .Arg<xla::ffi::AnyBuffer>()  // b_up
+                                  .Arg<xla::ffi::AnyBuffer>()  // down_t
+                                  .Arg<xla::ffi::AnyBuffer>()  // b_down
+                                  .Ret<xla::ffi::AnyBuffer>()  // y
+                                  .Ret<xla::ffi::AnyBuffer>()  // n_active
+                                  .Attr<std::string_view>("activation")
+                                  .Attr<float>("threshold"));

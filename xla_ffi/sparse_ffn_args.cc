@@ -18,10 +18,6 @@ Dims Leading(Dims dims, size_t drop) {
   return Dims(dims.begin(), dims.size() >= drop ? dims.size() - drop : 0);
 }
 
-bool IsWeightType(ffi::DataType t) {
-  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
-}
-
 std::string FDRule(int64_t f, int64_t d) {
   return "shape [..1, F, D] = [" + std::to_string(f) + ", " + std::to_string(d) +
          "] (leading dims 1)";

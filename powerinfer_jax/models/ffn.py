@@ -197,13 +197,27 @@ class FFN(nnx.Module):
                                  "sparsity mode 'predictor', got None (load sparsity artifacts)")
             if not signed:
                 return self.predictor(x_btd)
-            from powerinfer_jax.sparsity.q4_predictor import Q4Predictor
-
-            if not isinstance(self.predictor, Q4Predictor):
-                raise ValueError("FFN.predictor: expected the q4 predictor for gate_up='q4', got "
-                                 f"{type(self.predictor).__name__}")
-            return self.predictor(x_btd, signed=True)
+            return self._q4_predictor()(x_btd, signed=True)
         return None
+
+    def _q4_predictor(self):
+        from powerinfer_jax.sparsity.q4_predictor import Q4Predictor
+
+        if not isinstance(self.predictor, Q4Predictor):
+            raise ValueError("FFN.predictor: expected the q4 predictor for gate_up='q4', got "
+                             f"{type(self.predictor).__name__}")
+        return self.predictor
+
+    def q4_ffn(self, x_btd, *, threshold: float, impl: str):
+        """gate_up="q4" on an unplaced FFN: the q4 predictor's estimates are the activations. With
+        impl "ffi" one custom call estimates, selects and reads the active down rows."""
+        pred = self._q4_predictor()
+        if impl != "ffi":
+            return self.sparse(x_btd, scores=pred(x_btd, signed=True), threshold=threshold,
+                               impl=impl, criterion="activations")
+        return pred.sparse_ffn(x_btd, self.down_t.weight[...],
+                               None if self.down_t.bias is None else self.down_t.bias[...],
+                               threshold=float(threshold))
 
     def __call__(self, x_btd, *, sparsity: SparsityConfig, threshold: float = 0.0, scores=None):
         """Returns (y [B, T, D] float32, n_active [B, T] int32 or None for dense).
@@ -214,6 +228,8 @@ class FFN(nnx.Module):
         if sparsity.mode == "dense":
             return self.dense(x_btd), None
         q4_gate_up = sparsity.gate_up == "q4"
+        if q4_gate_up and scores is None and not self.placed:
+            return self.q4_ffn(x_btd, threshold=threshold, impl=sparsity.impl)
         if scores is None:
             scores = self.mode_scores(x_btd, sparsity.mode, signed=q4_gate_up)
         return self.sparse(x_btd, scores=scores, threshold=threshold, impl=sparsity.impl,

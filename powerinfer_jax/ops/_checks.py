@@ -123,3 +123,17 @@ def check_q4_scores(x, q, dm, b_up, activation) -> None:
         fail("dm", f"float16 [{f}, {g}, {4 * p}]", f"{jnp.result_type(dm)} {_shape(dm)}")
     if b_up is not None and _shape(b_up) != (f,):
         fail("b_up shape", f"[F] = ({f},)", _shape(b_up))
+
+
+def check_q4_sparse_ffn(x, q, dm, b_up, w_down_t, b_down, threshold, activation) -> float:
+    """The q4 FFN's operands: check_q4_scores's, plus down_t [F, D] and b_down [D]."""
+    check_q4_scores(x, q, dm, b_up, activation)
+    t = check_threshold(threshold)
+    f, d = _shape(q)[0], _shape(x)[-1]
+    if _shape(w_down_t) != (f, d):
+        fail("w_down_t shape", f"[F, D] = {(f, d)} (F from q, D from x)", _shape(w_down_t))
+    if jnp.result_type(w_down_t) not in WEIGHT_DTYPES:
+        fail("w_down_t dtype", "float32, bfloat16 or float16", jnp.result_type(w_down_t))
+    if b_down is not None and _shape(b_down) != (d,):
+        fail("b_down shape", f"[{d}]", _shape(b_down))
+    return t

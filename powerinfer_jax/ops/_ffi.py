@@ -27,6 +27,7 @@ SPARSE_FFN_TARGET = "pij_sparse_ffn"
 RMS_NORM_TARGET = "pij_rms_norm"
 LINEAR_TARGET = "pij_linear"
 Q4_SCORES_TARGET = "pij_q4_scores"
+Q4_SPARSE_FFN_TARGET = "pij_q4_sparse_ffn"
 
 
 def _register() -> None:
@@ -94,6 +95,18 @@ def q4_scores(x, q, dm, b_up, *, activation, signed=False):
     call = jax.ffi.ffi_call(Q4_SCORES_TARGET, out, vmap_method="expand_dims")
     b = _absent((0,), jnp.float32) if b_up is None else jnp.asarray(b_up, jnp.float32)
     return call(x32, q, dm, b, activation=activation, output="signed" if signed else "magnitude")
+
+
+def q4_sparse_ffn(x, q, dm, w_down_t, b_up, b_down, *, threshold, activation):
+    x32 = jnp.asarray(x, jnp.float32)
+    rows = x32.shape[:-1]
+    call = jax.ffi.ffi_call(
+        Q4_SPARSE_FFN_TARGET,
+        (jax.ShapeDtypeStruct(rows + (x32.shape[-1],), jnp.float32),
+         jax.ShapeDtypeStruct(rows, jnp.int32)), vmap_method="expand_dims")
+    f32 = lambda a: _absent((0,), jnp.float32) if a is None else jnp.asarray(a, jnp.float32)
+    return call(x32, q, dm, f32(b_up), w_down_t, f32(b_down), activation=activation,
+                threshold=np.float32(threshold))
 
 
 HYBRID_TARGET = "pij_sparse_ffn_hybrid"

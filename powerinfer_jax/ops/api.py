@@ -61,6 +61,25 @@ def q4_scores(x, q, dm, b_up=None, *, activation="silu", signed=False, impl="ffi
     return _ffi.q4_scores(x, q, dm, b_up, activation=activation, signed=bool(signed))
 
 
+def q4_sparse_ffn(x, q, dm, w_down_t, b_up=None, b_down=None, *, threshold, activation="silu",
+                  impl="ffi"):
+    """The q4 FFN: the q4 estimates a (`q4_scores(..., signed=True)`) are the activations.
+
+    y = b_down + sum over neurons with |a_i| > threshold of a_i * w_down_t[i]; one custom call
+    that estimates, selects and reads only the active neurons' down rows (the same result as
+    `sparse_ffn(..., scores=a, criterion="activations")`, without the second call).
+    x: [..., T, D]; q, dm, b_up as `q4_scores`; w_down_t [F, D] f32/bf16/f16; b_down [D].
+    Returns (y [..., T, D] float32, n_active [..., T] int32).
+    """
+    _checks.check_choice("impl", impl, _checks.IMPLS)
+    t = _checks.check_q4_sparse_ffn(x, q, dm, b_up, w_down_t, b_down, threshold, activation)
+    if impl == "reference":
+        return reference.q4_sparse_ffn(x, q, dm, w_down_t, b_up, b_down, threshold=t,
+                                       activation=activation)
+    from powerinfer_jax.ops import _ffi
+    return _ffi.q4_sparse_ffn(x, q, dm, w_down_t, b_up, b_down, threshold=t, activation=activation)
+
+
 def rms_norm(x, scale, *, eps, impl="ffi"):
     """x * rsqrt(mean(x^2, -1) + eps) * scale, computed in float32, returned in x.dtype."""
     _checks.check_choice("impl", impl, _checks.IMPLS)

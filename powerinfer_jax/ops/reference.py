@@ -81,3 +81,10 @@ def q4_scores(x, q, dm, b_up=None, *, activation="silu", signed=False):
     else:
         a = activate(activation, proj[..., 0] + b)
     return a if signed else jnp.abs(a)
+
+
+def q4_sparse_ffn(x, q, dm, w_down_t, b_up=None, b_down=None, *, threshold, activation="silu"):
+    """The q4 FFN: q4 estimates as activations. See ops.api.q4_sparse_ffn."""
+    a = q4_scores(x, q, dm, b_up, activation=activation, signed=True)
+    return sparse_ffn(x, w_down_t, w_down_t, b_down=b_down, scores=a, threshold=threshold,
+                      criterion="activations")

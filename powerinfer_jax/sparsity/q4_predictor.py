@@ -51,6 +51,15 @@ class Q4Predictor(nnx.Module):
                              activation=self.activation, signed=signed,
                              impl="ffi" if self.kernels == "ffi" else "reference")
 
+    def sparse_ffn(self, x_btd, w_down_t, b_down, *, threshold: float):
+        """The q4 FFN (SparsityConfig.gate_up == "q4"): these estimates as the activations, in one
+        custom call (ops.q4_sparse_ffn). Returns (y, n_active)."""
+        from powerinfer_jax import ops
+
+        return ops.q4_sparse_ffn(x_btd, self.q[...], self.dm[...], w_down_t,
+                                 None if self.b_up is None else self.b_up[...], b_down,
+                                 threshold=threshold, activation=self.activation, impl="ffi")
+
     def permute(self, perm) -> None:
         self.q.set_value(self.q[...][perm])
         self.dm.set_value(self.dm[...][perm])
