@@ -161,7 +161,7 @@ def child(args) -> None:
     ckpt = load_checkpoint(args.model)
     ids = prompt_ids(ckpt.tokenizer, args.prompt_tokens)
     max_len = len(ids) + args.new_tokens
-    arts = None
+    arts = {}  # need_predictor -> artifacts: only the lowrank mode needs trained predictors
     for dtype in args.dtypes:
         for mode in args.modes:
             head = _common.header("cost_breakdown", threads=threads, dtype=dtype,
@@ -174,12 +174,13 @@ def child(args) -> None:
                                     kernels="auto")
                 sparsity, thresholds = SparsityConfig(), (0.0,) * ckpt.config.n_layers
                 if mode != "dense":  # predictor mode with the q4 or low-rank predictor
-                    if arts is None:
-                        arts = A.ensure_artifacts(args.model, ckpt.source, model, ckpt.tokenizer,
-                                                  TARGET_SPARSITY,
-                                                  need_predictor="lowrank" in args.modes)
+                    need = mode == "lowrank"
+                    if need not in arts:
+                        arts[need] = A.ensure_artifacts(args.model, ckpt.source, model,
+                                                        ckpt.tokenizer, TARGET_SPARSITY,
+                                                        need_predictor=need)
                     kind = "q4" if mode == "q4gu" else mode
-                    thresholds = A.use_predictor(model, arts, kind)
+                    thresholds = A.use_predictor(model, arts[need], kind)
                     sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY,
                                               predictor=kind,
                                               gate_up="q4" if mode == "q4gu" else "full")

@@ -24,12 +24,13 @@ STATUS_FILE = "run_all.jsonl"
 
 
 def latest_run(rows: list[dict]) -> list[dict]:
-    """The rows of the newest run: max run_id; rows without one count as older, by commit."""
+    """The rows of the newest run: the run of the row with the latest time (then the largest
+    run_id); rows without a run_id count as older, by commit."""
     if not rows:
         return []
     with_id = [r for r in rows if r.get("run_id")]
-    if with_id:
-        newest = max(r["run_id"] for r in with_id)
+    if with_id:  # the run of the newest row (run ids are labels, not always sortable by time)
+        newest = max(with_id, key=lambda r: (str(r.get("time", "")), r["run_id"]))["run_id"]
         return [r for r in with_id if r["run_id"] == newest]
     last_commit = rows[-1].get("commit")
     return [r for r in rows if r.get("commit") == last_commit]

@@ -83,6 +83,12 @@ def test_quality_rows_keep_the_latest_row_of_each_mode_and_target():
     assert _common.mode_label(rows[3]) == "predictor (q4, gate/up q4)"
 
 
+def test_latest_run_goes_by_time_not_by_the_label():
+    rows = [{"run_id": "cb-1", "time": "2026-11-22T08:41:57", "v": 1},
+            {"run_id": "20261122T095114Z", "time": "2026-11-22T09:58:00", "v": 2}]
+    assert [r["v"] for r in report.latest_run(rows)] == [2]
+
+
 def test_latest_run_prefers_newest_run_id():
     rows = [{"run_id": "a", "v": 1}, {"run_id": "b", "v": 2}, {"v": 3, "commit": "x"}]
     assert [r["v"] for r in report.latest_run(rows)] == [2]

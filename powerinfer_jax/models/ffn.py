@@ -211,10 +211,13 @@ class FFN(nnx.Module):
     def q4_ffn(self, x_btd, *, threshold: float, impl: str):
         """gate_up="q4" on an unplaced FFN: the q4 predictor's estimates are the activations. With
         impl "ffi" one custom call estimates, selects and reads the active down rows."""
+        import jax
+
         pred = self._q4_predictor()
-        if impl != "ffi":
+        if impl != "ffi" or jax.default_backend() != "cpu":
+            # The q4 custom calls are CPU-only: elsewhere the jnp reference runs (through XLA).
             return self.sparse(x_btd, scores=pred(x_btd, signed=True), threshold=threshold,
-                               impl=impl, criterion="activations")
+                               impl="reference", criterion="activations")
         return pred.sparse_ffn(x_btd, self.down_t.weight[...],
                                None if self.down_t.bias is None else self.down_t.bias[...],
                                threshold=float(threshold))
