@@ -124,16 +124,20 @@ def _tiny_model(seed=0, **cfg):
     return model
 
 
+def _ffn_with_q4(seed, layer):
+    """An FFN of a tiny model with its q4 predictor, and its (gate, up, down_t) as float64."""
+    model = _tiny_model(seed=seed)
+    Q4.attach(model)
+    ffn = model.layers[layer].ffn
+    return ffn, tuple(np.asarray(w[...], np.float64)
+                      for w in (ffn.gate.weight, ffn.up.weight, ffn.down_t.weight))
+
+
 def test_predictor_mode_matches_a_numpy_ffn():
     """Predictor mode with the q4 predictor: y = sum over neurons whose numpy estimate clears the
     threshold of the exact a_i * down_i, computed here without the project's kernels."""
-    model = _tiny_model()
-    Q4.attach(model)
-    ffn = model.layers[0].ffn
+    ffn, (g, u, down_t) = _ffn_with_q4(0, 0)
     x = np.random.default_rng(3).standard_normal((1, 5, 64)).astype(np.float32)
-    g = np.asarray(ffn.gate.weight[...], np.float64)
-    u = np.asarray(ffn.up.weight[...], np.float64)
-    down_t = np.asarray(ffn.down_t.weight[...], np.float64)
     est = _numpy_scores(x[0], g, u)
     thr = float(np.quantile(est, 0.5))
     a = _silu(x[0] @ g.T) * (x[0] @ u.T)
@@ -162,13 +166,8 @@ def test_gate_up_q4_mode_matches_a_numpy_ffn(placed):
     """gate_up="q4": each active neuron contributes its numpy *estimate* a_i (4-bit rows, Q8
     activations) times its down row; inactive neurons nothing. Placed FFNs (hot rows with XLA,
     cold rows through the custom call) give the same output."""
-    model = _tiny_model(seed=4)
-    Q4.attach(model)
-    ffn = model.layers[1].ffn
+    ffn, (g, u, down_t) = _ffn_with_q4(4, 1)
     x = np.random.default_rng(11).standard_normal((1, 5, 64)).astype(np.float32)
-    g = np.asarray(ffn.gate.weight[...], np.float64)
-    u = np.asarray(ffn.up.weight[...], np.float64)
-    down_t = np.asarray(ffn.down_t.weight[...], np.float64)
     est = _numpy_scores(x[0], g, u, signed=True)
     thr = float(np.quantile(np.abs(est), 0.6))
     want = (est * (np.abs(est) > thr)) @ down_t

@@ -35,6 +35,7 @@ NB_MODULE(_pij_ext, m) {
     d["pij_linear"] = Capsule(PijLinearCpu);
     d["pij_q4_scores"] = Capsule(PijQ4ScoresCpu);
     d["pij_q4_sparse_ffn"] = Capsule(PijQ4SparseFfnCpu);
+    d["pij_decode_attention"] = Capsule(PijDecodeAttentionCpu);
     return d;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target(platform='cpu').");
   m.def("set_num_threads", [](int n) {

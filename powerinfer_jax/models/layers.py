@@ -139,6 +139,7 @@ class Attention(nnx.Module):
                  kernels: str = "xla"):
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.use_rope, self.rope_theta = use_rope, rope_theta
+        self.kernels = kernels
         lin = dict(bias=bias, dtype=dtype, rngs=rngs, kernels=kernels)
         self.q = Linear(d_model, n_heads * head_dim, **lin)
         self.k = Linear(d_model, n_kv_heads * head_dim, **lin)
@@ -152,6 +153,9 @@ class Attention(nnx.Module):
         cache while the sequence is short. Returns (y_btd, new_cache)."""
         b, t, _ = x_btd.shape
         kh, g, h = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
+        if (cache is not None and kv_len is not None and b == 1 and t == 1
+                and self.kernels == "ffi" and jax.default_backend() == "cpu"):
+            return self._decode_ffi(x_btd, positions_bt, cache, cache_index, kv_len)
         q = self.q(x_btd).reshape(b, t, kh * g, h)
         k = self.k(x_btd).reshape(b, t, kh, h)
         v = self.v(x_btd).reshape(b, t, kh, h)
@@ -178,3 +182,15 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("bkgts,bskh->btkgh", probs, from_cache(v_all))
         return self.o(out.reshape(b, t, kh * g * h)), new_cache
+
+    def _decode_ffi(self, x_btd, positions_bt, cache, cache_index, kv_len):
+        """One token: rope, cache write, scores, softmax and values in one custom call (the XLA
+        path above runs them as ~20 small thunks per layer). Same result up to float rounding."""
+        from powerinfer_jax import ops
+
+        where = jnp.stack([jnp.asarray(cache_index, jnp.int32).reshape(()),
+                           positions_bt.reshape(()).astype(jnp.int32)])
+        out, k_cache, v_cache = ops.decode_attention(
+            self.q(x_btd), self.k(x_btd), self.v(x_btd), cache[0], cache[1], where,
+            kv_len=kv_len, rope_theta=self.rope_theta, use_rope=self.use_rope)
+        return self.o(out), (k_cache, v_cache)

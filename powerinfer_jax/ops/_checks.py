@@ -137,3 +137,24 @@ def check_q4_sparse_ffn(x, q, dm, b_up, w_down_t, b_down, threshold, activation)
     if b_down is not None and _shape(b_down) != (d,):
         fail("b_down shape", f"[{d}]", _shape(b_down))
     return t
+
+
+def check_decode_attention(q, k_new, v_new, k_cache, v_cache, where, kv_len) -> None:
+    if np.ndim(k_cache) != 4 or _shape(k_cache)[0] != 1 or \
+            jnp.result_type(k_cache) not in (jnp.float32, jnp.uint16):
+        fail("k_cache", "float32 or uint16 [1, S, NK, H]",
+             f"{jnp.result_type(k_cache)} {_shape(k_cache)}")
+    _, s, nk, h = _shape(k_cache)
+    if _shape(v_cache) != _shape(k_cache) or jnp.result_type(v_cache) != jnp.result_type(k_cache):
+        fail("v_cache", f"k_cache's dtype and shape {_shape(k_cache)}",
+             f"{jnp.result_type(v_cache)} {_shape(v_cache)}")
+    for name, a in (("k_new", k_new), ("v_new", v_new)):
+        if int(np.prod(_shape(a))) != nk * h:
+            fail(f"{name} shape", f"one token of NK * H = {nk * h} values", _shape(a))
+    nq = int(np.prod(_shape(q)))
+    if nq % (nk * h) != 0:
+        fail("q shape", f"one token of NH * H values, NH a multiple of NK = {nk}", _shape(q))
+    if _shape(where) != (2,):
+        fail("where shape", "(2,) = (slot, position)", _shape(where))
+    if not isinstance(kv_len, (int, np.integer)) or not 1 <= int(kv_len) <= s:
+        fail("kv_len", f"a static int in [1, S = {s}]", kv_len)

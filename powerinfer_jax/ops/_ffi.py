@@ -28,6 +28,7 @@ RMS_NORM_TARGET = "pij_rms_norm"
 LINEAR_TARGET = "pij_linear"
 Q4_SCORES_TARGET = "pij_q4_scores"
 Q4_SPARSE_FFN_TARGET = "pij_q4_sparse_ffn"
+DECODE_ATTENTION_TARGET = "pij_decode_attention"
 
 
 def _register() -> None:
@@ -107,6 +108,21 @@ def q4_sparse_ffn(x, q, dm, w_down_t, b_up, b_down, *, threshold, activation):
     f32 = lambda a: _absent((0,), jnp.float32) if a is None else jnp.asarray(a, jnp.float32)
     return call(x32, q, dm, f32(b_up), w_down_t, f32(b_down), activation=activation,
                 threshold=np.float32(threshold))
+
+
+def decode_attention(q, k_new, v_new, k_cache, v_cache, where, *, kv_len, rope_theta,
+                     use_rope):
+    """One decode token's attention; the caches are updated in place (aliased operands)."""
+    call = jax.ffi.ffi_call(
+        DECODE_ATTENTION_TARGET,
+        (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+         jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+        input_output_aliases={3: 1, 4: 2})
+    return call(jnp.asarray(q, jnp.float32), jnp.asarray(k_new, jnp.float32),
+                jnp.asarray(v_new, jnp.float32), k_cache, v_cache,
+                jnp.asarray(where, jnp.int32), kv_len=np.int64(kv_len),
+                rope_theta=np.float32(rope_theta), use_rope=np.int64(1 if use_rope else 0))
 
 
 HYBRID_TARGET = "pij_sparse_ffn_hybrid"

@@ -80,6 +80,23 @@ def q4_sparse_ffn(x, q, dm, w_down_t, b_up=None, b_down=None, *, threshold, acti
     return _ffi.q4_sparse_ffn(x, q, dm, w_down_t, b_up, b_down, threshold=t, activation=activation)
 
 
+def decode_attention(q, k_new, v_new, k_cache, v_cache, where, *, kv_len: int,
+                     rope_theta: float, use_rope: bool = True):
+    """Attention of one decode token (batch 1) against a fixed-size KV cache, in one custom call.
+
+    q [..., NH * H], k_new / v_new [..., NK * H]: the token's projections (before rope);
+    k_cache / v_cache [1, S, NK, H] float32 or uint16 (bfloat16 bits, models/layers.py's cache
+    storage); where int32 [2] = (slot the new key/value go to, the token's position).
+    Attends to slots [0, min(kv_len, position + 1)). Returns (out [..., NH * H] float32, k_cache,
+    v_cache), the caches updated in place (donate them). The reference is models/layers.py's XLA
+    attention path.
+    """
+    _checks.check_decode_attention(q, k_new, v_new, k_cache, v_cache, where, kv_len)
+    from powerinfer_jax.ops import _ffi
+    return _ffi.decode_attention(q, k_new, v_new, k_cache, v_cache, where, kv_len=int(kv_len),
+                                 rope_theta=float(rope_theta), use_rope=bool(use_rope))
+
+
 def rms_norm(x, scale, *, eps, impl="ffi"):
     """x * rsqrt(mean(x^2, -1) + eps) * scale, computed in float32, returned in x.dtype."""
     _checks.check_choice("impl", impl, _checks.IMPLS)

@@ -1,0 +1,129 @@
+#include "cpu_backend/decode_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "cpu_backend/pij_math.h"
+#include "cpu_backend/simd.h"
+
+namespace pij {
+namespace {
+
+// Below this much work (slots x heads x head_dim) the heads run on the caller: a wake-up costs
+// more than they do.
+constexpr int64_t kParallelMinWork = 1 << 16;
+
+inline float Load(float v) { return v; }
+inline float Load(uint16_t bits) { return ToF32(Bf16{bits}); }
+inline void Store(float v, float* dst) { *dst = v; }
+inline void Store(float v, uint16_t* dst) { *dst = ToBf16(v).bits; }
+inline simd::Vec LoadVec(const float* p) { return simd::Load(p); }
+inline simd::Vec LoadVec(const uint16_t* p) { return simd::Load(reinterpret_cast<const Bf16*>(p)); }
+
+// sum_i a[i] * b[i] over n floats (a) and n cache elements (b): whole vectors, then a scalar tail.
+template <typename C>
+inline float Dot(const float* a, const C* b, int64_t n) {
+  simd::Vec acc = simd::Zero();
+  int64_t i = 0;
+  for (; i + simd::kLanes <= n; i += simd::kLanes) {
+    acc = simd::MulAdd(simd::Load(a + i), LoadVec(b + i), acc);
+  }
+  float sum = simd::ReduceSum(acc);
+  for (; i < n; ++i) sum += a[i] * Load(b[i]);
+  return sum;
+}
+
+// o[i] += p * v[i].
+template <typename C>
+inline void Axpy(float p, const C* v, int64_t n, float* o) {
+  const simd::Vec pv = simd::Set1(p);
+  int64_t i = 0;
+  for (; i + simd::kLanes <= n; i += simd::kLanes) {
+    simd::Store(o + i, simd::MulAdd(pv, LoadVec(v + i), simd::Load(o + i)));
+  }
+  for (; i < n; ++i) o[i] += p * Load(v[i]);
+}
+
+// HF's "rotate half": pairs (i, i + H/2) rotated by position * theta^(-i / (H/2)).
+void Rope(const float* x, int64_t dim, int64_t position, float theta, float* y) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float inv_freq = std::pow(theta, -static_cast<float>(i) / static_cast<float>(half));
+    const float angle = static_cast<float>(position) * inv_freq;
+    const float c = std::cos(angle), s = std::sin(angle);
+    const float x1 = x[i], x2 = x[i + half];
+    y[i] = x1 * c - x2 * s;
+    y[i + half] = x2 * c + x1 * s;
+  }
+}
+
+}  // namespace
+
+template <typename C>
+void DecodeAttention(const DecodeAttentionArgs& a, const float* q, const float* k_new,
+                     const float* v_new, C* k_cache, C* v_cache, float* out, ThreadPool& pool) {
+  const int64_t h = a.head_dim;
+  const int64_t kv_stride = a.n_kv_heads * h;  // one cache slot
+  // The new key (roped) and value go to their slot first: the token attends to itself through
+  // the cache, at the cache's precision, exactly like the XLA path.
+  thread_local std::vector<float> tmp;
+  tmp.resize(static_cast<size_t>(h));
+  for (int64_t k = 0; k < a.n_kv_heads; ++k) {
+    const float* src = k_new + k * h;
+    if (a.use_rope) {
+      Rope(src, h, a.position, a.rope_theta, tmp.data());
+      src = tmp.data();
+    }
+    C* kd = k_cache + a.slot * kv_stride + k * h;
+    C* vd = v_cache + a.slot * kv_stride + k * h;
+    for (int64_t i = 0; i < h; ++i) {
+      Store(src[i], kd + i);
+      Store(v_new[k * h + i], vd + i);
+    }
+  }
+  const int64_t group = a.n_heads / a.n_kv_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(h));
+  const int64_t visible = std::min<int64_t>(a.kv_len, a.position + 1);  // slots <= position
+  auto head = [&](int64_t hq, int /*worker*/) {
+    thread_local std::vector<float> qh, scores;  // per thread: no heap work once sized
+    qh.resize(static_cast<size_t>(h));
+    scores.resize(static_cast<size_t>(visible));
+    if (a.use_rope) {
+      Rope(q + hq * h, h, a.position, a.rope_theta, qh.data());
+    } else {
+      std::copy_n(q + hq * h, h, qh.data());
+    }
+    for (float& v : qh) v *= scale;
+    const int64_t kvh = hq / group;
+    float mx = -INFINITY;
+    for (int64_t s = 0; s < visible; ++s) {
+      const float dot = Dot(qh.data(), k_cache + s * kv_stride + kvh * h, h);
+      scores[s] = dot;
+      mx = std::max(mx, dot);
+    }
+    float sum = 0.0f;
+    for (int64_t s = 0; s < visible; ++s) {
+      scores[s] = std::exp(scores[s] - mx);
+      sum += scores[s];
+    }
+    const float inv = 1.0f / sum;
+    float* o = out + hq * h;
+    std::fill_n(o, h, 0.0f);
+    for (int64_t s = 0; s < visible; ++s) {
+      Axpy(scores[s] * inv, v_cache + s * kv_stride + kvh * h, h, o);
+    }
+  };
+  if (visible * a.n_heads * h < kParallelMinWork || pool.NumThreads() == 1) {
+    for (int64_t hq = 0; hq < a.n_heads; ++hq) head(hq, 0);
+  } else {
+    pool.Run(0, a.n_heads, head);
+  }
+}
+
+template void DecodeAttention<float>(const DecodeAttentionArgs&, const float*, const float*,
+                                     const float*, float*, float*, float*, ThreadPool&);
+template void DecodeAttention<uint16_t>(const DecodeAttentionArgs&, const float*, const float*,
+                                        const float*, uint16_t*, uint16_t*, float*, ThreadPool&);
+
+}  // namespace pij

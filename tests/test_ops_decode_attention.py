@@ -1,0 +1,87 @@
+"""ops.decode_attention (one custom call per layer for a decode token) against the XLA attention
+path of models/layers.py, which stays the reference and the prefill path."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from powerinfer_jax import ops
+from powerinfer_jax.models.layers import Attention, cache_storage_dtype, from_cache, to_cache
+
+
+def _attention(nh, nk, h, *, rope=True, seed=0):
+    return Attention(d_model=48, n_heads=nh, n_kv_heads=nk, head_dim=h, bias=False,
+                     use_rope=rope, rope_theta=10000.0, dtype=jnp.float32,
+                     rngs=nnx.Rngs(seed), kernels="ffi")
+
+
+def _cache(rng, s, nk, h, storage, filled):
+    """A cache whose first `filled` slots hold earlier tokens' keys/values, the rest zeros."""
+    vals = np.zeros((1, s, nk, h), np.float32)
+    vals[:, :filled] = rng.standard_normal((1, filled, nk, h))
+    return to_cache(jnp.asarray(vals), storage)
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("nh,nk,h,rope", [(4, 2, 16, True), (9, 3, 64, True), (2, 2, 8, False)])
+@pytest.mark.parametrize("position,kv_len", [(0, 16), (5, 16), (15, 16), (40, 64)])
+def test_matches_the_xla_path(cache_dtype, nh, nk, h, rope, position, kv_len):
+    attn = _attention(nh, nk, h, rope=rope)
+    storage = cache_storage_dtype(cache_dtype)
+    rng = np.random.default_rng(position)
+    x = jnp.asarray(rng.standard_normal((1, 1, 48)), jnp.float32)
+    pos = jnp.full((1, 1), position, jnp.int32)
+    outs = {}
+    for kernels in ("xla", "ffi"):
+        attn.kernels = kernels
+        cache = (_cache(np.random.default_rng(1), 64, nk, h, storage, position),
+                 _cache(np.random.default_rng(2), 64, nk, h, storage, position))
+        step = jax.jit(lambda x, c, i: attn(x, pos, c, i, kv_len), donate_argnums=1)
+        outs[kernels] = step(x, cache, jnp.int32(position))
+    (y_x, (k_x, v_x)), (y_f, (k_f, v_f)) = outs["xla"], outs["ffi"]
+    tol = 1e-5 if cache_dtype == jnp.float32 else 2e-2  # bf16: the new key rounds after rope
+    np.testing.assert_allclose(np.asarray(y_f), np.asarray(y_x), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(from_cache(k_f)), np.asarray(from_cache(k_x)),
+                               rtol=tol, atol=tol)
+    np.testing.assert_array_equal(np.asarray(v_f), np.asarray(v_x))  # values are not roped
+    untouched = np.ones(64, bool)
+    untouched[position] = False
+    np.testing.assert_array_equal(np.asarray(k_f)[0, untouched], np.asarray(k_x)[0, untouched])
+
+
+def test_engine_tokens_match_the_xla_path():
+    """Greedy decode of a tiny model: the custom call and the XLA path pick the same tokens."""
+    from helpers_models import tiny_llama_config
+    from powerinfer_jax.models.transformer import Transformer
+    from powerinfer_jax.runtime.decode import Engine
+
+    tokens = {}
+    for kernels in ("xla", "ffi"):
+        model = Transformer(tiny_llama_config(), rngs=nnx.Rngs(0), kernels=kernels)
+        tokens[kernels] = Engine(model, max_seq_len=64).generate([1, 5, 9, 3],
+                                                                 max_new_tokens=20).tokens
+    assert tokens["ffi"] == tokens["xla"]
+
+
+def test_bad_input_is_a_clear_error():
+    storage = jnp.float32
+    kc = jnp.zeros((1, 16, 2, 8), storage)
+    q, kv = jnp.zeros((1, 1, 32)), jnp.zeros((1, 1, 16))
+    where = jnp.asarray([3, 3], jnp.int32)
+    with pytest.raises(ValueError, match=r"kv_len: expected a static int in \[1, S = 16\]"):
+        ops.decode_attention(q, kv, kv, kc, kc, where, kv_len=17, rope_theta=1e4)
+    with pytest.raises(ValueError, match=r"v_cache: expected k_cache's dtype and shape"):
+        ops.decode_attention(q, kv, kv, kc, kc[:, :8], where, kv_len=8, rope_theta=1e4)
+    with pytest.raises(ValueError, match=r"k_new shape: expected one token of NK \* H = 16"):
+        ops.decode_attention(q, kv[..., :8], kv, kc, kc, where, kv_len=8, rope_theta=1e4)
+    with pytest.raises(ValueError, match=r"q shape: expected one token of NH \* H values"):
+        ops.decode_attention(q[..., :24], kv, kv, kc, kc, where, kv_len=8, rope_theta=1e4)
+    # The slot is data: checked by the handler at run time.
+    with pytest.raises(Exception, match=r"decode_attention: slot, position: expected "
+                                        r"0 <= slot < kv_len = 8"):
+        jax.block_until_ready(ops.decode_attention(q, kv, kv, kc, kc,
+                                                   jnp.asarray([8, 8], jnp.int32), kv_len=8,
+                                                   rope_theta=1e4)[0])

@@ -1,0 +1,135 @@
+// CPU FFI handler of decode attention (cpu_backend/decode_attention.h):
+//   q f32 [..., NH * H]; k_new, v_new f32 [..., NK * H] (one token, batch 1);
+//   k_cache, v_cache [1, S, NK, H] float32 or uint16 (bfloat16 bits), aliased to results 1 and 2;
+//   where s32 [2] = (slot, position); attributes kv_len, rope_theta, use_rope (0/1);
+//   results out f32 [..., NH * H], then the updated caches.
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <string>
+
+#include "cpu_backend/decode_attention.h"
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_runtime.h"
+#include "xla_ffi/ffi_util.h"
+
+namespace pij {
+namespace {
+
+constexpr std::string_view kOp = "decode_attention";
+
+ffi::Error DecodeAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
+                                  ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                                  ffi::AnyBuffer where, ffi::Result<ffi::AnyBuffer> out,
+                                  ffi::Result<ffi::AnyBuffer> k_out,
+                                  ffi::Result<ffi::AnyBuffer> v_out, int64_t kv_len,
+                                  float rope_theta, int64_t use_rope) {
+  const auto c_dims = k_cache.dimensions();
+  const ffi::DataType ct = k_cache.element_type();
+  if ((ct != ffi::DataType::F32 && ct != ffi::DataType::U16) || c_dims.size() != 4 ||
+      c_dims[0] != 1) {
+    return InvalidArg(kOp, "k_cache", "float32 or uint16 [1, S, NK, H]",
+                      std::string(DtypeName(ct)) + " " + ShapeString(c_dims));
+  }
+  const int64_t s_len = c_dims[1], nk = c_dims[2], h = c_dims[3];
+  const auto v_dims = v_cache.dimensions();
+  if (v_cache.element_type() != ct || v_dims.size() != 4 ||
+      !std::equal(v_dims.begin(), v_dims.end(), c_dims.begin())) {
+    return InvalidArg(kOp, "v_cache", "the dtype and shape of k_cache " + ShapeString(c_dims),
+                      std::string(DtypeName(v_cache.element_type())) + " " +
+                          ShapeString(v_dims));
+  }
+  if (q.element_type() != ffi::DataType::F32 || h == 0 ||
+      static_cast<int64_t>(q.element_count()) % h != 0 ||
+      static_cast<int64_t>(q.element_count()) / h % nk != 0) {
+    return InvalidArg(kOp, "q", "float32 [..., NH * " + std::to_string(h) + "], NH a multiple of " +
+                                    std::to_string(nk),
+                      std::string(DtypeName(q.element_type())) + " " +
+                          ShapeString(q.dimensions()));
+  }
+  for (auto [name, buf] : {std::pair{"k_new", &k_new}, std::pair{"v_new", &v_new}}) {
+    if (buf->element_type() != ffi::DataType::F32 ||
+        static_cast<int64_t>(buf->element_count()) != nk * h) {
+      return InvalidArg(kOp, name, "float32 with " + std::to_string(nk * h) + " elements (one token)",
+                        std::string(DtypeName(buf->element_type())) + " " +
+                            ShapeString(buf->dimensions()));
+    }
+  }
+  if (use_rope != 0 && h % 2 != 0) {
+    return InvalidArg(kOp, "head_dim", "even with rope", std::to_string(h));
+  }
+  if (kv_len < 1 || kv_len > s_len) {
+    return InvalidArg(kOp, "kv_len", "in [1, S = " + std::to_string(s_len) + "]",
+                      std::to_string(kv_len));
+  }
+  if (where.element_type() != ffi::DataType::S32 || where.element_count() != 2) {
+    return InvalidArg(kOp, "where", "int32 [2] (slot, position)",
+                      std::string(DtypeName(where.element_type())) + " " +
+                          ShapeString(where.dimensions()));
+  }
+  const int32_t* w = static_cast<const int32_t*>(where.untyped_data());
+  if (w[0] < 0 || w[0] >= kv_len || w[1] < 0) {
+    return InvalidArg(kOp, "slot, position",
+                      "0 <= slot < kv_len = " + std::to_string(kv_len) + ", position >= 0",
+                      std::to_string(w[0]) + ", " + std::to_string(w[1]));
+  }
+  if (out->element_type() != ffi::DataType::F32 || out->element_count() != q.element_count() ||
+      k_out->size_bytes() != k_cache.size_bytes() || v_out->size_bytes() != v_cache.size_bytes()) {
+    return InvalidArg(kOp, "results", "out like q, caches like the inputs",
+                      ShapeString(out->dimensions()));
+  }
+  DecodeAttentionArgs a;
+  a.n_kv_heads = nk;
+  a.head_dim = h;
+  a.n_heads = static_cast<int64_t>(q.element_count()) / h;
+  a.max_len = s_len;
+  a.kv_len = kv_len;
+  a.slot = w[0];
+  a.position = w[1];
+  a.use_rope = use_rope != 0;
+  a.rope_theta = rope_theta;
+  // The caches are aliased to the results; if XLA gave separate buffers, start from the inputs.
+  if (k_out->untyped_data() != k_cache.untyped_data()) {
+    std::memcpy(k_out->untyped_data(), k_cache.untyped_data(), k_cache.size_bytes());
+  }
+  if (v_out->untyped_data() != v_cache.untyped_data()) {
+    std::memcpy(v_out->untyped_data(), v_cache.untyped_data(), v_cache.size_bytes());
+  }
+  const float* qp = static_cast<const float*>(q.untyped_data());
+  const float* kp = static_cast<const float*>(k_new.untyped_data());
+  const float* vp = static_cast<const float*>(v_new.untyped_data());
+  float* op = static_cast<float*>(out->untyped_data());
+  try {
+    CpuRuntime& rt = GetCpuRuntime();
+    std::lock_guard<std::mutex> lock(rt.mutex);
+    if (ct == ffi::DataType::F32) {
+      DecodeAttention(a, qp, kp, vp, static_cast<float*>(k_out->untyped_data()),
+                      static_cast<float*>(v_out->untyped_data()), op, rt.pool);
+    } else {
+      DecodeAttention(a, qp, kp, vp, static_cast<uint16_t*>(k_out->untyped_data()),
+                      static_cast<uint16_t*>(v_out->untyped_data()), op, rt.pool);
+    }
+    return ffi::Error::Success();
+  } catch (const std::exception& e) {  // bad_alloc growing scratch: report, never abort
+    return ffi::Error::Internal(std::string("decode_attention: ") + e.what());
+  }
+}
+
+}  // namespace
+}  // namespace pij
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PijDecodeAttentionCpu, pij::DecodeAttentionCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // q
+                                  .Arg<xla::ffi::AnyBuffer>()  // k_new
+                                  .Arg<xla::ffi::AnyBuffer>()  // v_new
+                                  .Arg<xla::ffi::AnyBuffer>()  // k_cache
+                                  .Arg<xla::ffi::AnyBuffer>()  // v_cache
+                                  .Arg<xla::ffi::AnyBuffer>()  // where
+                                  .Ret<xla::ffi::AnyBuffer>()  // out
+                                  .Ret<xla::ffi::AnyBuffer>()  // k_cache (aliased)
+                                  .Ret<xla::ffi::AnyBuffer>()  // v_cache (aliased)
+                                  .Attr<int64_t>("kv_len")
+                                  .Attr<float>("rope_theta")
+                                  .Attr<int64_t>("use_rope"));
