@@ -7,7 +7,8 @@ each round's ratio to dense are recorded. One JSONL row per (dtype, mode) with t
 machine, threads and dtype, appended to benchmarks/e2e_ab.jsonl.
 
 Modes: dense; predictor (q4 predictor, gate/up rows read at the dtype); predictor_q4gu (the q4
-estimates as activations: --gate-up q4, one custom call per layer).
+estimates as activations: --gate-up q4, one custom call per layer); dense_xla_attention (dense
+with decode attention through XLA's ops instead of ops.decode_attention: that op's ablation).
 
   python benchmarks/e2e_ab.py [--dtypes bfloat16 float32] [--threads 2] [--rounds 5]
 """
@@ -22,7 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-MODES = ("dense", "predictor", "predictor_q4gu")
+MODES = ("dense", "predictor", "predictor_q4gu", "dense_xla_attention")
+DEFAULT_MODES = ("dense", "predictor", "predictor_q4gu")
 
 
 def build(name: str, ckpt, mode: str, dtype: str, target: float, max_seq_len: int):
@@ -34,7 +36,10 @@ def build(name: str, ckpt, mode: str, dtype: str, target: float, max_seq_len: in
     from powerinfer_jax.sparsity import artifacts as A
 
     model = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(dtype), kernels="auto")
-    if mode == "dense":
+    if mode.startswith("dense"):
+        if mode == "dense_xla_attention":
+            for layer in model.layers:
+                layer.attn.kernels = "xla"  # Attention's decode custom call off; matmuls unchanged
         return Engine(model, max_seq_len=max_seq_len)
     arts = A.ensure_artifacts(name, ckpt.source, model, ckpt.tokenizer, target,
                               need_predictor=False)
@@ -50,7 +55,7 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
                    choices=["bfloat16", "float32"])
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--target-sparsity", type=float, default=0.5)
     p.add_argument("--rounds", type=int, default=5)
@@ -82,7 +87,8 @@ def main(argv=None) -> None:
         dense = speeds["dense"]
         for m in args.modes:
             ratios = [s / d for s, d in zip(speeds[m], dense)]
-            cfg = {"mode": m, "target_sparsity": None if m == "dense" else args.target_sparsity,
+            cfg = {"mode": m,
+                   "target_sparsity": args.target_sparsity if m.startswith("predictor") else None,
                    "rounds": args.rounds, "prompt_tokens": args.prompt_tokens,
                    "new_tokens": args.new_tokens}
             row = {**_common.header("e2e_ab", threads=threads, dtype=dtype, model=args.model,
