@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# On a GPU machine (the `device` tool's H100/H200), from the repo root: build both extension
+# modules with PIJ_CUDA=ON against the local python3's jax, then run the CUDA tests and
+# compute-sanitizer memcheck on the hybrid handler. Logs go to $OUT (or ./gpu_logs).
+# Usage: bash benchmarks/gpu/build_and_test.sh [pytest args...]
+set -uo pipefail
+OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+PY=$(command -v python3)
+{
+  nvidia-smi -L; nproc; $PY --version
+  $PY -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+} 2>&1 | tee "$OUT/env.txt"
+BUILD=${PIJ_GPU_BUILD:-/tmp/pij_build_cuda}
+t0=$(date +%s)
+cmake -S . -B "$BUILD" -G Ninja -DPIJ_CUDA=ON -DPython_EXECUTABLE="$PY" >"$OUT/cmake.log" 2>&1 &&
+  cmake --build "$BUILD" -j"$(nproc)" >>"$OUT/cmake.log" 2>&1 || { tail -50 "$OUT/cmake.log"; exit 1; }
+cp "$BUILD"/_pij_ext*.so "$BUILD"/_pij_cuda*.so powerinfer_jax/
+echo "build: $(( $(date +%s) - t0 )) s"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+$PY -m pytest -q -rs -p no:cacheprovider tests/test_cuda_kernels.py tests/test_cuda_hybrid.py "$@" \
+  2>&1 | tee "$OUT/pytest_cuda.log" | tail -40
+rc=${PIPESTATUS[0]}
+if [ "${PIJ_SANITIZE:-1}" = 1 ]; then
+  # memcheck on the hybrid handler (a few cases: every dtype, both criteria, T=1 and 3)
+  timeout 300 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
+    $PY -m pytest -q -p no:cacheprovider tests/test_cuda_hybrid.py -k "150 and (scores or oracle)" \
+    >"$OUT/sanitizer.log" 2>&1
+  echo "compute-sanitizer memcheck rc=$? (log: sanitizer.log)"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.log" | tail -5
+fi
+exit $rc
