@@ -10,6 +10,7 @@
 // CPU kernel, which is this kernel's oracle.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -99,7 +100,9 @@ ffi::Error Launch(const SparseFfnCall& c, float* act, cudaStream_t stream) {
   }
   const bool oracle = c.params.criterion == Criterion::kOracle;
   const dim3 act_grid((c.num_neurons + kWarpsPerBlock - 1) / kWarpsPerBlock);
-  ActivationsKernel<W><<<act_grid, kWarpsPerBlock * kWarpSize, 0, stream>>>(
+  // No neurons (a hybrid layer with every row cold): y = b_down, counts 0, no activations launch
+  // (a zero-block grid is a launch error).
+  if (c.num_neurons > 0) ActivationsKernel<W><<<act_grid, kWarpsPerBlock * kWarpSize, 0, stream>>>(
       c.x, static_cast<const W*>(c.gate), static_cast<const W*>(c.up), c.b_up, c.scores, c.rows,
       c.num_neurons, c.dim, c.params.activation, oracle, c.params.threshold, act, c.n_active);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
@@ -153,7 +156,8 @@ ffi::Error SparseFfnCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
     return ffi::Error::InvalidArgument("sparse_ffn (CUDA): rows: expected <= 65535, got " +
                                        std::to_string(call.rows));
   }
-  std::optional<void*> act = scratch.Allocate(call.rows * call.num_neurons * sizeof(float));
+  std::optional<void*> act =
+      scratch.Allocate(std::max<int64_t>(1, call.rows * call.num_neurons) * sizeof(float));
   if (!act.has_value()) {
     return ffi::Error::Internal("sparse_ffn (CUDA): could not allocate [rows, F] scratch");
   }

@@ -15,6 +15,7 @@
 // Not command-buffer compatible (host functions and a second stream).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <map>
@@ -234,7 +235,8 @@ ffi::Error HybridImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
       }
     }
   }
-  std::optional<void*> act = scratch.Allocate(t * call.num_neurons * sizeof(float));
+  std::optional<void*> act =
+      scratch.Allocate(std::max<int64_t>(1, t * call.num_neurons) * sizeof(float));
   std::optional<void*> y_cold = scratch.Allocate(t * call.dim * sizeof(float));
   std::optional<void*> counts = scratch.Allocate(t * sizeof(int32_t));
   if (!act || !y_cold || !counts) {

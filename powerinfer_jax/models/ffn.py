@@ -17,15 +17,35 @@ hot ones come first, then `split(n_hot)` keeps rows [0, n_hot) in the Params (th
 rows) and moves rows [n_hot, F) into `HostRows` variables (`self.cold`). A placed FFN computes the
 hot rows with XLA (jnp, masked by the active set) and the cold rows with the FFI custom call on the
 host pool, and adds the two partial sums. See sparsity/placement.py and models/hybrid.py.
+
+On a GPU backend with the CUDA build, `split` instead copies the cold rows once into the host store
+of the CUDA module (ops/_ffi.register_cold_rows) and keeps only its handle (`cold_handle`, a static
+attribute, so no cold byte is ever an XLA operand or device buffer). The FFN then runs as one custom
+call: the predicted-active hot rows in CUDA kernels on XLA's stream and the cold rows on the host
+pool, overlapped (xla_ffi/sparse_ffn_hybrid_cuda.cu). Modes that need every row's activations on
+the device (threshold; `activations`) are rejected there with a clear error.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from powerinfer_jax.config import SparsityConfig
 from powerinfer_jax.models.layers import F32, Linear, _param, use_ffi
 from powerinfer_jax.ops.reference import activate  # pure jnp, shared with the kernels' oracle
+
+
+def cuda_hybrid_available() -> bool:
+    """A GPU backend and the CUDA build (powerinfer_jax._pij_cuda): placed FFNs keep their cold
+    rows in the CUDA module's host store and run the hybrid custom call."""
+    if jax.default_backend() != "gpu":
+        return False
+    try:
+        from powerinfer_jax.ops import _ffi
+    except ImportError:
+        return False
+    return _ffi._pij_cuda is not None
 
 
 class HostRows(nnx.Variable):
@@ -56,10 +76,12 @@ class FFN(nnx.Module):
         self.down_t = DownT(d_ff, d_model, bias=bias, dtype=dtype, rngs=rngs)
         self.predictor = nnx.data(None)  # a sparsity.predictor.Predictor, for predictor mode
         self.cold = nnx.data(None)  # after split(): {"gate", "up", "down_t", "b_up"} HostRows
+        self.cold_handle = None  # after split() on a GPU: the cold rows' handle in the host store
+        self.n_cold = 0
 
     @property
     def placed(self) -> bool:
-        return self.cold is not None
+        return self.cold is not None or self.cold_handle is not None
 
     def permute(self, order) -> None:
         """Reorder the neurons: new row j is old neuron order[j] (gate/up/down_t rows, up bias and
@@ -79,12 +101,27 @@ class FFN(nnx.Module):
         if self.predictor is not None:
             self.predictor.permute(perm)
 
-    def split(self, n_hot: int) -> None:
-        """Keep rows [0, n_hot) as the hot Params; move rows [n_hot, F) to host rows."""
+    def split(self, n_hot: int, *, store: str = "auto") -> None:
+        """Keep rows [0, n_hot) as the hot Params; move rows [n_hot, F) to host rows.
+
+        store: where the cold rows go. "operands": `HostRows` variables, passed to the CPU custom
+        call as operands (the CPU-only hybrid). "cuda": the CUDA module's host store, referenced
+        by handle (GPU builds). "auto": "cuda" on a GPU backend with the CUDA build, else
+        "operands". With "cuda" and no cold rows (n_hot == F) the FFN stays unsplit: every row
+        is on the device already."""
         f = self.up.weight.shape[0]
         if self.placed or not (isinstance(n_hot, int) and 0 <= n_hot <= f):
             raise ValueError(f"FFN.split: n_hot: expected an integer in [0, {f}] on an unsplit "
                              f"FFN, got {n_hot!r} (placed={self.placed})")
+        if store == "auto":
+            store = "cuda" if cuda_hybrid_available() else "operands"
+        if store not in ("operands", "cuda"):
+            raise ValueError(f"FFN.split: store: expected 'auto', 'operands' or 'cuda', got "
+                             f"{store!r}")
+        if store == "cuda":
+            if n_hot < f:
+                self._split_to_cuda_store(n_hot)
+            return
         cold = {}
         for key, var in (("gate", None if self.gate is None else self.gate.weight),
                          ("up", self.up.weight), ("down_t", self.down_t.weight),
@@ -95,6 +132,27 @@ class FFN(nnx.Module):
             cold[key] = HostRows(rows[n_hot:])
             var.set_value(rows[:n_hot])
         self.cold = nnx.data(cold)
+
+    def _split_to_cuda_store(self, n_hot: int) -> None:
+        import weakref
+
+        import numpy as np
+
+        from powerinfer_jax.ops import _ffi
+
+        def rows(var):
+            return None if var is None else np.asarray(jax.device_get(var[...][n_hot:]))
+
+        f = self.up.weight.shape[0]
+        gate = None if self.gate is None else self.gate.weight
+        handle = _ffi.register_cold_rows(rows(self.up.weight), rows(self.down_t.weight),
+                                         gate=rows(gate), b_up=rows(self.up.bias))
+        weakref.finalize(self, _ffi.release_cold_rows, handle)
+        for var in (gate, self.up.weight, self.down_t.weight, self.up.bias):
+            if var is not None:
+                var.set_value(var[...][:n_hot])
+        self.cold_handle = int(handle)
+        self.n_cold = f - n_hot
 
     @property
     def n_hot(self) -> int:
@@ -129,6 +187,9 @@ class FFN(nnx.Module):
             criterion, scores = "oracle", None
         elif criterion is None:
             criterion = "oracle" if scores is None else "scores"
+        if self.cold_handle is not None:
+            return self._hybrid_cuda(x_btd, scores=scores, threshold=0.0 if dense else threshold,
+                                     criterion=criterion, dense=dense)
         n_hot, c = self.n_hot, self.cold
         n_cold = c["up"][...].shape[0]
         b_down = None if self.down_t.bias is None else self.down_t.bias[...]
@@ -158,9 +219,37 @@ class FFN(nnx.Module):
             y = y + b_down
         return y, (None if dense else count)
 
+    def _hybrid_cuda(self, x_btd, *, scores, threshold: float, criterion: str, dense: bool):
+        """The GPU hybrid: one custom call, hot rows on the device, cold rows behind the handle."""
+        from powerinfer_jax.ops import _ffi
+
+        if criterion == "activations":
+            raise ValueError("FFN (GPU hybrid): criterion: expected 'scores' or 'oracle', got "
+                             "'activations' (--gate-up q4 runs on the CPU backend only)")
+        lead, d = x_btd.shape[:-1], x_btd.shape[-1]
+        x = x_btd.reshape(-1, d)
+        s = None if scores is None else scores.reshape(x.shape[0], -1)
+        n_hot = self.n_hot
+        y, count = _ffi.sparse_ffn_hybrid(
+            x, self.up.weight[...], self.down_t.weight[...],
+            w_gate=None if self.gate is None else self.gate.weight[...],
+            b_up=None if self.up.bias is None else self.up.bias[...],
+            b_down=None if self.down_t.bias is None else self.down_t.bias[...],
+            scores=None if s is None else s[:, :n_hot],
+            scores_cold=None if s is None else s[:, n_hot:], threshold=float(threshold),
+            activation=self.activation, criterion=criterion, cold_handle=self.cold_handle)
+        return y.reshape(lead + (d,)), (None if dense else count.reshape(lead))
+
+    def _require_cold_operands(self, what: str) -> None:
+        if self.cold_handle is not None:
+            raise ValueError(f"FFN.{what}: expected the cold rows as operands (CPU hybrid), got "
+                             "them in the GPU host store (a GPU-placed FFN computes them only "
+                             "inside the hybrid custom call: use modes dense, oracle or predictor)")
+
     def activations(self, x_btd):
         """The neuron activations a [B, T, F] (float32), computed densely."""
         if self.placed:
+            self._require_cold_operands("activations")
             return jnp.concatenate([self._hot_act(x_btd), self._cold_act(x_btd)], axis=-1)
         up = self.up(x_btd)
         if self.gate is None:
@@ -179,6 +268,8 @@ class FFN(nnx.Module):
     def gate_magnitude(self, x_btd):
         """|act(gate . x)| [B, T, F] (non-gated: |a|), the threshold mode's criterion."""
         if self.gate is None or self.placed:
+            if self.placed:
+                self._require_cold_operands("gate_magnitude")
             if self.gate is not None:  # placed: |act(gate)| over hot and cold rows, with XLA
                 return jnp.abs(jnp.concatenate(  # act(gate . x): the gate rows as "up" rows
                     [self._rows_act(x_btd, None, self.gate.weight[...], None),

@@ -134,8 +134,30 @@ def register_cold_rows(up, down_t, *, gate=None, b_up=None) -> int:
     if _pij_cuda is None:
         raise RuntimeError("register_cold_rows: expected the PIJ_CUDA=ON build (powerinfer_jax."
                            "_pij_cuda), got a CPU-only build")
-    host = lambda a: None if a is None else np.ascontiguousarray(np.asarray(a))
-    return _pij_cuda.register_cold_rows(host(up), host(down_t), host(gate), host(b_up))
+    dtype = np.dtype(up.dtype).name
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"register_cold_rows: up: expected float32, bfloat16 or float16 rows, "
+                         f"got {dtype}")
+
+    def host(a, as_weight=True):
+        if a is None:
+            return None
+        a = np.ascontiguousarray(np.asarray(a))
+        if as_weight and np.dtype(a.dtype).name != dtype:
+            raise ValueError(f"register_cold_rows: expected every weight in {dtype} (up's dtype), "
+                             f"got {a.dtype}")
+        # numpy has no bfloat16 of its own (ml_dtypes' cannot cross nanobind): 16-bit rows travel
+        # as their bits; `dtype` tells the backend how to read them
+        return a.view(np.uint16) if as_weight and a.dtype.itemsize == 2 else a
+
+    b = None if b_up is None else np.asarray(b_up, np.float32)
+    return int(_pij_cuda.register_cold_rows(host(up), host(down_t), host(gate),
+                                            host(b, as_weight=False), dtype))
+
+
+def release_cold_rows(handle: int) -> bool:
+    """Free rows registered by `register_cold_rows` (False if the handle is unknown)."""
+    return _pij_cuda is not None and bool(_pij_cuda.release_cold_rows(int(handle)))
 
 
 def sparse_ffn_hybrid(x, w_up, w_down_t, *, w_gate, b_up, b_down, scores, scores_cold,
