@@ -2,7 +2,7 @@
 # On a GPU machine (the `device` tool's H100/H200), from the repo root: build both extension
 # modules with PIJ_CUDA=ON against the local python3's jax, then run the CUDA tests and
 # compute-sanitizer memcheck on the hybrid handler. Logs go to $OUT (or ./gpu_logs).
-# Usage: bash benchmarks/gpu/build_and_test.sh [pytest args...]
+# Usage: bash benchmarks/gpu/build_and_test.sh [pytest args...]   (PIJ_BUILD_ONLY=1: build only)
 set -uo pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -18,6 +18,7 @@ cmake -S . -B "$BUILD" -G Ninja -DPIJ_CUDA=ON -DPython_EXECUTABLE="$PY" >"$OUT/c
 cp "$BUILD"/_pij_ext*.so "$BUILD"/_pij_cuda*.so powerinfer_jax/
 echo "build: $(( $(date +%s) - t0 )) s"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+[ "${PIJ_BUILD_ONLY:-0}" = 1 ] && exit 0
 $PY -m pytest -q -rs -p no:cacheprovider tests/test_cuda_kernels.py tests/test_cuda_hybrid.py "$@" \
   2>&1 | tee "$OUT/pytest_cuda.log" | tail -40
 rc=${PIPESTATUS[0]}
