@@ -99,3 +99,18 @@ def test_placement_for_another_model_is_rejected():
     other = Transformer(CFG.replace(d_ff=41), rngs=nnx.Rngs(0), kernels="ffi")
     with pytest.raises(ValueError, match="another model"):
         apply_placement(other, p)
+
+
+def test_split_store_choices_are_checked():
+    from powerinfer_jax.ops import _ffi
+
+    m, _ = model_and_placement(CFG, 0.3)
+    ffn = m.layers[0].ffn
+    with pytest.raises(ValueError, match="store: expected 'auto', 'operands' or 'cuda'"):
+        ffn.split(5, store="disk")
+    if _ffi._pij_cuda is None:  # the CPU-only build has no host store for the GPU hybrid
+        with pytest.raises(RuntimeError, match="PIJ_CUDA=ON build"):
+            ffn.split(5, store="cuda")
+    assert not ffn.placed  # a rejected split leaves the FFN whole
+    ffn.split(5, store="auto")  # CPU backend: operands
+    assert ffn.cold is not None and ffn.cold_handle is None and ffn.n_hot == 5

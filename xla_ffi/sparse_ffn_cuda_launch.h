@@ -9,9 +9,14 @@
 
 namespace pij {
 
-// Enqueues the two-kernel sparse FFN of a decoded call on `stream` (y and n_active overwritten).
-// act: device scratch of rows * num_neurons floats. Dispatches on the weight dtype.
-ffi::Error LaunchSparseFfnCuda(const SparseFfnCall& call, float* act, cudaStream_t stream);
+// Floats of device scratch LaunchSparseFfnCuda needs for `call` (activations and the down
+// projection's per-chunk partials).
+int64_t SparseFfnCudaScratchFloats(const SparseFfnCall& call);
+
+// Enqueues the sparse FFN kernels of a decoded call on `stream` (y and n_active overwritten).
+// scratch: device memory of SparseFfnCudaScratchFloats(call) floats. Dispatches on the weight
+// dtype.
+ffi::Error LaunchSparseFfnCuda(const SparseFfnCall& call, float* scratch, cudaStream_t stream);
 
 }  // namespace pij
 

@@ -235,8 +235,7 @@ ffi::Error HybridImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
       }
     }
   }
-  std::optional<void*> act =
-      scratch.Allocate(std::max<int64_t>(1, t * call.num_neurons) * sizeof(float));
+  std::optional<void*> act = scratch.Allocate(SparseFfnCudaScratchFloats(call) * sizeof(float));
   std::optional<void*> y_cold = scratch.Allocate(t * call.dim * sizeof(float));
   std::optional<void*> counts = scratch.Allocate(t * sizeof(int32_t));
   if (!act || !y_cold || !counts) {
