@@ -126,14 +126,26 @@ def test_model_bytes_are_exact():
 
 
 def test_layers_mode_fills_whole_layers():
+    # dense = 50 + 3 * 20 = 110; each whole FFN 20 bytes
     s = pl.ModelBytes(global_dense=50, layer_dense=(20, 20, 20), neuron_bytes=(2, 2, 2),
                       d_ff=(10, 10, 10))
-    assert pl.place_layers(None, s, 50).hot == (0, 0, 0)
-    assert pl.place_layers(None, s, 50 + 40 * 2 + 39).hot == (10, 10, 0)
+    assert pl.place_layers(None, s, 110).hot == (0, 0, 0)
+    p = pl.place_layers(None, s, 110 + 20 * 2 + 19)
+    assert p.hot == (10, 10, 0) and p.device_bytes == 150 <= p.budget_bytes
     p = pl.place_layers(None, s, 10 ** 6)
     assert p.hot == (10, 10, 10) and p.device_bytes == s.total
-    with pytest.raises(ValueError, match="embeddings"):
-        pl.place_layers(None, s, 49)
+    with pytest.raises(ValueError, match="dense parts"):
+        pl.place_layers(None, s, 109)
+
+
+def test_layers_and_hybrid_hold_the_same_device_bytes_for_a_budget():
+    s = pl.ModelBytes(global_dense=50, layer_dense=(20, 20, 20), neuron_bytes=(2, 2, 2),
+                      d_ff=(10, 10, 10))
+    freqs = [np.linspace(1, 0, 10)] * 3
+    for budget in (110, 131, 150, 170):
+        lay, hyb = pl.place_layers(freqs, s, budget), pl.place_neurons(freqs, s, budget)
+        assert lay.device_bytes <= budget and hyb.device_bytes <= budget
+        assert budget - lay.device_bytes < 20 and budget - hyb.device_bytes < 2
 
 
 def test_cache_invalidated_by_budget_model_or_stats(tmp_path):

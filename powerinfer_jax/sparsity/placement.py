@@ -37,8 +37,8 @@ unconstrained optimum. None disables the cap.
 Budget below the dense parts: a ValueError naming the budget, the bytes needed and the rule (the dense
 parts are never offloaded: an explicit error is easier to act on than a silent slowdown).
 
-`place_layers` is the llama.cpp `-ngl` baseline: the first k whole layers (attention, KV cache and
-all FFN rows) on the accelerator, the rest on the host, k as large as the same budget allows.
+`place_layers` is the llama.cpp `-ngl` baseline for FFNs: every dense part on the accelerator as in
+hybrid mode, then the whole FFNs of the first k layers, k as large as the same budget allows.
 """
 from __future__ import annotations
 
@@ -142,10 +142,6 @@ class Placement:
     @property
     def device_bytes(self) -> int:
         s = self.sizes
-        if self.mode == "layers":
-            k = sum(1 for h, f in zip(self.hot, s.d_ff) if h == f and f > 0)
-            return s.global_dense + sum(s.layer_dense[:k]) + sum(
-                b * f for b, f in zip(s.neuron_bytes[:k], s.d_ff[:k]))
         return s.dense + sum(h * b for h, b in zip(self.hot, s.neuron_bytes))
 
     @property
@@ -296,24 +292,29 @@ def _make(freqs, orders, hot, sizes, budget, mode, cap) -> Placement:
 
 def place_layers(frequency: Sequence[np.ndarray] | None, sizes: ModelBytes,
                  budget_bytes: int) -> Placement:
-    """The `--offload layers` baseline: the first k whole layers on the accelerator, k maximal.
+    """The `--offload layers` baseline: the FFNs of the first k layers on the accelerator, k maximal.
 
-    Neurons keep their order (no permutation). Needs at least the global dense parts (embeddings,
-    final norm, lm_head) on the accelerator.
+    Like llama.cpp's -ngl, but only the FFNs move: this engine keeps every layer's attention,
+    norms and KV cache on the accelerator (it has no host attention), so those dense parts are
+    charged first, as in hybrid mode, and k whole FFNs fill what is left. The two modes then hold
+    the same bytes on the device for the same budget, and differ only in which FFN rows: whole
+    layers here, the most frequently active neurons of every layer in hybrid mode. Neurons keep
+    their order (no permutation).
     """
     if frequency is None:
         frequency = [np.ones(f) for f in sizes.d_ff]
     freqs = _check_inputs(frequency, sizes, budget_bytes)
-    if budget_bytes < sizes.global_dense:
-        raise _dense_error(int(budget_bytes), sizes.global_dense,
-                           "the embeddings, final norm and lm_head")
-    left = int(budget_bytes) - sizes.global_dense
+    if budget_bytes < sizes.dense:
+        raise _dense_error(int(budget_bytes), sizes.dense,
+                           "the dense parts (attention, norms, embeddings, lm_head, predictors, "
+                           "KV cache)")
+    left = int(budget_bytes) - sizes.dense
     k = 0
     for l in range(len(sizes.d_ff)):
-        layer_total = sizes.layer_dense[l] + sizes.neuron_bytes[l] * sizes.d_ff[l]
-        if layer_total > left:
+        ffn = sizes.neuron_bytes[l] * sizes.d_ff[l]
+        if ffn > left:
             break
-        left -= layer_total
+        left -= ffn
         k += 1
     hot = [f if l < k else 0 for l, f in enumerate(sizes.d_ff)]
     orders = [np.arange(f) for f in sizes.d_ff]
