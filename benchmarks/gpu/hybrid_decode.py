@@ -249,6 +249,7 @@ def main(argv=None) -> None:
     head = header(args, cfg)
     head["config"] = {"shapes": args.shapes, "n_layers": cfg.n_layers, "d_model": cfg.d_model,
                       "d_ff": cfg.d_ff, "mean_active_fraction": float(freq.mean()),
+                      "profile_target": args.profile_target,
                       "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                       "repeats": args.repeats}
     jobs = [(m, None) for m in args.modes if m.startswith("all_gpu")]
