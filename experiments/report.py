@@ -267,6 +267,65 @@ SECTIONS = (("power_law", section_power_law, "Sorted activation frequency per la
             ("prompt_length", section_prompt_length, "Prefill and decode vs prompt length"))
 
 
+GPU_HYBRID_FILE = _common.REPO / "benchmarks" / "gpu_hybrid.jsonl"
+GPU_PLACED_MODES = ("hybrid", "layers", "layers_dense")
+
+
+def section_gpu_hybrid(path: Path = GPU_HYBRID_FILE) -> str:
+    """benchmarks/gpu/hybrid_decode.py's rows (a GPU machine's; run by hand, not by run_all): per
+    (model, profile), the newest row of each (mode, budget); rows marked superseded_by (a later
+    commit fixed what they measured) are left out."""
+    rows = [r for r in _common.read_rows(path)
+            if "decode_tok_s" in r and not r.get("superseded_by")]
+    if not rows:
+        return ""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["config"].get("profile_target", "0.50")), []).append(r)
+    parts = ["## 7. GPU hybrid engine: decode tokens/s vs VRAM budget\n",
+             "Synthetic models (random weights; active neurons sampled per token from SmolLM2-135M's "
+             "profiled activation frequencies at the named calibration target), run by "
+             "`benchmarks/gpu/hybrid_decode.py` on a GPU machine. Budget: the dense parts plus the "
+             "given fraction of the FFN bytes. hybrid: the most frequently active neurons of every "
+             "layer on the GPU, the rest on the host pool; layers: whole FFNs of the first layers "
+             "on the GPU, computing only the active neurons of the rest on the host; layers_dense: "
+             "the llama.cpp -ngl baseline (every neuron of the host layers).\n"]
+    for (model, target), rs in sorted(groups.items()):
+        cell = {}  # the newest row of each (mode, budget)
+        for r in sorted(rs, key=lambda r: str(r.get("time", ""))):
+            cell[(r["mode"], r.get("budget_ffn_fraction"))] = r
+        rs = list(cell.values())
+        budgets = sorted({b for _, b in cell if b is not None})
+        body = []
+        for b in budgets:
+            v = {m: cell[(m, b)]["decode_tok_s"] if (m, b) in cell else None
+                 for m in GPU_PLACED_MODES}
+            ratio = lambda m: (f"{v['hybrid'] / v[m]:.2f}x" if v["hybrid"] and v[m] else "-")
+            hot = cell.get(("hybrid", b), {}).get("served_fraction")
+            body.append([f"{b:.0%}", v["hybrid"], v["layers"], v["layers_dense"], ratio("layers"),
+                         ratio("layers_dense"), fmt(hot, 2)])
+        gpu = {m: cell.get((m, None), {}).get("decode_tok_s") for m in ("all_gpu", "all_gpu_dense")}
+        parts.append(f"### {model}, activation profile target {target}\n\n" + provenance(rs) +
+                     f". GPU: {rs[0]['machine'].get('gpu', '?')}; host pool threads: "
+                     f"{rs[0]['threads']}; dtype {rs[0]['dtype']}. All on the GPU: sparse "
+                     f"kernels {fmt(gpu['all_gpu'])} tok/s, dense XLA {fmt(gpu['all_gpu_dense'])} "
+                     "tok/s.\n\n" + table(["budget", "hybrid", "layers", "layers_dense",
+                                           "hybrid / layers", "hybrid / layers_dense",
+                                           "activations served on GPU"], body) + "\n")
+        ov = [(r["budget_ffn_fraction"], r["overlap"]) for r in rs if r.get("overlap")]
+        if ov:
+            parts.append("One layer's hybrid call (median µs): the full call vs its parts alone "
+                         "(hot only: no cold neuron active; cold only: no hot neuron active; none: "
+                         "neither, the fixed cost). The parts overlap when full < hot only + cold "
+                         "only - none.\n\n" + table(
+                             ["budget", "full", "hot only", "cold only", "none",
+                              "sum of parts", "saved by overlap"],
+                             [[f"{b:.0%}", o["full_us"], o["hot_only_us"], o["cold_only_us"],
+                               o["none_us"], o["sum_of_parts_us"], o["overlap_saved_us"]]
+                              for b, o in sorted(ov)]) + "\n")
+    return "\n".join(parts)
+
+
 def render(results: Path, report_path: Path, *, quick: bool = False) -> str:
     """The report's markdown. quick: the results come from `run_all --quick` (said up front)."""
     results = Path(results)
@@ -287,6 +346,9 @@ def render(results: Path, report_path: Path, *, quick: bool = False) -> str:
         text = fn(rows, _figure(results, name, report_dir, caption)) if rows else ""
         parts.append(text or f"## {name}\n\nNo results yet (`python -m experiments.run_all "
                              f"--only {name}`).\n")
+    gpu = section_gpu_hybrid()
+    if gpu:
+        parts.append(gpu)
     return "\n".join(parts)
 
 

@@ -175,3 +175,27 @@ def test_cost_breakdown_components_on_a_tiny_model(mode):
     if mode in ("q4", "q4gu"):  # per neuron: gate and up, each 64 nibble bytes + 8 fp16 scales/minimums
         pairs = -(-c.d_model // 64)
         assert b["predictor"] == c.n_layers * c.d_ff * 2 * (32 * pairs + 2 * 4 * pairs)
+
+
+def test_gpu_hybrid_section_from_synthetic_rows(tmp_path):
+    def gpu_row(mode, budget, tok_s, time, **extra):
+        return {"experiment": "gpu_hybrid_decode", "time": time, "commit": "abc1234",
+                "machine": {**MACHINE, "gpu": "Test GPU"}, "threads": 12, "dtype": "bfloat16",
+                "model": "m (synthetic)", "config": {"profile_target": "0.50"}, "mode": mode,
+                "budget_ffn_fraction": budget, "decode_tok_s": tok_s, "served_fraction": 0.3,
+                **extra}
+    rows = [gpu_row("hybrid", 0.25, 1.0, "t0", superseded_by="later fix"),  # left out
+            gpu_row("hybrid", 0.25, 30.0, "t1", overlap={
+                "full_us": 100.0, "hot_only_us": 40.0, "cold_only_us": 90.0, "none_us": 20.0,
+                "sum_of_parts_us": 110.0, "overlap_saved_us": 10.0}),
+            gpu_row("layers", 0.25, 12.0, "t1"), gpu_row("layers_dense", 0.25, 5.0, "t0"),
+            gpu_row("layers_dense", 0.25, 10.0, "t2"),  # the newest row of its cell wins
+            gpu_row("all_gpu", None, 100.0, "t1"), gpu_row("error", 0.1, None, "t1")]
+    rows[-1].pop("decode_tok_s")
+    _common.append_rows(tmp_path / "g.jsonl", rows)
+    text = report.section_gpu_hybrid(tmp_path / "g.jsonl")
+    assert "### m (synthetic), activation profile target 0.50" in text
+    assert "| 25% | 30.0 | 12.0 | 10.0 | 2.50x | 3.00x | 0.30 |" in text
+    assert "sparse kernels 100.0 tok/s, dense XLA n/a" in text
+    assert "| 25% | 100.0 | 40.0 | 90.0 | 20.0 | 110.0 | 10.0 |" in text
+    assert report.section_gpu_hybrid(tmp_path / "missing.jsonl") == ""
