@@ -1,12 +1,11 @@
 """Applying a `Placement` to a loaded Transformer: hot-first permutation, then the hot/cold split.
 
-After `apply_placement`, layer l's FFN keeps rows [0, hot[l]) as ordinary (accelerator) Params and
-rows [hot[l], F) as `HostRows`; its call runs hot rows with XLA and cold rows through the FFI custom
-call (models/ffn.py, FFN.hybrid). No index remapping happens at run time.
-
-Cold rows are passed to the custom call as ordinary operands (XLA host buffers on CPU). The
-handle-based host store (rows registered once with cpu_backend, referenced by an attribute) is
-implemented for the CUDA hybrid handler only (xla_ffi/sparse_ffn_hybrid_cuda.cu).
+After `apply_placement`, layer l's FFN keeps rows [0, hot[l]) as ordinary (accelerator) Params. Rows
+[hot[l], F) go, on a GPU with the CUDA build, into the CUDA module's host store (registered once,
+named by a handle attribute; one hybrid custom call per layer runs hot rows in CUDA kernels and cold
+rows on the host pool), and otherwise into `HostRows` operands (the CPU-only hybrid: hot rows with
+XLA, cold rows through the FFI custom call). See models/ffn.py (FFN.split, FFN.hybrid). No index
+remapping happens at run time.
 """
 from __future__ import annotations
 
