@@ -8,7 +8,9 @@ machine, threads and dtype, appended to benchmarks/e2e_ab.jsonl.
 
 Modes: dense; predictor (q4 predictor, gate/up rows read at the dtype); predictor_q4gu (the q4
 estimates as activations: --gate-up q4, one custom call per layer); dense_xla_attention (dense
-with decode attention through XLA's ops instead of ops.decode_attention: that op's ablation).
+with decode attention through XLA's ops instead of ops.decode_attention: that op's ablation);
+predictor_q4gu_qkv3 (predictor_q4gu with q, k, v as three linear calls instead of one
+ops.linear_many call: that call's ablation).
 
   python benchmarks/e2e_ab.py [--dtypes bfloat16 float32] [--threads 2] [--rounds 5]
 """
@@ -23,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-MODES = ("dense", "predictor", "predictor_q4gu", "dense_xla_attention")
+MODES = ("dense", "predictor", "predictor_q4gu", "dense_xla_attention", "predictor_q4gu_qkv3")
 DEFAULT_MODES = ("dense", "predictor", "predictor_q4gu")
 
 
@@ -44,8 +46,11 @@ def build(name: str, ckpt, mode: str, dtype: str, target: float, max_seq_len: in
     arts = A.ensure_artifacts(name, ckpt.source, model, ckpt.tokenizer, target,
                               need_predictor=False)
     thresholds = A.use_predictor(model, arts, "q4")
+    if mode == "predictor_q4gu_qkv3":
+        for layer in model.layers:
+            layer.attn.fuse_qkv = False
     sparsity = SparsityConfig(mode="predictor", target_sparsity=target, predictor="q4",
-                              gate_up="q4" if mode == "predictor_q4gu" else "full")
+                              gate_up="q4" if mode.startswith("predictor_q4gu") else "full")
     return Engine(model, max_seq_len=max_seq_len, sparsity=sparsity, thresholds=thresholds)
 
 

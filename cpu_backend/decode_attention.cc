@@ -45,18 +45,31 @@ inline void Axpy(float p, const C* v, int64_t n, float* o) {
   for (; i < n; ++i) o[i] += p * Load(v[i]);
 }
 
-// HF's "rotate half": pairs (i, i + H/2) rotated by position * theta^(-i / (H/2)).
-void Rope(const float* x, int64_t dim, int64_t position, float theta, float* y) {
-  const int64_t half = dim / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const float inv_freq = std::pow(theta, -static_cast<float>(i) / static_cast<float>(half));
-    const float angle = static_cast<float>(position) * inv_freq;
-    const float c = std::cos(angle), s = std::sin(angle);
-    const float x1 = x[i], x2 = x[i + half];
-    y[i] = x1 * c - x2 * s;
-    y[i + half] = x2 * c + x1 * s;
+// HF's "rotate half": pairs (i, i + H/2) rotated by position * theta^(-i / (H/2)). The angles
+// depend only on the position, so one table serves every head of the token: the transcendental
+// functions ran once per head before (12 heads x 32 x pow/cos/sin, ~20 us of a ~30 us call).
+struct RopeTable {
+  std::vector<float> cos, sin;
+  void Fill(int64_t dim, int64_t position, float theta) {
+    const int64_t half = dim / 2;
+    cos.resize(static_cast<size_t>(half));
+    sin.resize(static_cast<size_t>(half));
+    for (int64_t i = 0; i < half; ++i) {
+      const float inv_freq = std::pow(theta, -static_cast<float>(i) / static_cast<float>(half));
+      const float angle = static_cast<float>(position) * inv_freq;
+      cos[i] = std::cos(angle);
+      sin[i] = std::sin(angle);
+    }
   }
-}
+  void Apply(const float* x, int64_t dim, float* y) const {
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = x[i], x2 = x[i + half];
+      y[i] = x1 * cos[i] - x2 * sin[i];
+      y[i + half] = x2 * cos[i] + x1 * sin[i];
+    }
+  }
+};
 
 }  // namespace
 
@@ -68,11 +81,13 @@ void DecodeAttention(const DecodeAttentionArgs& a, const float* q, const float* 
   // The new key (roped) and value go to their slot first: the token attends to itself through
   // the cache, at the cache's precision, exactly like the XLA path.
   thread_local std::vector<float> tmp;
+  thread_local RopeTable rope;
   tmp.resize(static_cast<size_t>(h));
+  if (a.use_rope) rope.Fill(h, a.position, a.rope_theta);
   for (int64_t k = 0; k < a.n_kv_heads; ++k) {
     const float* src = k_new + k * h;
     if (a.use_rope) {
-      Rope(src, h, a.position, a.rope_theta, tmp.data());
+      rope.Apply(src, h, tmp.data());
       src = tmp.data();
     }
     C* kd = k_cache + a.slot * kv_stride + k * h;
@@ -85,12 +100,13 @@ void DecodeAttention(const DecodeAttentionArgs& a, const float* q, const float* 
   const int64_t group = a.n_heads / a.n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(h));
   const int64_t visible = std::min<int64_t>(a.kv_len, a.position + 1);  // slots <= position
+  const RopeTable& rope_shared = rope;  // the caller's table, read by every worker
   auto head = [&](int64_t hq, int /*worker*/) {
     thread_local std::vector<float> qh, scores;  // per thread: no heap work once sized
     qh.resize(static_cast<size_t>(h));
     scores.resize(static_cast<size_t>(visible));
     if (a.use_rope) {
-      Rope(q + hq * h, h, a.position, a.rope_theta, qh.data());
+      rope_shared.Apply(q + hq * h, h, qh.data());
     } else {
       std::copy_n(q + hq * h, h, qh.data());
     }

@@ -39,18 +39,42 @@ void Rows(const W* w, const float* bias, int64_t out_dim, int64_t dim,
 }  // namespace
 
 template <typename W>
-void Linear(const W* w, const float* bias, int64_t out_dim, int64_t dim,
-            std::span<const float* const> x_rows, float* y, ThreadPool& pool) {
-  if (out_dim * dim < kParallelMinElements || pool.NumThreads() == 1) {
-    Rows(w, bias, out_dim, dim, x_rows, y, 0, out_dim);
+void LinearMany(std::span<const LinearOut<W>> outs, int64_t dim,
+                std::span<const float* const> x_rows, ThreadPool& pool) {
+  int64_t total = 0;
+  for (const LinearOut<W>& o : outs) total += o.out_dim;
+  // Rows [lo, hi) of the outputs' rows laid end to end.
+  auto rows = [&](int64_t lo, int64_t hi) {
+    int64_t base = 0;
+    for (const LinearOut<W>& o : outs) {
+      const int64_t a = std::max(lo, base), b = std::min(hi, base + o.out_dim);
+      if (a < b) Rows(o.w, o.bias, o.out_dim, dim, x_rows, o.y, a - base, b - base);
+      base += o.out_dim;
+    }
+  };
+  if (total * dim < kParallelMinElements || pool.NumThreads() == 1) {
+    rows(0, total);
     return;
   }
-  const int64_t tasks = std::min<int64_t>(out_dim, pool.NumThreads() * kTasksPerThread);
+  const int64_t tasks = std::min<int64_t>(total, pool.NumThreads() * kTasksPerThread);
   pool.Run(0, tasks, [&](int64_t task, int /*worker*/) {
-    Rows(w, bias, out_dim, dim, x_rows, y, out_dim * task / tasks, out_dim * (task + 1) / tasks);
+    rows(total * task / tasks, total * (task + 1) / tasks);
   });
 }
 
+template <typename W>
+void Linear(const W* w, const float* bias, int64_t out_dim, int64_t dim,
+            std::span<const float* const> x_rows, float* y, ThreadPool& pool) {
+  const LinearOut<W> out{w, bias, out_dim, y};
+  LinearMany(std::span<const LinearOut<W>>(&out, 1), dim, x_rows, pool);
+}
+
+template void LinearMany<float>(std::span<const LinearOut<float>>, int64_t,
+                                std::span<const float* const>, ThreadPool&);
+template void LinearMany<Bf16>(std::span<const LinearOut<Bf16>>, int64_t,
+                               std::span<const float* const>, ThreadPool&);
+template void LinearMany<F16>(std::span<const LinearOut<F16>>, int64_t,
+                              std::span<const float* const>, ThreadPool&);
 template void Linear<float>(const float*, const float*, int64_t, int64_t,
                             std::span<const float* const>, float*, ThreadPool&);
 template void Linear<Bf16>(const Bf16*, const float*, int64_t, int64_t,

@@ -21,6 +21,29 @@ template <typename W>
 void Linear(const W* w, const float* bias, int64_t out_dim, int64_t dim,
             std::span<const float* const> x_rows, float* y, ThreadPool& pool);
 
+// One output of LinearMany: y[t, o] = x[t] . w[o] (+ bias[o]) for o < out_dim.
+template <typename W>
+struct LinearOut {
+  const W* w;
+  const float* bias;  // nullptr: none
+  int64_t out_dim;
+  float* y;  // [T, out_dim]
+};
+
+// Several products of the same x in one pool job (e.g. attention's q, k and v): their rows are
+// split as one range, so the small matrices of a decode step cost one dispatch instead of three
+// and keep every thread busy. Same rows, same order, same results as separate Linear calls.
+template <typename W>
+void LinearMany(std::span<const LinearOut<W>> outs, int64_t dim,
+                std::span<const float* const> x_rows, ThreadPool& pool);
+
+extern template void LinearMany<float>(std::span<const LinearOut<float>>, int64_t,
+                                       std::span<const float* const>, ThreadPool&);
+extern template void LinearMany<Bf16>(std::span<const LinearOut<Bf16>>, int64_t,
+                                      std::span<const float* const>, ThreadPool&);
+extern template void LinearMany<F16>(std::span<const LinearOut<F16>>, int64_t,
+                                     std::span<const float* const>, ThreadPool&);
+
 extern template void Linear<float>(const float*, const float*, int64_t, int64_t,
                                    std::span<const float* const>, float*, ThreadPool&);
 extern template void Linear<Bf16>(const Bf16*, const float*, int64_t, int64_t,

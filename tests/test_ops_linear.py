@@ -77,3 +77,57 @@ def test_handler_validates_too():
         jax.block_until_ready(_ffi.linear(x, jnp.zeros((37, 11)), None))
     with pytest.raises(Exception, match=r"linear: bias: expected float32 \[37\] or absent"):
         jax.block_until_ready(_ffi.linear(x, w, jnp.zeros((5,))))
+
+
+# ------------------------------------------------------------------------------------------------
+# linear_many: several products of one x in one call (attention's q, k, v at decode)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("lead", [(1,), (5,), (1, 1)])
+def test_linear_many_equals_separate_linear_calls(dtype, lead):
+    rng = np.random.default_rng(6)
+    d = 576
+    x = jnp.asarray(rng.standard_normal((*lead, d), dtype=np.float32))
+    ws = [jnp.asarray(rng.standard_normal((o, d), dtype=np.float32) / np.sqrt(d), dtype)
+          for o in (576, 192, 192)]
+    bs = [None, jnp.asarray(rng.standard_normal(192), jnp.float32), None]
+    got = jax.jit(lambda x, ws, bs: ops.linear_many(x, ws, bs))(x, ws, bs)
+    assert len(got) == 3
+    for g, w, b in zip(got, ws, bs):
+        # the same rows in the same order as the single-product call: bitwise equal
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(ops.linear(x, w, b)))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(ops.linear(x, w, b, impl="reference")),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_linear_many_does_not_depend_on_thread_count():
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((1, 256), dtype=np.float32))
+    ws = [jnp.asarray(rng.standard_normal((o, 256), dtype=np.float32), jnp.bfloat16)
+          for o in (1000, 7, 300)]
+    results = []
+    for n in (1, 2, 3, 1):
+        ops.set_num_threads(n)
+        results.append([np.asarray(y) for y in ops.linear_many(x, ws)])
+    ops.set_num_threads(2)
+    for r in results[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(results[0], r))
+
+
+def test_linear_many_bad_input_is_a_clear_error():
+    x, w, b = operands(8)
+    with pytest.raises(ValueError, match="one dtype for every weight"):
+        ops.linear_many(x, [w, w.astype(jnp.bfloat16)])
+    with pytest.raises(ValueError, match="as many biases"):
+        ops.linear_many(x, [w, w], [b])
+    with pytest.raises(ValueError, match="one or more weights"):
+        ops.linear_many(x, [])
+    with pytest.raises(ValueError, match=r"w shape: expected \[O, D\] with D = 12"):
+        ops.linear_many(x, [w, jnp.zeros((5, 11))])
+    # the handler checks too, naming the operand's index
+    with pytest.raises(Exception, match=r"linear: \[1\] bias: expected float32 \[37\]"):
+        jax.block_until_ready(_ffi.linear_many(x, [w, w], [None, jnp.zeros((5,))]))
+    with pytest.raises(Exception,
+                       match=r"linear: \[1\] w dtype: expected float32 \(w\[0\].s\), got bfloat16"):
+        jax.block_until_ready(_ffi.linear_many(x, [w, w.astype(jnp.bfloat16)], [None, None]))

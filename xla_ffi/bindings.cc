@@ -33,6 +33,7 @@ NB_MODULE(_pij_ext, m) {
     d["pij_sparse_ffn"] = Capsule(PijSparseFfnCpu);
     d["pij_rms_norm"] = Capsule(PijRmsNormCpu);
     d["pij_linear"] = Capsule(PijLinearCpu);
+    d["pij_linear_many"] = Capsule(PijLinearManyCpu);
     d["pij_q4_scores"] = Capsule(PijQ4ScoresCpu);
     d["pij_q4_sparse_ffn"] = Capsule(PijQ4SparseFfnCpu);
     d["pij_decode_attention"] = Capsule(PijDecodeAttentionCpu);

@@ -140,6 +140,7 @@ class Attention(nnx.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.use_rope, self.rope_theta = use_rope, rope_theta
         self.kernels = kernels
+        self.fuse_qkv = True  # decode with "ffi": q, k, v in one ops.linear_many call (ablation)
         lin = dict(bias=bias, dtype=dtype, rngs=rngs, kernels=kernels)
         self.q = Linear(d_model, n_heads * head_dim, **lin)
         self.k = Linear(d_model, n_kv_heads * head_dim, **lin)
@@ -190,7 +191,14 @@ class Attention(nnx.Module):
 
         where = jnp.stack([jnp.asarray(cache_index, jnp.int32).reshape(()),
                            positions_bt.reshape(()).astype(jnp.int32)])
+        lins = (self.q, self.k, self.v)
+        if self.fuse_qkv and all(use_ffi(l.kernels, x_btd, l.weight[...]) for l in lins):
+            # q, k and v in one pool job: three small matrices cost one dispatch
+            q, k, v = ops.linear_many(x_btd, [l.weight[...] for l in lins],
+                                      [None if l.bias is None else l.bias[...] for l in lins])
+        else:
+            q, k, v = (l(x_btd) for l in lins)
         out, k_cache, v_cache = ops.decode_attention(
-            self.q(x_btd), self.k(x_btd), self.v(x_btd), cache[0], cache[1], where,
+            q, k, v, cache[0], cache[1], where,
             kv_len=kv_len, rope_theta=self.rope_theta, use_rope=self.use_rope)
         return self.o(out), (k_cache, v_cache)

@@ -26,6 +26,7 @@ except ImportError:
 SPARSE_FFN_TARGET = "pij_sparse_ffn"
 RMS_NORM_TARGET = "pij_rms_norm"
 LINEAR_TARGET = "pij_linear"
+LINEAR_MANY_TARGET = "pij_linear_many"
 Q4_SCORES_TARGET = "pij_q4_scores"
 Q4_SPARSE_FFN_TARGET = "pij_q4_sparse_ffn"
 DECODE_ATTENTION_TARGET = "pij_decode_attention"
@@ -88,6 +89,15 @@ def linear(x, w, b):
     out = jax.ShapeDtypeStruct(x32.shape[:-1] + (w.shape[-2],), jnp.float32)
     call = jax.ffi.ffi_call(LINEAR_TARGET, out, vmap_method="expand_dims")
     return call(x32, w, _absent((0,), jnp.float32) if b is None else jnp.asarray(b, jnp.float32))
+
+
+def linear_many(x, ws, bs):
+    x32 = jnp.asarray(x, jnp.float32)
+    outs = tuple(jax.ShapeDtypeStruct(x32.shape[:-1] + (w.shape[-2],), jnp.float32) for w in ws)
+    call = jax.ffi.ffi_call(LINEAR_MANY_TARGET, outs, vmap_method="expand_dims")
+    biases = [_absent((0,), jnp.float32) if b is None else jnp.asarray(b, jnp.float32)
+              for b in bs]
+    return tuple(call(x32, *ws, *biases))
 
 
 def q4_scores(x, q, dm, b_up, *, activation, signed=False):

@@ -44,6 +44,27 @@ def linear(x, w, b=None, *, impl="ffi"):
     return _ffi.linear(x, w, b)
 
 
+def linear_many(x, ws, bs=None, *, impl="ffi"):
+    """Several dense products of the same x: [linear(x, w, b) for w, b in zip(ws, bs)], in one
+    custom call whose rows are split across the pool as one job (attention's q, k and v at
+    decode: one dispatch instead of three). Every w has the same dtype. Returns a tuple."""
+    _checks.check_choice("impl", impl, _checks.IMPLS)
+    ws = tuple(ws)
+    bs = (None,) * len(ws) if bs is None else tuple(bs)
+    if not ws or len(bs) != len(ws):
+        _checks.fail("ws/bs", "one or more weights and as many biases (None: no bias)",
+                     f"{len(ws)} weights, {len(bs)} biases")
+    for w, b in zip(ws, bs):
+        _checks.check_linear(x, w, b)
+    dtypes = sorted({str(w.dtype) for w in ws})
+    if len(dtypes) != 1:
+        _checks.fail("ws dtype", "one dtype for every weight", dtypes)
+    if impl == "reference":
+        return tuple(reference.linear(x, w, b) for w, b in zip(ws, bs))
+    from powerinfer_jax.ops import _ffi
+    return _ffi.linear_many(x, ws, bs)
+
+
 def q4_scores(x, q, dm, b_up=None, *, activation="silu", signed=False, impl="ffi"):
     """The q4 predictor's estimate of every neuron's |a_i| from 4-bit gate/up rows.
 
