@@ -19,6 +19,7 @@ FILES = {  # experiment -> JSONL file name under the results directory
     "power_law": "power_law.jsonl", "quality_vs_sparsity": "quality_vs_sparsity.jsonl",
     "ablation": "ablation.jsonl", "peers": "peers.jsonl", "cost_breakdown": "cost_breakdown.jsonl",
     "prompt_length": "prompt_length.jsonl",
+    "gpu_hybrid": "gpu_hybrid.jsonl",  # section 7, with benchmarks/gpu_hybrid.jsonl
 }
 STATUS_FILE = "run_all.jsonl"
 
@@ -271,13 +272,15 @@ GPU_HYBRID_FILE = _common.REPO / "benchmarks" / "gpu_hybrid.jsonl"
 GPU_PLACED_MODES = ("hybrid", "layers", "layers_dense")
 
 
-def section_gpu_hybrid(path: Path = GPU_HYBRID_FILE) -> str:
-    """benchmarks/gpu/hybrid_decode.py's rows (a GPU machine's; run by hand, not by run_all): per
-    (model, profile), the newest row of each (mode, budget); rows marked superseded_by (a later
-    commit fixed what they measured) are left out."""
-    rows = [r for r in _common.read_rows(path)
-            if "decode_tok_s" in r and not r.get("superseded_by")]
-    if not rows:
+def section_gpu_hybrid(*paths: Path) -> str:
+    """benchmarks/gpu/hybrid_decode.py's rows (by hand: benchmarks/gpu_hybrid.jsonl; by run_all on
+    a GPU machine: results/gpu_hybrid.jsonl): per (model, profile), the newest row of each (mode,
+    budget); rows marked superseded_by (a later commit fixed what they measured) are left out."""
+    paths = paths or (GPU_HYBRID_FILE,)
+    every = [r for path in paths for r in _common.read_rows(path)]
+    rows = [r for r in every if "decode_tok_s" in r and not r.get("superseded_by")]
+    missing = [r for r in every if r.get("status") == "not available"]
+    if not rows and not missing:
         return ""
     groups: dict = {}
     for r in rows:
@@ -290,6 +293,10 @@ def section_gpu_hybrid(path: Path = GPU_HYBRID_FILE) -> str:
              "layer on the GPU, the rest on the host pool; layers: whole FFNs of the first layers "
              "on the GPU, computing only the active neurons of the rest on the host; layers_dense: "
              "the llama.cpp -ngl baseline (every neuron of the host layers).\n"]
+    if missing:
+        parts.append(f"_Last run_all attempt without a GPU: not available "
+                     f"({missing[-1].get('reason', '?')}); the tables below are the committed "
+                     "GPU rows._\n")
     for (model, target), rs in sorted(groups.items()):
         cell = {}  # the newest row of each (mode, budget)
         for r in sorted(rs, key=lambda r: str(r.get("time", ""))):
@@ -346,7 +353,7 @@ def render(results: Path, report_path: Path, *, quick: bool = False) -> str:
         text = fn(rows, _figure(results, name, report_dir, caption)) if rows else ""
         parts.append(text or f"## {name}\n\nNo results yet (`python -m experiments.run_all "
                              f"--only {name}`).\n")
-    gpu = section_gpu_hybrid()
+    gpu = section_gpu_hybrid(GPU_HYBRID_FILE, results / FILES["gpu_hybrid"])
     if gpu:
         parts.append(gpu)
     return "\n".join(parts)

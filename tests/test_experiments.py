@@ -199,3 +199,18 @@ def test_gpu_hybrid_section_from_synthetic_rows(tmp_path):
     assert "sparse kernels 100.0 tok/s, dense XLA n/a" in text
     assert "| 25% | 100.0 | 40.0 | 90.0 | 20.0 | 110.0 | 10.0 |" in text
     assert report.section_gpu_hybrid(tmp_path / "missing.jsonl") == ""
+
+
+def test_gpu_hybrid_experiment_says_why_it_cannot_run_here(tmp_path):
+    from experiments import gpu_hybrid
+
+    out = tmp_path / "gpu_hybrid.jsonl"
+    gpu_hybrid.main(["--quick", "--out", str(out)])
+    rows = _common.read_rows(out)
+    if rows[0].get("status") == "not available":  # the CI machines: no GPU
+        (row,) = rows
+        assert "GPU" in row["reason"] or "PIJ_CUDA" in row["reason"]
+        text = report.section_gpu_hybrid(out)
+        assert "not available" in text and row["reason"] in text
+    else:  # a GPU machine with the CUDA build: measured rows
+        assert all(r["decode_tok_s"] > 0 for r in rows)

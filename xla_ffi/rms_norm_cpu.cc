@@ -49,6 +49,7 @@ ffi::Error RmsNormCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::Result<ff
     return ffi::Error::Success();
   }
   CpuRuntime& rt = GetCpuRuntime();
+  std::lock_guard<std::mutex> lock(rt.mutex);  // one pool job at a time, as every handler
   const int64_t chunks = rt.pool.NumThreads();
   rt.pool.Run(0, chunks, [&](int64_t c, int /*worker*/) {
     RmsNormRows(x_span, s_span, eps, dim, rows * c / chunks, rows * (c + 1) / chunks, y_span);
