@@ -77,3 +77,27 @@ def test_bench_json_reports_placement(tiny_dir, sizes, capsys):
     assert p["device_bytes"] <= int(budget * GIB)
     assert np.isclose(sum(h * 96 for h in p["hot_fraction"]),
                       (p["device_bytes"] - sizes.dense) / sizes.neuron_bytes[0], atol=0.01)
+
+
+def test_accelerator_path_builds_on_the_host_then_moves_what_stays(tiny_dir, sizes, tmp_path,
+                                                                 monkeypatch):
+    """The GPU session path, run with the CPU standing in for the accelerator: the default budget
+    is read before the model is built, the model is built and placed on the host, then moved."""
+    import jax
+
+    from powerinfer_jax.runtime import placing, session
+
+    want = tokens(open_session(str(tiny_dir), RUNTIME, ORACLE, progress=False))
+    calls = []
+    budget = sizes.dense + int(0.3 * sizes.ffn)
+    monkeypatch.setattr(session, "_accelerator", lambda: jax.devices()[0])
+    monkeypatch.setattr(placing, "default_budget_bytes", lambda: calls.append(1) or budget)
+    moved = []
+    real_move = session._to_accelerator
+    monkeypatch.setattr(session, "_to_accelerator", lambda m, d: (moved.append(d),
+                                                                  real_move(m, d)))
+    s = open_session(str(tiny_dir), RUNTIME, ORACLE, artifacts_root=tmp_path, progress=False)
+    assert calls == [1] and moved == [jax.devices()[0]]  # budget read once, model moved once
+    assert s.placement is not None and s.placement.budget_bytes == budget
+    assert 0 < sum(s.placement.hot) < 2 * 96
+    assert tokens(s) == want

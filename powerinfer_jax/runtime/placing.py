@@ -53,12 +53,16 @@ def load_frequencies(artifacts_dir: Path | None, n_layers: int, d_ff: int
 
 
 def place_model(model, cfg: PlacementConfig, *, kv_len: int, model_fingerprint,
-                artifacts_dir: Path | None, cache_dir: Path | None) -> pl.Placement | None:
-    """Decide (or reuse from the cache) and apply the placement; None when none applies."""
+                artifacts_dir: Path | None, cache_dir: Path | None,
+                default_budget: int | None = None) -> pl.Placement | None:
+    """Decide (or reuse from the cache) and apply the placement; None when none applies.
+    default_budget: the budget without --vram-budget (read before the model was loaded, as the
+    session does); None: default_budget_bytes() now."""
     from powerinfer_jax.models.hybrid import apply_placement
     from powerinfer_jax.sparsity.placement_cache import load_or_place
 
-    budget = cfg.budget_bytes if cfg.budget_bytes is not None else default_budget_bytes()
+    budget = cfg.budget_bytes if cfg.budget_bytes is not None else (
+        default_budget if default_budget is not None else default_budget_bytes())
     if budget is None:
         return None
     c = model.config

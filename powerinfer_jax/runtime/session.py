@@ -50,6 +50,53 @@ def open_session(model: str, runtime: RuntimeConfig, sparsity: SparsityConfig, *
         raise ValueError(f"--max-seq-len: expected at most {ckpt.config.max_seq_len} (the model's "
                          f"context), got {runtime.max_seq_len}")
     dtype = jnp.dtype(runtime.dtype)
+    # With an accelerator the model is built in host memory and only what the placement keeps on
+    # the device goes there (_to_accelerator): a model larger than the device's memory never
+    # lands on it whole. The default budget is read before any weight is on the device.
+    accel = _accelerator()
+    default_budget = None
+    if accel is not None and placement.budget_bytes is None:
+        from powerinfer_jax.runtime.placing import default_budget_bytes
+
+        default_budget = default_budget_bytes()
+    with _on_host(accel):
+        m, thresholds, oracle_thresholds, placed = _build(
+            model, ckpt, dtype, runtime, sparsity, placement, artifacts_root, progress,
+            default_budget)
+    if accel is not None:
+        _to_accelerator(m, accel)
+    return Session(config=ckpt.config, model=m, tokenizer=ckpt.tokenizer, runtime=runtime,
+                   sparsity=sparsity, source=str(ckpt.source), thresholds=thresholds,
+                   oracle_thresholds=oracle_thresholds, placement=placed)
+
+
+def _accelerator():
+    """The first non-CPU device, or None on a CPU-only machine."""
+    import jax
+
+    dev = jax.devices()[0]
+    return None if dev.platform == "cpu" else dev
+
+
+def _on_host(accel):
+    import contextlib
+
+    import jax
+
+    return contextlib.nullcontext() if accel is None else jax.default_device(jax.devices("cpu")[0])
+
+
+def _to_accelerator(m, device) -> None:
+    """Move every array still in the model (dense parts, hot rows, predictors) to the device; the
+    cold rows already live in the host store and are not in the model's state."""
+    import jax
+    from flax import nnx
+
+    nnx.update(m, jax.device_put(nnx.state(m), device))
+
+
+def _build(model, ckpt, dtype, runtime, sparsity, placement, artifacts_root, progress,
+           default_budget):
     m = from_params(ckpt.config, ckpt.params, dtype=dtype, kernels=runtime.kernels)
     thresholds = oracle_thresholds = None
     if sparsity.calibrated:
@@ -63,24 +110,24 @@ def open_session(model: str, runtime: RuntimeConfig, sparsity: SparsityConfig, *
         if sparsity.mode == "predictor":
             thresholds = use_predictor(m, arts, sparsity.predictor)
             oracle_thresholds = arts.thresholds_contribution
-    placed = _place(model, ckpt, m, runtime, sparsity, placement, artifacts_root)
-    return Session(config=ckpt.config, model=m, tokenizer=ckpt.tokenizer, runtime=runtime,
-                   sparsity=sparsity, source=str(ckpt.source), thresholds=thresholds,
-                   oracle_thresholds=oracle_thresholds, placement=placed)
+    placed = _place(model, ckpt, m, runtime, sparsity, placement, artifacts_root,
+                    default_budget)
+    return m, thresholds, oracle_thresholds, placed
 
 
-def _place(model_arg, ckpt, m, runtime, sparsity, placement, artifacts_root):
-    from powerinfer_jax.runtime.placing import default_budget_bytes, place_model
+def _place(model_arg, ckpt, m, runtime, sparsity, placement, artifacts_root, default_budget):
+    from powerinfer_jax.runtime.placing import place_model
     from powerinfer_jax.sparsity.artifacts import artifacts_root as default_root
     from powerinfer_jax.sparsity.artifacts import model_fingerprint, target_dir
 
-    if placement.budget_bytes is None and default_budget_bytes() is None:
+    if placement.budget_bytes is None and default_budget is None:
         return None  # CPU-only without --vram-budget: every FFN row runs on the FFI pool
     root = default_root(model_arg, ckpt.source) if artifacts_root is None else artifacts_root
     target = sparsity.target_sparsity or DEFAULT_TARGET_SPARSITY
     return place_model(m, placement, kv_len=kv_length(ckpt.config, runtime),
                        model_fingerprint=model_fingerprint(model_arg, ckpt.source, ckpt.config),
-                       artifacts_dir=target_dir(root, target), cache_dir=root)
+                       artifacts_dir=target_dir(root, target), cache_dir=root,
+                       default_budget=default_budget)
 
 
 def placement_from_args(args) -> PlacementConfig:
