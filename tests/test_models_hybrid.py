@@ -114,3 +114,4 @@ def test_split_store_choices_are_checked():
     assert not ffn.placed  # a rejected split leaves the FFN whole
     ffn.split(5, store="auto")  # CPU backend: operands
     assert ffn.cold is not None and ffn.cold_handle is None and ffn.n_hot == 5
+    assert ffn.n_cold == 37 - 5

@@ -77,7 +77,7 @@ class FFN(nnx.Module):
         self.predictor = nnx.data(None)  # a sparsity.predictor.Predictor, for predictor mode
         self.cold = nnx.data(None)  # after split(): {"gate", "up", "down_t", "b_up"} HostRows
         self.cold_handle = None  # after split() on a GPU: the cold rows' handle in the host store
-        self.n_cold = 0
+        self.n_cold = 0  # rows in self.cold or behind cold_handle
 
     @property
     def placed(self) -> bool:
@@ -132,6 +132,7 @@ class FFN(nnx.Module):
             cold[key] = HostRows(rows[n_hot:])
             var.set_value(rows[:n_hot])
         self.cold = nnx.data(cold)
+        self.n_cold = f - n_hot
 
     def _split_to_cuda_store(self, n_hot: int) -> None:
         import weakref
