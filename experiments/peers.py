@@ -71,9 +71,9 @@ def peer_ggufs(model: str, ckpt) -> dict[str, Path]:
     return out
 
 
-def bench_llama_cpp(path: Path, ids: list[int], *, threads: int, new_tokens: int,
-                    repeats: int, max_seconds: float) -> dict:
-    """Prefill and greedy decode through llama-cpp-python's low-level eval (no sampling layer)."""
+def llama_cpp_runner(path: Path, ids: list[int], *, threads: int, new_tokens: int):
+    """run(n_new) -> (prefill s, decode s, tokens): prefill and greedy decode through
+    llama-cpp-python's low-level eval (no sampling layer)."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(path), n_ctx=len(ids) + new_tokens + 8, n_batch=max(len(ids), 8),
@@ -102,6 +102,12 @@ def bench_llama_cpp(path: Path, ids: list[int], *, threads: int, new_tokens: int
         return t1 - t0, t2 - t1, out
 
     run(8)  # warm-up (page in the weights)
+    return run
+
+
+def bench_llama_cpp(path: Path, ids: list[int], *, threads: int, new_tokens: int,
+                    repeats: int, max_seconds: float) -> dict:
+    run = llama_cpp_runner(path, ids, threads=threads, new_tokens=new_tokens)
     runs = [run(new_tokens)]
     while len(runs) < repeats and sum(r[0] + r[1] for r in runs) < max_seconds:
         runs.append(run(new_tokens))
@@ -110,6 +116,28 @@ def bench_llama_cpp(path: Path, ids: list[int], *, threads: int, new_tokens: int
             "decode_tok_s_runs": [(new_tokens - 1) / r[1] for r in runs],
             "prompt_tokens": len(ids), "new_tokens": new_tokens, "repeats": len(runs),
             "tokens": runs[0][2], "file": path.name}
+
+
+def head_to_head(engines: dict, llama_run, ids: list[int], *, new_tokens: int,
+                 rounds: int) -> dict:
+    """Decode tok/s of llama.cpp BF16 and each of our engines, interleaved: every round runs them
+    all once, in a fixed order. Per mode: the median tok/s and the median of the per-round ratios
+    to llama.cpp (the figure the target is checked against)."""
+    for eng in engines.values():
+        eng.generate(ids, max_new_tokens=4)  # compiled and warm before the first round
+    peer, ours = [], {m: [] for m in engines}
+    for _ in range(rounds):
+        _, decode_s, _ = llama_run(new_tokens)
+        peer.append((new_tokens - 1) / decode_s)
+        for m, eng in engines.items():
+            ours[m].append(eng.generate(ids, max_new_tokens=new_tokens).decode_tok_s)
+    out = {"rounds": rounds, "new_tokens": new_tokens, "prompt_tokens": len(ids),
+           "llama_cpp_bf16_tok_s": statistics.median(peer), "llama_cpp_bf16_runs": peer,
+           "modes": {}}
+    for m, runs in ours.items():
+        out["modes"][m] = {"tok_s": statistics.median(runs), "runs": runs,
+                           "ratio": statistics.median(o / p for o, p in zip(runs, peer))}
+    return out
 
 
 def agreement(tokens: list[int], reference: list[int]) -> dict:
@@ -156,6 +184,7 @@ def child(args) -> None:
 
     # ours
     arts = None
+    engines = {}
     for dtype in args.dtypes:
         for mode in ("dense", "predictor", "predictor_q4gu"):
             h = head("powerinfer_jax", dtype, mode)
@@ -179,6 +208,8 @@ def child(args) -> None:
                 res["tokens"] = eng.generate(ids, max_new_tokens=args.agree_tokens).tokens
                 if mode == "dense":
                     reference[dtype] = res["tokens"]
+                if dtype == "bfloat16":
+                    engines[mode] = eng  # for the interleaved head-to-head below
                 record({**h, "status": "ok", "kernels": model.kernels, **res})
             except Exception as e:  # keep the other systems' rows
                 record({**h, "status": "failed", "reason": f"{type(e).__name__}: {e}"})
@@ -205,6 +236,19 @@ def child(args) -> None:
         except Exception as e:
             record({**h, "status": "failed", "reason": f"{type(e).__name__}: {e}"})
 
+    # Interleaved head-to-head: this VM's speed drifts by 20-30% within minutes, so systems
+    # measured one after another can rank either way. Here each round times llama.cpp BF16 and
+    # our bf16 engines back to back; the ratio is the median of the per-round ratios.
+    if args.rounds > 0 and not missing and "BF16" in files and engines:
+        h = head("head_to_head", "BF16", "interleaved")
+        try:
+            record({**h, "status": "ok", **head_to_head(
+                engines, llama_cpp_runner(files["BF16"], ids, threads=threads,
+                                          new_tokens=args.new_tokens),
+                ids, new_tokens=args.new_tokens, rounds=args.rounds)})
+        except Exception as e:
+            record({**h, "status": "failed", "reason": f"{type(e).__name__}: {e}"})
+
     # HF transformers
     if args.hf:
         h = head("hf_transformers", "float32", "dense")
@@ -220,7 +264,7 @@ def child(args) -> None:
 
     for r in rows:
         ref = reference.get(REFERENCE.get(r["weights"]))
-        if r.get("status") == "ok" and ref is not None:
+        if r.get("status") == "ok" and ref is not None and "tokens" in r:
             r.update(agreement(r["tokens"][:args.agree_tokens], ref),
                      agree_reference=f"powerinfer_jax dense {REFERENCE[r['weights']]}")
         _common.emit(r)
@@ -243,9 +287,13 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=None, help="default 3 (quick: 1)")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="timed runs' wall-time budget per configuration (default 10, quick: 3)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved head-to-head rounds, ours bf16 vs llama.cpp BF16 (default "
+                        "5, quick: 2; 0 skips it)")
     p.add_argument("--out", default=str(_common.RESULTS / "peers.jsonl"))
     args = p.parse_args(argv)
     q = args.quick
+    args.rounds = args.rounds if args.rounds is not None else (2 if q else 5)
     args.prompt_tokens = args.prompt_tokens or (16 if q else 64)
     args.new_tokens = args.new_tokens or (16 if q else 64)
     args.agree_tokens = args.agree_tokens or (16 if q else 32)
@@ -259,8 +307,8 @@ def main(argv=None) -> None:
                   *args.llama_cpp_weights, "--hf" if args.hf else "--no-hf",
                   "--prompt-tokens", str(args.prompt_tokens), "--new-tokens",
                   str(args.new_tokens), "--agree-tokens", str(args.agree_tokens),
-                  "--repeats", str(args.repeats), "--max-seconds", str(args.max_seconds)
-                  ] + (["--quick"] if q else [])
+                  "--repeats", str(args.repeats), "--max-seconds", str(args.max_seconds),
+                  "--rounds", str(args.rounds)] + (["--quick"] if q else [])
     rows = _common.run_children("experiments.peers", threads, child_args)
     _common.append_rows(args.out, rows)
     print(f"wrote {len(rows)} rows to {args.out}")

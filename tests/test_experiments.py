@@ -214,3 +214,45 @@ def test_gpu_hybrid_experiment_says_why_it_cannot_run_here(tmp_path):
         assert "not available" in text and row["reason"] in text
     else:  # a GPU machine with the CUDA build: measured rows
         assert all(r["decode_tok_s"] > 0 for r in rows)
+
+
+def test_head_to_head_interleaves_and_takes_the_median_of_round_ratios():
+    class FakeEngine:
+        def __init__(self, speeds):
+            self.speeds, self.calls = list(speeds), 0
+
+        def generate(self, ids, max_new_tokens):
+            self.calls += 1
+            tok_s = self.speeds.pop(0) if max_new_tokens > 4 else 0.0  # 4: the warm-up call
+            return type("R", (), {"decode_tok_s": tok_s})()
+
+    peer = iter([10.0, 20.0, 40.0])  # llama.cpp tok/s per round (decode of 9 tokens)
+    order = []
+
+    def llama_run(n):
+        order.append("llama")
+        return 0.0, (n - 1) / next(peer), []
+
+    eng = FakeEngine([11.0, 20.0, 20.0])  # per-round ratios 1.1, 1.0, 0.5 -> median 1.0
+    real_generate = eng.generate
+    eng.generate = lambda ids, max_new_tokens: (order.append("ours"),
+                                                real_generate(ids, max_new_tokens))[1]
+    out = peers.head_to_head({"predictor_q4gu": eng}, llama_run, [1, 2, 3], new_tokens=10,
+                             rounds=3)
+    assert order == ["ours"] + ["llama", "ours"] * 3  # warm-up, then interleaved rounds
+    assert out["llama_cpp_bf16_tok_s"] == pytest.approx(20.0)
+    m = out["modes"]["predictor_q4gu"]
+    assert m["tok_s"] == 20.0 and m["ratio"] == pytest.approx(1.0)
+
+
+def test_report_shows_the_interleaved_head_to_head():
+    rows = [_row("peers", "r", threads=2, system="head_to_head", weights="BF16",
+                 sparsity="interleaved", status="ok", rounds=5, llama_cpp_bf16_tok_s=90.0,
+                 modes={"predictor_q4gu": {"tok_s": 93.0, "ratio": 1.03, "runs": []},
+                        "dense": {"tok_s": 70.0, "ratio": 0.78, "runs": []}}),
+            _row("peers", "r", threads=2, system="llama.cpp", weights="BF16", sparsity="dense",
+                 status="ok", decode_tok_s=90.0, prefill_tok_s=500.0)]
+    text = report.section_peers(rows, "")
+    assert "| 2 | predictor_q4gu | 93.0 | 90.0 | 1.03 | yes | 5 |" in text
+    assert "| 2 | dense | 70.0 | 90.0 | 0.78 | no | 5 |" in text
+    assert "head_to_head" not in text  # not a row of the per-system table
