@@ -87,6 +87,22 @@ def test_stops_at_eos(model):
     assert res.stop_reason == "eos"
 
 
+def test_lookahead_step_past_a_stop_is_discarded(model):
+    """generate dispatches step k + 1 before it reads step k's token: after a stop, that extra
+    step must leave no trace (streamed tokens, the next call's output)."""
+    eng = Engine(model, max_seq_len=64)
+    free = eng.generate([1, 2, 3], max_new_tokens=10)
+    for k in (0, 1, 4):
+        streamed = []
+        res = eng.generate([1, 2, 3], max_new_tokens=10, stop_ids=[free.tokens[k]],
+                           on_token=streamed.append)
+        want = free.tokens[: free.tokens.index(free.tokens[k]) + 1]
+        assert res.tokens == streamed == want
+        assert eng.generate([1, 2, 3], max_new_tokens=10).tokens == free.tokens
+    for budget in (1, 2, 3):
+        assert eng.generate([1, 2, 3], max_new_tokens=budget).tokens == free.tokens[:budget]
+
+
 def test_generation_stops_when_the_context_is_full(model):
     eng = Engine(model, max_seq_len=16)
     res = eng.generate(list(range(1, 11)), max_new_tokens=100)
