@@ -57,6 +57,10 @@ void Q4SparseFfn(const Q4EstimateArgs& est, const W* down_t, const float* b_down
     const int64_t hi = f * (r + 1) / ranges;
     std::vector<int32_t>& active = scratch.active[r];
     active.clear();
+    float* out = r == 0 ? y : scratch.partial_y.data() + (r - 1) * out_size;
+    int32_t* counts = scratch.partial_count.data() + r * num_tokens;
+    std::fill_n(out, out_size, 0.0f);
+    std::fill_n(counts, num_tokens, 0);
     for (int64_t b = lo; b < hi; b += kEstimateBlock) {
       const int64_t e = std::min(hi, b + kEstimateBlock);
       Q4EstimateRange(args, q8, b, e, act);
@@ -68,11 +72,12 @@ void Q4SparseFfn(const Q4EstimateArgs& est, const W* down_t, const float* b_down
         internal::PrefetchRow<2>(down_t + i * dim, dim);  // into L2, read after the estimates
       }
     }
-    float* out = r == 0 ? y : scratch.partial_y.data() + (r - 1) * out_size;
-    int32_t* counts = scratch.partial_count.data() + r * num_tokens;
-    std::fill_n(out, out_size, 0.0f);
-    std::fill_n(counts, num_tokens, 0);
-    internal::AccumulateNeurons(w, tokens, params, active, out, counts);
+    if (num_tokens == 1) {  // decode: every listed neuron is active for the one token
+      internal::AccumulateActiveDown(down_t, dim, act, active, out);
+      counts[0] = static_cast<int32_t>(active.size());
+    } else {
+      internal::AccumulateNeurons(w, tokens, params, active, out, counts);
+    }
   });
 
   // y = ((range 0 + range 1) + ...) + b_down, in range order: deterministic.

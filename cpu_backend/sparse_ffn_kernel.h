@@ -209,6 +209,80 @@ inline void PrefetchNeuron(const FfnWeights<W>& w, int32_t i, bool down_only) {
   PrefetchRow<3>(w.down_t + row, w.dim);
 }
 
+// y += sum_k coef[k] * rows[k] for kRows rows in one pass over y: y is loaded and stored once
+// per kRows rows instead of once per row. Per element the FMAs run in row order, exactly as
+// kRows single-row passes would: the result is bitwise the same.
+template <int kRows, typename W>
+inline void AccumulateRows(const W* const* rows, const float* coef, int64_t dim, float* y) {
+  simd::Vec c[kRows];
+  for (int k = 0; k < kRows; ++k) c[k] = simd::Set1(coef[k]);
+  int64_t d = 0;
+  for (; d + simd::kLanes <= dim; d += simd::kLanes) {
+    simd::Vec acc = simd::Load(y + d);
+    for (int k = 0; k < kRows; ++k) acc = simd::MulAdd(c[k], simd::Load(rows[k] + d), acc);
+    simd::Store(y + d, acc);
+  }
+  for (; d < dim; ++d) {
+    for (int k = 0; k < kRows; ++k) y[d] += coef[k] * ToF32(rows[k][d]);
+  }
+}
+
+// Decode (one token) with the activations given: y += sum_k act[i_k] * down_t[i_k] over
+// `neurons` (all active), kDownGroup rows per pass over y (see AccumulateRows), in list order.
+// No prefetching here: the callers request the rows ahead. Measured on SmolLM2 shapes (52% of
+// 1536 rows of 576 bf16 per layer): the q4 FFN 1.1-1.2x faster than with one row per pass,
+// whose y loads and stores competed with the row loads.
+constexpr int kDownGroup = 8;
+
+template <typename W>
+void AccumulateActiveDown(const W* down_t, int64_t dim, const float* act,
+                          std::span<const int32_t> neurons, float* y) {
+  const W* rows[kDownGroup];
+  float coef[kDownGroup];
+  const size_t n = neurons.size();
+  size_t k = 0;
+  for (; k + kDownGroup <= n; k += kDownGroup) {
+    for (int j = 0; j < kDownGroup; ++j) {
+      const int32_t i = neurons[k + j];
+      rows[j] = down_t + static_cast<int64_t>(i) * dim;
+      coef[j] = act[i];
+    }
+    AccumulateRows<kDownGroup>(rows, coef, dim, y);
+  }
+  // The last < kDownGroup rows one at a time (same FMA order per element as a group).
+  for (; k < n; ++k) {
+    const int32_t i = neurons[k];
+    rows[0] = down_t + static_cast<int64_t>(i) * dim;
+    coef[0] = act[i];
+    AccumulateRows<1>(rows, coef, dim, y);
+  }
+}
+
+template <typename W>
+void AccumulateDownOneToken(const FfnWeights<W>& w, const float* act, float threshold,
+                            std::span<const int32_t> neurons, float* y, int32_t* count) {
+  const int64_t dim = w.dim;
+  const int64_t n = static_cast<int64_t>(neurons.size());
+  const int64_t ahead = PrefetchAheadDown();
+  constexpr int64_t kChunk = 64;  // neurons filtered per step; their active rows then accumulate
+  int32_t active[kChunk];
+  for (int64_t k = 0; k < std::min<int64_t>(ahead, n); ++k) {
+    PrefetchRow<2>(w.down_t + static_cast<int64_t>(neurons[k]) * dim, dim);
+  }
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const int64_t e = std::min(n, c + kChunk);
+    int m = 0;
+    for (int64_t k = c; k < e; ++k) {
+      if (k + ahead < n) {
+        PrefetchRow<2>(w.down_t + static_cast<int64_t>(neurons[k + ahead]) * dim, dim);
+      }
+      if (std::fabs(act[neurons[k]]) > threshold) active[m++] = neurons[k];
+    }
+    *count += m;
+    AccumulateActiveDown(w.down_t, dim, act, std::span<const int32_t>(active, m), y);
+  }
+}
+
 template <typename W, bool kGated>
 void AccumulateNeuronsImpl(const FfnWeights<W>& w, const FfnTokens& tokens,
                            const SparseFfnParams& p, std::span<const int32_t> neurons,
@@ -216,6 +290,10 @@ void AccumulateNeuronsImpl(const FfnWeights<W>& w, const FfnTokens& tokens,
   const int64_t num_tokens = static_cast<int64_t>(tokens.x_rows.size());
   const int64_t n = static_cast<int64_t>(neurons.size());
   const bool down_only = p.criterion == Criterion::kActivations;
+  if (down_only && num_tokens == 1) {
+    AccumulateDownOneToken(w, tokens.score_rows[0], p.threshold, neurons, y_partial, counts);
+    return;
+  }
   const int64_t ahead = down_only ? PrefetchAheadDown() : PrefetchAhead();
   for (int64_t k = 0; k < std::min<int64_t>(ahead, n); ++k) {
     PrefetchNeuron<W, kGated>(w, neurons[k], down_only);

@@ -234,7 +234,7 @@ def test_activations_criterion_needs_scores_and_rejects_bad_names():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("t,d,f,bias", [(1, 576, 1536, False), (5, 100, 37, True),
-                                        (3, 64, 300, True)])
+                                        (3, 64, 300, True), (1, 100, 300, True)])
 def test_fused_q4_ffn_matches_the_two_call_path_and_numpy(dtype, t, d, f, bias):
     """ops.q4_sparse_ffn (estimate + select + down rows in one call) against the estimate call
     followed by the sparse FFN's activations criterion, and against numpy."""
