@@ -3,9 +3,10 @@ fast as llama.cpp at the same weight precision (our bfloat16 vs llama.cpp BF16),
 transformers (torch CPU, fp32), while generating the same greedy tokens as the dense model.
 
 Systems, each thread count in its own child process (same prompt ids, greedy, EOS ignored):
-  powerinfer_jax   dense, predictor mode (q4 predictor, target 0.5) and predictor mode with
-                   --gate-up q4 (sparsity "predictor_q4gu": only down rows at the dtype),
-                   float32 and bfloat16
+  powerinfer_jax   dense, predictor mode (q4 predictor, target 0.5: "predictor@0.5") and
+                   predictor mode with --gate-up q4 ("predictor_q4gu@T": only down rows at the
+                   dtype) at each --targets T (default 0.5 and 0.6, both within the sparsity
+                   issue's perplexity target of <= 1.08x dense), float32 and bfloat16
   llama.cpp        via llama-cpp-python (CPU, n_threads = n_threads_batch = threads), on the
                    registry GGUF (Q4_1) and on F32 and BF16 GGUFs written from the same dequantized
                    weights (so llama.cpp F32/BF16 read exactly our float32/bfloat16 weights)
@@ -31,7 +32,8 @@ from experiments import _common
 
 LLAMA_CPP_INSTALL = ("pip install llama-cpp-python  (builds llama.cpp from source with the "
                      "machine's compiler: ~10-20 min on 2 cores)")
-TARGET_SPARSITY = 0.5
+TARGET_SPARSITY = 0.5  # predictor mode's target (and the first of --targets by default)
+TARGETS = (0.5, 0.6)  # predictor_q4gu's targets
 PREDICTOR = "q4"  # predictor mode's predictor (sparsity/q4_predictor.py)
 REFERENCE = {"Q4_1": "float32", "F32": "float32", "BF16": "bfloat16", "float32": "float32",
              "bfloat16": "bfloat16"}  # weights -> the precision of our dense reference tokens
@@ -183,22 +185,26 @@ def child(args) -> None:
                   f"{row['prefill_tok_s']:8.1f} tok/s", file=sys.stderr, flush=True)
 
     # ours
-    arts = None
+    arts = {}
     engines = {}
+    modes = [("dense", None), ("predictor", TARGET_SPARSITY)] + [
+        ("predictor_q4gu", t) for t in args.targets]
     for dtype in args.dtypes:
-        for mode in ("dense", "predictor", "predictor_q4gu"):
-            h = head("powerinfer_jax", dtype, mode)
+        for mode, target in modes:
+            label = mode if target is None else f"{mode}@{target:g}"
+            h = head("powerinfer_jax", dtype, label)
             try:
                 model = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(dtype),
                                     kernels="auto")
                 sparsity, thresholds = SparsityConfig(), None
-                if mode.startswith("predictor"):
-                    if arts is None:
-                        arts = A.ensure_artifacts(args.model, ckpt.source, model, ckpt.tokenizer,
-                                                  TARGET_SPARSITY,
-                                                  need_predictor=PREDICTOR == "lowrank")
-                    thresholds = A.use_predictor(model, arts, PREDICTOR)
-                    sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY,
+                if target is not None:
+                    h["target_sparsity"] = target
+                    if target not in arts:
+                        arts[target] = A.ensure_artifacts(
+                            args.model, ckpt.source, model, ckpt.tokenizer, target,
+                            need_predictor=PREDICTOR == "lowrank")
+                    thresholds = A.use_predictor(model, arts[target], PREDICTOR)
+                    sparsity = SparsityConfig(mode="predictor", target_sparsity=target,
                                               predictor=PREDICTOR,
                                               gate_up="q4" if mode == "predictor_q4gu" else "full")
                 eng = Engine(model, max_seq_len=max_len, sparsity=sparsity, thresholds=thresholds)
@@ -209,7 +215,7 @@ def child(args) -> None:
                 if mode == "dense":
                     reference[dtype] = res["tokens"]
                 if dtype == "bfloat16":
-                    engines[mode] = eng  # for the interleaved head-to-head below
+                    engines[label] = eng  # for the interleaved head-to-head below
                 record({**h, "status": "ok", "kernels": model.kernels, **res})
             except Exception as e:  # keep the other systems' rows
                 record({**h, "status": "failed", "reason": f"{type(e).__name__}: {e}"})
@@ -290,8 +296,12 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=None,
                    help="interleaved head-to-head rounds, ours bf16 vs llama.cpp BF16 (default "
                         "5, quick: 2; 0 skips it)")
+    p.add_argument("--targets", nargs="+", type=float, default=list(TARGETS),
+                   help="target sparsities of the predictor_q4gu mode (default 0.5 0.6)")
     p.add_argument("--out", default=str(_common.RESULTS / "peers.jsonl"))
     args = p.parse_args(argv)
+    if not all(0.0 < t < 1.0 for t in args.targets):
+        p.error(f"--targets: expected values in (0, 1), got {args.targets}")
     q = args.quick
     args.rounds = args.rounds if args.rounds is not None else (2 if q else 5)
     args.prompt_tokens = args.prompt_tokens or (16 if q else 64)
@@ -308,7 +318,8 @@ def main(argv=None) -> None:
                   "--prompt-tokens", str(args.prompt_tokens), "--new-tokens",
                   str(args.new_tokens), "--agree-tokens", str(args.agree_tokens),
                   "--repeats", str(args.repeats), "--max-seconds", str(args.max_seconds),
-                  "--rounds", str(args.rounds)] + (["--quick"] if q else [])
+                  "--rounds", str(args.rounds),
+                  "--targets", *(str(t) for t in args.targets)] + (["--quick"] if q else [])
     rows = _common.run_children("experiments.peers", threads, child_args)
     _common.append_rows(args.out, rows)
     print(f"wrote {len(rows)} rows to {args.out}")

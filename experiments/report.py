@@ -177,7 +177,22 @@ def section_ablation(rows, fig) -> str:
             "." + note + "\n\n" + table(["threads", "dtype", *ABLATION_STEPS], body) + "\n" + fig)
 
 
-def section_peers(rows, fig) -> str:
+PPL_TARGET = 1.08  # the sparsity issue's bound on predictor-mode perplexity (x dense)
+QUALITY_MODE = {"predictor": "predictor (q4)", "predictor_q4gu": "predictor (q4, gate/up q4)"}
+
+
+def ppl_ratio(quality: list[dict], label: str) -> float | None:
+    """Perplexity x dense of one of our sparse modes ("predictor_q4gu@0.6"; runs from before
+    the target was in the label ran at 0.5), from the quality experiment's latest rows."""
+    mode, _, target = label.partition("@")
+    target = float(target) if target else 0.5
+    dense = [r for r in _ok(quality) if r.get("mode") == "dense"]
+    rows = [r for r in _ok(quality) if _common.mode_label(r) == QUALITY_MODE.get(mode)
+            and abs(r.get("target_sparsity", -1) - target) < 1e-9]
+    return rows[-1]["ppl"] / dense[-1]["ppl"] if rows and dense else None
+
+
+def section_peers(rows, fig, quality=()) -> str:
     if not rows:
         return ""
     h2h = [r for r in rows if r.get("system") == "head_to_head"]
@@ -206,26 +221,40 @@ def section_peers(rows, fig) -> str:
         for o in sorted(ours, key=lambda r: r.get("sparsity", "")) if peer else []:
             v, p = o["decode_tok_s"], peer[0]["decode_tok_s"]
             checks.append([str(t), o.get("sparsity", ""), f"{v:.1f}", f"{p:.1f}", f"{v / p:.2f}",
-                           "yes" if v >= p else "no"])
+                           *_quality_cells(quality, o.get("sparsity", ""), v / p)])
+    quality_note = (f"perplexity x dense: the quality experiment's row for the mode and target "
+                    f"(section 2); met: ratio >= 1 and perplexity <= {PPL_TARGET}x dense (the "
+                    f"sparsity issue's target).")
     if checks:
         out += ("\nTarget (issue 6): our best sparse bfloat16 decode >= llama.cpp BF16 at the same "
-                "threads. `predictor` reads every weight at bfloat16; `predictor_q4gu` takes the "
-                "active neurons' gate/up dots from the q4 predictor's 4-bit rows (the Q4_1 file's "
-                "own weights) and reads only their down rows at bfloat16: mixed precision, so it "
-                "is listed separately.\n\n" + table(["threads", "our sparse mode", "ours tok/s",
-                                                     "llama.cpp BF16 tok/s", "ratio", "met"],
-                                                    checks) + "\n")
+                "threads, with perplexity within the sparsity issue's target. `predictor` reads "
+                "every weight at bfloat16; `predictor_q4gu` takes the active neurons' gate/up dots "
+                "from the q4 predictor's 4-bit rows (the Q4_1 file's own weights) and reads only "
+                "their down rows at bfloat16: mixed precision, so it is listed separately. `@T`: "
+                "the calibration target sparsity. " + quality_note + "\n\n" +
+                table(["threads", "our sparse mode", "ours tok/s", "llama.cpp BF16 tok/s", "ratio",
+                       "perplexity x dense", "met"], checks) + "\n")
     inter = [[str(r["threads"]), m, f"{v['tok_s']:.1f}", f"{r['llama_cpp_bf16_tok_s']:.1f}",
-              f"{v['ratio']:.2f}", "yes" if v["ratio"] >= 1.0 else "no", str(r["rounds"])]
+              f"{v['ratio']:.2f}", *_quality_cells(quality, m, v["ratio"]), str(r["rounds"])]
              for r in sorted(_ok(h2h), key=lambda r: r["threads"])
              for m, v in sorted(r["modes"].items())]
     if inter:
         out += ("\nInterleaved head-to-head (the fair check on this drifting VM): every round "
                 "times llama.cpp BF16 and each of our bf16 modes back to back; ratio = median of "
-                "the per-round ratios.\n\n" + table(
-                    ["threads", "our mode", "ours tok/s", "llama.cpp BF16 tok/s",
-                     "ratio (median of rounds)", "met", "rounds"], inter) + "\n")
+                "the per-round ratios. Dense is there for reference (no perplexity target).\n\n" +
+                table(["threads", "our mode", "ours tok/s", "llama.cpp BF16 tok/s",
+                       "ratio (median of rounds)", "perplexity x dense", "met", "rounds"], inter)
+                + "\n")
     return out + fig
+
+
+def _quality_cells(quality, label: str, speed_ratio: float) -> list[str]:
+    """[perplexity x dense, met] for one of our modes (dense: no sparsity, so no target)."""
+    if label == "dense":
+        return ["1.00", "n/a"]
+    q = ppl_ratio(quality, label)
+    met = speed_ratio >= 1.0 and q is not None and q <= PPL_TARGET
+    return [fmt(q, 3), "yes" if met else "no"]
 
 
 def section_cost(rows, fig) -> str:
@@ -362,7 +391,8 @@ def render(results: Path, report_path: Path, *, quick: bool = False) -> str:
         parts.append(status)
     for name, fn, caption in SECTIONS:
         rows = load(results, name)
-        text = fn(rows, _figure(results, name, report_dir, caption)) if rows else ""
+        extra = {"quality": load(results, "quality_vs_sparsity")} if name == "peers" else {}
+        text = fn(rows, _figure(results, name, report_dir, caption), **extra) if rows else ""
         parts.append(text or f"## {name}\n\nNo results yet (`python -m experiments.run_all "
                              f"--only {name}`).\n")
     gpu = section_gpu_hybrid(GPU_HYBRID_FILE, results / FILES["gpu_hybrid"])

@@ -39,6 +39,9 @@ def test_report_tables_from_synthetic_rows(tmp_path):
     peer = [_row("peers", "r2", threads=1, system="powerinfer_jax", weights="bfloat16",
                  sparsity="predictor", status="ok", decode_tok_s=30.0, prefill_tok_s=100.0,
                  agree_fraction=0.5, agree_prefix=4, agree_n=8),
+            _row("peers", "r2", threads=1, system="powerinfer_jax", weights="bfloat16",
+                 sparsity="predictor_q4gu@0.6", status="ok", decode_tok_s=40.0,
+                 prefill_tok_s=100.0),
             _row("peers", "r2", threads=1, system="llama.cpp", weights="BF16", sparsity="dense",
                  status="ok", decode_tok_s=20.0, prefill_tok_s=200.0),
             _row("peers", "r2", threads=1, system="llama.cpp", weights="F32", sparsity="dense",
@@ -52,7 +55,11 @@ def test_report_tables_from_synthetic_rows(tmp_path):
         {"model": "tiny", "commit": "old", "machine": MACHINE, "dtype": "float32", "mode": m,
          "target_sparsity": t, "ppl": p, "ffn_sparsity": s, "eval_text": "wiki.valid.txt",
          "ctx": 512, "eval_chunks": 16}
-        for m, t, p, s in (("dense", 0.0, 10.0, 0.0), ("oracle", 0.5, 10.5, 0.5))])
+        for m, t, p, s in (("dense", 0.0, 10.0, 0.0), ("oracle", 0.5, 10.5, 0.5))] + [
+        {"model": "tiny", "commit": "new", "machine": MACHINE, "dtype": "float32",
+         "mode": "predictor", "predictor": "q4", "gate_up": g, "target_sparsity": t, "ppl": p,
+         "ffn_sparsity": t, "eval_text": "wiki.valid.txt", "ctx": 512, "eval_chunks": 16}
+        for g, t, p in ((None, 0.5, 10.7), ("q4", 0.6, 11.0))])
     _common.append_rows(tmp_path / report.STATUS_FILE, [
         {"experiment": "peers", "status": "failed", "seconds": 3.0, "commit": "abc1234",
          "error": "exit status 1: boom"}])
@@ -62,7 +69,9 @@ def test_report_tables_from_synthetic_rows(tmp_path):
             in text)
     assert "99.0" not in text  # older run ignored
     assert "| 1 | llama.cpp | F32 | dense | not available |" in text
-    assert "| 1 | predictor | 30.0 | 20.0 | 1.50 | yes |" in text  # bf16 vs llama.cpp BF16 target
+    # bf16 vs llama.cpp BF16, and perplexity <= 1.08x dense: 1.07 meets it, 1.10 does not
+    assert "| 1 | predictor | 30.0 | 20.0 | 1.50 | 1.070 | yes |" in text
+    assert "| 1 | predictor_q4gu@0.6 | 40.0 | 20.0 | 2.00 | 1.100 | no |" in text
     assert "0.50 (prefix 4/8)" in text
     assert "| 2 | bfloat16 | 8 | 100.0 | 50.0 | 0.50 | 10.0 | 20.0 | 2.00 |" in text
     assert "| 0.50 | oracle | 0.500 | 10.500 | 1.050 |" in text
@@ -252,7 +261,13 @@ def test_report_shows_the_interleaved_head_to_head():
                         "dense": {"tok_s": 70.0, "ratio": 0.78, "runs": []}}),
             _row("peers", "r", threads=2, system="llama.cpp", weights="BF16", sparsity="dense",
                  status="ok", decode_tok_s=90.0, prefill_tok_s=500.0)]
-    text = report.section_peers(rows, "")
-    assert "| 2 | predictor_q4gu | 93.0 | 90.0 | 1.03 | yes | 5 |" in text
-    assert "| 2 | dense | 70.0 | 90.0 | 0.78 | no | 5 |" in text
+    quality = [{"mode": "dense", "ppl": 10.0, "target_sparsity": 0.0},
+               {"mode": "predictor", "predictor": "q4", "gate_up": "q4", "target_sparsity": 0.5,
+                "ppl": 10.3}]
+    text = report.section_peers(rows, "", quality=quality)
+    assert "| 2 | predictor_q4gu | 93.0 | 90.0 | 1.03 | 1.030 | yes | 5 |" in text  # was @0.5
+    assert "| 2 | dense | 70.0 | 90.0 | 0.78 | 1.00 | n/a | 5 |" in text
+    # without a quality row for the mode the target cannot be called met
+    assert "| 2 | predictor_q4gu | 93.0 | 90.0 | 1.03 | n/a | no | 5 |" in report.section_peers(
+        rows, "")
     assert "head_to_head" not in text  # not a row of the per-system table
