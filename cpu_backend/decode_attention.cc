@@ -104,7 +104,9 @@ void DecodeAttention(const DecodeAttentionArgs& a, const float* q, const float* 
   auto head = [&](int64_t hq, int /*worker*/) {
     thread_local std::vector<float> qh, scores;  // per thread: no heap work once sized
     qh.resize(static_cast<size_t>(h));
-    scores.resize(static_cast<size_t>(visible));
+    // Padded to whole vectors for the exponentials below; the padding's values are never used.
+    const int64_t padded = (visible + simd::kLanes - 1) / simd::kLanes * simd::kLanes;
+    scores.resize(static_cast<size_t>(padded));
     if (a.use_rope) {
       rope_shared.Apply(q + hq * h, h, qh.data());
     } else {
@@ -118,11 +120,14 @@ void DecodeAttention(const DecodeAttentionArgs& a, const float* q, const float* 
       scores[s] = dot;
       mx = std::max(mx, dot);
     }
-    float sum = 0.0f;
-    for (int64_t s = 0; s < visible; ++s) {
-      scores[s] = std::exp(scores[s] - mx);
-      sum += scores[s];
+    // Vector exponentials (scalar expf was ~4% of a decode step with the FFN's SiLU); the sum
+    // runs in slot order.
+    const simd::Vec neg_mx = simd::Set1(-mx);
+    for (int64_t s = 0; s < padded; s += simd::kLanes) {
+      simd::Store(scores.data() + s, simd::Exp(simd::Add(simd::Load(scores.data() + s), neg_mx)));
     }
+    float sum = 0.0f;
+    for (int64_t s = 0; s < visible; ++s) sum += scores[s];
     const float inv = 1.0f / sum;
     float* o = out + hq * h;
     std::fill_n(o, h, 0.0f);

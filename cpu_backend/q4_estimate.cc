@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "cpu_backend/simd.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define PIJ_Q4_VNNI 1
 #include <immintrin.h>
@@ -146,6 +148,36 @@ void Q4EstimateRange(const Q4EstimateArgs& args, std::span<const Q8Row> q8, int6
   const int64_t q_stride = g * pairs * kQ4PairBytes;
   const int64_t dm_stride = g * 4 * pairs;
   const int64_t num_tokens = static_cast<int64_t>(q8.size());
+  if (args.gated && args.activation == Activation::kSilu) {
+    // SwiGLU, the common case: the dots of up to kLanes neurons, then one vector SiLU for them
+    // (scalar expf was ~4% of a decode step). Every neuron goes through the same vector code
+    // (a short last group is zero padded), so a score does not depend on how neurons are split
+    // over threads.
+    constexpr int64_t kGroup = simd::kLanes;
+    alignas(64) float gate[kGroup], up[kGroup], a[kGroup];
+    for (int64_t i0 = lo; i0 < hi; i0 += kGroup) {
+      const int64_t n = std::min(kGroup, hi - i0);
+      for (int64_t t = 0; t < num_tokens; ++t) {
+        std::fill_n(gate, kGroup, 0.0f);
+        std::fill_n(up, kGroup, 0.0f);
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t i = i0 + j;
+          const uint8_t* qi = args.q + i * q_stride;
+          const F16* dmi = args.dm + i * dm_stride;
+          Q4GateUpDotsQ8(qi, dmi, qi + pairs * kQ4PairBytes, dmi + 4 * pairs, q8[t], pairs,
+                         &gate[j], &up[j]);
+          if (args.b_up != nullptr) up[j] += args.b_up[i];
+        }
+        for (int64_t j = 0; j < kGroup; j += simd::kLanes) {
+          simd::Store(a + j, simd::Mul(simd::Silu(simd::Load(gate + j)), simd::Load(up + j)));
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          out[t * f + i0 + j] = args.signed_output ? a[j] : std::fabs(a[j]);
+        }
+      }
+    }
+    return;
+  }
   for (int64_t i = lo; i < hi; ++i) {
     const uint8_t* qi = args.q + i * q_stride;
     const F16* dmi = args.dm + i * dm_stride;

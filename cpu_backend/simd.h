@@ -4,6 +4,7 @@
 #ifndef PIJ_CPU_BACKEND_SIMD_H_
 #define PIJ_CPU_BACKEND_SIMD_H_
 
+#include <cmath>
 #include <cstdint>
 
 #include "cpu_backend/pij_math.h"
@@ -37,7 +38,26 @@ inline Vec Load(const F16* p) {
 inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec MulAdd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec Div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline float ReduceSum(Vec v) { return _mm512_reduce_add_ps(v); }
+// e^x, Cephes' expf polynomial on the range-reduced argument, scaled by 2^n with vscalefps
+// (which also takes care of overflow and underflow); within 2 ulp of expf over [-103, 88].
+inline Vec Exp(Vec x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, Set1(88.72f)), Set1(-103.9f));
+  const Vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, Set1(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm512_fnmadd_ps(n, Set1(0.693359375f), x);  // ln 2 in two parts: exact n * hi
+  r = _mm512_fnmadd_ps(n, Set1(-2.12194440e-4f), r);
+  Vec p = Set1(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, Set1(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, Set1(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, Set1(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, Set1(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, Set1(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, Set1(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
 
 #elif defined(PIJ_SIMD_AVX2)
 
@@ -57,11 +77,19 @@ inline Vec Load(const F16* p) {
 inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec MulAdd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec Div(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline float ReduceSum(Vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+inline Vec Exp(Vec x) {
+  alignas(32) float v[8];
+  _mm256_store_ps(v, x);
+  for (float& e : v) e = std::exp(e);
+  return _mm256_load_ps(v);
 }
 
 #else
@@ -76,9 +104,18 @@ inline Vec Load(const W* p) { return ToF32(*p); }
 inline void Store(float* p, Vec v) { *p = v; }
 inline Vec MulAdd(Vec a, Vec b, Vec c) { return a * b + c; }
 inline Vec Add(Vec a, Vec b) { return a + b; }
+inline Vec Div(Vec a, Vec b) { return a / b; }
+inline Vec Mul(Vec a, Vec b) { return a * b; }
 inline float ReduceSum(Vec v) { return v; }
+inline Vec Exp(Vec x) { return std::exp(x); }
 
 #endif
+
+// x * sigmoid(x) on a vector, as Silu in pij_math.h but with Exp above.
+inline Vec Silu(Vec x) {
+  const Vec e = Exp(Mul(x, Set1(-1.0f)));
+  return Div(x, Add(Set1(1.0f), e));
+}
 
 // Hints the next rows into cache. Rows of different neurons are not adjacent in memory, so the
 // hardware prefetcher cannot see the next active row coming; it also stops at page boundaries.
