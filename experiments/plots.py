@@ -91,7 +91,7 @@ def plot_ablation(rows, path: Path):
 
 def plot_peers(rows, path: Path):
     """Message: our decode speed next to llama.cpp and HF at each precision and thread count."""
-    rows = _ok(rows)
+    rows = [r for r in _ok(rows) if "decode_tok_s" in r]  # not the head-to-head summary rows
     labels = sorted({(r["system"], r["weights"], r.get("sparsity", "dense")) for r in rows})
     threads = sorted({r["threads"] for r in rows})
     plt = _plt()

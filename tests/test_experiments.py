@@ -271,3 +271,17 @@ def test_report_shows_the_interleaved_head_to_head():
     assert "| 2 | predictor_q4gu | 93.0 | 90.0 | 1.03 | n/a | no | 5 |" in report.section_peers(
         rows, "")
     assert "head_to_head" not in text  # not a row of the per-system table
+
+
+def test_peers_plot_skips_the_head_to_head_summary(tmp_path):
+    from experiments import plots
+
+    rows = [_row("peers", "r", threads=2, system=s, weights=w, sparsity=sp, status="ok",
+                 decode_tok_s=v, prefill_tok_s=1.0)
+            for s, w, sp, v in (("llama.cpp", "BF16", "dense", 90.0),
+                                ("powerinfer_jax", "bfloat16", "predictor_q4gu@0.6", 100.0))]
+    rows.append(_row("peers", "r", threads=2, system="head_to_head", weights="BF16",
+                     sparsity="interleaved", status="ok", rounds=5, llama_cpp_bf16_tok_s=90.0,
+                     modes={}))
+    path = plots.plot_peers(rows, tmp_path / "peers.png")
+    assert path.stat().st_size > 0
