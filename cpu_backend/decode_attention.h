@@ -5,7 +5,8 @@
 // that path for prefill and as the reference).
 // Cache layout [S, K, H] per layer (batch 1); storage float32 or bfloat16 bits (uint16), read
 // widened to float32 and written with round-to-nearest-even, as models/layers.py's to_cache.
-// Deterministic: each query head is computed by one task in a fixed order.
+// Deterministic: each query head is computed by one task in a fixed order, and the grouped path
+// (a KV head's query heads together) does the same operations in the same order per head.
 // Knows nothing of XLA or Python.
 #ifndef PIJ_CPU_BACKEND_DECODE_ATTENTION_H_
 #define PIJ_CPU_BACKEND_DECODE_ATTENTION_H_

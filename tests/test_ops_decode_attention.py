@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from powerinfer_jax import ops
+from powerinfer_jax.ops import _ffi
 from powerinfer_jax.models.layers import Attention, cache_storage_dtype, from_cache, to_cache
 
 
@@ -50,6 +51,28 @@ def test_matches_the_xla_path(cache_dtype, nh, nk, h, rope, position, kv_len):
     untouched = np.ones(64, bool)
     untouched[position] = False
     np.testing.assert_array_equal(np.asarray(k_f)[0, untouched], np.asarray(k_x)[0, untouched])
+
+
+@pytest.mark.parametrize("nh,nk,h", [(9, 3, 64), (8, 2, 64), (2, 2, 128), (10, 2, 64)])
+def test_grouped_heads_and_pool_paths_match_xla_and_each_other(nh, nk, h):
+    """Long enough (position 200) for the pool: KV-head tasks for groups of 1-4 with 64- or
+    128-dim heads, per-head tasks otherwise (group 5); 1 and 2 threads give the same bits."""
+    attn = _attention(nh, nk, h)
+    storage = cache_storage_dtype(jnp.bfloat16)
+    position, s = 200, 256
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 1, 48)), jnp.float32)
+    pos = jnp.full((1, 1), position, jnp.int32)
+    outs, before = {}, _ffi.get_num_threads()
+    for kernels, threads in (("xla", 2), ("ffi", 1), ("ffi", 2)):
+        attn.kernels = kernels
+        ops.set_num_threads(threads)
+        cache = (_cache(np.random.default_rng(1), s, nk, h, storage, position),
+                 _cache(np.random.default_rng(2), s, nk, h, storage, position))
+        step = jax.jit(lambda x, c, i: attn(x, pos, c, i, s), donate_argnums=1)
+        outs[kernels, threads] = np.asarray(step(x, cache, jnp.int32(position))[0])
+    ops.set_num_threads(before)
+    np.testing.assert_array_equal(outs["ffi", 1], outs["ffi", 2])
+    np.testing.assert_allclose(outs["ffi", 2], outs["xla", 2], rtol=2e-2, atol=2e-2)
 
 
 def test_engine_tokens_match_the_xla_path():
