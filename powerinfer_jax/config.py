@@ -9,6 +9,10 @@ import dataclasses
 import math
 from typing import Literal
 
+from powerinfer_jax.errors import check as _check
+from powerinfer_jax.errors import check_choice as _check_choice
+from powerinfer_jax.errors import check_positive_int as _check_positive
+
 Activation = Literal["silu", "relu", "gelu"]
 NormType = Literal["rms", "layer"]
 PositionScheme = Literal["rope", "learned"]
@@ -23,19 +27,6 @@ GATE_UP_SOURCES = ("full", "q4")  # SparsityConfig.gate_up
 DTYPES = ("float32", "bfloat16")
 
 
-def _check(ok: bool, what: str, rule: str, value, hint: str = "") -> None:
-    if not ok:
-        msg = f"{what}: expected {rule}, got {value!r}"
-        raise ValueError(msg + (f" ({hint})" if hint else ""))
-
-
-def _check_choice(what: str, value, choices) -> None:
-    _check(value in choices, what, f"one of {list(choices)}", value)
-
-
-def _check_positive(what: str, value) -> None:
-    _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, what,
-           "a positive integer", value)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,20 +10,14 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from powerinfer_jax.errors import check_choice, fail  # noqa: F401  (the ops' validators)
+
 ACTIVATIONS = ("silu", "relu", "gelu")
 CRITERIA = ("scores", "oracle", "activations")
 IMPLS = ("ffi", "reference")
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def fail(what: str, rule: str, value, hint: str = "") -> None:
-    msg = f"{what}: expected {rule}, got {value!r}"
-    raise ValueError(msg + (f" ({hint})" if hint else ""))
-
-
-def check_choice(what: str, value, choices) -> None:
-    if value not in choices:
-        fail(what, f"one of {list(choices)}", value)
 
 
 def check_threshold(threshold) -> float:
