@@ -33,7 +33,8 @@ from flax import nnx
 
 from powerinfer_jax.config import SparsityConfig
 from powerinfer_jax.models.layers import F32, Linear, _param, use_ffi
-from powerinfer_jax.ops.reference import activate  # pure jnp, shared with the kernels' oracle
+from powerinfer_jax.ops.reference import (  # pure jnp, shared with the kernels' oracle
+    activate, gated_activate)
 
 
 def cuda_hybrid_available() -> bool:
@@ -164,8 +165,8 @@ class FFN(nnx.Module):
         def proj(w):
             return jnp.einsum("btd,fd->btf", x_btd.astype(w.dtype), w, preferred_element_type=F32)
         u = proj(up) if b_up is None else proj(up) + b_up
-        return activate(self.activation, u) if gate is None else activate(
-            self.activation, proj(gate)) * u
+        return activate(self.activation, u) if gate is None else gated_activate(
+            self.activation, proj(gate), u)
 
     def _hot_act(self, x_btd):
         return self._rows_act(x_btd, None if self.gate is None else self.gate.weight[...],
@@ -255,7 +256,7 @@ class FFN(nnx.Module):
         up = self.up(x_btd)
         if self.gate is None:
             return activate(self.activation, up)
-        return activate(self.activation, self.gate(x_btd)) * up
+        return gated_activate(self.activation, self.gate(x_btd), up)
 
     def dense(self, x_btd):
         if self.placed:

@@ -21,9 +21,17 @@ from powerinfer_jax.models.layers import (F32, Attention, Linear, Norm, cache_st
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x)); with
+    config.parallel_block (Falcon): x + attn(attn_norm(x)) + ffn(ffn_norm(x)).
+
+    The FFN's predictor normally reads the FFN input (after ffn_norm). A predictor whose
+    `reads` attribute is "residual" (PowerInfer's, sparsity/powerinfer_predictor.py) reads the
+    tensor ffn_norm normalizes instead: the residual after attention, or the block input in a
+    parallel block; the block computes its scores and hands them to the FFN.
+    """
 
     def __init__(self, c: ModelConfig, *, dtype, rngs: nnx.Rngs | None, kernels: str):
+        self.parallel = c.parallel_block
         self.attn_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps)
         self.attn = Attention(d_model=c.d_model, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
                               head_dim=c.head_dim, bias=c.bias, use_rope=c.positions == "rope",
@@ -36,11 +44,17 @@ class Block(nnx.Module):
                  scores):
         attn_out, new_cache = self.attn(self.attn_norm(x_btd), positions_bt, cache, cache_index,
                                         kv_len)
-        x_btd = x_btd + attn_out
+        if not self.parallel:
+            x_btd = x_btd + attn_out
         ffn_in = self.ffn_norm(x_btd)
+        pred = self.ffn.predictor
+        if (scores is None and sparsity.mode == "predictor" and sparsity.gate_up == "full"
+                and getattr(pred, "reads", "ffn_input") == "residual"):
+            scores = pred(x_btd)
         ffn_out, n_active = self.ffn(ffn_in, sparsity=sparsity, threshold=threshold,
                                      scores=scores)
-        return x_btd + ffn_out, new_cache, n_active, ffn_in
+        out = x_btd + (attn_out + ffn_out) if self.parallel else x_btd + ffn_out
+        return out, new_cache, n_active, ffn_in
 
 
 class Transformer(nnx.Module):

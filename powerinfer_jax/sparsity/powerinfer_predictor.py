@@ -1,0 +1,145 @@
+"""PowerInfer's predictors in our engine: fc1 -> ReLU -> fc2, no biases, on the residual stream.
+
+`PowerInferPredictor` has the call signature of sparsity/predictor.Predictor, `predictor(x_btd)
+-> scores [B, T, F]` with "scores > 0 = active" (predictor mode's threshold 0), and `permute` for
+placement. It differs in its input: `reads = "residual"` makes the Transformer's Block feed it the
+tensor the FFN's norm normalizes (the residual after attention; a parallel block's input), as
+PowerInfer's llama.cpp does, instead of the FFN input after ffn_norm. Its scores are +1 where
+PowerInfer computes the neuron (fc2 output >= its sparse threshold) and -1 elsewhere, so the
+decision is PowerInfer's exactly, ">=" included (a zero predictor marks every neuron active).
+
+Attach: `attach(model, predictors)` (a checkpoint.powerinfer.PowerInferPredictors, e.g. from
+`load_predictors(file, config)`), then run with SparsityConfig(mode="predictor",
+predictor="lowrank") and per-layer thresholds 0.0 (what `attach` returns).
+
+Our own low-rank predictors (PredictorStack) have biases and read the FFN input, and their
+trained decision threshold lives in the output bias, so they cannot be written as PowerInfer's
+fc1/fc2. What can: a bias-free predictor trained on the FFN input of an RMSNorm model
+(`train` here), because ffn_norm(x) = x * s / rms(x) with rms(x) > 0, a bias-free ReLU MLP is
+positively homogeneous, and so fc1' = fc1 * s (per input column) on the residual gives the same
+sign, hence the same decisions at threshold 0 (`to_powerinfer`). LayerNorm models (OPT, Falcon)
+subtract the mean and add a bias: not expressible, an error.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from powerinfer_jax.errors import fail
+
+F32 = jnp.float32
+
+
+class PowerInferPredictor(nnx.Module):
+    """One layer's PowerInfer predictor: scores = +1 if relu(x @ fc1.T) @ fc2.T >= threshold."""
+
+    reads = "residual"
+
+    def __init__(self, fc1_rd, fc2_fr, threshold: float = 0.0, *, dtype=F32,
+                 kernels: str = "xla"):
+        self.kernels = kernels
+        self.threshold = float(threshold)
+        self.fc1_rd = nnx.Param(jnp.asarray(fc1_rd, dtype))
+        self.fc2_fr = nnx.Param(jnp.asarray(fc2_fr, dtype))
+
+    def raw(self, x_btd):
+        """fc2's output [B, T, F] (float32): PowerInfer's `sparse_idx`."""
+        from powerinfer_jax.models.layers import matmul
+
+        h_btr = jax.nn.relu(matmul(x_btd, self.fc1_rd[...], self.kernels))
+        return matmul(h_btr, self.fc2_fr[...], self.kernels)
+
+    def __call__(self, x_btd):
+        return jnp.where(self.raw(x_btd) >= self.threshold, 1.0, -1.0).astype(F32)
+
+    def permute(self, perm) -> None:
+        """Reorder the output neurons (FFN.permute)."""
+        self.fc2_fr.set_value(self.fc2_fr[...][perm])
+
+
+def attach(model, predictors) -> tuple[float, ...]:
+    """Attach a PowerInferPredictors (checked against the model) to every FFN; returns the
+    per-layer thresholds predictor mode then uses (0.0: the decision is in the scores)."""
+    predictors.check(model.config, "PowerInfer predictors")
+    for l, layer in enumerate(model.layers):
+        layer.ffn.predictor = PowerInferPredictor(
+            predictors.fc1[l], predictors.fc2[l], predictors.threshold, dtype=model.dtype,
+            kernels=model.kernels)
+    return tuple(0.0 for _ in model.layers)
+
+
+# ------------------------------------------------------------------------ PowerInfer's shape
+class BiasFreeStack(nnx.Module):
+    """L bias-free predictors, trained together: fc1 [L, R, D], fc2 [L, F, R]."""
+
+    def __init__(self, n_layers: int, d_model: int, rank: int, d_ff: int, *, rngs: nnx.Rngs):
+        k1, k2 = rngs.params(), rngs.params()
+        self.fc1 = nnx.Param(jax.random.normal(k1, (n_layers, rank, d_model), F32)
+                             * d_model ** -0.5)
+        self.fc2 = nnx.Param(jax.random.normal(k2, (n_layers, d_ff, rank), F32) * rank ** -0.5)
+
+    def __call__(self, x_lnd):
+        h = jax.nn.relu(jnp.einsum("LND,LRD->LNR", x_lnd.astype(F32), self.fc1[...]))
+        return jnp.einsum("LNR,LFR->LNF", h, self.fc2[...])
+
+
+def train(x_lnd: np.ndarray, mask_lnf: np.ndarray, *, rank: int = 64, steps: int = 300,
+          batch_tokens: int = 256, learning_rate: float = 3e-3, positive_weight: float = 3.0,
+          seed: int = 0, progress: bool = False) -> tuple[BiasFreeStack, dict]:
+    """Bias-free predictors (PowerInfer's shape) on (FFN input [L, N, D], active mask [L, N, F]),
+    with sparsity/predictor.py's weighted BCE; "active" is output >= 0 (no threshold to tune:
+    PowerInfer's one threshold is global and, on the residual, not scale-free). Returns the
+    stack and its quality on the last 10% of tokens (held out)."""
+    from powerinfer_jax.sparsity.predictor import mask_quality, weighted_bce
+
+    n_layers, n, d = x_lnd.shape
+    n_hold = max(1, n // 10)
+    n_train = n - n_hold
+    if n_train < batch_tokens:
+        fail("PowerInfer predictor training tokens", f">= batch_tokens={batch_tokens} after "
+             f"holding out {n_hold}", n_train, "use a longer corpus")
+    stack = BiasFreeStack(n_layers, d, rank, mask_lnf.shape[2], rngs=nnx.Rngs(seed))
+    opt = nnx.Optimizer(stack, optax.adam(optax.cosine_decay_schedule(learning_rate, steps)),
+                        wrt=nnx.Param)
+
+    @nnx.jit
+    def step(stack, opt, x, y):
+        loss, grads = nnx.value_and_grad(
+            lambda s: weighted_bce(s(x), y, positive_weight))(stack)
+        opt.update(stack, grads)
+        return loss
+
+    rng = np.random.default_rng(seed)
+    it = range(steps)
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(it, desc=f"PowerInfer predictors (L={n_layers}, R={rank})", unit="step")
+    for _ in it:
+        idx = np.sort(rng.choice(n_train, batch_tokens, replace=False))
+        step(stack, opt, jnp.asarray(x_lnd[:, idx]), jnp.asarray(mask_lnf[:, idx]))
+    fn = nnx.jit(lambda s, x: s(x) >= 0)
+    pred = np.concatenate([np.asarray(fn(stack, jnp.asarray(x_lnd[:, i:i + 1024])))
+                           for i in range(n_train, n, 1024)], axis=1)
+    report = mask_quality(pred, mask_lnf[:, n_train:])
+    report.update(rank=rank, train_tokens=n_train, holdout_tokens=n_hold)
+    return stack, report
+
+
+def to_powerinfer(stack: BiasFreeStack, config, params):
+    """The stack (trained on FFN inputs) as PowerInfer predictors on the residual: fc1 columns
+    scaled by each layer's ffn_norm scale (module docstring). RMSNorm models only."""
+    from powerinfer_jax.checkpoint.powerinfer import PowerInferPredictors
+
+    if config.norm != "rms":
+        fail("PowerInfer predictor export: model norm", "'rms' (fc1 on the residual can absorb "
+             "RMSNorm's scale, not LayerNorm's mean and bias)", config.norm,
+             "train predictors on the residual stream for LayerNorm models")
+    fc1 = np.asarray(stack.fc1[...])
+    fc2 = np.asarray(stack.fc2[...])
+    scaled = tuple(fc1[l] * np.asarray(params[f"layers.{l}.ffn_norm.scale"], np.float32)[None, :]
+                   for l in range(config.n_layers))
+    return PowerInferPredictors(scaled, tuple(fc2[l] for l in range(config.n_layers)), 0.0)
