@@ -106,6 +106,16 @@ def _read_tensor(t, expected: tuple[int, ...], source: str) -> tuple[np.ndarray,
     return values, raw
 
 
+def _tied(tensors) -> bool:
+    """No `output.weight`, or one byte-identical to `token_embd.weight` (PowerInfer's loaders
+    require the tensor, so files written for it carry a copy of the embeddings)."""
+    out, emb = tensors.get("output.weight"), tensors["token_embd.weight"]
+    if out is None:
+        return True
+    return (out.tensor_type == emb.tensor_type and out.shape.tolist() == emb.shape.tolist()
+            and np.array_equal(np.asarray(out.data), np.asarray(emb.data)))
+
+
 def load_gguf(path: str | os.PathLike) -> Checkpoint:
     path = Path(path)
     source = f"GGUF file {str(path)!r}"
@@ -121,7 +131,7 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
     pos = tensors.get("position_embd.weight")
     config = gguf_arch.config_from_metadata(
         meta, source, vocab_size=int(tensors["token_embd.weight"].shape[1]),  # ne = [D, V]
-        tied="output.weight" not in tensors or arch == "opt", powerinfer=powerinfer,
+        tied=arch == "opt" or _tied(tensors), powerinfer=powerinfer,
         has_bias="blk.0.attn_qkv.bias" in tensors,
         n_positions=None if pos is None else int(pos.shape[1]))
     layout = gguf_arch.sources(config, arch, down_t="blk.0.ffn_down_t.weight" in tensors,
