@@ -186,24 +186,109 @@ def child(args) -> None:
             theirs = spec["powerinfer_tokens"].get(mode)
             if dtype == "float32" and theirs:
                 row.update(agreement(model, ids, theirs, runs[0].tokens, sparsity, thr))
+                if mode == "predictor":  # how much F16 rounding of the predictor inputs explains
+                    base = teacher_forced(model, ids, theirs, sparsity, thr)
+                    pp.attach(model, pi.load_predictors(path, ck.config), f16_inputs=True)
+                    f16 = teacher_forced(model, ids, theirs, sparsity, thr)
+                    row.update(agree_teacher_forced_f16_predictor=float(np.mean(f16 == theirs)),
+                               ours_f32_vs_f16_predictor=float(np.mean(f16 == base)))
             _common.emit({**row, "threads": threads})
 
 
-def agreement(model, ids, theirs, ours, sparsity, thresholds) -> dict:
-    """Common greedy prefix, and our teacher-forced argmax on PowerInfer's sequence."""
+def teacher_forced(model, ids, theirs, sparsity, thresholds) -> np.ndarray:
+    """Our argmax after each prefix of prompt + PowerInfer's tokens (one forward pass)."""
     import jax.numpy as jnp
 
     seq = np.asarray([ids + theirs], np.int32)
     pos = jnp.broadcast_to(jnp.arange(seq.shape[1]), seq.shape)
     h, _, _ = model.hidden(jnp.asarray(seq), pos, sparsity=sparsity, thresholds=thresholds)
-    pred = np.asarray(jnp.argmax(model.logits(h), -1))[0, len(ids) - 1:-1]
+    return np.asarray(jnp.argmax(model.logits(h), -1))[0, len(ids) - 1:-1]
+
+
+def agreement(model, ids, theirs, ours, sparsity, thresholds) -> dict:
+    """Common greedy prefix, and our teacher-forced argmax on PowerInfer's sequence."""
+    pred = teacher_forced(model, ids, theirs, sparsity, thresholds)
     prefix = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b),
                   min(len(theirs), len(ours)))
     return {"agree_prefix": int(prefix), "agree_teacher_forced": float(np.mean(pred == theirs)),
             "compared_tokens": len(theirs)}
 
 
+# --------------------------------------------------------------------- other families (--families)
+FAMILIES = ("bamboo", "falcon-7b", "falcon-40b", "opt")
+
+
+def family_config(kind: str, vocab: int):
+    """A small random model of each family PowerInfer runs (F = 1024: above the 1000 neurons
+    below which its kernels switch to their `_head` variants)."""
+    from powerinfer_jax.config import ModelConfig
+
+    base = ModelConfig(arch="llama", vocab_size=vocab, d_model=128, n_layers=2, n_heads=4,
+                       n_kv_heads=2, head_dim=32, d_ff=1024, max_seq_len=256, activation="drelu",
+                       norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=False)
+    if kind == "bamboo":
+        return base
+    if kind.startswith("falcon"):
+        return base.replace(arch="falcon", gated=False, norm="layer", activation="relu",
+                            parallel_block=True, n_kv_heads=1 if kind == "falcon-7b" else 2)
+    return base.replace(arch="opt", gated=False, bias=True, norm="layer", positions="learned",
+                        position_offset=2, activation="relu", n_kv_heads=4, max_seq_len=2048,
+                        tie_embeddings=True)
+
+
+def families(binary: Path, root: Path, model: str, prompt_ids: list[int], *,
+             new_tokens: int) -> list[dict]:
+    """Each family as a PowerInfer GGUF with all-active predictors: does `main` load it, and do its
+    greedy tokens agree with ours (float32, teacher-forced)? Random weights (seeded)."""
+    import jax.numpy as jnp
+
+    from powerinfer_jax.checkpoint import load_checkpoint
+    from powerinfer_jax.checkpoint import powerinfer as pi
+    from powerinfer_jax.checkpoint.base import expected_shapes
+    from powerinfer_jax.checkpoint.registry import resolve_model
+    from powerinfer_jax.models.transformer import from_params
+    from experiments.peers import tokenizer_meta
+
+    src = Path(resolve_model(model))
+    meta = tokenizer_meta(src)
+    tok = load_checkpoint(src).tokenizer
+    out = []
+    for kind in FAMILIES:
+        cfg = family_config(kind, len(meta["tokens"]))
+        rng = np.random.default_rng(0)
+        params = {n: (1.0 + 0.1 * rng.standard_normal(s) if n.endswith(".scale") else
+                      rng.standard_normal(s) * (0.02 if n in ("tok_embed", "pos_embed") else
+                                                (1.5 / np.sqrt(s[-1]) if len(s) == 2 else 0.1)))
+                  .astype(np.float32) for n, s in expected_shapes(cfg).items()}
+        path = root / "exports" / f"tiny-{kind}.powerinfer.gguf"
+        pi.write_powerinfer_gguf(path, cfg, params, meta, pi.all_active_predictors(cfg))
+        row = {"system": "families", "family": kind, "model_config": repr(cfg)}
+        try:
+            r = run_powerinfer(binary, path, tok.decode(prompt_ids), threads=1,
+                               new_tokens=new_tokens)
+        except (RuntimeError, StopIteration, KeyError) as e:
+            out.append({**row, "loads": False, "error": str(e)[-500:]})
+            _log(f"family {kind}: PowerInfer failed: {str(e)[-300:]}")
+            continue
+        ck = load_checkpoint(path)
+        m = from_params(ck.config, ck.params)
+        seq = np.asarray([r["prompt_ids"] + r["tokens"]], np.int32)
+        logits = np.asarray(m(jnp.asarray(seq)))
+        pred = np.argmax(logits, -1)[0, len(r["prompt_ids"]) - 1:-1]
+        row.update(loads=True, tokens=r["tokens"], agree_teacher_forced=float(np.mean(
+            pred == r["tokens"])), compared_tokens=len(r["tokens"]))
+        _log(f"family {kind}: PowerInfer loads it; teacher-forced agreement "
+             f"{row['agree_teacher_forced']:.3f} over {len(r['tokens'])} tokens")
+        out.append(row)
+    return out
+
+
 # --------------------------------------------------------------------------------------- main
+def _load() -> list[float]:
+    """The machine's 1/5/15-minute load averages: other users' work shares these 2 cores."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def _log(msg: str) -> None:
     print(f"[peers_powerinfer] {msg}", file=sys.stderr, flush=True)
 
@@ -231,6 +316,10 @@ def main(argv=None) -> None:
     p.add_argument("--rank", type=int, default=128)
     p.add_argument("--train-tokens", type=int, default=8192)
     p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--families", action=argparse.BooleanOptionalAction, default=False,
+                   help="also run small random bamboo/falcon/opt models through PowerInfer")
+    p.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True,
+                   help="the SmolLM2 agreement and timing rounds")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--child-spec", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -257,7 +346,14 @@ def main(argv=None) -> None:
               "steps": args.steps, "files": {k: v.name for k, v in files.items()},
               "powerinfer_weights": "F16", "activation": "relu (switched)"}
     rows = []
-    for rnd in range(args.rounds):
+    if args.families:
+        ids = tok.encode(prompt, add_bos=False)
+        for r in families(binary, root, args.model, ids, new_tokens=args.new_tokens):
+            rows.append({**_common.header("peers_powerinfer", threads=1, dtype="float32",
+                                          model=f"tiny-{r['family']}", config=config,
+                                          quick=args.quick),
+                         "powerinfer_commit": pi_commit, **r})
+    for rnd in range(args.rounds if args.speed else 0):
         for t in threads:
             theirs = {m: run_powerinfer(binary, files[m], prompt, threads=t,
                                         new_tokens=args.new_tokens) for m in MODES}
@@ -266,7 +362,7 @@ def main(argv=None) -> None:
                 r = theirs[m]
                 rows.append({**_common.header("peers_powerinfer", threads=t, dtype="F16",
                                               model=args.model, config=config, quick=args.quick),
-                             "system": "powerinfer", "mode": m, "round": rnd,
+                             "system": "powerinfer", "mode": m, "round": rnd, "loadavg": _load(),
                              "powerinfer_commit": pi_commit,
                              "prompt_ids_match": r["prompt_ids"] == tok.encode(prompt, add_bos=False),
                              **{k: r[k] for k in ("prefill_tok_s", "decode_tok_s", "tokens",
@@ -283,12 +379,14 @@ def main(argv=None) -> None:
             for r in ours:
                 rows.append({**_common.header("peers_powerinfer", threads=t, dtype=r["dtype"],
                                               model=args.model, config=config, quick=args.quick),
-                             "round": rnd, "powerinfer_commit": pi_commit, **r})
+                             "round": rnd, "loadavg": _load(), "powerinfer_commit": pi_commit,
+                             **r})
                 _log(f"round {rnd} t={t} ours {r['mode']} {r['dtype']}: prefill "
                      f"{r['prefill_tok_s']:.1f} decode {r['decode_tok_s']:.1f} tok/s"
                      + (f" agree prefix {r['agree_prefix']} tf {r['agree_teacher_forced']:.3f}"
                         if "agree_prefix" in r else ""))
-    rows += summary(rows, args, config, pi_commit)
+    if args.speed:
+        rows += summary(rows, args, config, pi_commit)
     _common.append_rows(args.out, rows)
     _log(f"{len(rows)} rows -> {args.out}")
 

@@ -182,6 +182,25 @@ def test_bias_free_predictors_export_with_the_same_decisions():
         pip_.to_powerinfer(stack, _tiny("opt"), random_params(_tiny("opt")))
 
 
+def test_low_rank_stack_exports_only_without_biases():
+    from flax import nnx
+
+    from powerinfer_jax.sparsity.predictor import PredictorStack
+
+    config = _tiny("reglu")
+    params = random_params(config)
+    stack = PredictorStack(config.n_layers, config.d_model, 8, config.d_ff, rngs=nnx.Rngs(0))
+    out = pip_.from_predictor_stack(stack, config, params)  # zero biases: exportable
+    x = np.random.default_rng(0).standard_normal((5, config.d_model)).astype(np.float32)
+    ours = np.asarray(stack(jnp.asarray(np.stack([x] * config.n_layers))))
+    scale = params["layers.1.ffn_norm.scale"]
+    theirs = np.maximum((x / scale) @ out.fc1[1].T, 0) @ out.fc2[1].T
+    np.testing.assert_allclose(theirs, ours[1], rtol=1e-4, atol=1e-4)
+    stack.b_out_lf.set_value(stack.b_out_lf[...] - 0.5)  # a folded decision threshold
+    with pytest.raises(UserError, match=r"biases: expected all zero.*max \|b\| = 0.5"):
+        pip_.from_predictor_stack(stack, config, params)
+
+
 def _residual(model, l):
     """The residual entering layer l's ffn_norm, for TOKENS."""
     x = model.tok_embed[...][jnp.asarray(TOKENS)]
@@ -231,19 +250,24 @@ def test_activation_statistics_numeric_order_and_errors(tmp_path, monkeypatch):
     assert [int(f[0]) for f in got] == list(range(12))
     with pytest.raises(UserError, match=r"expected a 1-D tensor of \(21,\)"):
         pi.load_activation_profile(tmp_path / "activation", config.replace(d_ff=21))
+    import builtins
+
+    real = builtins.__import__
+
+    def no_torch(name, *a, **k):
+        if name == "torch":
+            raise ImportError("No module named 'torch'")
+        return real(name, *a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(builtins, "__import__", no_torch)
+        with pytest.raises(UserError, match=r"activation'.*expected the torch package"):
+            pi.load_activation_profile(tmp_path / "activation", config)
     (tmp_path / "activation" / "activation_7.pt").unlink()
     with pytest.raises(UserError, match=r"activation_7.pt.*one per layer.*'missing'"):
         pi.load_activation_profile(tmp_path / "activation", config)
     with pytest.raises(UserError, match="an existing directory"):
         pi.load_activation_profile(tmp_path / "nowhere", config)
-    import builtins
-
-    real = builtins.__import__
-    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(
-        ImportError(name)) if name == "torch" else real(name, *a, **k))
-    pi.write_activation_profile  # noqa: B018
-    with pytest.raises(UserError, match="expected the torch package"):
-        pi._torch("x")
 
 
 def _sizes(config):

@@ -16,6 +16,7 @@ kept raw in `Checkpoint.raw` for quantized kernels.
 """
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -38,6 +39,7 @@ def file_magic(path: str | os.PathLike) -> bytes:
         return f.read(4)
 
 
+@functools.cache
 def _reader_class():
     """GGUFReader that also opens PowerInfer's "PWRI" files (same layout, other magic)."""
     from gguf import GGUFReader

@@ -39,9 +39,13 @@ class PowerInferPredictor(nnx.Module):
     reads = "residual"
 
     def __init__(self, fc1_rd, fc2_fr, threshold: float = 0.0, *, dtype=F32,
-                 kernels: str = "xla"):
+                 kernels: str = "xla", f16_inputs: bool = False):
+        """f16_inputs: round both matmuls' inputs to float16 first, as PowerInfer's CPU matmuls
+        on F16 weights do (ggml converts the activations to F16): to measure how much of a
+        disagreement with PowerInfer that rounding alone explains. Off for normal runs."""
         self.kernels = kernels
         self.threshold = float(threshold)
+        self.f16_inputs = f16_inputs
         self.fc1_rd = nnx.Param(jnp.asarray(fc1_rd, dtype))
         self.fc2_fr = nnx.Param(jnp.asarray(fc2_fr, dtype))
 
@@ -49,8 +53,9 @@ class PowerInferPredictor(nnx.Module):
         """fc2's output [B, T, F] (float32): PowerInfer's `sparse_idx`."""
         from powerinfer_jax.models.layers import matmul
 
-        h_btr = jax.nn.relu(matmul(x_btd, self.fc1_rd[...], self.kernels))
-        return matmul(h_btr, self.fc2_fr[...], self.kernels)
+        r = (lambda v: v.astype(jnp.float16).astype(F32)) if self.f16_inputs else (lambda v: v)
+        h_btr = jax.nn.relu(matmul(r(x_btd), self.fc1_rd[...], self.kernels))
+        return matmul(r(h_btr), self.fc2_fr[...], self.kernels)
 
     def __call__(self, x_btd):
         return jnp.where(self.raw(x_btd) >= self.threshold, 1.0, -1.0).astype(F32)
@@ -60,14 +65,14 @@ class PowerInferPredictor(nnx.Module):
         self.fc2_fr.set_value(self.fc2_fr[...][perm])
 
 
-def attach(model, predictors) -> tuple[float, ...]:
+def attach(model, predictors, *, f16_inputs: bool = False) -> tuple[float, ...]:
     """Attach a PowerInferPredictors (checked against the model) to every FFN; returns the
     per-layer thresholds predictor mode then uses (0.0: the decision is in the scores)."""
     predictors.check(model.config, "PowerInfer predictors")
     for l, layer in enumerate(model.layers):
         layer.ffn.predictor = PowerInferPredictor(
             predictors.fc1[l], predictors.fc2[l], predictors.threshold, dtype=model.dtype,
-            kernels=model.kernels)
+            kernels=model.kernels, f16_inputs=f16_inputs)
     return tuple(0.0 for _ in model.layers)
 
 
@@ -143,3 +148,22 @@ def to_powerinfer(stack: BiasFreeStack, config, params):
     scaled = tuple(fc1[l] * np.asarray(params[f"layers.{l}.ffn_norm.scale"], np.float32)[None, :]
                    for l in range(config.n_layers))
     return PowerInferPredictors(scaled, tuple(fc2[l] for l in range(config.n_layers)), 0.0)
+
+
+def from_predictor_stack(stack, config, params):
+    """Our low-rank PredictorStack as PowerInfer predictors, where it can be: only with every bias
+    zero (PowerInfer's fc1/fc2 have none, and our trained stacks keep their decision threshold in
+    the output bias) and an RMSNorm model. Otherwise a UserError saying why."""
+    from powerinfer_jax.checkpoint.powerinfer import PowerInferPredictors
+
+    arrays = stack.arrays()
+    worst = max(float(np.abs(arrays[k]).max()) for k in ("b_in_lr", "b_out_lf"))
+    if worst != 0.0:
+        fail("PowerInfer predictor export: low-rank predictor biases", "all zero (PowerInfer's "
+             "fc1 -> ReLU -> fc2 has no biases)", f"max |b| = {worst:.3g}",
+             "train PowerInfer-shape predictors with sparsity.powerinfer_predictor.train")
+    bias_free = nnx.eval_shape(lambda: BiasFreeStack(*stack.shape[:3], stack.shape[3],
+                                                     rngs=nnx.Rngs(0)))
+    bias_free.fc1 = nnx.Param(jnp.asarray(np.swapaxes(arrays["w_in_ldr"], 1, 2)))
+    bias_free.fc2 = nnx.Param(jnp.asarray(np.swapaxes(arrays["w_out_lrf"], 1, 2)))
+    return to_powerinfer(bias_free, config, params)
