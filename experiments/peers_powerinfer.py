@@ -133,7 +133,8 @@ def run_powerinfer(binary: Path, model: Path, prompt: str, *, threads: int,
                "-f", "prompt.txt", "-n", str(new_tokens + 1),
                "-t", str(threads), "-tb", str(threads), "--temp", "0", "--repeat-penalty", "1.0",
                "--ignore-eos", "-c", "512", "-b", "512", "--seed", "0"]
-        proc = subprocess.run(cmd, cwd=wd, capture_output=True, text=True, timeout=1200)
+        proc = subprocess.run(cmd, cwd=wd, capture_output=True, text=True, errors="replace",
+                              timeout=1200)
         if proc.returncode != 0:
             raise RuntimeError(f"PowerInfer main: expected exit status 0, got {proc.returncode}:"
                                f"\n{proc.stderr[-2000:]}")
@@ -277,6 +278,10 @@ def families(binary: Path, root: Path, model: str, prompt_ids: list[int], *,
         pred = np.argmax(logits, -1)[0, len(r["prompt_ids"]) - 1:-1]
         row.update(loads=True, tokens=r["tokens"], agree_teacher_forced=float(np.mean(
             pred == r["tokens"])), compared_tokens=len(r["tokens"]))
+        if kind == "opt":  # PowerInfer's OPT never reads the file's LayerNorm epsilon: it runs 0
+            m0 = from_params(ck.config.replace(norm_eps=1e-30), ck.params)
+            p0 = np.argmax(np.asarray(m0(jnp.asarray(seq))), -1)[0, len(r["prompt_ids"]) - 1:-1]
+            row["agree_teacher_forced_norm_eps0"] = float(np.mean(p0 == r["tokens"]))
         _log(f"family {kind}: PowerInfer loads it; teacher-forced agreement "
              f"{row['agree_teacher_forced']:.3f} over {len(r['tokens'])} tokens")
         out.append(row)
