@@ -160,7 +160,6 @@ def child(args) -> None:
     from powerinfer_jax import ops
     from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.checkpoint import powerinfer as pi
-    from powerinfer_jax.config import SparsityConfig
     from powerinfer_jax.models.transformer import from_params
     from powerinfer_jax.runtime.decode import Engine
     from powerinfer_jax.sparsity import powerinfer_predictor as pp
@@ -173,11 +172,9 @@ def child(args) -> None:
         ck = load_checkpoint(path)
         for dtype in DTYPES:
             model = from_params(ck.config, ck.params, dtype=jnp.dtype(dtype), kernels="auto")
-            sparsity, thr = SparsityConfig(), None
-            if mode == "predictor":
-                thr = pp.attach(model, pi.load_predictors(path, ck.config))
-                sparsity = SparsityConfig(mode="predictor", predictor="lowrank")
-            eng = Engine(model, max_seq_len=512, sparsity=sparsity, thresholds=thr)
+            if mode == "predictor":  # dense: no selector
+                pp.attach(model, pi.load_predictors(path, ck.config))
+            eng = Engine(model, max_seq_len=512)
             eng.generate(ids, max_new_tokens=n_new)  # compiles every bucket
             runs = [eng.generate(ids, max_new_tokens=n_new) for _ in range(2)]
             row = {"system": "powerinfer_jax", "mode": mode, "dtype": dtype,
@@ -186,29 +183,28 @@ def child(args) -> None:
                    "tokens": runs[0].tokens, "compiles": eng.compile_count}
             theirs = spec["powerinfer_tokens"].get(mode)
             if dtype == "float32" and theirs:
-                row.update(agreement(model, ids, theirs, runs[0].tokens, sparsity, thr))
+                row.update(agreement(model, ids, theirs, runs[0].tokens))
                 if mode == "predictor":  # how much F16 rounding of the predictor inputs explains
-                    base = teacher_forced(model, ids, theirs, sparsity, thr)
+                    base = teacher_forced(model, ids, theirs)
                     pp.attach(model, pi.load_predictors(path, ck.config), f16_inputs=True)
-                    f16 = teacher_forced(model, ids, theirs, sparsity, thr)
+                    f16 = teacher_forced(model, ids, theirs)
                     row.update(agree_teacher_forced_f16_predictor=float(np.mean(f16 == theirs)),
                                ours_f32_vs_f16_predictor=float(np.mean(f16 == base)))
             _common.emit({**row, "threads": threads})
 
 
-def teacher_forced(model, ids, theirs, sparsity, thresholds) -> np.ndarray:
-    """Our argmax after each prefix of prompt + PowerInfer's tokens (one forward pass)."""
+def teacher_forced(model, ids, theirs) -> np.ndarray:
+    """Our argmax after each prefix of prompt + PowerInfer's tokens (one forward pass, with the
+    model's selectors)."""
     import jax.numpy as jnp
 
     seq = np.asarray([ids + theirs], np.int32)
-    pos = jnp.broadcast_to(jnp.arange(seq.shape[1]), seq.shape)
-    h, _, _ = model.hidden(jnp.asarray(seq), pos, sparsity=sparsity, thresholds=thresholds)
-    return np.asarray(jnp.argmax(model.logits(h), -1))[0, len(ids) - 1:-1]
+    return np.argmax(np.asarray(model(jnp.asarray(seq))), -1)[0, len(ids) - 1:-1]
 
 
-def agreement(model, ids, theirs, ours, sparsity, thresholds) -> dict:
+def agreement(model, ids, theirs, ours) -> dict:
     """Common greedy prefix, and our teacher-forced argmax on PowerInfer's sequence."""
-    pred = teacher_forced(model, ids, theirs, sparsity, thresholds)
+    pred = teacher_forced(model, ids, theirs)
     prefix = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b),
                   min(len(theirs), len(ours)))
     return {"agree_prefix": int(prefix), "agree_teacher_forced": float(np.mean(pred == theirs)),

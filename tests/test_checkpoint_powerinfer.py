@@ -15,13 +15,11 @@ from helpers_powerinfer import convert_falcon, convert_llama  # noqa: E402
 from powerinfer_jax.checkpoint import load_checkpoint  # noqa: E402
 from powerinfer_jax.checkpoint import powerinfer as pi  # noqa: E402
 from powerinfer_jax.checkpoint.gguf import file_magic  # noqa: E402
-from powerinfer_jax.config import SparsityConfig  # noqa: E402
 from powerinfer_jax.errors import UserError  # noqa: E402
-from powerinfer_jax.models.transformer import from_params  # noqa: E402
+from powerinfer_jax.models.transformer import capture, from_params  # noqa: E402
 from powerinfer_jax.sparsity import powerinfer_predictor as pip_  # noqa: E402
 
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, size=(2, 11))
-PRED = SparsityConfig(mode="predictor", predictor="lowrank")
 
 
 def _predictors(config, rank=8, seed=0):
@@ -37,10 +35,11 @@ def _hf_logits(model, tokens=TOKENS):
         return model(torch.tensor(tokens)).logits.float().numpy()
 
 
-def _logits(model, tokens=TOKENS, sparsity=SparsityConfig(), thresholds=None):
+def _logits(model, tokens=TOKENS):
+    """(logits, active counts [L, B, T] or None when dense) with the model's selectors."""
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    h, _, n = model.hidden(jnp.asarray(tokens), pos, sparsity=sparsity, thresholds=thresholds)
-    return np.asarray(model.logits(h)), n
+    logits, sown = capture(lambda m: m.logits(m.hidden(jnp.asarray(tokens), pos)[0]), model)
+    return np.asarray(logits), sown.get("n_active")
 
 
 def test_reads_a_file_written_like_powerinfers_convert_py(tmp_path):
@@ -113,10 +112,10 @@ def test_round_trip_keeps_logits_and_predictor_outputs(tmp_path, kind):
     np.testing.assert_array_equal(_logits(a)[0], _logits(b)[0])
     back = pi.load_predictors(path, ck.config)
     assert back.threshold == pytest.approx(0.1)
-    thr = pip_.attach(a, preds)
+    pip_.attach(a, preds)
     pip_.attach(b, back)
-    la, na = _logits(a, sparsity=PRED, thresholds=thr)
-    lb, nb = _logits(b, sparsity=PRED, thresholds=thr)
+    la, na = _logits(a)
+    lb, nb = _logits(b)
     np.testing.assert_array_equal(la, lb)
     np.testing.assert_array_equal(np.asarray(na), np.asarray(nb))
     assert 0 < float(np.asarray(na).mean()) < config.d_ff  # the predictors skip some neurons
@@ -133,13 +132,13 @@ def test_predictor_reads_the_residual_and_decides_like_powerinfer():
               for _ in range(config.n_layers)),
         tuple((rng.standard_normal((config.d_ff, 8))).astype(np.float32)
               for _ in range(config.n_layers)), 0.5)
-    thr = pip_.attach(model, preds)
+    pip_.attach(model, preds)
     block = model.layers[0]
     x = jnp.asarray(rng.standard_normal((1, 5, config.d_model)), jnp.float32)
     pos = jnp.arange(5)[None]
-    out, _, n, ffn_in = block(x, pos, None, None, None, sparsity=PRED, threshold=thr[0],
-                              scores=None)
+    out, _ = block(x, pos, None, None, None)
     r = np.asarray(block.attn(block.attn_norm(x), pos)[0] + x, np.float64)[0]
+    ffn_in = block.ffn_norm(jnp.asarray(r, jnp.float32))[None]
     keep = np.maximum(r @ preds.fc1[0].T, 0) @ preds.fc2[0].T >= preds.threshold
     h = np.asarray(ffn_in, np.float64)[0]
     g, u, dn = (np.asarray(w, np.float64) for w in (block.ffn.gate.weight[...],
@@ -147,12 +146,13 @@ def test_predictor_reads_the_residual_and_decides_like_powerinfer():
                                                     block.ffn.down_t.weight[...]))
     a = np.where(keep, np.maximum(h @ g.T, 0) * (h @ u.T), 0)
     np.testing.assert_allclose(np.asarray(out)[0], r + a @ dn, atol=2e-5, rtol=1e-5)
-    np.testing.assert_array_equal(np.asarray(n)[0], keep.sum(-1))
     assert 0 < keep.mean() < 1
     # all-active predictors: predictor mode is the dense model
+    for layer in model.layers:
+        layer.ffn.set_selector(None)
     dense = _logits(model)[0]
     pip_.attach(model, pi.all_active_predictors(config))
-    sparse, n = _logits(model, sparsity=PRED, thresholds=thr)
+    sparse, n = _logits(model)
     np.testing.assert_allclose(sparse, dense, atol=1e-5, rtol=1e-5)
     assert np.all(np.asarray(n) == config.d_ff)
 
@@ -168,12 +168,13 @@ def test_bias_free_predictors_export_with_the_same_decisions():
     stack = pip_.BiasFreeStack(config.n_layers, config.d_model, 8, config.d_ff, rngs=nnx.Rngs(0))
     exported = pip_.to_powerinfer(stack, config, params)
     pos = jnp.broadcast_to(jnp.arange(TOKENS.shape[1]), TOKENS.shape)
-    _, _, _, ffn_in = model.hidden(jnp.asarray(TOKENS), pos, return_ffn_inputs=True)
+    _, sown = capture(lambda m: m.hidden(jnp.asarray(TOKENS), pos), model)
+    ffn_in = sown["ffn_in"]  # [L, B, T, D]
     on_input = np.asarray(stack(ffn_in.reshape(config.n_layers, -1, config.d_model)))
-    for l, layer in enumerate(model.layers):
-        x = ffn_in[l]  # recover the residual: run the block up to its ffn_norm
-        pip_.attach(model, exported)
-        s = np.asarray(layer.ffn.predictor.raw(_residual(model, l)))
+    preds = [pip_.PowerInferPredictor(a, b) for a, b in zip(exported.fc1, exported.fc2)]
+    for l in range(config.n_layers):
+        x = ffn_in[l]
+        s = np.asarray(preds[l].raw(_residual(model, l)))
         ours = on_input[l].reshape(s.shape)
         clear = np.abs(ours) > 1e-4  # ties at exactly 0 may round either way
         np.testing.assert_array_equal((s >= 0)[clear], (ours >= 0)[clear])
@@ -209,7 +210,7 @@ def _residual(model, l):
         r = x + layer.attn(layer.attn_norm(x), pos)[0]
         if i == l:
             return r
-        x = r + layer.ffn(layer.ffn_norm(r), sparsity=SparsityConfig())[0]
+        x = r + layer.ffn(layer.ffn_norm(r))
 
 
 def test_training_bias_free_predictors_learns_the_masks():

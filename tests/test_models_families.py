@@ -97,10 +97,10 @@ def test_falcon_cached_decode_matches_full_forward(tmp_path):
     save_hf_falcon(tmp_path, new_decoder_architecture=True, num_kv_heads=2)
     full, _, model = _ours(tmp_path, TOKENS[:1])
     cache = init_cache(model.config, batch=1, max_len=32, dtype=jnp.float32)
-    h, cache, _ = model.hidden(jnp.asarray(TOKENS[:1, :5]), jnp.arange(5)[None], cache, 0)
+    h, cache = model.hidden(jnp.asarray(TOKENS[:1, :5]), jnp.arange(5)[None], cache, 0)
     steps = [model.logits(h)]
     for t in range(5, TOKENS.shape[1]):
-        h, cache, _ = model.hidden(jnp.asarray(TOKENS[:1, t:t + 1]), jnp.full((1, 1), t), cache, t)
+        h, cache = model.hidden(jnp.asarray(TOKENS[:1, t:t + 1]), jnp.full((1, 1), t), cache, t)
         steps.append(model.logits(h))
     np.testing.assert_allclose(np.concatenate([np.asarray(s) for s in steps], 1), full,
                                atol=1e-4, rtol=1e-4)

@@ -105,19 +105,21 @@ def test_placed_ffn_matches_unplaced():
     """The hybrid FFN (hot rows through XLA, cold through the call) computes dReLU the same."""
     from flax import nnx
 
-    from powerinfer_jax.config import SparsityConfig
     from powerinfer_jax.models.ffn import FFN
+    from powerinfer_jax.sparsity.selectors import Oracle
 
     p = _operands(30, t=4)
     ffn = FFN(d_model=D, d_ff=F, activation="drelu", gated=True, bias=False, dtype=jnp.float32,
               rngs=nnx.Rngs(0))
     x = jnp.asarray(p["x"])[None]
-    want = np.asarray(ffn(x, sparsity=SparsityConfig(mode="dense"))[0])
+    want = np.asarray(ffn(x))  # dense, XLA
     g, u, dn = (np.asarray(m.weight[...], np.float64) for m in (ffn.gate, ffn.up, ffn.down_t))
     xn = p["x"].astype(np.float64)
     np.testing.assert_allclose(want[0], (np.maximum(xn @ g.T, 0) * np.maximum(xn @ u.T, 0)) @ dn,
                                **TOL)
+    ffn.set_selector(Oracle(0.0))
     ffn.split(F // 3, store="operands")
-    got, n = ffn(x, sparsity=SparsityConfig(mode="oracle"))
+    got, sown = nnx.capture(lambda f, v: f(v), nnx.Intermediate)(ffn, x)
     np.testing.assert_allclose(np.asarray(got), want, **TOL)
-    assert np.asarray(n).max() < F
+    n = [v.get_value()[-1] for path, v in nnx.to_flat_state(sown) if path[-1] == "n_active"][0]
+    assert 0 < np.asarray(n).max() < F

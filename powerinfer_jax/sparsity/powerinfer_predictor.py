@@ -1,16 +1,17 @@
 """PowerInfer's predictors in our engine: fc1 -> ReLU -> fc2, no biases, on the residual stream.
 
-`PowerInferPredictor` has the call signature of sparsity/predictor.Predictor, `predictor(x_btd)
--> scores [B, T, F]` with "scores > 0 = active" (predictor mode's threshold 0), and `permute` for
-placement. It differs in its input: `reads = "residual"` makes the Transformer's Block feed it the
+`PowerInferPredictor` maps the residual [B, T, D] to scores [B, T, F]: +1 where PowerInfer computes
+the neuron (fc2 output >= its sparse threshold), -1 elsewhere, so "scores > 0 = active" reproduces
+PowerInfer's decision exactly, ">=" included (a zero predictor marks every neuron active).
+`PowerInferSelector` (a models.ffn.Selector) runs it: unlike the Scores selector, which feeds its
+predictor the FFN input (after ffn_norm), it reads `models.transformer.block_residual()`, the
 tensor the FFN's norm normalizes (the residual after attention; a parallel block's input), as
-PowerInfer's llama.cpp does, instead of the FFN input after ffn_norm. Its scores are +1 where
-PowerInfer computes the neuron (fc2 output >= its sparse threshold) and -1 elsewhere, so the
-decision is PowerInfer's exactly, ">=" included (a zero predictor marks every neuron active).
+PowerInfer's llama.cpp does (`ffn_inp` for llama/bamboo/opt, `inpL` for falcon).
 
-Attach: `attach(model, predictors)` (a checkpoint.powerinfer.PowerInferPredictors, e.g. from
-`load_predictors(file, config)`), then run with SparsityConfig(mode="predictor",
-predictor="lowrank") and per-layer thresholds 0.0 (what `attach` returns).
+Attach: `attach(model, predictors)` with a checkpoint.powerinfer.PowerInferPredictors (e.g. from
+`load_predictors(file, config)`): every FFN gets a PowerInferSelector (placement's hot-first
+permutation reorders its fc2 rows). A sparsity mode for it (modes.register) is not registered
+here: the lead's registry decides how CLIs name it.
 
 Our own low-rank predictors (PredictorStack) have biases and read the FFN input, and their
 trained decision threshold lives in the output bias, so they cannot be written as PowerInfer's
@@ -29,14 +30,13 @@ import optax
 from flax import nnx
 
 from powerinfer_jax.errors import fail
+from powerinfer_jax.models.ffn import Selection, Selector
 
 F32 = jnp.float32
 
 
 class PowerInferPredictor(nnx.Module):
     """One layer's PowerInfer predictor: scores = +1 if relu(x @ fc1.T) @ fc2.T >= threshold."""
-
-    reads = "residual"
 
     def __init__(self, fc1_rd, fc2_fr, threshold: float = 0.0, *, dtype=F32,
                  kernels: str = "xla", f16_inputs: bool = False):
@@ -65,15 +65,33 @@ class PowerInferPredictor(nnx.Module):
         self.fc2_fr.set_value(self.fc2_fr[...][perm])
 
 
-def attach(model, predictors, *, f16_inputs: bool = False) -> tuple[float, ...]:
-    """Attach a PowerInferPredictors (checked against the model) to every FFN; returns the
-    per-layer thresholds predictor mode then uses (0.0: the decision is in the scores)."""
+class PowerInferSelector(Selector):
+    """Active where the PowerInfer predictor, on the block's residual, says so (module doc)."""
+
+    def __init__(self, predictor: PowerInferPredictor):
+        self.predictor = predictor
+
+    def select(self, ffn, x_btd) -> Selection:
+        from powerinfer_jax.models.transformer import block_residual
+
+        return Selection("scores", 0.0, self.predictor(block_residual()))
+
+    def permute(self, perm) -> None:
+        self.predictor.permute(perm)
+
+    def describe(self) -> dict:
+        return {"selector": "powerinfer", "threshold": self.predictor.threshold}
+
+
+def attach(model, predictors, *, impl: str = "ffi", f16_inputs: bool = False) -> None:
+    """Give every FFN of `model` a PowerInferSelector with its layer's predictor (checked against
+    the model). impl: the sparse call's implementation ("ffi" or "reference")."""
     predictors.check(model.config, "PowerInfer predictors")
     for l, layer in enumerate(model.layers):
-        layer.ffn.predictor = PowerInferPredictor(
-            predictors.fc1[l], predictors.fc2[l], predictors.threshold, dtype=model.dtype,
-            kernels=model.kernels, f16_inputs=f16_inputs)
-    return tuple(0.0 for _ in model.layers)
+        pred = PowerInferPredictor(predictors.fc1[l], predictors.fc2[l], predictors.threshold,
+                                   dtype=model.dtype, kernels=model.kernels,
+                                   f16_inputs=f16_inputs)
+        layer.ffn.set_selector(PowerInferSelector(pred), impl=impl)
 
 
 # ------------------------------------------------------------------------ PowerInfer's shape
