@@ -9,6 +9,7 @@
 #include <string>
 #include <string_view>
 
+#include "cpu_backend/thread_pool.h"
 #include "xla_ffi/sparse_ffn_cuda.h"
 #include "xla_ffi/sparse_ffn_hybrid_cuda.h"
 
@@ -82,8 +83,16 @@ NB_MODULE(_pij_cuda, m) {
         nb::arg("handle"), "Free a layer's cold rows (no running computation may still use them).");
   m.def("cold_store_bytes", []() { return pij::HybridColdStore().Bytes(); });
   m.def("set_num_threads", [](int n) {
-    if (n < 1) throw std::invalid_argument("set_num_threads: n: expected >= 1, got " + std::to_string(n));
-    nb::gil_scoped_release release;
-    pij::SetHybridThreads(n);
+    const int max = pij::ThreadPool::MaxThreads();
+    if (n < 1 || n > max) {
+      throw std::invalid_argument("set_num_threads: n: expected an integer in [1, " +
+                                  std::to_string(max) + "], got " + std::to_string(n));
+    }
+    bool ok;
+    {
+      nb::gil_scoped_release release;
+      ok = pij::SetHybridThreads(n);
+    }
+    if (!ok) throw std::invalid_argument("set_num_threads: n: above the pool's maximum");
   }, nb::arg("n"), "Threads of the hybrid handler's host pool (the calling thread counts as one).");
 }

@@ -279,7 +279,7 @@ ffi::Error HybridImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
 
 ColdStore& HybridColdStore() { return GetHybridRuntime().store; }
 
-void SetHybridThreads(int n) { GetHybridRuntime().pool.SetNumThreads(n); }
+bool SetHybridThreads(int n) { return GetHybridRuntime().pool.SetNumThreads(n); }
 
 }  // namespace pij
 

@@ -12,8 +12,9 @@ namespace pij {
 // The store of cold rows the hybrid handler reads (one per process, in this module).
 ColdStore& HybridColdStore();
 
-// Threads of the host pool that runs the cold rows (the calling thread counts as one).
-void SetHybridThreads(int n);
+// Threads of the host pool that runs the cold rows (the calling thread counts as one). False,
+// leaving the pool as it was, above ThreadPool::MaxThreads().
+[[nodiscard]] bool SetHybridThreads(int n);
 
 }  // namespace pij
 
