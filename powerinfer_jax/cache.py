@@ -29,9 +29,9 @@ import fcntl
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import sys
-import tempfile
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -126,14 +126,24 @@ def lock(dest: Path, what: str | None = None, *, shared: bool = False) -> Iterat
 # Atomic writes
 # ------------------------------------------------------------------------------------------------
 
+def _temp_name(dest: Path, suffix: str) -> Path:
+    return dest.with_name(f".{dest.name}.{os.getpid()}.{secrets.token_hex(4)}{suffix}")
+
+
 @contextlib.contextmanager
 def atomic_file(dest: Path) -> Iterator[Path]:
-    """Yield a fresh temporary path next to `dest`; on success it is renamed onto `dest`."""
+    """Yield a fresh temporary path next to `dest`; on success it is renamed onto `dest`. The
+    file gets the usual permissions (0666 less the umask), not mkstemp's private 0600, so a
+    cache shared between users stays readable."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp)
+    while True:
+        tmp = _temp_name(dest, ".tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            break
+        except FileExistsError:
+            continue
     try:
         yield tmp
         os.replace(tmp, dest)
@@ -153,18 +163,28 @@ def atomic_dir(dest: Path) -> Iterator[Path]:
     renames, atomic for readers that verify what they read, not for two concurrent writers."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp"))
+    tmp = _make_dir(dest, ".tmp")
     old = None
     try:
         yield tmp
         if dest.exists() or dest.is_symlink():
-            old = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".old"))
+            old = _make_dir(dest, ".old")
             os.replace(dest, old / "entry")
         os.replace(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _make_dir(dest: Path, suffix: str) -> Path:
+    while True:
+        path = _temp_name(dest, suffix)
+        try:
+            path.mkdir(0o777)  # less the umask, as any directory (mkdtemp's would be 0700)
+            return path
+        except FileExistsError:
+            continue
 
 
 # ------------------------------------------------------------------------------------------------
@@ -264,14 +284,22 @@ def check_file(dest: Path, *, sha256: str | None = None) -> str | None:
         actual = full_sha256(dest)
         if actual != sha256:
             return f"of sha256 {actual[:16]}..., expected {sha256[:16]}... (corrupt)"
-        write_record(dest, actual)
+        _try_write_record(dest, actual)
         return None
     if sha256 is not None and rec["sha256"] != sha256:
         return f"recorded with sha256 {rec['sha256'][:16]}..., expected {sha256[:16]}..."
     reason, refresh = _compare(dest, rec)
     if refresh:
-        write_record(dest, rec["sha256"])
+        _try_write_record(dest, rec["sha256"])
     return reason
+
+
+def _try_write_record(dest: Path, sha256: str) -> None:
+    """Record a verified file; in a read-only cache it just stays unrecorded (checked again)."""
+    try:
+        write_record(dest, sha256)
+    except OSError:
+        pass
 
 
 def write_dir_record(directory: Path) -> dict:

@@ -80,8 +80,10 @@ def read_dir(directory: Path, *, fingerprint: dict, format_version: int, need_pr
         stack = None
         if need_predictor:
             if not meta["has_predictor"]:
-                _fail(f"sparsity artifacts {directory}", "trained low-rank predictors", "none",
-                      directory)
+                raise ArtifactError(
+                    f"sparsity artifacts {directory}: expected trained predictors (the lowrank "
+                    "predictor), got none (rebuild them with python -m powerinfer_jax.calibrate "
+                    "without --no-predictor, or use --predictor q4)")
             stack = read_predictor(directory / "predictor", fingerprint["shape"])
     return meta, stack
 
