@@ -95,7 +95,9 @@ def lock(dest: Path, what: str | None = None, *, shared: bool = False) -> Iterat
                 return
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                # flock needs no write access: a reader opens another user's lock read-only
+                flags = os.O_RDONLY if shared and path.exists() else os.O_RDWR | os.O_CREAT
+                fd = os.open(path, flags, 0o644)
             except OSError as e:
                 if shared:  # a read-only cache: nobody can be writing it, read without the lock
                     yield
