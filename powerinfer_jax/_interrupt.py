@@ -10,16 +10,15 @@ instruction of that callback. An exception raised in a gc callback cannot propag
 reports it as "unraisable" and carries on. The same holds for `__del__` methods.
 
 Fix: our handler checks where it runs. In ordinary code it raises KeyboardInterrupt, exactly as
-Python's default handler does. Inside a gc callback or `__del__` it raises nothing there and
-re-delivers the signal (`_thread.interrupt_main`) a moment later from a helper thread, until it
-lands in ordinary code.
+Python's default handler does. Inside a gc callback or `__del__` (or an extension module's
+initialization, see _EXTENSION_INIT) it raises nothing there and re-delivers the signal
+(`_thread.interrupt_main`) a moment later from a helper thread, until it lands in ordinary code.
 
-In the project's CLIs (`python -m powerinfer_jax.X`) an uncaught KeyboardInterrupt prints one
-line, not a traceback, and the process exits with status 130 at once, without interpreter
-teardown: after an interrupt mid-compile, tearing down jaxlib's nanobind module crashed
-(SIGSEGV in nanobind::detail::nb_module_free, seen under gdb 1 run in 6). Context managers and
-finally blocks have run by then (the exception unwound to the top), so temporary files are gone
-and cache locks released; only atexit handlers are skipped.
+In the project's CLIs (`python -m powerinfer_jax.X`) `_cli.run_main` turns a KeyboardInterrupt
+into one line and status 130. One that comes before run_main (while the CLI module imports jax)
+is printed the same way by the excepthook installed here, which then ends the process at once
+with status 130 (os._exit: nothing of the half-started program needs tearing down; context
+managers and finally blocks have run, so temporary files are gone and cache locks released).
 """
 from __future__ import annotations
 
@@ -33,22 +32,32 @@ import threading
 REDELIVER_S = 0.002  # long enough for a gc callback to return, short against a person's patience
 
 
-def _in_unraisable_frame(frame) -> bool:
-    """Whether `frame` or a caller is a gc callback or a __del__ (an exception there is lost)."""
+# Frames of an extension module's initialization: a KeyboardInterrupt raised in Python code that
+# such an init calls (nanobind's imports) leaves a half-built module, and its deallocation
+# crashed in jaxlib (SIGSEGV in nanobind::detail::nb_module_free, seen under gdb, and as exit
+# status -11 when Ctrl-C came during `import jax`). The interrupt waits until the init returns.
+_EXTENSION_INIT = {"ExtensionFileLoader.create_module", "ExtensionFileLoader.exec_module"}
+
+
+def _must_wait(frame) -> bool:
+    """Whether `frame` or a caller is a gc callback or a __del__ (an exception there is lost), or
+    an extension module's initialization (an exception there can crash the process)."""
     codes = set()
     for cb in list(gc.callbacks):
         code = getattr(getattr(cb, "__func__", cb), "__code__", None)
         if code is not None:
             codes.add(code)
     while frame is not None:
-        if frame.f_code in codes or frame.f_code.co_name == "__del__":
+        code = frame.f_code
+        if (code in codes or code.co_name == "__del__"
+                or getattr(code, "co_qualname", "") in _EXTENSION_INIT):
             return True
         frame = frame.f_back
     return False
 
 
 def _on_sigint(signum, frame):
-    if _in_unraisable_frame(frame):
+    if _must_wait(frame):
         timer = threading.Timer(REDELIVER_S, _thread.interrupt_main, args=(signum,))
         timer.daemon = True
         timer.start()
@@ -63,7 +72,7 @@ def _excepthook(previous):
     def hook(exc_type, exc, tb):
         if not issubclass(exc_type, KeyboardInterrupt):
             return previous(exc_type, exc, tb)
-        print("powerinfer_jax: interrupted", file=sys.stderr, flush=True)
+        print("interrupted", file=sys.stderr, flush=True)  # as _cli.run_main words it
         try:
             sys.stdout.flush()
         finally:

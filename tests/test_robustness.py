@@ -167,15 +167,15 @@ def test_ensure_artifacts_user_model_error_registry_model_rebuilds(tmp_path, mon
         package="p", version="1", member="p/m.gguf", size=1, sha256="ab" * 32, description="x"))
     builds = []
 
-    def fake_build(model, tokenizer, *, fingerprint, root, target_sparsity, progress):
-        builds.append(target_sparsity)
+    def fake_build(model, tokenizer, *, fingerprint, root, target_sparsity, train, progress):
+        builds.append(train)  # None: no predictors asked for
         A.save_artifacts(A.target_dir(root, target_sparsity), arts, profile, fingerprint)
 
     monkeypatch.setattr(A, "build_artifacts", fake_build)
     run = lambda: A.ensure_artifacts("fake", "unused", model, None, 0.5,  # noqa: E731
                                      need_predictor=False, progress=False)
-    assert run().thresholds_q4 == arts.thresholds_q4 and len(builds) == 1
-    assert run().thresholds_q4 == arts.thresholds_q4 and len(builds) == 1
+    assert run().thresholds_q4 == arts.thresholds_q4 and builds == [None]
+    assert run().thresholds_q4 == arts.thresholds_q4 and builds == [None]
     d = A.target_dir(A.artifacts_root("fake", "unused"), 0.5)
     meta = json.loads((d / "meta.json").read_text())
     del meta["thresholds_gate"]
@@ -200,7 +200,7 @@ def test_racing_artifact_builds_both_succeed_once(tmp_path):
         registry.KNOWN_MODELS["fake"] = RegistryEntry(
             package="p", version="1", member="p/m.gguf", size=1, sha256="ab" * 32,
             description="x")
-        def fake_build(model, tokenizer, *, fingerprint, root, target_sparsity, progress):
+        def fake_build(model, tokenizer, *, fingerprint, root, target_sparsity, train, progress):
             with open({str(log)!r}, "a") as f:
                 f.write("build\\n")
             time.sleep(1.0)
@@ -487,4 +487,5 @@ def test_sigint_in_cli_exits_130_with_one_line(tmp_path):
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=30)
     assert p.returncode == 130, err[-2000:]
-    assert err.strip() == "powerinfer_jax: interrupted"
+    # One line: _cli.run_main's, or _interrupt's when Ctrl-C comes before run_main (imports).
+    assert err.strip() in ("interrupted", "powerinfer_jax: interrupted"), err[-2000:]

@@ -44,7 +44,6 @@ NB_MODULE(_pij_ext, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["pij_sparse_ffn"] = Capsule(PijSparseFfnCpu);
-    d["pij_rms_norm"] = Capsule(PijRmsNormCpu);
     d["pij_linear"] = Capsule(PijLinearCpu);
     d["pij_linear_many"] = Capsule(PijLinearManyCpu);
     d["pij_q4_scores"] = Capsule(PijQ4ScoresCpu);
@@ -64,6 +63,10 @@ NB_MODULE(_pij_ext, m) {
   m.def("max_threads", []() { return pij::ThreadPool::MaxThreads(); },
         "The most threads set_num_threads accepts: max(256, 4 x hardware threads).");
   m.def("get_num_threads", []() { return pij::GetCpuRuntime().pool.NumThreads(); });
+  m.def("host_pool", []() {
+    // The runtime is a leaked singleton, so the pointer outlives every module that holds it.
+    return nb::capsule(static_cast<void*>(&pij::GetCpuRuntime().pool), "pij.ThreadPool");
+  }, "The kernels' thread pool, for the CUDA module's cold rows (one pool per process).");
   m.def("stream_sum", [](nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> a) {
     nb::gil_scoped_release release;
     return pij::StreamSum(std::span<const float>(a.data(), a.shape(0)), pij::GetCpuRuntime().pool);

@@ -9,7 +9,6 @@
 #include <string>
 #include <string_view>
 
-#include "cpu_backend/thread_pool.h"
 #include "xla_ffi/sparse_ffn_cuda.h"
 #include "xla_ffi/sparse_ffn_hybrid_cuda.h"
 
@@ -82,17 +81,12 @@ NB_MODULE(_pij_cuda, m) {
   m.def("release_cold_rows", [](int64_t handle) { return pij::HybridColdStore().Remove(handle); },
         nb::arg("handle"), "Free a layer's cold rows (no running computation may still use them).");
   m.def("cold_store_bytes", []() { return pij::HybridColdStore().Bytes(); });
-  m.def("set_num_threads", [](int n) {
-    const int max = pij::ThreadPool::MaxThreads();
-    if (n < 1 || n > max) {
-      throw std::invalid_argument("set_num_threads: n: expected an integer in [1, " +
-                                  std::to_string(max) + "], got " + std::to_string(n));
+  m.def("use_host_pool", [](nb::capsule pool) {
+    if (std::string_view(pool.name()) != "pij.ThreadPool") {
+      throw std::invalid_argument("use_host_pool: expected the capsule of "
+                                  "powerinfer_jax._pij_ext.host_pool(), got " +
+                                  std::string(pool.name()));
     }
-    bool ok;
-    {
-      nb::gil_scoped_release release;
-      ok = pij::SetHybridThreads(n);
-    }
-    if (!ok) throw std::invalid_argument("set_num_threads: n: above the pool's maximum");
-  }, nb::arg("n"), "Threads of the hybrid handler's host pool (the calling thread counts as one).");
+    pij::UseHostPool(static_cast<pij::ThreadPool*>(pool.data()));
+  }, nb::arg("pool"), "Run cold rows on the CPU module's thread pool (one pool per process).");
 }

@@ -81,9 +81,10 @@ def read_dir(directory: Path, *, fingerprint: dict, format_version: int, need_pr
         if need_predictor:
             if not meta["has_predictor"]:
                 raise ArtifactError(
-                    f"sparsity artifacts {directory}: expected trained predictors (the lowrank "
-                    "predictor), got none (rebuild them with python -m powerinfer_jax.calibrate "
-                    "without --no-predictor, or use --predictor q4)")
+                    f"sparsity artifacts {directory}: expected trained predictors (for "
+                    "--predictor lowrank), got none (build them with python -m "
+                    "powerinfer_jax.calibrate --sparsity predictor --predictor lowrank for this "
+                    "model and target, or run with --predictor q4)")
             stack = read_predictor(directory / "predictor", fingerprint["shape"])
     return meta, stack
 
