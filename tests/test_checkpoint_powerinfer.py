@@ -119,6 +119,13 @@ def test_round_trip_keeps_logits_and_predictor_outputs(tmp_path, kind):
     np.testing.assert_array_equal(la, lb)
     np.testing.assert_array_equal(np.asarray(na), np.asarray(nb))
     assert 0 < float(np.asarray(na).mean()) < config.d_ff  # the predictors skip some neurons
+    # the "powerinfer" sparsity mode: the same predictors, read from the file by the build
+    import powerinfer_jax as pij
+
+    built = pij.load(str(path), sparsity="powerinfer", progress=False).model
+    lc, nc = _logits(built)
+    np.testing.assert_allclose(lc, lb, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(nc), np.asarray(nb))
 
 
 def test_predictor_reads_the_residual_and_decides_like_powerinfer():

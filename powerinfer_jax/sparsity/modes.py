@@ -27,6 +27,7 @@ class Needs:
 
     thresholds: bool = False  # per-layer calibrated thresholds (profile + calibration)
     lowrank: bool = False  # trained low-rank predictors
+    model_file: bool = False  # predictors stored in the model file itself (Mode.load reads them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,8 @@ class Mode:
     make: MakeSelectors
     doc: str
     needs: Callable[[object], Needs] = lambda cfg: Needs()
+    # Needs.model_file: load(model file path, ModelConfig) -> what `make` receives as artifacts
+    load: Callable[[str, object], object] | None = None
 
 
 _MODES: dict[str, Mode] = {}
@@ -177,6 +180,22 @@ register("oracle", Mode(
     _oracle, "the true active set: |a_i| > --threshold (or the calibrated per-layer thresholds "
              "with --target-sparsity): the quality upper bound",
     needs=lambda cfg: Needs(thresholds=cfg.target_sparsity is not None)))
+def _powerinfer(model, cfg, predictors):
+    from powerinfer_jax.sparsity.powerinfer_predictor import selectors
+
+    return selectors(model, predictors)
+
+
+def _powerinfer_load(source, config):
+    from powerinfer_jax.checkpoint.powerinfer import load_predictors
+
+    return load_predictors(source, config)
+
+
+register("powerinfer", Mode(
+    _powerinfer, "the predictors of a PowerInfer GGUF (blk.i.fc1/fc2, read from the model file), "
+                 "on the residual stream as PowerInfer runs them",
+    needs=lambda cfg: Needs(model_file=True), load=_powerinfer_load))
 register("threshold", Mode(
     _threshold, "calibrated |act(gate_i . x)| thresholds, the gate computed densely (CATS-style)",
     needs=lambda cfg: Needs(thresholds=True)))

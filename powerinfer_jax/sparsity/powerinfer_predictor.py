@@ -83,15 +83,20 @@ class PowerInferSelector(Selector):
         return {"selector": "powerinfer", "threshold": self.predictor.threshold}
 
 
+def selectors(model, predictors, *, f16_inputs: bool = False) -> list:
+    """One PowerInferSelector per layer with its layer's predictor (checked against the model):
+    the "powerinfer" sparsity mode (sparsity/modes.py)."""
+    predictors.check(model.config, "PowerInfer predictors")
+    return [PowerInferSelector(PowerInferPredictor(
+        predictors.fc1[l], predictors.fc2[l], predictors.threshold, dtype=model.dtype,
+        kernels=model.kernels, f16_inputs=f16_inputs)) for l in range(model.config.n_layers)]
+
+
 def attach(model, predictors, *, impl: str = "ffi", f16_inputs: bool = False) -> None:
     """Give every FFN of `model` a PowerInferSelector with its layer's predictor (checked against
     the model). impl: the sparse call's implementation ("ffi" or "reference")."""
-    predictors.check(model.config, "PowerInfer predictors")
-    for l, layer in enumerate(model.layers):
-        pred = PowerInferPredictor(predictors.fc1[l], predictors.fc2[l], predictors.threshold,
-                                   dtype=model.dtype, kernels=model.kernels,
-                                   f16_inputs=f16_inputs)
-        layer.ffn.set_selector(PowerInferSelector(pred), impl=impl)
+    for layer, sel in zip(model.layers, selectors(model, predictors, f16_inputs=f16_inputs)):
+        layer.ffn.set_selector(sel, impl=impl)
 
 
 # ------------------------------------------------------------------------ PowerInfer's shape
