@@ -7,8 +7,8 @@ GGUF conventions this module undoes (read) and applies (write):
     RoPE; we restore HF's rotate-half order (`base.rope_unpermute`).
   * ffn_down is stored [D, F]; the canonical `ffn.down_t.weight` is its transpose [F, D].
   * Tied embeddings: no `output.weight` tensor.
-Tensor types read: F32, F16, BF16, Q8_0, Q4_0, Q4_1 (see `quants.py`). Quantized tensors are also
-kept raw in `Checkpoint.raw` for quantized kernels.
+Tensor types read: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+(see `quants.py`): dequantized to float32, or kept as `QuantTensor` blocks (keep_quantized=True).
 """
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from powerinfer_jax.checkpoint import quants
-from powerinfer_jax.checkpoint.base import (Checkpoint, RawTensor, check_params, expected_shapes,
-                                            rope_permute, rope_unpermute, unsupported_architecture)
+from powerinfer_jax.checkpoint.base import (Checkpoint, QuantTensor, check_params,
+                                            expected_shapes, rope_permute, rope_unpermute,
+                                            unsupported_architecture)
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.tokenizer import Tokenizer
 
@@ -119,25 +120,43 @@ def _tensor_type(t) -> str:
     return t.tensor_type.name
 
 
-def _read_tensor(t, expected: tuple[int, ...], source: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """(float32 array of numpy shape `expected`, raw uint8 rows or None for float types)."""
+def _read_tensor(t, expected: tuple[int, ...], source: str, keep_quantized: bool):
+    """The tensor's stored matrix (numpy shape `expected`): float32, or a `QuantTensor` of its
+    blocks when it is block-quantized and keep_quantized is set (no float copy is made)."""
     qtype = _tensor_type(t)
     if qtype not in quants.SUPPORTED_TYPES:
         raise ValueError(f"{source}: tensor {t.name!r}: expected type one of "
                          f"{list(quants.SUPPORTED_TYPES)}, got {qtype} (requantize the model to "
-                         "Q8_0/Q4_0/Q4_1 or a float type)")
+                         "one of these, e.g. with llama.cpp's llama-quantize)")
     shape = tuple(int(n) for n in reversed(t.shape.tolist()))
     if shape != expected:
         raise ValueError(f"{source}: tensor {t.name!r}: expected shape {expected} (numpy order) "
                          f"from the metadata, got {shape}")
     data = np.asarray(t.data)
     rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
-    values = quants.dequantize(rows, qtype).reshape(shape)
-    raw = np.array(rows, dtype=np.uint8) if qtype in quants.QUANTIZED_TYPES else None
-    return values, raw
+    if keep_quantized and qtype in quants.QUANTIZED_TYPES and len(shape) == 2:
+        return QuantTensor(np.array(rows, dtype=np.uint8), qtype, shape)  # a copy: the file closes
+    return quants.dequantize(rows, qtype).reshape(shape)
 
 
-def load_gguf(path: str | os.PathLike) -> Checkpoint:
+def _canonical(value, name: str, config: ModelConfig):
+    """A stored tensor (array or QuantTensor) -> the canonical param: Q/K rows back to HF order
+    (rows permute whole, so blocks permute with them), ffn_down transposed."""
+    heads = {"attn.q.weight": config.n_heads, "attn.k.weight": config.n_kv_heads}
+    n = heads.get(name.split(".", 2)[-1]) if name.startswith("layers.") else None
+    transposed = name.endswith("ffn.down_t.weight")
+    if isinstance(value, QuantTensor):
+        blocks = rope_unpermute(value.blocks, n) if n is not None else value.blocks
+        shape = value.shape[::-1] if transposed else value.shape
+        return QuantTensor(np.ascontiguousarray(blocks), value.qtype, shape, transposed)
+    if n is not None:
+        value = rope_unpermute(value, n)
+    return np.ascontiguousarray(value.T) if transposed else value
+
+
+def load_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> Checkpoint:
+    """A GGUF file -> Checkpoint. Params are float32 arrays; with keep_quantized, the 2-D
+    block-quantized tensors are `QuantTensor`s instead (each stored once, as its blocks)."""
     path = Path(path)
     source = f"GGUF file {str(path)!r}"
     reader = _open(path)
@@ -151,26 +170,17 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
     vocab = int(tensors["token_embd.weight"].shape[1])  # ne = [D, V]
     config = config_from_metadata(meta, source, vocab_size=vocab,
                                   tied="output.weight" not in tensors)
-    params: dict[str, np.ndarray] = {}
-    raw: dict[str, RawTensor] = {}
+    params: dict[str, Any] = {}
     for name, shape in expected_shapes(config).items():
         g = gguf_name(name)
         if g not in tensors:
             raise ValueError(f"{source}: expected tensor {g!r} (for {name}, shape {shape}), got none")
-        transposed = name.endswith("ffn.down_t.weight")
-        stored = shape[::-1] if transposed else shape
-        values, blocks = _read_tensor(tensors[g], stored, source)
-        heads = {"attn.q.weight": config.n_heads, "attn.k.weight": config.n_kv_heads}
-        n = heads.get(name.split(".", 2)[-1]) if name.startswith("layers.") else None
-        if n is not None:  # undo llama.cpp's RoPE row permutation (rows permute whole, so raw too)
-            values = rope_unpermute(values, n)
-            blocks = rope_unpermute(blocks, n) if blocks is not None else None
-        params[name] = np.ascontiguousarray(values.T) if transposed else values
-        if blocks is not None:
-            raw[name] = RawTensor(blocks, _tensor_type(tensors[g]), stored, transposed)
+        stored = shape[::-1] if name.endswith("ffn.down_t.weight") else shape
+        params[name] = _canonical(_read_tensor(tensors[g], stored, source, keep_quantized), name,
+                                  config)
     check_params(config, params, source)
     tokenizer = Tokenizer.from_gguf_metadata(meta)
-    return Checkpoint(config=config, params=params, tokenizer=tokenizer, source=str(path), raw=raw)
+    return Checkpoint(config=config, params=params, tokenizer=tokenizer, source=str(path))
 
 
 # ------------------------------------------------------------------------------------ writer
@@ -190,8 +200,9 @@ def write_gguf(path: str | os.PathLike, config: ModelConfig, params: Mapping[str
                overrides: Mapping[str, Any] | None = None) -> Path:
     """Write a llama-convention GGUF from canonical params (Q/K permuted back, ffn_down [D, F]).
 
-    tensor_types: canonical name -> GGML type name ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1",
-    or any type `gguf.quants.quantize` knows, e.g. "Q5_0" to test rejection); others `default_type`.
+    tensor_types: canonical name -> GGML type name (`quants.QUANTIZABLE_TYPES`, or any type
+    `gguf.quants.quantize` knows, e.g. "MXFP4" to test rejection); others `default_type`. A param
+    given as a `QuantTensor` (any GGML type, e.g. random K-quant blocks) is written as its blocks.
     tokenizer_meta: keys of `_TOKENIZER_WRITERS` (e.g. {"model": "gpt2", "tokens": [...], ...}).
     `arch` only renames the metadata prefix, and `overrides` ({"block_count": 3, ...}) replaces
     model metadata values; tests use both to write inconsistent or unsupported files.
@@ -222,6 +233,10 @@ def write_gguf(path: str | os.PathLike, config: ModelConfig, params: Mapping[str
                              f"got {key!r}")
         getattr(w, _TOKENIZER_WRITERS[key])(value)
     for name in expected_shapes(config):
+        if isinstance(params[name], QuantTensor):  # written as its blocks, in its own type
+            w.add_tensor(gguf_name(name), _stored_blocks(params[name], name, config),
+                         raw_dtype=gguf.GGMLQuantizationType[params[name].qtype])
+            continue
         value = np.asarray(params[name], dtype=np.float32)
         if name.endswith("attn.q.weight"):
             value = rope_permute(value, config.n_heads)
@@ -236,10 +251,23 @@ def write_gguf(path: str | os.PathLike, config: ModelConfig, params: Mapping[str
         elif qtype == "F16":
             w.add_tensor(gguf_name(name), value.astype(np.float16))
         else:
-            kind = gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(gguf_name(name), gguf.quants.quantize(value, kind), raw_dtype=kind)
+            kind = gguf.GGMLQuantizationType[qtype]  # types we do not read: tests of rejection
+            data = (quants.quantize(value, qtype) if qtype in quants.QUANTIZABLE_TYPES
+                    else gguf.quants.quantize(value, kind))
+            w.add_tensor(gguf_name(name), data, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _stored_blocks(t: QuantTensor, name: str, config: ModelConfig) -> np.ndarray:
+    """A canonical QuantTensor's blocks in the file's layout (Q/K rows permuted back)."""
+    if t.transposed != name.endswith("ffn.down_t.weight"):
+        raise ValueError(f"write_gguf: {name}: expected a QuantTensor with transposed="
+                         f"{not t.transposed} (GGUF's stored orientation), got {t.transposed}")
+    heads = {"attn.q.weight": config.n_heads, "attn.k.weight": config.n_kv_heads}
+    n = heads.get(name.split(".", 2)[-1]) if name.startswith("layers.") else None
+    blocks = np.asarray(t.blocks, np.uint8)
+    return np.ascontiguousarray(rope_permute(blocks, n) if n is not None else blocks)
