@@ -184,8 +184,8 @@ def check_qweight(what: str, blocks, qtype: str, in_features: int, rows: int | N
         want = f"[{'R' if rows is None else rows}, {rb}]"
         fail(what, f"uint8 {want} ({in_features // block} {qtype} blocks of {nbytes} bytes per "
                    f"row of {in_features})", f"{dtype} {shape}",
-             "a truncated or differently typed tensor" if len(shape) == 2 and dtype == jnp.uint8
-             else "")
+             "a truncated row, or blocks of another type"
+             if len(shape) == 2 and dtype == jnp.uint8 else "")
     return shape[0]
 
 
