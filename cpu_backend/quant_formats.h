@@ -82,6 +82,7 @@ struct Legacy {
   static constexpr bool kSigned = kSignedT;
   static constexpr bool kHasMin = kHasMinT;
   using Prep = LegacyPrep;
+  static const int8_t* PlainQuants(const uint8_t*) { return nullptr; }
 };
 
 struct Q4_0 : Legacy<QType::kQ4_0, 18, false, true> {
@@ -126,6 +127,8 @@ struct Q8_0 : Legacy<QType::kQ8_0, 34, true, false> {
     p.m = 0.0f;
   }
   static I8x32 Unpack(const uint8_t* b, int) { return qsimd::Load32(b + 2); }
+  // The weights are stored as plain int8: the float paths widen them straight from memory.
+  static const int8_t* PlainQuants(const uint8_t* b) { return reinterpret_cast<const int8_t*>(b + 2); }
 };
 
 // Shared by the 256-weight K-quants: 8 chunks, per-16 (s, m).
@@ -138,6 +141,7 @@ struct KQuant {
   static constexpr bool kSigned = false;
   static constexpr bool kHasMin = true;
   using Prep = KPrep;
+  static const int8_t* PlainQuants(const uint8_t*) { return nullptr; }
   // The lane-wise scale of chunk c's int32 dot lanes (lanes 0-3: its first 16 weights).
   static F32x8 ChunkScale(const Prep& p, int c) { return qsimd::PairSpread(p.s[c / 4], c % 4); }
 };

@@ -123,6 +123,27 @@ inline void HalfScales(const typename F::Prep& p, float* s, float* m) {
   }
 }
 
+// Weights 8q .. 8q + 7 of chunk c as floats: widened straight from memory where the format stores
+// plain int8 (Q8_0: one load-and-extend), else from the unpacked chunk u.
+template <class F>
+inline F32x8 ChunkPart(const uint8_t* blk, const I8x32& u, int c, int q) {
+  if constexpr (F::kSigned) {
+    return qsimd::S8ToF32(F::PlainQuants(blk) + 32 * c + 8 * q);
+  } else {
+    return qsimd::BytesToF32<false>(u, q);
+  }
+}
+
+// The chunk's unpacked bytes, where ChunkPart needs them.
+template <class F>
+inline I8x32 UnpackForParts(const uint8_t* blk, int c) {
+  if constexpr (F::kSigned) {
+    return I8x32{};
+  } else {
+    return F::Unpack(blk, c);
+  }
+}
+
 // y[0, D) += sum_k coef[k] * dequant(rows[k]) for kN rows, in one pass over y: y is loaded and
 // stored once per chunk for all kN rows. Per element the rows' products are added in row order,
 // then their minimums' sum.
@@ -148,10 +169,11 @@ inline void AxpyRows(const uint8_t* const* rows, const float* coef, int64_t nblo
       F32x8 yv[4];
       for (int q = 0; q < 4; ++q) yv[q] = qsimd::Load(yb + 32 * c + 8 * q);
       for (int k = 0; k < kN; ++k) {
-        const I8x32 u = F::Unpack(rows[k] + b * F::kBytes, c);
+        const uint8_t* blk = rows[k] + b * F::kBytes;
+        const I8x32 u = UnpackForParts<F>(blk, c);
         for (int q = 0; q < 4; ++q) {
-          yv[q] = qsimd::MulAdd(qsimd::BytesToF32<F::kSigned>(u, q),
-                                qsimd::Set1(cs[k][2 * c + q / 2]), yv[q]);
+          yv[q] = qsimd::MulAdd(ChunkPart<F>(blk, u, c, q), qsimd::Set1(cs[k][2 * c + q / 2]),
+                                yv[q]);
         }
       }
       for (int q = 0; q < 4; ++q) {
@@ -168,7 +190,6 @@ constexpr int kMaxTokens = 4;
 template <class F>
 inline void AxpyTokens(const uint8_t* row, const float* coef, float* const* y, int n,
                        int64_t nblocks) {
-  constexpr int kHalves = F::kBlock / 16;
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* blk = row + b * F::kBytes;
     typename F::Prep p;
@@ -177,12 +198,11 @@ inline void AxpyTokens(const uint8_t* row, const float* coef, float* const* y, i
     HalfScales<F>(p, s, m);
 #pragma GCC unroll 8
     for (int c = 0; c < F::kChunks; ++c) {
-      const I8x32 u = F::Unpack(blk, c);
+      const I8x32 u = UnpackForParts<F>(blk, c);
       F32x8 w[4];  // the chunk's 32 weights, dequantized once for every token
       for (int q = 0; q < 4; ++q) {
         const int h = 2 * c + q / 2;
-        w[q] = qsimd::MulAdd(qsimd::BytesToF32<F::kSigned>(u, q), qsimd::Set1(s[h]),
-                             qsimd::Set1(m[h]));
+        w[q] = qsimd::MulAdd(ChunkPart<F>(blk, u, c, q), qsimd::Set1(s[h]), qsimd::Set1(m[h]));
       }
       for (int t = 0; t < n; ++t) {
         float* yc = y[t] + b * F::kBlock + 32 * c;
@@ -192,7 +212,6 @@ inline void AxpyTokens(const uint8_t* row, const float* coef, float* const* y, i
         }
       }
     }
-    (void)kHalves;
   }
 }
 
