@@ -1,0 +1,157 @@
+"""Op benchmarks of the quantized kernels: qlinear matvecs per GGUF format and the quantized sparse
+FFN at 10/50/100% active, next to the float kernels (bf16 ops.linear / ops.sparse_ffn) timed in
+the same run, interleaved config by config (this VM drifts 20-30% within minutes: compare ratios).
+
+Every config is validated against the jnp reference first, then timed (median of --repeats calls
+cycling through weight copies totalling >= 256 MiB, so that the weights come from DRAM as in a
+model), then reported with napkin math: bytes read / time next to the read bandwidth measured by
+the same process at the same thread count. Shapes: SmolLM2-135M (D 576; O 576, 1536, 49152; the
+K-quants need D % 256 == 0 and are skipped there) and Llama-2-7B (4096 x 11008).
+
+    nice -n 10 python benchmarks/quant_ops.py --threads 1 2 --out benchmarks/quant_ops.jsonl
+Run once per build (the rows carry `isa`): the native AVX-512 one and an AVX2 one (BUILD.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+COLD_BYTES = 256 << 20
+LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+SHARED = "other work shared the 2-core VM during the run (benchmarks ran under nice -n 10)"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _cpu() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _copies(nbytes: int, cap: int = 16) -> int:
+    return int(min(cap, max(1, -(-COLD_BYTES // nbytes))))
+
+
+def bench_qlinear(qtype, d, o, rng, repeats):
+    import jax
+    import jax.numpy as jnp
+
+    from powerinfer_jax import ops
+    from powerinfer_jax._bench_ops import _median_us
+    from powerinfer_jax.checkpoint import quants
+
+    nbytes = o * quants.row_bytes(qtype, d)
+    ws = [jnp.asarray(quants.random_blocks(qtype, o, d, rng)) for _ in range(_copies(nbytes))]
+    x = jnp.asarray(rng.standard_normal((1, d), dtype=np.float32))
+    f = jax.jit(lambda x, w: ops.qlinear(x, w, qtype, d))
+    got, want = f(x, ws[0]), ops.qlinear(x, ws[0], qtype, d, impl="reference")
+    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    us = _median_us(f, [(x, w) for w in ws], repeats=repeats)
+    bf16_bytes = o * d * 2
+    wb = [jnp.asarray(rng.standard_normal((o, d), dtype=np.float32), jnp.bfloat16)
+          for _ in range(_copies(bf16_bytes, cap=4))]
+    g = jax.jit(lambda x, w: ops.linear(x, w))
+    us_bf16 = _median_us(g, [(x, w) for w in wb], repeats=repeats)
+    return dict(op="qlinear", format=qtype, d=d, o=o, t=1, us=us, bytes=nbytes,
+                max_rel_err_vs_reference=err, weight_copies=len(ws), bf16_linear_us=us_bf16,
+                bf16_bytes=bf16_bytes, speedup_vs_bf16=us_bf16 / us)
+
+
+def bench_qsparse_ffn(gu, dn, d, f, active, rng, repeats):
+    import jax
+    import jax.numpy as jnp
+
+    from powerinfer_jax import ops
+    from powerinfer_jax._bench_ops import _median_us
+    from powerinfer_jax.checkpoint import quants
+
+    row = 2 * quants.row_bytes(gu, d) + quants.row_bytes(dn, d)
+    copies = _copies(f * row)
+    ws = [tuple(jnp.asarray(quants.random_blocks(t, f, d, rng)) for t in (gu, gu, dn))
+          for _ in range(copies)]
+    x = jnp.asarray(rng.standard_normal((1, d), dtype=np.float32))
+    n_active = max(1, round(active * f))
+    mask = np.zeros((1, f), np.float32)
+    mask[0, rng.permutation(f)[:n_active]] = 1.0
+    scores = jnp.asarray(mask)
+    kw = dict(up_qtype=gu, down_qtype=dn, threshold=0.5, criterion="scores")
+    fn = jax.jit(lambda x, g, u, dd, s: ops.qsparse_ffn(x, u, dd, gate=g, scores=s, **kw)[0])
+    got = fn(x, *ws[0], scores)
+    want = ops.qsparse_ffn(x, ws[0][1], ws[0][2], gate=ws[0][0], scores=scores, impl="reference",
+                           **kw)[0]
+    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    us = _median_us(fn, [w + (scores,) for w in ws], repeats=repeats)
+    bf = [tuple(jnp.asarray(rng.standard_normal((f, d), dtype=np.float32) / 24, jnp.bfloat16)
+                for _ in range(3)) for _ in range(_copies(3 * f * d * 2, cap=4))]
+    sf = jax.jit(lambda x, g, u, dd, s: ops.sparse_ffn(x, u, dd, w_gate=g, scores=s,
+                                                       threshold=0.5)[0])
+    us_bf16 = _median_us(sf, [w + (scores,) for w in bf], repeats=repeats)
+    return dict(op="qsparse_ffn", format=f"{gu} gate/up, {dn} down", gate_up_format=gu,
+                down_format=dn, d=d, f=f, t=1, active=active, n_active=n_active, us=us,
+                bytes=n_active * row, max_rel_err_vs_reference=err, weight_copies=copies,
+                bf16_sparse_ffn_us=us_bf16, bf16_bytes=n_active * 3 * d * 2,
+                speedup_vs_bf16=us_bf16 / us)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--quick", action="store_true", help="a few configs (smoke test)")
+    ap.add_argument("--out", default="benchmarks/quant_ops.jsonl")
+    args = ap.parse_args(argv)
+
+    from powerinfer_jax import ops
+    from powerinfer_jax._bench_ops import read_bandwidth_gbs
+    from powerinfer_jax.ops import _ffi
+
+    configs = [("qlinear", t, 576, o) for t in LEGACY for o in (576, 1536, 49152)]
+    configs += [("qlinear", t, 4096, 11008) for t in LEGACY + K_QUANTS]
+    configs += [("ffn", gu, dn, d, f, a) for gu, dn, d, f in (("Q4_1", "Q8_0", 576, 1536),
+                                                               ("Q4_K", "Q8_0", 4096, 11008))
+                for a in (0.1, 0.5, 1.0)]
+    if args.quick:
+        configs = [configs[1], configs[-4]]
+    base = dict(bench="quant_ops", commit=_commit(), machine=_cpu(), isa=_ffi._pij_ext.isa_info(),
+                shared_machine=SHARED, repeats=args.repeats)
+    rng = np.random.default_rng(0)
+    with open(args.out, "a", encoding="utf-8") as fh:
+        for threads in args.threads:
+            ops.set_num_threads(threads)
+            bw = read_bandwidth_gbs()
+            for cfg in configs:
+                t0 = time.time()
+                r = (bench_qlinear(*cfg[1:], rng, args.repeats) if cfg[0] == "qlinear"
+                     else bench_qsparse_ffn(*cfg[1:], rng, args.repeats))
+                gbps = r["bytes"] / (r["us"] * 1e-6) / 1e9
+                r.update(base, threads=threads, gbps=gbps, read_bandwidth_gbs=bw,
+                         bandwidth_fraction=gbps / bw, wall_s=time.time() - t0)
+                fh.write(json.dumps(r) + "\n")
+                fh.flush()
+                print(f"{threads}t {r['op']:12s} {r['format']:26s} {r['d']}x{r.get('o', r.get('f'))}"
+                      f"{' %3.0f%%' % (100 * r['active']) if 'active' in r else ''}: "
+                      f"{r['us']:9.1f} us {gbps:5.1f} GB/s ({100 * gbps / bw:3.0f}% of {bw:.1f}) "
+                      f"x{r['speedup_vs_bf16']:.2f} vs bf16, err {r['max_rel_err_vs_reference']:.1e}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
