@@ -98,12 +98,12 @@ def bench_qsparse_ffn(gu, dn, d, f, active, rng, repeats):
     want = ops.qsparse_ffn(x, ws[0][1], ws[0][2], gate=ws[0][0], scores=scores, impl="reference",
                            **kw)[0]
     err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
-    us = _median_us(fn, [w + (scores,) for w in ws], repeats=repeats)
+    us = _median_us(fn, [(x,) + w + (scores,) for w in ws], repeats=repeats)
     bf = [tuple(jnp.asarray(rng.standard_normal((f, d), dtype=np.float32) / 24, jnp.bfloat16)
                 for _ in range(3)) for _ in range(_copies(3 * f * d * 2, cap=4))]
     sf = jax.jit(lambda x, g, u, dd, s: ops.sparse_ffn(x, u, dd, w_gate=g, scores=s,
                                                        threshold=0.5)[0])
-    us_bf16 = _median_us(sf, [w + (scores,) for w in bf], repeats=repeats)
+    us_bf16 = _median_us(sf, [(x,) + w + (scores,) for w in bf], repeats=repeats)
     return dict(op="qsparse_ffn", format=f"{gu} gate/up, {dn} down", gate_up_format=gu,
                 down_format=dn, d=d, f=f, t=1, active=active, n_active=n_active, us=us,
                 bytes=n_active * row, max_rel_err_vs_reference=err, weight_copies=copies,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import time
@@ -36,6 +35,16 @@ def _commit() -> str:
                               text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def _cpu() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 def _ffn_float(x, gate, up, down_t):
@@ -66,8 +75,7 @@ def main(argv=None) -> None:
     ck = load_checkpoint(args.model)
     kept = load_checkpoint(args.model, keep_quantized=True).params
     c = ck.config
-    base = dict(bench="reblock_error", model=args.model, commit=_commit(),
-                machine=f"{platform.node()} {platform.processor() or platform.machine()}",
+    base = dict(bench="reblock_error", model=args.model, commit=_commit(), machine=_cpu(),
                 threads=args.threads, shared_machine="other work shared the machine (nice -n 10)")
     rows = []
     formats = [f for f in FORMATS if c.d_model % quants.block_size(f)[0] == 0]

@@ -22,6 +22,8 @@ constexpr int kDownGroup = 8;
 // Below this many output values the final reduction runs on the caller.
 constexpr int64_t kParallelReduceMin = 1 << 15;
 constexpr int64_t kCacheLine = 64;
+// Neurons ahead whose gate/up rows are requested while the current one's are read.
+constexpr size_t kGateUpAhead = 4;
 
 int64_t NumPieces(int64_t candidates) {
   return std::clamp<int64_t>((candidates + kNeuronsPerPiece - 1) / kNeuronsPerPiece, 1, kMaxPieces);
@@ -31,14 +33,23 @@ inline void PrefetchL2(const uint8_t* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += kCacheLine) __builtin_prefetch(p + off, 0, 2);
 }
 
-// out[m][j * ntok + t] = row neurons[j] of matrix m . x_t for kRows matrices of format F.
+// out[m][j * ntok + t] = row neurons[j] of matrix m . x_t for kRows matrices of format F. The
+// rows of the neuron kGateUpAhead places further (in `neurons`, then in `next`) are requested
+// first: selected neurons are scattered, and the hardware prefetcher does not follow gaps.
 template <class F, int kRows>
-void NeuronDots(const uint8_t* const* mats, std::span<const int32_t> neurons, const QActView* xs,
-                int64_t ntok, int64_t dim, float* const* out) {
+void NeuronDots(const uint8_t* const* mats, std::span<const int32_t> neurons,
+                std::span<const int32_t> next, const QActView* xs, int64_t ntok, int64_t dim,
+                float* const* out) {
   const int64_t nblocks = dim / F::kBlock;
   const int64_t row_bytes = nblocks * F::kBytes;
   float dots[kRows * qkern::kMaxTokens];
-  for (size_t j = 0; j < neurons.size(); ++j) {
+  const size_t n = neurons.size();
+  for (size_t j = 0; j < n; ++j) {
+    const size_t a = j + kGateUpAhead;
+    if (a < n || a - n < next.size()) {
+      const int64_t i = a < n ? neurons[a] : next[a - n];
+      for (int m = 0; m < kRows; ++m) PrefetchL2(mats[m] + i * row_bytes, row_bytes);
+    }
     const uint8_t* rows[kRows];
     for (int m = 0; m < kRows; ++m) rows[m] = mats[m] + neurons[j] * row_bytes;
     for (int64_t t = 0; t < ntok; t += qkern::kMaxTokens) {
@@ -58,8 +69,8 @@ void NeuronDots(const uint8_t* const* mats, std::span<const int32_t> neurons, co
 
 // The neurons' a_i for tokens [t0, t0 + ntok): act [j * ntok + t].
 void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseFfnScratch& s,
-                 std::span<const int32_t> neurons, int64_t t0, int64_t ntok,
-                 QSparseFfnScratch::Piece& piece) {
+                 std::span<const int32_t> neurons, std::span<const int32_t> next, int64_t t0,
+                 int64_t ntok, QSparseFfnScratch::Piece& piece) {
   float* gate = piece.gate.data();
   float* up = piece.up.data();
   const bool gated = w.gate != nullptr;
@@ -67,16 +78,16 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
     VisitQType(w.up_type, [&]<class F>(F) {
       const uint8_t* mats[2] = {w.gate, w.up};
       float* outs[2] = {gate, up};
-      NeuronDots<F, 2>(mats, neurons, s.up_views.data() + t0, ntok, w.dim, outs);
+      NeuronDots<F, 2>(mats, neurons, next, s.up_views.data() + t0, ntok, w.dim, outs);
     });
   } else {
     if (gated) {
       VisitQType(w.gate_type, [&]<class F>(F) {
-        NeuronDots<F, 1>(&w.gate, neurons, s.gate_views.data() + t0, ntok, w.dim, &gate);
+        NeuronDots<F, 1>(&w.gate, neurons, next, s.gate_views.data() + t0, ntok, w.dim, &gate);
       });
     }
     VisitQType(w.up_type, [&]<class F>(F) {
-      NeuronDots<F, 1>(&w.up, neurons, s.up_views.data() + t0, ntok, w.dim, &up);
+      NeuronDots<F, 1>(&w.up, neurons, next, s.up_views.data() + t0, ntok, w.dim, &up);
     });
   }
   const int64_t n = static_cast<int64_t>(neurons.size()) * ntok;
@@ -138,7 +149,9 @@ void RunPiece(const QFfnWeights& w, std::span<const float* const> score_rows,
     }
     if (nb == 0) continue;
     const std::span<const int32_t> neurons(block, nb);
-    Activations(w, p, s, neurons, t0, ntok, piece);
+    // The next candidates, whose rows NeuronDots requests ahead (for scores, some may be skipped).
+    const std::span<const int32_t> next = cands.subspan(e, std::min(kGateUpAhead, cands.size() - e));
+    Activations(w, p, s, neurons, next, t0, ntok, piece);
     const float* act = piece.act.data();
     if (ntok == 1) {
       for (int64_t j = 0; j < nb; ++j) {
