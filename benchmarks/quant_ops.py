@@ -146,11 +146,12 @@ def main(argv=None) -> None:
                          bandwidth_fraction=gbps / bw, wall_s=time.time() - t0)
                 fh.write(json.dumps(r) + "\n")
                 fh.flush()
-                print(f"{threads}t {r['op']:12s} {r['format']:26s} {r['d']}x{r.get('o', r.get('f'))}"
-                      f"{' %3.0f%%' % (100 * r['active']) if 'active' in r else ''}: "
+                shape = f"{r['d']}x{r.get('o', r.get('f'))}"
+                active = f" {100 * r['active']:3.0f}%" if "active" in r else ""
+                print(f"{threads}t {r['op']:12s} {r['format']:26s} {shape}{active}: "
                       f"{r['us']:9.1f} us {gbps:5.1f} GB/s ({100 * gbps / bw:3.0f}% of {bw:.1f}) "
-                      f"x{r['speedup_vs_bf16']:.2f} vs bf16, err {r['max_rel_err_vs_reference']:.1e}",
-                      flush=True)
+                      f"x{r['speedup_vs_bf16']:.2f} vs bf16, "
+                      f"err {r['max_rel_err_vs_reference']:.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -106,8 +106,8 @@ void QLinearMany(std::span<const QLinearOut> outs, int64_t dim,
       const int64_t a = std::max(lo, base), b = std::min(hi, base + o.out_dim);
       if (a < b) {
         const bool k = GetQTypeInfo(o.qtype).block == 256;
-        QLinearRows(o, dim, k ? std::span<const QActView>(views256) : std::span<const QActView>(views32),
-                    a - base, b - base);
+        const std::span<const QActView> xs(k ? views256 : views32);
+        QLinearRows(o, dim, xs, a - base, b - base);
       }
       base += o.out_dim;
     }

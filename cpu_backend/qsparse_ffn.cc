@@ -144,13 +144,16 @@ void RunPiece(const QFfnWeights& w, std::span<const float* const> score_rows,
     int64_t nb = 0;
     for (size_t k = b; k < e; ++k) {  // scores: skip neurons no token of this chunk wants
       bool wanted = oracle;
-      for (int64_t t = 0; t < ntok && !wanted; ++t) wanted = score_rows[t0 + t][cands[k]] > p.threshold;
+      for (int64_t t = 0; t < ntok && !wanted; ++t) {
+        wanted = score_rows[t0 + t][cands[k]] > p.threshold;
+      }
       if (wanted) block[nb++] = cands[k];
     }
     if (nb == 0) continue;
     const std::span<const int32_t> neurons(block, nb);
     // The next candidates, whose rows NeuronDots requests ahead (for scores, some may be skipped).
-    const std::span<const int32_t> next = cands.subspan(e, std::min(kGateUpAhead, cands.size() - e));
+    const std::span<const int32_t> next =
+        cands.subspan(e, std::min(kGateUpAhead, cands.size() - e));
     Activations(w, p, s, neurons, next, t0, ntok, piece);
     const float* act = piece.act.data();
     if (ntok == 1) {

@@ -1,9 +1,9 @@
 // The quantized sparse FFN: gate/up rows in their GGUF block format (neuron-major [F, D], as GGUF
 // stores ffn_gate / ffn_up), down rows re-blocked per neuron along D ([F, D] in any block format,
 // e.g. Q8_0), and the activations x quantized to int8 per block (quant_act.h):
-//   gated:     a_i = act(gate_i . x) * (up_i . x + b_up_i)      (integer dots, as llama.cpp)
+//   gated:     a_i = act(gate_i . x) * (up_i . x + b_up_i)   (integer dots, as llama.cpp)
 //   non-gated: a_i = act(up_i . x + b_up_i)
-//   y = b_down + sum over active i of a_i * down_t[i]            (float, rows dequantized on the fly)
+//   y = b_down + sum over active i of a_i * down_t[i]   (float, rows dequantized on the fly)
 // Active set: kScores: scores[t][i] > threshold (gate/up rows of the other neurons are never
 // read); kOracle: every a_i is computed and |a_i| > threshold (the activations estimate themselves:
 // threshold 0 is the dense quantized FFN). Only active neurons' down rows are read.

@@ -17,7 +17,9 @@ float QuantizeBlock(const float* x, int64_t n, int8_t* q, int32_t* sums16) {
 #if defined(PIJ_QSIMD_AVX2)
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 mx = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  for (int64_t i = 0; i < n; i += 8) {
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  }
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
@@ -81,8 +83,8 @@ void QuantizeActs(std::span<const float* const> x_rows, int64_t dim, int64_t blo
   auto row = [&](int64_t t) {
     int32_t sums[256 / 16];
     for (int64_t b = 0; b < nb; ++b) {
-      const float d = QuantizeBlock(x_rows[t] + b * block, block, out.q.data() + t * dim + b * block,
-                                    sums);
+      int8_t* q = out.q.data() + t * dim + b * block;
+      const float d = QuantizeBlock(x_rows[t] + b * block, block, q, sums);
       out.d[t * nb + b] = d;
       const int64_t groups = block / 16;
       float* c16 = out.c16.data() + t * (dim / 16) + b * groups;

@@ -4,16 +4,17 @@
 // Layouts (little endian; llama.cpp's ggml-common.h, which the `gguf` package mirrors). A "block"
 // is what one scale of the activations covers: 32 weights for the legacy formats, a 256-weight
 // super-block for the K-quants. Within a block the kernels walk 32-weight "chunks".
-//   Q4_0  d f16 | qs[16]                      w = d * (q - 8)          q: nibbles, 16 low then 16 high
-//   Q4_1  d f16, m f16 | qs[16]               w = d * q + m
-//   Q5_0  d f16 | qh u32 | qs[16]             w = d * (q - 16)         q = nibble | bit j of qh << 4
-//   Q5_1  d, m f16 | qh u32 | qs[16]          w = d * q + m
-//   Q8_0  d f16 | qs s8[32]                   w = d * q
-//   Q2_K  scales[16] | qs[64] | d, dmin f16   w = d * (sc & 15) * q - dmin * (sc >> 4), per 16
-//   Q3_K  hmask[32] | qs[64] | scales[12] | d w = d * (sc - 32) * (q2 + 4 * hbit - 4), per 16
-//   Q4_K  d, dmin f16 | scales[12] | qs[128]  w = d * sc * q - dmin * m, 6-bit sc/m per 32
-//   Q5_K  d, dmin | scales[12] | qh[32] | qs[128]    as Q4_K with a fifth bit from qh
-//   Q6_K  ql[128] | qh[64] | scales s8[16] | d w = d * sc * (q - 32), per 16
+//   type  bytes of a block (in order)               value of weight j
+//   Q4_0  d f16 | qs[16]                            d * (q - 8); q: 16 low, then 16 high nibbles
+//   Q4_1  d f16 | m f16 | qs[16]                    d * q + m
+//   Q5_0  d f16 | qh u32 | qs[16]                   d * (q - 16); q = nibble | (bit j of qh) << 4
+//   Q5_1  d f16 | m f16 | qh u32 | qs[16]           d * q + m
+//   Q8_0  d f16 | qs s8[32]                         d * q
+//   Q2_K  scales[16] | qs[64] | d f16 | dmin f16    d * (sc & 15) * q - dmin * (sc >> 4), sc per 16
+//   Q3_K  hmask[32] | qs[64] | scales[12] | d f16   d * (sc - 32) * (q2 + 4 hbit - 4), sc per 16
+//   Q4_K  d f16 | dmin f16 | scales[12] | qs[128]   d * sc * q - dmin * m, 6-bit sc, m per 32
+//   Q5_K  d | dmin | scales[12] | qh[32] | qs[128]  as Q4_K, with a fifth bit from qh
+//   Q6_K  ql[128] | qh[64] | scales s8[16] | d f16  d * sc * (q - 32), sc per 16
 // K-quant chunk c (weights 32c .. 32c + 31 of the super-block) reads: Q2_K/Q3_K bits 2(c % 4) of
 // qs[32 (c / 4) + l] (and bit c of hmask[l]); Q4_K/Q5_K the low (c even) or high nibbles of
 // qs[32 (c / 2) + l] (and bit c of qh[l]); Q6_K nibble c % 4 / 2 of ql[64 (c / 4) + 32 (c % 2) + l]
@@ -107,7 +108,8 @@ struct Q5_0 : Legacy<QType::kQ5_0, 22, false, true> {
     p.m = -16.0f * p.s;
   }
   static I8x32 Unpack(const uint8_t* b, int) {
-    return qsimd::Or(qsimd::Nibbles16(b + 6), qsimd::ShiftLeft(qsimd::Bits32(qsimd::LoadU32(b + 2)), 4));
+    const I8x32 high = qsimd::ShiftLeft(qsimd::Bits32(qsimd::LoadU32(b + 2)), 4);
+    return qsimd::Or(qsimd::Nibbles16(b + 6), high);
   }
 };
 
@@ -117,7 +119,8 @@ struct Q5_1 : Legacy<QType::kQ5_1, 24, false, true> {
     p.m = qsimd::HalfAt(b + 2);
   }
   static I8x32 Unpack(const uint8_t* b, int) {
-    return qsimd::Or(qsimd::Nibbles16(b + 8), qsimd::ShiftLeft(qsimd::Bits32(qsimd::LoadU32(b + 4)), 4));
+    const I8x32 high = qsimd::ShiftLeft(qsimd::Bits32(qsimd::LoadU32(b + 4)), 4);
+    return qsimd::Or(qsimd::Nibbles16(b + 8), high);
   }
 };
 
@@ -128,7 +131,9 @@ struct Q8_0 : Legacy<QType::kQ8_0, 34, true, false> {
   }
   static I8x32 Unpack(const uint8_t* b, int) { return qsimd::Load32(b + 2); }
   // The weights are stored as plain int8: the float paths widen them straight from memory.
-  static const int8_t* PlainQuants(const uint8_t* b) { return reinterpret_cast<const int8_t*>(b + 2); }
+  static const int8_t* PlainQuants(const uint8_t* b) {
+    return reinterpret_cast<const int8_t*>(b + 2);
+  }
 };
 
 // Shared by the 256-weight K-quants: 8 chunks, per-16 (s, m).
@@ -190,7 +195,8 @@ struct Q3_K : KQuant<QType::kQ3_K, 110> {
   // for i < 8, high for i >= 8) and high 2 bits from byte 8 + i % 4, bits 2 (i / 4).
   static void Prepare(const uint8_t* b, Prep& p) {
     const uint8_t* sp = b + 96;
-    const uint32_t w0 = qsimd::LoadU32(sp), w1 = qsimd::LoadU32(sp + 4), w2 = qsimd::LoadU32(sp + 8);
+    const uint32_t w0 = qsimd::LoadU32(sp), w1 = qsimd::LoadU32(sp + 4);
+    const uint32_t w2 = qsimd::LoadU32(sp + 8);
     constexpr uint32_t k4 = 0x0f0f0f0fu, k2 = 0x03030303u;
     const uint32_t words[4] = {(w0 & k4) | ((w2 & k2) << 4), (w1 & k4) | (((w2 >> 2) & k2) << 4),
                                ((w0 >> 4) & k4) | (((w2 >> 4) & k2) << 4),

@@ -229,8 +229,8 @@ inline void DequantizeRow(const uint8_t* row, int64_t nblocks, float* out) {
       const I8x32 u = F::Unpack(blk, c);
       for (int q = 0; q < 4; ++q) {
         const int h = 2 * c + q / 2;
-        const F32x8 w = qsimd::Add(qsimd::Mul(qsimd::BytesToF32<F::kSigned>(u, q), qsimd::Set1(s[h])),
-                                   qsimd::Set1(m[h]));
+        const F32x8 su = qsimd::Mul(qsimd::BytesToF32<F::kSigned>(u, q), qsimd::Set1(s[h]));
+        const F32x8 w = qsimd::Add(su, qsimd::Set1(m[h]));
         qsimd::Store(out + b * F::kBlock + 32 * c + 8 * q, w);
       }
     }

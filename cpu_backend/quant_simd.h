@@ -63,8 +63,7 @@ inline const char* DotName() {
 inline float HalfToF32(uint16_t bits) { return _cvtsh_ss(bits); }
 inline float HalfAt(const uint8_t* p) { return HalfToF32(LoadU16(p)); }
 
-inline I8x32 Load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline I8x32 Load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline I8x32 Load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline I8x32 Or(I8x32 a, I8x32 b) { return _mm256_or_si256(a, b); }
 
 // 16 bytes -> 32 values: the 16 low nibbles, then the 16 high nibbles (the legacy 4-bit order).
@@ -107,7 +106,9 @@ inline I32x8 DotU8S8(I8x32 u, I8x32 s) {
 #endif
 }
 // The same for signed w: |w| times s with w's sign.
-inline I32x8 DotS8S8(I8x32 w, I8x32 s) { return DotU8S8(_mm256_abs_epi8(w), _mm256_sign_epi8(s, w)); }
+inline I32x8 DotS8S8(I8x32 w, I8x32 s) {
+  return DotU8S8(_mm256_abs_epi8(w), _mm256_sign_epi8(s, w));
+}
 
 inline F32x8 Zero() { return _mm256_setzero_ps(); }
 inline F32x8 Set1(float v) { return _mm256_set1_ps(v); }
@@ -202,7 +203,9 @@ inline I32x8 DotU8S8(I8x32 u, I8x32 s) {
   I32x8 r;
   for (int i = 0; i < 8; ++i) {
     int32_t acc = 0;
-    for (int k = 0; k < 4; ++k) acc += int32_t{u.v[4 * i + k]} * static_cast<int8_t>(s.v[4 * i + k]);
+    for (int k = 0; k < 4; ++k) {
+      acc += int32_t{u.v[4 * i + k]} * static_cast<int8_t>(s.v[4 * i + k]);
+    }
     r.v[i] = acc;
   }
   return r;

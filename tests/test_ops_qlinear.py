@@ -161,17 +161,20 @@ def test_handler_validates_too():
     """The FFI layer directly (no Python checks) fails cleanly: unknown id, D not a whole number
     of blocks, truncated rows, bias, and qlinear_many's per-operand checks."""
     x, blocks, d = operands("Q4_1", 9)
-    with pytest.raises(Exception, match=r"qlinear: blocks qtype: expected a GGML block type id.*got 1"):
+    with pytest.raises(Exception,
+                       match=r"qlinear: blocks qtype: expected a GGML block type id.*got 1"):
         jax.block_until_ready(_ffi.qlinear(x, blocks, "F16", None))
     with pytest.raises(Exception, match=r"qlinear: x's last dim D \(blocks in Q4_K\): expected a "
                                         r"positive multiple of the Q4_K block \(256\), got 160"):
         jax.block_until_ready(_ffi.qlinear(x, blocks, "Q4_K", None))
-    with pytest.raises(Exception, match=r"qlinear: blocks: expected uint8 \[R, 100\].*got uint8 \[37, 98\]"):
+    with pytest.raises(Exception,
+                       match=r"qlinear: blocks: expected uint8 \[R, 100\].*got uint8 \[37, 98\]"):
         jax.block_until_ready(_ffi.qlinear(x, blocks[:, :98], "Q4_1", None))
     with pytest.raises(Exception, match=r"qlinear: bias: expected float32 \[37\] or absent"):
         jax.block_until_ready(_ffi.qlinear(x, blocks, "Q4_1", jnp.zeros(5)))
     with pytest.raises(Exception, match=r"qlinear: \[1\] blocks: expected uint8 \[R, 120\]"):
-        jax.block_until_ready(_ffi.qlinear_many(x, [blocks, blocks], ["Q4_1", "Q5_1"], [None, None]))
+        jax.block_until_ready(_ffi.qlinear_many(x, [blocks, blocks], ["Q4_1", "Q5_1"],
+                                                [None, None]))
 
 
 def test_qlinear_many_bad_input_is_a_clear_error():

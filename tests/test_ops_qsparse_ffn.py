@@ -237,7 +237,8 @@ def test_handler_validates_too():
         call(down_qtype="F32")
     with pytest.raises(Exception, match=r"qsparse_ffn: down: expected uint8 \[37, 170\]"):
         call(down=w["down"][:30])
-    with pytest.raises(Exception, match=r"qsparse_ffn: gate: expected uint8 \[37, 120\].*\[37, 100\]"):
+    with pytest.raises(Exception,
+                       match=r"qsparse_ffn: gate: expected uint8 \[37, 120\].*\[37, 100\]"):
         call(gate_qtype="Q5_1", gate=np.zeros((F, 100), np.uint8))
     with pytest.raises(Exception, match=r"qsparse_ffn: criterion: expected one of scores, oracle"):
         call(criterion="activations")

@@ -35,7 +35,8 @@ ffi::Error CheckX(ffi::AnyBuffer x, int64_t& dim, int64_t& rows) {
 ffi::Error CheckProduct(const std::string& which, int64_t dim, int64_t rows, ffi::AnyBuffer blocks,
                         int32_t qtype_id, ffi::AnyBuffer bias, ffi::AnyBuffer y, QLinearOut& out) {
   int64_t out_dim = -1;
-  if (ffi::Error e = DecodeQWeight(kOp, which + "blocks", blocks, qtype_id, dim, out_dim, out.qtype);
+  if (ffi::Error e =
+          DecodeQWeight(kOp, which + "blocks", blocks, qtype_id, dim, out_dim, out.qtype);
       e.failure()) {
     return e;
   }

@@ -55,7 +55,9 @@ ffi::Error QSparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuff
   }
   const int64_t dim = x_dims.back();
   int64_t f = -1;
-  if (ffi::Error e = DecodeQWeight(kOp, "up", up, up_qtype, dim, f, w.up_type); e.failure()) return e;
+  if (ffi::Error e = DecodeQWeight(kOp, "up", up, up_qtype, dim, f, w.up_type); e.failure()) {
+    return e;
+  }
   if (gate.element_count() != 0) {
     if (ffi::Error e = DecodeQWeight(kOp, "gate", gate, gate_qtype, dim, f, w.gate_type);
         e.failure()) {
@@ -63,7 +65,8 @@ ffi::Error QSparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuff
     }
     w.gate = static_cast<const uint8_t*>(gate.untyped_data());
   }
-  if (ffi::Error e = DecodeQWeight(kOp, "down", down, down_qtype, dim, f, w.down_type); e.failure()) {
+  if (ffi::Error e = DecodeQWeight(kOp, "down", down, down_qtype, dim, f, w.down_type);
+      e.failure()) {
     return e;
   }
   if (ffi::Error e = DecodeOptionalF32(kOp, "b_up", b_up, f, w.b_up); e.failure()) return e;
@@ -91,8 +94,10 @@ ffi::Error QSparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuff
     }
     const bool by_scores = p.criterion == Criterion::kScores;
     const Dims s_dims = scores.dimensions();
-    if (by_scores && (scores.element_type() != ffi::DataType::F32 || s_dims.size() == 0 ||
-                      s_dims.back() != f || !BroadcastRows(Leading(s_dims), rows_dims, rt.score_src))) {
+    const bool scores_ok = scores.element_type() == ffi::DataType::F32 && s_dims.size() > 0 &&
+                           s_dims.back() == f &&
+                           BroadcastRows(Leading(s_dims), rows_dims, rt.score_src);
+    if (by_scores && !scores_ok) {
       return InvalidArg(kOp, "scores",
                         "float32 [..., " + std::to_string(f) + "] broadcastable to the rows " +
                             ShapeString(rows_dims) + " (criterion scores)",
