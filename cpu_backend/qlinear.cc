@@ -131,4 +131,14 @@ void DequantizeRows(const uint8_t* blocks, QType t, int64_t rows, int64_t cols, 
   });
 }
 
+void DequantizeGather(const uint8_t* blocks, QType t, int64_t cols, std::span<const int32_t> ids,
+                      float* out) {
+  VisitQType(t, [&]<class F>(F) {
+    const int64_t nblocks = cols / F::kBlock;
+    for (size_t k = 0; k < ids.size(); ++k) {
+      qkern::DequantizeRow<F>(blocks + ids[k] * nblocks * F::kBytes, nblocks, out + k * cols);
+    }
+  });
+}
+
 }  // namespace pij

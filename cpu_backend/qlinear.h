@@ -41,8 +41,13 @@ void QLinearMany(std::span<const QLinearOut> outs, int64_t dim,
 void QLinearRows(const QLinearOut& out, int64_t dim, std::span<const QActView> xs, int64_t lo,
                  int64_t hi);
 
-// Tests: the float values of `rows` rows of `cols` weights in format t.
+// The float values of `rows` rows of `cols` weights in format t (tests).
 void DequantizeRows(const uint8_t* blocks, QType t, int64_t rows, int64_t cols, float* out);
+
+// out[k] = the float values of row ids[k] of blocks (an embedding lookup on a quantized table).
+// Precondition (checked by the caller): every id is a row of blocks.
+void DequantizeGather(const uint8_t* blocks, QType t, int64_t cols, std::span<const int32_t> ids,
+                      float* out);
 
 }  // namespace pij
 

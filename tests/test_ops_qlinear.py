@@ -183,3 +183,20 @@ def test_qlinear_many_bad_input_is_a_clear_error():
         ops.qlinear_many(x, [blocks, blocks], ["Q4_1"], d)
     with pytest.raises(ValueError, match=r"blocks: expected uint8 \[R, 120\]"):
         ops.qlinear_many(x, [blocks, blocks], ["Q4_1", "Q5_1"], d)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
+def test_qembedding_rows_dequantized(qtype):
+    """An embedding lookup on a quantized table: the rows' values, nothing else expanded."""
+    rng = np.random.default_rng(18)
+    d = _dim(qtype)
+    table = jnp.asarray(random_blocks(qtype, 53, d, rng))
+    ids = jnp.asarray([[0, 52, 7], [7, 3, 3]], jnp.int32)
+    got = jax.jit(lambda i, t: ops.qembedding(i, t, qtype, d))(ids, table)
+    want = quants.dequantize(np.asarray(table), qtype)[np.asarray(ids)]
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(ops.qembedding(ids, table, qtype, d,
+                                                            impl="reference")), want)
+    with pytest.raises(Exception, match=r"qembedding: ids: expected rows of the table, in "
+                                        r"\[0, 53\), got 53"):
+        jax.block_until_ready(ops.qembedding(jnp.asarray([1, 53]), table, qtype, d))

@@ -43,6 +43,7 @@ NB_MODULE(_pij_ext, m) {
     d["pij_qlinear"] = Capsule(PijQLinearCpu);
     d["pij_qlinear_many"] = Capsule(PijQLinearManyCpu);
     d["pij_qsparse_ffn"] = Capsule(PijQSparseFfnCpu);
+    d["pij_qembedding"] = Capsule(PijQEmbeddingCpu);
     return d;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target(platform='cpu').");
   m.def("set_num_threads", [](int n) {

@@ -1,4 +1,5 @@
-// CPU FFI handlers for the quantized linear ops (cpu_backend/qlinear.h): x f32 [..., D]; blocks
+// CPU FFI handlers for the quantized linear ops (cpu_backend/qlinear.h) and the embedding lookup
+// on a quantized table (qembedding, below): x f32 [..., D]; blocks
 // uint8 [O, row_bytes] (a GGUF tensor's raw rows, extra leading size-1 dims allowed for vmap);
 // bias f32 [O] or zero-size (absent); attribute qtype (GGML type id); y f32 [..., O].
 // qlinear_many: x, then n blocks, then n biases; attribute qtypes (int32 [n]); n results, as one
@@ -109,6 +110,37 @@ ffi::Error QLinearManyCpuImpl(ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::Re
   return Run(x, dim, rows, outs);
 }
 
+// qembedding: ids s32 [...], blocks u8 [V, row_bytes], attributes qtype and dim (D); y f32
+// [..., D] = the rows ids of the table, dequantized. Ids outside [0, V) are an error.
+ffi::Error QEmbeddingCpuImpl(ffi::AnyBuffer ids, ffi::AnyBuffer blocks,
+                             ffi::Result<ffi::AnyBuffer> y, int32_t qtype, int64_t dim) {
+  constexpr std::string_view kEmbOp = "qembedding";
+  if (ids.element_type() != ffi::DataType::S32) {
+    return InvalidArg(kEmbOp, "ids", "int32 [...]", DtypeName(ids.element_type()));
+  }
+  int64_t vocab = -1;
+  QType t;
+  if (ffi::Error e = DecodeQWeight(kEmbOp, "blocks", blocks, qtype, dim, vocab, t); e.failure()) {
+    return e;
+  }
+  const int64_t n = static_cast<int64_t>(ids.element_count());
+  if (y->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(y->element_count()) != n * dim) {
+    return InvalidArg(kEmbOp, "y (result)", "float32 [..., " + std::to_string(dim) + "]",
+                      ShapeString(y->dimensions()));
+  }
+  const std::span<const int32_t> id(static_cast<const int32_t*>(ids.untyped_data()), n);
+  for (const int32_t i : id) {
+    if (i < 0 || i >= vocab) {
+      return InvalidArg(kEmbOp, "ids", "rows of the table, in [0, " + std::to_string(vocab) + ")",
+                        std::to_string(i));
+    }
+  }
+  DequantizeGather(static_cast<const uint8_t*>(blocks.untyped_data()), t, dim, id,
+                   static_cast<float*>(y->untyped_data()));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace pij
 
@@ -119,6 +151,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQLinearCpu, pij::QLinearCpuImpl,
                                   .Arg<xla::ffi::AnyBuffer>()  // bias
                                   .Ret<xla::ffi::AnyBuffer>()  // y
                                   .Attr<int32_t>("qtype"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQEmbeddingCpu, pij::QEmbeddingCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // ids
+                                  .Arg<xla::ffi::AnyBuffer>()  // blocks
+                                  .Ret<xla::ffi::AnyBuffer>()  // y
+                                  .Attr<int32_t>("qtype")
+                                  .Attr<int64_t>("dim"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQLinearManyCpu, pij::QLinearManyCpuImpl,
                               xla::ffi::Ffi::Bind()

@@ -33,6 +33,7 @@ DECODE_ATTENTION_TARGET = "pij_decode_attention"
 QLINEAR_TARGET = "pij_qlinear"
 QLINEAR_MANY_TARGET = "pij_qlinear_many"
 QSPARSE_FFN_TARGET = "pij_qsparse_ffn"
+QEMBEDDING_TARGET = "pij_qembedding"
 
 
 def _register() -> None:
@@ -147,6 +148,13 @@ def qlinear_many(x, blocks_list, qtypes, bs):
     call = jax.ffi.ffi_call(QLINEAR_MANY_TARGET, outs, vmap_method="expand_dims")
     ids = np.asarray([_qid(q) for q in qtypes], np.int32)
     return tuple(call(x32, *blocks_list, *[_opt_f32(b) for b in bs], qtypes=ids))
+
+
+def qembedding(ids, blocks, qtype, in_features):
+    ids32 = jnp.asarray(ids, jnp.int32)
+    out = jax.ShapeDtypeStruct(ids32.shape + (in_features,), jnp.float32)
+    call = jax.ffi.ffi_call(QEMBEDDING_TARGET, out, vmap_method="expand_dims")
+    return call(ids32, blocks, qtype=_qid(qtype), dim=np.int64(in_features))
 
 
 def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_up, b_down, scores,

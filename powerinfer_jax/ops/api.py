@@ -1,6 +1,8 @@
 """Public ops: validate once, then run the FFI kernel or its pure-jnp reference."""
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from powerinfer_jax.ops import _checks, reference
 
 
@@ -137,6 +139,22 @@ def qlinear_many(x, blocks_list, qtypes, in_features: int, bs=None, *, impl="ffi
                      for w, t, b in zip(blocks_list, names, bs))
     from powerinfer_jax.ops import _ffi
     return _ffi.qlinear_many(x, blocks_list, names, bs)
+
+
+def qembedding(ids, blocks, qtype, in_features: int, *, impl="ffi"):
+    """Rows `ids` of a quantized table (e.g. token_embd's blocks, uint8 [V, row_bytes] in
+    `qtype`), dequantized: float32 [..., in_features]. The table stays quantized in memory (only
+    the looked-up rows are expanded). An id outside [0, V) is an error (raised by the handler
+    when ids are traced)."""
+    _checks.check_choice("impl", impl, _checks.IMPLS)
+    name = _checks.check_qtype("qtype", qtype)
+    _checks.check_qweight("blocks", blocks, name, int(in_features))
+    if not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
+        _checks.fail("ids", "an integer array", jnp.result_type(ids))
+    if impl == "reference":
+        return reference.qembedding(ids, blocks, name, int(in_features))
+    from powerinfer_jax.ops import _ffi
+    return _ffi.qembedding(ids, blocks, name, int(in_features))
 
 
 def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None, b_up=None,

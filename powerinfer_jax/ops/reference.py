@@ -127,6 +127,13 @@ def qlinear(x, blocks, qtype: str, in_features: int, b=None):
     return y if b is None else y + jnp.asarray(b, jnp.float32)
 
 
+def qembedding(ids, blocks, qtype: str, in_features: int):
+    """Rows ids of the table, dequantized (float32 [..., in_features]). See ops.api.qembedding."""
+    ids = jnp.asarray(ids, jnp.int32)
+    rows = jnp.take(jnp.asarray(blocks), ids.reshape(-1), axis=0)
+    return dequantize_blocks(rows, qtype, in_features).reshape(ids.shape + (in_features,))
+
+
 def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None, b_up=None,
                 b_down=None, scores=None, threshold=0.0, activation="silu", criterion="oracle"):
     """The quantized sparse FFN, from dequantized weights and rounded activations. See
