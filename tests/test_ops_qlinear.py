@@ -183,3 +183,15 @@ def test_qlinear_many_bad_input_is_a_clear_error():
         ops.qlinear_many(x, [blocks, blocks], ["Q4_1"], d)
     with pytest.raises(ValueError, match=r"blocks: expected uint8 \[R, 120\]"):
         ops.qlinear_many(x, [blocks, blocks], ["Q4_1", "Q5_1"], d)
+
+
+@pytest.mark.parametrize("qtype,bad", [("Q4_1", np.nan), ("Q8_0", np.inf), ("Q4_K", np.nan)])
+def test_non_finite_input_reaches_the_output(qtype, bad):
+    """A NaN/inf activation makes its token's outputs NaN (as a float matmul would), never a
+    garbage int8 cast; other tokens are untouched."""
+    x, blocks, d = operands(qtype, 16, t=2)
+    x = x.at[1, 3].set(bad)
+    y = np.asarray(ops.qlinear(x, blocks, qtype, d))
+    ref = np.asarray(ops.qlinear(x, blocks, qtype, d, impl="reference"))
+    assert np.all(np.isnan(y[1])) and np.all(np.isnan(ref[1]))
+    _close(y[:1], ref[:1])
