@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "cpu_backend/quant_act.h"
 #include "cpu_backend/quant_simd.h"
@@ -32,6 +33,7 @@ void QuantizeQ8(const float* x, int64_t dim, Q8Row& out) {
     const int64_t lo = b * kQ4Block;
     const int64_t hi = std::min(dim, lo + kQ4Block);
     if (hi - lo == kQ4Block) {  // a whole block: the quantized kernels' vector code, same result
+      // (incl. a non-finite block: d = c = NaN)
       int32_t sums[2];
       const float d = QuantizeBlock(x + lo, kQ4Block, out.q.data() + lo, sums);
       out.d[static_cast<size_t>(b)] = d;
@@ -39,7 +41,17 @@ void QuantizeQ8(const float* x, int64_t dim, Q8Row& out) {
       continue;
     }
     float amax = 0.0f;
-    for (int64_t j = lo; j < hi; ++j) amax = std::max(amax, std::fabs(x[j]));
+    bool finite = true;
+    for (int64_t j = lo; j < hi; ++j) {
+      amax = std::max(amax, std::fabs(x[j]));
+      finite = finite && std::isfinite(x[j]);
+    }
+    if (!finite) {  // NaN/inf: the block's dots become NaN (as the reference's), never garbage
+      std::fill(out.q.begin() + lo, out.q.begin() + hi, int8_t{0});
+      out.d[static_cast<size_t>(b)] = out.c[static_cast<size_t>(b)] =
+          std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
     const float d = amax / 127.0f;
     const float id = d > 0.0f ? 1.0f / d : 0.0f;
     int32_t sum = 0;

@@ -145,7 +145,7 @@ void RunPiece(const QFfnWeights& w, std::span<const float* const> score_rows,
     for (size_t k = b; k < e; ++k) {  // scores: skip neurons no token of this chunk wants
       bool wanted = oracle;
       for (int64_t t = 0; t < ntok && !wanted; ++t) {
-        wanted = score_rows[t0 + t][cands[k]] > p.threshold;
+        wanted = SelectedByScore(score_rows[t0 + t][cands[k]], p.threshold);
       }
       if (wanted) block[nb++] = cands[k];
     }
@@ -158,7 +158,7 @@ void RunPiece(const QFfnWeights& w, std::span<const float* const> score_rows,
     const float* act = piece.act.data();
     if (ntok == 1) {
       for (int64_t j = 0; j < nb; ++j) {
-        if (oracle && !(std::fabs(act[j]) > p.threshold)) continue;
+        if (oracle && !ActiveByMagnitude(act[j], p.threshold)) continue;
         piece.active.push_back(block[j]);
         piece.coef.push_back(act[j]);
         PrefetchL2(w.down + block[j] * down_bytes, down_bytes);  // read after the estimates
@@ -174,8 +174,8 @@ void RunPiece(const QFfnWeights& w, std::span<const float* const> score_rows,
         const uint8_t* row = w.down + block[j] * down_bytes;
         for (int64_t t = 0; t < ntok; ++t) {
           const float a = act[j * ntok + t];
-          const bool on = oracle ? std::fabs(a) > p.threshold
-                                 : score_rows[t0 + t][block[j]] > p.threshold;
+          const bool on = oracle ? ActiveByMagnitude(a, p.threshold)
+                                 : SelectedByScore(score_rows[t0 + t][block[j]], p.threshold);
           if (!on) continue;
           ++counts[t];
           coef[n] = a;
@@ -206,7 +206,9 @@ void CollectCandidates(const QFfnWeights& w, std::span<const float* const> score
   }
   s.marks.assign(f, 0);
   for (const float* row : score_rows) {
-    for (int64_t i = 0; i < f; ++i) s.marks[i] |= static_cast<uint8_t>(row[i] > p.threshold);
+    for (int64_t i = 0; i < f; ++i) {
+      s.marks[i] |= static_cast<uint8_t>(SelectedByScore(row[i], p.threshold));
+    }
   }
   for (int64_t i = 0; i < f; ++i) {
     if (s.marks[i]) cands.push_back(static_cast<int32_t>(i));

@@ -6,7 +6,8 @@
 //   y = b_down + sum over active i of a_i * down_t[i]   (float, rows dequantized on the fly)
 // Active set: kScores: scores[t][i] > threshold (gate/up rows of the other neurons are never
 // read); kOracle: every a_i is computed and |a_i| > threshold (the activations estimate themselves:
-// threshold 0 is the dense quantized FFN). Only active neurons' down rows are read.
+// threshold 0 is the dense quantized FFN). Only active neurons' down rows are read. A NaN score or
+// activation counts as active (pij_math.h), so a NaN input reaches the output as in a dense FFN.
 //
 // Work is split into pieces of the candidate neurons (all of them, or those the scores select)
 // whose number depends only on the candidate count, never on the thread count; each piece

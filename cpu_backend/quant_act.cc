@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "cpu_backend/quant_simd.h"
 
@@ -14,20 +15,33 @@ constexpr int64_t kParallelMinValues = 1 << 16;
 }  // namespace
 
 float QuantizeBlock(const float* x, int64_t n, int8_t* q, int32_t* sums16) {
+  // `poison` sums x * 0: zero, or NaN when the block holds a NaN or an infinity.
 #if defined(PIJ_QSIMD_AVX2)
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 mx = _mm256_setzero_ps();
+  __m256 mx = _mm256_setzero_ps(), poison = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; i += 8) {
-    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    const __m256 v = _mm256_loadu_ps(x + i);
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v));
+    poison = _mm256_fmadd_ps(v, _mm256_setzero_ps(), poison);
   }
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
   const float amax = _mm_cvtss_f32(m4);
+  const bool finite = qsimd::ReduceSum(poison) == 0.0f;
 #else
   float amax = 0.0f;
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) {
+    amax = std::max(amax, std::fabs(x[i]));
+    finite = finite && std::isfinite(x[i]);
+  }
 #endif
+  if (!finite) {  // NaN/inf: a NaN scale makes every dot with the block NaN (as the reference)
+    std::fill_n(q, n, int8_t{0});
+    std::fill_n(sums16, n / 16, 0);
+    return std::numeric_limits<float>::quiet_NaN();
+  }
   const float d = amax / 127.0f;
   const float id = d > 0.0f ? 1.0f / d : 0.0f;
 #if defined(PIJ_QSIMD_AVX2)

@@ -42,7 +42,8 @@ struct QActs {
 void QuantizeActs(std::span<const float* const> x_rows, int64_t dim, int64_t block, QActs& out,
                   ThreadPool& pool);
 
-// One block of n values (n a multiple of 16): q, and d as returned; sums16[n / 16] the sums of q.
+// One block of n values (n a multiple of 32): q, and d as returned; sums16[n / 16] the sums of q.
+// A block holding a NaN or an infinity gets d = NaN and q = 0, so its dots come out NaN.
 float QuantizeBlock(const float* x, int64_t n, int8_t* q, int32_t* sums16);
 
 }  // namespace pij

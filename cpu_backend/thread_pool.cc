@@ -1,6 +1,10 @@
 #include "cpu_backend/thread_pool.h"
 
+#include <pthread.h>
+
 #include <immintrin.h>
+
+#include <algorithm>
 
 namespace pij {
 namespace {
@@ -15,22 +19,29 @@ inline void CpuRelax() {
 #endif
 }
 
-int ResolveThreadCount(int n) {
-  if (n > 0) return n;
+int HardwareThreads() {
   const unsigned hw = std::thread::hardware_concurrency();
-  return hw == 0 ? 1 : static_cast<int>(hw);
+  return hw == 0 ? 1 : static_cast<int>(std::min<unsigned>(hw, 1u << 20));
 }
+
+int ResolveThreadCount(int n) { return n > 0 ? n : HardwareThreads(); }
 
 }  // namespace
 
-ThreadPool::ThreadPool(int num_threads) { StartWorkers(ResolveThreadCount(num_threads)); }
+int ThreadPool::MaxThreads() { return std::max(kMinMaxThreads, 4 * HardwareThreads()); }
+
+ThreadPool::ThreadPool(int num_threads) {
+  StartWorkers(std::min(ResolveThreadCount(num_threads), MaxThreads()));
+}
 
 ThreadPool::~ThreadPool() { StopWorkers(); }
 
-void ThreadPool::SetNumThreads(int n) {
+bool ThreadPool::SetNumThreads(int n) {
+  if (n > MaxThreads()) return false;
   std::lock_guard<std::mutex> lock(run_mutex_);
   StopWorkers();
   StartWorkers(ResolveThreadCount(n));
+  return true;
 }
 
 void ThreadPool::StartWorkers(int n) {
@@ -41,7 +52,10 @@ void ThreadPool::StartWorkers(int n) {
   // first Run's bump as new work.
   const uint32_t start_epoch = epoch_.load(std::memory_order_acquire);
   for (int worker = 1; worker < n; ++worker) {
-    workers_.emplace_back([this, worker, start_epoch] { WorkerLoop(worker, start_epoch); });
+    workers_.emplace_back([this, worker, start_epoch] {
+      pthread_setname_np(pthread_self(), "pij-pool");  // visible in top -H and /proc: tests count them
+      WorkerLoop(worker, start_epoch);
+    });
   }
 }
 

@@ -200,3 +200,15 @@ def test_qembedding_rows_dequantized(qtype):
     with pytest.raises(Exception, match=r"qembedding: ids: expected rows of the table, in "
                                         r"\[0, 53\), got 53"):
         jax.block_until_ready(ops.qembedding(jnp.asarray([1, 53]), table, qtype, d))
+
+
+@pytest.mark.parametrize("qtype,bad", [("Q4_1", np.nan), ("Q8_0", np.inf), ("Q4_K", np.nan)])
+def test_non_finite_input_reaches_the_output(qtype, bad):
+    """A NaN/inf activation makes its token's outputs NaN (as a float matmul would), never a
+    garbage int8 cast; other tokens are untouched."""
+    x, blocks, d = operands(qtype, 16, t=2)
+    x = x.at[1, 3].set(bad)
+    y = np.asarray(ops.qlinear(x, blocks, qtype, d))
+    ref = np.asarray(ops.qlinear(x, blocks, qtype, d, impl="reference"))
+    assert np.all(np.isnan(y[1])) and np.all(np.isnan(ref[1]))
+    _close(y[:1], ref[:1])

@@ -244,3 +244,21 @@ def test_handler_validates_too():
         call(criterion="activations")
     with pytest.raises(Exception, match=r"qsparse_ffn: scores: expected float32 \[..., 37\]"):
         call(criterion="scores", scores=np.zeros((2, 5), np.float32))
+
+
+@pytest.mark.parametrize("criterion", ["oracle", "scores"])
+def test_nan_input_or_score_reaches_the_output(criterion):
+    """A NaN activation (or score) counts as active, as in ops.sparse_ffn: a NaN input token gives
+    a NaN output instead of a silently all-zero FFN."""
+    x, w, rng = ffn("Q4_1", "Q8_0", 17, t=2)
+    x = x.at[1, 5].set(jnp.nan)
+    scores = rng.standard_normal((2, F)).astype(np.float32)
+    scores[0, 3] = np.nan
+    (y, n), (y_ref, n_ref) = run_both(x, w, scores=scores, threshold=0.05, criterion=criterion)
+    y, y_ref = np.asarray(y), np.asarray(y_ref)
+    assert np.all(np.isnan(y[1])) and np.all(np.isnan(y_ref[1]))
+    if criterion == "oracle":
+        assert int(np.asarray(n)[1]) == F == int(np.asarray(n_ref)[1])
+    else:  # the NaN score selects neuron 3 for token 0
+        assert int(np.asarray(n)[0]) == int(np.asarray(n_ref)[0]) == int((~(scores[0] <= 0.05)).sum())
+    _close(y[:1], y_ref[:1])

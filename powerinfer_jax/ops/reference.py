@@ -36,16 +36,18 @@ def _activations(x_td, w_up, w_gate, b_up, activation):
 def sparse_ffn(x, w_up, w_down_t, *, w_gate=None, b_up=None, b_down=None, scores=None,
                threshold=0.0, activation="silu", criterion="scores"):
     """Returns (y [..., T, D] float32, n_active [..., T] int32). See ops.api.sparse_ffn."""
+    # "not <=" rather than ">": a NaN activation or score counts as active, so a NaN input
+    # reaches the output as in a dense FFN (the kernels' rule, cpu_backend/pij_math.h).
     x_td = jnp.asarray(x, jnp.float32)
     if criterion == "activations":  # the scores are the activations; gate/up are not read
         act_tf = jnp.asarray(scores, jnp.float32)
-        mask_tf = jnp.abs(act_tf) > threshold
+        mask_tf = ~(jnp.abs(act_tf) <= threshold)
     else:
         act_tf = _activations(x_td, w_up, w_gate, b_up, activation)
         if criterion == "scores":
-            mask_tf = jnp.asarray(scores, jnp.float32) > threshold
+            mask_tf = ~(jnp.asarray(scores, jnp.float32) <= threshold)
         else:
-            mask_tf = jnp.abs(act_tf) > threshold
+            mask_tf = ~(jnp.abs(act_tf) <= threshold)
     act_tf = jnp.where(mask_tf, act_tf, 0.0)
     y_td = jnp.einsum("...TF,FD->...TD", act_tf, w_down_t.astype(jnp.float32),
                       precision=_HIGHEST)
@@ -59,13 +61,6 @@ def linear(x, w, b=None):
     y = jnp.einsum("...D,OD->...O", jnp.asarray(x, jnp.float32), w.astype(jnp.float32),
                    precision=_HIGHEST)
     return y if b is None else y + b.astype(jnp.float32)
-
-
-def rms_norm(x, scale, *, eps):
-    """x * rsqrt(mean(x^2) + eps) * scale in float32, returned in x.dtype."""
-    x32 = jnp.asarray(x, jnp.float32)
-    inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * inv_rms * scale.astype(jnp.float32)).astype(jnp.result_type(x))
 
 
 def q4_scores(x, q, dm, b_up=None, *, activation="silu", signed=False):
@@ -99,6 +94,8 @@ def round_activations(x, block: int):
     d = x.shape[-1]
     xb = x.reshape(x.shape[:-1] + (d // block, block))
     scale = jnp.max(jnp.abs(xb), axis=-1, keepdims=True) / 127.0
+    # a block holding a NaN or an infinity rounds to NaN (the kernels' NaN scale)
+    scale = jnp.where(jnp.all(jnp.isfinite(xb), axis=-1, keepdims=True), scale, jnp.nan)
     inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
     return (jnp.clip(jnp.round(xb * inv), -127, 127) * scale).reshape(x.shape)
 
@@ -145,10 +142,10 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
     else:
         gate_qtype = up_qtype if gate_qtype is None else gate_qtype
         act_tf = activate(activation, qlinear(x, gate, gate_qtype, d)) * up_tf
-    if criterion == "scores":
-        mask_tf = jnp.asarray(scores, jnp.float32) > threshold
+    if criterion == "scores":  # "not <=": NaN counts as active, as in sparse_ffn
+        mask_tf = ~(jnp.asarray(scores, jnp.float32) <= threshold)
     else:
-        mask_tf = jnp.abs(act_tf) > threshold
+        mask_tf = ~(jnp.abs(act_tf) <= threshold)
     w_down = dequantize_blocks(down, down_qtype, d)
     y = jnp.einsum("...F,FD->...D", jnp.where(mask_tf, act_tf, 0.0), w_down, precision=_HIGHEST)
     if b_down is not None:
