@@ -26,8 +26,10 @@ struct F16 {
   uint16_t bits;
 };
 
-// Activation functions, numbered as the FFI attribute decoder maps them.
-enum class Activation : int32_t { kSilu = 0, kRelu = 1, kGelu = 2 };
+// Activation functions, numbered as the FFI attribute decoder maps them. kDrelu is dReLU
+// (TurboSparse, PowerInfer's "bamboo"): ReLU on the gate AND on the up projection, so a gated
+// neuron is active only when both are positive (see GatedActivate); on a non-gated FFN it is ReLU.
+enum class Activation : int32_t { kSilu = 0, kRelu = 1, kGelu = 2, kDrelu = 3 };
 
 PIJ_HOST_DEVICE inline float BitsToF32(uint32_t bits) {
 #if defined(__CUDA_ARCH__)
@@ -98,6 +100,7 @@ PIJ_HOST_DEVICE inline bool SelectedByScore(float score, float threshold) {
 PIJ_HOST_DEVICE inline float Activate(Activation act, float v) {
   switch (act) {
     case Activation::kRelu:
+    case Activation::kDrelu:
       return Relu(v);
     case Activation::kGelu:
       return Gelu(v);
@@ -105,6 +108,13 @@ PIJ_HOST_DEVICE inline float Activate(Activation act, float v) {
     default:
       return Silu(v);
   }
+}
+
+// A gated neuron's activation from its gate and up dots (up bias included): act(gate) * up, or
+// relu(gate) * relu(up) for dReLU. Every kernel computes gated activations through this one
+// function, so CPU and CUDA agree on each activation's meaning.
+PIJ_HOST_DEVICE inline float GatedActivate(Activation act, float gate, float up) {
+  return Activate(act, gate) * (act == Activation::kDrelu ? Relu(up) : up);
 }
 
 }  // namespace pij

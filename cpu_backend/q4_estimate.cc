@@ -299,7 +299,7 @@ void Q4EstimateRange(const Q4EstimateArgs& args, std::span<const Q8Row> q8, int6
       if (args.gated) {
         float gate, up;
         Q4GateUpDotsQ8(qi, dmi, qi + pairs * kQ4PairBytes, dmi + 4 * pairs, x, pairs, &gate, &up);
-        a = Activate(args.activation, gate) * (up + b);
+        a = GatedActivate(args.activation, gate, up + b);
       } else {
         a = Activate(args.activation, Q4DotQ8(qi, dmi, x, pairs) + b);
       }

@@ -148,7 +148,8 @@ inline void ProcessNeuron(const FfnWeights<W>& w, const FfnTokens& tokens,
   const float b_up = w.b_up != nullptr ? w.b_up[i] : 0.0f;
   for (int t = 0; t < kTok; ++t) {
     const float up = up_dot[t] + b_up;
-    const float a = kGated ? Activate(p.activation, gate_dot[t]) * up : Activate(p.activation, up);
+    const float a =
+        kGated ? GatedActivate(p.activation, gate_dot[t], up) : Activate(p.activation, up);
     const bool active = by_scores ? wanted[t] : ActiveByMagnitude(a, p.threshold);
     if (!active) continue;
     ++counts[t0 + t];

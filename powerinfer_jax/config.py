@@ -13,11 +13,11 @@ from powerinfer_jax.errors import check as _check
 from powerinfer_jax.errors import check_choice as _check_choice
 from powerinfer_jax.errors import check_positive_int as _check_positive
 
-Activation = Literal["silu", "relu", "gelu"]
+Activation = Literal["silu", "relu", "gelu", "drelu"]
 NormType = Literal["rms", "layer"]
 PositionScheme = Literal["rope", "learned"]
 
-ACTIVATIONS = ("silu", "relu", "gelu")
+ACTIVATIONS = ("silu", "relu", "gelu", "drelu")
 NORM_TYPES = ("rms", "layer")
 POSITION_SCHEMES = ("rope", "learned")
 PREDICTOR_KINDS = ("q4", "lowrank")
@@ -48,10 +48,17 @@ class ModelConfig:
     """Architecture of one decoder-only transformer; one `Transformer` serves every family.
 
     Families map onto the switches below:
-      llama family (Llama-2, ReLU-LLaMA, Mistral, SmolLM2): norm="rms", gated=True, bias=False,
-        positions="rope", activation in {"silu", "relu"}.
+      llama family (Llama-2, Mistral, SmolLM2; ReLU-LLaMA/ProSparse = ReGLU): norm="rms",
+        gated=True, bias=False, positions="rope", activation in {"silu", "relu"}.
+      dReLU llama/mistral (TurboSparse, PowerInfer's "bamboo"): as llama with activation="drelu",
+        a_i = relu(gate_i . x) * relu(up_i . x).
       OPT: norm="layer", gated=False, bias=True, positions="learned" with position_offset=2,
         activation="relu".
+      Falcon (ReluFalcon): norm="layer", gated=False, positions="rope", bias per checkpoint,
+        parallel_block=True (x + attn(attn_norm(x)) + ffn(ffn_norm(x)); a checkpoint with one
+        shared norm loads it as both), multi-query/grouped KV heads, activation relu or gelu.
+    parallel_block: attention and FFN read the same block input (Falcon, GPT-J style) instead of
+      the FFN reading the residual after attention.
     """
 
     arch: str
@@ -72,6 +79,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     position_offset: int = 0
     tie_embeddings: bool = False
+    parallel_block: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -80,6 +88,9 @@ class ModelConfig:
                      "d_ff", "max_seq_len"):
             _check_positive(f"ModelConfig.{name}", getattr(self, name))
         _check_choice("ModelConfig.activation", self.activation, ACTIVATIONS)
+        _check(self.gated or self.activation != "drelu", "ModelConfig.activation",
+               "not 'drelu' on a non-gated FFN (dReLU applies ReLU to gate and up)",
+               self.activation, "use 'relu'")
         _check_choice("ModelConfig.norm", self.norm, NORM_TYPES)
         _check_choice("ModelConfig.positions", self.positions, POSITION_SCHEMES)
         _check(self.n_heads % self.n_kv_heads == 0, "ModelConfig.n_heads",

@@ -104,7 +104,7 @@ def test_opt_rejections(tmp_path, changes, pattern):
 def test_llama_rejections(tmp_path):
     save_hf_llama(tmp_path)
     _edit_config(tmp_path, hidden_act="gelu")
-    with pytest.raises(ValueError, match=r"hidden_act: expected 'silu' or 'relu', got 'gelu'"):
+    with pytest.raises(ValueError, match=r"hidden_act: expected 'silu', 'relu' or 'drelu', got 'gelu'"):
         load_hf(tmp_path)
     _edit_config(tmp_path, hidden_act="silu", model_type="gpt2", architectures=["GPT2LMHeadModel"])
     with pytest.raises(ValueError, match=r"architecture: expected one of .*llama.*opt.*got 'GPT2LMHeadModel"):

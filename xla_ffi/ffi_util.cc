@@ -83,8 +83,10 @@ ffi::Error ParseActivation(std::string_view op, std::string_view name, Activatio
     out = Activation::kRelu;
   } else if (name == "gelu") {
     out = Activation::kGelu;
+  } else if (name == "drelu") {
+    out = Activation::kDrelu;
   } else {
-    return InvalidArg(op, "activation", "one of silu, relu, gelu", name);
+    return InvalidArg(op, "activation", "one of silu, relu, gelu, drelu", name);
   }
   return ffi::Error::Success();
 }

@@ -22,7 +22,7 @@ std::string_view DtypeName(ffi::DataType dtype);
 ffi::Error InvalidArg(std::string_view op, std::string_view what, std::string_view rule,
                       std::string_view got);
 
-// The "activation" attribute ("silu" | "relu" | "gelu") into `out`, or an InvalidArg error.
+// The "activation" attribute ("silu" | "relu" | "gelu" | "drelu") into `out`, or an InvalidArg error.
 ffi::Error ParseActivation(std::string_view op, std::string_view name, Activation& out);
 
 // True if dims[0 .. dims.size() - keep) are all 1 (extra leading dims added by vmap).

@@ -10,7 +10,7 @@
 //   b_down   f32 [1.., D] or empty
 //   scores   f32 [..., T, F]          criteria "scores" and "activations" (ignored for "oracle")
 // Results: y f32 [..., T, D], n_active s32 [..., T].
-// Attributes: threshold (f32, finite, >= 0), activation ("silu" | "relu" | "gelu"),
+// Attributes: threshold (f32, finite, >= 0), activation ("silu" | "relu" | "gelu" | "drelu"),
 // criterion ("scores" | "oracle" | "activations", see cpu_backend/sparse_ffn.h).
 //
 // vmap: jax.ffi.ffi_call(vmap_method="expand_dims") gives unbatched operands a leading size-1 dim.

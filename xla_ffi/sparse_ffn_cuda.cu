@@ -89,7 +89,7 @@ __global__ void ActivationsKernel(const float* __restrict__ x, const W* __restri
       }
       u = WarpSum(u) + bias;
       g = WarpSum(g);
-      a = gate_row != nullptr ? Activate(activation, g) * u : Activate(activation, u);
+      a = gate_row != nullptr ? GatedActivate(activation, g, u) : Activate(activation, u);
       if (oracle) active = ActiveByMagnitude(a, threshold);
     }
     if (lane == 0) {

@@ -99,7 +99,9 @@ class Checkpoint:
 
 
 SUPPORTED_ARCHITECTURES = ("llama (LlamaForCausalLM, MistralForCausalLM, GGUF 'llama')",
-                           "opt (OPTForCausalLM)")
+                           "dReLU llama (HF model_type 'bamboo', GGUF 'bamboo')",
+                           "falcon (FalconForCausalLM, GGUF 'falcon')",
+                           "opt (OPTForCausalLM, GGUF 'opt')")
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

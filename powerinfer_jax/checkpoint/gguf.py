@@ -1,4 +1,4 @@
-"""Read (and, for tests and conversion, write) llama-architecture GGUF files.
+"""Read (and, for tests and conversion, write) GGUF files: llama.cpp's and PowerInfer's ("PWRI").
 
 GGUF conventions this module undoes (read) and applies (write):
   * Each tensor's `ne` lists dimensions fastest-first; the numpy shape is `ne` reversed, so a GGUF
@@ -6,55 +6,61 @@ GGUF conventions this module undoes (read) and applies (write):
   * llama.cpp's convert script permutes the rows of attn_q / attn_k per head for its interleaved
     RoPE; we restore HF's rotate-half order (`base.rope_unpermute`).
   * ffn_down is stored [D, F]; the canonical `ffn.down_t.weight` is its transpose [F, D].
+    PowerInfer files store `ffn_down_t` [F, D] instead.
   * Tied embeddings: no `output.weight` tensor.
+  * PowerInfer files are GGUF v3 whose first four bytes read "PWRI"; they also hold predictor
+    tensors (`blk.i.fc1/fc2`, read by checkpoint/powerinfer.py, ignored here).
+Architectures (llama, bamboo, falcon, opt) and which activation a file means: gguf_arch.py.
 Tensor types read: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 (see `quants.py`): dequantized to float32, or kept as `QuantTensor` blocks (keep_quantized=True).
 """
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
-from powerinfer_jax.checkpoint import quants
+from powerinfer_jax.checkpoint import gguf_arch, quants
 from powerinfer_jax.checkpoint.base import (Checkpoint, QuantTensor, check_params,
                                             expected_shapes, rope_permute, rope_unpermute,
                                             unsupported_architecture)
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.tokenizer import Tokenizer
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
-
-# canonical name suffix -> GGUF name suffix, per layer ("layers.{i}." <-> "blk.{i}.")
-_LAYER_NAMES = {
-    "attn_norm.scale": "attn_norm.weight",
-    "attn.q.weight": "attn_q.weight",
-    "attn.k.weight": "attn_k.weight",
-    "attn.v.weight": "attn_v.weight",
-    "attn.o.weight": "attn_output.weight",
-    "ffn_norm.scale": "ffn_norm.weight",
-    "ffn.gate.weight": "ffn_gate.weight",
-    "ffn.up.weight": "ffn_up.weight",
-    "ffn.down_t.weight": "ffn_down.weight",
-}
-_GLOBAL_NAMES = {"tok_embed": "token_embd.weight", "final_norm.scale": "output_norm.weight",
-                 "lm_head": "output.weight"}
+SUPPORTED_GGUF_ARCHITECTURES = gguf_arch.ARCHITECTURES
+GGUF_MAGIC = b"GGUF"
+PWRI_MAGIC = b"PWRI"  # PowerInfer's files: a GGUF v3 with these first four bytes
 
 
-def gguf_name(canonical: str) -> str:
-    if canonical in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[canonical]
-    _, layer, rest = canonical.split(".", 2)
-    return f"blk.{layer}.{_LAYER_NAMES[rest]}"
+def file_magic(path: str | os.PathLike) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(4)
+
+
+@functools.cache
+def _reader_class():
+    """GGUFReader that also opens PowerInfer's "PWRI" files (same layout, other magic)."""
+    from gguf import GGUFReader
+    from gguf.constants import GGUF_MAGIC as magic_u32
+
+    pwri_u32 = int.from_bytes(PWRI_MAGIC, "little")
+
+    class Reader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            value = super()._get(offset, dtype, count, override_order)
+            if offset == 0 and count == 1 and value.dtype == np.uint32 and value[0] == pwri_u32:
+                return np.array([magic_u32], np.uint32)
+            return value
+
+    return Reader
 
 
 def _open(path: Path):
     """A GGUFReader on `path`, or a UserError naming the file, what is wrong and the fix: fetch
     it again for a registry model's cached file, replace or re-convert a user's own file."""
-    from gguf import GGUFReader
-
     from powerinfer_jax.checkpoint.registry import is_registry_file
     from powerinfer_jax.errors import UserError
 
@@ -67,7 +73,7 @@ def _open(path: Path):
         fix = ("this is your own file: copy or download it again, or re-convert the model "
                "(llama.cpp's convert_hf_to_gguf.py)")
     try:
-        reader = GGUFReader(path, "r")
+        reader = _reader_class()(path, "r")
     except Exception as e:  # GGUFReader raises ValueError/IndexError/KeyError/OSError on bad bytes
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -96,41 +102,6 @@ def read_metadata(reader) -> dict[str, Any]:
     return out
 
 
-def _require(meta: Mapping[str, Any], key: str, source: str):
-    if key not in meta:
-        raise ValueError(f"{source}: expected metadata key {key!r}, got none "
-                         "(the file is not a complete llama GGUF)")
-    return meta[key]
-
-
-def config_from_metadata(meta: Mapping[str, Any], source: str,
-                         vocab_size: int | None = None, tied: bool = False) -> ModelConfig:
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise unsupported_architecture(arch, f"{source}: general.architecture")
-    a = arch + "."
-    d = int(_require(meta, a + "embedding_length", source))
-    n_heads = int(_require(meta, a + "attention.head_count", source))
-    head_dim = int(meta.get(a + "rope.dimension_count") or meta.get(a + "attention.key_length")
-                   or d // n_heads)
-    if vocab_size is None:
-        vocab_size = int(meta.get(a + "vocab_size") or len(meta.get("tokenizer.ggml.tokens", ())))
-    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                             "tokenizer.ggml.eom_token_id") if meta.get(k) is not None]
-    return ModelConfig(
-        arch="llama", vocab_size=vocab_size, d_model=d,
-        n_layers=int(_require(meta, a + "block_count", source)),
-        n_heads=n_heads, n_kv_heads=int(meta.get(a + "attention.head_count_kv", n_heads)),
-        head_dim=head_dim, d_ff=int(_require(meta, a + "feed_forward_length", source)),
-        max_seq_len=int(_require(meta, a + "context_length", source)),
-        activation="silu", gated=True, bias=False, norm="rms",
-        norm_eps=float(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
-        positions="rope", rope_theta=float(meta.get(a + "rope.freq_base", 10000.0)),
-        tie_embeddings=tied, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos)),
-    )
-
-
 def _tensor_type(t) -> str:
     return t.tensor_type.name
 
@@ -154,19 +125,32 @@ def _read_tensor(t, expected: tuple[int, ...], source: str, keep_quantized: bool
     return quants.dequantize(rows, qtype).reshape(shape)
 
 
-def _canonical(value, name: str, config: ModelConfig):
-    """A stored tensor (array or QuantTensor) -> the canonical param: Q/K rows back to HF order
-    (rows permute whole, so blocks permute with them), ffn_down transposed."""
-    heads = {"attn.q.weight": config.n_heads, "attn.k.weight": config.n_kv_heads}
-    n = heads.get(name.split(".", 2)[-1]) if name.startswith("layers.") else None
-    transposed = name.endswith("ffn.down_t.weight")
-    if isinstance(value, QuantTensor):
-        blocks = rope_unpermute(value.blocks, n) if n is not None else value.blocks
-        shape = value.shape[::-1] if transposed else value.shape
-        return QuantTensor(np.ascontiguousarray(blocks), value.qtype, shape, transposed)
-    if n is not None:
-        value = rope_unpermute(value, n)
-    return np.ascontiguousarray(value.T) if transposed else value
+def _canonical(value, src):
+    """A stored tensor (array or QuantTensor) -> the canonical param, per its layout source:
+    llama.cpp's RoPE rows back to HF order, a fused tensor's rows, ffn_down transposed. Rows
+    move whole, so a QuantTensor's blocks move with them."""
+    quantized = isinstance(value, QuantTensor)
+    data = value.blocks if quantized else value
+    if src.kind == "rope":
+        data = rope_unpermute(data, src.heads)
+    elif src.kind == "rows":
+        data = data[src.start:src.stop]
+    transposed = src.kind == "transposed"
+    if not quantized:
+        return np.ascontiguousarray(data.T if transposed else data)
+    rows, cols = data.shape[0], value.shape[1]
+    return QuantTensor(np.ascontiguousarray(data), value.qtype,
+                       (cols, rows) if transposed else (rows, cols), transposed)
+
+
+def _tied(tensors) -> bool:
+    """No `output.weight`, or one byte-identical to `token_embd.weight` (PowerInfer's loaders
+    require the tensor, so files written for it carry a copy of the embeddings)."""
+    out, emb = tensors.get("output.weight"), tensors["token_embd.weight"]
+    if out is None:
+        return True
+    return (out.tensor_type == emb.tensor_type and out.shape.tolist() == emb.shape.tolist()
+            and np.array_equal(np.asarray(out.data), np.asarray(emb.data)))
 
 
 def load_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> Checkpoint:
@@ -176,23 +160,30 @@ def load_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> Check
     source = f"GGUF file {str(path)!r}"
     reader = _open(path)
     meta = read_metadata(reader)
+    powerinfer = file_magic(path) == PWRI_MAGIC
     tensors = {t.name: t for t in reader.tensors}
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise unsupported_architecture(arch, f"{source}: general.architecture")
     if "token_embd.weight" not in tensors:
-        arch = meta.get("general.architecture")
-        if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-            raise unsupported_architecture(arch, f"{source}: general.architecture")
         raise ValueError(f"{source}: expected tensor 'token_embd.weight', got none")
-    vocab = int(tensors["token_embd.weight"].shape[1])  # ne = [D, V]
-    config = config_from_metadata(meta, source, vocab_size=vocab,
-                                  tied="output.weight" not in tensors)
+    pos = tensors.get("position_embd.weight")
+    config = gguf_arch.config_from_metadata(
+        meta, source, vocab_size=int(tensors["token_embd.weight"].shape[1]),  # ne = [D, V]
+        tied=arch == "opt" or _tied(tensors), powerinfer=powerinfer,
+        has_bias="blk.0.attn_qkv.bias" in tensors,
+        n_positions=None if pos is None else int(pos.shape[1]))
+    layout = gguf_arch.sources(config, arch, down_t="blk.0.ffn_down_t.weight" in tensors,
+                               separate_attn_norm="blk.0.attn_norm_2.weight" in tensors)
     params: dict[str, Any] = {}
-    for name, shape in expected_shapes(config).items():
-        g = gguf_name(name)
-        if g not in tensors:
-            raise ValueError(f"{source}: expected tensor {g!r} (for {name}, shape {shape}), got none")
-        stored = shape[::-1] if name.endswith("ffn.down_t.weight") else shape
-        params[name] = _canonical(_read_tensor(tensors[g], stored, source, keep_quantized), name,
-                                  config)
+    read: dict[str, Any] = {}  # a fused tensor is read once
+    for name, src in layout.items():
+        if src.gguf not in tensors:
+            raise ValueError(f"{source}: expected tensor {src.gguf!r} (for {name}, shape "
+                             f"{expected_shapes(config)[name]}), got none")
+        if src.gguf not in read:
+            read[src.gguf] = _read_tensor(tensors[src.gguf], src.stored, source, keep_quantized)
+        params[name] = _canonical(read[src.gguf], src)
     check_params(config, params, source)
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     return Checkpoint(config=config, params=params, tokenizer=tokenizer, source=str(path))
@@ -211,78 +202,111 @@ _TOKENIZER_WRITERS = {  # tokenizer_meta key -> GGUFWriter method
 
 def write_gguf(path: str | os.PathLike, config: ModelConfig, params: Mapping[str, np.ndarray],
                tokenizer_meta: Mapping[str, Any], tensor_types: Mapping[str, str] | None = None,
-               *, arch: str = "llama", default_type: str = "F32",
-               overrides: Mapping[str, Any] | None = None) -> Path:
-    """Write a llama-convention GGUF from canonical params (Q/K permuted back, ffn_down [D, F]).
+               *, arch: str | None = None, default_type: str = "F32",
+               overrides: Mapping[str, Any] | None = None, powerinfer: bool = False,
+               extra_tensors: Mapping[str, np.ndarray] | None = None,
+               extra_meta: Mapping[str, Any] | None = None) -> Path:
+    """Write a GGUF from canonical params in the layout of the config's family (gguf_arch.py):
+    llama/bamboo (Q/K permuted back), falcon (fused attn_qkv) or opt.
 
     tensor_types: canonical name -> GGML type name (`quants.QUANTIZABLE_TYPES`, or any type
     `gguf.quants.quantize` knows, e.g. "MXFP4" to test rejection); others `default_type`. A param
     given as a `QuantTensor` (any GGML type, e.g. random K-quant blocks) is written as its blocks.
     tokenizer_meta: keys of `_TOKENIZER_WRITERS` (e.g. {"model": "gpt2", "tokens": [...], ...}).
+    powerinfer: PowerInfer's layout and magic: `ffn_down_t` [F, D] instead of `ffn_down`, the
+    untied `output.weight` its llama and falcon loaders require (a copy of the embeddings when
+    tied), and "PWRI" as the first four bytes. extra_tensors: GGUF name -> array (float32,
+    written as F32 unless `tensor_types` names it: the predictors' fc1/fc2); extra_meta: key ->
+    value (float -> FLOAT32, str, bool, int -> UINT32).
     `arch` only renames the metadata prefix, and `overrides` ({"block_count": 3, ...}) replaces
     model metadata values; tests use both to write inconsistent or unsupported files.
     """
     import gguf
 
-    if config.arch != "llama" or config.bias or not config.gated:
-        raise ValueError(f"write_gguf: expected a llama-family config (gated, no bias), got "
-                         f"arch={config.arch!r} gated={config.gated} bias={config.bias}")
+    layout = gguf_arch.layout_arch(config)
     tensor_types = dict(tensor_types or {})
     path = Path(path)
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("powerinfer_jax test model")
-    model_meta = {
-        "context_length": config.max_seq_len, "embedding_length": config.d_model,
-        "block_count": config.n_layers, "feed_forward_length": config.d_ff,
-        "head_count": config.n_heads, "head_count_kv": config.n_kv_heads,
-        "rope_dimension_count": config.head_dim, "key_length": config.head_dim,
-        "value_length": config.head_dim, "rope_freq_base": config.rope_theta,
-        "layer_norm_rms_eps": config.norm_eps, "vocab_size": config.vocab_size,
-    }
+    w = gguf.GGUFWriter(str(path), arch or layout)
+    w.add_name("powerinfer_jax model")
+    model_meta = gguf_arch.model_metadata(config, layout)
     model_meta.update(overrides or {})
     for key, value in model_meta.items():  # GGUFWriter.add_<key> writes "<arch>.<gguf key>"
         getattr(w, "add_" + key)(value)
+    w.add_string(gguf_arch.ACTIVATION_KEY, config.activation)
+    for key, value in (extra_meta or {}).items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_string(key, str(value))
     for key, value in tokenizer_meta.items():
         if key not in _TOKENIZER_WRITERS:
             raise ValueError(f"write_gguf tokenizer_meta: expected keys in {list(_TOKENIZER_WRITERS)}, "
                              f"got {key!r}")
         getattr(w, _TOKENIZER_WRITERS[key])(value)
+    shared_norm = layout == "falcon" and all(
+        np.array_equal(params[f"layers.{i}.attn_norm.{k}"], params[f"layers.{i}.ffn_norm.{k}"])
+        for i in range(config.n_layers) for k in ("scale", "bias"))
+    sources = gguf_arch.sources(config, layout, down_t=powerinfer,
+                                separate_attn_norm=not shared_norm)
+    stored: dict[str, tuple[np.ndarray, str]] = {}  # GGUF name -> (array, type), in write order
     for name in expected_shapes(config):
-        if isinstance(params[name], QuantTensor):  # written as its blocks, in its own type
-            w.add_tensor(gguf_name(name), _stored_blocks(params[name], name, config),
-                         raw_dtype=gguf.GGMLQuantizationType[params[name].qtype])
+        src = sources[name]
+        if isinstance(params[name], QuantTensor):  # its blocks, in its own type
+            value, qtype = _stored_blocks(params[name], name, src), params[name].qtype
+            if src.kind == "rows":
+                prev = stored.get(src.gguf, (value[:0], qtype))[0]
+                value = np.concatenate([prev, value])
+            stored[src.gguf] = (value, qtype)
             continue
         value = np.asarray(params[name], dtype=np.float32)
-        if name.endswith("attn.q.weight"):
-            value = rope_permute(value, config.n_heads)
-        elif name.endswith("attn.k.weight"):
-            value = rope_permute(value, config.n_kv_heads)
-        elif name.endswith("ffn.down_t.weight"):
+        if src.kind == "rope":
+            value = rope_permute(value, src.heads)
+        elif src.kind == "transposed":
             value = value.T
-        value = np.ascontiguousarray(value)
         qtype = tensor_types.get(name, default_type if value.ndim > 1 else "F32")
-        if qtype == "F32":
-            w.add_tensor(gguf_name(name), value)
+        if src.kind == "rows":  # a fused tensor: its parts arrive in order q, k, v
+            prev = stored.get(src.gguf, (np.zeros((0,) + value.shape[1:], np.float32), qtype))[0]
+            value = np.concatenate([prev, value])
+        elif src.gguf in stored:  # one file tensor for two canonical ones (a shared norm)
+            continue
+        stored[src.gguf] = (value, qtype)
+    if powerinfer and config.tie_embeddings and layout in ("llama", "bamboo", "falcon"):
+        stored["output.weight"] = (np.asarray(params["tok_embed"], np.float32),
+                                   tensor_types.get("tok_embed", default_type))
+    for gname, value in (extra_tensors or {}).items():
+        stored[gname] = (np.asarray(value, np.float32), tensor_types.get(gname, "F32"))
+    for gname, (value, qtype) in stored.items():
+        value = np.ascontiguousarray(value)
+        if value.dtype == np.uint8:  # blocks of a QuantTensor
+            w.add_tensor(gname, value, raw_dtype=gguf.GGMLQuantizationType[qtype])
+        elif qtype == "F32":
+            w.add_tensor(gname, value)
         elif qtype == "F16":
-            w.add_tensor(gguf_name(name), value.astype(np.float16))
+            w.add_tensor(gname, value.astype(np.float16))
         else:
             kind = gguf.GGMLQuantizationType[qtype]  # types we do not read: tests of rejection
             data = (quants.quantize(value, qtype) if qtype in quants.QUANTIZABLE_TYPES
                     else gguf.quants.quantize(value, kind))
-            w.add_tensor(gguf_name(name), data, raw_dtype=kind)
+            w.add_tensor(gname, data, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if powerinfer:
+        with open(path, "r+b") as f:  # as PowerInfer's convert.py does after writing a GGUF
+            f.write(PWRI_MAGIC)
     return path
 
 
-def _stored_blocks(t: QuantTensor, name: str, config: ModelConfig) -> np.ndarray:
-    """A canonical QuantTensor's blocks in the file's layout (Q/K rows permuted back)."""
-    if t.transposed != name.endswith("ffn.down_t.weight"):
+def _stored_blocks(t: QuantTensor, name: str, src) -> np.ndarray:
+    """A canonical QuantTensor's blocks in the file's layout (RoPE rows permuted back)."""
+    if t.transposed != (src.kind == "transposed"):
         raise ValueError(f"write_gguf: {name}: expected a QuantTensor with transposed="
-                         f"{not t.transposed} (GGUF's stored orientation), got {t.transposed}")
-    heads = {"attn.q.weight": config.n_heads, "attn.k.weight": config.n_kv_heads}
-    n = heads.get(name.split(".", 2)[-1]) if name.startswith("layers.") else None
+                         f"{src.kind == 'transposed'} (the file's stored orientation), got "
+                         f"{t.transposed}")
     blocks = np.asarray(t.blocks, np.uint8)
-    return np.ascontiguousarray(rope_permute(blocks, n) if n is not None else blocks)
+    return np.ascontiguousarray(rope_permute(blocks, src.heads) if src.kind == "rope" else blocks)

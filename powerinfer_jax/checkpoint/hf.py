@@ -2,9 +2,12 @@
 model.safetensors.index.json) + tokenizer.json.
 
 Supported: LlamaForCausalLM / MistralForCausalLM (model_type "llama"/"mistral": GQA, hidden_act
-silu/relu, tied or untied embeddings) and OPTForCausalLM (ReLU, pre-LayerNorm, biases, learned
-positions with OPT's offset of 2). HF already stores Q/K in the rotate-half layout we use, so
-the only reshuffle is the FFN down projection, transposed to neuron-major `ffn.down_t.weight`.
+silu/relu, tied or untied embeddings), dReLU llamas (model_type "bamboo", PowerInfer's Bamboo,
+whose MLP is relu(gate) * relu(up) whatever its hidden_act says; or a llama/mistral config with
+hidden_act "drelu", our spelling), OPTForCausalLM (ReLU, pre-LayerNorm, biases, learned
+positions with OPT's offset of 2) and FalconForCausalLM (hf_falcon.py: its fused QKV is split
+at load). HF already stores Q/K in the rotate-half layout we use, so the other reshuffle is the
+FFN down projection, transposed to neuron-major `ffn.down_t.weight`.
 Safetensors are read with a small numpy reader (no torch), which also handles BF16.
 """
 from __future__ import annotations
@@ -17,11 +20,12 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from powerinfer_jax.checkpoint import hf_falcon
 from powerinfer_jax.checkpoint.base import Checkpoint, check_params, unsupported_architecture
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.tokenizer import Tokenizer
 
-LLAMA_TYPES = ("llama", "mistral")
+LLAMA_TYPES = ("llama", "mistral", "bamboo")
 OPT_TYPES = ("opt",)
 _SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
 
@@ -147,9 +151,10 @@ def config_from_hf(cfg: Mapping[str, Any], d: Path, source: str) -> ModelConfig:
                   max_seq_len=int(_get(cfg, "max_position_embeddings", source)),
                   bos_token_id=cfg.get("bos_token_id"), eos_token_ids=_eos_ids(cfg, d))
     if model_type in LLAMA_TYPES:
-        act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "relu"):
-            raise ValueError(f"{source}: hidden_act: expected 'silu' or 'relu', got {act!r}")
+        act = "drelu" if model_type == "bamboo" else cfg.get("hidden_act", "silu")
+        if act not in ("silu", "relu", "drelu"):
+            raise ValueError(f"{source}: hidden_act: expected 'silu', 'relu' or 'drelu', got "
+                             f"{act!r}")
         for key in ("attention_bias", "mlp_bias"):
             if cfg.get(key):
                 raise ValueError(f"{source}: {key}: expected false for the llama family, got true")
@@ -177,13 +182,17 @@ def config_from_hf(cfg: Mapping[str, Any], d: Path, source: str) -> ModelConfig:
             activation="relu", gated=False, bias=True, norm="layer", norm_eps=1e-5,
             positions="learned", position_offset=2,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", True)))
+    if model_type == "falcon":
+        return hf_falcon.config(cfg, common, source, _rope_theta(cfg, source))
     arch = (cfg.get("architectures") or [model_type])[0]
     raise unsupported_architecture(arch, source, f" (model_type {model_type!r})")
 
 
 # ------------------------------------------------------------------------------------ params
 def _strip_prefix(name: str) -> str:
-    for prefix in ("model.decoder.", "model.", "decoder."):
+    if name.startswith("transformer.h."):  # Falcon
+        return "layers." + name[len("transformer.h."):]
+    for prefix in ("model.decoder.", "model.", "decoder.", "transformer."):
         if name.startswith(prefix):
             return name[len(prefix):]
     return name
@@ -209,7 +218,7 @@ def load_hf(path: str | os.PathLike) -> Checkpoint:
     except json.JSONDecodeError as e:
         raise ValueError(f"{source}: expected config.json to be JSON, got a parse error ({e})") from e
     config = config_from_hf(cfg, d, source)
-    table = _LLAMA_NAMES if config.arch == "llama" else _OPT_NAMES
+    table = {"llama": _LLAMA_NAMES, "opt": _OPT_NAMES, "falcon": hf_falcon.NAMES}[config.arch]
     params: dict[str, np.ndarray] = {}
     for file in _weight_files(d):
         for hf_name, value in read_safetensors(file).items():
@@ -218,7 +227,14 @@ def load_hf(path: str | os.PathLike) -> Checkpoint:
                 continue  # e.g. rotary inv_freq buffers, a duplicated tied head
             if name.endswith("ffn.down_t.weight"):
                 value = np.ascontiguousarray(value.T)
+            if ".qkv." in name:  # Falcon's fused query_key_value
+                stem, kind = name.rsplit(".qkv.", 1)
+                for part, v in zip("qkv", hf_falcon.split_qkv(value, hf_falcon.layout(cfg), config)):
+                    params[f"{stem}.attn.{part}.{kind}"] = v
+                continue
             params[name] = value
+    if config.arch == "falcon":
+        hf_falcon.finish(params, config)
     check_params(config, params, source)
     tok_path = d / "tokenizer.json"
     if not tok_path.is_file():

@@ -7,6 +7,7 @@ name-for-name copy (`from_params`). Two exceptions: the down projection's bias i
 """
 from __future__ import annotations
 
+import contextvars
 from typing import Mapping
 
 import jax
@@ -15,17 +16,35 @@ import numpy as np
 from flax import nnx
 
 from powerinfer_jax.config import ModelConfig
+from powerinfer_jax.errors import fail
 from powerinfer_jax.models.ffn import FFN
 from powerinfer_jax.models.layers import (F32, Attention, Linear, Norm, cache_storage_dtype,
                                          matmul, resolve_kernels, sow)
 
 
+_RESIDUAL = contextvars.ContextVar("ffn_residual")
+
+
+def block_residual():
+    """Inside an FFN call made by a Block: the tensor its ffn_norm normalized [B, T, D] (the
+    residual after attention; a parallel block's input). Selectors that read the residual rather
+    than the FFN input (PowerInfer's predictors: sparsity/powerinfer_predictor.py) take it here."""
+    try:
+        return _RESIDUAL.get()
+    except LookupError:
+        fail("block_residual", "a call from inside Block.__call__ (the FFN's block provides it)",
+             "an FFN called on its own", "run the FFN through its Transformer block")
+
+
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x)). Sows the FFN's input
-    (after ffn_norm) as "ffn_in" [B, T, D] under `capture` (profiling, predictor training)."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x)); with
+    config.parallel_block (Falcon): x + attn(attn_norm(x)) + ffn(ffn_norm(x)). Sows the FFN's
+    input (after ffn_norm) as "ffn_in" [B, T, D] under `capture` (profiling, predictor training);
+    the tensor ffn_norm normalized is available to the FFN's selector as `block_residual()`."""
 
     def __init__(self, c: ModelConfig, *, dtype, rngs: nnx.Rngs | None, kernels: str,
                  **attention_options):
+        self.parallel = c.parallel_block
         self.attn_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps)
         self.attn = Attention(d_model=c.d_model, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
                               head_dim=c.head_dim, bias=c.bias, use_rope=c.positions == "rope",
@@ -38,10 +57,17 @@ class Block(nnx.Module):
     def __call__(self, x_btd, positions_bt, cache, cache_index, kv_len):
         attn_out, new_cache = self.attn(self.attn_norm(x_btd), positions_bt, cache, cache_index,
                                         kv_len)
-        x_btd = x_btd + attn_out
+        if not self.parallel:
+            x_btd = x_btd + attn_out
         ffn_in = self.ffn_norm(x_btd)
         sow(self, "ffn_in", ffn_in)
-        return x_btd + self.ffn(ffn_in), new_cache
+        token = _RESIDUAL.set(x_btd)
+        try:
+            ffn_out = self.ffn(ffn_in)
+        finally:
+            _RESIDUAL.reset(token)
+        out = x_btd + (attn_out + ffn_out) if self.parallel else x_btd + ffn_out
+        return out, new_cache
 
 
 class Transformer(nnx.Module):

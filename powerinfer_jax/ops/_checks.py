@@ -12,7 +12,7 @@ import numpy as np
 
 from powerinfer_jax.errors import check_choice, fail  # noqa: F401  (the ops' validators)
 
-ACTIVATIONS = ("silu", "relu", "gelu")
+ACTIVATIONS = ("silu", "relu", "gelu", "drelu")
 CRITERIA = ("scores", "oracle", "activations")
 IMPLS = ("ffi", "reference")
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)

@@ -12,14 +12,25 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def activate(activation: str, v):
-    """silu, relu, or the tanh-approximate gelu (jax.nn.gelu(approximate=True)) like the kernel."""
+    """silu, relu, or the tanh-approximate gelu (jax.nn.gelu(approximate=True)) like the kernel.
+    "drelu" applied to one projection is relu (its gated form is `gated_activate`)."""
     if activation == "silu":
         return jax.nn.silu(v)
-    if activation == "relu":
+    if activation in ("relu", "drelu"):
         return jax.nn.relu(v)
     if activation == "gelu":
         return jax.nn.gelu(v, approximate=True)
-    raise ValueError(f"activation: expected one of ['silu', 'relu', 'gelu'], got {activation!r}")
+    raise ValueError(f"activation: expected one of ['silu', 'relu', 'gelu', 'drelu'], got "
+                     f"{activation!r}")
+
+
+def gated_activate(activation: str, gate, up):
+    """A gated FFN's activations from its gate and up projections (up bias included):
+    act(gate) * up, or relu(gate) * relu(up) for "drelu" (dReLU: TurboSparse, PowerInfer's
+    "bamboo"). The kernels' GatedActivate (cpu_backend/pij_math.h)."""
+    if activation == "drelu":
+        return jax.nn.relu(gate) * jax.nn.relu(up)
+    return activate(activation, gate) * up
 
 
 def _activations(x_td, w_up, w_gate, b_up, activation):
@@ -30,7 +41,7 @@ def _activations(x_td, w_up, w_gate, b_up, activation):
     if w_gate is None:
         return activate(activation, up_tf)
     gate_tf = jnp.einsum("...TD,FD->...TF", x_td, w_gate.astype(jnp.float32), precision=_HIGHEST)
-    return activate(activation, gate_tf) * up_tf
+    return gated_activate(activation, gate_tf, up_tf)
 
 
 def sparse_ffn(x, w_up, w_down_t, *, w_gate=None, b_up=None, b_down=None, scores=None,
@@ -73,7 +84,7 @@ def q4_scores(x, q, dm, b_up=None, *, activation="silu", signed=False):
     proj = jnp.einsum("...d,fgd->...fg", q4.quantize_q8(x), w_fgd, precision=_HIGHEST)
     b = 0.0 if b_up is None else jnp.asarray(b_up, jnp.float32)
     if w_fgd.shape[1] == 2:
-        a = activate(activation, proj[..., 0]) * (proj[..., 1] + b)
+        a = gated_activate(activation, proj[..., 0], proj[..., 1] + b)
     else:
         a = activate(activation, proj[..., 0] + b)
     return a if signed else jnp.abs(a)

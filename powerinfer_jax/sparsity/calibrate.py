@@ -58,6 +58,6 @@ def calibrate_thresholds(profile: ActivationProfile, target_sparsity: float, *,
     if criterion not in CRITERIA:
         raise ValueError(f"criterion: expected one of {list(CRITERIA)}, got {criterion!r}")
     hist = profile.hist_contribution if criterion == "contribution" else profile.hist_gate
-    if profile.activation == "relu":
+    if profile.activation in ("relu", "drelu"):
         return tuple(0.0 for _ in range(hist.shape[0]))
     return tuple(threshold_from_histogram(h, s) for h in hist)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from powerinfer_jax.models.ffn import activate
+from powerinfer_jax.ops.reference import activate, gated_activate
 from powerinfer_jax.models.layers import matmul
 
 # Histogram of log10|a| over [1e-8, 1e3]: float32 FFN activations of trained LLMs live well inside;
@@ -106,8 +106,9 @@ def ffn_magnitudes(ffn, x_nd):
     if ffn.gate is None:
         a = jnp.abs(activate(ffn.activation, up))
         return a, a
-    g = activate(ffn.activation, matmul(x_nd, ffn.gate.weight[...]))
-    return jnp.abs(g * up), jnp.abs(g)
+    g_pre = matmul(x_nd, ffn.gate.weight[...])
+    return (jnp.abs(gated_activate(ffn.activation, g_pre, up)),
+            jnp.abs(activate(ffn.activation, g_pre)))
 
 
 def _log_bins(v):

@@ -1,0 +1,421 @@
+"""PowerInfer as a peer: its `main` (SJTU-IPADS/PowerInfer, CPU build) and ours on the same
+exported model, same prompt ids, same threads: do the greedy tokens agree, and how fast is each?
+
+Model: SmolLM2-135M with its FFN activation switched to ReLU (ReGLU: relu(gate) * up), the form
+PowerInfer's sparse llama graph runs. Quality is irrelevant here (the switch makes it generate
+nonsense); agreement and speed are what is measured. Two PowerInfer GGUFs ("PWRI", F16 weights as
+its converter writes them) are exported once into the build root:
+  dense      all-active predictors (zero fc1/fc2: every output 0 >= threshold 0), so PowerInfer
+             runs every neuron through its sparse kernels: the predictor-free path; ours runs
+             dense (SparsityConfig mode "dense").
+  predictor  bias-free predictors (PowerInfer's fc1 -> ReLU -> fc2) trained here on the ReLU
+             model's FFN inputs from --train-text (sparsity/powerinfer_predictor.py), exported on
+             the residual; ours runs them in predictor mode (PowerInferPredictor).
+Per round and thread count: PowerInfer dense and predictor (one process each, pinned to the same
+CPUs, `-t T -tb T --temp 0 --repeat-penalty 1 --ignore-eos`, timings from its own report), then
+ours (a child process pinned to the same CPUs: float32 and bfloat16, dense and predictor; median
+of 2 timed generations after a compile run). Rows go to --out; a summary row per (mode, dtype,
+threads) gives the median of per-round ratios ours / PowerInfer (this VM drifts 20-30% within
+minutes; only ratios from one round are compared).
+Agreement (float32 only, the precision closest to PowerInfer's F16 weights): the common prefix of
+the two greedy sequences, and teacher-forced agreement: our argmax at each position of
+PowerInfer's own sequence vs its next token (one divergence then does not count for every later
+token). PowerInfer computes with F16 activations, we with float32: near-ties may flip.
+
+  python -m experiments.peers_powerinfer --powerinfer-src PATH_TO_POWERINFER_GIT [--threads 1 2]
+      [--rounds 3] [--prompt-tokens 64] [--new-tokens 64] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from experiments import _common
+
+BUILD_SCRIPT = Path(__file__).with_name("peers_powerinfer_build.sh")
+OUT = _common.RESULTS / "peers_powerinfer.jsonl"
+MODES = ("dense", "predictor")
+DTYPES = ("float32", "bfloat16")
+
+
+def build(src: str, root: Path) -> tuple[Path, str]:
+    """Build PowerInfer's `main` (cached per commit); returns (binary, commit)."""
+    out = subprocess.run(["bash", str(BUILD_SCRIPT), src, str(root)], capture_output=True,
+                         text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"PowerInfer build: expected exit status 0, got {out.returncode}:\n"
+                           f"{out.stderr[-3000:]}")
+    binary = Path(out.stdout.strip().splitlines()[-1])
+    return binary, (binary.parents[2] / "COMMIT").read_text().strip()
+
+
+# ------------------------------------------------------------------------------------- exports
+def exports(root: Path, model: str, train_text: Path, *, rank: int, train_tokens: int,
+            steps: int) -> dict[str, Path]:
+    """The two PowerInfer GGUFs (module docstring), written once into root/exports."""
+    from powerinfer_jax.checkpoint import load_checkpoint
+    from powerinfer_jax.checkpoint import powerinfer as pi
+    from powerinfer_jax.checkpoint.registry import resolve_model
+    from experiments.peers import tokenizer_meta
+
+    d = root / "exports"
+    d.mkdir(parents=True, exist_ok=True)
+    tag = f"r{rank}-n{train_tokens}-s{steps}"
+    files = {"dense": d / "smollm2-relu.dense.powerinfer.gguf",
+             "predictor": d / f"smollm2-relu.pred-{tag}.powerinfer.gguf"}
+    src = Path(resolve_model(model))
+    meta = tokenizer_meta(src)
+    if not files["dense"].is_file():
+        ck = load_checkpoint(src)
+        cfg = ck.config.replace(activation="relu")
+        _log(f"writing {files['dense']}")
+        tmp = files["dense"].with_suffix(".tmp")
+        pi.write_powerinfer_gguf(tmp, cfg, ck.params, meta, pi.all_active_predictors(cfg))
+        tmp.replace(files["dense"])
+    if not files["predictor"].is_file():
+        ck = load_checkpoint(files["dense"])  # the F16 weights PowerInfer reads
+        preds, report = train_predictors(ck, train_text, rank=rank, n_tokens=train_tokens,
+                                         steps=steps)
+        (d / f"predictor-{tag}.json").write_text(json.dumps(report))
+        _log(f"writing {files['predictor']}")
+        tmp = files["predictor"].with_suffix(".tmp")
+        pi.write_powerinfer_gguf(tmp, ck.config, ck.params, meta, preds)
+        tmp.replace(files["predictor"])
+    return files
+
+
+def train_predictors(ck, train_text: Path, *, rank: int, n_tokens: int, steps: int):
+    """Bias-free predictors for the ReLU model: FFN inputs of its dense forward over the train
+    text, masks relu(gate . x) > 0 (ReGLU's active neurons), exported on the residual."""
+    import jax.numpy as jnp
+
+    from powerinfer_jax.models.transformer import from_params
+    from powerinfer_jax.sparsity import powerinfer_predictor as pp
+    from powerinfer_jax.sparsity.profile import collect_ffn_inputs
+
+    model = from_params(ck.config, ck.params, kernels="xla")
+    ids = ck.tokenizer.encode(train_text.read_text(encoding="utf-8")[:200_000], add_bos=False)
+    chunk = 256
+    n = min(n_tokens, len(ids)) // chunk * chunk
+    x = collect_ffn_inputs(model, np.asarray(ids[:n], np.int32).reshape(-1, chunk))  # [L, N, D]
+    mask = np.stack([np.asarray(jnp.einsum("nd,fd->nf", x[l], model.layers[l].ffn.gate.weight[...]))
+                     > 0 for l in range(ck.config.n_layers)])
+    _log(f"training PowerInfer-shape predictors: L={x.shape[0]} N={n} R={rank} steps={steps}")
+    stack, report = pp.train(x, mask, rank=rank, steps=steps, progress=True)
+    _log(f"predictors: recall {report['mean_recall']:.3f} precision "
+         f"{report['mean_precision']:.3f} predicted sparsity {report['mean_predicted_sparsity']:.3f}")
+    return pp.to_powerinfer(stack, ck.config, ck.params), report
+
+
+# ---------------------------------------------------------------------------------- PowerInfer
+_TIMING = re.compile(r"(prompt eval|\beval) time =\s*([\d.]+) ms /\s*(\d+) (tokens|runs)")
+_IDS = re.compile(r"':(\d+)(?=, '| \]$)")  # common/log.h: [ 'piece':id, ... ] (non-printables cut)
+
+
+def run_powerinfer(binary: Path, model: Path, prompt: str, *, threads: int,
+                   new_tokens: int) -> dict:
+    """One `main` run pinned to the first `threads` CPUs: its prompt ids, the greedy ids it
+    generated (from its log's eval lines) and its own prefill/decode timings."""
+    cpus = sorted(os.sched_getaffinity(0))[:threads]
+    with tempfile.TemporaryDirectory() as wd:
+        (Path(wd) / "prompt.txt").write_text(prompt, encoding="utf-8")
+        # taskset pins it like our child (sched_setaffinity); no preexec_fn in a JAX process
+        cmd = ["taskset", "-c", ",".join(map(str, cpus)), str(binary), "-m", str(model),
+               "-f", "prompt.txt", "-n", str(new_tokens + 1),
+               "-t", str(threads), "-tb", str(threads), "--temp", "0", "--repeat-penalty", "1.0",
+               "--ignore-eos", "-c", "512", "-b", "512", "--seed", "0"]
+        proc = subprocess.run(cmd, cwd=wd, capture_output=True, text=True, errors="replace",
+                              timeout=1200)
+        if proc.returncode != 0:
+            raise RuntimeError(f"PowerInfer main: expected exit status 0, got {proc.returncode}:"
+                               f"\n{proc.stderr[-2000:]}")
+        log = (Path(wd) / "main.log").read_text(encoding="utf-8", errors="replace").splitlines()
+    prompt_ids = [int(i) for i in _IDS.findall(next(l for l in log if "] tokens: [" in l))]
+    evals = [l for l in log if "] eval: [" in l]
+    gen = [int(i) for l in evals[1:] for i in _IDS.findall(l)]  # evals[0]: the prompt
+    t = {m.group(1): (float(m.group(2)), int(m.group(3))) for m in _TIMING.finditer(proc.stderr)}
+    (pf_ms, pf_n), (dec_ms, dec_n) = t["prompt eval"], t["eval"]
+    return {"prompt_ids": prompt_ids, "tokens": gen[:new_tokens],
+            "prefill_tok_s": 1e3 * pf_n / pf_ms, "decode_tok_s": 1e3 * dec_n / dec_ms,
+            "prompt_tokens": pf_n, "decode_runs": dec_n}
+
+
+# --------------------------------------------------------------------------------------- ours
+def child(args) -> None:
+    """One thread count, one round: our engines on both files (rows on stdout)."""
+    from powerinfer_jax import _cli
+
+    threads = _cli.configure_threads(args.child_threads)
+    import jax.numpy as jnp
+
+    from powerinfer_jax import ops
+    from powerinfer_jax.checkpoint import load_checkpoint
+    from powerinfer_jax.checkpoint import powerinfer as pi
+    from powerinfer_jax.models.transformer import from_params
+    from powerinfer_jax.runtime.decode import Engine
+    from powerinfer_jax.sparsity import powerinfer_predictor as pp
+
+    ops.set_num_threads(threads)
+    spec = json.loads(Path(args.child_spec).read_text())
+    ids, n_new = spec["prompt_ids"], spec["new_tokens"]
+    for mode in MODES:
+        path = Path(spec["files"][mode])
+        ck = load_checkpoint(path)
+        for dtype in DTYPES:
+            model = from_params(ck.config, ck.params, dtype=jnp.dtype(dtype), kernels="auto")
+            if mode == "predictor":  # dense: no selector
+                pp.attach(model, pi.load_predictors(path, ck.config))
+            eng = Engine(model, max_seq_len=512)
+            eng.generate(ids, max_new_tokens=n_new)  # compiles every bucket
+            runs = [eng.generate(ids, max_new_tokens=n_new) for _ in range(2)]
+            row = {"system": "powerinfer_jax", "mode": mode, "dtype": dtype,
+                   "prefill_tok_s": statistics.median(r.prefill_tok_s for r in runs),
+                   "decode_tok_s": statistics.median(r.decode_tok_s for r in runs),
+                   "tokens": runs[0].tokens, "compiles": eng.compile_count}
+            theirs = spec["powerinfer_tokens"].get(mode)
+            if dtype == "float32" and theirs:
+                row.update(agreement(model, ids, theirs, runs[0].tokens))
+                if mode == "predictor":  # how much F16 rounding of the predictor inputs explains
+                    base = teacher_forced(model, ids, theirs)
+                    pp.attach(model, pi.load_predictors(path, ck.config), f16_inputs=True)
+                    f16 = teacher_forced(model, ids, theirs)
+                    row.update(agree_teacher_forced_f16_predictor=float(np.mean(f16 == theirs)),
+                               ours_f32_vs_f16_predictor=float(np.mean(f16 == base)))
+            _common.emit({**row, "threads": threads})
+
+
+def teacher_forced(model, ids, theirs) -> np.ndarray:
+    """Our argmax after each prefix of prompt + PowerInfer's tokens (one forward pass, with the
+    model's selectors)."""
+    import jax.numpy as jnp
+
+    seq = np.asarray([ids + theirs], np.int32)
+    return np.argmax(np.asarray(model(jnp.asarray(seq))), -1)[0, len(ids) - 1:-1]
+
+
+def agreement(model, ids, theirs, ours) -> dict:
+    """Common greedy prefix, and our teacher-forced argmax on PowerInfer's sequence."""
+    pred = teacher_forced(model, ids, theirs)
+    prefix = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b),
+                  min(len(theirs), len(ours)))
+    return {"agree_prefix": int(prefix), "agree_teacher_forced": float(np.mean(pred == theirs)),
+            "compared_tokens": len(theirs)}
+
+
+# --------------------------------------------------------------------- other families (--families)
+FAMILIES = ("bamboo", "falcon-7b", "falcon-40b", "opt")
+
+
+def family_config(kind: str, vocab: int):
+    """A small random model of each family PowerInfer runs (F = 1024: above the 1000 neurons
+    below which its kernels switch to their `_head` variants)."""
+    from powerinfer_jax.config import ModelConfig
+
+    base = ModelConfig(arch="llama", vocab_size=vocab, d_model=128, n_layers=2, n_heads=4,
+                       n_kv_heads=2, head_dim=32, d_ff=1024, max_seq_len=256, activation="drelu",
+                       norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=False)
+    if kind == "bamboo":
+        return base
+    if kind.startswith("falcon"):
+        return base.replace(arch="falcon", gated=False, norm="layer", activation="relu",
+                            parallel_block=True, n_kv_heads=1 if kind == "falcon-7b" else 2)
+    return base.replace(arch="opt", gated=False, bias=True, norm="layer", positions="learned",
+                        position_offset=2, activation="relu", n_kv_heads=4, max_seq_len=2048,
+                        tie_embeddings=True)
+
+
+def families(binary: Path, root: Path, model: str, prompt_ids: list[int], *,
+             new_tokens: int) -> list[dict]:
+    """Each family as a PowerInfer GGUF with all-active predictors: does `main` load it, and do its
+    greedy tokens agree with ours (float32, teacher-forced)? Random weights (seeded)."""
+    import jax.numpy as jnp
+
+    from powerinfer_jax.checkpoint import load_checkpoint
+    from powerinfer_jax.checkpoint import powerinfer as pi
+    from powerinfer_jax.checkpoint.base import expected_shapes
+    from powerinfer_jax.checkpoint.registry import resolve_model
+    from powerinfer_jax.models.transformer import from_params
+    from experiments.peers import tokenizer_meta
+
+    src = Path(resolve_model(model))
+    meta = tokenizer_meta(src)
+    tok = load_checkpoint(src).tokenizer
+    out = []
+    for kind in FAMILIES:
+        cfg = family_config(kind, len(meta["tokens"]))
+        rng = np.random.default_rng(0)
+        params = {n: (1.0 + 0.1 * rng.standard_normal(s) if n.endswith(".scale") else
+                      rng.standard_normal(s) * (0.02 if n in ("tok_embed", "pos_embed") else
+                                                (1.5 / np.sqrt(s[-1]) if len(s) == 2 else 0.1)))
+                  .astype(np.float32) for n, s in expected_shapes(cfg).items()}
+        path = root / "exports" / f"tiny-{kind}.powerinfer.gguf"
+        pi.write_powerinfer_gguf(path, cfg, params, meta, pi.all_active_predictors(cfg))
+        row = {"system": "families", "family": kind, "model_config": repr(cfg)}
+        try:
+            r = run_powerinfer(binary, path, tok.decode(prompt_ids), threads=1,
+                               new_tokens=new_tokens)
+        except (RuntimeError, StopIteration, KeyError) as e:
+            out.append({**row, "loads": False, "error": str(e)[-500:]})
+            _log(f"family {kind}: PowerInfer failed: {str(e)[-300:]}")
+            continue
+        ck = load_checkpoint(path)
+        m = from_params(ck.config, ck.params)
+        seq = np.asarray([r["prompt_ids"] + r["tokens"]], np.int32)
+        logits = np.asarray(m(jnp.asarray(seq)))
+        pred = np.argmax(logits, -1)[0, len(r["prompt_ids"]) - 1:-1]
+        row.update(loads=True, tokens=r["tokens"], agree_teacher_forced=float(np.mean(
+            pred == r["tokens"])), compared_tokens=len(r["tokens"]))
+        if kind == "opt":  # PowerInfer's OPT never reads the file's LayerNorm epsilon: it runs 0
+            m0 = from_params(ck.config.replace(norm_eps=1e-30), ck.params)
+            p0 = np.argmax(np.asarray(m0(jnp.asarray(seq))), -1)[0, len(r["prompt_ids"]) - 1:-1]
+            row["agree_teacher_forced_norm_eps0"] = float(np.mean(p0 == r["tokens"]))
+        _log(f"family {kind}: PowerInfer loads it; teacher-forced agreement "
+             f"{row['agree_teacher_forced']:.3f} over {len(r['tokens'])} tokens")
+        out.append(row)
+    return out
+
+
+# --------------------------------------------------------------------------------------- main
+def _load() -> list[float]:
+    """The machine's 1/5/15-minute load averages: other users' work shares these 2 cores."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _log(msg: str) -> None:
+    print(f"[peers_powerinfer] {msg}", file=sys.stderr, flush=True)
+
+
+def _prompt_text(path: Path, n_tokens: int, tokenizer) -> str:
+    text = path.read_text(encoding="utf-8")
+    ids = tokenizer.encode(" ".join(text.split()[:4 * n_tokens]), add_bos=False)[:n_tokens]
+    return tokenizer.decode(ids)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common.add_common_args(p, threads_default=None)
+    p.add_argument("--powerinfer-src", default=os.environ.get("POWERINFER_SRC"),
+                   help="a SJTU-IPADS/PowerInfer git directory (clone or mirror); its HEAD is "
+                        "built (default: $POWERINFER_SRC)")
+    p.add_argument("--build-root", type=Path, default=None,
+                   help="builds and exports (default: the model cache's peers/ directory)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-text", type=Path, default=_common.DATA / "wiki.valid.txt")
+    p.add_argument("--train-text", type=Path, default=_common.DATA / "wiki.train.txt")
+    p.add_argument("--rank", type=int, default=128)
+    p.add_argument("--train-tokens", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--families", action=argparse.BooleanOptionalAction, default=False,
+                   help="also run small random bamboo/falcon/opt models through PowerInfer")
+    p.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True,
+                   help="the SmolLM2 agreement and timing rounds")
+    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--child-spec", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child_threads is not None:
+        return child(args)
+    if not args.powerinfer_src:
+        raise SystemExit("--powerinfer-src: expected a PowerInfer git directory, got none "
+                         "(or set $POWERINFER_SRC)")
+    if args.quick:
+        args.rounds, args.new_tokens, args.prompt_tokens = 1, 16, 32
+        args.train_tokens, args.steps = min(args.train_tokens, 1024), min(args.steps, 50)
+    from powerinfer_jax.checkpoint import cache_dir, load_checkpoint
+
+    root = args.build_root or cache_dir() / "peers"
+    binary, pi_commit = build(args.powerinfer_src, root)
+    _log(f"PowerInfer {pi_commit[:12]}: {binary}")
+    files = exports(root, args.model, args.train_text, rank=args.rank,
+                    train_tokens=args.train_tokens, steps=args.steps)
+    tok = load_checkpoint(files["dense"]).tokenizer
+    prompt = _prompt_text(args.prompt_text, args.prompt_tokens, tok)
+    threads = args.threads or _common.available_threads()
+    config = {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+              "rounds": args.rounds, "rank": args.rank, "train_tokens": args.train_tokens,
+              "steps": args.steps, "files": {k: v.name for k, v in files.items()},
+              "powerinfer_weights": "F16", "activation": "relu (switched)"}
+    rows = []
+    if args.families:
+        ids = tok.encode(prompt, add_bos=False)
+        for r in families(binary, root, args.model, ids, new_tokens=args.new_tokens):
+            rows.append({**_common.header("peers_powerinfer", threads=1, dtype="float32",
+                                          model=f"tiny-{r['family']}", config=config,
+                                          quick=args.quick),
+                         "powerinfer_commit": pi_commit, **r})
+    for rnd in range(args.rounds if args.speed else 0):
+        for t in threads:
+            theirs = {m: run_powerinfer(binary, files[m], prompt, threads=t,
+                                        new_tokens=args.new_tokens) for m in MODES}
+            ids = theirs["dense"]["prompt_ids"]
+            for m in MODES:
+                r = theirs[m]
+                rows.append({**_common.header("peers_powerinfer", threads=t, dtype="F16",
+                                              model=args.model, config=config, quick=args.quick),
+                             "system": "powerinfer", "mode": m, "round": rnd, "loadavg": _load(),
+                             "powerinfer_commit": pi_commit,
+                             "prompt_ids_match": r["prompt_ids"] == tok.encode(prompt, add_bos=False),
+                             **{k: r[k] for k in ("prefill_tok_s", "decode_tok_s", "tokens",
+                                                  "prompt_tokens")}})
+                _log(f"round {rnd} t={t} PowerInfer {m}: prefill {r['prefill_tok_s']:.1f} "
+                     f"decode {r['decode_tok_s']:.1f} tok/s")
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                json.dump({"prompt_ids": ids, "new_tokens": args.new_tokens,
+                           "files": {k: str(v) for k, v in files.items()},
+                           "powerinfer_tokens": {m: theirs[m]["tokens"] for m in MODES}}, f)
+            ours = _common.run_children("experiments.peers_powerinfer", [t],
+                                        ["--child-spec", f.name])
+            os.unlink(f.name)
+            for r in ours:
+                rows.append({**_common.header("peers_powerinfer", threads=t, dtype=r["dtype"],
+                                              model=args.model, config=config, quick=args.quick),
+                             "round": rnd, "loadavg": _load(), "powerinfer_commit": pi_commit,
+                             **r})
+                _log(f"round {rnd} t={t} ours {r['mode']} {r['dtype']}: prefill "
+                     f"{r['prefill_tok_s']:.1f} decode {r['decode_tok_s']:.1f} tok/s"
+                     + (f" agree prefix {r['agree_prefix']} tf {r['agree_teacher_forced']:.3f}"
+                        if "agree_prefix" in r else ""))
+    if args.speed:
+        rows += summary(rows, args, config, pi_commit)
+    _common.append_rows(args.out, rows)
+    _log(f"{len(rows)} rows -> {args.out}")
+
+
+def summary(rows, args, config, pi_commit) -> list[dict]:
+    """Per (mode, dtype, threads): median over rounds of ours / PowerInfer, decode and prefill."""
+    out = []
+    keys = {(r["mode"], r["dtype"], r["threads"]) for r in rows if r["system"] == "powerinfer_jax"}
+    for mode, dtype, t in sorted(keys):
+        ratios = {"decode": [], "prefill": []}
+        for rnd in range(args.rounds):
+            pi = [r for r in rows if r["system"] == "powerinfer" and r["mode"] == mode
+                  and r["threads"] == t and r["round"] == rnd]
+            us = [r for r in rows if r["system"] == "powerinfer_jax" and r["mode"] == mode
+                  and r["dtype"] == dtype and r["threads"] == t and r["round"] == rnd]
+            if pi and us:
+                for k in ratios:
+                    ratios[k].append(us[0][f"{k}_tok_s"] / pi[0][f"{k}_tok_s"])
+        out.append({**_common.header("peers_powerinfer", threads=t, dtype=dtype,
+                                     model=args.model, config=config, quick=args.quick),
+                    "system": "summary", "mode": mode, "powerinfer_commit": pi_commit,
+                    "decode_ratio_median": statistics.median(ratios["decode"]),
+                    "prefill_ratio_median": statistics.median(ratios["prefill"]),
+                    "decode_ratios": ratios["decode"], "prefill_ratios": ratios["prefill"]})
+        _log(f"summary {mode} {dtype} t={t}: ours/PowerInfer decode "
+             f"{out[-1]['decode_ratio_median']:.2f}x prefill {out[-1]['prefill_ratio_median']:.2f}x")
+    return out
+
+
+if __name__ == "__main__":
+    main()
