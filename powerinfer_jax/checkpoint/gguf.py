@@ -106,7 +106,7 @@ def _tensor_type(t) -> str:
     return t.tensor_type.name
 
 
-def _read_tensor(t, expected: tuple[int, ...], source: str, keep_quantized: bool):
+def _read_stored(t, expected: tuple[int, ...], source: str, keep_quantized: bool):
     """The tensor's stored matrix (numpy shape `expected`): float32, or a `QuantTensor` of its
     blocks when it is block-quantized and keep_quantized is set (no float copy is made)."""
     qtype = _tensor_type(t)
@@ -123,6 +123,13 @@ def _read_tensor(t, expected: tuple[int, ...], source: str, keep_quantized: bool
     if keep_quantized and qtype in quants.QUANTIZED_TYPES and len(shape) == 2:
         return QuantTensor(np.array(rows, dtype=np.uint8), qtype, shape)  # a copy: the file closes
     return quants.dequantize(rows, qtype).reshape(shape)
+
+
+def _read_tensor(t, expected: tuple[int, ...], source: str) -> tuple[np.ndarray, None]:
+    """(float32 values of numpy shape `expected`, None): the float read for callers outside
+    load_gguf (checkpoint/powerinfer.py's predictors); the second slot once held raw blocks,
+    which `load_gguf(keep_quantized=True)` now keeps instead."""
+    return _read_stored(t, expected, source, keep_quantized=False), None
 
 
 def _canonical(value, src):
@@ -182,7 +189,7 @@ def load_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> Check
             raise ValueError(f"{source}: expected tensor {src.gguf!r} (for {name}, shape "
                              f"{expected_shapes(config)[name]}), got none")
         if src.gguf not in read:
-            read[src.gguf] = _read_tensor(tensors[src.gguf], src.stored, source, keep_quantized)
+            read[src.gguf] = _read_stored(tensors[src.gguf], src.stored, source, keep_quantized)
         params[name] = _canonical(read[src.gguf], src)
     check_params(config, params, source)
     tokenizer = Tokenizer.from_gguf_metadata(meta)
