@@ -5,6 +5,8 @@
 #include <cstring>
 #include <limits>
 
+#include "cpu_backend/quant_act.h"
+#include "cpu_backend/quant_simd.h"
 #include "cpu_backend/simd.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -30,6 +32,14 @@ void QuantizeQ8(const float* x, int64_t dim, Q8Row& out) {
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t lo = b * kQ4Block;
     const int64_t hi = std::min(dim, lo + kQ4Block);
+    if (hi - lo == kQ4Block) {  // a whole block: the quantized kernels' vector code, same result
+      // (incl. a non-finite block: d = c = NaN)
+      int32_t sums[2];
+      const float d = QuantizeBlock(x + lo, kQ4Block, out.q.data() + lo, sums);
+      out.d[static_cast<size_t>(b)] = d;
+      out.c[static_cast<size_t>(b)] = d * static_cast<float>(sums[0] + sums[1]);
+      continue;
+    }
     float amax = 0.0f;
     bool finite = true;
     for (int64_t j = lo; j < hi; ++j) {
@@ -123,7 +133,97 @@ void Q4GateUpDotsQ8(const uint8_t* q_gate, const F16* dm_gate, const uint8_t* q_
   *up = out[1];
 }
 
-#else
+#elif defined(PIJ_QSIMD_AVX2)
+
+namespace {
+
+// The same per pair of blocks on 256-bit vectors (AVX2, or AVX-VNNI's vpdpbusd through
+// qsimd::DotU8S8): the 32 bytes of a pair give the first block's 32 low nibbles and the second's
+// 32 high nibbles, each dotted with its 32 Q8 activations into 8 int32 lanes; the combined scales
+// d_w * d_x of 8 blocks sit in one register and a permute picks a block's. A last group of fewer
+// than 8 blocks reads its scales from zero-padded copies.
+template <int kRows>
+inline void Q4DotsQ8(const uint8_t* const* q, const F16* const* dm, const Q8Row& x, int64_t pairs,
+                     float* out) {
+  const int64_t blocks = 2 * pairs;
+  const int8_t* xq = x.q.data();
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  __m256 acc[kRows][2];
+  __m256 macc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = macc[r] = _mm256_setzero_ps();
+  for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
+    const int64_t nb = std::min<int64_t>(8, blocks - b0);
+    float xd_pad[8] = {}, xc_pad[8] = {};
+    uint16_t d_pad[kRows][8] = {}, m_pad[kRows][8] = {};
+    const float* xd_p = x.d.data() + b0;
+    const float* xc_p = x.c.data() + b0;
+    const uint16_t* d_p[kRows];
+    const uint16_t* m_p[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      d_p[r] = &dm[r][b0].bits;
+      m_p[r] = &dm[r][blocks + b0].bits;
+    }
+    if (nb < 8) {
+      std::copy_n(xd_p, nb, xd_pad);
+      std::copy_n(xc_p, nb, xc_pad);
+      xd_p = xd_pad;
+      xc_p = xc_pad;
+      for (int r = 0; r < kRows; ++r) {
+        std::copy_n(d_p[r], nb, d_pad[r]);
+        std::copy_n(m_p[r], nb, m_pad[r]);
+        d_p[r] = d_pad[r];
+        m_p[r] = m_pad[r];
+      }
+    }
+    const __m256 xd = _mm256_loadu_ps(xd_p);
+    const __m256 xc = _mm256_loadu_ps(xc_p);
+    __m256 scale[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      const auto half8 = [](const uint16_t* p) {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      };
+      scale[r] = _mm256_mul_ps(half8(d_p[r]), xd);
+      macc[r] = _mm256_fmadd_ps(half8(m_p[r]), xc, macc[r]);  // sum_b m_b * d_x,b * sum(x_q,b)
+    }
+    for (int64_t p = b0 / 2; p < (b0 + nb) / 2; ++p) {
+      const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + p * 64));
+      const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + p * 64 + 32));
+      const int j = static_cast<int>(p - b0 / 2);
+      for (int r = 0; r < kRows; ++r) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + p * 32));
+        const __m256i lo = _mm256_and_si256(bytes, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+        const __m256 s_lo = _mm256_permutevar8x32_ps(scale[r], _mm256_set1_epi32(2 * j));
+        const __m256 s_hi = _mm256_permutevar8x32_ps(scale[r], _mm256_set1_epi32(2 * j + 1));
+        acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qsimd::DotU8S8(lo, x_lo)), s_lo, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qsimd::DotU8S8(hi, x_hi)), s_hi, acc[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    out[r] = qsimd::ReduceSum(_mm256_add_ps(acc[r][0], acc[r][1])) + qsimd::ReduceSum(macc[r]);
+  }
+}
+
+}  // namespace
+
+float Q4DotQ8(const uint8_t* q, const F16* dm, const Q8Row& x, int64_t pairs) {
+  float out;
+  Q4DotsQ8<1>(&q, &dm, x, pairs, &out);
+  return out;
+}
+
+void Q4GateUpDotsQ8(const uint8_t* q_gate, const F16* dm_gate, const uint8_t* q_up,
+                    const F16* dm_up, const Q8Row& x, int64_t pairs, float* gate, float* up) {
+  const uint8_t* q[2] = {q_gate, q_up};
+  const F16* dm[2] = {dm_gate, dm_up};
+  float out[2];
+  Q4DotsQ8<2>(q, dm, x, pairs, out);
+  *gate = out[0];
+  *up = out[1];
+}
+
+#else  // portable loops (non-x86)
 
 float Q4DotQ8(const uint8_t* q, const F16* dm, const Q8Row& x, int64_t pairs) {
   const F16* m = dm + 2 * pairs;

@@ -41,6 +41,7 @@ inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec Div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
 inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline float ReduceSum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline Vec Max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 // e^x, Cephes' expf polynomial on the range-reduced argument, scaled by 2^n with vscalefps
 // (which also takes care of overflow and underflow); within 2 ulp of expf over [-103, 88].
 inline Vec Exp(Vec x) {
@@ -85,11 +86,30 @@ inline float ReduceSum(Vec v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+inline Vec Max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+// e^x with the same range reduction and polynomial as the AVX-512 Exp; AVX2 has no vscalefps, so
+// 2^n is built in the exponent bits, in two factors 2^(n/2) * 2^(n - n/2): each stays a normal
+// float over the clamped range, where 2^n alone would not (n reaches -150).
 inline Vec Exp(Vec x) {
-  alignas(32) float v[8];
-  _mm256_store_ps(v, x);
-  for (float& e : v) e = std::exp(e);
-  return _mm256_load_ps(v);
+  x = _mm256_max_ps(_mm256_min_ps(x, Set1(88.72f)), Set1(-103.9f));
+  const Vec n = _mm256_round_ps(_mm256_mul_ps(x, Set1(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm256_fnmadd_ps(n, Set1(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, Set1(-2.12194440e-4f), r);
+  Vec p = Set1(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, Set1(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, Set1(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, Set1(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, Set1(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, Set1(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, Set1(1.0f)));
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i n1 = _mm256_srai_epi32(ni, 1);
+  const __m256i n2 = _mm256_sub_epi32(ni, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const Vec s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const Vec s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 
 #else
@@ -107,6 +127,7 @@ inline Vec Add(Vec a, Vec b) { return a + b; }
 inline Vec Div(Vec a, Vec b) { return a / b; }
 inline Vec Mul(Vec a, Vec b) { return a * b; }
 inline float ReduceSum(Vec v) { return v; }
+inline Vec Max(Vec a, Vec b) { return a > b ? a : b; }
 inline Vec Exp(Vec x) { return std::exp(x); }
 
 #endif
@@ -115,6 +136,26 @@ inline Vec Exp(Vec x) { return std::exp(x); }
 inline Vec Silu(Vec x) {
   const Vec e = Exp(Mul(x, Set1(-1.0f)));
   return Div(x, Add(Set1(1.0f), e));
+}
+
+inline Vec Relu(Vec x) { return Max(x, Zero()); }
+
+// The tanh GELU of pij_math.h on a vector, tanh(z) = 1 - 2 / (e^(2z) + 1) with Exp above (which
+// saturates to +-1 correctly: e^(2z) -> inf or 0).
+inline Vec Gelu(Vec x) {
+  const Vec z = Mul(Set1(0.7978845608028654f), MulAdd(Mul(Set1(0.044715f), Mul(x, x)), x, x));
+  const Vec e = Exp(Add(z, z));
+  const Vec tanh_z = Add(Set1(1.0f), Div(Set1(-2.0f), Add(e, Set1(1.0f))));
+  return Mul(Mul(Set1(0.5f), x), Add(Set1(1.0f), tanh_z));
+}
+
+inline Vec Activate(Activation act, Vec x) {
+  switch (act) {
+    case Activation::kRelu: return Relu(x);
+    case Activation::kGelu: return Gelu(x);
+    case Activation::kSilu:
+    default: return Silu(x);
+  }
 }
 
 }  // namespace pij::simd

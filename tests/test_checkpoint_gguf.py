@@ -6,7 +6,7 @@ import pytest
 from gguf import GGMLQuantizationType, quants as ref
 
 from helpers_models import gpt2_tokenizer_meta, random_params, tiny_llama_config, write_tiny_gguf
-from powerinfer_jax.checkpoint import load_checkpoint
+from powerinfer_jax.checkpoint import QuantTensor, load_checkpoint
 from powerinfer_jax.checkpoint.base import rope_permute, rope_unpermute
 from powerinfer_jax.checkpoint.gguf import load_gguf, write_gguf
 from powerinfer_jax.checkpoint.quants import dequantize
@@ -62,14 +62,18 @@ def test_params_round_trip(tiny):
             assert np.abs(got - want).max() < bound * np.abs(want).max(), name
 
 
-def test_raw_blocks_dequantize_to_params(tiny):
-    _, _, _, ck = tiny
-    assert set(ck.raw) == {n for n, t in TYPES.items() if t.startswith("Q")}
-    for name, raw in ck.raw.items():
-        assert raw.qtype == TYPES[name] and raw.blocks.dtype == np.uint8
-        values = dequantize(raw.blocks, raw.qtype).reshape(raw.shape)
-        np.testing.assert_array_equal(values.T if raw.transposed else values, ck.params[name])
-    assert ck.raw["layers.0.ffn.down_t.weight"].transposed
+def test_kept_blocks_dequantize_to_params(tiny):
+    path, _, _, ck = tiny
+    kept = load_gguf(path, keep_quantized=True).params
+    quantized = {n for n, v in kept.items() if isinstance(v, QuantTensor)}
+    assert quantized == {n for n, t in TYPES.items() if t.startswith("Q")}
+    for name in quantized:
+        t = kept[name]
+        assert t.qtype == TYPES[name] and t.blocks.dtype == np.uint8
+        values = dequantize(t.blocks, t.qtype).reshape(t.stored_shape)
+        np.testing.assert_array_equal(values.T if t.transposed else values, ck.params[name])
+        np.testing.assert_array_equal(t.dequantize(), ck.params[name])
+    assert kept["layers.0.ffn.down_t.weight"].transposed
 
 
 def _rope_halves(x, pos, theta=10000.0):  # HF rotate_half convention, x [..., H]
@@ -173,9 +177,9 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path):
-    write_tiny_gguf(tmp_path / "q5.gguf", tensor_types={"layers.1.ffn.up.weight": "Q5_0"})
-    with pytest.raises(ValueError, match=r"tensor 'blk.1.ffn_up.weight': expected type one of .*got Q5_0"):
-        load_gguf(tmp_path / "q5.gguf")
+    write_tiny_gguf(tmp_path / "mx.gguf", tensor_types={"layers.1.ffn.up.weight": "MXFP4"})
+    with pytest.raises(ValueError, match=r"tensor 'blk.1.ffn_up.weight': expected type one of .*got MXFP4"):
+        load_gguf(tmp_path / "mx.gguf")
 
 
 def test_missing_tensor(tmp_path):
@@ -208,7 +212,8 @@ def test_real_smollm2_matches_transformers(tmp_path):
     c = ck.config
     assert (c.n_layers, c.d_model, c.d_ff, c.n_heads, c.n_kv_heads, c.head_dim) == (30, 576, 1536, 9, 3, 64)
     assert (c.tie_embeddings, c.max_seq_len, c.rope_theta, c.eos_token_ids) == (True, 8192, 100000.0, (2,))
-    assert ck.raw["layers.0.attn.q.weight"].qtype == "Q4_1" and ck.raw["tok_embed"].qtype == "Q8_0"
+    kept = load_checkpoint(path, keep_quantized=True).params
+    assert kept["layers.0.attn.q.weight"].qtype == "Q4_1" and kept["tok_embed"].qtype == "Q8_0"
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
     for hf_name, value in model.state_dict().items():
         if hf_name == "lm_head.weight":  # tied

@@ -9,7 +9,7 @@ from flax import nnx
 
 from helpers_models import ffn_run, q4_selector, tiny_llama_config
 from powerinfer_jax import ops
-from powerinfer_jax.checkpoint.quants import dequantize_q4_1
+from powerinfer_jax.checkpoint.quants import dequantize
 from powerinfer_jax.config import SparsityConfig
 from powerinfer_jax.models.transformer import Transformer
 from powerinfer_jax.ops import _ffi
@@ -34,7 +34,7 @@ def _random_q4_1_rows(rng, rows, dim):
     packed = nib[:, :16] | (nib[:, 16:] << 4)
     raw = np.concatenate([d.view(np.uint8).reshape(-1, 2), m.view(np.uint8).reshape(-1, 2),
                           packed], axis=1)
-    return dequantize_q4_1(raw.reshape(-1)).reshape(rows, dim)
+    return dequantize(raw.reshape(-1), "Q4_1").reshape(rows, dim)
 
 
 def test_q4_1_checkpoint_rows_are_reproduced_exactly():

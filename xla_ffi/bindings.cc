@@ -3,12 +3,15 @@
 #include <nanobind/nanobind.h>
 
 #include <atomic>
+#include <string>
 #include <stdexcept>
 #include <string>
 
 #include <nanobind/ndarray.h>
 
 #include "cpu_backend/bandwidth.h"
+#include "cpu_backend/qlinear.h"
+#include "cpu_backend/quant_simd.h"
 #include "cpu_backend/simd.h"
 #include "cpu_backend/thread_pool.h"
 #include "xla_ffi/cpu_handlers.h"
@@ -49,6 +52,10 @@ NB_MODULE(_pij_ext, m) {
     d["pij_q4_scores"] = Capsule(PijQ4ScoresCpu);
     d["pij_q4_sparse_ffn"] = Capsule(PijQ4SparseFfnCpu);
     d["pij_decode_attention"] = Capsule(PijDecodeAttentionCpu);
+    d["pij_qlinear"] = Capsule(PijQLinearCpu);
+    d["pij_qlinear_many"] = Capsule(PijQLinearManyCpu);
+    d["pij_qsparse_ffn"] = Capsule(PijQSparseFfnCpu);
+    d["pij_qembedding"] = Capsule(PijQEmbeddingCpu);
     return d;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target(platform='cpu').");
   m.def("set_num_threads", [](int n) {
@@ -87,4 +94,29 @@ NB_MODULE(_pij_ext, m) {
         "Tests: `runs` back-to-back tiny jobs on a fresh pool; returns the tasks executed.");
   m.def("simd_name", []() { return pij::simd::Name(); },
         "The vector instruction set the kernels were compiled for.");
+  m.def("isa_info", []() {
+    nb::dict d;
+    d["simd"] = pij::simd::Name();             // float kernels: avx512 | avx2 | scalar
+    d["int8_dot"] = pij::qsimd::DotName();     // quantized kernels: avx512vnni | avxvnni | avx2 | scalar
+    d["build_isa"] = PIJ_ISA_NAME;             // the CMake PIJ_ISA the module was built with
+    return d;
+  }, "Which instruction sets the module was compiled for.");
+  m.def("dequantize_into", [](nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> blocks,
+                              int32_t qtype,
+                              nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {
+    if (!pij::IsQType(qtype)) {
+      throw std::invalid_argument("dequantize_into: qtype: expected a GGML block type id, got " +
+                                  std::to_string(qtype));
+    }
+    const pij::QType t = static_cast<pij::QType>(qtype);
+    const int64_t rows = static_cast<int64_t>(out.shape(0)), cols = static_cast<int64_t>(out.shape(1));
+    if (cols % pij::GetQTypeInfo(t).block != 0 || static_cast<int64_t>(blocks.shape(0)) != rows ||
+        static_cast<int64_t>(blocks.shape(1)) != pij::QRowBytes(t, cols)) {
+      throw std::invalid_argument("dequantize_into: blocks: expected uint8 [rows, row bytes] "
+                                  "matching out [rows, cols] in the given type");
+    }
+    nb::gil_scoped_release release;
+    pij::DequantizeRows(blocks.data(), t, rows, cols, out.data());
+  }, nb::arg("blocks"), nb::arg("qtype"), nb::arg("out"),
+        "Tests: out[r] = the weights of row r of blocks (GGML block type qtype), via the kernels' unpacking.");
 }

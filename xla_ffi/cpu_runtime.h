@@ -10,6 +10,8 @@
 
 #include "cpu_backend/q4_estimate.h"
 #include "cpu_backend/q4_ffn.h"
+#include "cpu_backend/qlinear.h"
+#include "cpu_backend/qsparse_ffn.h"
 #include "cpu_backend/sparse_ffn.h"
 #include "cpu_backend/thread_pool.h"
 
@@ -23,6 +25,8 @@ struct CpuRuntime {
   std::vector<const float*> x_rows, score_rows;
   std::vector<Q8Row> q8_rows;  // q4_scores: the tokens quantized to int8
   Q4FfnScratch q4_ffn;         // q4_sparse_ffn
+  QLinearScratch qlinear;      // qlinear, qlinear_many
+  QSparseFfnScratch qsparse_ffn;
 };
 
 CpuRuntime& GetCpuRuntime();

@@ -13,7 +13,7 @@ Canonical names (weights [out, in] like a HF Linear, FFN neuron-major):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -21,27 +21,81 @@ from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.tokenizer import Tokenizer
 
 
-class RawTensor(NamedTuple):
-    """A tensor kept in its stored quantized form (GGUF only).
+@dataclasses.dataclass(frozen=True)
+class QuantTensor:
+    """A weight kept as a GGUF tensor's blocks: stored once, dequantized on demand.
 
-    blocks: uint8 [rows, row_bytes], the file's bytes (Q/K rows already un-permuted to HF order).
-    qtype: GGML type name ("Q4_1", ...). shape: the dequantized shape of `blocks`, [rows, cols].
-    transposed: True when the canonical param is `dequant(blocks).reshape(shape).T` (ffn.down_t).
+    blocks: uint8 [rows, row_bytes], the file's bytes for the stored matrix [rows, cols] (Q/K
+      rows already un-permuted to HF order: rows permute whole, blocks with them).
+    qtype: the GGML type name ("Q4_K", ...). shape: the canonical param's shape.
+    transposed: the canonical param is the transpose of the stored matrix (`ffn.down_t.weight`:
+      GGUF stores ffn_down [D, F], blocked along F).
+    A JAX pytree (leaf: blocks; qtype, shape, transposed static), so it passes through jit and
+    `jax.device_put` like an array. `ops.qlinear(x, t.blocks, t.qtype, in_features)` computes with
+    it as stored; `reblocked()` gives down_t rows blocked along D for `ops.qsparse_ffn`.
     """
 
-    blocks: np.ndarray
+    blocks: Any
     qtype: str
     shape: tuple[int, ...]
     transposed: bool = False
 
+    def __post_init__(self):
+        from powerinfer_jax.checkpoint import quants
+
+        if not hasattr(self.blocks, "dtype"):  # jax's tree utilities unflatten with placeholders
+            return
+        rows, cols = self.stored_shape
+        want = (rows, quants.row_bytes(self.qtype, cols))
+        if tuple(np.shape(self.blocks)) != want or np.dtype(self.blocks.dtype) != np.uint8:
+            raise ValueError(f"QuantTensor blocks: expected uint8 {want} for {self.qtype} "
+                             f"{self.stored_shape}, got {np.dtype(self.blocks.dtype)} "
+                             f"{tuple(np.shape(self.blocks))}")
+
+    @property
+    def stored_shape(self) -> tuple[int, int]:
+        return tuple(self.shape[::-1]) if self.transposed else tuple(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(np.shape(self.blocks)))
+
+    def dequantize(self) -> np.ndarray:
+        """The canonical param as float32."""
+        from powerinfer_jax.checkpoint import quants
+
+        values = quants.dequantize(np.asarray(self.blocks), self.qtype)
+        return np.ascontiguousarray(values.T) if self.transposed else values
+
+    def reblocked(self, qtype: str) -> "QuantTensor":
+        """The canonical matrix's rows re-quantized in `qtype` (dequantize, then quantize each
+        canonical row): down_t [F, D] blocked along D, one neuron's down row per block row.
+        Adds `qtype`'s rounding error on top of the file's (measured in benchmarks/)."""
+        from powerinfer_jax.checkpoint import quants
+
+        blocks = quants.quantize(self.dequantize(), qtype)
+        return QuantTensor(blocks, qtype, tuple(self.shape), transposed=False)
+
+
+def _register_pytree() -> None:
+    import jax
+
+    jax.tree_util.register_dataclass(QuantTensor, data_fields=["blocks"],
+                                     meta_fields=["qtype", "shape", "transposed"])
+
+
+_register_pytree()
+
 
 @dataclasses.dataclass
 class Checkpoint:
+    """config, params (canonical name -> float32 array, or `QuantTensor` when loaded with
+    keep_quantized=True), tokenizer, and where it came from."""
+
     config: ModelConfig
-    params: dict[str, np.ndarray]
+    params: dict[str, Any]
     tokenizer: Tokenizer
     source: str
-    raw: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 SUPPORTED_ARCHITECTURES = ("llama (LlamaForCausalLM, MistralForCausalLM, GGUF 'llama')",

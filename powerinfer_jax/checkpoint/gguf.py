@@ -11,8 +11,8 @@ GGUF conventions this module undoes (read) and applies (write):
   * PowerInfer files are GGUF v3 whose first four bytes read "PWRI"; they also hold predictor
     tensors (`blk.i.fc1/fc2`, read by checkpoint/powerinfer.py, ignored here).
 Architectures (llama, bamboo, falcon, opt) and which activation a file means: gguf_arch.py.
-Tensor types read: F32, F16, BF16, Q8_0, Q4_0, Q4_1 (see `quants.py`). Quantized tensors are also
-kept raw in `Checkpoint.raw` for quantized kernels.
+Tensor types read: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+(see `quants.py`): dequantized to float32, or kept as `QuantTensor` blocks (keep_quantized=True).
 """
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from powerinfer_jax.checkpoint import gguf_arch, quants
-from powerinfer_jax.checkpoint.base import (Checkpoint, RawTensor, check_params, expected_shapes,
-                                            rope_permute, rope_unpermute, unsupported_architecture)
+from powerinfer_jax.checkpoint.base import (Checkpoint, QuantTensor, check_params,
+                                            expected_shapes, rope_permute, rope_unpermute,
+                                            unsupported_architecture)
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.tokenizer import Tokenizer
 
@@ -105,22 +106,48 @@ def _tensor_type(t) -> str:
     return t.tensor_type.name
 
 
-def _read_tensor(t, expected: tuple[int, ...], source: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """(float32 array of numpy shape `expected`, raw uint8 rows or None for float types)."""
+def _read_stored(t, expected: tuple[int, ...], source: str, keep_quantized: bool):
+    """The tensor's stored matrix (numpy shape `expected`): float32, or a `QuantTensor` of its
+    blocks when it is block-quantized and keep_quantized is set (no float copy is made)."""
     qtype = _tensor_type(t)
     if qtype not in quants.SUPPORTED_TYPES:
         raise ValueError(f"{source}: tensor {t.name!r}: expected type one of "
                          f"{list(quants.SUPPORTED_TYPES)}, got {qtype} (requantize the model to "
-                         "Q8_0/Q4_0/Q4_1 or a float type)")
+                         "one of these, e.g. with llama.cpp's llama-quantize)")
     shape = tuple(int(n) for n in reversed(t.shape.tolist()))
     if shape != expected:
         raise ValueError(f"{source}: tensor {t.name!r}: expected shape {expected} (numpy order) "
                          f"from the metadata, got {shape}")
     data = np.asarray(t.data)
     rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
-    values = quants.dequantize(rows, qtype).reshape(shape)
-    raw = np.array(rows, dtype=np.uint8) if qtype in quants.QUANTIZED_TYPES else None
-    return values, raw
+    if keep_quantized and qtype in quants.QUANTIZED_TYPES and len(shape) == 2:
+        return QuantTensor(np.array(rows, dtype=np.uint8), qtype, shape)  # a copy: the file closes
+    return quants.dequantize(rows, qtype).reshape(shape)
+
+
+def _read_tensor(t, expected: tuple[int, ...], source: str) -> tuple[np.ndarray, None]:
+    """(float32 values of numpy shape `expected`, None): the float read for callers outside
+    load_gguf (checkpoint/powerinfer.py's predictors); the second slot once held raw blocks,
+    which `load_gguf(keep_quantized=True)` now keeps instead."""
+    return _read_stored(t, expected, source, keep_quantized=False), None
+
+
+def _canonical(value, src):
+    """A stored tensor (array or QuantTensor) -> the canonical param, per its layout source:
+    llama.cpp's RoPE rows back to HF order, a fused tensor's rows, ffn_down transposed. Rows
+    move whole, so a QuantTensor's blocks move with them."""
+    quantized = isinstance(value, QuantTensor)
+    data = value.blocks if quantized else value
+    if src.kind == "rope":
+        data = rope_unpermute(data, src.heads)
+    elif src.kind == "rows":
+        data = data[src.start:src.stop]
+    transposed = src.kind == "transposed"
+    if not quantized:
+        return np.ascontiguousarray(data.T if transposed else data)
+    rows, cols = data.shape[0], value.shape[1]
+    return QuantTensor(np.ascontiguousarray(data), value.qtype,
+                       (cols, rows) if transposed else (rows, cols), transposed)
 
 
 def _tied(tensors) -> bool:
@@ -133,7 +160,9 @@ def _tied(tensors) -> bool:
             and np.array_equal(np.asarray(out.data), np.asarray(emb.data)))
 
 
-def load_gguf(path: str | os.PathLike) -> Checkpoint:
+def load_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> Checkpoint:
+    """A GGUF file -> Checkpoint. Params are float32 arrays; with keep_quantized, the 2-D
+    block-quantized tensors are `QuantTensor`s instead (each stored once, as its blocks)."""
     path = Path(path)
     source = f"GGUF file {str(path)!r}"
     reader = _open(path)
@@ -153,31 +182,18 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
         n_positions=None if pos is None else int(pos.shape[1]))
     layout = gguf_arch.sources(config, arch, down_t="blk.0.ffn_down_t.weight" in tensors,
                                separate_attn_norm="blk.0.attn_norm_2.weight" in tensors)
-    params: dict[str, np.ndarray] = {}
-    raw: dict[str, RawTensor] = {}
-    read: dict[str, tuple[np.ndarray, np.ndarray | None]] = {}  # a fused tensor is read once
+    params: dict[str, Any] = {}
+    read: dict[str, Any] = {}  # a fused tensor is read once
     for name, src in layout.items():
         if src.gguf not in tensors:
             raise ValueError(f"{source}: expected tensor {src.gguf!r} (for {name}, shape "
                              f"{expected_shapes(config)[name]}), got none")
         if src.gguf not in read:
-            read[src.gguf] = _read_tensor(tensors[src.gguf], src.stored, source)
-        values, blocks = read[src.gguf]
-        if src.kind == "rope":  # undo llama.cpp's RoPE row permutation (rows permute whole, so raw too)
-            values = rope_unpermute(values, src.heads)
-            blocks = rope_unpermute(blocks, src.heads) if blocks is not None else None
-        elif src.kind == "rows":
-            values = values[src.start:src.stop]
-            blocks = blocks[src.start:src.stop] if blocks is not None else None
-        transposed = src.kind == "transposed"
-        params[name] = np.ascontiguousarray(values.T if transposed else values)
-        if blocks is not None:
-            shape = values.shape if src.kind == "rows" else src.stored
-            raw[name] = RawTensor(np.ascontiguousarray(blocks), _tensor_type(tensors[src.gguf]),
-                                  tuple(shape), transposed)
+            read[src.gguf] = _read_stored(tensors[src.gguf], src.stored, source, keep_quantized)
+        params[name] = _canonical(read[src.gguf], src)
     check_params(config, params, source)
     tokenizer = Tokenizer.from_gguf_metadata(meta)
-    return Checkpoint(config=config, params=params, tokenizer=tokenizer, source=str(path), raw=raw)
+    return Checkpoint(config=config, params=params, tokenizer=tokenizer, source=str(path))
 
 
 # ------------------------------------------------------------------------------------ writer
@@ -200,8 +216,9 @@ def write_gguf(path: str | os.PathLike, config: ModelConfig, params: Mapping[str
     """Write a GGUF from canonical params in the layout of the config's family (gguf_arch.py):
     llama/bamboo (Q/K permuted back), falcon (fused attn_qkv) or opt.
 
-    tensor_types: canonical name -> GGML type name ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1",
-    or any type `gguf.quants.quantize` knows, e.g. "Q5_0" to test rejection); others `default_type`.
+    tensor_types: canonical name -> GGML type name (`quants.QUANTIZABLE_TYPES`, or any type
+    `gguf.quants.quantize` knows, e.g. "MXFP4" to test rejection); others `default_type`. A param
+    given as a `QuantTensor` (any GGML type, e.g. random K-quant blocks) is written as its blocks.
     tokenizer_meta: keys of `_TOKENIZER_WRITERS` (e.g. {"model": "gpt2", "tokens": [...], ...}).
     powerinfer: PowerInfer's layout and magic: `ffn_down_t` [F, D] instead of `ffn_down`, the
     untied `output.weight` its llama and falcon loaders require (a copy of the embeddings when
@@ -245,6 +262,13 @@ def write_gguf(path: str | os.PathLike, config: ModelConfig, params: Mapping[str
     stored: dict[str, tuple[np.ndarray, str]] = {}  # GGUF name -> (array, type), in write order
     for name in expected_shapes(config):
         src = sources[name]
+        if isinstance(params[name], QuantTensor):  # its blocks, in its own type
+            value, qtype = _stored_blocks(params[name], name, src), params[name].qtype
+            if src.kind == "rows":
+                prev = stored.get(src.gguf, (value[:0], qtype))[0]
+                value = np.concatenate([prev, value])
+            stored[src.gguf] = (value, qtype)
+            continue
         value = np.asarray(params[name], dtype=np.float32)
         if src.kind == "rope":
             value = rope_permute(value, src.heads)
@@ -264,13 +288,17 @@ def write_gguf(path: str | os.PathLike, config: ModelConfig, params: Mapping[str
         stored[gname] = (np.asarray(value, np.float32), tensor_types.get(gname, "F32"))
     for gname, (value, qtype) in stored.items():
         value = np.ascontiguousarray(value)
-        if qtype == "F32":
+        if value.dtype == np.uint8:  # blocks of a QuantTensor
+            w.add_tensor(gname, value, raw_dtype=gguf.GGMLQuantizationType[qtype])
+        elif qtype == "F32":
             w.add_tensor(gname, value)
         elif qtype == "F16":
             w.add_tensor(gname, value.astype(np.float16))
         else:
-            kind = gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(gname, gguf.quants.quantize(value, kind), raw_dtype=kind)
+            kind = gguf.GGMLQuantizationType[qtype]  # types we do not read: tests of rejection
+            data = (quants.quantize(value, qtype) if qtype in quants.QUANTIZABLE_TYPES
+                    else gguf.quants.quantize(value, kind))
+            w.add_tensor(gname, data, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -279,3 +307,13 @@ def write_gguf(path: str | os.PathLike, config: ModelConfig, params: Mapping[str
         with open(path, "r+b") as f:  # as PowerInfer's convert.py does after writing a GGUF
             f.write(PWRI_MAGIC)
     return path
+
+
+def _stored_blocks(t: QuantTensor, name: str, src) -> np.ndarray:
+    """A canonical QuantTensor's blocks in the file's layout (RoPE rows permuted back)."""
+    if t.transposed != (src.kind == "transposed"):
+        raise ValueError(f"write_gguf: {name}: expected a QuantTensor with transposed="
+                         f"{src.kind == 'transposed'} (the file's stored orientation), got "
+                         f"{t.transposed}")
+    blocks = np.asarray(t.blocks, np.uint8)
+    return np.ascontiguousarray(rope_permute(blocks, src.heads) if src.kind == "rope" else blocks)

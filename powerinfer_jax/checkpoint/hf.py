@@ -244,4 +244,4 @@ def load_hf(path: str | os.PathLike) -> Checkpoint:
                                     eos_ids=config.eos_token_ids)
     if not config.eos_token_ids and tokenizer.eos_ids:
         config = config.replace(eos_token_ids=tokenizer.eos_ids)
-    return Checkpoint(config=config, params=params, tokenizer=tokenizer, source=str(d), raw={})
+    return Checkpoint(config=config, params=params, tokenizer=tokenizer, source=str(d))

@@ -1,100 +1,154 @@
-"""Vectorized numpy dequantizers for the GGML block formats the loader accepts.
+"""GGML tensor types: sizes, dequantization and quantization, on the `gguf` package.
 
-Block layouts (little endian, one block = 32 consecutive values along a row's fastest axis):
-  Q8_0: f16 scale d, 32 x int8 q                 -> x = d * q                       (34 bytes)
-  Q4_0: f16 scale d, 16 bytes of nibbles         -> x = d * (q - 8)                 (18 bytes)
-  Q4_1: f16 scale d, f16 min m, 16 bytes nibbles -> x = d * q + m                   (20 bytes)
-In the 4-bit formats byte j holds value j in its low nibble and value j + 16 in its high nibble.
-Float types: F32, F16, BF16 (the top 16 bits of an IEEE float32).
+Block layouts and dequantizers come from the `gguf` package (llama.cpp's own Python mirror of
+ggml-common.h), which this module wraps: its tables say how many values and bytes a block holds,
+`gguf.quants.dequantize` turns blocks into float32 and `gguf.quants.quantize` makes blocks for the
+types it can quantize (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16). It cannot quantize K-quants; Q4_K has
+a simple quantizer here (`quantize_q4_k`, for re-blocking FFN down rows; not llama.cpp's
+search-based one). The C++ kernels (cpu_backend/quant_formats.h) unpack the same layouts
+independently; tests check both against each other and against hand-decoded blocks.
 
-Every function takes the raw bytes of whole rows, `uint8[..., row_bytes]`, and returns float32
-`[..., row_elements]`.
+Every function takes and returns whole rows: raw `uint8[..., row_bytes]` <-> float32
+`[..., row_elements]`, row_elements a multiple of the type's block size.
 """
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as _gq
 
-BLOCK = 32
-# type name -> (values per block, bytes per block)
-BLOCK_SIZES = {
-    "F32": (1, 4),
-    "F16": (1, 2),
-    "BF16": (1, 2),
-    "Q8_0": (BLOCK, 2 + BLOCK),
-    "Q4_0": (BLOCK, 2 + BLOCK // 2),
-    "Q4_1": (BLOCK, 4 + BLOCK // 2),
-}
-SUPPORTED_TYPES = tuple(BLOCK_SIZES)
-QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+from powerinfer_jax.errors import fail
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+# The block formats the loader keeps and the quantized kernels read (cpu_backend/quant_formats.h).
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = FLOAT_TYPES + QUANTIZED_TYPES
+# Types gguf.quants can quantize, plus our Q4_K.
+QUANTIZABLE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K")
 
 
-def _blocks(raw: np.ndarray, qtype: str) -> np.ndarray:
-    """View `uint8[..., row_bytes]` as `uint8[..., n_blocks, block_bytes]`."""
-    raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    block_bytes = BLOCK_SIZES[qtype][1]
-    if raw.shape[-1] % block_bytes:
-        raise ValueError(f"{qtype} row: expected a multiple of {block_bytes} bytes, "
-                         f"got {raw.shape[-1]}")
-    return raw.reshape(*raw.shape[:-1], raw.shape[-1] // block_bytes, block_bytes)
+def _kind(qtype: str) -> GGMLQuantizationType:
+    if qtype not in SUPPORTED_TYPES:
+        fail("tensor type", f"one of {list(SUPPORTED_TYPES)}", qtype,
+             "requantize the model to one of these types (llama.cpp's llama-quantize)")
+    return GGMLQuantizationType[qtype]
 
 
-def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
-    """The f16 stored at byte `start` of every block, as float32 `[..., n_blocks, 1]`."""
-    return blocks[..., start:start + 2].copy().view(np.float16).astype(np.float32)
+def type_id(qtype: str) -> int:
+    """GGML's id of the type (what a GGUF tensor header stores, what the kernels take)."""
+    return int(_kind(qtype).value)
 
 
-def _nibbles(packed: np.ndarray) -> np.ndarray:
-    """`uint8[..., 16]` -> float32 `[..., 32]`: the 16 low nibbles, then the 16 high ones."""
-    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.float32)
+def block_size(qtype: str) -> tuple[int, int]:
+    """(values per block, bytes per block) from the gguf package's table."""
+    return GGML_QUANT_SIZES[_kind(qtype)]
 
 
-def _flatten_blocks(x: np.ndarray) -> np.ndarray:
-    return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+def row_bytes(qtype: str, cols: int) -> int:
+    """Bytes of one row of `cols` values; cols must be a multiple of the block size."""
+    block, nbytes = block_size(qtype)
+    if cols <= 0 or cols % block:
+        fail(f"{qtype} row length", f"a positive multiple of the block size {block}", cols)
+    return cols // block * nbytes
 
 
-def dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
-    b = _blocks(raw, "Q8_0")
-    q = b[..., 2:].view(np.int8).astype(np.float32)
-    return _flatten_blocks(_f16(b, 0) * q)
-
-
-def dequantize_q4_0(raw: np.ndarray) -> np.ndarray:
-    b = _blocks(raw, "Q4_0")
-    return _flatten_blocks(_f16(b, 0) * (_nibbles(b[..., 2:]) - 8.0))
-
-
-def dequantize_q4_1(raw: np.ndarray) -> np.ndarray:
-    b = _blocks(raw, "Q4_1")
-    return _flatten_blocks(_f16(b, 0) * _nibbles(b[..., 4:]) + _f16(b, 2))
-
-
-def dequantize_bf16(raw: np.ndarray) -> np.ndarray:
-    bits = np.ascontiguousarray(raw).view(np.uint16).astype(np.uint32) << 16
-    return bits.view(np.float32)
-
-
-def dequantize_f16(raw: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
-
-
-def dequantize_f32(raw: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(raw).view(np.float32).copy()
-
-
-_DEQUANTIZERS = {
-    "F32": dequantize_f32,
-    "F16": dequantize_f16,
-    "BF16": dequantize_bf16,
-    "Q8_0": dequantize_q8_0,
-    "Q4_0": dequantize_q4_0,
-    "Q4_1": dequantize_q4_1,
-}
+def _as_bytes(raw: np.ndarray) -> np.ndarray:
+    raw = np.ascontiguousarray(raw)
+    if raw.dtype != np.uint8:  # GGUFReader hands float tensors over already typed
+        raw = raw.view(np.uint8).reshape(*raw.shape[:-1], -1)
+    return raw
 
 
 def dequantize(raw: np.ndarray, qtype: str) -> np.ndarray:
-    """Raw bytes of whole rows (`uint8[..., row_bytes]`, or an already typed float array) -> float32."""
-    if qtype not in _DEQUANTIZERS:
-        raise ValueError(f"tensor type: expected one of {list(SUPPORTED_TYPES)}, got {qtype!r}")
-    if raw.dtype != np.uint8:  # GGUFReader hands float tensors over already typed
-        raw = np.ascontiguousarray(raw).view(np.uint8).reshape(*raw.shape[:-1], -1)
-    return _DEQUANTIZERS[qtype](raw)
+    """Raw bytes of whole rows (`uint8[..., row_bytes]`, or an already typed float array) ->
+    float32 `[..., row_elements]`."""
+    kind = _kind(qtype)
+    raw = _as_bytes(raw)
+    block, nbytes = GGML_QUANT_SIZES[kind]
+    if raw.ndim == 0 or raw.shape[-1] % nbytes:
+        fail(f"{qtype} row", f"a multiple of {nbytes} bytes", raw.shape[-1] if raw.ndim else 0)
+    if qtype == "F32":
+        return raw.view(np.float32).copy()
+    if qtype == "F16":
+        return raw.view(np.float16).astype(np.float32)
+    if qtype == "BF16":
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(_gq.dequantize(raw, kind), dtype=np.float32)
+
+
+def quantize(values: np.ndarray, qtype: str) -> np.ndarray:
+    """float rows `[..., cols]` -> raw `uint8[..., row_bytes]` in `qtype` (QUANTIZABLE_TYPES)."""
+    kind = _kind(qtype)
+    if qtype not in QUANTIZABLE_TYPES:
+        fail("quantize: type", f"one of {list(QUANTIZABLE_TYPES)}", qtype,
+             "the gguf package cannot quantize this type")
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    row_bytes(qtype, values.shape[-1])  # validates the row length
+    if qtype == "F32":
+        return values.view(np.uint8)
+    if qtype == "F16":
+        return values.astype(np.float16).view(np.uint8)
+    if qtype == "Q4_K":
+        return quantize_q4_k(values)
+    return np.asarray(_gq.quantize(values, kind), dtype=np.uint8)
+
+
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """float `[..., cols]` (cols % 256 == 0) -> Q4_K blocks `uint8[..., cols / 256 * 144]`.
+
+    Per 32-value sub-block a scale (max - min) / 15 and a minimum -min(0, min) (Q4_K's offset is
+    subtracted, so it cannot be positive), both stored as 6-bit multiples of the super-block's
+    f16 d = max scale / 63 and dmin = max minimum / 63; then q = round((x + m) / s) in [0, 15].
+    Round to nearest throughout (llama.cpp searches for better scales; this does not).
+    """
+    x = np.ascontiguousarray(values, dtype=np.float32)
+    lead, cols = x.shape[:-1], x.shape[-1]
+    x = x.reshape(-1, 8, 32)  # [super-blocks, sub-blocks, values]
+    lo = np.minimum(x.min(-1), 0.0)
+    scale = (x.max(-1) - lo) / 15.0
+    mins = -lo
+    d = (scale.max(-1) / 63.0).astype(np.float16)
+    dmin = (mins.max(-1) / 63.0).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32 > 0, np.clip(np.rint(scale / d32), 0, 63), 0).astype(np.uint8)
+        mq = np.where(dmin32 > 0, np.clip(np.rint(mins / dmin32), 0, 63), 0).astype(np.uint8)
+        s_eff = (d32 * sc)[..., None]
+        m_eff = (dmin32 * mq)[..., None]
+        q = np.where(s_eff > 0, np.clip(np.rint((x + m_eff) / s_eff), 0, 15), 0).astype(np.uint8)
+    # Scales: bytes 0-3 sc[0..3] | high bits of sc[4..7] << 6; 4-7 the same for the minimums;
+    # 8-11 low nibbles of sc[4..7] | low nibbles of m[4..7] << 4.
+    packed = np.empty((x.shape[0], 12), np.uint8)
+    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = mq[:, :4] | ((mq[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 0x0F) | ((mq[:, 4:] & 0x0F) << 4)
+    qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(x.shape[0], 128)  # pairs of sub-blocks
+    blocks = np.concatenate([d.reshape(-1, 1).view(np.uint8), dmin.reshape(-1, 1).view(np.uint8),
+                             packed, qs], axis=-1)
+    return blocks.reshape(*lead, cols // 256 * 144)
+
+
+# Byte offsets of each block's f16 fields (scales and minimums): random bytes there could be
+# inf/NaN, so random blocks get finite values written over them.
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+              "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+# The largest |quant x sub-scale| product of each format: f16 fields of scale / this keep the
+# weights within about +-scale, like a real checkpoint's.
+_RANGE = {"Q4_0": 8, "Q4_1": 15, "Q5_0": 16, "Q5_1": 31, "Q8_0": 127, "Q2_K": 45, "Q3_K": 128,
+          "Q4_K": 945, "Q5_K": 1953, "Q6_K": 4096}
+
+
+def random_blocks(qtype: str, rows: int, cols: int, rng, scale: float = 0.1) -> np.ndarray:
+    """Valid random blocks for tests and benchmarks (any type, K-quants included, which nothing
+    here can quantize): uint8 [rows, row_bytes] of random quants and packed scales with finite
+    f16 fields, weights within about +-scale."""
+    block, nbytes = block_size(qtype)
+    nb = cols // block
+    b = rng.integers(0, 256, size=(rows, nb, nbytes), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        v = (rng.uniform(0.2, 1.0, size=(rows, nb)) * scale / _RANGE[qtype]
+             * rng.choice([-1, 1], size=(rows, nb)))
+        b[..., off:off + 2] = v.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
+    return b.reshape(rows, nb * nbytes)

@@ -143,3 +143,82 @@ def check_decode_attention(q, k_new, v_new, k_cache, v_cache, where, kv_len) -> 
              f"NK = {nk}", _shape(q))
     if not isinstance(kv_len, (int, np.integer)) or not 1 <= int(kv_len) <= s:
         fail("kv_len", f"a static int in [1, S = {s}]", kv_len)
+
+
+def check_qtype(what: str, qtype) -> str:
+    """A block-quantized GGML type, by name ("Q4_K") or id (12) -> its name."""
+    from powerinfer_jax.checkpoint import quants
+
+    if isinstance(qtype, (int, np.integer)) and not isinstance(qtype, bool):
+        by_id = {quants.type_id(n): n for n in quants.QUANTIZED_TYPES}
+        if int(qtype) in by_id:
+            return by_id[int(qtype)]
+    elif qtype in quants.QUANTIZED_TYPES:
+        return qtype
+    hint = ("float weights take ops.linear / ops.sparse_ffn" if qtype in quants.FLOAT_TYPES
+            else "a GGML block type name or its id")
+    fail(what, f"one of {list(quants.QUANTIZED_TYPES)}", qtype, hint)
+
+
+def check_qweight(what: str, blocks, qtype: str, in_features: int, rows: int | None = None) -> int:
+    """blocks: uint8 [R, row_bytes] for rows of in_features values in qtype; returns R."""
+    from powerinfer_jax.checkpoint import quants
+
+    block, nbytes = quants.block_size(qtype)
+    if in_features <= 0 or in_features % block:
+        fail(f"{what}: in_features (x's last dim)",
+             f"a positive multiple of the {qtype} block ({block})", in_features)
+    rb = in_features // block * nbytes
+    shape, dtype = _shape(blocks), jnp.result_type(blocks)
+    if (len(shape) != 2 or dtype != jnp.uint8 or shape[1] != rb
+            or (rows is not None and shape[0] != rows)):
+        want = f"[{'R' if rows is None else rows}, {rb}]"
+        fail(what, f"uint8 {want} ({in_features // block} {qtype} blocks of {nbytes} bytes per "
+                   f"row of {in_features})", f"{dtype} {shape}",
+             "a truncated row, or blocks of another type"
+             if len(shape) == 2 and dtype == jnp.uint8 else "")
+    return shape[0]
+
+
+def check_qlinear(x, blocks, qtype, in_features, b) -> tuple[str, int]:
+    """Validates a quantized product; returns (qtype name, O)."""
+    if np.ndim(x) < 1 or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        fail("x", "a floating array [..., D]", f"{jnp.result_type(x)} {_shape(x)}")
+    if not isinstance(in_features, (int, np.integer)) or _shape(x)[-1] != in_features:
+        fail("in_features", f"x's last dim ({_shape(x)[-1]}), a static int", in_features)
+    name = check_qtype("qtype", qtype)
+    o = check_qweight("blocks", blocks, name, int(in_features))
+    if b is not None and _shape(b) != (o,):
+        fail("b shape", f"[O] = ({o},)", _shape(b))
+    return name, o
+
+
+def check_qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_up, b_down,
+                      scores, threshold, activation, criterion) -> tuple[float, str, str, str]:
+    """Validates the quantized sparse FFN's operands; returns (threshold, gate, up and down type
+    names; gate's is up's when absent)."""
+    check_choice("activation", activation, ACTIVATIONS)
+    check_choice("criterion", criterion, ("scores", "oracle"))
+    t = check_threshold(threshold)
+    if np.ndim(x) < 1 or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        fail("x", "a floating array [..., D]", f"{jnp.result_type(x)} {_shape(x)}")
+    d = _shape(x)[-1]
+    u = check_qtype("up_qtype", up_qtype)
+    f = check_qweight("up", up, u, d)
+    g = u
+    if gate is not None:
+        g = check_qtype("gate_qtype", gate_qtype if gate_qtype is not None else up_qtype)
+        check_qweight("gate", gate, g, d, rows=f)
+    dn = check_qtype("down_qtype", down_qtype)
+    check_qweight("down (down_t rows blocked along D)", down, dn, d, rows=f)
+    for name, b, n in (("b_up", b_up, f), ("b_down", b_down, d)):
+        if b is not None and _shape(b) != (n,):
+            fail(f"{name} shape", f"[{n}]", _shape(b))
+    if criterion == "scores":
+        if scores is None:
+            fail("scores", "an array [..., F] when criterion='scores'", None,
+                 "pass scores, or use criterion='oracle'")
+        if _shape(scores) != _shape(x)[:-1] + (f,):
+            fail("scores shape", f"x's leading dims + [F] = {_shape(x)[:-1] + (f,)}",
+                 _shape(scores))
+    return t, g, u, dn

@@ -29,6 +29,10 @@ LINEAR_MANY_TARGET = "pij_linear_many"
 Q4_SCORES_TARGET = "pij_q4_scores"
 Q4_SPARSE_FFN_TARGET = "pij_q4_sparse_ffn"
 DECODE_ATTENTION_TARGET = "pij_decode_attention"
+QLINEAR_TARGET = "pij_qlinear"
+QLINEAR_MANY_TARGET = "pij_qlinear_many"
+QSPARSE_FFN_TARGET = "pij_qsparse_ffn"
+QEMBEDDING_TARGET = "pij_qembedding"
 
 
 def _register() -> None:
@@ -125,6 +129,54 @@ def q4_sparse_ffn(x, q, dm, w_down_t, b_up, b_down, *, threshold, activation):
     f32 = lambda a: _absent((0,), jnp.float32) if a is None else jnp.asarray(a, jnp.float32)
     return call(x32, q, dm, f32(b_up), w_down_t, f32(b_down), activation=activation,
                 threshold=np.float32(threshold))
+
+
+def _qid(qtype: str) -> np.int32:
+    from powerinfer_jax.checkpoint import quants
+
+    return np.int32(quants.type_id(qtype))
+
+
+def _opt_f32(a):
+    return _absent((0,), jnp.float32) if a is None else jnp.asarray(a, jnp.float32)
+
+
+def qlinear(x, blocks, qtype, b):
+    x32 = jnp.asarray(x, jnp.float32)
+    out = jax.ShapeDtypeStruct(x32.shape[:-1] + (blocks.shape[-2],), jnp.float32)
+    call = jax.ffi.ffi_call(QLINEAR_TARGET, out, vmap_method="expand_dims")
+    return call(x32, blocks, _opt_f32(b), qtype=_qid(qtype))
+
+
+def qlinear_many(x, blocks_list, qtypes, bs):
+    x32 = jnp.asarray(x, jnp.float32)
+    outs = tuple(jax.ShapeDtypeStruct(x32.shape[:-1] + (w.shape[-2],), jnp.float32)
+                 for w in blocks_list)
+    call = jax.ffi.ffi_call(QLINEAR_MANY_TARGET, outs, vmap_method="expand_dims")
+    ids = np.asarray([_qid(q) for q in qtypes], np.int32)
+    return tuple(call(x32, *blocks_list, *[_opt_f32(b) for b in bs], qtypes=ids))
+
+
+def qembedding(ids, blocks, qtype, in_features):
+    ids32 = jnp.asarray(ids, jnp.int32)
+    out = jax.ShapeDtypeStruct(ids32.shape + (in_features,), jnp.float32)
+    call = jax.ffi.ffi_call(QEMBEDDING_TARGET, out, vmap_method="expand_dims")
+    return call(ids32, blocks, qtype=_qid(qtype), dim=np.int64(in_features))
+
+
+def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_up, b_down, scores,
+                threshold, activation, criterion):
+    x32 = jnp.asarray(x, jnp.float32)
+    rows = x32.shape[:-1]
+    call = jax.ffi.ffi_call(
+        QSPARSE_FFN_TARGET,
+        (jax.ShapeDtypeStruct(rows + (x32.shape[-1],), jnp.float32),
+         jax.ShapeDtypeStruct(rows, jnp.int32)), vmap_method="expand_dims")
+    gate_op = _absent((0, up.shape[-1]), jnp.uint8) if gate is None else gate
+    scores_op = _opt_f32(scores if criterion == "scores" else None)
+    return call(x32, gate_op, up, down, _opt_f32(b_up), _opt_f32(b_down), scores_op,
+                gate_qtype=_qid(gate_qtype), up_qtype=_qid(up_qtype), down_qtype=_qid(down_qtype),
+                threshold=np.float32(threshold), activation=activation, criterion=criterion)
 
 
 def decode_attention(q, k_new, v_new, k_cache, v_cache, where, *, kv_len, rope_theta,

@@ -1,6 +1,8 @@
 """Public ops: validate once, then run the FFI kernel or its pure-jnp reference."""
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from powerinfer_jax.ops import _checks, reference
 
 
@@ -99,6 +101,88 @@ def q4_sparse_ffn(x, q, dm, w_down_t, b_up=None, b_down=None, *, threshold, acti
                                        activation=activation)
     from powerinfer_jax.ops import _ffi
     return _ffi.q4_sparse_ffn(x, q, dm, w_down_t, b_up, b_down, threshold=t, activation=activation)
+
+
+def qlinear(x, blocks, qtype, in_features: int, b=None, *, impl="ffi"):
+    """y = x @ dequant(W).T (+ b) with W kept as a GGUF tensor's blocks, as llama.cpp computes it.
+
+    blocks: uint8 [O, row_bytes], the file's rows of W [O, in_features] (e.g. a `QuantTensor`'s
+    `.blocks`) in `qtype`: a GGML block type name (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
+    Q4_K, Q5_K, Q6_K) or its id. x: [..., D], D == in_features (a multiple of the type's block:
+    32, or 256 for K-quants), rounded to int8 per block (`reference.round_activations`; Q8_0-style
+    for the legacy types, Q8_K-style for the K-quants) for integer dot products. b: [O].
+    Returns y [..., O] float32. Decode (one token) streams each row once; prefill reads a block
+    of rows once per 64 tokens.
+    """
+    _checks.check_choice("impl", impl, _checks.IMPLS)
+    name, _ = _checks.check_qlinear(x, blocks, qtype, in_features, b)
+    if impl == "reference":
+        return reference.qlinear(x, blocks, name, int(in_features), b)
+    from powerinfer_jax.ops import _ffi
+    return _ffi.qlinear(x, blocks, name, b)
+
+
+def qlinear_many(x, blocks_list, qtypes, in_features: int, bs=None, *, impl="ffi"):
+    """[qlinear(x, w, t, in_features, b) for w, t, b in zip(blocks_list, qtypes, bs)] in one
+    custom call whose rows are split across the pool as one job (attention's q, k and v at
+    decode). The types may differ (a Q4_K_M file's Q6_K attn_v beside Q4_K q and k)."""
+    _checks.check_choice("impl", impl, _checks.IMPLS)
+    blocks_list, qtypes = tuple(blocks_list), tuple(qtypes)
+    bs = (None,) * len(blocks_list) if bs is None else tuple(bs)
+    if not blocks_list or len(qtypes) != len(blocks_list) or len(bs) != len(blocks_list):
+        _checks.fail("blocks_list/qtypes/bs", "one or more blocks with as many qtypes and biases",
+                     f"{len(blocks_list)} blocks, {len(qtypes)} qtypes, {len(bs)} biases")
+    names = tuple(_checks.check_qlinear(x, w, t, in_features, b)[0]
+                  for w, t, b in zip(blocks_list, qtypes, bs))
+    if impl == "reference":
+        return tuple(reference.qlinear(x, w, t, int(in_features), b)
+                     for w, t, b in zip(blocks_list, names, bs))
+    from powerinfer_jax.ops import _ffi
+    return _ffi.qlinear_many(x, blocks_list, names, bs)
+
+
+def qembedding(ids, blocks, qtype, in_features: int, *, impl="ffi"):
+    """Rows `ids` of a quantized table (e.g. token_embd's blocks, uint8 [V, row_bytes] in
+    `qtype`), dequantized: float32 [..., in_features]. The table stays quantized in memory (only
+    the looked-up rows are expanded). An id outside [0, V) is an error (raised by the handler
+    when ids are traced)."""
+    _checks.check_choice("impl", impl, _checks.IMPLS)
+    name = _checks.check_qtype("qtype", qtype)
+    _checks.check_qweight("blocks", blocks, name, int(in_features))
+    if not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
+        _checks.fail("ids", "an integer array", jnp.result_type(ids))
+    if impl == "reference":
+        return reference.qembedding(ids, blocks, name, int(in_features))
+    from powerinfer_jax.ops import _ffi
+    return _ffi.qembedding(ids, blocks, name, int(in_features))
+
+
+def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None, b_up=None,
+                b_down=None, scores=None, threshold=0.0, activation="silu", criterion="oracle",
+                impl="ffi"):
+    """The sparse FFN on quantized weights, in one custom call.
+
+    up, gate: the file's ffn_up / ffn_gate blocks, uint8 [F, row_bytes] (neuron-major rows of D
+    values; gate None: non-gated FFN); down: neuron i's down row (down_t [F, D]) blocked along D,
+    uint8 [F, row_bytes], e.g. `QuantTensor.reblocked("Q8_0").blocks` of ffn.down_t.weight. The
+    types are GGML block type names or ids (gate_qtype defaults to up_qtype).
+    a = act(gate.x) * (up.x + b_up) (gated) or act(up.x + b_up) from int8-rounded x (as qlinear);
+    active: criterion "oracle": |a| > threshold (threshold 0 with every neuron active is the dense
+    quantized FFN); "scores": scores [..., F] > threshold, and only those neurons' gate/up rows
+    are read. y = b_down + sum over active i of a_i * down_t[i].
+    x: [..., D]. Returns (y [..., D] float32, n_active [...] int32).
+    """
+    _checks.check_choice("impl", impl, _checks.IMPLS)
+    t, g, u, dn = _checks.check_qsparse_ffn(
+        x, up, down, up_qtype=up_qtype, down_qtype=down_qtype, gate=gate, gate_qtype=gate_qtype,
+        b_up=b_up, b_down=b_down, scores=scores, threshold=threshold, activation=activation,
+        criterion=criterion)
+    kwargs = dict(up_qtype=u, down_qtype=dn, gate=gate, gate_qtype=g, b_up=b_up, b_down=b_down,
+                  scores=scores, threshold=t, activation=activation, criterion=criterion)
+    if impl == "reference":
+        return reference.qsparse_ffn(x, up, down, **kwargs)
+    from powerinfer_jax.ops import _ffi
+    return _ffi.qsparse_ffn(x, up, down, **kwargs)
 
 
 def decode_attention(q, k_new, v_new, k_cache, v_cache, where, *, kv_len: int,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -94,3 +95,70 @@ def q4_sparse_ffn(x, q, dm, w_down_t, b_up=None, b_down=None, *, threshold, acti
     a = q4_scores(x, q, dm, b_up, activation=activation, signed=True)
     return sparse_ffn(x, w_down_t, w_down_t, b_down=b_down, scores=a, threshold=threshold,
                       criterion="activations")
+
+
+def round_activations(x, block: int):
+    """x [..., D] float32 -> its int8 rounding as the quantized kernels compute (float32): per
+    block of `block` values (32: legacy formats, 256: K-quants) scale = max|x| / 127 and
+    round-half-even(x * (1 / scale)) * scale, in [-127, 127] * scale (cpu_backend/quant_act.h)."""
+    x = jnp.asarray(x, jnp.float32)
+    d = x.shape[-1]
+    xb = x.reshape(x.shape[:-1] + (d // block, block))
+    scale = jnp.max(jnp.abs(xb), axis=-1, keepdims=True) / 127.0
+    # a block holding a NaN or an infinity rounds to NaN (the kernels' NaN scale)
+    scale = jnp.where(jnp.all(jnp.isfinite(xb), axis=-1, keepdims=True), scale, jnp.nan)
+    inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
+    return (jnp.clip(jnp.round(xb * inv), -127, 127) * scale).reshape(x.shape)
+
+
+def dequantize_blocks(blocks, qtype: str, in_features: int):
+    """uint8 [R, row_bytes] GGML blocks -> float32 [R, in_features], with the gguf package's
+    dequantizer (a host callback, so it also works on traced arrays under jit)."""
+    from powerinfer_jax.checkpoint import quants
+
+    rows = blocks.shape[0]
+    out = jax.ShapeDtypeStruct((rows, in_features), jnp.float32)
+    return jax.pure_callback(lambda b: quants.dequantize(np.asarray(b), qtype), out, blocks)
+
+
+def _qblock(qtype: str) -> int:
+    from powerinfer_jax.checkpoint import quants
+
+    return quants.block_size(qtype)[0]
+
+
+def qlinear(x, blocks, qtype: str, in_features: int, b=None):
+    """y = round_activations(x) @ dequant(blocks).T (+ b), float32. See ops.api.qlinear."""
+    w = dequantize_blocks(blocks, qtype, in_features)
+    xq = round_activations(x, _qblock(qtype))
+    y = jnp.einsum("...D,OD->...O", xq, w, precision=_HIGHEST)
+    return y if b is None else y + jnp.asarray(b, jnp.float32)
+
+
+def qembedding(ids, blocks, qtype: str, in_features: int):
+    """Rows ids of the table, dequantized (float32 [..., in_features]). See ops.api.qembedding."""
+    ids = jnp.asarray(ids, jnp.int32)
+    rows = jnp.take(jnp.asarray(blocks), ids.reshape(-1), axis=0)
+    return dequantize_blocks(rows, qtype, in_features).reshape(ids.shape + (in_features,))
+
+
+def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None, b_up=None,
+                b_down=None, scores=None, threshold=0.0, activation="silu", criterion="oracle"):
+    """The quantized sparse FFN, from dequantized weights and rounded activations. See
+    ops.api.qsparse_ffn."""
+    d = x.shape[-1]
+    up_tf = qlinear(x, up, up_qtype, d, b_up)
+    if gate is None:
+        act_tf = activate(activation, up_tf)
+    else:
+        gate_qtype = up_qtype if gate_qtype is None else gate_qtype
+        act_tf = activate(activation, qlinear(x, gate, gate_qtype, d)) * up_tf
+    if criterion == "scores":  # "not <=": NaN counts as active, as in sparse_ffn
+        mask_tf = ~(jnp.asarray(scores, jnp.float32) <= threshold)
+    else:
+        mask_tf = ~(jnp.abs(act_tf) <= threshold)
+    w_down = dequantize_blocks(down, down_qtype, d)
+    y = jnp.einsum("...F,FD->...D", jnp.where(mask_tf, act_tf, 0.0), w_down, precision=_HIGHEST)
+    if b_down is not None:
+        y = y + jnp.asarray(b_down, jnp.float32)
+    return y, jnp.sum(mask_tf, axis=-1, dtype=jnp.int32)

@@ -1,0 +1,144 @@
+#include "cpu_backend/qlinear.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "cpu_backend/quant_kernels.h"
+
+namespace pij {
+namespace {
+
+// Below this many weights one thread finishes before a wake-up would pay off.
+constexpr int64_t kParallelMinWeights = 1 << 15;
+// Rows per task: several tasks per thread even out unequal cores (as linear.cc).
+constexpr int64_t kTasksPerThread = 4;
+// Prefill: tokens whose activations stay in cache while a block of rows passes over them, and
+// rows that stay in cache while the group's 4-token tiles pass over them.
+constexpr int64_t kTokenGroup = 64;
+constexpr int64_t kRowBlock = 16;
+// Decode: rows per tile, sharing the token's activation loads.
+constexpr int kDecodeRows = 2;
+
+template <class F, int kC>
+inline void TokenTile(const uint8_t* row, const QActView* xs, int64_t nblocks, float* dots) {
+  qkern::DotTile<F, 1, kC>(&row, xs, nblocks, dots);
+}
+
+template <class F>
+void Rows(const QLinearOut& out, int64_t dim, std::span<const QActView> xs, int64_t lo,
+          int64_t hi) {
+  const int64_t nblocks = dim / F::kBlock;
+  const int64_t row_bytes = nblocks * F::kBytes;
+  const int64_t num_tokens = static_cast<int64_t>(xs.size());
+  auto put = [&](int64_t o, int64_t t, float v) {
+    out.y[t * out.out_dim + o] = v + (out.bias != nullptr ? out.bias[o] : 0.0f);
+  };
+  if (num_tokens == 1) {
+    float dots[kDecodeRows];
+    int64_t o = lo;
+    for (; o + kDecodeRows <= hi; o += kDecodeRows) {
+      const uint8_t* rows[kDecodeRows];
+      for (int r = 0; r < kDecodeRows; ++r) rows[r] = out.w + (o + r) * row_bytes;
+      qkern::DotTile<F, kDecodeRows, 1>(rows, xs.data(), nblocks, dots);
+      for (int r = 0; r < kDecodeRows; ++r) put(o + r, 0, dots[r]);
+    }
+    for (; o < hi; ++o) {
+      const uint8_t* row = out.w + o * row_bytes;
+      qkern::DotTile<F, 1, 1>(&row, xs.data(), nblocks, dots);
+      put(o, 0, dots[0]);
+    }
+    return;
+  }
+  float dots[4];
+  for (int64_t g0 = 0; g0 < num_tokens; g0 += kTokenGroup) {
+    const int64_t g1 = std::min(num_tokens, g0 + kTokenGroup);
+    for (int64_t r0 = lo; r0 < hi; r0 += kRowBlock) {
+      const int64_t r1 = std::min(hi, r0 + kRowBlock);
+      for (int64_t o = r0; o < r1; ++o) {
+        const uint8_t* row = out.w + o * row_bytes;
+        for (int64_t t = g0; t < g1; t += 4) {
+          const QActView* x = xs.data() + t;
+          const int64_t n = std::min<int64_t>(4, g1 - t);
+          switch (n) {
+            case 1: TokenTile<F, 1>(row, x, nblocks, dots); break;
+            case 2: TokenTile<F, 2>(row, x, nblocks, dots); break;
+            case 3: TokenTile<F, 3>(row, x, nblocks, dots); break;
+            default: TokenTile<F, 4>(row, x, nblocks, dots); break;
+          }
+          for (int64_t k = 0; k < n; ++k) put(o, t + k, dots[k]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void QLinearRows(const QLinearOut& out, int64_t dim, std::span<const QActView> xs, int64_t lo,
+                 int64_t hi) {
+  VisitQType(out.qtype, [&]<class F>(F) { Rows<F>(out, dim, xs, lo, hi); });
+}
+
+void QLinearMany(std::span<const QLinearOut> outs, int64_t dim,
+                 std::span<const float* const> x_rows, QLinearScratch& scratch, ThreadPool& pool) {
+  const int64_t num_tokens = static_cast<int64_t>(x_rows.size());
+  if (num_tokens == 0 || outs.empty()) return;
+  bool need32 = false, need256 = false;
+  int64_t total = 0;
+  for (const QLinearOut& o : outs) {
+    (GetQTypeInfo(o.qtype).block == 256 ? need256 : need32) = true;
+    total += o.out_dim;
+  }
+  if (need32) QuantizeActs(x_rows, dim, 32, scratch.act32, pool);
+  if (need256) QuantizeActs(x_rows, dim, 256, scratch.act256, pool);
+  // Token views per block size: legacy formats read c32, K-quants c16.
+  std::vector<QActView>& views32 = scratch.views32;
+  std::vector<QActView>& views256 = scratch.views256;
+  views32.resize(need32 ? num_tokens : 0);
+  views256.resize(need256 ? num_tokens : 0);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (need32) views32[t] = scratch.act32.View(t, 32);
+    if (need256) views256[t] = scratch.act256.View(t, 16);
+  }
+  auto rows = [&](int64_t lo, int64_t hi) {
+    int64_t base = 0;
+    for (const QLinearOut& o : outs) {
+      const int64_t a = std::max(lo, base), b = std::min(hi, base + o.out_dim);
+      if (a < b) {
+        const bool k = GetQTypeInfo(o.qtype).block == 256;
+        const std::span<const QActView> xs(k ? views256 : views32);
+        QLinearRows(o, dim, xs, a - base, b - base);
+      }
+      base += o.out_dim;
+    }
+  };
+  if (total * dim < kParallelMinWeights || pool.NumThreads() == 1) {
+    rows(0, total);
+    return;
+  }
+  const int64_t tasks = std::min<int64_t>(total, pool.NumThreads() * kTasksPerThread);
+  pool.Run(0, tasks, [&](int64_t task, int /*worker*/) {
+    rows(total * task / tasks, total * (task + 1) / tasks);
+  });
+}
+
+void DequantizeRows(const uint8_t* blocks, QType t, int64_t rows, int64_t cols, float* out) {
+  VisitQType(t, [&]<class F>(F) {
+    const int64_t nblocks = cols / F::kBlock;
+    for (int64_t r = 0; r < rows; ++r) {
+      qkern::DequantizeRow<F>(blocks + r * nblocks * F::kBytes, nblocks, out + r * cols);
+    }
+  });
+}
+
+void DequantizeGather(const uint8_t* blocks, QType t, int64_t cols, std::span<const int32_t> ids,
+                      float* out) {
+  VisitQType(t, [&]<class F>(F) {
+    const int64_t nblocks = cols / F::kBlock;
+    for (size_t k = 0; k < ids.size(); ++k) {
+      qkern::DequantizeRow<F>(blocks + ids[k] * nblocks * F::kBytes, nblocks, out + k * cols);
+    }
+  });
+}
+
+}  // namespace pij

@@ -1,0 +1,296 @@
+#include "cpu_backend/qsparse_ffn.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "cpu_backend/quant_kernels.h"
+#include "cpu_backend/simd.h"
+
+namespace pij {
+namespace {
+
+// Pieces: at least this many candidate neurons each, at most kMaxPieces (enough for the thread
+// counts decode runs at; fixed so that the partition never depends on the pool).
+constexpr int64_t kNeuronsPerPiece = 64;
+constexpr int64_t kMaxPieces = 16;
+// Prefill tokens per pass: the partial outputs are [pieces, chunk, D].
+constexpr int64_t kTokenChunk = 32;
+// Neurons estimated per step before their down rows are requested (as q4_ffn.cc).
+constexpr int64_t kEstimateBlock = 16;
+// Decode down rows per pass over y (as sparse_ffn_kernel.h's kDownGroup).
+constexpr int kDownGroup = 8;
+// Below this many output values the final reduction runs on the caller.
+constexpr int64_t kParallelReduceMin = 1 << 15;
+constexpr int64_t kCacheLine = 64;
+// Neurons ahead whose gate/up rows are requested while the current one's are read.
+constexpr size_t kGateUpAhead = 4;
+
+int64_t NumPieces(int64_t candidates) {
+  return std::clamp<int64_t>((candidates + kNeuronsPerPiece - 1) / kNeuronsPerPiece, 1, kMaxPieces);
+}
+
+inline void PrefetchL2(const uint8_t* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += kCacheLine) __builtin_prefetch(p + off, 0, 2);
+}
+
+// out[m][j * ntok + t] = row neurons[j] of matrix m . x_t for kRows matrices of format F. The
+// rows of the neuron kGateUpAhead places further (in `neurons`, then in `next`) are requested
+// first: selected neurons are scattered, and the hardware prefetcher does not follow gaps.
+template <class F, int kRows>
+void NeuronDots(const uint8_t* const* mats, std::span<const int32_t> neurons,
+                std::span<const int32_t> next, const QActView* xs, int64_t ntok, int64_t dim,
+                float* const* out) {
+  const int64_t nblocks = dim / F::kBlock;
+  const int64_t row_bytes = nblocks * F::kBytes;
+  float dots[kRows * qkern::kMaxTokens];
+  const size_t n = neurons.size();
+  for (size_t j = 0; j < n; ++j) {
+    const size_t a = j + kGateUpAhead;
+    if (a < n || a - n < next.size()) {
+      const int64_t i = a < n ? neurons[a] : next[a - n];
+      for (int m = 0; m < kRows; ++m) PrefetchL2(mats[m] + i * row_bytes, row_bytes);
+    }
+    const uint8_t* rows[kRows];
+    for (int m = 0; m < kRows; ++m) rows[m] = mats[m] + neurons[j] * row_bytes;
+    for (int64_t t = 0; t < ntok; t += qkern::kMaxTokens) {
+      const int n = static_cast<int>(std::min<int64_t>(qkern::kMaxTokens, ntok - t));
+      switch (n) {
+        case 1: qkern::DotTile<F, kRows, 1>(rows, xs + t, nblocks, dots); break;
+        case 2: qkern::DotTile<F, kRows, 2>(rows, xs + t, nblocks, dots); break;
+        case 3: qkern::DotTile<F, kRows, 3>(rows, xs + t, nblocks, dots); break;
+        default: qkern::DotTile<F, kRows, 4>(rows, xs + t, nblocks, dots); break;
+      }
+      for (int m = 0; m < kRows; ++m) {
+        for (int k = 0; k < n; ++k) out[m][j * ntok + t + k] = dots[m * n + k];
+      }
+    }
+  }
+}
+
+// The neurons' a_i for tokens [t0, t0 + ntok): act [j * ntok + t].
+void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseFfnScratch& s,
+                 std::span<const int32_t> neurons, std::span<const int32_t> next, int64_t t0,
+                 int64_t ntok, QSparseFfnScratch::Piece& piece) {
+  float* gate = piece.gate.data();
+  float* up = piece.up.data();
+  const bool gated = w.gate != nullptr;
+  if (gated && w.gate_type == w.up_type) {  // one pass: the two rows share the activation loads
+    VisitQType(w.up_type, [&]<class F>(F) {
+      const uint8_t* mats[2] = {w.gate, w.up};
+      float* outs[2] = {gate, up};
+      NeuronDots<F, 2>(mats, neurons, next, s.up_views.data() + t0, ntok, w.dim, outs);
+    });
+  } else {
+    if (gated) {
+      VisitQType(w.gate_type, [&]<class F>(F) {
+        NeuronDots<F, 1>(&w.gate, neurons, next, s.gate_views.data() + t0, ntok, w.dim, &gate);
+      });
+    }
+    VisitQType(w.up_type, [&]<class F>(F) {
+      NeuronDots<F, 1>(&w.up, neurons, next, s.up_views.data() + t0, ntok, w.dim, &up);
+    });
+  }
+  const int64_t n = static_cast<int64_t>(neurons.size()) * ntok;
+  if (w.b_up != nullptr) {
+    for (size_t j = 0; j < neurons.size(); ++j) {
+      for (int64_t t = 0; t < ntok; ++t) up[j * ntok + t] += w.b_up[neurons[j]];
+    }
+  }
+  // Whole vectors over the padded arrays: every value goes through the same vector code.
+  float* act = piece.act.data();
+  for (int64_t k = 0; k < n; k += simd::kLanes) {
+    const simd::Vec u = simd::Load(up + k);
+    const simd::Vec a = gated ? simd::Mul(simd::Activate(p.activation, simd::Load(gate + k)), u)
+                              : simd::Activate(p.activation, u);
+    simd::Store(act + k, a);
+  }
+}
+
+// Decode: y += sum over the listed (neuron, coef) of coef * down row, kDownGroup rows per pass.
+void AccumulateDown(const QFfnWeights& w, std::span<const int32_t> neurons,
+                    std::span<const float> coef, float* y) {
+  VisitQType(w.down_type, [&]<class F>(F) {
+    const int64_t nblocks = w.dim / F::kBlock;
+    const int64_t row_bytes = nblocks * F::kBytes;
+    const size_t n = neurons.size();
+    const uint8_t* rows[kDownGroup];
+    size_t k = 0;
+    for (; k + kDownGroup <= n; k += kDownGroup) {
+      for (int j = 0; j < kDownGroup; ++j) rows[j] = w.down + neurons[k + j] * row_bytes;
+      qkern::AxpyRows<F, kDownGroup>(rows, coef.data() + k, nblocks, y);
+    }
+    for (; k < n; ++k) {
+      rows[0] = w.down + neurons[k] * row_bytes;
+      qkern::AxpyRows<F, 1>(rows, coef.data() + k, nblocks, y);
+    }
+  });
+}
+
+// One piece's candidates for the tokens [t0, t0 + ntok) into its partial y [ntok, D] and counts.
+void RunPiece(const QFfnWeights& w, std::span<const float* const> score_rows,
+              const QSparseFfnParams& p, QSparseFfnScratch& s, std::span<const int32_t> cands,
+              int64_t t0, int64_t ntok, QSparseFfnScratch::Piece& piece, float* out,
+              int32_t* counts) {
+  const int64_t dim = w.dim;
+  const bool oracle = p.criterion == Criterion::kOracle;
+  const int64_t down_bytes = QRowBytes(w.down_type, dim);
+  std::fill_n(out, ntok * dim, 0.0f);
+  std::fill_n(counts, ntok, 0);
+  piece.active.clear();
+  piece.coef.clear();
+  int32_t block[kEstimateBlock];
+  for (size_t b = 0; b < cands.size(); b += kEstimateBlock) {
+    const size_t e = std::min(cands.size(), b + kEstimateBlock);
+    int64_t nb = 0;
+    for (size_t k = b; k < e; ++k) {  // scores: skip neurons no token of this chunk wants
+      bool wanted = oracle;
+      for (int64_t t = 0; t < ntok && !wanted; ++t) {
+        wanted = SelectedByScore(score_rows[t0 + t][cands[k]], p.threshold);
+      }
+      if (wanted) block[nb++] = cands[k];
+    }
+    if (nb == 0) continue;
+    const std::span<const int32_t> neurons(block, nb);
+    // The next candidates, whose rows NeuronDots requests ahead (for scores, some may be skipped).
+    const std::span<const int32_t> next =
+        cands.subspan(e, std::min(kGateUpAhead, cands.size() - e));
+    Activations(w, p, s, neurons, next, t0, ntok, piece);
+    const float* act = piece.act.data();
+    if (ntok == 1) {
+      for (int64_t j = 0; j < nb; ++j) {
+        if (oracle && !ActiveByMagnitude(act[j], p.threshold)) continue;
+        piece.active.push_back(block[j]);
+        piece.coef.push_back(act[j]);
+        PrefetchL2(w.down + block[j] * down_bytes, down_bytes);  // read after the estimates
+      }
+      continue;
+    }
+    VisitQType(w.down_type, [&]<class F>(F) {
+      const int64_t nblocks = dim / F::kBlock;
+      for (int64_t j = 0; j < nb; ++j) {
+        float coef[qkern::kMaxTokens];
+        float* ys[qkern::kMaxTokens];
+        int n = 0;
+        const uint8_t* row = w.down + block[j] * down_bytes;
+        for (int64_t t = 0; t < ntok; ++t) {
+          const float a = act[j * ntok + t];
+          const bool on = oracle ? ActiveByMagnitude(a, p.threshold)
+                                 : SelectedByScore(score_rows[t0 + t][block[j]], p.threshold);
+          if (!on) continue;
+          ++counts[t];
+          coef[n] = a;
+          ys[n++] = out + t * dim;
+          if (n == qkern::kMaxTokens) {
+            qkern::AxpyTokens<F>(row, coef, ys, n, nblocks);
+            n = 0;
+          }
+        }
+        if (n > 0) qkern::AxpyTokens<F>(row, coef, ys, n, nblocks);
+      }
+    });
+  }
+  if (ntok == 1) {
+    counts[0] = static_cast<int32_t>(piece.active.size());
+    AccumulateDown(w, piece.active, piece.coef, out);
+  }
+}
+
+void CollectCandidates(const QFfnWeights& w, std::span<const float* const> score_rows,
+                       const QSparseFfnParams& p, QSparseFfnScratch& s) {
+  const int64_t f = w.num_neurons;
+  std::vector<int32_t>& cands = s.candidates;
+  cands.clear();
+  if (p.criterion == Criterion::kOracle) {
+    for (int64_t i = 0; i < f; ++i) cands.push_back(static_cast<int32_t>(i));
+    return;
+  }
+  s.marks.assign(f, 0);
+  for (const float* row : score_rows) {
+    for (int64_t i = 0; i < f; ++i) {
+      s.marks[i] |= static_cast<uint8_t>(SelectedByScore(row[i], p.threshold));
+    }
+  }
+  for (int64_t i = 0; i < f; ++i) {
+    if (s.marks[i]) cands.push_back(static_cast<int32_t>(i));
+  }
+}
+
+}  // namespace
+
+void QSparseFfn(const QFfnWeights& w, std::span<const float* const> x_rows,
+                std::span<const float* const> score_rows, const QSparseFfnParams& params, float* y,
+                int32_t* n_active, QSparseFfnScratch& s, ThreadPool& pool) {
+  const int64_t num_tokens = static_cast<int64_t>(x_rows.size());
+  const int64_t dim = w.dim;
+  if (num_tokens == 0) return;
+  // The tokens quantized once for each block size the gate and up formats need.
+  const int64_t up_block = GetQTypeInfo(w.up_type).block;
+  const int64_t gate_block = w.gate != nullptr ? GetQTypeInfo(w.gate_type).block : up_block;
+  QActs& up_acts = up_block == 256 ? s.act256 : s.act32;
+  QActs& gate_acts = gate_block == 256 ? s.act256 : s.act32;
+  QuantizeActs(x_rows, dim, up_block, up_acts, pool);
+  if (gate_block != up_block) QuantizeActs(x_rows, dim, gate_block, gate_acts, pool);
+  s.up_views.resize(num_tokens);
+  s.gate_views.resize(num_tokens);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    s.up_views[t] = up_acts.View(t, up_block == 256 ? 16 : 32);
+    s.gate_views[t] = gate_acts.View(t, gate_block == 256 ? 16 : 32);
+  }
+  CollectCandidates(w, score_rows, params, s);
+  const std::span<const int32_t> cands(s.candidates);
+  const int64_t num_cands = static_cast<int64_t>(cands.size());
+  const int64_t pieces = NumPieces(num_cands);
+  const int64_t chunk = std::min(num_tokens, kTokenChunk);
+  if (static_cast<int64_t>(s.partial_y.size()) < pieces * chunk * dim) {
+    s.partial_y.resize(pieces * chunk * dim);
+  }
+  if (static_cast<int64_t>(s.partial_count.size()) < pieces * chunk) {
+    s.partial_count.resize(pieces * chunk);
+  }
+  if (static_cast<int64_t>(s.pieces.size()) < pieces) s.pieces.resize(pieces);
+  const int64_t padded = (kEstimateBlock * chunk + simd::kLanes - 1) / simd::kLanes * simd::kLanes;
+  for (int64_t k = 0; k < pieces; ++k) {
+    for (std::vector<float>* v : {&s.pieces[k].gate, &s.pieces[k].up, &s.pieces[k].act}) {
+      if (static_cast<int64_t>(v->size()) < padded) v->assign(padded, 0.0f);
+    }
+  }
+
+  for (int64_t t0 = 0; t0 < num_tokens; t0 += chunk) {
+    const int64_t ntok = std::min(chunk, num_tokens - t0);
+    const int64_t out_size = ntok * dim;
+    float* partial = s.partial_y.data();
+    int32_t* counts = s.partial_count.data();
+    pool.Run(0, pieces, [&](int64_t k, int /*worker*/) {
+      const int64_t lo = num_cands * k / pieces, hi = num_cands * (k + 1) / pieces;
+      RunPiece(w, score_rows, params, s, cands.subspan(lo, hi - lo), t0, ntok, s.pieces[k],
+               partial + k * out_size, counts + k * ntok);
+    });
+    // y = ((piece 0 + piece 1) + ...) + b_down, in piece order: deterministic.
+    float* yc = y + t0 * dim;
+    auto reduce = [&](int64_t lo, int64_t hi) {
+      std::copy(partial + lo, partial + hi, yc + lo);
+      for (int64_t k = 1; k < pieces; ++k) {
+        const float* src = partial + k * out_size;
+        for (int64_t j = lo; j < hi; ++j) yc[j] += src[j];
+      }
+      if (w.b_down != nullptr) {
+        for (int64_t j = lo; j < hi; ++j) yc[j] += w.b_down[j % dim];
+      }
+    };
+    if (out_size * pieces < kParallelReduceMin || pool.NumThreads() == 1) {
+      reduce(0, out_size);
+    } else {
+      const int64_t tasks = pool.NumThreads();
+      pool.Run(0, tasks, [&](int64_t c, int /*worker*/) {
+        reduce(out_size * c / tasks, out_size * (c + 1) / tasks);
+      });
+    }
+    for (int64_t t = 0; t < ntok; ++t) {
+      int32_t total = 0;
+      for (int64_t k = 0; k < pieces; ++k) total += counts[k * ntok + t];
+      n_active[t0 + t] = total;
+    }
+  }
+}
+
+}  // namespace pij

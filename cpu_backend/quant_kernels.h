@@ -1,0 +1,242 @@
+// The inner loops of the quantized kernels, written once over a format's traits (quant_formats.h):
+//   DotTile     kR weight rows x kC tokens of int8 activations -> kR * kC dot products
+//   AxpyRows    y += sum_k coef[k] * row_k (dequantized on the fly): sparse FFN down rows, decode
+//   AxpyTokens  y_t += coef_t * row for up to kMaxTokens tokens: down rows, prefill
+//   DequantizeRow  a row to float (tests, debugging)
+// Single-threaded and allocation-free; qlinear.cc / qsparse_ffn.cc split the work over threads.
+// Every (row, token) result goes through the same operations in the same order whatever tile it
+// is computed in, so results do not depend on tiling or on how rows are split over threads.
+#ifndef PIJ_CPU_BACKEND_QUANT_KERNELS_H_
+#define PIJ_CPU_BACKEND_QUANT_KERNELS_H_
+
+#include <cstdint>
+
+#include "cpu_backend/quant_act.h"
+#include "cpu_backend/quant_formats.h"
+#include "cpu_backend/quant_simd.h"
+
+namespace pij::qkern {
+
+using qsimd::F32x8;
+using qsimd::I8x32;
+
+template <class F>
+inline qsimd::I32x8 Dot(I8x32 w, I8x32 x) {
+  if constexpr (F::kSigned) {
+    return qsimd::DotS8S8(w, x);
+  } else {
+    return qsimd::DotU8S8(w, x);
+  }
+}
+
+// The activations' minimum sums each format reads: per 16 values for the K-quants, per 32 else.
+template <class F>
+constexpr int64_t MinGroup() {
+  return F::kBlock == 256 ? 16 : 32;
+}
+
+// out[r * kC + t] = row r . x_t over nblocks blocks. rows: kR pointers to a row's first block.
+template <class F, int kR, int kC>
+inline void DotTile(const uint8_t* const* rows, const QActView* xs, int64_t nblocks, float* out) {
+  F32x8 acc[kR][kC];
+  for (int r = 0; r < kR; ++r) {
+    for (int t = 0; t < kC; ++t) acc[r][t] = qsimd::Zero();
+  }
+  if constexpr (F::kChunks == 1) {
+    // Legacy: per block acc += dot * (s * d_x); the minimum's term m * c in a scalar per pair.
+    float macc[kR][kC] = {};
+    for (int64_t b = 0; b < nblocks; ++b) {
+      for (int r = 0; r < kR; ++r) {
+        const uint8_t* blk = rows[r] + b * F::kBytes;
+        typename F::Prep p;
+        F::Prepare(blk, p);
+        const I8x32 u = F::Unpack(blk, 0);
+        for (int t = 0; t < kC; ++t) {
+          const qsimd::I32x8 dot = Dot<F>(u, qsimd::Load32(xs[t].q + b * 32));
+          acc[r][t] = qsimd::MulAdd(qsimd::ToF32(dot), qsimd::Set1(p.s * xs[t].d[b]), acc[r][t]);
+          if constexpr (F::kHasMin) macc[r][t] += p.m * xs[t].c[b];
+        }
+      }
+    }
+    for (int r = 0; r < kR; ++r) {
+      for (int t = 0; t < kC; ++t) out[r * kC + t] = qsimd::ReduceSum(acc[r][t]) + macc[r][t];
+    }
+  } else {
+    // K-quants: per super-block, sum over chunks of dot * s (lane-wise per-16 scales), times d_x
+    // once; the minimums' term m . c over the block's 16 halves in two vector FMAs.
+    F32x8 macc[kR][kC];
+    for (int r = 0; r < kR; ++r) {
+      for (int t = 0; t < kC; ++t) macc[r][t] = qsimd::Zero();
+    }
+    for (int64_t b = 0; b < nblocks; ++b) {
+      typename F::Prep p[kR];
+      const uint8_t* blk[kR];
+      for (int r = 0; r < kR; ++r) {
+        blk[r] = rows[r] + b * F::kBytes;
+        F::Prepare(blk[r], p[r]);
+      }
+      F32x8 part[kR][kC];
+      for (int r = 0; r < kR; ++r) {
+        for (int t = 0; t < kC; ++t) part[r][t] = qsimd::Zero();
+      }
+#pragma GCC unroll 8
+      for (int c = 0; c < F::kChunks; ++c) {
+        for (int r = 0; r < kR; ++r) {
+          const I8x32 u = F::Unpack(blk[r], c);
+          const F32x8 s = F::ChunkScale(p[r], c);
+          for (int t = 0; t < kC; ++t) {
+            const qsimd::I32x8 dot = Dot<F>(u, qsimd::Load32(xs[t].q + b * 256 + 32 * c));
+            part[r][t] = qsimd::MulAdd(qsimd::ToF32(dot), s, part[r][t]);
+          }
+        }
+      }
+      for (int t = 0; t < kC; ++t) {
+        const F32x8 dx = qsimd::Set1(xs[t].d[b]);
+        const float* c = xs[t].c + b * 16;
+        for (int r = 0; r < kR; ++r) {
+          acc[r][t] = qsimd::MulAdd(part[r][t], dx, acc[r][t]);
+          macc[r][t] = qsimd::MulAdd(p[r].m[0], qsimd::Load(c), macc[r][t]);
+          macc[r][t] = qsimd::MulAdd(p[r].m[1], qsimd::Load(c + 8), macc[r][t]);
+        }
+      }
+    }
+    for (int r = 0; r < kR; ++r) {
+      for (int t = 0; t < kC; ++t) {
+        out[r * kC + t] = qsimd::ReduceSum(acc[r][t]) + qsimd::ReduceSum(macc[r][t]);
+      }
+    }
+  }
+}
+
+// A block's per-16 scales and minimums as plain floats: [0, 2) for legacy blocks, [0, 16) for
+// K-quant super-blocks.
+template <class F>
+inline void HalfScales(const typename F::Prep& p, float* s, float* m) {
+  if constexpr (F::kChunks == 1) {
+    s[0] = s[1] = p.s;
+    m[0] = m[1] = p.m;
+  } else {
+    for (int h = 0; h < 2; ++h) {
+      qsimd::Store(s + 8 * h, p.s[h]);
+      qsimd::Store(m + 8 * h, p.m[h]);
+    }
+  }
+}
+
+// Weights 8q .. 8q + 7 of chunk c as floats: widened straight from memory where the format stores
+// plain int8 (Q8_0: one load-and-extend), else from the unpacked chunk u.
+template <class F>
+inline F32x8 ChunkPart(const uint8_t* blk, const I8x32& u, int c, int q) {
+  if constexpr (F::kSigned) {
+    return qsimd::S8ToF32(F::PlainQuants(blk) + 32 * c + 8 * q);
+  } else {
+    return qsimd::BytesToF32<false>(u, q);
+  }
+}
+
+// The chunk's unpacked bytes, where ChunkPart needs them.
+template <class F>
+inline I8x32 UnpackForParts(const uint8_t* blk, int c) {
+  if constexpr (F::kSigned) {
+    return I8x32{};
+  } else {
+    return F::Unpack(blk, c);
+  }
+}
+
+// y[0, D) += sum_k coef[k] * dequant(rows[k]) for kN rows, in one pass over y: y is loaded and
+// stored once per chunk for all kN rows. Per element the rows' products are added in row order,
+// then their minimums' sum.
+template <class F, int kN>
+inline void AxpyRows(const uint8_t* const* rows, const float* coef, int64_t nblocks, float* y) {
+  constexpr int kHalves = F::kBlock / 16;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    float cs[kN][kHalves];  // coef * s per row and half
+    float msum[kHalves] = {};
+    for (int k = 0; k < kN; ++k) {
+      typename F::Prep p;
+      F::Prepare(rows[k] + b * F::kBytes, p);
+      float s[16], m[16];
+      HalfScales<F>(p, s, m);
+      for (int h = 0; h < kHalves; ++h) {
+        cs[k][h] = coef[k] * s[h];
+        msum[h] += coef[k] * m[h];
+      }
+    }
+    float* yb = y + b * F::kBlock;
+#pragma GCC unroll 8
+    for (int c = 0; c < F::kChunks; ++c) {
+      F32x8 yv[4];
+      for (int q = 0; q < 4; ++q) yv[q] = qsimd::Load(yb + 32 * c + 8 * q);
+      for (int k = 0; k < kN; ++k) {
+        const uint8_t* blk = rows[k] + b * F::kBytes;
+        const I8x32 u = UnpackForParts<F>(blk, c);
+        for (int q = 0; q < 4; ++q) {
+          yv[q] = qsimd::MulAdd(ChunkPart<F>(blk, u, c, q), qsimd::Set1(cs[k][2 * c + q / 2]),
+                                yv[q]);
+        }
+      }
+      for (int q = 0; q < 4; ++q) {
+        if constexpr (F::kHasMin) yv[q] = qsimd::Add(yv[q], qsimd::Set1(msum[2 * c + q / 2]));
+        qsimd::Store(yb + 32 * c + 8 * q, yv[q]);
+      }
+    }
+  }
+}
+
+// y[t][0, D) += coef[t] * dequant(row) for n <= kMaxTokens tokens; the row is unpacked once.
+constexpr int kMaxTokens = 4;
+
+template <class F>
+inline void AxpyTokens(const uint8_t* row, const float* coef, float* const* y, int n,
+                       int64_t nblocks) {
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* blk = row + b * F::kBytes;
+    typename F::Prep p;
+    F::Prepare(blk, p);
+    float s[16], m[16];
+    HalfScales<F>(p, s, m);
+#pragma GCC unroll 8
+    for (int c = 0; c < F::kChunks; ++c) {
+      const I8x32 u = UnpackForParts<F>(blk, c);
+      F32x8 w[4];  // the chunk's 32 weights, dequantized once for every token
+      for (int q = 0; q < 4; ++q) {
+        const int h = 2 * c + q / 2;
+        w[q] = qsimd::MulAdd(ChunkPart<F>(blk, u, c, q), qsimd::Set1(s[h]), qsimd::Set1(m[h]));
+      }
+      for (int t = 0; t < n; ++t) {
+        float* yc = y[t] + b * F::kBlock + 32 * c;
+        const F32x8 a = qsimd::Set1(coef[t]);
+        for (int q = 0; q < 4; ++q) {
+          qsimd::Store(yc + 8 * q, qsimd::MulAdd(a, w[q], qsimd::Load(yc + 8 * q)));
+        }
+      }
+    }
+  }
+}
+
+// out[0, nblocks * kBlock) = the row's weights, s * u + m (a multiply, then an add, as the gguf
+// package's numpy dequantizers round).
+template <class F>
+inline void DequantizeRow(const uint8_t* row, int64_t nblocks, float* out) {
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* blk = row + b * F::kBytes;
+    typename F::Prep p;
+    F::Prepare(blk, p);
+    float s[16], m[16];
+    HalfScales<F>(p, s, m);
+    for (int c = 0; c < F::kChunks; ++c) {
+      const I8x32 u = F::Unpack(blk, c);
+      for (int q = 0; q < 4; ++q) {
+        const int h = 2 * c + q / 2;
+        const F32x8 su = qsimd::Mul(qsimd::BytesToF32<F::kSigned>(u, q), qsimd::Set1(s[h]));
+        const F32x8 w = qsimd::Add(su, qsimd::Set1(m[h]));
+        qsimd::Store(out + b * F::kBlock + 32 * c + 8 * q, w);
+      }
+    }
+  }
+}
+
+}  // namespace pij::qkern
+
+#endif  // PIJ_CPU_BACKEND_QUANT_KERNELS_H_

@@ -1,0 +1,168 @@
+// CPU FFI handlers for the quantized linear ops (cpu_backend/qlinear.h) and the embedding lookup
+// on a quantized table (qembedding, below): x f32 [..., D]; blocks
+// uint8 [O, row_bytes] (a GGUF tensor's raw rows, extra leading size-1 dims allowed for vmap);
+// bias f32 [O] or zero-size (absent); attribute qtype (GGML type id); y f32 [..., O].
+// qlinear_many: x, then n blocks, then n biases; attribute qtypes (int32 [n]); n results, as one
+// pool job.
+#include <exception>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cpu_backend/qlinear.h"
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_runtime.h"
+#include "xla_ffi/ffi_util.h"
+#include "xla_ffi/quant_args.h"
+
+namespace pij {
+namespace {
+
+constexpr std::string_view kOp = "qlinear";
+
+ffi::Error CheckX(ffi::AnyBuffer x, int64_t& dim, int64_t& rows) {
+  const auto dims = x.dimensions();
+  if (x.element_type() != ffi::DataType::F32 || dims.size() == 0) {
+    return InvalidArg(kOp, "x", "float32 [..., D]",
+                      std::string(DtypeName(x.element_type())) + " " + ShapeString(dims));
+  }
+  dim = dims.back();
+  rows = dim == 0 ? 0 : static_cast<int64_t>(x.element_count()) / dim;
+  return ffi::Error::Success();
+}
+
+// One product: blocks, bias and y checked against D and the x rows; `which` names it in errors.
+ffi::Error CheckProduct(const std::string& which, int64_t dim, int64_t rows, ffi::AnyBuffer blocks,
+                        int32_t qtype_id, ffi::AnyBuffer bias, ffi::AnyBuffer y, QLinearOut& out) {
+  int64_t out_dim = -1;
+  if (ffi::Error e =
+          DecodeQWeight(kOp, which + "blocks", blocks, qtype_id, dim, out_dim, out.qtype);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = DecodeOptionalF32(kOp, which + "bias", bias, out_dim, out.bias); e.failure()) {
+    return e;
+  }
+  if (y.element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(y.element_count()) != rows * out_dim) {
+    return InvalidArg(kOp, which + "y (result)", "float32 [..., " + std::to_string(out_dim) + "]",
+                      ShapeString(y.dimensions()));
+  }
+  out.w = static_cast<const uint8_t*>(blocks.untyped_data());
+  out.out_dim = out_dim;
+  out.y = static_cast<float*>(y.untyped_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error Run(ffi::AnyBuffer x, int64_t dim, int64_t rows, const std::vector<QLinearOut>& outs) {
+  if (rows == 0 || outs.empty()) return ffi::Error::Success();
+  try {
+    CpuRuntime& rt = GetCpuRuntime();
+    std::lock_guard<std::mutex> lock(rt.mutex);
+    SetContiguousRows(rt, static_cast<const float*>(x.untyped_data()), rows, dim);
+    QLinearMany(outs, dim, rt.x_rows, rt.qlinear, rt.pool);
+    return ffi::Error::Success();
+  } catch (const std::exception& e) {  // bad_alloc growing scratch: report, never abort
+    return ffi::Error::Internal(std::string("qlinear: ") + e.what());
+  }
+}
+
+ffi::Error QLinearCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer blocks, ffi::AnyBuffer bias,
+                          ffi::Result<ffi::AnyBuffer> y, int32_t qtype) {
+  int64_t dim, rows;
+  if (ffi::Error e = CheckX(x, dim, rows); e.failure()) return e;
+  QLinearOut out;
+  if (ffi::Error e = CheckProduct("", dim, rows, blocks, qtype, bias, *y, out); e.failure()) {
+    return e;
+  }
+  if (out.out_dim == 0) return ffi::Error::Success();
+  return Run(x, dim, rows, {out});
+}
+
+ffi::Error QLinearManyCpuImpl(ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                              ffi::Span<const int32_t> qtypes) {
+  int64_t dim, rows;
+  if (ffi::Error e = CheckX(x, dim, rows); e.failure()) return e;
+  const size_t n = rets.size();
+  if (n == 0 || args.size() != 2 * n || qtypes.size() != n) {
+    return InvalidArg(kOp, "operands", "x, n blocks, n biases and n qtypes for n results (n >= 1)",
+                      std::to_string(args.size()) + " operands after x and " +
+                          std::to_string(qtypes.size()) + " qtypes for " + std::to_string(n) +
+                          " results");
+  }
+  std::vector<QLinearOut> outs;
+  for (size_t i = 0; i < n; ++i) {
+    const std::string which = "[" + std::to_string(i) + "] ";
+    auto blocks = args.get<ffi::AnyBuffer>(i);
+    auto bias = args.get<ffi::AnyBuffer>(n + i);
+    auto y = rets.get<ffi::AnyBuffer>(i);
+    if (!blocks.has_value() || !bias.has_value() || !y.has_value()) {
+      return InvalidArg(kOp, which + "operand", "an array", "none");
+    }
+    QLinearOut out;
+    if (ffi::Error e = CheckProduct(which, dim, rows, *blocks, qtypes[i], *bias, **y, out);
+        e.failure()) {
+      return e;
+    }
+    if (out.out_dim > 0) outs.push_back(out);
+  }
+  return Run(x, dim, rows, outs);
+}
+
+// qembedding: ids s32 [...], blocks u8 [V, row_bytes], attributes qtype and dim (D); y f32
+// [..., D] = the rows ids of the table, dequantized. Ids outside [0, V) are an error.
+ffi::Error QEmbeddingCpuImpl(ffi::AnyBuffer ids, ffi::AnyBuffer blocks,
+                             ffi::Result<ffi::AnyBuffer> y, int32_t qtype, int64_t dim) {
+  constexpr std::string_view kEmbOp = "qembedding";
+  if (ids.element_type() != ffi::DataType::S32) {
+    return InvalidArg(kEmbOp, "ids", "int32 [...]", DtypeName(ids.element_type()));
+  }
+  int64_t vocab = -1;
+  QType t;
+  if (ffi::Error e = DecodeQWeight(kEmbOp, "blocks", blocks, qtype, dim, vocab, t); e.failure()) {
+    return e;
+  }
+  const int64_t n = static_cast<int64_t>(ids.element_count());
+  if (y->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(y->element_count()) != n * dim) {
+    return InvalidArg(kEmbOp, "y (result)", "float32 [..., " + std::to_string(dim) + "]",
+                      ShapeString(y->dimensions()));
+  }
+  const std::span<const int32_t> id(static_cast<const int32_t*>(ids.untyped_data()), n);
+  for (const int32_t i : id) {
+    if (i < 0 || i >= vocab) {
+      return InvalidArg(kEmbOp, "ids", "rows of the table, in [0, " + std::to_string(vocab) + ")",
+                        std::to_string(i));
+    }
+  }
+  DequantizeGather(static_cast<const uint8_t*>(blocks.untyped_data()), t, dim, id,
+                   static_cast<float*>(y->untyped_data()));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace pij
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQLinearCpu, pij::QLinearCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // blocks
+                                  .Arg<xla::ffi::AnyBuffer>()  // bias
+                                  .Ret<xla::ffi::AnyBuffer>()  // y
+                                  .Attr<int32_t>("qtype"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQEmbeddingCpu, pij::QEmbeddingCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // ids
+                                  .Arg<xla::ffi::AnyBuffer>()  // blocks
+                                  .Ret<xla::ffi::AnyBuffer>()  // y
+                                  .Attr<int32_t>("qtype")
+                                  .Attr<int64_t>("dim"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQLinearManyCpu, pij::QLinearManyCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .RemainingArgs()             // blocks, then biases
+                                  .RemainingRets()             // one y per blocks
+                                  .Attr<xla::ffi::Span<const int32_t>>("qtypes"));

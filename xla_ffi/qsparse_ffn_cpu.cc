@@ -1,0 +1,143 @@
+// CPU FFI handler for the quantized sparse FFN (cpu_backend/qsparse_ffn.h).
+// Operands (absent optionals as zero-size arrays):
+//   x       f32 [..., D]          leading dims broadcast against y's (vmap: size 1 or equal)
+//   gate    u8  [1.., F, Bg] or empty (non-gated)   Bg = QRowBytes(gate_qtype, D)
+//   up      u8  [1.., F, Bu]
+//   down    u8  [1.., F, Bd]      neuron i's down row, blocked along D
+//   b_up    f32 [F] or empty;  b_down f32 [D] or empty
+//   scores  f32 [..., F]          criterion "scores"; empty for "oracle"
+// Results: y f32 [..., D], n_active s32 [...]. Attributes: gate_qtype, up_qtype, down_qtype
+// (GGML type ids), threshold (f32, finite, >= 0), activation, criterion ("scores" | "oracle").
+#include <cmath>
+#include <exception>
+#include <mutex>
+#include <string>
+
+#include "cpu_backend/qsparse_ffn.h"
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_runtime.h"
+#include "xla_ffi/ffi_util.h"
+#include "xla_ffi/quant_args.h"
+
+namespace pij {
+namespace {
+
+constexpr std::string_view kOp = "qsparse_ffn";
+using Dims = ffi::Span<const int64_t>;
+
+Dims Leading(Dims dims) { return Dims(dims.begin(), dims.size() == 0 ? 0 : dims.size() - 1); }
+
+ffi::Error QSparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuffer up,
+                             ffi::AnyBuffer down, ffi::AnyBuffer b_up, ffi::AnyBuffer b_down,
+                             ffi::AnyBuffer scores, ffi::Result<ffi::AnyBuffer> y,
+                             ffi::Result<ffi::AnyBuffer> n_active, int32_t gate_qtype,
+                             int32_t up_qtype, int32_t down_qtype, float threshold,
+                             std::string_view activation, std::string_view criterion) {
+  QFfnWeights w;
+  QSparseFfnParams p;
+  if (ffi::Error e = ParseActivation(kOp, activation, p.activation); e.failure()) return e;
+  if (criterion == "scores") {
+    p.criterion = Criterion::kScores;
+  } else if (criterion == "oracle") {
+    p.criterion = Criterion::kOracle;
+  } else {
+    return InvalidArg(kOp, "criterion", "one of scores, oracle", criterion);
+  }
+  if (!std::isfinite(threshold) || threshold < 0.0f) {
+    return InvalidArg(kOp, "threshold", "a finite number >= 0", std::to_string(threshold));
+  }
+  p.threshold = threshold;
+  const Dims x_dims = x.dimensions();
+  if (x.element_type() != ffi::DataType::F32 || x_dims.size() == 0) {
+    return InvalidArg(kOp, "x", "float32 [..., D]",
+                      std::string(DtypeName(x.element_type())) + " " + ShapeString(x_dims));
+  }
+  const int64_t dim = x_dims.back();
+  int64_t f = -1;
+  if (ffi::Error e = DecodeQWeight(kOp, "up", up, up_qtype, dim, f, w.up_type); e.failure()) {
+    return e;
+  }
+  if (gate.element_count() != 0) {
+    if (ffi::Error e = DecodeQWeight(kOp, "gate", gate, gate_qtype, dim, f, w.gate_type);
+        e.failure()) {
+      return e;
+    }
+    w.gate = static_cast<const uint8_t*>(gate.untyped_data());
+  }
+  if (ffi::Error e = DecodeQWeight(kOp, "down", down, down_qtype, dim, f, w.down_type);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = DecodeOptionalF32(kOp, "b_up", b_up, f, w.b_up); e.failure()) return e;
+  if (ffi::Error e = DecodeOptionalF32(kOp, "b_down", b_down, dim, w.b_down); e.failure()) return e;
+  w.up = static_cast<const uint8_t*>(up.untyped_data());
+  w.down = static_cast<const uint8_t*>(down.untyped_data());
+  w.num_neurons = f;
+  w.dim = dim;
+
+  const Dims y_dims = y->dimensions();
+  if (y->element_type() != ffi::DataType::F32 || y_dims.size() == 0 || y_dims.back() != dim ||
+      n_active->element_type() != ffi::DataType::S32 ||
+      n_active->element_count() * dim != y->element_count()) {
+    return InvalidArg(kOp, "results", "float32 [..., " + std::to_string(dim) + "] and int32 [...]",
+                      ShapeString(y_dims) + ", " + ShapeString(n_active->dimensions()));
+  }
+  const Dims rows_dims = Leading(y_dims);
+  const int64_t rows = static_cast<int64_t>(n_active->element_count());
+  try {
+    CpuRuntime& rt = GetCpuRuntime();
+    std::lock_guard<std::mutex> lock(rt.mutex);
+    if (!BroadcastRows(Leading(x_dims), rows_dims, rt.x_src)) {
+      return InvalidArg(kOp, "x shape", "leading dims broadcastable to " + ShapeString(rows_dims),
+                        ShapeString(x_dims));
+    }
+    const bool by_scores = p.criterion == Criterion::kScores;
+    const Dims s_dims = scores.dimensions();
+    const bool scores_ok = scores.element_type() == ffi::DataType::F32 && s_dims.size() > 0 &&
+                           s_dims.back() == f &&
+                           BroadcastRows(Leading(s_dims), rows_dims, rt.score_src);
+    if (by_scores && !scores_ok) {
+      return InvalidArg(kOp, "scores",
+                        "float32 [..., " + std::to_string(f) + "] broadcastable to the rows " +
+                            ShapeString(rows_dims) + " (criterion scores)",
+                        std::string(DtypeName(scores.element_type())) + " " + ShapeString(s_dims));
+    }
+    if (rows == 0) return ffi::Error::Success();
+    const float* xp = static_cast<const float*>(x.untyped_data());
+    rt.x_rows.resize(rows);
+    for (int64_t r = 0; r < rows; ++r) rt.x_rows[r] = xp + rt.x_src[r] * dim;
+    rt.score_rows.clear();
+    if (by_scores) {
+      const float* sp = static_cast<const float*>(scores.untyped_data());
+      rt.score_rows.resize(rows);
+      for (int64_t r = 0; r < rows; ++r) rt.score_rows[r] = sp + rt.score_src[r] * f;
+    }
+    QSparseFfn(w, rt.x_rows, rt.score_rows, p, static_cast<float*>(y->untyped_data()),
+               static_cast<int32_t*>(n_active->untyped_data()), rt.qsparse_ffn, rt.pool);
+    return ffi::Error::Success();
+  } catch (const std::exception& e) {  // bad_alloc growing scratch: report, never abort
+    return ffi::Error::Internal(std::string("qsparse_ffn: ") + e.what());
+  }
+}
+
+}  // namespace
+}  // namespace pij
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQSparseFfnCpu, pij::QSparseFfnCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // gate
+                                  .Arg<xla::ffi::AnyBuffer>()  // up
+                                  .Arg<xla::ffi::AnyBuffer>()  // down
+                                  .Arg<xla::ffi::AnyBuffer>()  // b_up
+                                  .Arg<xla::ffi::AnyBuffer>()  // b_down
+                                  .Arg<xla::ffi::AnyBuffer>()  // scores
+                                  .Ret<xla::ffi::AnyBuffer>()  // y
+                                  .Ret<xla::ffi::AnyBuffer>()  // n_active
+                                  .Attr<int32_t>("gate_qtype")
+                                  .Attr<int32_t>("up_qtype")
+                                  .Attr<int32_t>("down_qtype")
+                                  .Attr<float>("threshold")
+                                  .Attr<std::string_view>("activation")
+                                  .Attr<std::string_view>("criterion"));

@@ -1,0 +1,56 @@
+#include "xla_ffi/quant_args.h"
+
+#include <string>
+
+#include "xla_ffi/ffi_util.h"
+
+namespace pij {
+
+ffi::Error DecodeQWeight(std::string_view op, std::string_view what, ffi::AnyBuffer blocks,
+                         int32_t qtype_id, int64_t dim, int64_t& rows, QType& qtype) {
+  const std::string w(what);
+  if (!IsQType(qtype_id)) {
+    return InvalidArg(op, w + " qtype",
+                      "a GGML block type id: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q2_K=10, "
+                      "Q3_K=11, Q4_K=12, Q5_K=13, Q6_K=14",
+                      std::to_string(qtype_id));
+  }
+  qtype = static_cast<QType>(qtype_id);
+  const QTypeInfo info = GetQTypeInfo(qtype);
+  if (dim <= 0 || dim % info.block != 0) {
+    return InvalidArg(op, "x's last dim D (" + w + " in " + info.name + ")",
+                      "a positive multiple of the " + std::string(info.name) + " block (" +
+                          std::to_string(info.block) + ")",
+                      std::to_string(dim));
+  }
+  const int64_t row_bytes = dim / info.block * info.bytes;
+  const auto dims = blocks.dimensions();
+  const bool shape_ok = dims.size() >= 2 && LeadingOnes(dims, 2) && dims.back() == row_bytes &&
+                        (rows < 0 || dims[dims.size() - 2] == rows);
+  if (blocks.element_type() != ffi::DataType::U8 || !shape_ok) {
+    return InvalidArg(op, w,
+                      "uint8 [" + (rows < 0 ? std::string("R") : std::to_string(rows)) + ", " +
+                          std::to_string(row_bytes) + "] (" + std::to_string(dim / info.block) +
+                          " " + info.name + " blocks of " + std::to_string(info.bytes) +
+                          " bytes per row of D = " + std::to_string(dim) + ")",
+                      std::string(DtypeName(blocks.element_type())) + " " + ShapeString(dims));
+  }
+  rows = dims[dims.size() - 2];
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeOptionalF32(std::string_view op, std::string_view what, ffi::AnyBuffer b,
+                             int64_t n, const float*& out) {
+  out = nullptr;
+  if (b.element_count() == 0) return ffi::Error::Success();
+  const auto dims = b.dimensions();
+  if (b.element_type() != ffi::DataType::F32 || dims.size() == 0 || dims.back() != n ||
+      !LeadingOnes(dims, 1)) {
+    return InvalidArg(op, what, "float32 [" + std::to_string(n) + "] or absent",
+                      std::string(DtypeName(b.element_type())) + " " + ShapeString(dims));
+  }
+  out = static_cast<const float*>(b.untyped_data());
+  return ffi::Error::Success();
+}
+
+}  // namespace pij

@@ -1,0 +1,26 @@
+// Validation of quantized-weight operands, shared by the qlinear and qsparse_ffn handlers.
+#ifndef PIJ_XLA_FFI_QUANT_ARGS_H_
+#define PIJ_XLA_FFI_QUANT_ARGS_H_
+
+#include <cstdint>
+#include <string_view>
+
+#include "cpu_backend/quant_formats.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace pij {
+
+namespace ffi = xla::ffi;
+
+// `qtype_id` a block format of quant_formats.h, `dim` a multiple of its block, and `blocks` uint8
+// [1.., R, QRowBytes(qtype, dim)]. rows: R to require, or -1 to read it from blocks.
+ffi::Error DecodeQWeight(std::string_view op, std::string_view what, ffi::AnyBuffer blocks,
+                         int32_t qtype_id, int64_t dim, int64_t& rows, QType& qtype);
+
+// An optional float32 [1.., n]; zero-size means absent (out = nullptr).
+ffi::Error DecodeOptionalF32(std::string_view op, std::string_view what, ffi::AnyBuffer b,
+                             int64_t n, const float*& out);
+
+}  // namespace pij
+
+#endif  // PIJ_XLA_FFI_QUANT_ARGS_H_
