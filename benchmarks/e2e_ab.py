@@ -30,28 +30,15 @@ DEFAULT_MODES = ("dense", "predictor", "predictor_q4gu")
 
 
 def build(name: str, ckpt, mode: str, dtype: str, target: float, max_seq_len: int):
-    import jax.numpy as jnp
+    """The engine of one mode; the two ablations are build options (RuntimeConfig)."""
+    from experiments import _common
 
-    from powerinfer_jax.config import SparsityConfig
-    from powerinfer_jax.models.transformer import from_params
-    from powerinfer_jax.runtime.decode import Engine
-    from powerinfer_jax.sparsity import artifacts as A
-
-    model = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(dtype), kernels="auto")
-    if mode.startswith("dense"):
-        if mode == "dense_xla_attention":
-            for layer in model.layers:
-                layer.attn.kernels = "xla"  # Attention's decode custom call off; matmuls unchanged
-        return Engine(model, max_seq_len=max_seq_len)
-    arts = A.ensure_artifacts(name, ckpt.source, model, ckpt.tokenizer, target,
-                              need_predictor=False)
-    thresholds = A.use_predictor(model, arts, "q4")
-    if mode == "predictor_q4gu_qkv3":
-        for layer in model.layers:
-            layer.attn.fuse_qkv = False
-    sparsity = SparsityConfig(mode="predictor", target_sparsity=target, predictor="q4",
-                              gate_up="q4" if mode.startswith("predictor_q4gu") else "full")
-    return Engine(model, max_seq_len=max_seq_len, sparsity=sparsity, thresholds=thresholds)
+    label = {"dense_xla_attention": "dense", "predictor_q4gu_qkv3": "predictor_q4gu"}.get(mode,
+                                                                                       mode)
+    return _common.build_mode(name, label, dtype=dtype, max_seq_len=max_seq_len, checkpoint=ckpt,
+                              target=target,
+                              decode_attention="xla" if mode == "dense_xla_attention" else "auto",
+                              fuse_qkv=mode != "predictor_q4gu_qkv3").engine
 
 
 def main(argv=None) -> None:
@@ -72,11 +59,10 @@ def main(argv=None) -> None:
         raise SystemExit("--modes: expected dense among them (the ratios' reference)")
 
     from experiments import _common
-    from powerinfer_jax import _cli, ops
+    from powerinfer_jax import _cli
     from powerinfer_jax.checkpoint import load_checkpoint
 
     threads = _cli.configure_threads(args.threads)
-    ops.set_num_threads(threads)
     ckpt = load_checkpoint(args.model)
     max_len = args.prompt_tokens + args.new_tokens + 8
     rows = []

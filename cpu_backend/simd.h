@@ -158,16 +158,6 @@ inline Vec Activate(Activation act, Vec x) {
   }
 }
 
-// Hints the next rows into cache. Rows of different neurons are not adjacent in memory, so the
-// hardware prefetcher cannot see the next active row coming; it also stops at page boundaries.
-inline void Prefetch(const void* p) {
-#if defined(PIJ_SIMD_AVX512) || defined(PIJ_SIMD_AVX2)
-  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
-#else
-  __builtin_prefetch(p);
-#endif
-}
-
 }  // namespace pij::simd
 
 #endif  // PIJ_CPU_BACKEND_SIMD_H_

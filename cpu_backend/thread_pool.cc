@@ -1,5 +1,7 @@
 #include "cpu_backend/thread_pool.h"
 
+#include <pthread.h>
+
 #include <immintrin.h>
 
 namespace pij {
@@ -41,7 +43,10 @@ void ThreadPool::StartWorkers(int n) {
   // first Run's bump as new work.
   const uint32_t start_epoch = epoch_.load(std::memory_order_acquire);
   for (int worker = 1; worker < n; ++worker) {
-    workers_.emplace_back([this, worker, start_epoch] { WorkerLoop(worker, start_epoch); });
+    workers_.emplace_back([this, worker, start_epoch] {
+      pthread_setname_np(pthread_self(), "pij-pool");  // visible in top -H and /proc: tests count them
+      WorkerLoop(worker, start_epoch);
+    });
   }
 }
 

@@ -156,3 +156,31 @@ def mode_label(row: dict) -> str:
         return row.get("mode", "")
     kind = row.get("predictor", "lowrank")
     return f"predictor ({kind}, gate/up q4)" if row.get("gate_up") == "q4" else f"predictor ({kind})"
+
+
+PREDICTOR = "q4"  # predictor mode's predictor in every experiment (sparsity/q4_predictor.py)
+
+
+def sparsity_for(label: str, target: float | None = None):
+    """The SparsityConfig of an experiment's mode label: "dense", "predictor" (q4 predictor,
+    gate/up rows at the dtype), "predictor_q4gu" (--gate-up q4), optionally "@T" for the target."""
+    from powerinfer_jax.config import DEFAULT_TARGET_SPARSITY, SparsityConfig
+
+    name, _, at = label.partition("@")
+    if name == "dense":
+        return SparsityConfig()
+    if name not in ("predictor", "predictor_q4gu"):
+        raise ValueError(f"mode: expected dense, predictor or predictor_q4gu[@T], got {label!r}")
+    return SparsityConfig(mode="predictor", predictor=PREDICTOR,
+                          gate_up="q4" if name == "predictor_q4gu" else "full",
+                          target_sparsity=float(at or target or DEFAULT_TARGET_SPARSITY))
+
+
+def build_mode(model: str, label: str, *, dtype: str, max_seq_len: int, checkpoint=None,
+               target: float | None = None, **runtime):
+    """A built session (runtime.session.build) for an experiment's mode label."""
+    from powerinfer_jax.config import RuntimeConfig
+    from powerinfer_jax.runtime.session import build
+
+    return build(model, RuntimeConfig(dtype=dtype, max_seq_len=max_seq_len, **runtime),
+                 sparsity_for(label, target), checkpoint=checkpoint, progress=False)

@@ -42,32 +42,32 @@ def hybrid_available() -> str | None:
     return None
 
 
-def build_step(step: str, ckpt, arts, counts, *, dtype: str, max_seq_len: int, budget: float):
-    """(engine, extra row fields) for one ablation step. counts: the profile's activation counts
-    [L, F] (placement statistics)."""
-    import jax.numpy as jnp
-
-    from powerinfer_jax.config import SparsityConfig
-    from powerinfer_jax.models.transformer import from_params
-    from powerinfer_jax.runtime.decode import Engine
-    from powerinfer_jax.sparsity.artifacts import use_predictor
+def build_step(step: str, ckpt, *, model: str, dtype: str, max_seq_len: int, budget: float):
+    """(engine, extra row fields) for one ablation step."""
+    from powerinfer_jax.config import RuntimeConfig, SparsityConfig
+    from powerinfer_jax.runtime.session import build
+    from powerinfer_jax.sparsity import artifacts as A
 
     kernels = "xla" if step == "dense_xla" else "ffi"
-    model = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(dtype), kernels=kernels)
+    runtime = RuntimeConfig(dtype=dtype, kernels=kernels, max_seq_len=max_seq_len)
     extra = {"kernels": kernels, "sparsity": "dense"}
     if step in ("dense_xla", "dense_ffi"):
-        return Engine(model, max_seq_len=max_seq_len), extra
+        return build(model, runtime, checkpoint=ckpt, progress=False).engine, extra
     gate_up = "full" if step == "predictor" else "q4"
     sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY,
                               predictor=PREDICTOR, gate_up=gate_up)
-    thresholds = use_predictor(model, arts, PREDICTOR)
+    s = build(model, runtime, sparsity, checkpoint=ckpt, progress=False)
     extra.update(sparsity="predictor", predictor=PREDICTOR, gate_up=gate_up,
                  target_sparsity=TARGET_SPARSITY,
-                 heldout_predicted_sparsity=arts.meta["q4"]["mean_predicted_sparsity"],
-                 heldout_recall=arts.meta["q4"]["mean_recall"])
-    if step.startswith("hybrid"):
-        extra["placement"] = place(step, model, counts, max_seq_len=max_seq_len, budget=budget)
-    return Engine(model, max_seq_len=max_seq_len, sparsity=sparsity, thresholds=thresholds), extra
+                 heldout_predicted_sparsity=s.artifacts.meta["q4"]["mean_predicted_sparsity"],
+                 heldout_recall=s.artifacts.meta["q4"]["mean_recall"])
+    if step.startswith("hybrid"):  # the ablation's own placements (naive: by index)
+        from powerinfer_jax.sparsity.profile import ActivationProfile
+
+        directory = A.target_dir(A.artifacts_root(model, ckpt.source), TARGET_SPARSITY)
+        counts = ActivationProfile.load(directory / "profile.npz").counts  # placement statistics
+        extra["placement"] = place(step, s.model, counts, max_seq_len=max_seq_len, budget=budget)
+    return s.engine, extra
 
 
 def place(step: str, model, counts, *, max_seq_len: int, budget: float) -> dict:
@@ -93,16 +93,12 @@ def place(step: str, model, counts, *, max_seq_len: int, budget: float) -> dict:
 
 
 def child(args) -> None:
-    from powerinfer_jax import _cli, ops
+    from powerinfer_jax import _cli
     from powerinfer_jax.checkpoint import load_checkpoint
-    from powerinfer_jax.sparsity import artifacts as A
-    from powerinfer_jax.sparsity.profile import ActivationProfile
 
     threads = _cli.configure_threads(args.child_threads)
-    ops.set_num_threads(threads)
     ckpt = load_checkpoint(args.model)
     max_seq_len = args.prompt_tokens + args.new_tokens
-    arts = counts = None
     missing = hybrid_available()
     for dtype in args.dtypes:
         for step in args.steps:
@@ -114,19 +110,9 @@ def child(args) -> None:
             if step.startswith("hybrid") and missing:
                 _common.emit({**head, "status": "not available", "reason": missing})
                 continue
-            if step not in ("dense_xla", "dense_ffi") and arts is None:
-                from powerinfer_jax.models.transformer import from_params
-
-                probe = from_params(ckpt.config, ckpt.params, kernels="xla")
-                arts = A.ensure_artifacts(args.model, ckpt.source, probe, ckpt.tokenizer,
-                                          TARGET_SPARSITY, need_predictor=PREDICTOR == "lowrank")
-                directory = A.target_dir(A.artifacts_root(args.model, ckpt.source),
-                                         TARGET_SPARSITY)
-                counts = ActivationProfile.load(directory / "profile.npz").counts
-                del probe
             try:
-                eng, extra = build_step(step, ckpt, arts, counts, dtype=dtype, max_seq_len=max_seq_len,
-                                        budget=args.budget)
+                eng, extra = build_step(step, ckpt, model=args.model, dtype=dtype,
+                                        max_seq_len=max_seq_len, budget=args.budget)
                 res = _common.bench_engine(eng, ckpt.tokenizer, prompt_tokens=args.prompt_tokens,
                                            new_tokens=args.new_tokens, repeats=args.repeats,
                                            max_seconds=args.max_seconds)

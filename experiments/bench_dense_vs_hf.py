@@ -52,24 +52,23 @@ def child(args) -> None:
     """One thread count: ours for each dtype, then HF; prints JSON rows."""
     from powerinfer_jax import _cli
     from powerinfer_jax.bench import bench_model, prompt_ids, row_header
-    from powerinfer_jax.config import RuntimeConfig, SparsityConfig
-    from powerinfer_jax.runtime.session import open_session
+    from powerinfer_jax.config import RuntimeConfig
+    from powerinfer_jax.runtime.session import build
 
     threads = _cli.configure_threads(args.child_threads)
     ids = None
     for dtype in args.dtypes:
-        s = open_session(args.model, RuntimeConfig(dtype=dtype, threads=threads),
-                         SparsityConfig())
+        s = build(args.model, RuntimeConfig(dtype=dtype, threads=threads))
         ids = prompt_ids(s.tokenizer, args.prompt_tokens)
         res = bench_model(s, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                           repeats=args.repeats)
         ns = argparse.Namespace(dtype=dtype, model=args.model, sparsity="dense", threshold=0.0,
-                                tag="dense_vs_hf")
-        print("ROW " + json.dumps({**row_header(ns, threads), "system": "powerinfer_jax",
+                                kernels="auto", target_sparsity=None, tag="dense_vs_hf")
+        print("ROW " + json.dumps({**row_header(ns, threads, s), "system": "powerinfer_jax",
                                    "bench": "model", **res}), flush=True)
     hf = bench_hf(args.model, ids, args.new_tokens, args.repeats, threads)
     ns = argparse.Namespace(dtype="float32", model=args.model, sparsity="dense", threshold=0.0,
-                            tag="dense_vs_hf")
+                            kernels="torch", target_sparsity=None, tag="dense_vs_hf")
     print("ROW " + json.dumps({**row_header(ns, threads), "system": "hf_transformers",
                                "bench": "model", "prompt_tokens": len(ids),
                                "new_tokens": args.new_tokens, "repeats": args.repeats, **hf}),

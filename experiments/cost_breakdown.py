@@ -22,8 +22,6 @@ time, next to the read bandwidth measured in the same process (`_bench_ops.read_
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 
@@ -35,39 +33,26 @@ MODES = ("dense", "q4", "q4gu", "lowrank")  # dense, then predictor mode with ea
 
 
 def median_ms(fn, *args, repeats: int, carry=None):
-    """Median wall ms of fn(*args) after one warm-up. carry: index of an argument that fn donates
-    and returns as its second output (the KV cache), threaded through the calls."""
-    import jax
+    from powerinfer_jax._bench_ops import median_seconds
 
-    args = list(args)
-
-    def call():
-        out = fn(*args)
-        if carry is not None:
-            args[carry] = out[1]
-        jax.block_until_ready(out)
-
-    call()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return median_seconds(fn, *args, repeats=repeats, carry=carry) * 1e3
 
 
-def components(model, x_l11d, *, mode: str, thresholds, position: int, kv_len: int,
-               max_seq_len: int, repeats: int) -> dict:
-    """Per-token ms of each component (all layers), and the active neurons per layer."""
+def components(model, x_l11d: np.ndarray, *, position: int, kv_len: int, max_seq_len: int,
+               repeats: int) -> dict:
+    """Per-token ms of each component (all layers) of a built model in its configured mode, and
+    the active neurons per layer. x_l11d: each layer's FFN input of one token [L, 1, 1, D]."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
+    from powerinfer_jax.models.ffn import Selection
     from powerinfer_jax.models.transformer import init_cache
 
     c = model.config
     graphdef, state = nnx.split(model)
     pos_bt = jnp.full((1, 1), position, jnp.int32)
+    dense = model.layers[0].ffn.selector is None
 
     def attention(state, x, caches):
         m = nnx.merge(graphdef, state)
@@ -78,19 +63,19 @@ def components(model, x_l11d, *, mode: str, thresholds, position: int, kv_len: i
             new.append(cache)
         return jnp.stack(ys), new
 
-    def predictor(state, x):
+    def predictor(state, x):  # the selectors' scores (the q4 estimates: signed activations)
         m = nnx.merge(graphdef, state)
-        kw = {"signed": True} if mode == "q4gu" else {}
-        return jnp.stack([layer.ffn.predictor(x[l], **kw) for l, layer in enumerate(m.layers)])
+        return jnp.stack([layer.ffn.selector.select(layer.ffn, x[l]).scores
+                          for l, layer in enumerate(m.layers)])
 
     def ffn(state, x, scores):
         m = nnx.merge(graphdef, state)
-        if mode == "dense":
-            return jnp.stack([layer.ffn.dense(x[l]) for l, layer in enumerate(m.layers)])
-        criterion = "activations" if mode == "q4gu" else None
-        return jnp.stack([layer.ffn.sparse(x[l], scores=scores[l], threshold=thresholds[l],
-                                           impl="ffi", criterion=criterion)[0]
-                          for l, layer in enumerate(m.layers)])
+        if dense:
+            return jnp.stack([layer.ffn.backend.dense(layer.ffn, x[l])
+                              for l, layer in enumerate(m.layers)])
+        return jnp.stack([layer.ffn.backend.sparse(layer.ffn, x[l], Selection(
+            sel.criterion, sel.threshold, scores[l]))[0]
+            for l, (layer, sel) in enumerate(zip(m.layers, selections))])
 
     def head(state, x):
         m = nnx.merge(graphdef, state)
@@ -101,13 +86,13 @@ def components(model, x_l11d, *, mode: str, thresholds, position: int, kv_len: i
     out = {"attention_ms": median_ms(jax.jit(attention, donate_argnums=2), state, x, caches,
                                      repeats=repeats, carry=2)}
     scores = None
-    if mode != "dense":
+    if not dense:
         pred = jax.jit(predictor)
         out["predictor_ms"] = median_ms(pred, state, x, repeats=repeats)
         scores = pred(state, x)  # [L, 1, 1, F]
-        thr = np.asarray(thresholds, np.float32)[:, None, None, None]
-        s = np.abs(np.asarray(scores)) if mode == "q4gu" else np.asarray(scores)
-        out["active_per_layer"] = (s > thr).sum(axis=(1, 2, 3)).tolist()
+        selections = [layer.ffn.selector.select(layer.ffn, x[l])
+                      for l, layer in enumerate(model.layers)]
+        out["active_per_layer"] = [int(sel.active().sum()) for sel in selections]
     else:
         out["predictor_ms"] = 0.0
         out["active_per_layer"] = [c.d_ff] * c.n_layers
@@ -132,12 +117,12 @@ def bytes_per_token(model, *, active_per_layer, kv_len: int, predictor: bool,
     rows = 1 if down_only else (3 if c.gated else 2)
     ffn = sum(int(a) for a in active_per_layer) * rows * c.d_model * item
     pred = 0
-    if predictor:  # every predictor array at its stored dtype (robust to layout changes)
+    if predictor:  # every selector array at its stored dtype (robust to layout changes)
         from flax import nnx
 
         pred = sum(int(np.prod(v.shape)) * jnp.dtype(v.dtype).itemsize
                    for layer in model.layers
-                   for _, v in nnx.to_flat_state(nnx.state(layer.ffn.predictor)))
+                   for _, v in nnx.to_flat_state(nnx.state(layer.ffn.selector)))
     head = c.vocab_size * c.d_model * item
     total = attn + kv + ffn + pred + head
     return {"attention_weights": attn, "kv_cache": kv, "ffn_rows": ffn, "predictor": pred,
@@ -147,21 +132,18 @@ def bytes_per_token(model, *, active_per_layer, kv_len: int, predictor: bool,
 def child(args) -> None:
     import jax.numpy as jnp
 
-    from powerinfer_jax import _bench_ops, _cli, ops
+    from powerinfer_jax import _bench_ops, _cli
     from powerinfer_jax.bench import prompt_ids
     from powerinfer_jax.checkpoint import load_checkpoint
-    from powerinfer_jax.config import SparsityConfig
-    from powerinfer_jax.models.transformer import from_params
-    from powerinfer_jax.runtime.decode import Engine
-    from powerinfer_jax.sparsity import artifacts as A
+    from powerinfer_jax.config import RuntimeConfig, SparsityConfig
+    from powerinfer_jax.models.transformer import capture
+    from powerinfer_jax.runtime.session import build
 
     threads = _cli.configure_threads(args.child_threads)
-    ops.set_num_threads(threads)
     bandwidth = _bench_ops.read_bandwidth_gbs()
     ckpt = load_checkpoint(args.model)
     ids = prompt_ids(ckpt.tokenizer, args.prompt_tokens)
     max_len = len(ids) + args.new_tokens
-    arts = {}  # need_predictor -> artifacts: only the lowrank mode needs trained predictors
     for dtype in args.dtypes:
         for mode in args.modes:
             head = _common.header("cost_breakdown", threads=threads, dtype=dtype,
@@ -170,30 +152,23 @@ def child(args) -> None:
                                                             "repeats": args.repeats},
                                   quick=args.quick)
             try:
-                model = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(dtype),
-                                    kernels="auto")
-                sparsity, thresholds = SparsityConfig(), (0.0,) * ckpt.config.n_layers
+                sparsity = SparsityConfig()
                 if mode != "dense":  # predictor mode with the q4 or low-rank predictor
-                    need = mode == "lowrank"
-                    if need not in arts:
-                        arts[need] = A.ensure_artifacts(args.model, ckpt.source, model,
-                                                        ckpt.tokenizer, TARGET_SPARSITY,
-                                                        need_predictor=need)
-                    kind = "q4" if mode == "q4gu" else mode
-                    thresholds = A.use_predictor(model, arts[need], kind)
                     sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY,
-                                              predictor=kind,
+                                              predictor="q4" if mode == "q4gu" else mode,
                                               gate_up="q4" if mode == "q4gu" else "full")
-                eng = Engine(model, max_seq_len=max_len, sparsity=sparsity, thresholds=thresholds)
+                session = build(args.model, RuntimeConfig(dtype=dtype, max_seq_len=max_len),
+                                sparsity, checkpoint=ckpt, progress=False)
+                model, eng = session.model, session.engine
                 kv_len = eng.kv_bucket(len(ids))
                 step = _common.bench_engine(eng, ckpt.tokenizer, prompt_tokens=len(ids),
                                             new_tokens=args.new_tokens, repeats=3,
                                             max_seconds=args.max_seconds, prompt=ids)
                 tokens = jnp.asarray([ids])
                 positions = jnp.arange(len(ids))[None]
-                x = model.hidden(tokens, positions, return_ffn_inputs=True)[3][:, :, -1:]
-                parts = components(model, np.asarray(x)[:, :, :, :], mode=mode,
-                                   thresholds=thresholds, position=len(ids), kv_len=kv_len,
+                _, sown = capture(lambda m: m.hidden(tokens, positions), model)
+                x = sown["ffn_in"][:, :, -1:]  # [L, 1, 1, D]: the prompt's last token
+                parts = components(model, np.asarray(x), position=len(ids), kv_len=kv_len,
                                    max_seq_len=max_len, repeats=args.repeats)
                 step_ms = step["decode_ms_per_token"]
                 summed = sum(parts[k] for k in ("attention_ms", "predictor_ms", "ffn_hot_ms",

@@ -152,18 +152,11 @@ def agreement(tokens: list[int], reference: list[int]) -> dict:
 
 
 def child(args) -> None:
-    import jax.numpy as jnp
-
-    from powerinfer_jax import _cli, ops
+    from powerinfer_jax import _cli
     from powerinfer_jax.bench import prompt_ids
     from powerinfer_jax.checkpoint import load_checkpoint
-    from powerinfer_jax.config import SparsityConfig
-    from powerinfer_jax.models.transformer import from_params
-    from powerinfer_jax.runtime.decode import Engine
-    from powerinfer_jax.sparsity import artifacts as A
 
     threads = _cli.configure_threads(args.child_threads)
-    ops.set_num_threads(threads)
     ckpt = load_checkpoint(args.model)
     ids = prompt_ids(ckpt.tokenizer, args.prompt_tokens)
     max_len = len(ids) + max(args.new_tokens, args.agree_tokens)
@@ -185,7 +178,6 @@ def child(args) -> None:
                   f"{row['prefill_tok_s']:8.1f} tok/s", file=sys.stderr, flush=True)
 
     # ours
-    arts = {}
     engines = {}
     modes = [("dense", None), ("predictor", TARGET_SPARSITY)] + [
         ("predictor_q4gu", t) for t in args.targets]
@@ -194,20 +186,11 @@ def child(args) -> None:
             label = mode if target is None else f"{mode}@{target:g}"
             h = head("powerinfer_jax", dtype, label)
             try:
-                model = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(dtype),
-                                    kernels="auto")
-                sparsity, thresholds = SparsityConfig(), None
                 if target is not None:
                     h["target_sparsity"] = target
-                    if target not in arts:
-                        arts[target] = A.ensure_artifacts(
-                            args.model, ckpt.source, model, ckpt.tokenizer, target,
-                            need_predictor=PREDICTOR == "lowrank")
-                    thresholds = A.use_predictor(model, arts[target], PREDICTOR)
-                    sparsity = SparsityConfig(mode="predictor", target_sparsity=target,
-                                              predictor=PREDICTOR,
-                                              gate_up="q4" if mode == "predictor_q4gu" else "full")
-                eng = Engine(model, max_seq_len=max_len, sparsity=sparsity, thresholds=thresholds)
+                session = _common.build_mode(args.model, mode, dtype=dtype, max_seq_len=max_len,
+                                             checkpoint=ckpt, target=target)
+                eng = session.engine
                 res = _common.bench_engine(eng, ckpt.tokenizer, prompt_tokens=len(ids),
                                            new_tokens=args.new_tokens, repeats=args.repeats,
                                            max_seconds=args.max_seconds, prompt=ids)
@@ -216,7 +199,7 @@ def child(args) -> None:
                     reference[dtype] = res["tokens"]
                 if dtype == "bfloat16":
                     engines[label] = eng  # for the interleaved head-to-head below
-                record({**h, "status": "ok", "kernels": model.kernels, **res})
+                record({**h, "status": "ok", "kernels": session.model.kernels, **res})
             except Exception as e:  # keep the other systems' rows
                 record({**h, "status": "failed", "reason": f"{type(e).__name__}: {e}"})
 

@@ -52,16 +52,17 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     from powerinfer_jax.checkpoint import load_checkpoint
-    from powerinfer_jax.models.transformer import from_params
+    from powerinfer_jax.config import RuntimeConfig, SparsityConfig
+    from powerinfer_jax.runtime.session import build
     from powerinfer_jax.sparsity import artifacts as A
     from powerinfer_jax.sparsity.profile import ActivationProfile
 
     ckpt = load_checkpoint(args.model)
-    model = from_params(ckpt.config, ckpt.params, kernels="xla")
     rows = []
     for target in args.targets:
-        A.ensure_artifacts(args.model, ckpt.source, model, ckpt.tokenizer, float(target),
-                           need_predictor=False)
+        # the threshold mode's build makes (once) the profile this reads
+        build(args.model, RuntimeConfig(kernels="xla"), SparsityConfig(
+            "threshold", target_sparsity=float(target)), checkpoint=ckpt, progress=False)
         directory = A.target_dir(A.artifacts_root(args.model, ckpt.source), float(target))
         prof = ActivationProfile.load(directory / "profile.npz")
         head = _common.header("power_law", threads=None, dtype="float32", model=args.model,

@@ -14,36 +14,21 @@ import argparse
 from experiments import _common
 
 TARGET_SPARSITY = 0.5
-PREDICTOR = "q4"  # predictor mode's predictor (sparsity/q4_predictor.py)
 MODES = ("dense", "predictor", "predictor_q4gu")  # q4gu: predictor mode with --gate-up q4
 DEFAULT_MODES = ("dense", "predictor_q4gu")
 
 
 def child(args) -> None:
-    import jax.numpy as jnp
 
-    from powerinfer_jax import _cli, ops
+    from powerinfer_jax import _cli
     from powerinfer_jax.checkpoint import load_checkpoint
-    from powerinfer_jax.config import SparsityConfig
-    from powerinfer_jax.models.transformer import from_params
-    from powerinfer_jax.runtime.decode import Engine
-    from powerinfer_jax.sparsity import artifacts as A
 
     threads = _cli.configure_threads(args.child_threads)
-    ops.set_num_threads(threads)
     ckpt = load_checkpoint(args.model)
     max_len = max(args.lengths) + args.new_tokens
     for mode in args.modes:
-        model = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(args.dtype), kernels="auto")
-        sparsity, thresholds = SparsityConfig(), None
-        if mode.startswith("predictor"):
-            arts = A.ensure_artifacts(args.model, ckpt.source, model, ckpt.tokenizer,
-                                      TARGET_SPARSITY, need_predictor=PREDICTOR == "lowrank")
-            thresholds = A.use_predictor(model, arts, PREDICTOR)
-            sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY,
-                                      predictor=PREDICTOR,
-                                      gate_up="q4" if mode == "predictor_q4gu" else "full")
-        eng = Engine(model, max_seq_len=max_len, sparsity=sparsity, thresholds=thresholds)
+        eng = _common.build_mode(args.model, mode, dtype=args.dtype, max_seq_len=max_len,
+                                 checkpoint=ckpt, target=TARGET_SPARSITY).engine
         for n in args.lengths:
             head = _common.header("prompt_length", threads=threads, dtype=args.dtype,
                                   model=args.model, config={"sparsity": mode,

@@ -46,19 +46,18 @@ def main() -> None:
     from powerinfer_jax import _cli
 
     threads = _cli.configure_threads(args.threads)
-    from powerinfer_jax.checkpoint import load_checkpoint
-    from powerinfer_jax.config import SparsityConfig
+    from powerinfer_jax.config import RuntimeConfig, SparsityConfig
     from powerinfer_jax.evaluate import perplexity
-    from powerinfer_jax.models.transformer import from_params
+    from powerinfer_jax.runtime.session import build
     from powerinfer_jax.sparsity import artifacts as A
     from powerinfer_jax.sparsity import corpus as C
+    from powerinfer_jax.sparsity import modes
     from powerinfer_jax.sparsity import profile as P
     from powerinfer_jax.sparsity.predictor import TrainConfig
 
-    ckpt = load_checkpoint(args.model)
-    model = from_params(ckpt.config, ckpt.params)
-    tok = ckpt.tokenizer
-    fp = A.model_fingerprint(args.model, ckpt.source, ckpt.config)
+    session = build(args.model, RuntimeConfig(threads=threads))  # dense: every mode below is
+    model, tok = session.model, session.tokenizer  # configured on it with in-memory artifacts
+    fp = A.model_fingerprint(args.model, session.source, session.config)
     train_files = [DATA / "wiki.train.txt"]
     train_ids = tok.encode(C.read_corpus(train_files), add_bos=False)
     valid_ids = tok.encode((DATA / "wiki.valid.txt").read_text(encoding="utf-8"), add_bos=False)
@@ -78,13 +77,14 @@ def main() -> None:
         out.write(json.dumps(row) + "\n")
         out.flush()
 
-    def ppl(mode, thresholds=None, oracle_thresholds=None, predictor="q4", gate_up="full"):
+    def ppl(mode, arts=None, predictor="q4", gate_up="full", target=None):
         t0 = time.perf_counter()
+        cfg = SparsityConfig(mode=mode, impl=args.impl, predictor=predictor, gate_up=gate_up,
+                             target_sparsity=target)
+        modes.configure(model, cfg, arts)
         r = perplexity(model, valid_ids, ctx=args.ctx, max_chunks=args.chunks,
-                       sparsity=SparsityConfig(mode=mode, impl=args.impl, predictor=predictor,
-                                               gate_up=gate_up),
-                       thresholds=thresholds,
-                       oracle_thresholds=oracle_thresholds, progress=True)
+                       oracle_thresholds=arts.thresholds_contribution if mode == "predictor"
+                       else None, progress=True)
         r["eval_s"] = time.perf_counter() - t0
         return r
 
@@ -94,14 +94,13 @@ def main() -> None:
         train = TrainConfig(rank=args.rank, steps=args.steps) if "lowrank" in args.modes else None
         arts, prof = A.build_for_target(model, x_lnd, base, target, train=train)
         if args.save_artifacts:
-            A.save_artifacts(A.target_dir(A.artifacts_root(args.model, ckpt.source), target),
+            A.save_artifacts(A.target_dir(A.artifacts_root(args.model, session.source), target),
                              arts, prof, fp)
         for label in args.modes:
             mode, predictor, extra = label, "q4", {}
             gate_up = "q4" if label == "q4-gate-up" else "full"
             if label in ("lowrank", "q4", "q4-gate-up"):
                 mode, predictor = "predictor", label.removesuffix("-gate-up")
-                A.use_predictor(model, arts, predictor)
                 if predictor == "lowrank":
                     rep = arts.meta["predictor"]
                     extra = {"rank": args.rank, "train_steps": args.steps,
@@ -113,9 +112,7 @@ def main() -> None:
                              heldout_recall=rep["mean_recall"],
                              heldout_precision=rep["mean_precision"],
                              heldout_predicted_sparsity=rep["mean_predicted_sparsity"])
-            r = ppl(mode, arts.thresholds_for(mode, predictor),
-                    arts.thresholds_contribution if mode == "predictor" else None, predictor,
-                    gate_up)
+            r = ppl(mode, arts, predictor, gate_up, target)
             emit({"mode": mode, "target_sparsity": target, **r,
                   "ppl_ratio": r["ppl"] / dense["ppl"], **extra})
     out.close()

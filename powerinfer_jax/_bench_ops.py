@@ -20,16 +20,33 @@ _BANDWIDTH_BYTES = 256 << 20
 _COLD_WORKING_SET = 256 << 20
 
 
-def _median_us(fn, arg_sets, *, repeats: int) -> float:
-    """Median time of fn over `repeats` calls, cycling through arg_sets (cold weights)."""
-    jax.block_until_ready(fn(*arg_sets[0]))  # compile
+def median_seconds(fn, *args, repeats: int, arg_sets=None, carry: int | None = None) -> float:
+    """The one timing helper of the benchmarks: median wall seconds of fn over `repeats` calls
+    after a warm-up call (compilation), each blocking on the result.
+
+    arg_sets: cycle through these argument tuples instead of `args` (cold weights: each call reads
+    its rows from DRAM, as a model's layers do). carry: index of an argument fn donates and
+    returns as its second output (a KV cache), threaded from call to call."""
+    sets = [list(a) for a in arg_sets] if arg_sets is not None else [list(args)]
+
+    def call(i):
+        a = sets[i % len(sets)]
+        out = fn(*a)
+        if carry is not None:
+            a[carry] = out[1]
+        jax.block_until_ready(out)
+
+    call(0)
     times = []
     for i in range(repeats):
-        args = arg_sets[i % len(arg_sets)]
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        call(i)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    return statistics.median(times)
+
+
+def _median_us(fn, arg_sets, *, repeats: int) -> float:
+    return median_seconds(fn, repeats=repeats, arg_sets=arg_sets) * 1e6
 
 
 def read_bandwidth_gbs(repeats: int = 5) -> float:

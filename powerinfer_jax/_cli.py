@@ -1,7 +1,9 @@
-"""Flags and start-up shared by every CLI (generate, evaluate, bench, calibrate).
+"""Flags and start-up shared by every CLI (generate, evaluate, bench, calibrate, serve).
 
 Imports nothing heavy at module level: `--threads` must pin the process before XLA's CPU client
-starts its thread pool (XLA sizes the pool from the CPUs the process may run on).
+starts its thread pool (XLA sizes the pool from the CPUs the process may run on). Flags map one to
+one onto config fields (config.py holds the defaults and the validation); `build_from_args` is the
+one place a parsed command line becomes a built model.
 """
 from __future__ import annotations
 
@@ -12,27 +14,45 @@ import platform
 import subprocess
 import sys
 
-DEFAULT_MODEL = "smollm2-135m"
-DEFAULT_CONTEXT_CAP = 2048  # KV cache slots unless --max-seq-len says otherwise
-DEFAULT_TARGET_SPARSITY = 0.5  # threshold/predictor modes without --target-sparsity
+from powerinfer_jax.config import (DEFAULT_CONTEXT_CAP, DEFAULT_MODEL, DEFAULT_TARGET_SPARSITY,
+                                   DTYPES, GATE_UP_SOURCES, IMPLS, KERNELS, MAX_SEED, OFFLOADS,
+                                   PREDICTOR_KINDS, PlacementConfig, RuntimeConfig,
+                                   SparsityConfig, sparsity_modes)
+from powerinfer_jax.errors import UserError, fail
 
 
-def add_common_flags(p: argparse.ArgumentParser) -> None:
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """--model, --dtype, --threads, --kernels, --max-seq-len, --json: what every CLI takes."""
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="registry name, .gguf file or Hugging Face directory (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="weight dtype for matmuls (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for XLA and the sparse kernels (default: all available)")
-    p.add_argument("--sparsity", default="dense",
-                   choices=["dense", "oracle", "threshold", "predictor"],
+                   help="CPU threads for XLA and the kernels' pool (default: all available)")
+    p.add_argument("--kernels", default="auto", choices=KERNELS,
+                   help="who runs the dense matmuls: XLA, or the project's custom calls on the C++ "
+                        "thread pool (auto: the custom calls on CPU) (default: %(default)s)")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help=f"KV cache length (default: min(model context, {DEFAULT_CONTEXT_CAP}))")
+    p.add_argument("--artifacts", default=None, metavar="DIR",
+                   help="sparsity artifacts root, as written by calibrate --out (default: next to "
+                        "the model; for a registry model in its cache directory)")
+    p.add_argument("--json", action=argparse.BooleanOptionalAction, default=False,
+                   help="print one JSON object as the last line of stdout")
+
+
+def add_sparsity_flags(p: argparse.ArgumentParser, *, predictor_choice: bool = True) -> None:
+    """--sparsity and its options, --vram-budget, --offload."""
+    p.add_argument("--sparsity", default="dense", choices=sparsity_modes(),
                    help="how the FFN's active neurons are found: dense; oracle (true activations); "
                         "threshold (calibrated |act(gate)|, CATS-style); predictor (see --predictor) "
                         "(default: %(default)s)")
-    p.add_argument("--predictor", default="q4", choices=["q4", "lowrank"],
-                   help="predictor mode's predictor: q4 (|a_i| estimated from 4-bit gate/up rows; "
-                        "default) or lowrank (trained D->R->F MLPs, built by calibrate)")
-    p.add_argument("--gate-up", default="full", choices=["full", "q4"],
+    if predictor_choice:
+        p.add_argument("--predictor", default="q4", choices=PREDICTOR_KINDS,
+                       help="predictor mode's predictor: q4 (|a_i| estimated from 4-bit gate/up "
+                            "rows; default) or lowrank (trained D->R->F MLPs, built by calibrate "
+                            "--predictor)")
+    p.add_argument("--gate-up", default="full", choices=GATE_UP_SOURCES,
                    help="predictor mode with --predictor q4: where the active neurons' gate/up "
                         "dots come from: full (their rows at --dtype) or q4 (the predictor's own "
                         "4-bit estimate, so only down rows are read at --dtype; for a Q4_1 "
@@ -45,25 +65,31 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_TARGET_SPARSITY}; oracle: use calibrated per-layer thresholds "
                         "instead of --threshold); artifacts are built by python -m "
                         "powerinfer_jax.calibrate, for the default model on first use")
-    p.add_argument("--impl", default="ffi", choices=["ffi", "reference"],
+    p.add_argument("--impl", default="ffi", choices=IMPLS,
                    help="sparse FFN implementation: the compiled custom call or its pure-jnp "
                         "reference (default: %(default)s)")
-    p.add_argument("--kernels", default="auto", choices=["auto", "xla", "ffi"],
-                   help="who runs the dense matmuls: XLA, or the project's custom calls on the C++ "
-                        "thread pool (auto: the custom calls on CPU) (default: %(default)s)")
-    p.add_argument("--max-seq-len", type=int, default=None,
-                   help=f"KV cache length (default: min(model context, {DEFAULT_CONTEXT_CAP}))")
     p.add_argument("--vram-budget", type=float, default=None, metavar="GIB",
                    help="accelerator memory for the model in GiB (dense parts, KV cache, hot FFN "
                         "rows); default: a GPU's free memory minus a margin; on a CPU-only machine "
                         "no placement unless given (then it is the notional accelerator of the "
                         "CPU hybrid: hot rows through XLA, cold rows through the FFI pool)")
-    p.add_argument("--offload", default="hybrid", choices=["hybrid", "layers"],
+    p.add_argument("--offload", default="hybrid", choices=OFFLOADS,
                    help="what stays off the accelerator: hybrid (cold FFN neurons, by activation "
                         "frequency) or layers (whole trailing layers, llama.cpp -ngl style) "
                         "(default: %(default)s)")
-    p.add_argument("--json", action=argparse.BooleanOptionalAction, default=False,
-                   help="print one JSON object as the last line of stdout")
+
+
+def add_common_flags(p: argparse.ArgumentParser) -> None:
+    add_model_flags(p)
+    add_sparsity_flags(p)
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 disables")
+    p.add_argument("--seed", type=int, default=0, help=f"in [0, {MAX_SEED}]")
 
 
 def configure_threads(threads: int | None) -> int:
@@ -71,37 +97,63 @@ def configure_threads(threads: int | None) -> int:
     available = sorted(os.sched_getaffinity(0))
     if threads is None:
         return len(available)
-    if threads < 1:
-        raise ValueError(f"--threads: expected a positive integer, got {threads}")
-    if threads > len(available):
-        raise ValueError(f"--threads: expected at most {len(available)} (CPUs available), "
-                         f"got {threads}")
+    if threads < 1 or threads > len(available):
+        fail("--threads", f"an integer in [1, {len(available)}] (the CPUs available)", threads)
     os.sched_setaffinity(0, available[:threads])
     return threads
 
 
 def setup(args) -> int:
-    """Apply --threads everywhere it matters; returns the thread count."""
-    n = configure_threads(args.threads)
-    if args.sparsity != "dense" and getattr(args, "impl", "ffi") == "ffi":
-        from powerinfer_jax import ops
-
-        ops.set_num_threads(n)
-    return n
+    """Pin --threads before anything starts XLA; returns the thread count."""
+    return configure_threads(args.threads)
 
 
-def fail(msg: str) -> "SystemExit":
-    """A user error: print it plainly (no traceback) and exit with status 2."""
-    print(f"error: {msg}", file=sys.stderr)
-    return SystemExit(2)
+def configs_from_args(args, **runtime_fields) -> tuple[RuntimeConfig, SparsityConfig]:
+    runtime = RuntimeConfig(dtype=args.dtype, threads=args.threads, max_seq_len=args.max_seq_len,
+                            kernels=args.kernels, **runtime_fields)
+    target = args.target_sparsity
+    sparsity = SparsityConfig(mode=args.sparsity, threshold=args.threshold, impl=args.impl,
+                              predictor=getattr(args, "predictor", "q4"), gate_up=args.gate_up,
+                              target_sparsity=None if target is None else float(target))
+    return runtime, sparsity.with_default_target()
+
+
+def placement_from_args(args) -> PlacementConfig:
+    return PlacementConfig(vram_budget_gib=args.vram_budget, offload=args.offload)
+
+
+def build_from_args(args, *, progress: bool = True, max_batch: int = 1, **runtime_fields):
+    """The parsed command line -> a built model (runtime.session.build)."""
+    from powerinfer_jax.runtime.session import build
+
+    runtime, sparsity = configs_from_args(args, **runtime_fields)
+    return build(args.model, runtime, sparsity, placement=placement_from_args(args),
+                 artifacts_root=args.artifacts, max_batch=max_batch, progress=progress)
+
+
+def check_writable(path: str, what: str) -> None:
+    """Fail before the work when an output file cannot be written (an existing directory, a
+    missing parent), so a long benchmark never loses its result at the end."""
+    if os.path.isdir(path):
+        fail(what, "a file path to append to", path, "it is a directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        fail(what, "a file in an existing directory", path, f"create {parent} first")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        fail(what, "a writable file", path)
 
 
 def run_main(main) -> None:
-    """Call main(), turning user errors (ValueError, FileNotFoundError) into a clear message."""
+    """Call main(); a user error (bad flag value, bad file, bad state) prints one line on stderr
+    and exits with status 2, Ctrl-C exits with 130, both without a traceback."""
     try:
         main()
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        raise fail(str(e)) from None
+    except (UserError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 def print_json(obj) -> None:

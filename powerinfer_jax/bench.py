@@ -72,23 +72,27 @@ def bench_model(session, *, prompt_tokens: int, new_tokens: int, repeats: int) -
     }
 
 
-def row_header(args, threads: int) -> dict:
+def row_header(args, threads: int, session=None) -> dict:
+    """The row's provenance and config (the built session's own description when there is one)."""
     import jax
 
-    return {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": _cli.git_commit(), "machine": _cli.machine_info(), "threads": threads,
-            "dtype": args.dtype, "model": args.model, "sparsity": args.sparsity,
-            "threshold": args.threshold, "kernels": getattr(args, "kernels", "auto"),
-            "predictor": args.predictor if args.sparsity == "predictor" else None,
-            "gate_up": getattr(args, "gate_up", "full") if args.sparsity == "predictor" else None,
-            "target_sparsity": args.target_sparsity,
-            "jax": jax.__version__,
-            "backend": jax.default_backend(), "tag": args.tag}
+    row = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "commit": _cli.git_commit(), "machine": _cli.machine_info(), "threads": threads,
+           "dtype": args.dtype, "model": args.model, "sparsity": args.sparsity,
+           "threshold": args.threshold, "kernels": args.kernels,
+           "target_sparsity": args.target_sparsity, "jax": jax.__version__,
+           "backend": jax.default_backend(), "tag": args.tag}
+    if session is not None:
+        row.update(session.describe(), threads=threads)
+    return row
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     threads = _cli.setup(args)
+    if args.out:
+        _cli.check_writable(args.out, "--out")
+    session = None
     if args.op == "sparse_ffn":
         from powerinfer_jax._bench_ops import bench_sparse_ffn
 
@@ -96,15 +100,10 @@ def main(argv=None) -> None:
                **bench_sparse_ffn(d=args.d, f=args.f, t=args.t, active=args.active,
                                   dtype=args.dtype, gated=args.gated, repeats=args.repeats)}
     else:
-        from powerinfer_jax.runtime.session import (configs_from_args, open_session,
-                                                    placement_from_args)
-
-        runtime, sparsity = configs_from_args(args)
-        s = open_session(args.model, runtime, sparsity, placement=placement_from_args(args))
-        res = {"bench": "model", **bench_model(s, prompt_tokens=args.prompt_tokens,
-                                               new_tokens=args.new_tokens, repeats=args.repeats),
-               "placement": None if s.placement is None else s.placement.summary()}
-    row = {**row_header(args, threads), **res}
+        session = _cli.build_from_args(args)
+        res = {"bench": "model", **bench_model(session, prompt_tokens=args.prompt_tokens,
+                                               new_tokens=args.new_tokens, repeats=args.repeats)}
+    row = {**row_header(args, threads, session), **res}
     summary = {k: v for k, v in res.items() if isinstance(v, (int, float, str))}
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                    for k, v in summary.items()))

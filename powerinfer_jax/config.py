@@ -16,15 +16,29 @@ from powerinfer_jax.errors import check_positive_int as _check_positive
 Activation = Literal["silu", "relu", "gelu"]
 NormType = Literal["rms", "layer"]
 PositionScheme = Literal["rope", "learned"]
-SparsityMode = Literal["dense", "oracle", "threshold", "predictor"]
 
 ACTIVATIONS = ("silu", "relu", "gelu")
 NORM_TYPES = ("rms", "layer")
 POSITION_SCHEMES = ("rope", "learned")
-SPARSITY_MODES = ("dense", "oracle", "threshold", "predictor")
 PREDICTOR_KINDS = ("q4", "lowrank")
 GATE_UP_SOURCES = ("full", "q4")  # SparsityConfig.gate_up
 DTYPES = ("float32", "bfloat16")
+KERNELS = ("auto", "xla", "ffi")
+IMPLS = ("ffi", "reference")
+OFFLOADS = ("hybrid", "layers")
+
+# Defaults every entry point shares (CLIs, powerinfer_jax.load, experiments).
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_CONTEXT_CAP = 2048  # KV cache slots unless max_seq_len says otherwise
+DEFAULT_TARGET_SPARSITY = 0.5  # threshold/predictor modes without a target
+MAX_SEED = 2 ** 32 - 1  # seeds are folded into a 32-bit PRNG key
+
+
+def sparsity_modes() -> tuple[str, ...]:
+    """The registered sparsity modes (sparsity/modes.py; a new mode registers itself there)."""
+    from powerinfer_jax.sparsity import modes
+
+    return modes.names()
 
 
 
@@ -116,7 +130,7 @@ class SparsityConfig:
       scalar threshold by the calibrated per-layer ones.
     """
 
-    mode: SparsityMode = "dense"
+    mode: str = "dense"
     threshold: float = 0.0
     impl: Literal["ffi", "reference"] = "ffi"
     target_sparsity: float | None = None
@@ -124,7 +138,7 @@ class SparsityConfig:
     gate_up: Literal["full", "q4"] = "full"
 
     def __post_init__(self):
-        _check_choice("SparsityConfig.mode", self.mode, SPARSITY_MODES)
+        _check_choice("--sparsity", self.mode, sparsity_modes())
         _check_choice("SparsityConfig.predictor", self.predictor, PREDICTOR_KINDS)
         _check_choice("SparsityConfig.gate_up", self.gate_up, GATE_UP_SOURCES)
         if self.gate_up == "q4":
@@ -132,18 +146,44 @@ class SparsityConfig:
                    "'full' unless mode is 'predictor' with predictor 'q4' (the q4 estimate "
                    "supplies the activations)", self.gate_up,
                    f"mode={self.mode!r}, predictor={self.predictor!r}")
-        _check_choice("SparsityConfig.impl", self.impl, ("ffi", "reference"))
+        _check_choice("SparsityConfig.impl", self.impl, IMPLS)
         _check(math.isfinite(self.threshold) and self.threshold >= 0, "SparsityConfig.threshold",
                "a finite float >= 0", self.threshold)
         if self.target_sparsity is not None:
             _check(isinstance(self.target_sparsity, float) and 0 < self.target_sparsity < 1,
                    "SparsityConfig.target_sparsity", "a float in (0, 1)", self.target_sparsity)
 
+    def with_default_target(self) -> "SparsityConfig":
+        """This config with DEFAULT_TARGET_SPARSITY when its mode needs calibrated thresholds
+        and no target was given (threshold and predictor modes; oracle runs without one)."""
+        from powerinfer_jax.sparsity import modes
+
+        if self.target_sparsity is None and modes.needs(self).thresholds:
+            return dataclasses.replace(self, target_sparsity=DEFAULT_TARGET_SPARSITY)
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one sequence's next token is drawn: greedy (temperature 0) or temperature / top-k /
+    top-p sampling (runtime/sampling.py)."""
+
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no top-k cut
+    top_p: float = 1.0  # 1: no nucleus cut
+
+    def __post_init__(self):
+        _check(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+               and self.temperature >= 0, "--temperature", "a finite float >= 0 (0 means greedy)",
+               self.temperature)
+        _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
+               and self.top_k >= 0, "--top-k", "an integer >= 0 (0 disables)", self.top_k)
+        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "--top-p",
+               "a float in (0, 1]", self.top_p)
+
     @property
-    def calibrated(self) -> bool:
-        """True when the mode runs on calibrated per-layer artifacts."""
-        return self.mode in ("threshold", "predictor") or (
-            self.mode == "oracle" and self.target_sparsity is not None)
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +194,10 @@ class RuntimeConfig:
     threads: int | None = None
     max_seq_len: int | None = None  # KV cache length; None: min(model context, 2048)
     kernels: str = "auto"  # dense matmuls: "xla", "ffi" (custom calls), "auto" (ffi on CPU)
+    # ablation knobs (benchmarks/e2e_ab.py): decode attention through XLA's ops instead of the
+    # custom call; q, k, v as three linear calls instead of one linear_many call
+    decode_attention: str = "auto"  # "auto" (the custom call with kernels ffi on CPU) | "xla"
+    fuse_qkv: bool = True
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 0
@@ -162,18 +206,21 @@ class RuntimeConfig:
 
     def __post_init__(self):
         _check_choice("--dtype", self.dtype, DTYPES)
-        _check_choice("--kernels", self.kernels, ("auto", "xla", "ffi"))
+        _check_choice("--kernels", self.kernels, KERNELS)
+        _check_choice("RuntimeConfig.decode_attention", self.decode_attention, ("auto", "xla"))
         if self.threads is not None:
             _check_positive("--threads", self.threads)
         if self.max_seq_len is not None:
             _check_positive("--max-seq-len", self.max_seq_len)
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
                "--max-new-tokens", "an integer >= 0", self.max_new_tokens)
-        _check(math.isfinite(self.temperature) and self.temperature >= 0, "--temperature",
-               "a finite float >= 0 (0 means greedy)", self.temperature)
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "--top-k",
-               "an integer >= 0 (0 disables)", self.top_k)
-        _check(0 < self.top_p <= 1, "--top-p", "a float in (0, 1]", self.top_p)
+        self.sampling  # validates temperature, top_k, top_p
+        _check(isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED, "--seed",
+               f"an integer in [0, {MAX_SEED}]", self.seed)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +238,7 @@ class PlacementConfig:
     offload: Literal["hybrid", "layers"] = "hybrid"
 
     def __post_init__(self):
-        _check_choice("--offload", self.offload, ("hybrid", "layers"))
+        _check_choice("--offload", self.offload, OFFLOADS)
         if self.vram_budget_gib is not None:
             _check(isinstance(self.vram_budget_gib, (int, float))
                    and math.isfinite(self.vram_budget_gib) and self.vram_budget_gib >= 0,

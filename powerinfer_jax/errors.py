@@ -7,12 +7,14 @@ callers catch it like the `ValueError` it subclasses.
 """
 from __future__ import annotations
 
+from typing import NoReturn
+
 
 class UserError(ValueError):
     """Bad input or bad state the user can fix: a flag, a prompt, a model file, a cached artifact."""
 
 
-def fail(what: str, rule: str, value, hint: str = "") -> "NoReturn":  # noqa: F821
+def fail(what: str, rule: str, value, hint: str = "") -> NoReturn:
     """Raise UserError("<what>: expected <rule>, got <value!r> (<hint>)")."""
     msg = f"{what}: expected {rule}, got {value!r}"
     raise UserError(msg + (f" ({hint})" if hint else ""))

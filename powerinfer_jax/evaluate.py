@@ -16,6 +16,7 @@ import os
 import numpy as np
 
 from powerinfer_jax import _cli
+from powerinfer_jax.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,57 +44,59 @@ def chunk_tokens(ids, ctx: int, max_chunks: int | None) -> np.ndarray:
     return np.asarray(ids[: n * ctx], np.int32).reshape(n, ctx)
 
 
-def make_scorer(model, sparsity, thresholds=None, oracle_thresholds=None):
+def make_scorer(model, oracle_thresholds=None):
     """A jitted function chunk [1, T] -> (sum of NLL of tokens 1..T-1, mean active fraction,
-    per-layer [true positives, oracle positives] [L, 2] or None).
+    per-layer [true positives, oracle positives] [L, 2] or None). The model runs its configured
+    sparsity mode (sparsity.modes.configure).
 
-    oracle_thresholds (predictor mode): per-layer contribution thresholds defining the oracle set.
+    oracle_thresholds: per-layer contribution thresholds defining the oracle active set; with
+    them, each layer's selection is compared with it (the predictor's recall).
     """
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
+    from powerinfer_jax.models.transformer import capture
+
     graphdef, state = nnx.split(model)
     d_ff = model.config.d_ff
-    recall = sparsity.mode == "predictor" and oracle_thresholds is not None
-    if recall and thresholds is None:
-        thresholds = (sparsity.threshold,) * model.config.n_layers
 
     @jax.jit
     def score(state, tokens_bt):
         m = nnx.merge(graphdef, state)
         positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        out = m.hidden(tokens_bt, positions, sparsity=sparsity, thresholds=thresholds,
-                       return_ffn_inputs=recall)
-        h, n_active = out[0], out[2]
+        (h, _), sown = capture(lambda m: m.hidden(tokens_bt, positions), m)
         logp = jax.nn.log_softmax(m.logits(h[:, :-1]), axis=-1)
         nll = -jnp.take_along_axis(logp, tokens_bt[:, 1:, None], axis=-1).sum()
+        n_active = sown.get("n_active")
         frac = jnp.float32(1.0) if n_active is None else n_active.mean() / d_ff
         hits = None
-        if recall:
-            hits = jnp.stack([_recall_counts(layer.ffn, x, thresholds[i], oracle_thresholds[i])
-                              for i, (layer, x) in enumerate(zip(m.layers, out[3]))])
+        if oracle_thresholds is not None:
+            hits = jnp.stack([_recall_counts(layer.ffn, x, oracle_thresholds[i])
+                              for i, (layer, x) in enumerate(zip(m.layers, sown["ffn_in"]))])
         return nll, frac, hits
 
     return lambda tokens: score(state, tokens)
 
 
-def _recall_counts(ffn, x_btd, threshold, oracle_threshold):
-    """[true positives, oracle positives] of the predictor's active set vs the oracle's."""
+def _recall_counts(ffn, x_btd, oracle_threshold):
+    """[true positives, oracle positives] of the layer's selection vs the oracle's active set."""
     import jax.numpy as jnp
 
-    oracle = jnp.abs(ffn.activations(x_btd)) > oracle_threshold
-    chosen = ffn.predictor(x_btd) > threshold
+    a = ffn.activations(x_btd)
+    oracle = jnp.abs(a) > oracle_threshold
+    chosen = ffn.selector.select(ffn, x_btd).active(a)
     return jnp.stack([jnp.sum(oracle & chosen), jnp.sum(oracle)]).astype(jnp.float32)
 
 
-def perplexity(model, ids, *, ctx: int, max_chunks: int | None, sparsity, thresholds=None,
-               oracle_thresholds=None, progress: bool = False) -> dict:
+def perplexity(model, ids, *, ctx: int, max_chunks: int | None, oracle_thresholds=None,
+               progress: bool = False) -> dict:
+    """Perplexity of the (configured) model over non-overlapping ctx-token chunks of ids."""
     chunks = chunk_tokens(ids, ctx, max_chunks)
     if ctx > model.config.max_seq_len:
-        raise ValueError(f"--ctx: expected at most {model.config.max_seq_len} (the model's "
-                         f"context), got {ctx}")
-    score = make_scorer(model, sparsity, thresholds, oracle_thresholds)
+        raise UserError(f"--ctx: expected at most {model.config.max_seq_len} (the model's "
+                        f"context), got {ctx}")
+    score = make_scorer(model, oracle_thresholds)
     total, fracs, hits = 0.0, [], 0.0
     it = chunks
     if progress:
@@ -117,26 +120,22 @@ def perplexity(model, ids, *, ctx: int, max_chunks: int | None, sparsity, thresh
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     threads = _cli.setup(args)
-    from powerinfer_jax.runtime.session import (configs_from_args, open_session,
-                                                placement_from_args)
+    from powerinfer_jax.api import LLM
 
     if not os.path.isfile(args.text):
         raise FileNotFoundError(f"--text: expected an existing file, got {args.text!r}")
     with open(args.text, encoding="utf-8") as f:
         text = f.read()
-    runtime, sparsity = configs_from_args(args)
-    s = open_session(args.model, runtime, sparsity, placement=placement_from_args(args))
-    ids = s.tokenizer.encode(text, add_bos=False)
-    res = perplexity(s.model, ids, ctx=args.ctx, max_chunks=args.max_chunks, sparsity=sparsity,
-                     thresholds=s.thresholds, oracle_thresholds=s.oracle_thresholds,
-                     progress=args.progress and not args.json)
+    llm = LLM(_cli.build_from_args(args))
+    res = llm.perplexity(text, ctx=args.ctx, max_chunks=args.max_chunks,
+                         progress=args.progress and not args.json)
     recall = f", predictor recall {res['predictor_recall']:.3f}" if "predictor_recall" in res else ""
     print(f"perplexity {res['ppl']:.4f} over {res['tokens_scored']} tokens "
           f"({res['chunks']} chunks of {args.ctx}), FFN sparsity {res['ffn_sparsity']:.3f}{recall}")
     if args.json:
-        _cli.print_json({**res, "model": args.model, "dtype": runtime.dtype, "threads": threads,
-                         "sparsity": sparsity.mode, "threshold": sparsity.threshold,
-                         "target_sparsity": sparsity.target_sparsity, "impl": sparsity.impl,
+        s = llm.session
+        _cli.print_json({**res, **s.describe(), "threads": threads,
+                         "threshold": s.sparsity.threshold, "impl": s.sparsity.impl,
                          "ctx": args.ctx})
 
 

@@ -16,11 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _cli.add_common_flags(p)
     p.add_argument("--prompt", required=True, help="the prompt text")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 disables")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 disables")
-    p.add_argument("--seed", type=int, default=0)
+    _cli.add_sampling_flags(p)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when this text is generated (repeatable; excluded from the output)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=False,
                    help="wrap the prompt in the model's chat template as a user message")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
@@ -31,45 +29,31 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     threads = _cli.setup(args)
-    from powerinfer_jax.runtime.sampling import SamplingParams
-    from powerinfer_jax.tokenizer import StreamDecoder
-    from powerinfer_jax.runtime.session import (configs_from_args, open_session,
-                                                placement_from_args)
+    from powerinfer_jax.api import LLM
 
-    runtime, sparsity = configs_from_args(
-        args, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if not args.prompt:
         raise ValueError("--prompt: expected non-empty text, got ''")
-    s = open_session(args.model, runtime, sparsity, placement=placement_from_args(args))
-    tok = s.tokenizer
-    text = tok.apply_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    ids = tok.encode(text)
-    s.engine.check_prompt(len(ids))
-    stream = StreamDecoder(tok)
+    # flag errors (sampling, seed) before the model loads
+    _cli.configs_from_args(args, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    llm = LLM(_cli.build_from_args(args))
+    ids = llm.encode(args.prompt, chat=args.chat)
+    llm.session.engine.check_prompt(len(ids), args.max_new_tokens)
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+              top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
 
-    def on_token(t: int) -> None:
-        if args.stream and t not in tok.eos_ids:
-            sys.stdout.write(stream.feed(t))
-            sys.stdout.flush()
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
 
-    res = s.engine.generate(ids, max_new_tokens=runtime.max_new_tokens,
-                            sampling=SamplingParams(runtime.temperature, runtime.top_k,
-                                                    runtime.top_p),
-                            seed=runtime.seed, stop_ids=tok.eos_ids, on_token=on_token)
-    if args.stream:
-        sys.stdout.write(stream.flush() + "\n")
-    body = [t for t in res.tokens if t not in tok.eos_ids]
-    text_out = tok.decode(body)
-    if not args.stream:
-        print(text_out)
+    out = llm.generate(ids, on_text=show if args.stream else None, **kw)
+    print("" if args.stream else out.text)
     if args.json:
         _cli.print_json({
-            "text": text_out, "tokens": res.tokens, "prompt_tokens": res.prompt_tokens,
-            "prefill_tok_s": res.prefill_tok_s, "decode_tok_s": res.decode_tok_s,
-            "first_token_s": res.first_token_s, "compile_s": res.compile_s, "stop_reason": res.stop_reason,
-            "model": args.model, "dtype": runtime.dtype, "threads": threads,
-            "sparsity": sparsity.mode})
+            "text": out.text, "tokens": out.token_ids, "prompt_tokens": out.prompt_tokens,
+            "prefill_tok_s": out.prefill_tok_s, "decode_tok_s": out.decode_tok_s,
+            "first_token_s": out.first_token_s, "stop_reason": out.finish_reason,
+            **llm.session.describe(), "threads": threads, "plan": llm.session.plan[0]})
 
 
 if __name__ == "__main__":

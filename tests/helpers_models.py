@@ -155,3 +155,36 @@ def _save(model, d: Path, max_shard_size):
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(d, **kwargs)
     _save_tokenizer(d)
+
+
+def with_mode(model, sparsity, *, thresholds=None, predictors=None):
+    """`model` configured for `sparsity` (sparsity.modes.configure); returns it."""
+    from powerinfer_jax.sparsity import modes
+
+    modes.configure(model, sparsity, thresholds=thresholds, predictors=predictors)
+    return model
+
+
+def active_counts(model, tokens, positions):
+    """(h, n_active [L, B, T] or None) of one uncached forward pass."""
+    from powerinfer_jax.models.transformer import capture
+
+    (h, _), sown = capture(lambda m: m.hidden(tokens, positions), model)
+    return h, sown.get("n_active")
+
+
+def ffn_run(ffn, x):
+    """(y, n_active or None) of one FFN call with its installed selector."""
+    from flax import nnx
+
+    y, sown = nnx.capture(lambda f, x: f(x), nnx.Intermediate)(ffn, x)
+    flat = dict(nnx.to_flat_state(sown))
+    return y, (flat[("n_active",)].get_value()[-1] if ("n_active",) in flat else None)
+
+
+def q4_selector(ffn, threshold, *, gate_up="full"):
+    """The q4 predictor of an (unplaced) FFN as its selector: scores, or the activations."""
+    from powerinfer_jax.sparsity import q4_predictor, selectors
+
+    pred = q4_predictor.Q4Predictor.from_ffn(ffn)
+    return (selectors.Q4Activations if gate_up == "q4" else selectors.Scores)(pred, threshold)

@@ -69,22 +69,21 @@ def test_calibrate_then_q4_predictor_mode(tiny_dir, tmp_path, capsys):
     text.write_text("the quick brown fox jumps over the lazy dog. a b c d e f g. " * 60)
     root = tmp_path / "arts"
     calibrate.main(["--model", str(tiny_dir), "--corpus", str(text), "--ctx", "32",
-                    "--target-sparsity", "0.5", "--no-predictor", "--out", str(root),
+                    "--target-sparsity", "0.5", "--out", str(root),
                     "--no-progress", "--json"])
     meta = last_json(capsys)
     assert len(meta["thresholds_q4"]) == 2 and meta["q4"]["mean_recall"] > 0.8
-    from powerinfer_jax.runtime.session import open_session
+    from powerinfer_jax.runtime.session import build
     from powerinfer_jax.config import RuntimeConfig, SparsityConfig
     from powerinfer_jax.evaluate import perplexity
 
-    s = open_session(str(tiny_dir), RuntimeConfig(), SparsityConfig(
+    s = build(str(tiny_dir), RuntimeConfig(), SparsityConfig(
         "predictor", target_sparsity=0.5), artifacts_root=root, progress=False)
     ids = s.tokenizer.encode(text.read_text(), add_bos=False)
-    res = perplexity(s.model, ids, ctx=32, max_chunks=2, sparsity=s.sparsity,
-                     thresholds=s.thresholds, oracle_thresholds=s.oracle_thresholds)
+    res = perplexity(s.model, ids, ctx=32, max_chunks=2, oracle_thresholds=s.oracle_thresholds)
     assert 0.3 < res["ffn_sparsity"] < 0.7 and res["predictor_recall"] > 0.8
     with pytest.raises(ValueError, match="expected trained predictors"):
-        open_session(str(tiny_dir), RuntimeConfig(), SparsityConfig(
+        build(str(tiny_dir), RuntimeConfig(), SparsityConfig(
             "predictor", target_sparsity=0.5, predictor="lowrank"), artifacts_root=root,
             progress=False)
 

@@ -84,9 +84,14 @@ def test_gpu_placed_model_equals_unplaced(kind, frac):
     from powerinfer_jax.sparsity.predictor import Predictor
 
     cfg = _tiny("silu", True, False) if kind == "silu-gated" else _tiny("relu", False, True)
+    from helpers_models import with_mode
+
     m = Transformer(cfg, rngs=nnx.Rngs(0), kernels="xla")
-    for i, layer in enumerate(m.layers):
-        layer.ffn.predictor = Predictor(cfg.d_model, 8, cfg.d_ff, rngs=nnx.Rngs(10 + i))
+    preds = [Predictor(cfg.d_model, 8, cfg.d_ff, rngs=nnx.Rngs(10 + i))
+             for i in range(cfg.n_layers)]
+
+    def run(s):  # the model in mode s (predictor mode with these predictors)
+        return with_mode(m, s, predictors=preds if s.mode == "predictor" else None)
     sizes = pl.model_bytes(m, kv_len=cfg.max_seq_len)
     freqs = [np.random.default_rng(l).random(cfg.d_ff) for l in range(cfg.n_layers)]
     p = pl.place("hybrid", freqs, sizes, sizes.dense + int(frac * sizes.ffn))
@@ -95,23 +100,25 @@ def test_gpu_placed_model_equals_unplaced(kind, frac):
              "predictor": SparsityConfig(mode="predictor", threshold=0.0)}
     prompt = [3, 17, 5, 42, 8]
     with jax.default_matmul_precision("float32"):
-        want = {k: np.asarray(m(tokens, sparsity=s)) for k, s in modes.items()}
-        want_tokens = Engine(m, max_seq_len=32, sparsity=modes["oracle"]).generate(
+        want = {k: np.asarray(run(s)(tokens)) for k, s in modes.items()}
+        want_tokens = Engine(run(modes["oracle"]), max_seq_len=32).generate(
             prompt, max_new_tokens=8).tokens
+        run(modes["predictor"])  # predictors are permuted with the neurons while placing
         apply_placement(m, p)
         for layer, h in zip(m.layers, p.hot):
             ffn = layer.ffn
             assert ffn.n_hot == h and ffn.cold is None  # no cold row is an XLA operand
             assert (ffn.cold_handle is None) == (h == cfg.d_ff)
             assert ffn.n_cold == (cfg.d_ff - h if h < cfg.d_ff else 0)
-        for k, s in modes.items():
-            np.testing.assert_allclose(np.asarray(m(tokens, sparsity=s)), want[k], atol=1e-4,
+        for k, s in modes.items():  # the predictors were permuted with the neurons in place
+            np.testing.assert_allclose(np.asarray(run(s)(tokens)), want[k], atol=1e-4,
                                        rtol=1e-4, err_msg=k)
-        got = Engine(m, max_seq_len=32, sparsity=modes["oracle"]).generate(prompt, max_new_tokens=8)
+        got = Engine(run(modes["oracle"]), max_seq_len=32).generate(prompt, max_new_tokens=8)
     assert got.tokens == want_tokens
     if frac < 1.0:
         with pytest.raises(ValueError, match="host store"):
-            m(tokens, sparsity=SparsityConfig(mode="threshold", threshold=0.1))
+            with_mode(m, SparsityConfig(mode="threshold"), thresholds=(0.1,) * cfg.n_layers)(
+                tokens)
 
 
 def test_gpu_cold_rows_reject_mismatched_dtypes():

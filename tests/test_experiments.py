@@ -153,21 +153,24 @@ def test_greedy_agreement():
 def test_cost_breakdown_components_on_a_tiny_model(mode):
     from flax import nnx
 
-    from helpers_models import tiny_llama_config
+    from helpers_models import tiny_llama_config, with_mode
+    from powerinfer_jax.config import SparsityConfig
     from powerinfer_jax.models.transformer import Transformer
-    from powerinfer_jax.sparsity import q4_predictor
     from powerinfer_jax.sparsity.predictor import Predictor
 
     c = tiny_llama_config()
     model = Transformer(c, rngs=nnx.Rngs(0), kernels="xla")
+    zeros = (0.0,) * c.n_layers
     if mode == "lowrank":
-        for layer in model.layers:
-            layer.ffn.predictor = Predictor(c.d_model, 8, c.d_ff, rngs=nnx.Rngs(1))
+        with_mode(model, SparsityConfig("predictor", predictor="lowrank"), thresholds=zeros,
+                  predictors=[Predictor(c.d_model, 8, c.d_ff, rngs=nnx.Rngs(1))
+                              for _ in model.layers])
     elif mode in ("q4", "q4gu"):
-        q4_predictor.attach(model)
+        with_mode(model, SparsityConfig("predictor", gate_up="q4" if mode == "q4gu" else "full"),
+                  thresholds=zeros)
     x = np.random.default_rng(0).standard_normal((c.n_layers, 1, 1, c.d_model)).astype(np.float32)
-    parts = cost_breakdown.components(model, x, mode=mode, thresholds=(0.0,) * c.n_layers,
-                                      position=5, kv_len=16, max_seq_len=32, repeats=2)
+    parts = cost_breakdown.components(model, x, position=5, kv_len=16, max_seq_len=32,
+                                      repeats=2)
     for key in ("attention_ms", "ffn_cold_ms", "lm_head_ms"):
         assert parts[key] > 0
     assert (parts["predictor_ms"] > 0) == (mode != "dense")

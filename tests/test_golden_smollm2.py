@@ -14,6 +14,7 @@ from powerinfer_jax.config import SparsityConfig
 from powerinfer_jax.evaluate import chunk_tokens, perplexity
 from powerinfer_jax.models.transformer import from_params
 from powerinfer_jax.runtime.decode import Engine
+from helpers_models import with_mode
 
 VALID = Path(__file__).resolve().parents[2] / "shared" / "data" / "wiki.valid.txt"
 PROMPT = "The capital of France is"
@@ -48,7 +49,7 @@ def test_greedy_continuation_matches_hf(ours, hf_model):
 def test_perplexity_within_one_percent_of_hf(ours, hf_model):
     ckpt, model = ours
     ids = ckpt.tokenizer.encode(VALID.read_text(encoding="utf-8"), add_bos=False)
-    res = perplexity(model, ids, ctx=512, max_chunks=16, sparsity=SparsityConfig())
+    res = perplexity(with_mode(model, SparsityConfig()), ids, ctx=512, max_chunks=16)
     nll = 0.0
     for chunk in chunk_tokens(ids, 512, 16):
         with torch.no_grad():
@@ -66,12 +67,13 @@ def test_oracle_at_threshold_zero_equals_dense(ours):
     as dense, but through the sparse FFN custom call (the dense f32 path here is XLA's)."""
     ckpt, model = ours
     ids = ckpt.tokenizer.encode(VALID.read_text(encoding="utf-8"), add_bos=False)
-    dense = perplexity(model, ids, ctx=512, max_chunks=4, sparsity=SparsityConfig())
-    oracle = perplexity(model, ids, ctx=512, max_chunks=4,
-                        sparsity=SparsityConfig(mode="oracle", threshold=0.0))
+    dense = perplexity(with_mode(model, SparsityConfig()), ids, ctx=512, max_chunks=4)
+    oracle = perplexity(with_mode(model, SparsityConfig(mode="oracle", threshold=0.0)), ids,
+                        ctx=512, max_chunks=4)
     assert abs(oracle["ppl"] / dense["ppl"] - 1) < 1e-4, (oracle["ppl"], dense["ppl"])
     prompt = ckpt.tokenizer.encode(PROMPT)
-    a = Engine(model, max_seq_len=128).generate(prompt, max_new_tokens=16)
-    b = Engine(model, max_seq_len=128,
-               sparsity=SparsityConfig(mode="oracle")).generate(prompt, max_new_tokens=16)
+    a = Engine(with_mode(model, SparsityConfig()), max_seq_len=128).generate(
+        prompt, max_new_tokens=16)
+    b = Engine(with_mode(model, SparsityConfig(mode="oracle")), max_seq_len=128).generate(
+        prompt, max_new_tokens=16)
     assert a.tokens == b.tokens

@@ -48,10 +48,10 @@ def test_opt_cached_decode_matches_full_forward(tmp_path):
     save_hf_opt(tmp_path)
     full, model = our_logits(tmp_path, TOKENS[:1])
     cache = init_cache(model.config, batch=1, max_len=32, dtype=jnp.float32)
-    h, cache, _ = model.hidden(jnp.asarray(TOKENS[:1, :6]), jnp.arange(6)[None], cache, 0)
+    h, cache = model.hidden(jnp.asarray(TOKENS[:1, :6]), jnp.arange(6)[None], cache, 0)
     steps = [model.logits(h)]
     for t in range(6, TOKENS.shape[1]):
-        h, cache, _ = model.hidden(jnp.asarray(TOKENS[:1, t:t + 1]), jnp.full((1, 1), t), cache, t)
+        h, cache = model.hidden(jnp.asarray(TOKENS[:1, t:t + 1]), jnp.full((1, 1), t), cache, t)
         steps.append(model.logits(h))
     np.testing.assert_allclose(np.concatenate([np.asarray(s) for s in steps], 1), full,
                                atol=1e-5, rtol=1e-5)

@@ -15,6 +15,7 @@ from powerinfer_jax.models.transformer import Transformer
 from powerinfer_jax.runtime.decode import Engine
 from powerinfer_jax.sparsity import placement as pl
 from powerinfer_jax.sparsity.predictor import Predictor
+from helpers_models import active_counts, with_mode
 
 CFG = ModelConfig(arch="llama", vocab_size=53, d_model=12, n_layers=3, n_heads=2, n_kv_heads=1,
                   head_dim=6, d_ff=37, max_seq_len=32, activation="relu")
@@ -45,7 +46,7 @@ def test_permutation_leaves_dense_output_unchanged():
 @pytest.mark.parametrize("frac", [0.0, 0.3, 1.0])
 def test_hybrid_equals_unplaced(cfg, frac):
     m, p = model_and_placement(cfg, frac)
-    want = {mode: np.asarray(m(TOKENS, sparsity=s)) for mode, s in
+    want = {mode: np.asarray(with_mode(m, s)(TOKENS)) for mode, s in
             (("dense", SparsityConfig()), ("oracle", ORACLE))}
     apply_placement(m, p)
     expect_hot = {0.0: 0, 1.0: 3 * 37}.get(frac)
@@ -56,16 +57,17 @@ def test_hybrid_equals_unplaced(cfg, frac):
     for layer, h in zip(m.layers, p.hot):
         ffn = layer.ffn
         assert ffn.n_hot == h and ffn.cold["up"][...].shape[0] == 37 - h
-    np.testing.assert_allclose(np.asarray(m(TOKENS)), want["dense"], **TOL)
-    np.testing.assert_allclose(np.asarray(m(TOKENS, sparsity=ORACLE)), want["oracle"], **TOL)
+    np.testing.assert_allclose(np.asarray(with_mode(m, SparsityConfig())(TOKENS)), want["dense"],
+                               **TOL)
+    np.testing.assert_allclose(np.asarray(with_mode(m, ORACLE)(TOKENS)), want["oracle"], **TOL)
 
 
 def test_hybrid_greedy_tokens_equal_unplaced():
     m, p = model_and_placement(CFG, 0.3)
     prompt = [3, 17, 5, 42, 8]
-    want = Engine(m, max_seq_len=32, sparsity=ORACLE).generate(prompt, max_new_tokens=8).tokens
+    want = Engine(with_mode(m, ORACLE), max_seq_len=32).generate(prompt, max_new_tokens=8).tokens
     apply_placement(m, p)
-    eng = Engine(m, max_seq_len=32, sparsity=ORACLE)
+    eng = Engine(m, max_seq_len=32)
     assert eng.generate(prompt, max_new_tokens=8).tokens == want
     eng.generate(prompt[:3], max_new_tokens=8)
     assert eng.compile_count == 2  # no recompilation per token with a placement
@@ -73,24 +75,26 @@ def test_hybrid_greedy_tokens_equal_unplaced():
 
 def test_layers_mode_equals_unplaced():
     m, p = model_and_placement(CFG, 0.5, mode="layers")
-    want = np.asarray(m(TOKENS, sparsity=ORACLE))
+    want = np.asarray(with_mode(m, ORACLE)(TOKENS))
     apply_placement(m, p)
     assert set(p.hot) <= {0, 37} and p.hot[0] >= p.hot[-1]
-    np.testing.assert_allclose(np.asarray(m(TOKENS, sparsity=ORACLE)), want, **TOL)
+    np.testing.assert_allclose(np.asarray(m(TOKENS)), want, **TOL)
 
 
 @pytest.mark.parametrize("mode", ["threshold", "predictor"])
 def test_scores_modes_permute_with_the_neurons(mode):
     m, p = model_and_placement(CFG.replace(activation="silu"), 0.3)
+    preds = None
     if mode == "predictor":
-        for i, layer in enumerate(m.layers):
-            layer.ffn.predictor = Predictor(12, 5, 37, rngs=nnx.Rngs(10 + i))
+        preds = [Predictor(12, 5, 37, rngs=nnx.Rngs(10 + i)) for i in range(len(m.layers))]
     sp = SparsityConfig(mode=mode, threshold=0.1)
-    want = np.asarray(m(TOKENS, sparsity=sp))
-    _, _, n_want = m.hidden(TOKENS, jnp.broadcast_to(jnp.arange(7), (2, 7)), sparsity=sp)
+    with_mode(m, sp, thresholds=(0.1,) * len(m.layers), predictors=preds)
+    want = np.asarray(m(TOKENS))
+    positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
+    _, n_want = active_counts(m, TOKENS, positions)
     apply_placement(m, p)
-    np.testing.assert_allclose(np.asarray(m(TOKENS, sparsity=sp)), want, **TOL)
-    _, _, n_got = m.hidden(TOKENS, jnp.broadcast_to(jnp.arange(7), (2, 7)), sparsity=sp)
+    np.testing.assert_allclose(np.asarray(m(TOKENS)), want, **TOL)
+    _, n_got = active_counts(m, TOKENS, positions)
     np.testing.assert_array_equal(np.asarray(n_got), np.asarray(n_want))
 
 

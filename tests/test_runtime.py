@@ -103,10 +103,13 @@ def test_lookahead_step_past_a_stop_is_discarded(model):
         assert eng.generate([1, 2, 3], max_new_tokens=budget).tokens == free.tokens[:budget]
 
 
-def test_generation_stops_when_the_context_is_full(model):
+def test_more_new_tokens_than_the_context_holds_is_an_error(model):
+    """Issue 16: a prompt near the context limit used to get fewer new tokens than asked,
+    silently; now the request is refused up front, naming both numbers and the fix."""
     eng = Engine(model, max_seq_len=16)
-    res = eng.generate(list(range(1, 11)), max_new_tokens=100)
-    assert len(res.tokens) == 6
+    with pytest.raises(ValueError, match=r"prompt tokens \+ new tokens <= 16.*10 \+ 100"):
+        eng.generate(list(range(1, 11)), max_new_tokens=100)
+    assert len(eng.generate(list(range(1, 11)), max_new_tokens=6).tokens) == 6
 
 
 def test_prompt_errors(model):

@@ -7,7 +7,7 @@ import pytest
 from helpers_models import save_hf_llama
 from powerinfer_jax import bench
 from powerinfer_jax.config import PlacementConfig, RuntimeConfig, SparsityConfig
-from powerinfer_jax.runtime.session import open_session
+from powerinfer_jax.runtime.session import build
 from powerinfer_jax.sparsity import placement as pl
 
 GIB = 1 << 30
@@ -24,7 +24,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sizes(tiny_dir):
-    s = open_session(str(tiny_dir), RUNTIME, ORACLE, progress=False)
+    s = build(str(tiny_dir), RUNTIME, ORACLE, progress=False)
     return pl.model_bytes(s.model, kv_len=32)
 
 
@@ -33,16 +33,16 @@ def tokens(session):
 
 
 def test_no_budget_on_cpu_means_no_placement(tiny_dir):
-    s = open_session(str(tiny_dir), RUNTIME, ORACLE, progress=False)
+    s = build(str(tiny_dir), RUNTIME, ORACLE, progress=False)
     assert s.placement is None and not s.model.layers[0].ffn.placed
 
 
 @pytest.mark.parametrize("offload", ["hybrid", "layers"])
 def test_budget_places_and_keeps_tokens(tiny_dir, sizes, tmp_path, offload):
-    want = tokens(open_session(str(tiny_dir), RUNTIME, ORACLE, progress=False))
+    want = tokens(build(str(tiny_dir), RUNTIME, ORACLE, progress=False))
     budget = (sizes.dense + 0.6 * sizes.ffn) / GIB
     cfg = PlacementConfig(vram_budget_gib=budget, offload=offload)
-    s = open_session(str(tiny_dir), RUNTIME, ORACLE, placement=cfg, artifacts_root=tmp_path,
+    s = build(str(tiny_dir), RUNTIME, ORACLE, placement=cfg, artifacts_root=tmp_path,
                      progress=False)
     p = s.placement
     assert p is not None and p.mode == offload and p.device_bytes <= cfg.budget_bytes
@@ -54,7 +54,7 @@ def test_budget_places_and_keeps_tokens(tiny_dir, sizes, tmp_path, offload):
 def test_budget_below_dense_parts_is_a_clear_error(tiny_dir, sizes, tmp_path):
     cfg = PlacementConfig(vram_budget_gib=(sizes.dense - 1) / GIB)
     with pytest.raises(ValueError, match="--vram-budget: expected at least"):
-        open_session(str(tiny_dir), RUNTIME, ORACLE, placement=cfg, artifacts_root=tmp_path,
+        build(str(tiny_dir), RUNTIME, ORACLE, placement=cfg, artifacts_root=tmp_path,
                      progress=False)
 
 
@@ -87,7 +87,7 @@ def test_accelerator_path_builds_on_the_host_then_moves_what_stays(tiny_dir, siz
 
     from powerinfer_jax.runtime import placing, session
 
-    want = tokens(open_session(str(tiny_dir), RUNTIME, ORACLE, progress=False))
+    want = tokens(build(str(tiny_dir), RUNTIME, ORACLE, progress=False))
     calls = []
     budget = sizes.dense + int(0.3 * sizes.ffn)
     monkeypatch.setattr(session, "_accelerator", lambda: jax.devices()[0])
@@ -96,7 +96,7 @@ def test_accelerator_path_builds_on_the_host_then_moves_what_stays(tiny_dir, siz
     real_move = session._to_accelerator
     monkeypatch.setattr(session, "_to_accelerator", lambda m, d: (moved.append(d),
                                                                   real_move(m, d)))
-    s = open_session(str(tiny_dir), RUNTIME, ORACLE, artifacts_root=tmp_path, progress=False)
+    s = build(str(tiny_dir), RUNTIME, ORACLE, artifacts_root=tmp_path, progress=False)
     assert calls == [1] and moved == [jax.devices()[0]]  # budget read once, model moved once
     assert s.placement is not None and s.placement.budget_bytes == budget
     assert 0 < sum(s.placement.hot) < 2 * 96

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers_models import tiny_llama_config
+from helpers_models import active_counts, tiny_llama_config, with_mode
 from powerinfer_jax.config import SparsityConfig
 from powerinfer_jax.models.transformer import Transformer
 from powerinfer_jax.sparsity import calibrate as C
@@ -25,9 +25,8 @@ def tiny():
 
 def _measured_sparsity(model, tokens, mode, thresholds):
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    _, _, n_active = model.hidden(jnp.asarray(tokens), pos,
-                                  sparsity=SparsityConfig(mode=mode, impl="reference"),
-                                  thresholds=thresholds)
+    with_mode(model, SparsityConfig(mode=mode, impl="reference"), thresholds=thresholds)
+    _, n_active = active_counts(model, jnp.asarray(tokens), pos)
     return 1.0 - float(n_active.mean()) / model.config.d_ff
 
 

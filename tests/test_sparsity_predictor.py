@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers_models import tiny_llama_config
+from helpers_models import active_counts, tiny_llama_config, with_mode
 from powerinfer_jax.config import SparsityConfig
 from powerinfer_jax.models.ffn import activate
 from powerinfer_jax.models.transformer import Transformer
 from powerinfer_jax.sparsity import artifacts as A
+from powerinfer_jax.sparsity import modes
 from powerinfer_jax.sparsity import predictor as PR
 from powerinfer_jax.sparsity import profile as P
 
@@ -68,12 +69,11 @@ def test_oracle_fed_predictor_equals_oracle():
     thr = (0.05, 0.02)
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 32)))
     pos = jnp.broadcast_to(jnp.arange(32), tokens.shape)
-    h_o, _, n_o = model.hidden(tokens, pos, sparsity=SparsityConfig("oracle", impl="reference"),
-                               thresholds=thr)
-    for layer, t in zip(model.layers, thr):
-        layer.ffn.predictor = _OracleScores(layer.ffn, t)
-    h_p, _, n_p = model.hidden(tokens, pos, sparsity=SparsityConfig("predictor", impl="reference"),
-                               thresholds=(0.0, 0.0))
+    with_mode(model, SparsityConfig("oracle", impl="reference"), thresholds=thr)
+    h_o, n_o = active_counts(model, tokens, pos)
+    with_mode(model, SparsityConfig("predictor", impl="reference"), thresholds=(0.0, 0.0),
+              predictors=[_OracleScores(layer.ffn, t) for layer, t in zip(model.layers, thr)])
+    h_p, n_p = active_counts(model, tokens, pos)
     assert 0 < int(n_o.sum()) < n_o.size * cfg.d_ff
     diff = np.abs(np.asarray(n_p) - np.asarray(n_o))
     assert diff.max() <= 1 and diff.mean() < 0.05  # f32 ties at the threshold only
@@ -83,8 +83,8 @@ def test_oracle_fed_predictor_equals_oracle():
 def test_predictor_mode_without_predictor_is_an_error():
     model = Transformer(tiny_llama_config(), rngs=nnx.Rngs(0))
     tokens = jnp.zeros((1, 4), jnp.int32)
-    with pytest.raises(ValueError, match="FFN.predictor: expected a predictor attached"):
-        model(tokens, sparsity=SparsityConfig("predictor", impl="reference"))
+    with pytest.raises(ValueError, match="'predictor': expected its calibrated artifacts"):
+        with_mode(model, SparsityConfig("predictor", impl="reference"))(tokens)
 
 
 def test_cost_fraction():
@@ -114,9 +114,11 @@ def test_artifacts_round_trip(built):
     assert len(arts.thresholds_for("threshold")) == 2
     assert arts.thresholds_for("predictor", "lowrank") == (0, 0)  # folded into the biases
     assert arts.thresholds_for("predictor") == arts.thresholds_q4 and min(arts.thresholds_q4) > 0
-    A.attach_predictors(model, arts.predictors)
+    with_mode(model, SparsityConfig("predictor", impl="reference"),
+              thresholds=arts.thresholds_for("predictor", "lowrank"),
+              predictors=[arts.predictors.layer(l) for l in range(2)])
     tokens = jnp.zeros((1, 8), jnp.int32)
-    out = model(tokens, sparsity=SparsityConfig("predictor", impl="reference"))
+    out = model(tokens)
     assert np.isfinite(np.asarray(out)).all()
     assert (A.target_dir(root, 0.5) / "frequency.png").is_file()
 
@@ -140,7 +142,8 @@ def test_predictor_from_another_model(built):
     arts = A.load_artifacts(A.target_dir(root, 0.5), fingerprint=fp, need_predictor=True)
     other = Transformer(tiny_llama_config(d_ff=64), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"predictors: expected \(layers, D, F\) = \(2, 64, 64\)"):
-        A.attach_predictors(other, arts.predictors)
+        modes.configure(other, SparsityConfig("predictor", predictor="lowrank",
+                                              target_sparsity=0.5), arts)
 
 
 def test_artifacts_missing_and_format(built, tmp_path):
@@ -177,19 +180,18 @@ def test_evaluate_reports_predictor_recall():
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     thr = (0.05, 0.02)
     ids = np.random.default_rng(4).integers(0, cfg.vocab_size, 96)
-    oracle = perplexity(model, ids, ctx=32, max_chunks=None,
-                        sparsity=SparsityConfig("oracle", impl="reference"), thresholds=thr)
-    for layer, t in zip(model.layers, thr):
-        layer.ffn.predictor = _OracleScores(layer.ffn, t)
-    res = perplexity(model, ids, ctx=32, max_chunks=None, thresholds=(0.0, 0.0),
-                     sparsity=SparsityConfig("predictor", impl="reference"), oracle_thresholds=thr)
+    oracle = perplexity(with_mode(model, SparsityConfig("oracle", impl="reference"),
+                                  thresholds=thr), ids, ctx=32, max_chunks=None)
+    predictor = SparsityConfig("predictor", impl="reference")
+    with_mode(model, predictor, thresholds=(0.0, 0.0),
+              predictors=[_OracleScores(layer.ffn, t) for layer, t in zip(model.layers, thr)])
+    res = perplexity(model, ids, ctx=32, max_chunks=None, oracle_thresholds=thr)
     assert res["predictor_recall"] > 0.999
     assert res["ppl"] == pytest.approx(oracle["ppl"], rel=1e-3)
     assert res["ffn_sparsity"] == pytest.approx(oracle["ffn_sparsity"], abs=1e-3)
-    for layer in model.layers:  # a predictor that selects nothing: recall 0
-        layer.ffn.predictor = _OracleScores(layer.ffn, 1e9)
-    res = perplexity(model, ids, ctx=32, max_chunks=None, thresholds=(0.0, 0.0),
-                     sparsity=SparsityConfig("predictor", impl="reference"), oracle_thresholds=thr)
+    with_mode(model, predictor, thresholds=(0.0, 0.0),  # selects nothing: recall 0
+              predictors=[_OracleScores(layer.ffn, 1e9) for layer in model.layers])
+    res = perplexity(model, ids, ctx=32, max_chunks=None, oracle_thresholds=thr)
     assert res["predictor_recall"] == 0.0 and res["ffn_sparsity"] == 1.0
 
 
@@ -197,8 +199,8 @@ def test_evaluate_reports_predictor_recall():
 def test_sparsity_config_target(bad):
     with pytest.raises(ValueError, match=r"SparsityConfig.target_sparsity: expected a float in \(0, 1\)"):
         SparsityConfig("threshold", target_sparsity=bad)
-    assert SparsityConfig("threshold", target_sparsity=0.5).calibrated
-    assert not SparsityConfig("oracle").calibrated
+    assert modes.needs(SparsityConfig("threshold", target_sparsity=0.5)).thresholds
+    assert not modes.needs(SparsityConfig("oracle")).thresholds
 
 
 @pytest.mark.parametrize("kernels", ["xla", "ffi"])

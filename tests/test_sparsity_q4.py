@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers_models import tiny_llama_config
+from helpers_models import ffn_run, q4_selector, tiny_llama_config
 from powerinfer_jax import ops
 from powerinfer_jax.checkpoint.quants import dequantize
 from powerinfer_jax.config import SparsityConfig
@@ -127,7 +127,6 @@ def _tiny_model(seed=0, **cfg):
 def _ffn_with_q4(seed, layer):
     """An FFN of a tiny model with its q4 predictor, and its (gate, up, down_t) as float64."""
     model = _tiny_model(seed=seed)
-    Q4.attach(model)
     ffn = model.layers[layer].ffn
     return ffn, tuple(np.asarray(w[...], np.float64)
                       for w in (ffn.gate.weight, ffn.up.weight, ffn.down_t.weight))
@@ -142,9 +141,10 @@ def test_predictor_mode_matches_a_numpy_ffn():
     thr = float(np.quantile(est, 0.5))
     a = _silu(x[0] @ g.T) * (x[0] @ u.T)
     want = (a * (est > thr)) @ down_t
+    sel = q4_selector(ffn, thr)
     for impl in ("ffi", "reference"):
-        y, n_active = ffn(jnp.asarray(x), sparsity=SparsityConfig("predictor", impl=impl),
-                          threshold=thr)
+        ffn.set_selector(sel, impl=impl)
+        y, n_active = ffn_run(ffn, jnp.asarray(x))
         np.testing.assert_allclose(np.asarray(y)[0], want, rtol=1e-4, atol=1e-4)
         np.testing.assert_array_equal(np.asarray(n_active)[0], (est > thr).sum(-1))
 
@@ -171,12 +171,14 @@ def test_gate_up_q4_mode_matches_a_numpy_ffn(placed):
     est = _numpy_scores(x[0], g, u, signed=True)
     thr = float(np.quantile(np.abs(est), 0.6))
     want = (est * (np.abs(est) > thr)) @ down_t
+    sel = q4_selector(ffn, thr, gate_up="q4")
+    ffn.set_selector(sel)
     if placed:
         ffn.permute(np.random.default_rng(12).permutation(96))
         ffn.split(40)
     for impl in ("ffi", "reference"):
-        y, n_active = ffn(jnp.asarray(x), sparsity=SparsityConfig("predictor", impl=impl,
-                                                                  gate_up="q4"), threshold=thr)
+        ffn.set_selector(sel, impl=impl)
+        y, n_active = ffn_run(ffn, jnp.asarray(x))
         np.testing.assert_allclose(np.asarray(y)[0], want, rtol=1e-4, atol=1e-4)
         np.testing.assert_array_equal(np.asarray(n_active)[0], (np.abs(est) > thr).sum(-1))
 
@@ -190,11 +192,12 @@ def test_gate_up_q4_is_close_to_full_rows_on_a_q4_1_checkpoint():
     ffn = model.layers[0].ffn
     for w in (ffn.gate.weight, ffn.up.weight):
         w.set_value(jnp.asarray(_random_q4_1_rows(rng, 96, 64), jnp.float32))
-    Q4.attach(model)
     x = jnp.asarray(rng.standard_normal((1, 7, 64)), jnp.float32)
-    thr = float(np.quantile(np.asarray(ffn.predictor(x)), 0.5))
-    full, n_full = ffn(x, sparsity=SparsityConfig("predictor"), threshold=thr)
-    est, n_est = ffn(x, sparsity=SparsityConfig("predictor", gate_up="q4"), threshold=thr)
+    thr = float(np.quantile(np.asarray(Q4.Q4Predictor.from_ffn(ffn)(x)), 0.5))
+    ffn.set_selector(q4_selector(ffn, thr))
+    full, n_full = ffn_run(ffn, x)
+    ffn.set_selector(q4_selector(ffn, thr, gate_up="q4"))
+    est, n_est = ffn_run(ffn, x)
     np.testing.assert_array_equal(np.asarray(n_est), np.asarray(n_full))
     scale = float(np.max(np.abs(np.asarray(full))))
     np.testing.assert_allclose(np.asarray(est), np.asarray(full), atol=0.02 * scale)
@@ -299,14 +302,12 @@ def test_fused_q4_ffn_bad_input():
 
 def test_permuted_ffn_keeps_its_output():
     model = _tiny_model(seed=1)
-    Q4.attach(model)
     ffn = model.layers[1].ffn
     x = jnp.asarray(np.random.default_rng(4).standard_normal((1, 3, 64)), jnp.float32)
-    cfg = SparsityConfig("predictor")
-    before = np.asarray(ffn(x, sparsity=cfg, threshold=0.05)[0])
+    ffn.set_selector(q4_selector(ffn, 0.05))
+    before = np.asarray(ffn(x))
     ffn.permute(np.random.default_rng(5).permutation(96))
-    np.testing.assert_allclose(np.asarray(ffn(x, sparsity=cfg, threshold=0.05)[0]), before,
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ffn(x)), before, rtol=1e-5, atol=1e-5)
 
 
 def test_calibrated_thresholds_hit_the_target_on_held_out_tokens():

@@ -34,7 +34,6 @@ NB_MODULE(_pij_ext, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["pij_sparse_ffn"] = Capsule(PijSparseFfnCpu);
-    d["pij_rms_norm"] = Capsule(PijRmsNormCpu);
     d["pij_linear"] = Capsule(PijLinearCpu);
     d["pij_linear_many"] = Capsule(PijLinearManyCpu);
     d["pij_q4_scores"] = Capsule(PijQ4ScoresCpu);
@@ -51,6 +50,10 @@ NB_MODULE(_pij_ext, m) {
     pij::GetCpuRuntime().pool.SetNumThreads(n);
   }, nb::arg("n"), "Resize the kernel thread pool (the calling thread counts as one).");
   m.def("get_num_threads", []() { return pij::GetCpuRuntime().pool.NumThreads(); });
+  m.def("host_pool", []() {
+    // The runtime is a leaked singleton, so the pointer outlives every module that holds it.
+    return nb::capsule(static_cast<void*>(&pij::GetCpuRuntime().pool), "pij.ThreadPool");
+  }, "The kernels' thread pool, for the CUDA module's cold rows (one pool per process).");
   m.def("stream_sum", [](nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> a) {
     nb::gil_scoped_release release;
     return pij::StreamSum(std::span<const float>(a.data(), a.shape(0)), pij::GetCpuRuntime().pool);

@@ -81,9 +81,12 @@ NB_MODULE(_pij_cuda, m) {
   m.def("release_cold_rows", [](int64_t handle) { return pij::HybridColdStore().Remove(handle); },
         nb::arg("handle"), "Free a layer's cold rows (no running computation may still use them).");
   m.def("cold_store_bytes", []() { return pij::HybridColdStore().Bytes(); });
-  m.def("set_num_threads", [](int n) {
-    if (n < 1) throw std::invalid_argument("set_num_threads: n: expected >= 1, got " + std::to_string(n));
-    nb::gil_scoped_release release;
-    pij::SetHybridThreads(n);
-  }, nb::arg("n"), "Threads of the hybrid handler's host pool (the calling thread counts as one).");
+  m.def("use_host_pool", [](nb::capsule pool) {
+    if (std::string_view(pool.name()) != "pij.ThreadPool") {
+      throw std::invalid_argument("use_host_pool: expected the capsule of "
+                                  "powerinfer_jax._pij_ext.host_pool(), got " +
+                                  std::string(pool.name()));
+    }
+    pij::UseHostPool(static_cast<pij::ThreadPool*>(pool.data()));
+  }, nb::arg("pool"), "Run cold rows on the CPU module's thread pool (one pool per process).");
 }

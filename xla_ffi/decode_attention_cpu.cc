@@ -1,8 +1,11 @@
-// CPU FFI handler of decode attention (cpu_backend/decode_attention.h):
-//   q f32 [..., NH * H]; k_new, v_new f32 [..., NK * H] (one token, batch 1);
-//   k_cache, v_cache [1, S, NK, H] float32 or uint16 (bfloat16 bits), aliased to results 1 and 2;
-//   where s32 [2] = (slot, position); attributes kv_len, rope_theta, use_rope (0/1);
-//   results out f32 [..., NH * H], then the updated caches.
+// CPU FFI handler of decode attention (cpu_backend/decode_attention.h), one token per sequence:
+//   q f32 [B, ..., NH * H]; k_new, v_new f32 [B, ..., NK * H];
+//   k_cache, v_cache [R, S, NK, H] float32 or uint16 (bfloat16 bits), R >= B cache rows (a batched
+//   engine's slots: sequence b uses row b), aliased to results 1 and 2;
+//   where s32 [B, 2] = per sequence (slot, position); attributes kv_len, rope_theta, use_rope;
+//   results out f32 like q, then the updated caches.
+// One sequence runs its heads on the pool; several run one task per sequence (each sequence's
+// result is computed by one thread in a fixed order, so outputs do not depend on the split).
 #include <cstring>
 #include <exception>
 #include <mutex>
@@ -28,11 +31,19 @@ ffi::Error DecodeAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::A
   const auto c_dims = k_cache.dimensions();
   const ffi::DataType ct = k_cache.element_type();
   if ((ct != ffi::DataType::F32 && ct != ffi::DataType::U16) || c_dims.size() != 4 ||
-      c_dims[0] != 1) {
-    return InvalidArg(kOp, "k_cache", "float32 or uint16 [1, S, NK, H]",
+      c_dims[0] < 1) {
+    return InvalidArg(kOp, "k_cache", "float32 or uint16 [R, S, NK, H]",
                       std::string(DtypeName(ct)) + " " + ShapeString(c_dims));
   }
-  const int64_t s_len = c_dims[1], nk = c_dims[2], h = c_dims[3];
+  const int64_t rows = c_dims[0], s_len = c_dims[1], nk = c_dims[2], h = c_dims[3];
+  if (where.element_type() != ffi::DataType::S32 || where.element_count() % 2 != 0 ||
+      where.element_count() == 0 || static_cast<int64_t>(where.element_count()) / 2 > rows) {
+    return InvalidArg(kOp, "where", "int32 [B, 2] (slot, position per sequence), B <= " +
+                                        std::to_string(rows) + " cache rows",
+                      std::string(DtypeName(where.element_type())) + " " +
+                          ShapeString(where.dimensions()));
+  }
+  const int64_t batch = static_cast<int64_t>(where.element_count()) / 2;
   const auto v_dims = v_cache.dimensions();
   if (v_cache.element_type() != ct || v_dims.size() != 4 ||
       !std::equal(v_dims.begin(), v_dims.end(), c_dims.begin())) {
@@ -41,17 +52,18 @@ ffi::Error DecodeAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::A
                           ShapeString(v_dims));
   }
   if (q.element_type() != ffi::DataType::F32 || h == 0 ||
-      static_cast<int64_t>(q.element_count()) % h != 0 ||
-      static_cast<int64_t>(q.element_count()) / h % nk != 0) {
-    return InvalidArg(kOp, "q", "float32 [..., NH * " + std::to_string(h) + "], NH a multiple of " +
-                                    std::to_string(nk),
+      static_cast<int64_t>(q.element_count()) % (batch * h) != 0 ||
+      static_cast<int64_t>(q.element_count()) / (batch * h) % nk != 0) {
+    return InvalidArg(kOp, "q", "float32 [" + std::to_string(batch) + ", NH * " +
+                                    std::to_string(h) + "], NH a multiple of " + std::to_string(nk),
                       std::string(DtypeName(q.element_type())) + " " +
                           ShapeString(q.dimensions()));
   }
   for (auto [name, buf] : {std::pair{"k_new", &k_new}, std::pair{"v_new", &v_new}}) {
     if (buf->element_type() != ffi::DataType::F32 ||
-        static_cast<int64_t>(buf->element_count()) != nk * h) {
-      return InvalidArg(kOp, name, "float32 with " + std::to_string(nk * h) + " elements (one token)",
+        static_cast<int64_t>(buf->element_count()) != batch * nk * h) {
+      return InvalidArg(kOp, name, "float32 with " + std::to_string(batch * nk * h) +
+                                       " elements (one token per sequence)",
                         std::string(DtypeName(buf->element_type())) + " " +
                             ShapeString(buf->dimensions()));
     }
@@ -63,16 +75,14 @@ ffi::Error DecodeAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::A
     return InvalidArg(kOp, "kv_len", "in [1, S = " + std::to_string(s_len) + "]",
                       std::to_string(kv_len));
   }
-  if (where.element_type() != ffi::DataType::S32 || where.element_count() != 2) {
-    return InvalidArg(kOp, "where", "int32 [2] (slot, position)",
-                      std::string(DtypeName(where.element_type())) + " " +
-                          ShapeString(where.dimensions()));
-  }
   const int32_t* w = static_cast<const int32_t*>(where.untyped_data());
-  if (w[0] < 0 || w[0] >= kv_len || w[1] < 0) {
-    return InvalidArg(kOp, "slot, position",
-                      "0 <= slot < kv_len = " + std::to_string(kv_len) + ", position >= 0",
-                      std::to_string(w[0]) + ", " + std::to_string(w[1]));
+  for (int64_t b = 0; b < batch; ++b) {
+    if (w[2 * b] < 0 || w[2 * b] >= kv_len || w[2 * b + 1] < 0) {
+      return InvalidArg(kOp, "slot, position",
+                        "0 <= slot < kv_len = " + std::to_string(kv_len) + ", position >= 0",
+                        std::to_string(w[2 * b]) + ", " + std::to_string(w[2 * b + 1]) +
+                            " (sequence " + std::to_string(b) + ")");
+    }
   }
   if (out->element_type() != ffi::DataType::F32 || out->element_count() != q.element_count() ||
       k_out->size_bytes() != k_cache.size_bytes() || v_out->size_bytes() != v_cache.size_bytes()) {
@@ -82,11 +92,9 @@ ffi::Error DecodeAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::A
   DecodeAttentionArgs a;
   a.n_kv_heads = nk;
   a.head_dim = h;
-  a.n_heads = static_cast<int64_t>(q.element_count()) / h;
+  a.n_heads = static_cast<int64_t>(q.element_count()) / (batch * h);
   a.max_len = s_len;
   a.kv_len = kv_len;
-  a.slot = w[0];
-  a.position = w[1];
   a.use_rope = use_rope != 0;
   a.rope_theta = rope_theta;
   // The caches are aliased to the results; if XLA gave separate buffers, start from the inputs.
@@ -100,15 +108,32 @@ ffi::Error DecodeAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::A
   const float* kp = static_cast<const float*>(k_new.untyped_data());
   const float* vp = static_cast<const float*>(v_new.untyped_data());
   float* op = static_cast<float*>(out->untyped_data());
-  try {
+  const int64_t q_row = a.n_heads * h, kv_row = nk * h, cache_row = s_len * nk * h;
+  auto run = [&](auto* k_c, auto* v_c) {
     CpuRuntime& rt = GetCpuRuntime();
     std::lock_guard<std::mutex> lock(rt.mutex);
-    if (ct == ffi::DataType::F32) {
-      DecodeAttention(a, qp, kp, vp, static_cast<float*>(k_out->untyped_data()),
-                      static_cast<float*>(v_out->untyped_data()), op, rt.pool);
+    auto sequence = [&](int64_t b, ThreadPool& pool) {
+      DecodeAttentionArgs ab = a;
+      ab.slot = w[2 * b];
+      ab.position = w[2 * b + 1];
+      DecodeAttention(ab, qp + b * q_row, kp + b * kv_row, vp + b * kv_row, k_c + b * cache_row,
+                      v_c + b * cache_row, op + b * q_row, pool);
+    };
+    if (batch == 1) {
+      sequence(0, rt.pool);
     } else {
-      DecodeAttention(a, qp, kp, vp, static_cast<uint16_t*>(k_out->untyped_data()),
-                      static_cast<uint16_t*>(v_out->untyped_data()), op, rt.pool);
+      rt.pool.Run(0, batch, [&](int64_t b, int /*worker*/) {
+        thread_local ThreadPool serial(1);  // this task computes the whole sequence itself
+        sequence(b, serial);
+      });
+    }
+  };
+  try {
+    if (ct == ffi::DataType::F32) {
+      run(static_cast<float*>(k_out->untyped_data()), static_cast<float*>(v_out->untyped_data()));
+    } else {
+      run(static_cast<uint16_t*>(k_out->untyped_data()),
+          static_cast<uint16_t*>(v_out->untyped_data()));
     }
     return ffi::Error::Success();
   } catch (const std::exception& e) {  // bad_alloc growing scratch: report, never abort

@@ -69,7 +69,10 @@ struct Staging {
 
 struct HybridRuntime {
   ColdStore store;
-  ThreadPool pool;  // the host pool for cold rows (this module's own: see cuda_bindings.cc)
+  // The host pool for cold rows: the CPU module's (UseHostPool, called when Python registers the
+  // targets), so a process runs one pool on its cores. Until then a caller-only fallback.
+  ThreadPool fallback_pool{1};
+  ThreadPool* pool = &fallback_pool;
   std::mutex pool_mutex;  // the host function's scratch is shared by all layers
   SparseFfnScratch scratch;
   std::mutex mutex;  // guards staging and side
@@ -104,7 +107,7 @@ void RunCold(const ColdTask& t, HybridRuntime& rt) {
     for (int64_t i = 0; i < t.num_tokens; ++i) score_rows[i] = s + i * r.num_neurons;
   }
   std::lock_guard<std::mutex> lock(rt.pool_mutex);
-  SparseFfn<W>(w, FfnTokens{x_rows, score_rows}, t.params, rt.pool, rt.scratch,
+  SparseFfn<W>(w, FfnTokens{x_rows, score_rows}, t.params, *rt.pool, rt.scratch,
                static_cast<float*>(t.staging->y.get()),
                static_cast<int32_t*>(t.staging->counts.get()));
 }
@@ -279,7 +282,11 @@ ffi::Error HybridImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
 
 ColdStore& HybridColdStore() { return GetHybridRuntime().store; }
 
-void SetHybridThreads(int n) { GetHybridRuntime().pool.SetNumThreads(n); }
+void UseHostPool(ThreadPool* pool) {
+  HybridRuntime& rt = GetHybridRuntime();
+  std::lock_guard<std::mutex> lock(rt.pool_mutex);
+  rt.pool = pool != nullptr ? pool : &rt.fallback_pool;
+}
 
 }  // namespace pij
 

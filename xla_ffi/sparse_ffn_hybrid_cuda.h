@@ -3,6 +3,7 @@
 #define PIJ_XLA_FFI_SPARSE_FFN_HYBRID_CUDA_H_
 
 #include "cpu_backend/cold_store.h"
+#include "cpu_backend/thread_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PijSparseFfnHybridCuda);
@@ -12,8 +13,9 @@ namespace pij {
 // The store of cold rows the hybrid handler reads (one per process, in this module).
 ColdStore& HybridColdStore();
 
-// Threads of the host pool that runs the cold rows (the calling thread counts as one).
-void SetHybridThreads(int n);
+// The host pool that runs the cold rows: the CPU module's pool (one pool per process; its size is
+// set through the CPU module). nullptr: back to a caller-only pool.
+void UseHostPool(ThreadPool* pool);
 
 }  // namespace pij
 

@@ -100,12 +100,15 @@ def frequencies(shapes: str, cfg: ModelConfig, target: str, seed: int = 0) -> np
     return out
 
 
-def build(cfg: ModelConfig, freq: np.ndarray, dtype, seed: int):
+def build(cfg: ModelConfig, freq: np.ndarray, dtype, seed: int, sparsity):
+    """A synthetic model (random weights: no checkpoint to build from) in `sparsity`'s mode;
+    predictor mode's predictors sample masks at the profiled frequencies."""
     from powerinfer_jax.models.transformer import Transformer
+    from powerinfer_jax.sparsity import modes
 
     m = Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed), kernels="xla")
-    for layer, f in zip(m.layers, freq):
-        layer.ffn.predictor = SampledMasks(f)
+    modes.configure(m, sparsity, predictors=None if sparsity.mode == "dense" else
+                    [SampledMasks(f) for f in freq])
     return m
 
 
@@ -150,7 +153,9 @@ def run_mode(args, cfg, freq, mode: str, frac: float | None) -> dict:
 
     dtype = jnp.dtype(args.dtype)
     t0 = time.perf_counter()
-    m = build(cfg, freq, dtype, args.seed)
+    sp = SparsityConfig(mode="dense") if mode.endswith("dense") else \
+        SparsityConfig(mode="predictor", threshold=0.0)
+    m = build(cfg, freq, dtype, args.seed, sp)
     row = {"mode": mode, "budget_ffn_fraction": frac, "init_s": None}
     if mode in ("hybrid", "layers", "layers_dense"):
         p, sizes, place_s = place(m, mode, frac, freq, args.max_seq_len)
@@ -162,9 +167,7 @@ def run_mode(args, cfg, freq, mode: str, frac: float | None) -> dict:
                    bytes_host=_ffi._pij_cuda.cold_store_bytes(), bytes_ffn=sizes.ffn,
                    bytes_dense=sizes.dense)
     row["init_s"] = time.perf_counter() - t0
-    sp = SparsityConfig(mode="dense") if mode.endswith("dense") else \
-        SparsityConfig(mode="predictor", threshold=0.0)
-    eng = Engine(m, max_seq_len=args.max_seq_len, sparsity=sp)
+    eng = Engine(m, max_seq_len=args.max_seq_len)
     prompt = list(range(1, args.prompt_tokens + 1))
     med, runs = decode_tok_s(eng, prompt, args.new_tokens, args.repeats)
     row.update(decode_tok_s=med, decode_runs=runs, new_tokens=args.new_tokens,
@@ -187,7 +190,7 @@ def overlap(m, args, cfg) -> dict:
     ffn = layer.ffn
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((1, cfg.d_model)), jnp.float32)
-    freq = np.asarray(ffn.predictor.freq[...])
+    freq = np.asarray(ffn.selector.predictor.freq[...])
     s = jnp.asarray((rng.random((1, cfg.d_ff)) < freq).astype(np.float32))
     h = ffn.n_hot
     zero = jnp.zeros_like(s)
@@ -243,7 +246,7 @@ def main(argv=None) -> None:
 
     if not cuda_hybrid_available():
         sys.exit("hybrid_decode: expected the PIJ_CUDA=ON build (see BUILD.md)")
-    _ffi._pij_cuda.set_num_threads(args.threads)
+    _ffi.set_num_threads(args.threads)  # the one pool, shared with the CUDA module
     cfg = SHAPES[args.shapes].replace(max_seq_len=args.max_seq_len)
     freq = frequencies(args.shapes, cfg, args.profile_target)
     head = header(args, cfg)

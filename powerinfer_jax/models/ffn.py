@@ -1,39 +1,75 @@
-"""The feed-forward block: dense XLA matmuls or the neuron-aware sparse custom call.
+"""The feed-forward block, its active-set selector and the backend that computes its rows.
 
 Weights are neuron-major: `gate.weight` [F, D], `up.weight` [F, D], `down_t.weight` [F, D] (down
 transposed), so neuron i's three rows are contiguous and a sparse kernel reads only active rows.
-  gated:     a_i = act(gate_i . x) * (up_i . x + b_up_i)
+  gated:     a_i = act(gate_i . x) * (up_i . x + b_up_i)      (drelu: relu(gate) * relu(up + b))
   non-gated: a_i = act(up_i . x + b_up_i)
   y = b_down + sum_i a_i * down_t[i]
 
-Sparse modes (SparsityConfig.mode) choose the active set handed to the custom call:
-  oracle:    |a_i| > threshold, from the true activations (the quality upper bound)
-  threshold: |act(gate_i . x)| > threshold, the gate computed densely (CATS-style)
-  predictor: predictor scores > threshold, from `self.predictor` (attached after loading: the q4
-             estimate of |a_i| or a low-rank MLP's logits)
+Two parts are chosen once, when the model is built, and never by string tests at call time:
+  * `selector`: finds the active set (None: dense). A `Selector` subclass (the sparsity modes in
+    sparsity/selectors.py: oracle, calibrated gate threshold, predictors) returns a `Selection`:
+    ops.sparse_ffn's criterion, the layer's threshold and the scores it compares.
+  * `backend`: computes the rows. `Rows` (every row in the FFN's Params: XLA or the custom call),
+    `CpuHybrid` (placed: hot rows with XLA, cold `HostRows` through the custom call on the host
+    pool, summed) or `CudaHybrid` (placed on a GPU: hot rows in CUDA kernels, cold rows in the CUDA
+    module's host store behind a handle, one custom call). `FFN.split` switches the backend.
+Under models.transformer.capture the FFN records each call's active counts ("n_active" [B, T]).
 
-Placed (hybrid) FFNs: `permute(order)` reorders the neurons (and the predictor's outputs) so the
-hot ones come first, then `split(n_hot)` keeps rows [0, n_hot) in the Params (the accelerator's
-rows) and moves rows [n_hot, F) into `HostRows` variables (`self.cold`). A placed FFN computes the
-hot rows with XLA (jnp, masked by the active set) and the cold rows with the FFI custom call on the
-host pool, and adds the two partial sums. See sparsity/placement.py and models/hybrid.py.
-
-On a GPU backend with the CUDA build, `split` instead copies the cold rows once into the host store
-of the CUDA module (ops/_ffi.register_cold_rows) and keeps only its handle (`cold_handle`, a static
-attribute, so no cold byte is ever an XLA operand or device buffer). The FFN then runs as one custom
-call: the predicted-active hot rows in CUDA kernels on XLA's stream and the cold rows on the host
-pool, overlapped (xla_ffi/sparse_ffn_hybrid_cuda.cu). Modes that need every row's activations on
-the device (threshold; `activations`) are rejected there with a clear error.
+Dependencies point one way: this module knows only the Selector interface; sparsity/ implements it.
 """
 from __future__ import annotations
 
+import dataclasses
+import weakref
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from powerinfer_jax.config import SparsityConfig
-from powerinfer_jax.models.layers import F32, Linear, _param, use_ffi
+from powerinfer_jax.errors import fail
+from powerinfer_jax.models.layers import F32, Linear, _param, sow, use_ffi
 from powerinfer_jax.ops.reference import activate  # pure jnp, shared with the kernels' oracle
+
+
+class Selection(NamedTuple):
+    """What a selector hands the backend (the arguments of ops.sparse_ffn's selection).
+
+    criterion: "oracle" (|a_i| > threshold from the true activations), "scores" (scores >
+    threshold) or "activations" (scores are the activations a_i themselves, |a_i| > threshold:
+    only the active down rows are read). scores: [B, T, F] float32, None for "oracle".
+    """
+
+    criterion: str
+    threshold: float
+    scores: jax.Array | None = None
+
+    def active(self, activations=None):
+        """The active mask [B, T, F] this selection picks ("oracle" needs the activations)."""
+        if self.criterion == "scores":
+            return self.scores > self.threshold
+        return jnp.abs(self.scores if self.criterion == "activations" else activations) > \
+            self.threshold
+
+
+class Selector(nnx.Module):
+    """Finds one FFN layer's active neurons (implementations: sparsity/selectors.py)."""
+
+    def select(self, ffn: "FFN", x_btd) -> Selection:
+        raise NotImplementedError
+
+    def fused(self, ffn: "FFN", x_btd):
+        """(y, n_active) in one call on an unplaced CPU FFN, or None when this selector has no
+        fused kernel (the default): then `select` and the backend's sparse call run."""
+        return None
+
+    def permute(self, perm) -> None:
+        """Reorder per-neuron state (predictor output rows) with the FFN's hot-first order."""
+
+    def describe(self) -> dict:
+        return {"selector": type(self).__name__}
 
 
 def cuda_hybrid_available() -> bool:
@@ -65,6 +101,122 @@ class DownT(nnx.Module):
         return y + self.bias[...] if self.bias is not None else y
 
 
+def _value(var):
+    return None if var is None else var[...]
+
+
+# ------------------------------------------------------------------------------------ backends
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """Every row in the FFN's Params. Dense: XLA's matmuls, or with kernels "ffi" the custom call
+    over every neuron. Sparse: ops.sparse_ffn with `impl` ("ffi" or "reference"), or the
+    selector's fused call (`fused`, decided at build: CPU backend, impl "ffi")."""
+
+    impl: str = "ffi"
+    fused: bool = False
+
+    def dense(self, ffn, x_btd):
+        if use_ffi(ffn.kernels, x_btd, ffn.up.weight[...]):
+            # Every neuron through the custom call: "oracle" at threshold 0 skips only exact
+            # zeros, so this is the dense FFN with rows streamed at their stored width.
+            return self.sparse(ffn, x_btd, Selection("oracle", 0.0), impl="ffi")[0]
+        return ffn.down_t(ffn.activations(x_btd))
+
+    def run(self, ffn, x_btd, selector):
+        if self.fused:
+            return selector.fused(ffn, x_btd)
+        return self.sparse(ffn, x_btd, selector.select(ffn, x_btd))
+
+    def sparse(self, ffn, x_btd, sel: Selection, impl: str | None = None):
+        from powerinfer_jax import ops
+
+        return ops.sparse_ffn(
+            x_btd, ffn.up.weight[...], ffn.down_t.weight[...], w_gate=_value(ffn.gate and
+                                                                             ffn.gate.weight),
+            b_up=_value(ffn.up.bias), b_down=_value(ffn.down_t.bias), scores=sel.scores,
+            threshold=float(sel.threshold), activation=ffn.activation, criterion=sel.criterion,
+            impl=impl or self.impl)
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuHybrid:
+    """A placed FFN without a GPU: hot rows [0, n_hot) with XLA (masked by the active set), cold
+    rows (`ffn.cold`, HostRows) through the custom call, the two partial sums added."""
+
+    impl: str = "ffi"
+
+    def dense(self, ffn, x_btd):
+        return self._compute(ffn, x_btd, Selection("oracle", 0.0), dense=True)[0]
+
+    def run(self, ffn, x_btd, selector):
+        return self._compute(ffn, x_btd, selector.select(ffn, x_btd), dense=False)
+
+    def _compute(self, ffn, x_btd, sel: Selection, *, dense: bool):
+        from powerinfer_jax import ops
+
+        n_hot, c = ffn.n_hot, ffn.cold
+        y = jnp.zeros(x_btd.shape[:-1] + (ffn.down_t.weight.shape[1],), F32)
+        count = jnp.zeros(x_btd.shape[:-1], jnp.int32)
+        scores = sel.scores
+        if n_hot:
+            # [B, T, F_hot]; "activations": the scores are the activations (no gate/up rows read)
+            a = scores[..., :n_hot] if sel.criterion == "activations" else ffn.hot_activations(
+                x_btd)
+            if not dense:
+                mask = (scores[..., :n_hot] > sel.threshold if sel.criterion == "scores"
+                        else jnp.abs(a) > sel.threshold)
+                a = jnp.where(mask, a, 0.0)
+                count = count + jnp.sum(mask, axis=-1, dtype=jnp.int32)
+            w = ffn.down_t.weight[...]
+            y = y + jnp.einsum("btf,fd->btd", a.astype(w.dtype), w, preferred_element_type=F32)
+        if ffn.n_cold:
+            y_cold, n_cold = ops.sparse_ffn(
+                x_btd, c["up"][...], c["down_t"][...], w_gate=_value(c.get("gate")),
+                b_up=_value(c.get("b_up")), b_down=None,
+                scores=None if scores is None else scores[..., n_hot:],
+                threshold=float(sel.threshold), activation=ffn.activation,
+                criterion=sel.criterion, impl=self.impl)
+            y = y + y_cold
+            count = count + n_cold
+        if ffn.down_t.bias is not None:
+            y = y + ffn.down_t.bias[...]
+        return y, count
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaHybrid:
+    """A placed FFN on a GPU: one custom call, hot rows on the device, cold rows behind `handle`
+    in the CUDA module's host store (xla_ffi/sparse_ffn_hybrid_cuda.cu)."""
+
+    handle: int
+
+    def dense(self, ffn, x_btd):
+        return self._compute(ffn, x_btd, Selection("oracle", 0.0))[0]
+
+    def run(self, ffn, x_btd, selector):
+        sel = selector.select(ffn, x_btd)
+        if sel.criterion == "activations":
+            fail("FFN (GPU hybrid) criterion", "'scores' or 'oracle'", sel.criterion,
+                 "--gate-up q4 runs on the CPU backend only")
+        return self._compute(ffn, x_btd, sel)
+
+    def _compute(self, ffn, x_btd, sel: Selection):
+        from powerinfer_jax.ops import _ffi
+
+        lead, d = x_btd.shape[:-1], x_btd.shape[-1]
+        x = x_btd.reshape(-1, d)
+        s = None if sel.scores is None else sel.scores.reshape(x.shape[0], -1)
+        n_hot = ffn.n_hot
+        y, count = _ffi.sparse_ffn_hybrid(
+            x, ffn.up.weight[...], ffn.down_t.weight[...],
+            w_gate=_value(ffn.gate and ffn.gate.weight), b_up=_value(ffn.up.bias),
+            b_down=_value(ffn.down_t.bias), scores=None if s is None else s[:, :n_hot],
+            scores_cold=None if s is None else s[:, n_hot:], threshold=float(sel.threshold),
+            activation=ffn.activation, criterion=sel.criterion, cold_handle=self.handle)
+        return y.reshape(lead + (d,)), count.reshape(lead)
+
+
+# ------------------------------------------------------------------------------------ the FFN
 class FFN(nnx.Module):
     def __init__(self, *, d_model: int, d_ff: int, activation: str, gated: bool, bias: bool,
                  dtype, rngs: nnx.Rngs | None, kernels: str = "xla"):
@@ -74,58 +226,88 @@ class FFN(nnx.Module):
         self.gate = Linear(d_model, d_ff, bias=False, **lin) if gated else None
         self.up = Linear(d_model, d_ff, bias=bias, **lin)
         self.down_t = DownT(d_ff, d_model, bias=bias, dtype=dtype, rngs=rngs)
-        self.predictor = nnx.data(None)  # a sparsity.predictor.Predictor, for predictor mode
-        self.cold = nnx.data(None)  # after split(): {"gate", "up", "down_t", "b_up"} HostRows
-        self.cold_handle = None  # after split() on a GPU: the cold rows' handle in the host store
-        self.n_cold = 0  # rows in self.cold or behind cold_handle
+        self.selector = nnx.data(None)  # a Selector; None: dense
+        self.backend = Rows()
+        self.cold = nnx.data(None)  # after split() on the CPU: {"gate", "up", "down_t", "b_up"}
+        self.n_cold = 0  # rows in self.cold or behind a CudaHybrid handle
 
+    # ---------------------------------------------------------------- the call: one path
+    def __call__(self, x_btd):
+        """y [B, T, D] float32; records "n_active" [B, T] int32 in sparse modes (under capture)."""
+        if self.selector is None:
+            return self.backend.dense(self, x_btd)
+        y, n_active = self.backend.run(self, x_btd, self.selector)
+        sow(self, "n_active", n_active)
+        return y
+
+    def set_selector(self, selector: Selector | None, *, impl: str = "ffi") -> None:
+        """Install the layer's selector and resolve the backend for it (see the module doc)."""
+        if selector is not None and not isinstance(selector, Selector):
+            fail("FFN selector", "a Selector or None", type(selector).__name__)
+        self.selector = nnx.data(selector)
+        if not self.placed:
+            fused = (selector is not None and impl == "ffi" and self.kernels == "ffi"
+                     and jax.default_backend() == "cpu"
+                     and type(selector).fused is not Selector.fused)
+            self.backend = Rows(impl=impl, fused=fused)
+        elif isinstance(self.backend, CpuHybrid):
+            self.backend = CpuHybrid(impl=impl)
+
+    # ---------------------------------------------------------------- placement
     @property
     def placed(self) -> bool:
-        return self.cold is not None or self.cold_handle is not None
+        return not isinstance(self.backend, Rows)
+
+    @property
+    def cold_handle(self) -> int | None:
+        """The cold rows' handle in the CUDA module's host store (GPU placements), else None."""
+        return self.backend.handle if isinstance(self.backend, CudaHybrid) else None
+
+    @property
+    def n_hot(self) -> int:
+        return self.up.weight.shape[0]
 
     def permute(self, order) -> None:
         """Reorder the neurons: new row j is old neuron order[j] (gate/up/down_t rows, up bias and
-        the predictor's output rows). The FFN's output is unchanged."""
+        the selector's per-neuron state). The FFN's output is unchanged."""
         if self.placed:
-            raise ValueError("FFN.permute: expected an unsplit FFN, got one already split")
-        perm = jnp.asarray(order, jnp.int32)
+            fail("FFN.permute", "an unsplit FFN", "one already split")
+        perm = np.asarray(order)
         f = self.up.weight.shape[0]
-        if perm.shape != (f,) or not bool(jnp.all(jnp.sort(perm) == jnp.arange(f))):
-            raise ValueError(f"FFN.permute: expected a permutation of range({f}), got shape "
-                             f"{perm.shape}")
+        if perm.shape != (f,) or not np.array_equal(np.sort(perm), np.arange(f)):
+            fail("FFN.permute order", f"a permutation of range({f})", f"shape {perm.shape}")
+        perm = jnp.asarray(perm, jnp.int32)
         for lin in (self.gate, self.up, self.down_t):
             if lin is not None:
                 lin.weight.set_value(lin.weight[...][perm])
         if self.up.bias is not None:
             self.up.bias.set_value(self.up.bias[...][perm])
-        if self.predictor is not None:
-            self.predictor.permute(perm)
+        if self.selector is not None:
+            self.selector.permute(perm)
 
     def split(self, n_hot: int, *, store: str = "auto") -> None:
-        """Keep rows [0, n_hot) as the hot Params; move rows [n_hot, F) to host rows.
+        """Keep rows [0, n_hot) as the hot Params; move rows [n_hot, F) to host memory.
 
-        store: where the cold rows go. "operands": `HostRows` variables, passed to the CPU custom
-        call as operands (the CPU-only hybrid). "cuda": the CUDA module's host store, referenced
-        by handle (GPU builds). "auto": "cuda" on a GPU backend with the CUDA build, else
-        "operands". With "cuda" and no cold rows (n_hot == F) the FFN stays unsplit: every row
-        is on the device already."""
+        store: "operands" (`HostRows`, passed to the CPU custom call: `CpuHybrid`), "cuda" (the
+        CUDA module's host store, referenced by handle: `CudaHybrid`), "auto" ("cuda" on a GPU
+        backend with the CUDA build, else "operands"). With "cuda" and no cold rows (n_hot == F)
+        the FFN stays unsplit: every row is on the device already."""
         f = self.up.weight.shape[0]
         if self.placed or not (isinstance(n_hot, int) and 0 <= n_hot <= f):
-            raise ValueError(f"FFN.split: n_hot: expected an integer in [0, {f}] on an unsplit "
-                             f"FFN, got {n_hot!r} (placed={self.placed})")
+            fail("FFN.split n_hot", f"an integer in [0, {f}] on an unsplit FFN", n_hot,
+                 f"placed={self.placed}")
         if store == "auto":
             store = "cuda" if cuda_hybrid_available() else "operands"
         if store not in ("operands", "cuda"):
-            raise ValueError(f"FFN.split: store: expected 'auto', 'operands' or 'cuda', got "
-                             f"{store!r}")
+            fail("FFN.split store", "'auto', 'operands' or 'cuda'", store)
+        impl = self.backend.impl
         if store == "cuda":
             if n_hot < f:
                 self._split_to_cuda_store(n_hot)
             return
         cold = {}
-        for key, var in (("gate", None if self.gate is None else self.gate.weight),
-                         ("up", self.up.weight), ("down_t", self.down_t.weight),
-                         ("b_up", self.up.bias)):
+        for key, var in (("gate", self.gate and self.gate.weight), ("up", self.up.weight),
+                         ("down_t", self.down_t.weight), ("b_up", self.up.bias)):
             if var is None:
                 continue
             rows = var[...]
@@ -133,217 +315,68 @@ class FFN(nnx.Module):
             var.set_value(rows[:n_hot])
         self.cold = nnx.data(cold)
         self.n_cold = f - n_hot
+        self.backend = CpuHybrid(impl=impl)
 
     def _split_to_cuda_store(self, n_hot: int) -> None:
-        import weakref
-
-        import numpy as np
-
         from powerinfer_jax.ops import _ffi
 
         def rows(var):
             return None if var is None else np.asarray(jax.device_get(var[...][n_hot:]))
 
         f = self.up.weight.shape[0]
-        gate = None if self.gate is None else self.gate.weight
+        gate = self.gate and self.gate.weight
         handle = _ffi.register_cold_rows(rows(self.up.weight), rows(self.down_t.weight),
                                          gate=rows(gate), b_up=rows(self.up.bias))
         weakref.finalize(self, _ffi.release_cold_rows, handle)
         for var in (gate, self.up.weight, self.down_t.weight, self.up.bias):
             if var is not None:
                 var.set_value(var[...][:n_hot])
-        self.cold_handle = int(handle)
         self.n_cold = f - n_hot
+        self.backend = CudaHybrid(handle=int(handle))
 
-    @property
-    def n_hot(self) -> int:
-        return self.up.weight.shape[0]
-
+    # ---------------------------------------------------------------- dense math (XLA)
     def _rows_act(self, x_btd, gate, up, b_up):
         """Activations [B, T, F_rows] of the given rows, with XLA."""
         def proj(w):
             return jnp.einsum("btd,fd->btf", x_btd.astype(w.dtype), w, preferred_element_type=F32)
         u = proj(up) if b_up is None else proj(up) + b_up
-        return activate(self.activation, u) if gate is None else activate(
-            self.activation, proj(gate)) * u
+        if gate is None:
+            return activate(self.activation, u)
+        if self.activation == "drelu":
+            return jax.nn.relu(proj(gate)) * jax.nn.relu(u)
+        return activate(self.activation, proj(gate)) * u
 
-    def _hot_act(self, x_btd):
-        return self._rows_act(x_btd, None if self.gate is None else self.gate.weight[...],
-                              self.up.weight[...],
-                              None if self.up.bias is None else self.up.bias[...])
-
-    def _cold_act(self, x_btd):
-        c = self.cold
-        return self._rows_act(x_btd, c["gate"][...] if "gate" in c else None, c["up"][...],
-                              c["b_up"][...] if "b_up" in c else None)
-
-    def hybrid(self, x_btd, *, scores, threshold: float, impl: str, dense: bool,
-               criterion: str | None = None):
-        """Hot rows with XLA, cold rows through the custom call, summed. dense: every neuron
-        (cold ones through the custom call's oracle at threshold 0). criterion: as `sparse`.
-        Returns (y, n_active|None)."""
-        from powerinfer_jax import ops
-
-        if dense:
-            criterion, scores = "oracle", None
-        elif criterion is None:
-            criterion = "oracle" if scores is None else "scores"
-        if self.cold_handle is not None:
-            return self._hybrid_cuda(x_btd, scores=scores, threshold=0.0 if dense else threshold,
-                                     criterion=criterion, dense=dense)
-        n_hot, c = self.n_hot, self.cold
-        n_cold = c["up"][...].shape[0]
-        b_down = None if self.down_t.bias is None else self.down_t.bias[...]
-        y = jnp.zeros(x_btd.shape[:-1] + (self.down_t.weight.shape[1],), F32)
-        count = jnp.zeros(x_btd.shape[:-1], jnp.int32)
-        if n_hot:
-            # [B, T, F_hot]; "activations": the scores are the activations (no gate/up rows read)
-            a = scores[..., :n_hot] if criterion == "activations" else self._hot_act(x_btd)
-            if not dense:
-                mask = scores[..., :n_hot] > threshold if criterion == "scores" else \
-                    jnp.abs(a) > threshold
-                a = jnp.where(mask, a, 0.0)
-                count = count + jnp.sum(mask, axis=-1, dtype=jnp.int32)
-            w = self.down_t.weight[...]
-            y = y + jnp.einsum("btf,fd->btd", a.astype(w.dtype), w, preferred_element_type=F32)
-        if n_cold:
-            y_cold, n_active_cold = ops.sparse_ffn(
-                x_btd, c["up"][...], c["down_t"][...],
-                w_gate=c["gate"][...] if "gate" in c else None,
-                b_up=c["b_up"][...] if "b_up" in c else None, b_down=None,
-                scores=None if scores is None else scores[..., n_hot:],
-                threshold=0.0 if dense else float(threshold), activation=self.activation,
-                criterion=criterion, impl=impl)
-            y = y + y_cold
-            count = count + n_active_cold
-        if b_down is not None:
-            y = y + b_down
-        return y, (None if dense else count)
-
-    def _hybrid_cuda(self, x_btd, *, scores, threshold: float, criterion: str, dense: bool):
-        """The GPU hybrid: one custom call, hot rows on the device, cold rows behind the handle."""
-        from powerinfer_jax.ops import _ffi
-
-        if criterion == "activations":
-            raise ValueError("FFN (GPU hybrid): criterion: expected 'scores' or 'oracle', got "
-                             "'activations' (--gate-up q4 runs on the CPU backend only)")
-        lead, d = x_btd.shape[:-1], x_btd.shape[-1]
-        x = x_btd.reshape(-1, d)
-        s = None if scores is None else scores.reshape(x.shape[0], -1)
-        n_hot = self.n_hot
-        y, count = _ffi.sparse_ffn_hybrid(
-            x, self.up.weight[...], self.down_t.weight[...],
-            w_gate=None if self.gate is None else self.gate.weight[...],
-            b_up=None if self.up.bias is None else self.up.bias[...],
-            b_down=None if self.down_t.bias is None else self.down_t.bias[...],
-            scores=None if s is None else s[:, :n_hot],
-            scores_cold=None if s is None else s[:, n_hot:], threshold=float(threshold),
-            activation=self.activation, criterion=criterion, cold_handle=self.cold_handle)
-        return y.reshape(lead + (d,)), (None if dense else count.reshape(lead))
+    def hot_activations(self, x_btd):
+        """Activations of the rows in the Params (all of them when unplaced), with XLA."""
+        return self._rows_act(x_btd, _value(self.gate and self.gate.weight), self.up.weight[...],
+                              _value(self.up.bias))
 
     def _require_cold_operands(self, what: str) -> None:
-        if self.cold_handle is not None:
-            raise ValueError(f"FFN.{what}: expected the cold rows as operands (CPU hybrid), got "
-                             "them in the GPU host store (a GPU-placed FFN computes them only "
-                             "inside the hybrid custom call: use modes dense, oracle or predictor)")
+        if isinstance(self.backend, CudaHybrid):
+            fail(f"FFN.{what}", "the cold rows as operands (CPU hybrid)",
+                 "them in the GPU host store",
+                 "a GPU-placed FFN computes them only inside the hybrid custom call: use modes "
+                 "dense, oracle or predictor")
 
     def activations(self, x_btd):
-        """The neuron activations a [B, T, F] (float32), computed densely."""
-        if self.placed:
-            self._require_cold_operands("activations")
-            return jnp.concatenate([self._hot_act(x_btd), self._cold_act(x_btd)], axis=-1)
-        up = self.up(x_btd)
-        if self.gate is None:
-            return activate(self.activation, up)
-        return activate(self.activation, self.gate(x_btd)) * up
-
-    def dense(self, x_btd):
-        if self.placed:
-            return self.hybrid(x_btd, scores=None, threshold=0.0, impl="ffi", dense=True)[0]
-        if use_ffi(self.kernels, x_btd, self.up.weight[...]):
-            # Every neuron through the custom call: "oracle" with threshold 0 skips only exact
-            # zeros, so this is the dense FFN, with rows streamed at their stored width.
-            return self.sparse(x_btd, scores=None, threshold=0.0, impl="ffi")[0]
-        return self.down_t(self.activations(x_btd))
+        """The neuron activations a [B, T, F] (float32), computed densely with XLA."""
+        if not self.placed:
+            return self.hot_activations(x_btd)
+        self._require_cold_operands("activations")
+        c = self.cold
+        cold = self._rows_act(x_btd, _value(c.get("gate")), c["up"][...], _value(c.get("b_up")))
+        return jnp.concatenate([self.hot_activations(x_btd), cold], axis=-1)
 
     def gate_magnitude(self, x_btd):
-        """|act(gate . x)| [B, T, F] (non-gated: |a|), the threshold mode's criterion."""
-        if self.gate is None or self.placed:
-            if self.placed:
-                self._require_cold_operands("gate_magnitude")
-            if self.gate is not None:  # placed: |act(gate)| over hot and cold rows, with XLA
-                return jnp.abs(jnp.concatenate(  # act(gate . x): the gate rows as "up" rows
-                    [self._rows_act(x_btd, None, self.gate.weight[...], None),
-                     self._rows_act(x_btd, None, self.cold["gate"][...], None)], axis=-1))
+        """|act(gate . x)| [B, T, F] (non-gated: |a|): the threshold mode's criterion."""
+        if self.gate is None:
             return jnp.abs(self.activations(x_btd))
-        return jnp.abs(activate(self.activation, self.gate(x_btd)))
-
-    def mode_scores(self, x_btd, mode: str, *, signed: bool = False):
-        """The scores [B, T, F] a sparse mode compares with its threshold (None: oracle).
-        signed: the q4 predictor's signed estimates a_i (SparsityConfig.gate_up == "q4")."""
-        if mode == "threshold":
-            return self.gate_magnitude(x_btd)
-        if mode == "predictor":
-            if self.predictor is None:
-                raise ValueError("FFN.predictor: expected a predictor attached for "
-                                 "sparsity mode 'predictor', got None (load sparsity artifacts)")
-            if not signed:
-                return self.predictor(x_btd)
-            return self._q4_predictor()(x_btd, signed=True)
-        return None
-
-    def _q4_predictor(self):
-        from powerinfer_jax.sparsity.q4_predictor import Q4Predictor
-
-        if not isinstance(self.predictor, Q4Predictor):
-            raise ValueError("FFN.predictor: expected the q4 predictor for gate_up='q4', got "
-                             f"{type(self.predictor).__name__}")
-        return self.predictor
-
-    def q4_ffn(self, x_btd, *, threshold: float, impl: str):
-        """gate_up="q4" on an unplaced FFN: the q4 predictor's estimates are the activations. With
-        impl "ffi" one custom call estimates, selects and reads the active down rows."""
-        import jax
-
-        pred = self._q4_predictor()
-        if impl != "ffi" or jax.default_backend() != "cpu":
-            # The q4 custom calls are CPU-only: elsewhere the jnp reference runs (through XLA).
-            return self.sparse(x_btd, scores=pred(x_btd, signed=True), threshold=threshold,
-                               impl="reference", criterion="activations")
-        return pred.sparse_ffn(x_btd, self.down_t.weight[...],
-                               None if self.down_t.bias is None else self.down_t.bias[...],
-                               threshold=float(threshold))
-
-    def __call__(self, x_btd, *, sparsity: SparsityConfig, threshold: float = 0.0, scores=None):
-        """Returns (y [B, T, D] float32, n_active [B, T] int32 or None for dense).
-
-        scores: overrides the mode's own scores (tests feed exact masks this way; with
-        sparsity.gate_up == "q4" they are the activations themselves).
-        """
-        if sparsity.mode == "dense":
-            return self.dense(x_btd), None
-        q4_gate_up = sparsity.gate_up == "q4"
-        if q4_gate_up and scores is None and not self.placed:
-            return self.q4_ffn(x_btd, threshold=threshold, impl=sparsity.impl)
-        if scores is None:
-            scores = self.mode_scores(x_btd, sparsity.mode, signed=q4_gate_up)
-        return self.sparse(x_btd, scores=scores, threshold=threshold, impl=sparsity.impl,
-                           criterion="activations" if q4_gate_up else None)
-
-    def sparse(self, x_btd, *, scores, threshold: float, impl: str, criterion: str | None = None):
-        """The custom call: neurons with scores > threshold, or |a_i| > threshold if scores is None.
-        criterion="activations": scores are the neurons' activations; only down rows are read."""
-        from powerinfer_jax import ops
-
+        gates = [self.gate.weight[...]]
         if self.placed:
-            return self.hybrid(x_btd, scores=scores, threshold=threshold, impl=impl, dense=False,
-                               criterion=criterion)
-        if criterion is None:
-            criterion = "oracle" if scores is None else "scores"
-        return ops.sparse_ffn(
-            x_btd, self.up.weight[...], self.down_t.weight[...],
-            w_gate=None if self.gate is None else self.gate.weight[...],
-            b_up=None if self.up.bias is None else self.up.bias[...],
-            b_down=None if self.down_t.bias is None else self.down_t.bias[...],
-            scores=scores, threshold=float(threshold), activation=self.activation,
-            criterion=criterion, impl=impl)
+            self._require_cold_operands("gate_magnitude")
+            gates.append(self.cold["gate"][...])
+        act = "relu" if self.activation == "drelu" else self.activation
+        # act(gate . x): the gate rows as non-gated "up" rows
+        return jnp.abs(jnp.concatenate([activate(act, jnp.einsum(
+            "btd,fd->btf", x_btd.astype(g.dtype), g, preferred_element_type=F32)) for g in gates],
+            axis=-1))

@@ -59,6 +59,13 @@ def matmul(x, w_od, kernels: str = "xla"):
     return jnp.einsum("...i,oi->...o", x.astype(w_od.dtype), w_od, preferred_element_type=F32)
 
 
+def sow(module: nnx.Module, name: str, value) -> None:
+    """Record a diagnostic (nnx.Intermediate `name`) when the call runs under nnx.capture (see
+    models.transformer.capture); otherwise nothing is kept, so decode steps carry no extra state."""
+    if hasattr(module, "__captures__"):  # set by nnx.capture on every module it wraps
+        module.sow(nnx.Intermediate, name, value)
+
+
 def _param(shape, dtype, rngs: nnx.Rngs | None, scale: float | None = None, fill: float = 0.0):
     """A parameter initialised randomly (tests, tiny models) or with a constant (loaded later)."""
     if rngs is not None and scale is not None:
@@ -136,11 +143,15 @@ class Attention(nnx.Module):
 
     def __init__(self, *, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  bias: bool, use_rope: bool, rope_theta: float, dtype, rngs: nnx.Rngs | None,
-                 kernels: str = "xla"):
+                 kernels: str = "xla", decode_attention: str = "auto", fuse_qkv: bool = True):
+        """decode_attention: "auto" (one custom call per decode token when kernels is "ffi" on
+        CPU) or "xla" (XLA's ops: the ablation). fuse_qkv: at decode with "ffi", q, k and v in
+        one ops.linear_many call (False: three calls, the ablation)."""
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.use_rope, self.rope_theta = use_rope, rope_theta
         self.kernels = kernels
-        self.fuse_qkv = True  # decode with "ffi": q, k, v in one ops.linear_many call (ablation)
+        self.decode_kernel = kernels == "ffi" and decode_attention == "auto"
+        self.fuse_qkv = fuse_qkv
         lin = dict(bias=bias, dtype=dtype, rngs=rngs, kernels=kernels)
         self.q = Linear(d_model, n_heads * head_dim, **lin)
         self.k = Linear(d_model, n_kv_heads * head_dim, **lin)
@@ -148,14 +159,17 @@ class Attention(nnx.Module):
         self.o = Linear(n_heads * head_dim, d_model, **lin)
 
     def __call__(self, x_btd, positions_bt, cache=None, cache_index=None, kv_len=None):
-        """cache: None (attend within x only) or (k_bskh, v_bskh); new keys are written at slots
-        [cache_index, cache_index + T). kv_len (static): attend only to the first kv_len slots,
-        which must cover every position in positions_bt; it keeps decode from reading the whole
-        cache while the sequence is short. Returns (y_btd, new_cache)."""
+        """cache: None (attend within x only) or (k_rskh, v_rskh) with R >= B rows; sequence b uses
+        row b. cache_index: where the T new keys/values go: a scalar (slots [cache_index,
+        cache_index + T) of every row: prefill) or int32 [B] (one slot per sequence, T == 1: a
+        batched decode step whose sequences sit at different positions). kv_len (static):
+        attend only to the first kv_len slots, which must cover every position in positions_bt;
+        it keeps decode from reading the whole cache while sequences are short. Returns
+        (y_btd, new_cache)."""
         b, t, _ = x_btd.shape
         kh, g, h = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
-        if (cache is not None and kv_len is not None and b == 1 and t == 1
-                and self.kernels == "ffi" and jax.default_backend() == "cpu"):
+        if (cache is not None and kv_len is not None and t == 1 and self.decode_kernel
+                and jax.default_backend() == "cpu"):
             return self._decode_ffi(x_btd, positions_bt, cache, cache_index, kv_len)
         q = self.q(x_btd).reshape(b, t, kh * g, h)
         k = self.k(x_btd).reshape(b, t, kh, h)
@@ -167,14 +181,10 @@ class Attention(nnx.Module):
             k_all, v_all, key_pos = k, v, positions_bt  # [B, S=T, ...]
             new_cache = None
         else:
-            k_cache, v_cache = cache
-            start = (0, cache_index, 0, 0)
-            k_all = jax.lax.dynamic_update_slice(k_cache, to_cache(k, k_cache.dtype), start)
-            v_all = jax.lax.dynamic_update_slice(v_cache, to_cache(v, v_cache.dtype), start)
-            new_cache = (k_all, v_all)
-            if kv_len is not None:
-                k_all, v_all = k_all[:, :kv_len], v_all[:, :kv_len]
-            # Slot s holds position s; slots past the written range are masked by causality.
+            k_all, v_all = new_cache = tuple(
+                _cache_write(c, new, cache_index) for c, new in zip(cache, (k, v)))
+            k_all, v_all = k_all[:b, :kv_len], v_all[:b, :kv_len]
+            # Slot s holds position s; slots past each sequence's position are masked by causality.
             key_pos = jnp.broadcast_to(jnp.arange(k_all.shape[1]), (b, k_all.shape[1]))
         q = q.reshape(b, t, kh, g, h).astype(F32) * (h ** -0.5)
         scores = jnp.einsum("btkgh,bskh->bkgts", q, from_cache(k_all))
@@ -185,12 +195,14 @@ class Attention(nnx.Module):
         return self.o(out.reshape(b, t, kh * g * h)), new_cache
 
     def _decode_ffi(self, x_btd, positions_bt, cache, cache_index, kv_len):
-        """One token: rope, cache write, scores, softmax and values in one custom call (the XLA
-        path above runs them as ~20 small thunks per layer). Same result up to float rounding."""
+        """One token per sequence: rope, cache write, scores, softmax and values in one custom
+        call (the XLA path above runs them as ~20 small thunks per layer). Same result up to
+        float rounding."""
         from powerinfer_jax import ops
 
-        where = jnp.stack([jnp.asarray(cache_index, jnp.int32).reshape(()),
-                           positions_bt.reshape(()).astype(jnp.int32)])
+        b = x_btd.shape[0]
+        slots = jnp.broadcast_to(jnp.asarray(cache_index, jnp.int32).reshape(-1), (b,))
+        where = jnp.stack([slots, positions_bt.reshape(b).astype(jnp.int32)], axis=1)  # [B, 2]
         lins = (self.q, self.k, self.v)
         if self.fuse_qkv and all(use_ffi(l.kernels, x_btd, l.weight[...]) for l in lins):
             # q, k and v in one pool job: three small matrices cost one dispatch
@@ -202,3 +214,13 @@ class Attention(nnx.Module):
             q, k, v, cache[0], cache[1], where,
             kv_len=kv_len, rope_theta=self.rope_theta, use_rope=self.use_rope)
         return self.o(out), (k_cache, v_cache)
+
+
+def _cache_write(cache_rskh, new_btkh, cache_index):
+    """Write the new keys (or values) into the cache: slots [i, i + T) of rows [0, B) for a scalar
+    index, slot index[b] of row b for an index per sequence (T == 1)."""
+    new = to_cache(new_btkh, cache_rskh.dtype)
+    if jnp.ndim(cache_index) == 0:
+        return jax.lax.dynamic_update_slice(cache_rskh, new, (0, cache_index, 0, 0))
+    rows = jnp.arange(new.shape[0])
+    return cache_rskh.at[rows, jnp.asarray(cache_index, jnp.int32)].set(new[:, 0])

@@ -14,40 +14,42 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from powerinfer_jax.config import ModelConfig, SparsityConfig
+from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.models.ffn import FFN
 from powerinfer_jax.models.layers import (F32, Attention, Linear, Norm, cache_storage_dtype,
-                                         matmul, resolve_kernels)
+                                         matmul, resolve_kernels, sow)
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x)). Sows the FFN's input
+    (after ffn_norm) as "ffn_in" [B, T, D] under `capture` (profiling, predictor training)."""
 
-    def __init__(self, c: ModelConfig, *, dtype, rngs: nnx.Rngs | None, kernels: str):
+    def __init__(self, c: ModelConfig, *, dtype, rngs: nnx.Rngs | None, kernels: str,
+                 **attention_options):
         self.attn_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps)
         self.attn = Attention(d_model=c.d_model, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
                               head_dim=c.head_dim, bias=c.bias, use_rope=c.positions == "rope",
-                              rope_theta=c.rope_theta, dtype=dtype, rngs=rngs, kernels=kernels)
+                              rope_theta=c.rope_theta, dtype=dtype, rngs=rngs, kernels=kernels,
+                              **attention_options)
         self.ffn_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps)
         self.ffn = FFN(d_model=c.d_model, d_ff=c.d_ff, activation=c.activation, gated=c.gated,
                        bias=c.bias, dtype=dtype, rngs=rngs, kernels=kernels)
 
-    def __call__(self, x_btd, positions_bt, cache, cache_index, kv_len, *, sparsity, threshold,
-                 scores):
+    def __call__(self, x_btd, positions_bt, cache, cache_index, kv_len):
         attn_out, new_cache = self.attn(self.attn_norm(x_btd), positions_bt, cache, cache_index,
                                         kv_len)
         x_btd = x_btd + attn_out
         ffn_in = self.ffn_norm(x_btd)
-        ffn_out, n_active = self.ffn(ffn_in, sparsity=sparsity, threshold=threshold,
-                                     scores=scores)
-        return x_btd + ffn_out, new_cache, n_active, ffn_in
+        sow(self, "ffn_in", ffn_in)
+        return x_btd + self.ffn(ffn_in), new_cache
 
 
 class Transformer(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype=F32, rngs: nnx.Rngs | None = None,
-                 kernels: str = "xla"):
+                 kernels: str = "xla", decode_attention: str = "auto", fuse_qkv: bool = True):
         """rngs: random weights (tests, tiny models); None: constant placeholders to be loaded.
-        kernels: "xla", "ffi" or "auto" (see models/layers.py)."""
+        kernels: "xla", "ffi" or "auto" (see models/layers.py); decode_attention, fuse_qkv: see
+        models/layers.py `Attention` (RuntimeConfig's ablation knobs)."""
         c = config
         kernels = resolve_kernels(kernels)
         self.config = c
@@ -56,51 +58,54 @@ class Transformer(nnx.Module):
         self.tok_embed = _embedding((c.vocab_size, c.d_model), dtype, rngs)
         self.pos_embed = (_embedding((c.max_seq_len + c.position_offset, c.d_model), dtype, rngs)
                           if c.positions == "learned" else None)
-        self.layers = nnx.List([Block(c, dtype=dtype, rngs=rngs, kernels=kernels)
+        self.layers = nnx.List([Block(c, dtype=dtype, rngs=rngs, kernels=kernels,
+                                      decode_attention=decode_attention, fuse_qkv=fuse_qkv)
                                 for _ in range(c.n_layers)])
         self.final_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps)
         self.lm_head = (None if c.tie_embeddings else
                         Linear(c.d_model, c.vocab_size, bias=False, dtype=dtype, rngs=rngs,
                                kernels=kernels))
 
-    def hidden(self, tokens_bt, positions_bt, cache=None, cache_index=None, kv_len=None, *,
-               sparsity: SparsityConfig = SparsityConfig(), thresholds=None,
-               return_ffn_inputs: bool = False):
-        """The final-norm hidden states [B, T, D] (float32).
+    def hidden(self, tokens_bt, positions_bt, cache=None, cache_index=None, kv_len=None):
+        """The final-norm hidden states [B, T, D] (float32) and the updated cache.
 
         cache: None or a list of per-layer (k, v) arrays [B, S, K, H]; returns the updated list.
-        kv_len: static number of cache slots attention reads (see `Attention`).
-        thresholds: per-layer activation thresholds for the sparse modes (default: sparsity.threshold).
-        Returns (h_btd, new_cache, n_active [L, B, T] int32 or None in dense mode), plus the
-        per-layer FFN inputs (after ffn_norm) [L, B, T, D] when return_ffn_inputs (profiling).
+        kv_len: static number of cache slots attention reads (see `Attention`). Each FFN runs its
+        own selector and backend (models/ffn.py, set by sparsity.modes.configure); per-layer
+        diagnostics (FFN inputs, active counts) are collected by `capture`.
         """
         x = self.tok_embed[...][tokens_bt].astype(F32)
         if self.pos_embed is not None:
             x = x + self.pos_embed[...][positions_bt + self.config.position_offset].astype(F32)
-        new_cache, n_active, ffn_inputs = [], [], []
+        new_cache = []
         for i, layer in enumerate(self.layers):
-            thr = sparsity.threshold if thresholds is None else thresholds[i]
-            x, layer_cache, act, ffn_in = layer(x, positions_bt,
-                                                None if cache is None else cache[i], cache_index,
-                                                kv_len, sparsity=sparsity, threshold=thr,
-                                                scores=None)
+            x, layer_cache = layer(x, positions_bt, None if cache is None else cache[i],
+                                   cache_index, kv_len)
             new_cache.append(layer_cache)
-            n_active.append(act)
-            ffn_inputs.append(ffn_in)
-        n_active = None if n_active[0] is None else jnp.stack(n_active)
-        out = (self.final_norm(x), (None if cache is None else new_cache), n_active)
-        return out + (jnp.stack(ffn_inputs),) if return_ffn_inputs else out
+        return self.final_norm(x), (None if cache is None else new_cache)
 
     def logits(self, h_btd):
         """Vocabulary logits [B, T, V] in float32."""
         w = self.tok_embed[...] if self.lm_head is None else self.lm_head.weight[...]
         return matmul(h_btd, w, self.kernels)
 
-    def __call__(self, tokens_bt, positions_bt=None, **kwargs):
+    def __call__(self, tokens_bt, positions_bt=None):
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        h, _, _ = self.hidden(tokens_bt, positions_bt, **kwargs)
-        return self.logits(h)
+        return self.logits(self.hidden(tokens_bt, positions_bt)[0])
+
+
+def capture(fn, model, *args):
+    """Run fn(model, *args) and collect what the layers sow: returns (fn's result, {name: [L, ...]
+    stacked over layers}), e.g. "ffn_in" [L, B, T, D] and, in sparse modes, "n_active" [L, B, T].
+    Works eagerly and inside jit (call it on the merged model)."""
+    result, sown = nnx.capture(fn, nnx.Intermediate)(model, *args)
+    per_name: dict[str, list] = {}
+    for path, var in nnx.to_flat_state(sown):
+        if path[0] == "layers":
+            per_name.setdefault(path[-1], []).append((int(path[1]), var.get_value()[-1]))
+    return result, {name: jnp.stack([v for _, v in sorted(vals, key=lambda p: p[0])])
+                    for name, vals in per_name.items()}
 
 
 def _embedding(shape, dtype, rngs):
@@ -131,14 +136,15 @@ def param_names(config: ModelConfig) -> list[str]:
 
 
 def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=F32,
-                kernels: str = "auto") -> Transformer:
+                kernels: str = "auto", **options) -> Transformer:
     """Build a Transformer from canonical named arrays (e.g. a loaded checkpoint).
 
     Matrices take `dtype`; norms and biases stay float32. Missing, unexpected or misshaped tensors
-    are a ValueError naming them. kernels: see models/layers.py ("auto": the custom calls on CPU).
+    are a ValueError naming them. kernels: see models/layers.py ("auto": the custom calls on CPU);
+    options: Transformer's decode_attention and fuse_qkv.
     """
     kernels = resolve_kernels(kernels)
-    model = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, kernels=kernels))
+    model = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, kernels=kernels, **options))
     state = nnx.state(model, nnx.Param)
     flat = nnx.to_flat_state(state)
     expected = {_param_name(p) for p, _ in flat}

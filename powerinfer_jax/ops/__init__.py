@@ -1,8 +1,8 @@
-"""Custom-call ops (sparse FFN, dense linear, RMSNorm, q4 neuron estimates, the q4 FFN, decode
-attention; quantized linear and sparse FFN on GGUF blocks) and their pure-jnp references."""
+"""Custom-call ops (sparse FFN, dense linear, q4 neuron estimates, the q4 FFN, decode attention;
+quantized linear and sparse FFN on GGUF blocks) and their pure-jnp references."""
 from powerinfer_jax.ops.api import (decode_attention, linear, linear_many, q4_scores,
-                                    q4_sparse_ffn, qlinear, qlinear_many, qsparse_ffn, rms_norm,
+                                    q4_sparse_ffn, qlinear, qlinear_many, qsparse_ffn,
                                     set_num_threads, sparse_ffn)
 
 __all__ = ["decode_attention", "linear", "linear_many", "q4_scores", "q4_sparse_ffn", "qlinear",
-           "qlinear_many", "qsparse_ffn", "rms_norm", "set_num_threads", "sparse_ffn"]
+           "qlinear_many", "qsparse_ffn", "set_num_threads", "sparse_ffn"]

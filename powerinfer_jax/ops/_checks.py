@@ -73,20 +73,6 @@ def check_sparse_ffn(x, w_up, w_down_t, *, w_gate, b_up, b_down, scores, thresho
     return t
 
 
-def check_rms_norm(x, scale, eps) -> float:
-    if np.ndim(x) < 1:
-        fail("x shape", "rank >= 1 ([..., D])", _shape(x))
-    if _shape(scale) != _shape(x)[-1:]:
-        fail("scale shape", f"[D] = {_shape(x)[-1:]}", _shape(scale))
-    try:
-        e = float(eps)
-    except (TypeError, ValueError):
-        fail("eps", "a Python float", eps)
-    if not (math.isfinite(e) and e > 0):
-        fail("eps", "a finite float > 0", eps)
-    return e
-
-
 def check_linear(x, w, b) -> None:
     if np.ndim(x) < 1:
         fail("x shape", "rank >= 1 ([..., D])", _shape(x))
@@ -134,22 +120,27 @@ def check_q4_sparse_ffn(x, q, dm, b_up, w_down_t, b_down, threshold, activation)
 
 
 def check_decode_attention(q, k_new, v_new, k_cache, v_cache, where, kv_len) -> None:
-    if np.ndim(k_cache) != 4 or _shape(k_cache)[0] != 1 or \
-            jnp.result_type(k_cache) not in (jnp.float32, jnp.uint16):
-        fail("k_cache", "float32 or uint16 [1, S, NK, H]",
+    """One token per sequence: B = where.shape[0] sequences against cache rows [0, B)."""
+    if np.ndim(k_cache) != 4 or jnp.result_type(k_cache) not in (jnp.float32, jnp.uint16):
+        fail("k_cache", "float32 or uint16 [R, S, NK, H]",
              f"{jnp.result_type(k_cache)} {_shape(k_cache)}")
-    _, s, nk, h = _shape(k_cache)
+    rows, s, nk, h = _shape(k_cache)
     if _shape(v_cache) != _shape(k_cache) or jnp.result_type(v_cache) != jnp.result_type(k_cache):
         fail("v_cache", f"k_cache's dtype and shape {_shape(k_cache)}",
              f"{jnp.result_type(v_cache)} {_shape(v_cache)}")
+    ws = (1,) + _shape(where) if np.ndim(where) == 1 else _shape(where)  # (2,): one sequence
+    if len(ws) != 2 or ws[1] != 2 or not 1 <= ws[0] <= rows:
+        fail("where shape", f"(B, 2) = (slot, position) per sequence, 1 <= B <= {rows} cache rows",
+             _shape(where))
+    b = ws[0]
     for name, a in (("k_new", k_new), ("v_new", v_new)):
-        if int(np.prod(_shape(a))) != nk * h:
-            fail(f"{name} shape", f"one token of NK * H = {nk * h} values", _shape(a))
+        if int(np.prod(_shape(a))) != b * nk * h:
+            fail(f"{name} shape", f"one token of NK * H = {nk * h} values per sequence ({b})",
+                 _shape(a))
     nq = int(np.prod(_shape(q)))
-    if nq % (nk * h) != 0:
-        fail("q shape", f"one token of NH * H values, NH a multiple of NK = {nk}", _shape(q))
-    if _shape(where) != (2,):
-        fail("where shape", "(2,) = (slot, position)", _shape(where))
+    if nq % (b * nk * h) != 0:
+        fail("q shape", f"one token of NH * H values per sequence ({b}), NH a multiple of "
+             f"NK = {nk}", _shape(q))
     if not isinstance(kv_len, (int, np.integer)) or not 1 <= int(kv_len) <= s:
         fail("kv_len", f"a static int in [1, S = {s}]", kv_len)
 

@@ -24,7 +24,6 @@ except ImportError:
     _pij_cuda = None
 
 SPARSE_FFN_TARGET = "pij_sparse_ffn"
-RMS_NORM_TARGET = "pij_rms_norm"
 LINEAR_TARGET = "pij_linear"
 LINEAR_MANY_TARGET = "pij_linear_many"
 Q4_SCORES_TARGET = "pij_q4_scores"
@@ -41,6 +40,7 @@ def _register() -> None:
     if _pij_cuda is not None:
         for name, capsule in _pij_cuda.registrations().items():
             jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+        _pij_cuda.use_host_pool(_pij_ext.host_pool())  # one pool per process
 
 
 _register()  # module import runs once per process
@@ -230,11 +230,3 @@ def sparse_ffn_hybrid(x, w_up, w_down_t, *, w_gate, b_up, b_down, scores, scores
         (jax.ShapeDtypeStruct(rows + (d,), jnp.float32), jax.ShapeDtypeStruct(rows, jnp.int32)))
     return call(*operands, threshold=np.float32(threshold), activation=activation,
                 criterion=criterion, cold_handle=np.int64(cold_handle))
-
-
-def rms_norm(x, scale, *, eps):
-    x32 = jnp.asarray(x, jnp.float32)
-    call = jax.ffi.ffi_call(RMS_NORM_TARGET, jax.ShapeDtypeStruct(x32.shape, jnp.float32),
-                            vmap_method="expand_dims")
-    y = call(x32, jnp.asarray(scale, jnp.float32), eps=np.float32(eps))
-    return y.astype(jnp.result_type(x))

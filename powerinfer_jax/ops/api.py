@@ -169,29 +169,20 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
 
 def decode_attention(q, k_new, v_new, k_cache, v_cache, where, *, kv_len: int,
                      rope_theta: float, use_rope: bool = True):
-    """Attention of one decode token (batch 1) against a fixed-size KV cache, in one custom call.
+    """Attention of one decode token per sequence against a fixed-size KV cache, one custom call.
 
-    q [..., NH * H], k_new / v_new [..., NK * H]: the token's projections (before rope);
-    k_cache / v_cache [1, S, NK, H] float32 or uint16 (bfloat16 bits, models/layers.py's cache
-    storage); where int32 [2] = (slot the new key/value go to, the token's position).
-    Attends to slots [0, min(kv_len, position + 1)). Returns (out [..., NH * H] float32, k_cache,
-    v_cache), the caches updated in place (donate them). The reference is models/layers.py's XLA
-    attention path.
+    B sequences: q [B, ..., NH * H], k_new / v_new [B, ..., NK * H] (projections, before rope);
+    k_cache / v_cache [R, S, NK, H] float32 or uint16 (bfloat16 bits, models/layers.py's cache
+    storage), R >= B: sequence b reads and writes cache row b; where int32 [B, 2] = per sequence
+    (slot the new key/value go to, the token's position); [2] for one sequence. Sequence b attends to slots
+    [0, min(kv_len, position_b + 1)). Returns (out like q float32, k_cache, v_cache), the caches
+    updated in place (donate them). The reference is models/layers.py's XLA attention path.
     """
     _checks.check_decode_attention(q, k_new, v_new, k_cache, v_cache, where, kv_len)
     from powerinfer_jax.ops import _ffi
-    return _ffi.decode_attention(q, k_new, v_new, k_cache, v_cache, where, kv_len=int(kv_len),
+    return _ffi.decode_attention(q, k_new, v_new, k_cache, v_cache, where.reshape(-1, 2),
+                                 kv_len=int(kv_len),
                                  rope_theta=float(rope_theta), use_rope=bool(use_rope))
-
-
-def rms_norm(x, scale, *, eps, impl="ffi"):
-    """x * rsqrt(mean(x^2, -1) + eps) * scale, computed in float32, returned in x.dtype."""
-    _checks.check_choice("impl", impl, _checks.IMPLS)
-    e = _checks.check_rms_norm(x, scale, eps)
-    if impl == "reference":
-        return reference.rms_norm(x, scale, eps=e)
-    from powerinfer_jax.ops import _ffi
-    return _ffi.rms_norm(x, scale, eps=e)
 
 
 def set_num_threads(n: int) -> None:

@@ -61,13 +61,6 @@ def linear(x, w, b=None):
     return y if b is None else y + b.astype(jnp.float32)
 
 
-def rms_norm(x, scale, *, eps):
-    """x * rsqrt(mean(x^2) + eps) * scale in float32, returned in x.dtype."""
-    x32 = jnp.asarray(x, jnp.float32)
-    inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * inv_rms * scale.astype(jnp.float32)).astype(jnp.result_type(x))
-
-
 def q4_scores(x, q, dm, b_up=None, *, activation="silu", signed=False):
     """The q4 predictor's estimates |a| (or a if signed) [..., T, F] float32. See
     ops.api.q4_scores."""

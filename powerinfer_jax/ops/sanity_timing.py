@@ -7,7 +7,6 @@ the active rows (bytes of gate+up+down rows actually read / time).
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
@@ -17,13 +16,9 @@ from powerinfer_jax import ops
 
 
 def _median_seconds(fn, *args, reps):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    from powerinfer_jax._bench_ops import median_seconds
+
+    return median_seconds(fn, *args, repeats=reps)
 
 
 def main() -> None:

@@ -1,9 +1,17 @@
-"""Jitted prefill and decode over a fixed-size KV cache, and the generation loop.
+"""Jitted prefill and batched decode over a fixed-size KV cache, and the generation loop.
 
-Shapes are static: the cache holds `max_seq_len` slots, prefill pads the prompt to a power-of-two
-bucket, decode always runs one token and attends to a power-of-two prefix of the cache that covers
-the current position (so a short sequence does not read the whole cache every step). XLA compiles
-once per prefill bucket and once per decode bucket, never per token (`Engine.compile_count`).
+The engine owns a KV cache of `max_batch` slots (rows) x `max_seq_len` positions. Each sequence
+gets a slot: its prompt is prefilled into that row alone (padded to a power-of-two bucket), then
+every decode step advances all live slots at once, each at its own position, with its own sampling
+parameters and seed (continuous batching: sequences join and leave between steps). Shapes are
+static: a decode step runs the first `b` slots, b a power-of-two bucket covering the live ones,
+and attends to a power-of-two prefix of the cache covering the furthest position, so XLA compiles
+once per (prefill bucket), (batch bucket, cache bucket) and sampling kind, never per step
+(`Engine.compile_count`).
+
+While the host reads step k's tokens, step k+1 is already dispatched on the device with k's
+tokens (they never leave the device for that): the jitted call's argument handling overlaps the
+running step. A step dispatched past a sequence's end is discarded for that sequence.
 """
 from __future__ import annotations
 
@@ -16,12 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from powerinfer_jax.config import SparsityConfig
+from powerinfer_jax.config import MAX_SEED, SamplingParams
+from powerinfer_jax.errors import check, fail
 from powerinfer_jax.models.transformer import Transformer, init_cache
-from powerinfer_jax.runtime.sampling import SamplingParams, sample
+from powerinfer_jax.runtime import sampling as smp
 
 _MIN_BUCKET = 16
-_MIN_KV_BUCKET = 128  # decode compiles at most log2(max_seq_len / 128) + 1 times
+_MIN_KV_BUCKET = 128  # decode compiles at most log2(max_seq_len / 128) + 1 cache buckets
 
 
 def prefill_bucket(n: int, max_len: int, minimum: int = _MIN_BUCKET) -> int:
@@ -30,12 +39,25 @@ def prefill_bucket(n: int, max_len: int, minimum: int = _MIN_BUCKET) -> int:
 
 
 @dataclasses.dataclass
+class Request:
+    """One sequence to generate. on_token(token) is called for every generated id as soon as it is
+    known; returning True stops the sequence there (stop strings, a client that went away)."""
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    seed: int = 0
+    stop_ids: Sequence[int] = ()
+    on_token: Callable[[int], bool | None] | None = None
+
+
+@dataclasses.dataclass
 class GenerationResult:
     tokens: list[int]  # generated ids (stop token included when one was hit)
     prompt_tokens: int
     prefill_s: float  # wall time of the first token (prefill + sampling), compile excluded
     decode_s: float  # wall time of the remaining tokens, compile excluded
-    stop_reason: str  # "eos" | "length"
+    stop_reason: str  # "eos" (a stop id) | "length" (max_new_tokens) | "stop" (on_token said so)
     compile_s: float = 0.0  # compilation done by this call before timing started
 
     @property
@@ -53,136 +75,326 @@ class GenerationResult:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
-class Engine:
-    """Owns the jitted step functions of one model, sparsity setting and cache length."""
+@dataclasses.dataclass
+class _Live:
+    """A sequence in a slot."""
 
-    def __init__(self, model: Transformer, *, max_seq_len: int,
-                 sparsity: SparsityConfig = SparsityConfig(), thresholds: Sequence[float] | None = None):
+    request: Request
+    slot: int
+    position: int  # position of the token the next decode step consumes
+    tokens: list[int]
+    started: float
+    first_token: object = None  # the prefill's device token, read by the next step
+    tag: object = None  # the caller's name for this sequence
+    first_at: float = 0.0
+    ended: float = 0.0
+    compile_s: float = 0.0
+    done: str | None = None
+
+
+class Engine:
+    """The jitted steps of one built model over a cache of `max_batch` slots."""
+
+    def __init__(self, model: Transformer, *, max_seq_len: int, max_batch: int = 1):
         c = model.config
-        if not 0 < max_seq_len <= c.max_seq_len:
-            raise ValueError(f"max_seq_len: expected 1..{c.max_seq_len} (the model's context), "
-                             f"got {max_seq_len}")
+        check(isinstance(max_seq_len, int) and 0 < max_seq_len <= c.max_seq_len, "max_seq_len",
+              f"1..{c.max_seq_len} (the model's context)", max_seq_len)
+        check(isinstance(max_batch, int) and 0 < max_batch <= 256, "max_batch",
+              "an integer in [1, 256]", max_batch)
         self.config = c
         self.max_seq_len = max_seq_len
+        self.max_batch = max_batch
         self.cache_dtype = model.dtype
-        self.sparsity = sparsity
         self.compile_count = 0
+        self.compile_s = 0.0
         self._executables: dict = {}
         graphdef, state = nnx.split(model)
         # The weights travel as a flat list of arrays: flattening the nnx.State pytree (332
         # Variables for SmolLM2) on every call cost more per decode step than the jit's own
         # argument handling (measured: ~0.4 ms of Python per step).
         self._state, treedef = jax.tree.flatten(state)
-        thresholds = None if thresholds is None else tuple(float(t) for t in thresholds)
+        self._cache = None
 
-        def run(leaves, tokens_bt, positions_bt, cache, cache_index, kv_len):
-            m = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-            return m, m.hidden(tokens_bt, positions_bt, cache, cache_index, kv_len,
-                               sparsity=sparsity, thresholds=thresholds)
+        def merged(leaves):
+            return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
-        def prefill(state, tokens_bt, n_valid, cache, key, params: SamplingParams):
-            positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-            m, (h, cache, _) = run(state, tokens_bt, positions, cache, 0, tokens_bt.shape[1])
-            last = jax.lax.dynamic_slice_in_dim(h, n_valid - 1, 1, axis=1)  # [B, 1, D]
-            return sample(m.logits(last)[:, 0], jax.random.fold_in(key, 0), params), cache
+        def prefill(leaves, tokens_1t, n_valid, slot, cache, seed, temp, top_k, top_p, *, kind):
+            m = merged(leaves)
+            t = tokens_1t.shape[1]
+            row = [tuple(jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0) for a in kv)
+                   for kv in cache]
+            h, row = m.hidden(tokens_1t, jnp.arange(t)[None], row, 0, t)
+            cache = [tuple(jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=0)
+                           for a, r in zip(kv, rkv)) for kv, rkv in zip(cache, row)]
+            last = jax.lax.dynamic_slice_in_dim(h, n_valid - 1, 1, axis=1)  # [1, 1, D]
+            keys = smp.row_keys(seed[None], jnp.zeros((1,), jnp.int32))
+            tok = smp.sample_rows(m.logits(last)[:, 0], keys, temp[None], top_k[None],
+                                  top_p[None], kind)
+            return tok[0], cache
 
-        def decode(state, token_b, position, cache, key, params: SamplingParams, kv_len: int):
-            positions = jnp.full((token_b.shape[0], 1), position, jnp.int32)
-            m, (h, cache, _) = run(state, token_b[:, None], positions, cache, position, kv_len)
-            return sample(m.logits(h)[:, 0], jax.random.fold_in(key, position), params), cache
+        def decode(leaves, tokens_b, positions_b, cache, seeds_b, temp_b, top_k_b, top_p_b, *,
+                   kv_len, kind):
+            m = merged(leaves)
+            h, cache = m.hidden(tokens_b[:, None], positions_b[:, None], cache, positions_b,
+                                kv_len)
+            return smp.sample_rows(m.logits(h)[:, 0], smp.row_keys(seeds_b, positions_b), temp_b,
+                                   top_k_b, top_p_b, kind), cache
 
-        self._prefill = jax.jit(prefill, static_argnames="params", donate_argnames="cache")
-        self._decode = jax.jit(decode, static_argnames=("params", "kv_len"),
+        self._prefill = jax.jit(prefill, static_argnames="kind", donate_argnames="cache")
+        self._decode = jax.jit(decode, static_argnames=("kv_len", "kind"),
                                donate_argnames="cache")
+        self._set_token = jax.jit(lambda toks, i, t: toks.at[i].set(t))
 
-    def _executable(self, kind: str, shape_key: int, sampling: SamplingParams):
+    # ------------------------------------------------------------------ compilation
+    def _abstract_cache(self):
+        return jax.eval_shape(lambda: init_cache(self.config, batch=self.max_batch,
+                                                 max_len=self.max_seq_len,
+                                                 dtype=self.cache_dtype))
+
+    def _executable(self, key: tuple):
         """The compiled step for one shape bucket, compiled ahead of time on first need.
 
-        Explicit executables make compilation visible: it happens before timing starts, is counted
-        (`compile_count`), and a call with a new shape can never silently recompile.
-        """
-        k = (kind, shape_key, sampling)
-        exe = self._executables.get(k)
-        if exe is None:
-            cache = jax.eval_shape(lambda: init_cache(self.config, batch=1,
-                                                      max_len=self.max_seq_len,
-                                                      dtype=self.cache_dtype))
-            i32 = jax.ShapeDtypeStruct((), jnp.int32)
-            key = jax.eval_shape(lambda: jax.random.key(0))
-            if kind == "prefill":
-                tokens = jax.ShapeDtypeStruct((1, shape_key), jnp.int32)
-                exe = self._prefill.lower(self._state, tokens, i32, cache, key,
-                                          params=sampling).compile()
-            else:
-                token = jax.ShapeDtypeStruct((1,), jnp.int32)
-                exe = self._decode.lower(self._state, token, i32, cache, key, params=sampling,
-                                         kv_len=shape_key).compile()
-            self._executables[k] = exe
-            self.compile_count += 1
+        Explicit executables make compilation visible: it happens outside the timed region, is
+        counted (`compile_count`, `compile_s`), and a new shape can never silently recompile."""
+        exe = self._executables.get(key)
+        if exe is not None:
+            return exe
+        t0 = time.perf_counter()
+        i32, u32, f32 = jnp.int32, jnp.uint32, jnp.float32
+
+        def arr(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype)
+
+        cache = self._abstract_cache()
+        if key[0] == "prefill":
+            _, t, kind = key
+            exe = self._prefill.lower(self._state, arr((1, t), i32), arr((), i32), arr((), i32),
+                                      cache, arr((), u32), arr((), f32), arr((), i32),
+                                      arr((), f32), kind=kind).compile()
+        else:
+            _, b, kv_len, kind = key
+            exe = self._decode.lower(self._state, arr((b,), i32), arr((b,), i32), cache,
+                                     arr((b,), u32), arr((b,), f32), arr((b,), i32),
+                                     arr((b,), f32), kv_len=kv_len, kind=kind).compile()
+        self._executables[key] = exe
+        self.compile_count += 1
+        self.compile_s += time.perf_counter() - t0
         return exe
 
     def kv_bucket(self, position: int) -> int:
         return prefill_bucket(position + 1, self.max_seq_len, _MIN_KV_BUCKET)
 
-    def check_prompt(self, n_prompt: int) -> None:
-        if n_prompt == 0:
-            raise ValueError("prompt: expected at least one token, got an empty prompt")
-        if n_prompt >= self.max_seq_len:
-            raise ValueError(f"prompt: expected fewer than {self.max_seq_len} tokens (the context "
-                             f"length, --max-seq-len), got {n_prompt}; shorten the prompt")
+    def batch_bucket(self, live_slots: int) -> int:
+        return min(1 << max(live_slots - 1, 0).bit_length(), self.max_batch)
 
+    # ------------------------------------------------------------------ validation
+    def check_prompt(self, n_prompt: int, max_new_tokens: int = 0) -> None:
+        if n_prompt == 0:
+            fail("prompt", "at least one token", "an empty prompt")
+        if n_prompt >= self.max_seq_len:
+            fail("prompt", f"fewer than {self.max_seq_len} tokens (the context length, "
+                 "--max-seq-len)", n_prompt, "shorten the prompt")
+        if n_prompt + max(max_new_tokens, 1) > self.max_seq_len:
+            fail("prompt", f"prompt tokens + new tokens <= {self.max_seq_len} (the context "
+                 "length, --max-seq-len)", f"{n_prompt} + {max_new_tokens}",
+                 "shorten the prompt, ask for fewer new tokens or raise --max-seq-len")
+
+    def _check_request(self, r: Request) -> None:
+        check(isinstance(r.max_new_tokens, int) and r.max_new_tokens >= 1, "max_new_tokens",
+              "an integer >= 1", r.max_new_tokens)
+        check(isinstance(r.seed, (int, np.integer)) and 0 <= int(r.seed) <= MAX_SEED, "seed",
+              f"an integer in [0, {MAX_SEED}]", r.seed)
+        v = self.config.vocab_size
+        ids = np.asarray(r.prompt_ids)
+        if ids.size and (ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer)
+                         or ids.min() < 0 or ids.max() >= v):
+            fail("prompt token ids", f"integers in [0, {v})", f"{ids.dtype} ids in "
+                 f"[{ids.min()}, {ids.max()}]" if ids.ndim == 1 else ids.shape)
+        self.check_prompt(len(r.prompt_ids), r.max_new_tokens)
+
+    # ------------------------------------------------------------------ generation
     def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int,
                  sampling: SamplingParams = SamplingParams(), seed: int = 0,
                  stop_ids: Sequence[int] = (), on_token: Callable[[int], None] | None = None
                  ) -> GenerationResult:
-        """Generate up to max_new_tokens (fewer if the context fills up or a stop id is sampled)."""
-        n = len(prompt_ids)
-        self.check_prompt(n)
-        bucket = prefill_bucket(n, self.max_seq_len)
-        budget = min(max_new_tokens, self.max_seq_len - n)
-        t_compile = time.perf_counter()
-        prefill = self._executable("prefill", bucket, sampling)
-        decoders = {b: self._executable("decode", b, sampling)
-                    for b in sorted({self.kv_bucket(n + s - 1) for s in range(1, budget)})}
-        compile_s = time.perf_counter() - t_compile
-        tokens = np.zeros((1, bucket), np.int32)
-        tokens[0, :n] = prompt_ids
-        cache = init_cache(self.config, batch=1, max_len=self.max_seq_len, dtype=self.cache_dtype)
-        key = jax.random.key(seed)
-        out: list[int] = []
-        stop = set(int(s) for s in stop_ids)
-        reason = "length"
-
-        def decode(step, tok, cache):
-            pos = n + step - 1
-            return decoders[self.kv_bucket(pos)](self._state, tok, np.int32(pos), cache, key)
-
-        t0 = time.perf_counter()
-        t_first = t0
-        pending = prefill(self._state, tokens, np.int32(n), cache, key)
-        for step in range(budget):
-            tok, cache = pending
-            pending = None
-            if 0 < step < budget - 1:
-                # Dispatch the next step before reading this one's token: the jitted call's
-                # argument handling (~0.5 ms of Python and C++) then overlaps the running step
-                # instead of adding to it. The token goes from step to step on the device; a step
-                # dispatched past a stop token is discarded.
-                pending = decode(step + 1, tok, cache)
-            tid = int(np.asarray(tok)[0])  # host sync: streaming and stop checks need the value
-            if step == 0:
-                t_first = time.perf_counter()
-                if budget > 1:
-                    pending = decode(1, tok, cache)
-            out.append(tid)
+        """Generate up to max_new_tokens for one prompt (fewer if a stop id is sampled)."""
+        def tokens_cb(t):
             if on_token is not None:
-                on_token(tid)
-            if tid in stop:
-                reason = "eos"
-                break
-        t1 = time.perf_counter()
-        if pending is not None:  # the discarded step: finish it here, not in the next call's timing
-            jax.block_until_ready(pending)
-        return GenerationResult(tokens=out, prompt_tokens=n, prefill_s=t_first - t0,
-                                decode_s=t1 - t_first if out else 0.0, stop_reason=reason,
-                                compile_s=compile_s)
+                on_token(t)
+        return self.run([Request(prompt_ids, max_new_tokens, sampling, seed, stop_ids,
+                                 tokens_cb)])[0]
+
+    def run(self, requests: Sequence[Request]) -> list[GenerationResult]:
+        """Generate every request, up to max_batch at a time sharing decode steps; a request
+        takes the first free slot as soon as one frees up. Results in request order."""
+        requests = list(requests)
+        for r in requests:
+            self._check_request(r)
+        results: list[GenerationResult | None] = [None] * len(requests)
+        scheduler = Scheduler(self)
+        queue = list(enumerate(requests))
+        self._warm(requests)
+        while queue or scheduler.live:
+            while queue and scheduler.free_slots():
+                i, r = queue.pop(0)
+                scheduler.add(r, tag=i)
+            for tag, res in scheduler.step():
+                results[tag] = res
+        return results  # type: ignore[return-value]
+
+    def _warm(self, requests: Sequence[Request]) -> None:
+        """Compile what a single request will need before its timing starts (a batch compiles
+        its buckets as they come: which ones depends on how sequences overlap)."""
+        if len(requests) != 1:
+            return
+        r = requests[0]
+        n = len(r.prompt_ids)
+        kind = smp.sampling_kind([r.sampling])
+        self._executable(("prefill", prefill_bucket(n, self.max_seq_len), kind))
+        for kv in sorted({self.kv_bucket(n + s) for s in range(r.max_new_tokens - 1)}):
+            self._executable(("decode", 1, kv, kind))
+
+    # ------------------------------------------------------------------ low-level steps
+    def cache(self):
+        """The engine's KV cache (made on first use; every step donates and replaces it)."""
+        if self._cache is None:
+            self._cache = init_cache(self.config, batch=self.max_batch,
+                                     max_len=self.max_seq_len, dtype=self.cache_dtype)
+        return self._cache
+
+    def prefill_slot(self, slot: int, r: Request):
+        """Prefill `r`'s prompt into cache row `slot`; returns its first token (a device scalar)."""
+        n = len(r.prompt_ids)
+        bucket = prefill_bucket(n, self.max_seq_len)
+        kind = smp.sampling_kind([r.sampling])
+        exe = self._executable(("prefill", bucket, kind))
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, :n] = r.prompt_ids
+        temp, top_k, top_p = (a[0] for a in smp.rows([r.sampling]))
+        tok, self._cache = exe(self._state, tokens, np.int32(n), np.int32(slot), self.cache(),
+                               np.uint32(r.seed), temp, top_k, top_p)
+        return tok
+
+    def decode_step(self, tokens_b, positions_b: np.ndarray, seeds_b: np.ndarray, params):
+        """One decode step over slots [0, b): tokens_b [b] (device or host), positions [b];
+        returns the next tokens [b] (on the device)."""
+        b = positions_b.shape[0]
+        kind = smp.sampling_kind(params)
+        kv_len = self.kv_bucket(int(positions_b.max()))
+        exe = self._executable(("decode", b, kv_len, kind))
+        temp, top_k, top_p = smp.rows(params)
+        toks, self._cache = exe(self._state, tokens_b, positions_b.astype(np.int32),
+                                self.cache(), seeds_b.astype(np.uint32), temp, top_k, top_p)
+        return toks
+
+
+_IDLE = SamplingParams()
+
+
+class Scheduler:
+    """Continuous batching over an Engine's slots: `add` a request (prefilled at once into a free
+    slot), `step` advances every live sequence by one token and returns the ones that finished.
+    The server drives it from one thread; `Engine.run` drives it for a list of requests."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.slots: list[_Live | None] = [None] * engine.max_batch
+        self._pending = None  # (device tokens, positions, bucket) of a step dispatched ahead
+        self._tokens = None  # device tokens [b] the next step consumes
+
+    @property
+    def live(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    def free_slots(self) -> int:
+        return self.slots.count(None)
+
+    def add(self, r: Request, tag=None) -> int:
+        """Prefill `r` into the lowest free slot; its first token is reported by the next step."""
+        self.engine._check_request(r)
+        slot = self.slots.index(None)
+        c0 = self.engine.compile_s
+        started = time.perf_counter()
+        tok = self.engine.prefill_slot(slot, r)
+        compile_s = self.engine.compile_s - c0
+        self.slots[slot] = _Live(r, slot, len(r.prompt_ids), [], started + compile_s,
+                                 first_token=tok, tag=tag, compile_s=compile_s)
+        return slot
+
+    def cancel(self, slot: int) -> None:
+        """Free a slot now (a client went away); its sequence reports nothing more."""
+        self.slots[slot] = None
+
+    def step(self) -> list[tuple[object, GenerationResult]]:
+        """Advance every live sequence by one token: report each new token (on_token), and
+        return (tag, result) for the sequences that finished."""
+        finished = []
+        fresh = [s for s in self.slots if s is not None and not s.tokens]
+        for s in fresh:  # prompts prefilled since the last step: their first token is known now
+            self._accept(s, int(np.asarray(s.first_token)), first=True)
+        live = [s for s in self.slots if s is not None and s.done is None]
+        if live:
+            toks = self._dispatch(live, fresh)
+            host = np.asarray(toks)  # the sync: streaming and stop checks need the values
+            for s in live:
+                if s.done is None and self.slots[s.slot] is s:
+                    self._accept(s, int(host[s.slot]))
+        for i, s in enumerate(self.slots):
+            if s is not None and s.done is not None:
+                self.slots[i] = None
+                finished.append((s.tag, self._result(s)))
+        return finished
+
+    def _dispatch(self, live, fresh):
+        """The device tokens of this step: the step dispatched ahead last time when it still
+        covers every live slot, else one dispatched now; then the next step is dispatched ahead."""
+        eng = self.engine
+        b = eng.batch_bucket(max(s.slot for s in live) + 1)
+        positions = np.zeros(b, np.int32)
+        seeds = np.zeros(b, np.uint32)
+        params = [_IDLE] * b
+        for s in live:
+            positions[s.slot] = s.position
+            seeds[s.slot] = s.request.seed
+            params[s.slot] = s.request.sampling
+        pending, self._pending = self._pending, None
+        if pending is not None and not fresh and pending[2] == b and all(
+                pending[1][s.slot] == s.position for s in live):
+            toks = pending[0]  # rows of slots that finished since are junk, never read
+        else:
+            base = np.zeros(b, np.int32)
+            for s in live:
+                base[s.slot] = s.tokens[-1]
+            toks = eng.decode_step(base, positions, seeds, params)
+        # Step k+1 on step k's device tokens, before the host reads them, when every live sequence
+        # stays inside its budget (a sequence that stops meanwhile just wastes its row; free rows
+        # write junk at position 0, which a later prefill of the slot overwrites).
+        if all(len(s.tokens) + 1 < s.request.max_new_tokens for s in live):
+            nxt = positions.copy()
+            for s in live:
+                nxt[s.slot] = s.position + 1
+            self._pending = (eng.decode_step(toks, nxt, seeds, params), nxt, b)
+        return toks
+
+    def _accept(self, s: _Live, tok: int, first: bool = False) -> None:
+        now = time.perf_counter()
+        if first:
+            s.first_at = now
+        else:
+            s.position += 1
+        s.tokens.append(tok)
+        r = s.request
+        stop = r.on_token(tok) if r.on_token is not None else None
+        if tok in r.stop_ids:
+            s.done = "eos"
+        elif stop:
+            s.done = "stop"
+        elif len(s.tokens) >= r.max_new_tokens:
+            s.done = "length"
+        if s.done is not None:
+            s.ended = now
+
+    def _result(self, s: _Live) -> GenerationResult:
+        return GenerationResult(tokens=s.tokens, prompt_tokens=len(s.request.prompt_ids),
+                                prefill_s=s.first_at - s.started, decode_s=s.ended - s.first_at,
+                                stop_reason=s.done, compile_s=s.compile_s)

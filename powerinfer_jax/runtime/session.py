@@ -1,58 +1,100 @@
-"""A loaded model ready to run: checkpoint + Transformer + tokenizer + engine, built from CLI args."""
+"""`build`: the one way to make a running model.
+
+checkpoint -> config -> Transformer -> sparsity artifacts (only what the mode needs) -> the mode's
+per-layer selectors -> placement under a memory budget -> engine. The CLIs, `powerinfer_jax.load`,
+the experiments, the benchmarks and the server all build through here; defaults live in config.py.
+"""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
-import jax.numpy as jnp
-
-from powerinfer_jax._cli import DEFAULT_CONTEXT_CAP, DEFAULT_TARGET_SPARSITY
-from powerinfer_jax.config import ModelConfig, PlacementConfig, RuntimeConfig, SparsityConfig
-from powerinfer_jax.models.transformer import Transformer, from_params
-from powerinfer_jax.runtime.decode import Engine
+from powerinfer_jax.config import (DEFAULT_CONTEXT_CAP, DEFAULT_MODEL, ModelConfig,
+                                   PlacementConfig, RuntimeConfig, SparsityConfig)
+from powerinfer_jax.errors import fail
 
 
 @dataclasses.dataclass
 class Session:
+    """A built model: everything a caller needs to run, measure and report it."""
+
     config: ModelConfig
-    model: Transformer
+    model: object  # models.transformer.Transformer, configured and placed
     tokenizer: object  # powerinfer_jax.tokenizer.Tokenizer
     runtime: RuntimeConfig
-    sparsity: SparsityConfig
-    source: str
-    thresholds: tuple[float, ...] | None = None  # per-layer, from the sparsity artifacts
-    oracle_thresholds: tuple[float, ...] | None = None  # predictor mode: defines recall's oracle
+    sparsity: SparsityConfig  # with the default target filled in where the mode needs one
+    source: str  # the model file or directory
+    model_arg: str  # what the caller named (registry name or path)
+    threads: int  # kernel threads in use
+    artifacts: object | None = None  # sparsity.artifacts.SparsityArtifacts, when the mode needs them
     placement: object | None = None  # sparsity.placement.Placement applied to the model, if any
-    _engine: Engine | None = None
+    max_batch: int = 1
+    _engine: object | None = None
 
     @property
-    def engine(self) -> Engine:
+    def engine(self):
+        """The model's decode engine (runtime/decode.py), made on first use."""
         if self._engine is None:
-            max_len = kv_length(self.config, self.runtime)
-            self._engine = Engine(self.model, max_seq_len=max_len, sparsity=self.sparsity,
-                                  thresholds=self.thresholds)
+            from powerinfer_jax.runtime.decode import Engine
+
+            self._engine = Engine(self.model, max_seq_len=kv_length(self.config, self.runtime),
+                                  max_batch=self.max_batch)
         return self._engine
+
+    @property
+    def plan(self) -> tuple[dict, ...]:
+        """Per layer: selector, threshold, backend, hot/cold rows (sparsity.modes.plan)."""
+        from powerinfer_jax.sparsity import modes
+
+        return modes.plan(self.model)
+
+    @property
+    def oracle_thresholds(self) -> tuple[float, ...] | None:
+        """Predictor mode: the calibrated contribution thresholds that define recall's oracle."""
+        if self.artifacts is None or self.sparsity.mode != "predictor":
+            return None
+        return self.artifacts.thresholds_contribution
+
+    def describe(self) -> dict:
+        """What was built, for --json output and result rows."""
+        return {"model": self.model_arg, "source": self.source, "dtype": self.runtime.dtype,
+                "threads": self.threads, "sparsity": self.sparsity.mode,
+                "target_sparsity": self.sparsity.target_sparsity,
+                "predictor": self.sparsity.predictor if self.sparsity.mode == "predictor" else None,
+                "gate_up": self.sparsity.gate_up if self.sparsity.mode == "predictor" else None,
+                "kernels": self.model.kernels, "max_seq_len": kv_length(self.config, self.runtime),
+                "placement": None if self.placement is None else self.placement.summary()}
 
 
 def kv_length(config: ModelConfig, runtime: RuntimeConfig) -> int:
     return runtime.max_seq_len or min(config.max_seq_len, DEFAULT_CONTEXT_CAP)
 
 
-def open_session(model: str, runtime: RuntimeConfig, sparsity: SparsityConfig, *,
-                 placement: PlacementConfig = PlacementConfig(), artifacts_root=None,
-                 progress: bool = True) -> Session:
-    """Load the model; for calibrated sparse modes also its sparsity artifacts (thresholds, and
-    predictors attached to each FFN), built on first use for a registry model. Then, under a
-    `--vram-budget` (or a GPU's default one), place FFN neurons hot/cold (runtime/placing.py)."""
-    from powerinfer_jax.checkpoint import load_checkpoint
+def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
+          sparsity: SparsityConfig = SparsityConfig(), *,
+          placement: PlacementConfig = PlacementConfig(), artifacts_root=None,
+          max_batch: int = 1, progress: bool = True, checkpoint=None) -> Session:
+    """Load `model` (registry name, .gguf file or HF directory) and make it ready to run.
 
-    ckpt = load_checkpoint(model)
+    runtime.threads sizes the kernels' thread pool in every mode (the CLIs also pin the process
+    before XLA starts: `_cli.configure_threads`). Calibrated modes load their sparsity artifacts
+    from `artifacts_root` (default: next to the model; for a registry model built on first use).
+    With a memory budget (or on a GPU) FFN neurons are placed hot/cold (runtime/placing.py).
+    checkpoint: an already loaded Checkpoint of `model` (experiments that build several variants).
+    """
+    from powerinfer_jax.checkpoint import load_checkpoint
+    from powerinfer_jax.models.transformer import from_params
+    from powerinfer_jax.sparsity import modes
+
+    threads = _size_thread_pool(runtime.threads)
+    sparsity = sparsity.with_default_target()
+    ckpt = load_checkpoint(model) if checkpoint is None else checkpoint
     if runtime.max_seq_len is not None and runtime.max_seq_len > ckpt.config.max_seq_len:
-        raise ValueError(f"--max-seq-len: expected at most {ckpt.config.max_seq_len} (the model's "
-                         f"context), got {runtime.max_seq_len}")
-    dtype = jnp.dtype(runtime.dtype)
+        fail("--max-seq-len", f"at most {ckpt.config.max_seq_len} (the model's context)",
+             runtime.max_seq_len)
     # With an accelerator the model is built in host memory and only what the placement keeps on
-    # the device goes there (_to_accelerator): a model larger than the device's memory never
-    # lands on it whole. The default budget is read before any weight is on the device.
+    # the device goes there: a model larger than the device's memory never lands on it whole.
+    # The default budget is read before any weight is on the device.
     accel = _accelerator()
     default_budget = None
     if accel is not None and placement.budget_bytes is None:
@@ -60,14 +102,48 @@ def open_session(model: str, runtime: RuntimeConfig, sparsity: SparsityConfig, *
 
         default_budget = default_budget_bytes()
     with _on_host(accel):
-        m, thresholds, oracle_thresholds, placed = _build(
-            model, ckpt, dtype, runtime, sparsity, placement, artifacts_root, progress,
-            default_budget)
+        import jax.numpy as jnp
+
+        m = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(runtime.dtype),
+                        kernels=runtime.kernels, decode_attention=runtime.decode_attention,
+                        fuse_qkv=runtime.fuse_qkv)
+        arts = _artifacts(model, ckpt, m, sparsity, artifacts_root, progress)
+        modes.configure(m, sparsity, arts)
+        placed = _place(model, ckpt, m, runtime, sparsity, placement, artifacts_root,
+                        default_budget)
     if accel is not None:
         _to_accelerator(m, accel)
     return Session(config=ckpt.config, model=m, tokenizer=ckpt.tokenizer, runtime=runtime,
-                   sparsity=sparsity, source=str(ckpt.source), thresholds=thresholds,
-                   oracle_thresholds=oracle_thresholds, placement=placed)
+                   sparsity=sparsity, source=str(ckpt.source), model_arg=str(model),
+                   threads=threads, artifacts=arts, placement=placed,
+                   max_batch=max_batch)
+
+
+def _size_thread_pool(threads: int | None) -> int:
+    """The kernels' pool gets `threads` (default: the CPUs this process may use) in every mode:
+    dense decode runs through the custom calls too."""
+    import os
+
+    n = threads or len(os.sched_getaffinity(0))
+    try:
+        from powerinfer_jax import ops
+
+        ops.set_num_threads(n)
+    except ImportError:  # an unbuilt checkout runs the jnp references only
+        pass
+    return n
+
+
+def _artifacts(model_arg, ckpt, m, sparsity, root, progress):
+    from powerinfer_jax.sparsity import modes
+
+    need = modes.needs(sparsity)
+    if not need.thresholds and not need.lowrank:
+        return None
+    from powerinfer_jax.sparsity.artifacts import ensure_artifacts
+
+    return ensure_artifacts(model_arg, ckpt.source, m, ckpt.tokenizer, sparsity.target_sparsity,
+                            need_predictor=need.lowrank, root=root, progress=progress)
 
 
 def _accelerator():
@@ -79,8 +155,6 @@ def _accelerator():
 
 
 def _on_host(accel):
-    import contextlib
-
     import jax
 
     return contextlib.nullcontext() if accel is None else jax.default_device(jax.devices("cpu")[0])
@@ -95,27 +169,8 @@ def _to_accelerator(m, device) -> None:
     nnx.update(m, jax.device_put(nnx.state(m), device))
 
 
-def _build(model, ckpt, dtype, runtime, sparsity, placement, artifacts_root, progress,
-           default_budget):
-    m = from_params(ckpt.config, ckpt.params, dtype=dtype, kernels=runtime.kernels)
-    thresholds = oracle_thresholds = None
-    if sparsity.calibrated:
-        from powerinfer_jax.sparsity.artifacts import ensure_artifacts, use_predictor
-
-        arts = ensure_artifacts(model, ckpt.source, m, ckpt.tokenizer, sparsity.target_sparsity,
-                                need_predictor=(sparsity.mode == "predictor"
-                                                and sparsity.predictor == "lowrank"),
-                                root=artifacts_root, progress=progress)
-        thresholds = arts.thresholds_for(sparsity.mode, sparsity.predictor)
-        if sparsity.mode == "predictor":
-            thresholds = use_predictor(m, arts, sparsity.predictor)
-            oracle_thresholds = arts.thresholds_contribution
-    placed = _place(model, ckpt, m, runtime, sparsity, placement, artifacts_root,
-                    default_budget)
-    return m, thresholds, oracle_thresholds, placed
-
-
 def _place(model_arg, ckpt, m, runtime, sparsity, placement, artifacts_root, default_budget):
+    from powerinfer_jax.config import DEFAULT_TARGET_SPARSITY
     from powerinfer_jax.runtime.placing import place_model
     from powerinfer_jax.sparsity.artifacts import artifacts_root as default_root
     from powerinfer_jax.sparsity.artifacts import model_fingerprint, target_dir
@@ -128,22 +183,3 @@ def _place(model_arg, ckpt, m, runtime, sparsity, placement, artifacts_root, def
                        model_fingerprint=model_fingerprint(model_arg, ckpt.source, ckpt.config),
                        artifacts_dir=target_dir(root, target), cache_dir=root,
                        default_budget=default_budget)
-
-
-def placement_from_args(args) -> PlacementConfig:
-    return PlacementConfig(vram_budget_gib=getattr(args, "vram_budget", None),
-                           offload=getattr(args, "offload", "hybrid"))
-
-
-def configs_from_args(args, **runtime_fields) -> tuple[RuntimeConfig, SparsityConfig]:
-    runtime = RuntimeConfig(dtype=args.dtype, threads=args.threads, max_seq_len=args.max_seq_len,
-                            kernels=getattr(args, "kernels", "auto"), **runtime_fields)
-    target = getattr(args, "target_sparsity", None)
-    if target is None and args.sparsity in ("threshold", "predictor"):
-        target = DEFAULT_TARGET_SPARSITY
-    sparsity = SparsityConfig(mode=args.sparsity, threshold=args.threshold,
-                              impl=getattr(args, "impl", "ffi"),
-                              predictor=getattr(args, "predictor", "q4"),
-                              gate_up=getattr(args, "gate_up", "full"),
-                              target_sparsity=None if target is None else float(target))
-    return runtime, sparsity

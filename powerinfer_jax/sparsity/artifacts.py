@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from powerinfer_jax.errors import UserError
 from powerinfer_jax.sparsity import calibrate as cal
 from powerinfer_jax.sparsity import corpus as corpus_mod
 from powerinfer_jax.sparsity import predictor as pred
@@ -135,8 +136,7 @@ def calibrate_q4(model, x_lnd: np.ndarray, masks: np.ndarray, target: float
                          masks[:, n - n_hold:])
     c = model.config
     report.update(calibration_tokens=n_cal, holdout_tokens=n_hold,
-                  cost=q4p.cost(d_model=c.d_model, d_ff=c.d_ff, gated=c.gated,
-                                ffn_bytes_per_param=2.0))
+                  cost=q4p.cost(d_model=c.d_model, d_ff=c.d_ff, gated=c.gated))
     return tuple(float(t) for t in thr), report
 
 
@@ -226,46 +226,33 @@ def check_predictor_shape(stack: pred.PredictorStack, shape: dict) -> None:
                          f"{(n_layers, d, f)} (predictor files from another model)")
 
 
-def attach_predictors(model, stack: pred.PredictorStack) -> None:
-    """Give each layer's FFN its slice of the stack (FFN.predictor)."""
-    check_predictor_shape(stack, model_shape(model.config))
-    for l, layer in enumerate(model.layers):
-        layer.ffn.predictor = stack.layer(l, dtype=model.dtype, kernels=model.kernels)
-
-
-def use_predictor(model, arts: SparsityArtifacts, kind: str = "q4") -> tuple[float, ...]:
-    """Attach predictor mode's predictor of `kind` ("q4" or "lowrank") to every FFN of `model`;
-    returns the per-layer thresholds the sparse FFN call then uses."""
-    if kind == "q4":
-        q4p.attach(model)
-    elif kind == "lowrank":
-        if arts.predictors is None:
-            raise ValueError("predictor lowrank: expected trained low-rank predictors in the "
-                             "artifacts, got none (load them with need_predictor=True, or build "
-                             "them with python -m powerinfer_jax.calibrate --predictor)")
-        attach_predictors(model, arts.predictors)
-    else:
-        raise ValueError(f"predictor: expected one of ['q4', 'lowrank'], got {kind!r}")
-    return arts.thresholds_for("predictor", kind)
-
-
 def ensure_artifacts(model_arg: str, source, model, tokenizer, target_sparsity: float, *,
                      need_predictor: bool, root: Path | None = None, progress: bool = True
                      ) -> SparsityArtifacts:
-    """Load the artifacts for (model, target); for a registry model build them on first use."""
+    """Load the artifacts for (model, target); for a registry model build on first use exactly
+    what is needed: thresholds and the profile, and the low-rank predictors only when
+    `need_predictor` (training them takes minutes and only --predictor lowrank uses them)."""
     from powerinfer_jax.checkpoint.registry import KNOWN_MODELS
 
     fp = model_fingerprint(model_arg, source, model.config)
     root = artifacts_root(model_arg, source) if root is None else Path(root)
     directory = target_dir(root, target_sparsity)
-    if not (directory / "meta.json").is_file():
+    meta = directory / "meta.json"
+    missing_predictor = need_predictor and meta.is_file() and not json.loads(
+        meta.read_text()).get("has_predictor")
+    if not meta.is_file() or missing_predictor:
+        what = "low-rank predictors" if missing_predictor else "sparsity artifacts"
         if str(model_arg) not in KNOWN_MODELS:
-            raise FileNotFoundError(
-                f"sparsity artifacts: expected {directory}, got none; build them with "
-                f"python -m powerinfer_jax.calibrate --model {model_arg} "
-                f"--target-sparsity {target_sparsity}")
-        print(f"powerinfer_jax: building sparsity artifacts for {model_arg} at target sparsity "
-              f"{target_sparsity} (once; cached in {directory})", file=sys.stderr)
+            raise UserError(
+                f"{what}: expected {'trained predictors in ' if missing_predictor else ''}"
+                f"{directory}, got none; build them with python -m powerinfer_jax.calibrate "
+                f"--model {model_arg} --target-sparsity {target_sparsity}"
+                + (" --sparsity predictor --predictor lowrank" if need_predictor else "")
+                + (f" --out {root}" if root != artifacts_root(model_arg, source) else ""))
+        print(f"powerinfer_jax: building {what} for {model_arg} at target sparsity "
+              f"{target_sparsity} (once; cached in {directory}; about "
+              f"{'8' if need_predictor else '2'} minutes on 2 cores)", file=sys.stderr)
         build_artifacts(model, tokenizer, fingerprint=fp, root=root,
-                        target_sparsity=target_sparsity, progress=progress)
+                        target_sparsity=target_sparsity,
+                        train=pred.TrainConfig() if need_predictor else None, progress=progress)
     return load_artifacts(directory, fingerprint=fp, need_predictor=need_predictor)

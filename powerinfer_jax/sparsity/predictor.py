@@ -229,12 +229,19 @@ def mask_quality(pred_lnf: np.ndarray, mask_lnf: np.ndarray) -> dict:
             "mean_predicted_sparsity": float(1.0 - pred.mean())}
 
 
-def predictor_cost(*, d_model: int, d_ff: int, rank: int, gated: bool,
-                   ffn_bytes_per_param: float = 4.0) -> dict:
-    """Per-token FLOPs and weight bytes of one layer's predictor, as fractions of its dense FFN's
-    (predictor weights float32)."""
-    pred_params = d_model * rank + rank + rank * d_ff + d_ff
+# Cost fractions (predictor bytes / FFN bytes) are reported for one weight width, the bfloat16 the
+# fast modes run at, for every predictor: the low-rank matrices are stored at the model's dtype
+# (Predictor), like the FFN, so their ratio is the same at float32.
+COST_BYTES_PER_PARAM = 2.0
+
+
+def predictor_cost(*, d_model: int, d_ff: int, rank: int, gated: bool) -> dict:
+    """Per-token FLOPs and weight bytes of one layer's low-rank predictor, as fractions of its
+    dense FFN's (matrices at COST_BYTES_PER_PARAM like the FFN, biases float32)."""
+    matrices = d_model * rank + rank * d_ff
+    pred_params = matrices + rank + d_ff
     ffn_params = (3 if gated else 2) * d_model * d_ff
+    pred_bytes = COST_BYTES_PER_PARAM * matrices + 4.0 * (rank + d_ff)
     return {"flops_fraction": pred_params / ffn_params,
-            "bytes_fraction": 4.0 * pred_params / (ffn_bytes_per_param * ffn_params),
+            "bytes_fraction": pred_bytes / (COST_BYTES_PER_PARAM * ffn_params),
             "predictor_flops_per_token": 2 * pred_params, "ffn_flops_per_token": 2 * ffn_params}

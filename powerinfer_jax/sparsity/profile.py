@@ -84,13 +84,15 @@ class ActivationProfile:
 
 def collect_ffn_inputs(model, chunks_nt: np.ndarray, *, progress: bool = True) -> np.ndarray:
     """Run the dense model over [n, T] token chunks; returns every layer's FFN input [L, n*T, D]."""
+    from powerinfer_jax.models.transformer import capture
+
     graphdef, state = nnx.split(model)
 
     @jax.jit
     def run(state, tokens_bt):
-        m = nnx.merge(graphdef, state)
         positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        return m.hidden(tokens_bt, positions, return_ffn_inputs=True)[3][:, 0]  # [L, T, D]
+        _, sown = capture(lambda m: m.hidden(tokens_bt, positions), nnx.merge(graphdef, state))
+        return sown["ffn_in"][:, 0]  # [L, T, D]
 
     out = []
     for chunk in _bar(chunks_nt, progress, "profile: dense forward", "chunk"):

@@ -70,12 +70,6 @@ class Q4Predictor(nnx.Module):
         return int(self.q[...].nbytes + self.dm[...].nbytes)
 
 
-def attach(model) -> None:
-    """Give every FFN of `model` its q4 predictor (FFN.predictor)."""
-    for layer in model.layers:
-        layer.ffn.predictor = Q4Predictor.from_ffn(layer.ffn, kernels=model.kernels)
-
-
 def layer_scores(model, x_lnd: np.ndarray, *, batch: int = 512) -> np.ndarray:
     """[L, N, F] float32 scores of q4 predictors built from `model`'s (unplaced) FFNs on their
     inputs x_lnd [L, N, D]."""
@@ -101,12 +95,15 @@ def quality(scores_lnf: np.ndarray, thresholds: np.ndarray, mask_lnf: np.ndarray
     return mask_quality(scores_lnf > np.asarray(thresholds)[:, None, None], mask_lnf)
 
 
-def cost(*, d_model: int, d_ff: int, gated: bool, ffn_bytes_per_param: float) -> dict:
-    """Bytes and multiply-adds per token of one layer's q4 predictor vs its dense FFN."""
+def cost(*, d_model: int, d_ff: int, gated: bool) -> dict:
+    """Bytes and multiply-adds per token of one layer's q4 predictor vs its dense FFN (at
+    predictor.COST_BYTES_PER_PARAM, like every predictor's report)."""
+    from powerinfer_jax.sparsity.predictor import COST_BYTES_PER_PARAM
+
     g = 2 if gated else 1
     p = q4.num_pairs(d_model)
     pred_bytes = d_ff * g * (p * q4.PAIR_BYTES + 4 * p * 2)
     ffn_params = (g + 1) * d_model * d_ff
-    return {"bytes_fraction": pred_bytes / (ffn_bytes_per_param * ffn_params),
+    return {"bytes_fraction": pred_bytes / (COST_BYTES_PER_PARAM * ffn_params),
             "flops_fraction": g * d_model * d_ff / ffn_params,
             "predictor_bytes_per_token": pred_bytes}

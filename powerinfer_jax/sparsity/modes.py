@@ -1,0 +1,185 @@
+"""Sparsity modes: the registry `--sparsity` chooses from, and `configure`, which resolves a mode
+into one selector per FFN layer once, when the model is built.
+
+A mode is a `Mode`: a factory that returns the per-layer selectors (sparsity/selectors.py) and a
+statement of which sparsity artifacts it needs (calibrated per-layer thresholds; trained low-rank
+predictors), so the build makes only those. A new mode is one Selector subclass and one
+`register` call; the CLIs, the build and the report pick it up by name:
+
+    class TopK(Selector): ...
+    modes.register("topk", modes.Mode(make=lambda model, cfg, arts: [TopK(8)] * n, doc="..."))
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from powerinfer_jax.errors import check_choice, fail
+
+# make(model, sparsity_config, artifacts) -> one Selector (or None: dense) per layer.
+# `artifacts` is a SparsityArtifacts when the mode needs them, else None.
+MakeSelectors = Callable[[object, object, object], list]
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """Which sparsity artifacts a mode needs (the build makes nothing else)."""
+
+    thresholds: bool = False  # per-layer calibrated thresholds (profile + calibration)
+    lowrank: bool = False  # trained low-rank predictors
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    make: MakeSelectors
+    doc: str
+    needs: Callable[[object], Needs] = lambda cfg: Needs()
+
+
+_MODES: dict[str, Mode] = {}
+
+
+def register(name: str, mode: Mode) -> None:
+    """Add (or replace) a sparsity mode under `name`."""
+    if not (isinstance(name, str) and name.isidentifier()):
+        fail("sparsity mode name", "an identifier", name)
+    _MODES[name] = mode
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_MODES)
+
+
+def get(name: str) -> Mode:
+    check_choice("--sparsity", name, names())
+    return _MODES[name]
+
+
+def needs(cfg) -> Needs:
+    """What `cfg` (a SparsityConfig) needs from the sparsity artifacts."""
+    return get(cfg.mode).needs(cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class Thresholds:
+    """Per-layer thresholds given by hand, standing in for calibrated artifacts (every kind)."""
+
+    values: tuple[float, ...]
+    predictors: object = None
+
+    @property
+    def thresholds_contribution(self):
+        return self.values
+
+    thresholds_gate = thresholds_q4 = thresholds_contribution
+
+
+def configure(model, cfg, artifacts=None, *, thresholds=None, predictors=None
+              ) -> tuple[dict, ...]:
+    """Install mode `cfg.mode`'s selector in every FFN of `model` (before placement: predictors
+    are built from unsplit rows). Returns the per-layer plan (what each layer runs, for --json).
+
+    artifacts: the SparsityArtifacts the mode needs (`needs(cfg)`), else None.
+    thresholds: per-layer thresholds chosen by hand instead of calibrated artifacts.
+    predictors: per-layer predictor modules for predictor mode (tests, research, predictors from
+      another tool such as PowerInfer's): active where predictor(x) > the layer's threshold
+      (`thresholds`, else cfg.threshold).
+    """
+    from powerinfer_jax.models.ffn import Selector
+
+    n = model.config.n_layers
+    if thresholds is not None:
+        thresholds = tuple(float(t) for t in thresholds)
+        if len(thresholds) != n:
+            fail("thresholds", f"one per layer ({n})", len(thresholds))
+        artifacts = Thresholds(thresholds)
+    if predictors is not None:
+        from powerinfer_jax.sparsity.selectors import Scores
+
+        if len(predictors) != n:
+            fail("predictors", f"one per layer ({n})", len(predictors))
+        thr = thresholds or (cfg.threshold,) * n
+        selectors = [Scores(p, t) for p, t in zip(predictors, thr)]
+    else:
+        if needs(cfg).thresholds and artifacts is None:
+            fail(f"sparsity mode {cfg.mode!r}", "its calibrated artifacts (or thresholds)", None,
+                 "build them with python -m powerinfer_jax.calibrate")
+        selectors = list(get(cfg.mode).make(model, cfg, artifacts))
+    if len(selectors) != n or not all(s is None or isinstance(s, Selector) for s in selectors):
+        fail(f"sparsity mode {cfg.mode!r} selectors", f"{n} Selector objects (or None)",
+             [type(s).__name__ for s in selectors])
+    import jax
+
+    impl = cfg.impl
+    if cfg.gate_up == "q4" and jax.default_backend() != "cpu":
+        impl = "reference"  # the CUDA sparse FFN takes scores or oracle, not activations
+    for layer, sel in zip(model.layers, selectors):
+        layer.ffn.set_selector(sel, impl=impl)
+    return plan(model)
+
+
+def plan(model) -> tuple[dict, ...]:
+    """Per layer: the selector (with its threshold), the backend and the hot/cold row counts."""
+    out = []
+    for layer in model.layers:
+        ffn = layer.ffn
+        sel = {"selector": "dense"} if ffn.selector is None else ffn.selector.describe()
+        out.append({**sel, "backend": type(ffn.backend).__name__, "n_hot": ffn.n_hot,
+                    "n_cold": ffn.n_cold})
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------ built-in modes
+def _per_layer(cls, thresholds):
+    return [cls(t) for t in thresholds]
+
+
+def _dense(model, cfg, arts):
+    return [None] * model.config.n_layers
+
+
+def _oracle(model, cfg, arts):
+    from powerinfer_jax.sparsity.selectors import Oracle
+
+    if arts is None:  # a scalar threshold (0: every non-zero activation)
+        return [Oracle(cfg.threshold) for _ in model.layers]
+    return _per_layer(Oracle, arts.thresholds_contribution)
+
+
+def _threshold(model, cfg, arts):
+    from powerinfer_jax.sparsity.selectors import GateMagnitude
+
+    return _per_layer(GateMagnitude, arts.thresholds_gate)
+
+
+def _predictor(model, cfg, arts):
+    from powerinfer_jax.sparsity import selectors as S
+
+    if cfg.predictor == "q4":
+        from powerinfer_jax.sparsity.q4_predictor import Q4Predictor
+
+        preds = [Q4Predictor.from_ffn(l.ffn, kernels=model.kernels) for l in model.layers]
+        if cfg.gate_up == "q4":
+            return [S.Q4Activations(p, t) for p, t in zip(preds, arts.thresholds_q4)]
+        return [S.Scores(p, t) for p, t in zip(preds, arts.thresholds_q4)]
+    if getattr(arts, "predictors", None) is None:
+        fail("predictor lowrank", "trained low-rank predictors in the artifacts", None,
+             "build them with python -m powerinfer_jax.calibrate --predictor")
+    from powerinfer_jax.sparsity.artifacts import check_predictor_shape, model_shape
+
+    check_predictor_shape(arts.predictors, model_shape(model.config))
+    return [S.Scores(arts.predictors.layer(l, dtype=model.dtype, kernels=model.kernels), 0.0)
+            for l in range(model.config.n_layers)]
+
+
+register("dense", Mode(_dense, "every neuron, XLA's matmuls or the custom call (the reference)"))
+register("oracle", Mode(
+    _oracle, "the true active set: |a_i| > --threshold (or the calibrated per-layer thresholds "
+             "with --target-sparsity): the quality upper bound",
+    needs=lambda cfg: Needs(thresholds=cfg.target_sparsity is not None)))
+register("threshold", Mode(
+    _threshold, "calibrated |act(gate_i . x)| thresholds, the gate computed densely (CATS-style)",
+    needs=lambda cfg: Needs(thresholds=True)))
+register("predictor", Mode(
+    _predictor, "a predictor chooses the active set before any FFN row is read (--predictor)",
+    needs=lambda cfg: Needs(thresholds=True, lowrank=cfg.predictor == "lowrank")))
