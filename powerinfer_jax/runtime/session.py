@@ -63,7 +63,24 @@ class Session:
                 "predictor": self.sparsity.predictor if self.sparsity.mode == "predictor" else None,
                 "gate_up": self.sparsity.gate_up if self.sparsity.mode == "predictor" else None,
                 "kernels": self.model.kernels, "max_seq_len": kv_length(self.config, self.runtime),
+                "weights": weight_formats(self.model),
                 "placement": None if self.placement is None else self.placement.summary()}
+
+
+def weight_formats(model) -> dict[str, int]:
+    """How many matrices the built model keeps in each format ("Q4_1", ..., or the float dtype)."""
+    from flax import nnx
+
+    counts: dict[str, int] = {}
+    for module in (m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)):
+        qtype = getattr(module, "qtype", None)
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, nnx.Param):
+            key = qtype or str(weight[...].dtype)
+            counts[key] = counts.get(key, 0) + 1
+    if getattr(model, "embed_qtype", None):
+        counts[model.embed_qtype] = counts.get(model.embed_qtype, 0) + 1
+    return counts
 
 
 def kv_length(config: ModelConfig, runtime: RuntimeConfig) -> int:
@@ -88,14 +105,19 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
 
     threads = _size_thread_pool(runtime.threads)
     sparsity = sparsity.with_default_target()
-    ckpt = load_checkpoint(model) if checkpoint is None else checkpoint
+    accel = _accelerator()
+    # Placement moves float rows between memories: a placed model is dequantized at load.
+    placed = placement.budget_bytes is not None or accel is not None
+    if checkpoint is None:
+        ckpt = load_checkpoint(model, keep_quantized=runtime.weights == "auto" and not placed)
+    else:
+        ckpt = checkpoint
     if runtime.max_seq_len is not None and runtime.max_seq_len > ckpt.config.max_seq_len:
         fail("--max-seq-len", f"at most {ckpt.config.max_seq_len} (the model's context)",
              runtime.max_seq_len)
     # With an accelerator the model is built in host memory and only what the placement keeps on
     # the device goes there: a model larger than the device's memory never lands on it whole.
     # The default budget is read before any weight is on the device.
-    accel = _accelerator()
     default_budget = None
     if accel is not None and placement.budget_bytes is None:
         from powerinfer_jax.runtime.placing import default_budget_bytes

@@ -155,6 +155,10 @@ def _threshold(model, cfg, arts):
 def _predictor(model, cfg, arts):
     from powerinfer_jax.sparsity import selectors as S
 
+    if cfg.predictor == "q4" and model.layers[0].ffn.quantized:
+        # the file's own 4-bit gate/up rows are the estimate: exact activations of this model,
+        # against the thresholds calibrated on them (the contribution criterion)
+        return [S.Q4Activations(None, t) for t in arts.thresholds_contribution]
     if cfg.predictor == "q4":
         from powerinfer_jax.sparsity.q4_predictor import Q4Predictor
 

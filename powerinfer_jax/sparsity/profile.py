@@ -106,7 +106,11 @@ def ffn_magnitudes(ffn, x_nd):
     if ffn.gate is None:
         a = jnp.abs(activate(ffn.activation, up))
         return a, a
-    g = activate(ffn.activation, matmul(x_nd, ffn.gate.weight[...]))
+    gate = ffn.gate(x_nd) if ffn.quantized else matmul(x_nd, ffn.gate.weight[...])
+    if ffn.activation == "drelu":
+        g = jax.nn.relu(gate)
+        return jnp.abs(g * jax.nn.relu(up)), g
+    g = activate(ffn.activation, gate)
     return jnp.abs(g * up), jnp.abs(g)
 
 
