@@ -85,6 +85,16 @@ PIJ_HOST_DEVICE inline float Gelu(float v) {
   return 0.5f * v * (1.0f + tanhf(kSqrt2OverPi * (v + kCubicCoeff * v * v * v)));
 }
 
+// Active-set tests, written so NaN (and inf) count as active: `|a| > t` is false for a NaN, which
+// silently dropped a NaN neuron and turned a NaN input into an all-zero FFN output. A non-finite
+// activation or predictor score must reach the output, as it does in a dense FFN.
+PIJ_HOST_DEVICE inline bool ActiveByMagnitude(float a, float threshold) {
+  return !(fabsf(a) <= threshold);
+}
+PIJ_HOST_DEVICE inline bool SelectedByScore(float score, float threshold) {
+  return !(score <= threshold);
+}
+
 PIJ_HOST_DEVICE inline float Activate(Activation act, float v) {
   switch (act) {
     case Activation::kRelu:

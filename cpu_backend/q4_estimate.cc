@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "cpu_backend/quant_act.h"
 #include "cpu_backend/quant_simd.h"
@@ -39,7 +40,17 @@ void QuantizeQ8(const float* x, int64_t dim, Q8Row& out) {
       continue;
     }
     float amax = 0.0f;
-    for (int64_t j = lo; j < hi; ++j) amax = std::max(amax, std::fabs(x[j]));
+    bool finite = true;
+    for (int64_t j = lo; j < hi; ++j) {
+      amax = std::max(amax, std::fabs(x[j]));
+      finite = finite && std::isfinite(x[j]);
+    }
+    if (!finite) {  // NaN/inf: the block's dots become NaN (as the reference's), never garbage
+      std::fill(out.q.begin() + lo, out.q.begin() + hi, int8_t{0});
+      out.d[static_cast<size_t>(b)] = out.c[static_cast<size_t>(b)] =
+          std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
     const float d = amax / 127.0f;
     const float id = d > 0.0f ? 1.0f / d : 0.0f;
     int32_t sum = 0;

@@ -66,7 +66,9 @@ void Q4SparseFfn(const Q4EstimateArgs& est, const W* down_t, const float* b_down
       Q4EstimateRange(args, q8, b, e, act);
       for (int64_t i = b; i < e; ++i) {
         bool any = false;
-        for (int64_t t = 0; t < num_tokens && !any; ++t) any = std::fabs(act[t * f + i]) > threshold;
+        for (int64_t t = 0; t < num_tokens && !any; ++t) {
+          any = ActiveByMagnitude(act[t * f + i], threshold);
+        }
         if (!any) continue;
         active.push_back(static_cast<int32_t>(i));
         internal::PrefetchRow<2>(down_t + i * dim, dim);  // into L2, read after the estimates

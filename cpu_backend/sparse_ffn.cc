@@ -15,7 +15,7 @@ constexpr int64_t kParallelReduceMin = 1 << 15;
 
 // Fills scratch.neurons with the neurons the kernel must visit: all of them for kOracle (every
 // activation is needed to decide), else the union over tokens of scores > threshold (kScores)
-// or |scores| > threshold (kActivations).
+// or |scores| > threshold (kActivations); a NaN score selects its neuron (pij_math.h).
 void CollectNeurons(const FfnTokens& tokens, const SparseFfnParams& p, int64_t num_neurons,
                     SparseFfnScratch& scratch) {
   std::vector<int32_t>& neurons = scratch.neurons;
@@ -28,7 +28,7 @@ void CollectNeurons(const FfnTokens& tokens, const SparseFfnParams& p, int64_t n
   const bool magnitude = p.criterion == Criterion::kActivations;
   const float threshold = p.threshold;
   auto selected = [magnitude, threshold](float v) {
-    return (magnitude ? std::fabs(v) : v) > threshold;
+    return magnitude ? ActiveByMagnitude(v, threshold) : SelectedByScore(v, threshold);
   };
   if (tokens.score_rows.size() == 1) {
     const float* s = tokens.score_rows[0];

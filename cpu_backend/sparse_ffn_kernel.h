@@ -122,7 +122,7 @@ inline void ProcessNeuron(const FfnWeights<W>& w, const FfnTokens& tokens,
   if (p.criterion == Criterion::kActivations) {  // a_i given: only the down row is read
     for (int t = 0; t < kTok; ++t) {
       const float a = tokens.score_rows[t0 + t][i];
-      if (!(std::fabs(a) > p.threshold)) continue;
+      if (!ActiveByMagnitude(a, p.threshold)) continue;
       ++counts[t0 + t];
       coef[n] = a;
       active_y[n] = y_partial + (t0 + t) * dim;
@@ -136,7 +136,7 @@ inline void ProcessNeuron(const FfnWeights<W>& w, const FfnTokens& tokens,
   if (by_scores) {
     bool any = false;
     for (int t = 0; t < kTok; ++t) {
-      wanted[t] = tokens.score_rows[t0 + t][i] > p.threshold;
+      wanted[t] = SelectedByScore(tokens.score_rows[t0 + t][i], p.threshold);
       any = any || wanted[t];
     }
     if (!any) return;  // no token of this group needs the neuron: its rows stay untouched
@@ -149,7 +149,7 @@ inline void ProcessNeuron(const FfnWeights<W>& w, const FfnTokens& tokens,
   for (int t = 0; t < kTok; ++t) {
     const float up = up_dot[t] + b_up;
     const float a = kGated ? Activate(p.activation, gate_dot[t]) * up : Activate(p.activation, up);
-    const bool active = by_scores ? wanted[t] : std::fabs(a) > p.threshold;
+    const bool active = by_scores ? wanted[t] : ActiveByMagnitude(a, p.threshold);
     if (!active) continue;
     ++counts[t0 + t];
     coef[n] = a;
@@ -276,7 +276,7 @@ void AccumulateDownOneToken(const FfnWeights<W>& w, const float* act, float thre
       if (k + ahead < n) {
         PrefetchRow<2>(w.down_t + static_cast<int64_t>(neurons[k + ahead]) * dim, dim);
       }
-      if (std::fabs(act[neurons[k]]) > threshold) active[m++] = neurons[k];
+      if (ActiveByMagnitude(act[neurons[k]], threshold)) active[m++] = neurons[k];
     }
     *count += m;
     AccumulateActiveDown(w.down_t, dim, act, std::span<const int32_t>(active, m), y);

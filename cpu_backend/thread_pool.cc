@@ -4,6 +4,8 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+
 namespace pij {
 namespace {
 
@@ -17,22 +19,29 @@ inline void CpuRelax() {
 #endif
 }
 
-int ResolveThreadCount(int n) {
-  if (n > 0) return n;
+int HardwareThreads() {
   const unsigned hw = std::thread::hardware_concurrency();
-  return hw == 0 ? 1 : static_cast<int>(hw);
+  return hw == 0 ? 1 : static_cast<int>(std::min<unsigned>(hw, 1u << 20));
 }
+
+int ResolveThreadCount(int n) { return n > 0 ? n : HardwareThreads(); }
 
 }  // namespace
 
-ThreadPool::ThreadPool(int num_threads) { StartWorkers(ResolveThreadCount(num_threads)); }
+int ThreadPool::MaxThreads() { return std::max(kMinMaxThreads, 4 * HardwareThreads()); }
+
+ThreadPool::ThreadPool(int num_threads) {
+  StartWorkers(std::min(ResolveThreadCount(num_threads), MaxThreads()));
+}
 
 ThreadPool::~ThreadPool() { StopWorkers(); }
 
-void ThreadPool::SetNumThreads(int n) {
+bool ThreadPool::SetNumThreads(int n) {
+  if (n > MaxThreads()) return false;
   std::lock_guard<std::mutex> lock(run_mutex_);
   StopWorkers();
   StartWorkers(ResolveThreadCount(n));
+  return true;
 }
 
 void ThreadPool::StartWorkers(int n) {

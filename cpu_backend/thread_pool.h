@@ -23,7 +23,8 @@ namespace pij {
 
 class ThreadPool {
  public:
-  // num_threads counts the calling thread; 0 means std::thread::hardware_concurrency().
+  // num_threads counts the calling thread; 0 means std::thread::hardware_concurrency(); more
+  // than MaxThreads() is capped there (callers validate user input first, see SetNumThreads).
   explicit ThreadPool(int num_threads = 0);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -31,9 +32,16 @@ class ThreadPool {
 
   int NumThreads() const { return num_threads_; }
 
+  // The most threads a pool may have: max(kMinMaxThreads, 4 x hardware threads). More workers
+  // than hardware threads only oversubscribe the cores (each idle worker also spins ~50-100 us
+  // after every call), 4x leaves room for oversubscription experiments, and a request like 5000
+  // is a typo that would otherwise start 5000 threads.
+  static constexpr int kMinMaxThreads = 256;
+  static int MaxThreads();
+
   // Joins the workers and starts n - 1 new ones (n <= 0: hardware concurrency). Waits for any
-  // Run in progress.
-  void SetNumThreads(int n);
+  // Run in progress. Returns false, leaving the pool as it was, when n > MaxThreads().
+  [[nodiscard]] bool SetNumThreads(int n);
 
   // Calls fn(task, worker) once for every task in [begin, end) and returns when all are done.
   // Runs inline on the caller when there is one task or one thread (no wake-up cost).

@@ -177,10 +177,11 @@ def sparsity_for(label: str, target: float | None = None):
 
 
 def build_mode(model: str, label: str, *, dtype: str, max_seq_len: int, checkpoint=None,
-               target: float | None = None, **runtime):
+               target: float | None = None, max_batch: int = 1, **runtime):
     """A built session (runtime.session.build) for an experiment's mode label."""
     from powerinfer_jax.config import RuntimeConfig
     from powerinfer_jax.runtime.session import build
 
     return build(model, RuntimeConfig(dtype=dtype, max_seq_len=max_seq_len, **runtime),
-                 sparsity_for(label, target), checkpoint=checkpoint, progress=False)
+                 sparsity_for(label, target), checkpoint=checkpoint, max_batch=max_batch,
+                 progress=False)

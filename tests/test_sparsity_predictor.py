@@ -9,6 +9,7 @@ from flax import nnx
 
 from helpers_models import active_counts, tiny_llama_config, with_mode
 from powerinfer_jax.config import SparsityConfig
+from powerinfer_jax.errors import UserError
 from powerinfer_jax.models.ffn import activate
 from powerinfer_jax.models.transformer import Transformer
 from powerinfer_jax.sparsity import artifacts as A
@@ -148,7 +149,7 @@ def test_predictor_from_another_model(built):
 
 def test_artifacts_missing_and_format(built, tmp_path):
     _, root, fp = built
-    with pytest.raises(FileNotFoundError, match="meta.json"):
+    with pytest.raises(UserError, match="meta.json, got no such file.*python -m powerinfer_jax.calibrate"):
         A.load_artifacts(tmp_path, fingerprint=fp, need_predictor=False)
     meta = json.loads((A.target_dir(root, 0.5) / "meta.json").read_text())
     (tmp_path / "meta.json").write_text(json.dumps({**meta, "format_version": 0}))

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <string>
 #include <stdexcept>
+#include <string>
 
 #include <nanobind/ndarray.h>
 
@@ -27,6 +28,18 @@ nb::capsule Capsule(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
+// Thread counts from Python: [1, ThreadPool::MaxThreads()], else ValueError (nanobind maps
+// std::invalid_argument to it) naming the value and the bound.
+void CheckThreadCount(const char* what, int n) {
+  const int max = pij::ThreadPool::MaxThreads();
+  if (n < 1 || n > max) {
+    throw std::invalid_argument(std::string(what) + ": expected an integer in [1, " +
+                                std::to_string(max) + "] (4 x the hardware threads, at least " +
+                                std::to_string(pij::ThreadPool::kMinMaxThreads) + "), got " +
+                                std::to_string(n));
+  }
+}
+
 }  // namespace
 
 NB_MODULE(_pij_ext, m) {
@@ -45,10 +58,16 @@ NB_MODULE(_pij_ext, m) {
     return d;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target(platform='cpu').");
   m.def("set_num_threads", [](int n) {
-    if (n < 1) throw std::invalid_argument("set_num_threads: n: expected >= 1, got " + std::to_string(n));
-    nb::gil_scoped_release release;  // joining workers may wait for a running call to finish
-    pij::GetCpuRuntime().pool.SetNumThreads(n);
+    CheckThreadCount("set_num_threads: n", n);
+    bool ok;
+    {
+      nb::gil_scoped_release release;  // joining workers may wait for a running call to finish
+      ok = pij::GetCpuRuntime().pool.SetNumThreads(n);
+    }
+    if (!ok) throw std::invalid_argument("set_num_threads: n: above the pool's maximum");
   }, nb::arg("n"), "Resize the kernel thread pool (the calling thread counts as one).");
+  m.def("max_threads", []() { return pij::ThreadPool::MaxThreads(); },
+        "The most threads set_num_threads accepts: max(256, 4 x hardware threads).");
   m.def("get_num_threads", []() { return pij::GetCpuRuntime().pool.NumThreads(); });
   m.def("host_pool", []() {
     // The runtime is a leaked singleton, so the pointer outlives every module that holds it.
@@ -59,8 +78,9 @@ NB_MODULE(_pij_ext, m) {
     return pij::StreamSum(std::span<const float>(a.data(), a.shape(0)), pij::GetCpuRuntime().pool);
   }, nb::arg("data"), "Sum a float32 array with all pool threads: times the machine's read bandwidth.");
   m.def("pool_stress", [](int threads, int64_t runs, int64_t tasks) {
-    if (threads < 1 || runs < 0 || tasks < 0) {
-      throw std::invalid_argument("pool_stress: expected threads >= 1, runs >= 0, tasks >= 0");
+    CheckThreadCount("pool_stress: threads", threads);
+    if (runs < 0 || tasks < 0) {
+      throw std::invalid_argument("pool_stress: expected runs >= 0 and tasks >= 0");
     }
     nb::gil_scoped_release release;
     pij::ThreadPool pool(threads);  // a private pool: the kernels' pool is left alone

@@ -66,7 +66,7 @@ __global__ void ActivationsKernel(const float* __restrict__ x, const W* __restri
   const float bias = b_up != nullptr ? b_up[i] : 0.0f;
   for (int64_t t = 0; t < rows; ++t) {
     float a = 0.0f;
-    bool active = oracle || scores[t * f + i] > threshold;
+    bool active = oracle || SelectedByScore(scores[t * f + i], threshold);
     if (active) {
       const float* x_row = x + t * d;
       float g = 0.0f;
@@ -90,7 +90,7 @@ __global__ void ActivationsKernel(const float* __restrict__ x, const W* __restri
       u = WarpSum(u) + bias;
       g = WarpSum(g);
       a = gate_row != nullptr ? Activate(activation, g) * u : Activate(activation, u);
-      if (oracle) active = fabsf(a) > threshold;
+      if (oracle) active = ActiveByMagnitude(a, threshold);
     }
     if (lane == 0) {
       act[t * f + i] = active ? a : 0.0f;

@@ -51,22 +51,37 @@ def gguf_name(canonical: str) -> str:
 
 
 def _open(path: Path):
+    """A GGUFReader on `path`, or a UserError naming the file, what is wrong and the fix: fetch
+    it again for a registry model's cached file, replace or re-convert a user's own file."""
     from gguf import GGUFReader
 
+    from powerinfer_jax.checkpoint.registry import is_registry_file
+    from powerinfer_jax.errors import UserError
+
     if not path.is_file():
-        raise ValueError(f"GGUF file: expected an existing file, got {str(path)!r}")
+        raise UserError(f"GGUF file: expected an existing file, got {str(path)!r}")
+    if is_registry_file(path):
+        fix = ("it is the registry model's cached copy: delete it and run again to fetch it "
+               "again")
+    else:
+        fix = ("this is your own file: copy or download it again, or re-convert the model "
+               "(llama.cpp's convert_hf_to_gguf.py)")
     try:
         reader = GGUFReader(path, "r")
     except Exception as e:  # GGUFReader raises ValueError/IndexError/KeyError/OSError on bad bytes
-        raise ValueError(f"GGUF file {str(path)!r}: expected a complete GGUF v2/v3 file, got one "
-                         f"that cannot be parsed ({type(e).__name__}: {e}); the file is truncated, "
-                         "corrupt or not GGUF — download it again") from e
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        what = ("not a GGUF file (it does not start with b'GGUF')"
+                if magic not in (b"GGUF", b"PWRI") else "truncated or corrupt")
+        raise UserError(f"GGUF file {str(path)!r}: expected a complete GGUF v2/v3 file, got one "
+                        f"that cannot be parsed ({type(e).__name__}: {e}): the file is {what}; "
+                        f"{fix}") from None
     size = path.stat().st_size
     for t in reader.tensors:  # a memmap past the end only fails when touched, so check up front
         if int(t.data_offset) + int(t.n_bytes) > size:
-            raise ValueError(f"GGUF file {str(path)!r}: tensor {t.name!r}: expected its data to end "
-                             f"within the file ({size} bytes), got an end at byte "
-                             f"{int(t.data_offset) + int(t.n_bytes)}; the file is truncated")
+            raise UserError(f"GGUF file {str(path)!r}: tensor {t.name!r}: expected its data to end "
+                            f"within the file ({size} bytes), got an end at byte "
+                            f"{int(t.data_offset) + int(t.n_bytes)}: the file is truncated; {fix}")
     return reader
 
 

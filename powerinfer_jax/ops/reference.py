@@ -36,16 +36,18 @@ def _activations(x_td, w_up, w_gate, b_up, activation):
 def sparse_ffn(x, w_up, w_down_t, *, w_gate=None, b_up=None, b_down=None, scores=None,
                threshold=0.0, activation="silu", criterion="scores"):
     """Returns (y [..., T, D] float32, n_active [..., T] int32). See ops.api.sparse_ffn."""
+    # "not <=" rather than ">": a NaN activation or score counts as active, so a NaN input
+    # reaches the output as in a dense FFN (the kernels' rule, cpu_backend/pij_math.h).
     x_td = jnp.asarray(x, jnp.float32)
     if criterion == "activations":  # the scores are the activations; gate/up are not read
         act_tf = jnp.asarray(scores, jnp.float32)
-        mask_tf = jnp.abs(act_tf) > threshold
+        mask_tf = ~(jnp.abs(act_tf) <= threshold)
     else:
         act_tf = _activations(x_td, w_up, w_gate, b_up, activation)
         if criterion == "scores":
-            mask_tf = jnp.asarray(scores, jnp.float32) > threshold
+            mask_tf = ~(jnp.asarray(scores, jnp.float32) <= threshold)
         else:
-            mask_tf = jnp.abs(act_tf) > threshold
+            mask_tf = ~(jnp.abs(act_tf) <= threshold)
     act_tf = jnp.where(mask_tf, act_tf, 0.0)
     y_td = jnp.einsum("...TF,FD->...TD", act_tf, w_down_t.astype(jnp.float32),
                       precision=_HIGHEST)

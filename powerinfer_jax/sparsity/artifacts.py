@@ -5,21 +5,22 @@ Layout, under the model's directory (`artifacts_root`), one folder per target sp
                       /profile.npz     ActivationProfile (histograms, per-neuron counts)
                       /frequency.png   sorted activation frequency per layer
                       /predictor/      PredictorStack weights (orbax)
-The fingerprint ties artifacts to the exact model file; a different or changed model, or a shape
-mismatch, is a ValueError that says how to rebuild.
+                      /record.json     size and hashes of every file (powerinfer_jax.cache)
+The fingerprint ties artifacts to the exact model file; a different or changed model, a shape
+mismatch, or a missing, truncated or corrupt file is an ArtifactError (a UserError) that names
+the file and says how to rebuild; for a registry model they are rebuilt on their own.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from powerinfer_jax.errors import UserError
+from powerinfer_jax.sparsity import artifact_files as files
 from powerinfer_jax.sparsity import calibrate as cal
 from powerinfer_jax.sparsity import corpus as corpus_mod
 from powerinfer_jax.sparsity import predictor as pred
@@ -159,60 +160,20 @@ def build_artifacts(model, tokenizer, *, fingerprint: dict, root: Path, target_s
 
 def save_artifacts(directory: Path, arts: SparsityArtifacts, profile: prof.ActivationProfile,
                    fingerprint: dict) -> None:
-    directory = Path(directory).resolve()
-    if directory.exists():
-        shutil.rmtree(directory)
-    directory.mkdir(parents=True)
-    profile.save(directory / "profile.npz")
-    prof.plot_frequency(profile, directory / "frequency.png")
-    if arts.predictors is not None:
-        import orbax.checkpoint as ocp
-
-        ckptr = ocp.StandardCheckpointer()
-        ckptr.save(directory / "predictor", arts.predictors.arrays())
-        ckptr.wait_until_finished()
+    """Write the artifacts into `directory`: built beside it and renamed into place under its lock
+    (sparsity/artifact_files.py), so a reader never sees them half written."""
     meta = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, **arts.meta,
             "has_predictor": arts.predictors is not None}
-    (directory / "meta.json").write_text(json.dumps(meta, indent=1))
+    files.write_dir(directory, meta, profile, arts.predictors)
 
 
 def load_artifacts(directory: Path, *, fingerprint: dict, need_predictor: bool
                    ) -> SparsityArtifacts:
-    """Read and validate artifacts: same model (fingerprint), same shapes, format, predictor."""
-    directory = Path(directory).resolve()
-    meta_path = directory / "meta.json"
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"sparsity artifacts: expected {meta_path}, got no such file "
-                                "(build them with python -m powerinfer_jax.calibrate)")
-    meta = json.loads(meta_path.read_text())
-    rebuild = "rebuild with python -m powerinfer_jax.calibrate for this model"
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"sparsity artifacts {directory}: expected format_version "
-                         f"{FORMAT_VERSION}, got {meta.get('format_version')!r} ({rebuild})")
-    got = meta.get("fingerprint", {})
-    if got.get("shape") != fingerprint["shape"]:
-        raise ValueError(f"sparsity artifacts {directory}: expected a model of shape "
-                         f"{fingerprint['shape']}, got artifacts for {got.get('shape')} "
-                         f"(built for another model; {rebuild})")
-    if got.get("id") != fingerprint["id"]:
-        raise ValueError(f"sparsity artifacts {directory}: expected model fingerprint "
-                         f"{fingerprint['id']}, got {got.get('id')!r} (stale: the model changed "
-                         f"since they were built; {rebuild})")
-    n_layers = fingerprint["shape"]["n_layers"]
-    for key in ("thresholds_contribution", "thresholds_gate", "thresholds_q4"):
-        if len(meta[key]) != n_layers:
-            raise ValueError(f"sparsity artifacts {key}: expected {n_layers} per-layer values, "
-                             f"got {len(meta[key])} ({rebuild})")
-    stack = None
-    if need_predictor:
-        if not meta.get("has_predictor"):
-            raise ValueError(f"sparsity artifacts {directory}: expected trained predictors, got "
-                             f"none ({rebuild} without --no-predictor)")
-        import orbax.checkpoint as ocp
-
-        arrays = ocp.StandardCheckpointer().restore(directory / "predictor")
-        stack = pred.PredictorStack.from_arrays(arrays)
-        check_predictor_shape(stack, fingerprint["shape"])
+    """Read and validate artifacts: every file unchanged since it was written, same model
+    (fingerprint), same shapes, format, every key, profile and predictor. Anything missing or
+    wrong is an ArtifactError (a UserError) naming the file and the fix."""
+    meta, stack = files.read_dir(directory, fingerprint=fingerprint,
+                                 format_version=FORMAT_VERSION, need_predictor=need_predictor)
     return SparsityArtifacts(float(meta["target_sparsity"]),
                              tuple(meta["thresholds_contribution"]), tuple(meta["thresholds_gate"]),
                              tuple(meta["thresholds_q4"]), stack, meta)
@@ -237,22 +198,29 @@ def ensure_artifacts(model_arg: str, source, model, tokenizer, target_sparsity: 
     fp = model_fingerprint(model_arg, source, model.config)
     root = artifacts_root(model_arg, source) if root is None else Path(root)
     directory = target_dir(root, target_sparsity)
-    meta = directory / "meta.json"
-    missing_predictor = need_predictor and meta.is_file() and not json.loads(
-        meta.read_text()).get("has_predictor")
-    if not meta.is_file() or missing_predictor:
-        what = "low-rank predictors" if missing_predictor else "sparsity artifacts"
-        if str(model_arg) not in KNOWN_MODELS:
+    if str(model_arg) not in KNOWN_MODELS:  # a user's model: errors name the file and the fix
+        meta = directory / "meta.json"
+        if not meta.is_file():
             raise UserError(
-                f"{what}: expected {'trained predictors in ' if missing_predictor else ''}"
-                f"{directory}, got none; build them with python -m powerinfer_jax.calibrate "
-                f"--model {model_arg} --target-sparsity {target_sparsity}"
-                + (" --sparsity predictor --predictor lowrank" if need_predictor else "")
-                + (f" --out {root}" if root != artifacts_root(model_arg, source) else ""))
+                f"sparsity artifacts: expected {directory}, got none; build them with "
+                f"python -m powerinfer_jax.calibrate --model {model_arg} --target-sparsity "
+                f"{target_sparsity}" + _calibrate_flags(need_predictor, root, model_arg, source))
+        return load_artifacts(directory, fingerprint=fp, need_predictor=need_predictor)
+
+    def build() -> None:  # a registry model: built on first use, rebuilt when bad or stale
+        what = "sparsity artifacts" + (" with low-rank predictors" if need_predictor else "")
         print(f"powerinfer_jax: building {what} for {model_arg} at target sparsity "
               f"{target_sparsity} (once; cached in {directory}; about "
               f"{'8' if need_predictor else '2'} minutes on 2 cores)", file=sys.stderr)
         build_artifacts(model, tokenizer, fingerprint=fp, root=root,
                         target_sparsity=target_sparsity,
                         train=pred.TrainConfig() if need_predictor else None, progress=progress)
-    return load_artifacts(directory, fingerprint=fp, need_predictor=need_predictor)
+
+    # Missing, bad, stale, or without the predictors this run needs: (re)built under the lock.
+    return files.load_or_build(directory, lambda: load_artifacts(
+        directory, fingerprint=fp, need_predictor=need_predictor), build)
+
+
+def _calibrate_flags(need_predictor: bool, root: Path, model_arg: str, source) -> str:
+    return ((" --sparsity predictor --predictor lowrank" if need_predictor else "")
+            + (f" --out {root}" if root != artifacts_root(model_arg, source) else ""))

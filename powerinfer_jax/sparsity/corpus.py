@@ -2,21 +2,21 @@
 
 Default: `<repo>/../shared/data/wiki.train.txt` when that folder exists; otherwise the same source
 (the shortened enwiki dump that the gensim wheel ships as test data) is fetched from PyPI once,
-converted to plain text and cached under `<cache>/corpus/`. The validation file (wiki.valid.txt)
+converted to plain text and cached under `<cache>/corpus/` (through powerinfer_jax.cache: locked,
+atomic, verified on reuse). The validation file (wiki.valid.txt)
 is refused as a training corpus.
 """
 from __future__ import annotations
 
 import bz2
 import re
-import subprocess
-import sys
 import tempfile
-import zipfile
 from pathlib import Path
 from xml.etree import ElementTree
 
 import numpy as np
+
+from powerinfer_jax import _pypi, cache, errors
 
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 VALIDATION_NAME = "wiki.valid.txt"
@@ -30,12 +30,15 @@ def default_corpus_files() -> list[Path]:
     shared = SHARED_DATA / "wiki.train.txt"
     if shared.is_file():
         return [shared]
-    from powerinfer_jax.checkpoint.registry import cache_dir
-
-    cached = cache_dir() / "corpus" / "wiki.train.txt"
-    if not cached.is_file():
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        _fetch_gensim_text(cached)
+    cached = cache.cache_dir() / "corpus" / "wiki.train.txt"
+    if cache.check_file(cached) is None:
+        return [cached]
+    with cache.lock(cached, what="the default corpus"):
+        reason = cache.check_file(cached)  # another process may have built it meanwhile
+        if reason is not None:
+            if cached.exists():
+                cache.note(f"cached {cached} is {reason}; building it again")
+            _fetch_gensim_text(cached)
     return [cached]
 
 
@@ -106,20 +109,18 @@ def strip_wiki_markup(text: str) -> str:
 
 
 def _fetch_gensim_text(dest: Path) -> None:
-    print(f"powerinfer_jax: no {SHARED_DATA / 'wiki.train.txt'}; fetching the default corpus from "
-          f"PyPI ({GENSIM}, its enwiki test dump) ...", file=sys.stderr)
+    cache.note(f"no {SHARED_DATA / 'wiki.train.txt'}; fetching the default corpus from PyPI "
+               f"({GENSIM}, its enwiki test dump) ...")
     with tempfile.TemporaryDirectory(prefix="pij-gensim-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", GENSIM,
-               "-d", tmp]
-        rc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, check=False).returncode
-        wheels = sorted(Path(tmp).glob("*.whl"))
-        if rc != 0 or not wheels:
-            raise ValueError(f"default corpus: expected `pip download {GENSIM}` to succeed, got exit "
-                             f"status {rc} (offline?); pass --corpus FILE instead")
-        with zipfile.ZipFile(wheels[0]) as zf:
-            members = [m for m in zf.namelist() if m.endswith(GENSIM_DUMP)]
-            if not members:
-                raise ValueError(f"{wheels[0].name}: expected a member ending in {GENSIM_DUMP}, "
-                                 "got none")
-            xml = bz2.decompress(zf.read(members[0]))
-    dest.write_text(wiki_xml_to_text(xml, skip_last=HELD_OUT_ARTICLES), encoding="utf-8")
+        dump = Path(tmp) / GENSIM_DUMP
+        _pypi.fetch_member(GENSIM, GENSIM_DUMP, dump, what="default corpus",
+                           hint="Pass --corpus FILE instead")
+        try:
+            xml = bz2.decompress(dump.read_bytes())
+        except (OSError, ValueError, EOFError) as e:
+            raise errors.UserError(f"default corpus: expected {GENSIM_DUMP} from {GENSIM} to be "
+                                   f"valid bz2, got {type(e).__name__}: {e} (run again, or pass "
+                                   "--corpus FILE)") from None
+    with cache.atomic_file(dest) as out:
+        out.write_text(wiki_xml_to_text(xml, skip_last=HELD_OUT_ARTICLES), encoding="utf-8")
+    cache.write_record(dest)
