@@ -128,3 +128,30 @@ def test_placement_dequantizes_and_xla_kernels_dequantize(legacy_gguf):
     xla = pij.load(str(legacy_gguf), kernels="xla", progress=False)
     assert set(xla.session.describe()["weights"]) == {"float32"}
     assert len(xla.generate("hello", max_new_tokens=3).token_ids) >= 1
+
+
+def test_sparsity_auto_times_once_then_reuses_its_decision(legacy_gguf, tmp_path, capsys):
+    """--sparsity auto on a calibrated model: dense and the q4-activations mode are timed here and
+    the faster kept, with the measurements in describe(); the next build reuses the decision;
+    a corrupt decision file is measured again. Without artifacts: dense, saying why."""
+    from powerinfer_jax import calibrate
+
+    arts = tmp_path / "arts"
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. a b c d e f g. " * 80)
+    none = pij.load(str(legacy_gguf), sparsity="auto", artifacts=str(tmp_path / "empty"),
+                    progress=False).session.describe()["auto"]
+    assert none["chosen"] == "dense" and "could not be built" in none["why"]
+    calibrate.main(["--model", str(legacy_gguf), "--corpus", str(text), "--ctx", "32",
+                    "--out", str(arts), "--no-progress"])
+    first = pij.load(str(legacy_gguf), sparsity="auto", artifacts=str(arts), progress=False)
+    a = first.session.describe()["auto"]
+    assert a["chosen"] in ("dense", "predictor_q4gu") and not a["cached"]
+    assert set(a["tok_s"]) == {"dense", "predictor_q4gu"} and "x dense" in a["why"]
+    assert first.session.sparsity.mode == ("dense" if a["chosen"] == "dense" else "predictor")
+    again = pij.load(str(legacy_gguf), sparsity="auto", artifacts=str(arts), progress=False)
+    assert again.session.describe()["auto"]["cached"]
+    assert again.session.describe()["auto"]["chosen"] == a["chosen"]
+    (arts / "auto_choice.json").write_text("{not json")
+    redo = pij.load(str(legacy_gguf), sparsity="auto", artifacts=str(arts), progress=False)
+    assert not redo.session.describe()["auto"]["cached"]

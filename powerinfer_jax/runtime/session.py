@@ -29,6 +29,7 @@ class Session:
     artifacts: object | None = None  # sparsity.artifacts.SparsityArtifacts, when the mode needs them
     placement: object | None = None  # sparsity.placement.Placement applied to the model, if any
     max_batch: int = 1
+    auto: dict | None = None  # --sparsity auto: what was chosen and why (runtime/auto.py)
     _engine: object | None = None
 
     @property
@@ -63,7 +64,7 @@ class Session:
                 "predictor": self.sparsity.predictor if self.sparsity.mode == "predictor" else None,
                 "gate_up": self.sparsity.gate_up if self.sparsity.mode == "predictor" else None,
                 "kernels": self.model.kernels, "max_seq_len": kv_length(self.config, self.runtime),
-                "weights": weight_formats(self.model),
+                "weights": weight_formats(self.model), "auto": self.auto,
                 "placement": None if self.placement is None else self.placement.summary()}
 
 
@@ -104,6 +105,9 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     from powerinfer_jax.sparsity import modes
 
     threads = _size_thread_pool(runtime.threads)
+    if sparsity.mode == "auto":
+        return _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch,
+                           progress, checkpoint, threads)
     sparsity = sparsity.with_default_target()
     accel = _accelerator()
     # Placement moves float rows between memories: a placed model is dequantized at load.
@@ -139,6 +143,35 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
                    sparsity=sparsity, source=str(ckpt.source), model_arg=str(model),
                    threads=threads, artifacts=arts, placement=placed,
                    max_batch=max_batch)
+
+
+def _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch, progress,
+                checkpoint, threads) -> Session:
+    """--sparsity auto: build dense and the sparse candidate, keep the faster on this machine."""
+    from pathlib import Path
+
+    from powerinfer_jax.checkpoint import load_checkpoint
+    from powerinfer_jax.config import DEFAULT_TARGET_SPARSITY
+    from powerinfer_jax.runtime import auto
+    from powerinfer_jax.sparsity.artifacts import artifacts_root as default_root
+
+    if checkpoint is None:
+        placed = placement.budget_bytes is not None or _accelerator() is not None
+        checkpoint = load_checkpoint(model, keep_quantized=runtime.weights == "auto"
+                                     and not placed)
+    target = sparsity.target_sparsity or DEFAULT_TARGET_SPARSITY
+    root = Path(default_root(model, checkpoint.source) if artifacts_root is None
+                else artifacts_root)
+
+    def one(cfg):
+        return build(model, runtime, cfg, placement=placement, artifacts_root=artifacts_root,
+                     max_batch=max_batch, progress=progress, checkpoint=checkpoint)
+
+    session, report = auto.choose(
+        one, key=auto.cache_key(checkpoint.source, runtime, threads, target), target=target,
+        cache_file=root / "auto_choice.json", progress=progress)
+    session.auto = auto.describe(report)
+    return session
 
 
 def _size_thread_pool(threads: int | None) -> int:

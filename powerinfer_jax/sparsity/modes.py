@@ -176,7 +176,14 @@ def _predictor(model, cfg, arts):
             for l in range(model.config.n_layers)]
 
 
+def _auto(model, cfg, arts):
+    fail("sparsity mode 'auto'", "to be resolved by the build (runtime/auto.py) into dense or "
+         "a sparse mode", "a direct configure() call", "use runtime.session.build")
+
+
 register("dense", Mode(_dense, "every neuron, XLA's matmuls or the custom call (the reference)"))
+register("auto", Mode(_auto, "dense or predictor mode with the q4 activations, whichever decodes "
+                             "faster on this machine (timed once at build, then cached)"))
 register("oracle", Mode(
     _oracle, "the true active set: |a_i| > --threshold (or the calibrated per-layer thresholds "
              "with --target-sparsity): the quality upper bound",
