@@ -16,6 +16,7 @@ import sys
 
 from powerinfer_jax.config import (DEFAULT_CONTEXT_CAP, DEFAULT_MODEL, DEFAULT_TARGET_SPARSITY,
                                    DTYPES, GATE_UP_SOURCES, IMPLS, KERNELS, MAX_SEED, OFFLOADS,
+                                   WEIGHTS,
                                    PREDICTOR_KINDS, PlacementConfig, RuntimeConfig,
                                    SparsityConfig, sparsity_modes)
 from powerinfer_jax.errors import UserError, fail
@@ -32,6 +33,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", default="auto", choices=KERNELS,
                    help="who runs the dense matmuls: XLA, or the project's custom calls on the C++ "
                         "thread pool (auto: the custom calls on CPU) (default: %(default)s)")
+    p.add_argument("--weights", default="auto", choices=WEIGHTS,
+                   help="auto: a quantized GGUF's matrices stay in its block format and the "
+                        "kernels compute on them (CPU); dtype: dequantize them to --dtype at load "
+                        "(default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help=f"KV cache length (default: min(model context, {DEFAULT_CONTEXT_CAP}))")
     p.add_argument("--artifacts", default=None, metavar="DIR",
@@ -110,7 +115,7 @@ def setup(args) -> int:
 
 def configs_from_args(args, **runtime_fields) -> tuple[RuntimeConfig, SparsityConfig]:
     runtime = RuntimeConfig(dtype=args.dtype, threads=args.threads, max_seq_len=args.max_seq_len,
-                            kernels=args.kernels, **runtime_fields)
+                            kernels=args.kernels, weights=args.weights, **runtime_fields)
     target = args.target_sparsity
     sparsity = SparsityConfig(mode=args.sparsity, threshold=args.threshold, impl=args.impl,
                               predictor=getattr(args, "predictor", "q4"), gate_up=args.gate_up,

@@ -24,6 +24,7 @@ PREDICTOR_KINDS = ("q4", "lowrank")
 GATE_UP_SOURCES = ("full", "q4")  # SparsityConfig.gate_up
 DTYPES = ("float32", "bfloat16")
 KERNELS = ("auto", "xla", "ffi")
+WEIGHTS = ("auto", "dtype")  # RuntimeConfig.weights
 IMPLS = ("ffi", "reference")
 OFFLOADS = ("hybrid", "layers")
 
@@ -209,6 +210,9 @@ class RuntimeConfig:
     # custom call; q, k, v as three linear calls instead of one linear_many call
     decode_attention: str = "auto"  # "auto" (the custom call with kernels ffi on CPU) | "xla"
     fuse_qkv: bool = True
+    # "auto": a quantized file's matrices stay in its block format and are computed on as stored
+    # (the custom calls on CPU; models/qweights.py); "dtype": dequantized to `dtype` at load
+    weights: str = "auto"
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 0
@@ -219,6 +223,7 @@ class RuntimeConfig:
         _check_choice("--dtype", self.dtype, DTYPES)
         _check_choice("--kernels", self.kernels, KERNELS)
         _check_choice("RuntimeConfig.decode_attention", self.decode_attention, ("auto", "xla"))
+        _check_choice("--weights", self.weights, WEIGHTS)
         if self.threads is not None:
             _check_positive("--threads", self.threads)
         if self.max_seq_len is not None:

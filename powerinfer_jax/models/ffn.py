@@ -89,11 +89,18 @@ class HostRows(nnx.Variable):
 
 
 class DownT(nnx.Module):
-    """The down projection stored transposed: weight [F, D] (row i is neuron i), bias [D]."""
+    """The down projection stored transposed: weight [F, D] (row i is neuron i), bias [D]; or
+    neuron i's down row in a GGUF block format `qtype` (uint8 [F, row_bytes]: the file's ffn_down
+    re-blocked along D at load, models/qweights.py)."""
 
     def __init__(self, d_ff: int, d_model: int, *, bias: bool, dtype, rngs: nnx.Rngs | None):
+        self.qtype = None
         self.weight = _param((d_ff, d_model), dtype, rngs, scale=d_ff ** -0.5)
         self.bias = _param((d_model,), F32, None) if bias else None
+
+    def load_quantized(self, blocks, qtype: str) -> None:
+        self.weight = nnx.Param(jnp.asarray(blocks, jnp.uint8))
+        self.qtype = qtype
 
     def __call__(self, a_btf):
         w = self.weight[...]
@@ -116,7 +123,7 @@ class Rows:
     fused: bool = False
 
     def dense(self, ffn, x_btd):
-        if use_ffi(ffn.kernels, x_btd, ffn.up.weight[...]):
+        if ffn.quantized or use_ffi(ffn.kernels, x_btd, ffn.up.weight[...]):
             # Every neuron through the custom call: "oracle" at threshold 0 skips only exact
             # zeros, so this is the dense FFN with rows streamed at their stored width.
             return self.sparse(ffn, x_btd, Selection("oracle", 0.0), impl="ffi")[0]
@@ -130,6 +137,16 @@ class Rows:
     def sparse(self, ffn, x_btd, sel: Selection, impl: str | None = None):
         from powerinfer_jax import ops
 
+        if ffn.quantized:  # on the file's blocks; "activations" are the file's own: oracle
+            return ops.qsparse_ffn(
+                x_btd, ffn.up.weight[...], ffn.down_t.weight[...], up_qtype=ffn.up.qtype,
+                down_qtype=ffn.down_t.qtype, gate=_value(ffn.gate and ffn.gate.weight),
+                gate_qtype=ffn.gate and ffn.gate.qtype, b_up=_value(ffn.up.bias),
+                b_down=_value(ffn.down_t.bias),
+                scores=sel.scores if sel.criterion == "scores" else None,
+                threshold=float(sel.threshold), activation=ffn.activation,
+                criterion="scores" if sel.criterion == "scores" else "oracle",
+                impl=impl or self.impl)
         return ops.sparse_ffn(
             x_btd, ffn.up.weight[...], ffn.down_t.weight[...], w_gate=_value(ffn.gate and
                                                                              ffn.gate.weight),
@@ -253,6 +270,11 @@ class FFN(nnx.Module):
         elif isinstance(self.backend, CpuHybrid):
             self.backend = CpuHybrid(impl=impl)
 
+    @property
+    def quantized(self) -> bool:
+        """Rows kept in the file's block format (models/qweights.py), computed on as stored."""
+        return self.up.qtype is not None
+
     # ---------------------------------------------------------------- placement
     @property
     def placed(self) -> bool:
@@ -292,6 +314,9 @@ class FFN(nnx.Module):
         CUDA module's host store, referenced by handle: `CudaHybrid`), "auto" ("cuda" on a GPU
         backend with the CUDA build, else "operands"). With "cuda" and no cold rows (n_hot == F)
         the FFN stays unsplit: every row is on the device already."""
+        if self.quantized:
+            fail("FFN.split", "float rows (placement moves rows between memories)",
+                 f"rows in {self.up.qtype} blocks", "build with weights='dtype'")
         f = self.up.weight.shape[0]
         if self.placed or not (isinstance(n_hot, int) and 0 <= n_hot <= f):
             fail("FFN.split n_hot", f"an integer in [0, {f}] on an unsplit FFN", n_hot,
@@ -347,7 +372,16 @@ class FFN(nnx.Module):
         return activate(self.activation, proj(gate)) * u
 
     def hot_activations(self, x_btd):
-        """Activations of the rows in the Params (all of them when unplaced), with XLA."""
+        """Activations of the rows in the Params (all of them when unplaced), with XLA (on a
+        quantized FFN: the gate and up projections through ops.qlinear)."""
+        if self.quantized:
+            u = self.up(x_btd)
+            if self.gate is None:
+                return activate(self.activation, u)
+            g = self.gate(x_btd)
+            if self.activation == "drelu":
+                return jax.nn.relu(g) * jax.nn.relu(u)
+            return activate(self.activation, g) * u
         return self._rows_act(x_btd, _value(self.gate and self.gate.weight), self.up.weight[...],
                               _value(self.up.bias))
 
@@ -371,11 +405,13 @@ class FFN(nnx.Module):
         """|act(gate . x)| [B, T, F] (non-gated: |a|): the threshold mode's criterion."""
         if self.gate is None:
             return jnp.abs(self.activations(x_btd))
+        act = "relu" if self.activation == "drelu" else self.activation
+        if self.quantized:
+            return jnp.abs(activate(act, self.gate(x_btd)))
         gates = [self.gate.weight[...]]
         if self.placed:
             self._require_cold_operands("gate_magnitude")
             gates.append(self.cold["gate"][...])
-        act = "relu" if self.activation == "drelu" else self.activation
         # act(gate . x): the gate rows as non-gated "up" rows
         return jnp.abs(jnp.concatenate([activate(act, jnp.einsum(
             "btd,fd->btf", x_btd.astype(g.dtype), g, preferred_element_type=F32)) for g in gates],

@@ -74,16 +74,30 @@ def _param(shape, dtype, rngs: nnx.Rngs | None, scale: float | None = None, fill
 
 
 class Linear(nnx.Module):
-    """y = x @ weight.T (+ bias); weight [out, in]."""
+    """y = x @ weight.T (+ bias); weight [out, in] floats, or the file's blocks uint8 [out,
+    row_bytes] in GGUF format `qtype` (models/qweights.py), computed on by ops.qlinear."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs | None,
                  kernels: str = "xla"):
         self.kernels = kernels
+        self.d_in = d_in
+        self.qtype = None  # GGUF block format of `weight`; None: floats
         self.weight = _param((d_out, d_in), dtype, rngs, scale=d_in ** -0.5)
         self.bias = _param((d_out,), F32, None) if bias else None
 
+    def load_quantized(self, blocks, qtype: str) -> None:
+        """Keep `weight` as the file's blocks (uint8 [out, row_bytes] in `qtype`)."""
+        self.weight = nnx.Param(jnp.asarray(blocks, jnp.uint8))
+        self.qtype = qtype
+
     def __call__(self, x):
-        y = matmul(x, self.weight[...], self.kernels)
+        if self.qtype is not None:
+            from powerinfer_jax import ops
+
+            y = ops.qlinear(x, self.weight[...], self.qtype, self.d_in,
+                            impl="ffi" if self.kernels == "ffi" else "reference")
+        else:
+            y = matmul(x, self.weight[...], self.kernels)
         return y + self.bias[...] if self.bias is not None else y
 
 
@@ -204,10 +218,15 @@ class Attention(nnx.Module):
         slots = jnp.broadcast_to(jnp.asarray(cache_index, jnp.int32).reshape(-1), (b,))
         where = jnp.stack([slots, positions_bt.reshape(b).astype(jnp.int32)], axis=1)  # [B, 2]
         lins = (self.q, self.k, self.v)
-        if self.fuse_qkv and all(use_ffi(l.kernels, x_btd, l.weight[...]) for l in lins):
+        biases = [None if l.bias is None else l.bias[...] for l in lins]
+        if self.fuse_qkv and all(l.qtype is not None for l in lins):
+            # the file's q, k, v blocks (their formats may differ) in one pool job
+            q, k, v = ops.qlinear_many(x_btd, [l.weight[...] for l in lins],
+                                       [l.qtype for l in lins], self.q.d_in, biases)
+        elif self.fuse_qkv and all(l.qtype is None and use_ffi(l.kernels, x_btd, l.weight[...])
+                                   for l in lins):
             # q, k and v in one pool job: three small matrices cost one dispatch
-            q, k, v = ops.linear_many(x_btd, [l.weight[...] for l in lins],
-                                      [None if l.bias is None else l.bias[...] for l in lins])
+            q, k, v = ops.linear_many(x_btd, [l.weight[...] for l in lins], biases)
         else:
             q, k, v = (l(x_btd) for l in lins)
         out, k_cache, v_cache = ops.decode_attention(

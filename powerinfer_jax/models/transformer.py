@@ -82,6 +82,7 @@ class Transformer(nnx.Module):
         self.kernels = kernels
         self.dtype = jnp.dtype(dtype)
         self.tok_embed = _embedding((c.vocab_size, c.d_model), dtype, rngs)
+        self.embed_qtype = None  # GGUF block format of tok_embed (models/qweights.py), or floats
         self.pos_embed = (_embedding((c.max_seq_len + c.position_offset, c.d_model), dtype, rngs)
                           if c.positions == "learned" else None)
         self.layers = nnx.List([Block(c, dtype=dtype, rngs=rngs, kernels=kernels,
@@ -100,7 +101,7 @@ class Transformer(nnx.Module):
         own selector and backend (models/ffn.py, set by sparsity.modes.configure); per-layer
         diagnostics (FFN inputs, active counts) are collected by `capture`.
         """
-        x = self.tok_embed[...][tokens_bt].astype(F32)
+        x = self.embed(tokens_bt)
         if self.pos_embed is not None:
             x = x + self.pos_embed[...][positions_bt + self.config.position_offset].astype(F32)
         new_cache = []
@@ -110,10 +111,26 @@ class Transformer(nnx.Module):
             new_cache.append(layer_cache)
         return self.final_norm(x), (None if cache is None else new_cache)
 
+    def embed(self, tokens_bt):
+        """Token embeddings [B, T, D] float32 (a quantized table: only the gathered rows are
+        dequantized)."""
+        rows = self.tok_embed[...][tokens_bt]
+        if self.embed_qtype is None:
+            return rows.astype(F32)
+        from powerinfer_jax.models.qweights import dequantize_rows
+
+        return dequantize_rows(rows, self.embed_qtype, self.config.d_model)
+
     def logits(self, h_btd):
         """Vocabulary logits [B, T, V] in float32."""
-        w = self.tok_embed[...] if self.lm_head is None else self.lm_head.weight[...]
-        return matmul(h_btd, w, self.kernels)
+        if self.lm_head is not None:
+            return self.lm_head(h_btd)
+        if self.embed_qtype is not None:  # tied to a quantized embedding: its blocks
+            from powerinfer_jax import ops
+
+            return ops.qlinear(h_btd, self.tok_embed[...], self.embed_qtype, self.config.d_model,
+                               impl="ffi" if self.kernels == "ffi" else "reference")
+        return matmul(h_btd, self.tok_embed[...], self.kernels)
 
     def __call__(self, tokens_bt, positions_bt=None):
         if positions_bt is None:
@@ -161,15 +178,31 @@ def param_names(config: ModelConfig) -> list[str]:
     return [_param_name(p) for p, _ in nnx.to_flat_state(nnx.state(abstract, nnx.Param))]
 
 
+DOWN_QTYPE = "Q8_0"  # the format down rows are re-blocked into per neuron (see from_params)
+
+
 def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=F32,
-                kernels: str = "auto", **options) -> Transformer:
+                kernels: str = "auto", down_qtype: str = DOWN_QTYPE,
+                quantized: bool | None = None, **options) -> Transformer:
     """Build a Transformer from canonical named arrays (e.g. a loaded checkpoint).
 
-    Matrices take `dtype`; norms and biases stay float32. Missing, unexpected or misshaped tensors
-    are a ValueError naming them. kernels: see models/layers.py ("auto": the custom calls on CPU);
+    Matrices take `dtype`; norms and biases stay float32. Block-quantized tensors
+    (checkpoint.base.QuantTensor, from load_checkpoint(keep_quantized=True)) stay in the file's
+    format when the custom calls run (kernels "ffi"): matmuls compute on the blocks; the down
+    projection, stored blocked along F, is re-blocked per neuron along D in `down_qtype`. With
+    XLA kernels they are dequantized to `dtype` (quantized=True keeps them: the ops' jnp
+    references then compute on them, slowly; tests). Missing, unexpected or misshaped tensors are a
+    ValueError naming them. kernels: see models/layers.py ("auto": the custom calls on CPU);
     options: Transformer's decode_attention and fuse_qkv.
     """
+    from powerinfer_jax.checkpoint.base import QuantTensor
+
     kernels = resolve_kernels(kernels)
+    blocks = {name: t for name, t in params.items() if isinstance(t, QuantTensor)}
+    if not (kernels == "ffi" if quantized is None else quantized):  # the custom calls compute
+        # on blocks; elsewhere the floats
+        params = {**params, **{name: t.dequantize() for name, t in blocks.items()}}
+        blocks = {}
     model = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, kernels=kernels, **options))
     state = nnx.state(model, nnx.Param)
     flat = nnx.to_flat_state(state)
@@ -182,9 +215,32 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
     for path, var in flat:
         name = _param_name(path)
         want = var.get_value()
-        arr = np.asarray(params[name])
-        if arr.shape != want.shape:
-            raise ValueError(f"tensor {name}: expected shape {want.shape}, got {arr.shape}")
-        var.set_value(jnp.asarray(arr, dtype=want.dtype))
+        got = tuple(params[name].shape)
+        if got != want.shape:
+            raise ValueError(f"tensor {name}: expected shape {want.shape}, got {got}")
+        if name not in blocks:
+            var.set_value(jnp.asarray(np.asarray(params[name]), dtype=want.dtype))
     nnx.update(model, state)
+    for name, t in blocks.items():
+        _load_quantized(model, name, t, down_qtype)
     return model
+
+
+def _load_quantized(model: Transformer, name: str, t, down_qtype: str) -> None:
+    """Put a QuantTensor's blocks into the module that owns canonical param `name`."""
+    from powerinfer_jax.models.qweights import as_blocks
+
+    if name == "tok_embed":
+        model.tok_embed = nnx.Param(jnp.asarray(as_blocks(t)))
+        model.embed_qtype = t.qtype
+        return
+    if name == "lm_head":
+        model.lm_head.load_quantized(as_blocks(t), t.qtype)
+        return
+    _, layer, *rest = name.split(".")
+    owner = model.layers[int(layer)]
+    for attr in rest[:-1]:
+        owner = getattr(owner, attr)
+    if t.transposed:  # ffn.down_t: neuron i's down row is a column of the stored matrix
+        t = t.reblocked(down_qtype)
+    owner.load_quantized(as_blocks(t), t.qtype)

@@ -29,6 +29,7 @@ class Session:
     artifacts: object | None = None  # sparsity.artifacts.SparsityArtifacts, when the mode needs them
     placement: object | None = None  # sparsity.placement.Placement applied to the model, if any
     max_batch: int = 1
+    auto: dict | None = None  # --sparsity auto: what was chosen and why (runtime/auto.py)
     _engine: object | None = None
 
     @property
@@ -63,7 +64,24 @@ class Session:
                 "predictor": self.sparsity.predictor if self.sparsity.mode == "predictor" else None,
                 "gate_up": self.sparsity.gate_up if self.sparsity.mode == "predictor" else None,
                 "kernels": self.model.kernels, "max_seq_len": kv_length(self.config, self.runtime),
+                "weights": weight_formats(self.model), "auto": self.auto,
                 "placement": None if self.placement is None else self.placement.summary()}
+
+
+def weight_formats(model) -> dict[str, int]:
+    """How many matrices the built model keeps in each format ("Q4_1", ..., or the float dtype)."""
+    from flax import nnx
+
+    counts: dict[str, int] = {}
+    for module in (m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)):
+        qtype = getattr(module, "qtype", None)
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, nnx.Param):
+            key = qtype or str(weight[...].dtype)
+            counts[key] = counts.get(key, 0) + 1
+    if getattr(model, "embed_qtype", None):
+        counts[model.embed_qtype] = counts.get(model.embed_qtype, 0) + 1
+    return counts
 
 
 def kv_length(config: ModelConfig, runtime: RuntimeConfig) -> int:
@@ -87,15 +105,23 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     from powerinfer_jax.sparsity import modes
 
     threads = _size_thread_pool(runtime.threads)
+    if sparsity.mode == "auto":
+        return _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch,
+                           progress, checkpoint, threads)
     sparsity = sparsity.with_default_target()
-    ckpt = load_checkpoint(model) if checkpoint is None else checkpoint
+    accel = _accelerator()
+    # Placement moves float rows between memories: a placed model is dequantized at load.
+    placed = placement.budget_bytes is not None or accel is not None
+    if checkpoint is None:
+        ckpt = load_checkpoint(model, keep_quantized=runtime.weights == "auto" and not placed)
+    else:
+        ckpt = checkpoint
     if runtime.max_seq_len is not None and runtime.max_seq_len > ckpt.config.max_seq_len:
         fail("--max-seq-len", f"at most {ckpt.config.max_seq_len} (the model's context)",
              runtime.max_seq_len)
     # With an accelerator the model is built in host memory and only what the placement keeps on
     # the device goes there: a model larger than the device's memory never lands on it whole.
     # The default budget is read before any weight is on the device.
-    accel = _accelerator()
     default_budget = None
     if accel is not None and placement.budget_bytes is None:
         from powerinfer_jax.runtime.placing import default_budget_bytes
@@ -117,6 +143,35 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
                    sparsity=sparsity, source=str(ckpt.source), model_arg=str(model),
                    threads=threads, artifacts=arts, placement=placed,
                    max_batch=max_batch)
+
+
+def _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch, progress,
+                checkpoint, threads) -> Session:
+    """--sparsity auto: build dense and the sparse candidate, keep the faster on this machine."""
+    from pathlib import Path
+
+    from powerinfer_jax.checkpoint import load_checkpoint
+    from powerinfer_jax.config import DEFAULT_TARGET_SPARSITY
+    from powerinfer_jax.runtime import auto
+    from powerinfer_jax.sparsity.artifacts import artifacts_root as default_root
+
+    if checkpoint is None:
+        placed = placement.budget_bytes is not None or _accelerator() is not None
+        checkpoint = load_checkpoint(model, keep_quantized=runtime.weights == "auto"
+                                     and not placed)
+    target = sparsity.target_sparsity or DEFAULT_TARGET_SPARSITY
+    root = Path(default_root(model, checkpoint.source) if artifacts_root is None
+                else artifacts_root)
+
+    def one(cfg):
+        return build(model, runtime, cfg, placement=placement, artifacts_root=artifacts_root,
+                     max_batch=max_batch, progress=progress, checkpoint=checkpoint)
+
+    session, report = auto.choose(
+        one, key=auto.cache_key(checkpoint.source, runtime, threads, target), target=target,
+        cache_file=root / "auto_choice.json", progress=progress)
+    session.auto = auto.describe(report)
+    return session
 
 
 def _size_thread_pool(threads: int | None) -> int:

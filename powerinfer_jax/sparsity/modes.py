@@ -158,6 +158,10 @@ def _threshold(model, cfg, arts):
 def _predictor(model, cfg, arts):
     from powerinfer_jax.sparsity import selectors as S
 
+    if cfg.predictor == "q4" and model.layers[0].ffn.quantized:
+        # the file's own 4-bit gate/up rows are the estimate: exact activations of this model,
+        # against the thresholds calibrated on them (the contribution criterion)
+        return [S.Q4Activations(None, t) for t in arts.thresholds_contribution]
     if cfg.predictor == "q4":
         from powerinfer_jax.sparsity.q4_predictor import Q4Predictor
 
@@ -175,7 +179,14 @@ def _predictor(model, cfg, arts):
             for l in range(model.config.n_layers)]
 
 
+def _auto(model, cfg, arts):
+    fail("sparsity mode 'auto'", "to be resolved by the build (runtime/auto.py) into dense or "
+         "a sparse mode", "a direct configure() call", "use runtime.session.build")
+
+
 register("dense", Mode(_dense, "every neuron, XLA's matmuls or the custom call (the reference)"))
+register("auto", Mode(_auto, "dense or predictor mode with the q4 activations, whichever decodes "
+                             "faster on this machine (timed once at build, then cached)"))
 register("oracle", Mode(
     _oracle, "the true active set: |a_i| > --threshold (or the calibrated per-layer thresholds "
              "with --target-sparsity): the quality upper bound",

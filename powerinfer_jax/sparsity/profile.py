@@ -106,7 +106,7 @@ def ffn_magnitudes(ffn, x_nd):
     if ffn.gate is None:
         a = jnp.abs(activate(ffn.activation, up))
         return a, a
-    g_pre = matmul(x_nd, ffn.gate.weight[...])
+    g_pre = ffn.gate(x_nd) if ffn.quantized else matmul(x_nd, ffn.gate.weight[...])
     return (jnp.abs(gated_activate(ffn.activation, g_pre, up)),
             jnp.abs(activate(ffn.activation, g_pre)))
 

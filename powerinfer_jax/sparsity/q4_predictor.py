@@ -36,9 +36,8 @@ class Q4Predictor(nnx.Module):
         if ffn.placed:
             raise ValueError("Q4Predictor.from_ffn: expected an unsplit FFN, got a placed one "
                              "(attach predictors before placement)")
-        rows = [ffn.up.weight[...]] if ffn.gate is None else [ffn.gate.weight[...],
-                                                               ffn.up.weight[...]]
-        q, dm = q4.quantize_rows(np.stack([np.asarray(r, np.float32) for r in rows], axis=1))
+        lins = [ffn.up] if ffn.gate is None else [ffn.gate, ffn.up]
+        q, dm = q4.quantize_rows(np.stack([_float_rows(l) for l in lins], axis=1))
         b = None if ffn.up.bias is None else ffn.up.bias[...]
         return cls(q, dm, b, activation=ffn.activation, kernels=kernels)
 
@@ -68,6 +67,15 @@ class Q4Predictor(nnx.Module):
 
     def bytes_per_token(self) -> int:
         return int(self.q[...].nbytes + self.dm[...].nbytes)
+
+
+def _float_rows(lin) -> np.ndarray:
+    """A Linear's weight [out, in] as float32 (the file's blocks dequantized when quantized)."""
+    if lin.qtype is None:
+        return np.asarray(lin.weight[...], np.float32)
+    from powerinfer_jax.checkpoint import quants
+
+    return quants.dequantize(np.asarray(lin.weight[...]), lin.qtype)[:, :lin.d_in]
 
 
 def layer_scores(model, x_lnd: np.ndarray, *, batch: int = 512) -> np.ndarray:

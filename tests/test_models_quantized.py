@@ -1,0 +1,157 @@
+"""A quantized GGUF kept in its block format inside the model (weights="auto"): logits against the
+same file dequantized (the 8-bit activation rounding is the only difference), greedy tokens,
+sparse modes on the blocks, batched == single, and the fallbacks (XLA kernels, placement)."""
+import numpy as np
+import pytest
+
+import powerinfer_jax as pij
+from helpers_models import tiny_llama_config, write_tiny_gguf
+from powerinfer_jax.checkpoint import load_checkpoint
+from powerinfer_jax.models.transformer import from_params
+from powerinfer_jax.runtime.decode import Request
+
+LEGACY = {"tok_embed": "Q8_0"} | {f"layers.{i}.{n}": t for i in range(2) for n, t in (
+    ("attn.q.weight", "Q4_1"), ("attn.k.weight", "Q4_0"), ("attn.v.weight", "Q8_0"),
+    ("attn.o.weight", "Q5_1"), ("ffn.gate.weight", "Q4_1"), ("ffn.up.weight", "Q4_1"),
+    ("ffn.down_t.weight", "Q4_1"))}
+TOKENS = np.asarray([[5, 17, 99, 3, 250, 42, 7, 11]])
+
+
+@pytest.fixture(scope="module")
+def legacy_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("q") / "tiny.Q4_1.gguf"
+    write_tiny_gguf(path, tiny_llama_config(activation="relu"), LEGACY)
+    return path
+
+
+@pytest.fixture(scope="module")
+def kquant_gguf(tmp_path_factory):
+    """A Q4_K_M-like file (Q4_K with Q6_K attn_v and ffn_down). K-quants need rows of whole
+    256-value blocks: D = 256, F = 512. Nothing here quantizes Q6_K, so those tensors are valid
+    random blocks (checkpoint.quants.random_blocks)."""
+    from helpers_models import gpt2_tokenizer_meta, random_params
+    from powerinfer_jax.checkpoint import quants
+    from powerinfer_jax.checkpoint.base import QuantTensor
+    from powerinfer_jax.checkpoint.gguf import write_gguf
+
+    cfg = tiny_llama_config(d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=512)
+    params = random_params(cfg, 0)
+    rng = np.random.default_rng(1)
+    types = {}
+    for i in range(2):
+        for n in ("attn.q.weight", "attn.k.weight", "attn.o.weight", "ffn.gate.weight",
+                  "ffn.up.weight"):
+            types[f"layers.{i}.{n}"] = "Q4_K"
+        v = f"layers.{i}.attn.v.weight"
+        params[v] = QuantTensor(quants.random_blocks("Q6_K", cfg.kv_dim, cfg.d_model, rng),
+                                "Q6_K", (cfg.kv_dim, cfg.d_model))
+        down = f"layers.{i}.ffn.down_t.weight"  # stored [D, F], blocked along F
+        params[down] = QuantTensor(quants.random_blocks("Q6_K", cfg.d_model, cfg.d_ff, rng),
+                                   "Q6_K", (cfg.d_ff, cfg.d_model), transposed=True)
+    path = tmp_path_factory.mktemp("k") / "tiny.Q4_K_M.gguf"
+    write_gguf(path, cfg, params, gpt2_tokenizer_meta(), types)
+    return path
+
+
+def _models(path):
+    q = load_checkpoint(path, keep_quantized=True)
+    f = load_checkpoint(path)
+    return (from_params(q.config, q.params, kernels="ffi"),
+            from_params(f.config, f.params, kernels="ffi"))
+
+
+@pytest.mark.parametrize("which", ["legacy", "kquant"])
+def test_quantized_model_equals_its_jnp_reference(which, request):
+    """The kernels on the blocks against the ops' jnp references on the same blocks (XLA's
+    attention, dequantize + the same 8-bit activation rounding): equal up to float rounding."""
+    path = request.getfixturevalue(f"{which}_gguf")
+    q = load_checkpoint(path, keep_quantized=True)
+    fast = from_params(q.config, q.params, kernels="ffi")
+    ref = from_params(q.config, q.params, kernels="xla", quantized=True)
+    assert fast.layers[0].attn.q.qtype is not None and fast.layers[0].ffn.quantized
+    assert ref.layers[1].ffn.down_t.qtype == "Q8_0"  # down rows re-blocked per neuron
+    a, b = np.asarray(fast(TOKENS)), np.asarray(ref(TOKENS))
+    np.testing.assert_allclose(a, b, atol=2e-3 * np.abs(b).max(), rtol=0)
+
+
+@pytest.mark.parametrize("which", ["legacy", "kquant"])
+def test_each_quantized_matmul_is_close_to_float_math(which, request):
+    """Against the same file dequantized, each matmul differs only by the 8-bit activations (and
+    the down rows' re-blocking): under 1.5% of the output's scale op by op for the legacy formats
+    (activations rounded per 32 values), 3% for K-quants (per 256, as llama.cpp's Q8_K)."""
+    quant, dense = _models(request.getfixturevalue(f"{which}_gguf"))
+    bound = 0.015 if which == "legacy" else 0.03
+    d = quant.config.d_model
+    x = np.random.default_rng(0).standard_normal((1, 3, d)).astype(np.float32)
+    for lq, lf in zip(quant.layers, dense.layers):
+        for name in ("q", "k", "v"):
+            a = np.asarray(getattr(lq.attn, name)(x))
+            b = np.asarray(getattr(lf.attn, name)(x))
+            assert np.abs(a - b).max() < bound * np.abs(b).max(), (name, which)
+        a, b = np.asarray(lq.ffn(x)), np.asarray(lf.ffn(x))
+        assert np.abs(a - b).max() < bound * np.abs(b).max(), ("ffn", which)
+
+
+def test_weights_auto_keeps_the_file_format_and_dtype_dequantizes(legacy_gguf):
+    q = pij.load(str(legacy_gguf), progress=False)
+    f = pij.load(str(legacy_gguf), weights="dtype", progress=False)
+    w = q.session.describe()["weights"]
+    # q, gate, up in Q4_1; v, the down rows re-blocked per neuron and the embedding in Q8_0
+    assert (w["Q4_1"], w["Q8_0"], w["Q4_0"], w["Q5_1"]) == (6, 5, 2, 2), w
+    assert set(f.session.describe()["weights"]) == {"float32"}
+    out_q = q.generate("the quick brown fox", max_new_tokens=8)
+    assert 1 <= len(out_q.token_ids) <= 8
+
+
+@pytest.mark.parametrize("mode", ["oracle", "threshold"])
+def test_sparse_modes_run_on_the_blocks(legacy_gguf, mode):
+    from helpers_models import with_mode
+
+    quant, _ = _models(legacy_gguf)
+    with_mode(quant, pij.SparsityConfig(mode=mode), thresholds=(0.0,) * 2)
+    dense_like = np.asarray(quant(TOKENS))  # threshold 0: every non-zero activation
+    with_mode(quant, pij.SparsityConfig())
+    np.testing.assert_allclose(dense_like, np.asarray(quant(TOKENS)), atol=1e-4, rtol=1e-4)
+
+
+def test_batched_greedy_equals_single_on_blocks(legacy_gguf):
+    llm = pij.load(str(legacy_gguf), max_batch=3, max_seq_len=64, progress=False)
+    eng = llm.session.engine
+    prompts = [llm.encode(p) for p in ("the quick brown fox", "hello", "a b c d e f")]
+    alone = [eng.generate(p, max_new_tokens=6).tokens for p in prompts]
+    assert [r.tokens for r in eng.run([Request(p, 6) for p in prompts])] == alone
+
+
+def test_placement_dequantizes_and_xla_kernels_dequantize(legacy_gguf):
+    placed = pij.load(str(legacy_gguf), vram_budget=1.0, progress=False)
+    assert set(placed.session.describe()["weights"]) == {"float32"}
+    xla = pij.load(str(legacy_gguf), kernels="xla", progress=False)
+    assert set(xla.session.describe()["weights"]) == {"float32"}
+    assert len(xla.generate("hello", max_new_tokens=3).token_ids) >= 1
+
+
+def test_sparsity_auto_times_once_then_reuses_its_decision(legacy_gguf, tmp_path, capsys):
+    """--sparsity auto on a calibrated model: dense and the q4-activations mode are timed here and
+    the faster kept, with the measurements in describe(); the next build reuses the decision;
+    a corrupt decision file is measured again. Without artifacts: dense, saying why."""
+    from powerinfer_jax import calibrate
+
+    arts = tmp_path / "arts"
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. a b c d e f g. " * 80)
+    none = pij.load(str(legacy_gguf), sparsity="auto", artifacts=str(tmp_path / "empty"),
+                    progress=False).session.describe()["auto"]
+    assert none["chosen"] == "dense" and "could not be built" in none["why"]
+    calibrate.main(["--model", str(legacy_gguf), "--corpus", str(text), "--ctx", "32",
+                    "--out", str(arts), "--no-progress"])
+    first = pij.load(str(legacy_gguf), sparsity="auto", artifacts=str(arts), progress=False)
+    a = first.session.describe()["auto"]
+    assert a["chosen"] in ("dense", "predictor_q4gu") and not a["cached"]
+    assert set(a["tok_s"]) == {"dense", "predictor_q4gu"} and "x dense" in a["why"]
+    assert first.session.sparsity.mode == ("dense" if a["chosen"] == "dense" else "predictor")
+    again = pij.load(str(legacy_gguf), sparsity="auto", artifacts=str(arts), progress=False)
+    assert again.session.describe()["auto"]["cached"]
+    assert again.session.describe()["auto"]["chosen"] == a["chosen"]
+    (arts / "auto_choice.json").write_text("{not json")
+    redo = pij.load(str(legacy_gguf), sparsity="auto", artifacts=str(arts), progress=False)
+    assert not redo.session.describe()["auto"]["cached"]
