@@ -220,6 +220,10 @@ def test_distill_stops_and_resumes_to_the_same_model(tiny_dir, texts, cache, tmp
     whole = distill(str(tiny_dir), cfg, out=tmp_path / "whole", **kw)
     part = distill(str(tiny_dir), cfg, out=tmp_path / "part", stop_after=2, **kw)
     assert part["stopped_at"] == 2 and not (tmp_path / "part" / "config.json").exists()
+    # a budgeted run can export what it has so far, and still resume later
+    part = distill(str(tiny_dir), cfg, out=tmp_path / "part", stop_after=0, resume=True,
+                   export_partial=True, **kw)
+    assert json.loads((tmp_path / "part" / "sparsify.json").read_text())["steps"] == 2
     with pytest.raises(UserError, match="--resume"):
         distill(str(tiny_dir), cfg, out=tmp_path / "part", **kw)
     distill(str(tiny_dir), cfg, out=tmp_path / "part", resume=True, **kw)

@@ -54,7 +54,7 @@ def _samples(ckpt, fingerprint: dict, cfg: DistillConfig, progress: bool) -> np.
         return np.load(path)
     from powerinfer_jax.models.transformer import from_params
 
-    model = from_params(ckpt.config, ckpt.params, kernels="auto")
+    model = from_params(ckpt.config, ckpt.params, kernels="xla")
     out = smp.generate_samples(model, ckpt.tokenizer, n=cfg.samples, seq_len=cfg.seq_len,
                                seed=cfg.seed, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,7 +69,8 @@ def _finished(out: Path, fingerprint: dict, cfg: DistillConfig) -> dict | None:
     if not (out / "config.json").is_file() or not rec.is_file():
         return None
     record = json.loads(rec.read_text())
-    if record.get("fingerprint") == fingerprint and record.get("config") == cfg.to_dict():
+    if (record.get("fingerprint") == fingerprint and record.get("config") == cfg.to_dict()
+            and record.get("steps") == cfg.steps):
         return record
     return None
 
@@ -92,13 +93,15 @@ def distill(model_arg: str, cfg: DistillConfig, *, out: str | os.PathLike | None
             corpus=None, resume: bool = False, force: bool = False, progress: bool = True,
             calibrate: bool = True, eval_every: int = 0, eval_chunks: int = 4,
             eval_text: str | os.PathLike | None = None, curve: str | os.PathLike | None = None,
-            save_every: int = 25, keep_checkpoints: bool = False, stop_after: int | None = None
-            ) -> dict:
+            save_every: int = 25, keep_checkpoints: bool = False, stop_after: int | None = None,
+            export_partial: bool = False) -> dict:
     """Run (or reuse) one sparsification; returns {"out", "cached", "record"}.
 
     eval_every: steps between learning-curve points (0: only before and after training, and only
     when `curve` is given); rows are appended to the JSONL file `curve`. stop_after: stop (as if
     interrupted, checkpoint saved) after this many steps in this call: tests and budgeted runs.
+    export_partial: when stopped early, still export (and calibrate) the model as it is; its
+    sparsify.json says how many of the planned steps it had, and a later run resumes the rest.
     """
     from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.models.transformer import from_params
@@ -135,32 +138,17 @@ def distill(model_arg: str, cfg: DistillConfig, *, out: str | os.PathLike | None
              "pass --resume to continue it, or --force to start over")
     s_spec = fw.student_spec(ckpt.config, cfg.variant, cfg.target_sparsity, mask_by=cfg.mask_by,
                              ste=cfg.ste)
-    refit_report = None
-    if start == 0 and cfg.refit:
-        from powerinfer_jax.sparsify.refit import refit_down_rows
-
-        n = max(1, cfg.refit_tokens // cfg.seq_len)
-        pick = np.random.default_rng([cfg.seed, 3]).permutation(len(chunks))[:n]
-        refit_report = refit_down_rows(student, teacher, chunks[np.sort(pick)], s_spec,
-                                       fw.teacher_spec(ckpt.config), target=cfg.refit_target,
-                                       ridge=cfg.refit_ridge, progress=progress)
-    distiller = Distiller(student, teacher, cfg)
-    if start:
-        saved = checkpoints.read_record(start)
-        distiller.params, distiller.opt_state = checkpoints.restore(
-            start, distiller.params, distiller.opt_state, record)
-        record["wall_s"] = float(saved.get("wall_s", 0.0))
-        print(f"sparsify: resuming {ckdir} at step {start} of {cfg.steps}", file=sys.stderr)
-    else:
-        record["wall_s"] = time.perf_counter() - t_start  # data, samples and refit
     evaluator = _evaluator(teacher, ckpt.tokenizer, ids, cfg, eval_text, eval_chunks) \
         if curve is not None else None
     window: list[dict] = []
+    eval_s = [0.0]  # evaluation time, kept out of the run's wall time
 
-    def point(step: int, stage: str) -> None:
+    def point(step: int, stage: str, model=None) -> None:
         if evaluator is None:
             return
-        res = evaluator(distiller.student(), s_spec)
+        t0 = time.perf_counter()
+        res = evaluator(distiller.student() if model is None else model, s_spec)
+        eval_s[0] += time.perf_counter() - t0
         train = None if not window else {k: float(np.mean([m[k] for m in window]))
                                          for k in ("loss", "kl", "sparsity", "tok_s")}
         window.clear()
@@ -173,30 +161,56 @@ def distill(model_arg: str, cfg: DistillConfig, *, out: str | os.PathLike | None
         record["wall_s"] += cfg.batch * cfg.seq_len / metrics["tok_s"]
 
     if start == 0:
+        point(0, "baseline", student)  # the untrained student: the teacher's weights, sparse
+    if start == 0 and cfg.refit:
+        from powerinfer_jax.sparsify.refit import refit_down_rows
+
+        n = max(1, cfg.refit_tokens // cfg.seq_len)
+        pick = np.random.default_rng([cfg.seed, 3]).permutation(len(chunks))[:n]
+        record["refit"] = refit_down_rows(student, teacher, chunks[np.sort(pick)], s_spec,
+                                       fw.teacher_spec(ckpt.config), target=cfg.refit_target,
+                                       ridge=cfg.refit_ridge, progress=progress)
+    distiller = Distiller(student, teacher, cfg)
+    if start:
+        saved = checkpoints.read_record(start)
+        distiller.params, distiller.opt_state = checkpoints.restore(
+            start, distiller.params, distiller.opt_state, record)
+        record["wall_s"] = float(saved.get("wall_s", 0.0))
+        record["refit"] = saved.get("refit")
+        print(f"sparsify: resuming {ckdir} at step {start} of {cfg.steps}", file=sys.stderr)
+    else:
+        # loading, data, samples and refit
+        record["wall_s"] = time.perf_counter() - t_start - eval_s[0]
+    if start == 0:
         point(0, "start")
     stop = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
     run = distiller.run(source, start_step=start, stop_step=stop, checkpoints=checkpoints,
                         record=record, save_every=save_every, progress=progress,
                         on_step=on_step, eval_every=eval_every,
                         on_eval=lambda s: point(s, "train"))
-    if run["steps"] < cfg.steps:
+    done = run["steps"]
+    if done < cfg.steps and not export_partial:
         checkpoints.close()
-        return {"out": out, "cached": False, "stopped_at": run["steps"], "record": record}
-    point(cfg.steps, "end")
+        return {"out": out, "cached": False, "stopped_at": done, "record": record}
+    if done == cfg.steps:
+        point(cfg.steps, "end")
     from powerinfer_jax import _cli
 
     student = distiller.student()
     hidden_act = HIDDEN_ACT.get(cfg.variant, ckpt.config.activation)
-    record.update(model=str(model_arg), teacher_source=str(ckpt.source), steps=cfg.steps,
-                  tokens_trained=cfg.steps * cfg.batch * cfg.seq_len,
-                  corpus_passes=source.corpus_passes(cfg.steps), refit=refit_report,
+    record.update(model=str(model_arg), teacher_source=str(ckpt.source), steps=done,
+                  planned_steps=cfg.steps, tokens_trained=done * cfg.batch * cfg.seq_len,
+                  corpus_passes=source.corpus_passes(done),
                   commit=_cli.git_commit(), machine=_cli.machine_info(),
                   threads=len(os.sched_getaffinity(0)))
-    export.write_hf_dir(out, _student_config(ckpt.config, hidden_act), export.canonical_params(student), ckpt.tokenizer,
-                        hidden_act=hidden_act, record=record)
+    export.write_hf_dir(out, _student_config(ckpt.config, hidden_act),
+                        export.canonical_params(student), ckpt.tokenizer, hidden_act=hidden_act,
+                        record=record)
     checkpoints.close()
     if calibrate:
         build_artifacts(out, cfg.target_sparsity, corpus=corpus, progress=progress)
+    if done < cfg.steps:
+        return {"out": out, "cached": False, "stopped_at": done, "record": record}
     if not keep_checkpoints:
         shutil.rmtree(ckdir, ignore_errors=True)
     return {"out": out, "cached": False, "record": record}
