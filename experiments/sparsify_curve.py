@@ -15,6 +15,7 @@ Two kinds of rows in results/sparsify_curve.jsonl (`stage`):
 
   python -m experiments.sparsify_curve --train threshold:0.85 --tokens 307200 [distill flags]
   python -m experiments.sparsify_curve --final DIR [DIR ...]     # final rows for finished models
+  python -m experiments.sparsify_curve --step-speed 3           # step tok/s: f32/bf16/remat
   python -m experiments.sparsify_curve --plot                    # results/sparsify_curve.png
 """
 from __future__ import annotations
@@ -108,6 +109,54 @@ def final_rows(out_dir: Path, *, threads: int) -> list[dict]:
     return rows
 
 
+def step_speed_rows(model_arg: str, *, rounds: int, threads: int) -> list[dict]:
+    """Training tokens/s of one distillation step (teacher forward, student forward and backward,
+    AdamW) for float32 vs bfloat16 matmuls and with/without remat, timed in interleaved rounds on
+    the same batch (this VM drifts 20-30% within minutes, so only same-round ratios compare)."""
+    import statistics
+
+    from powerinfer_jax.checkpoint import load_checkpoint
+    from powerinfer_jax.models.transformer import from_params
+    from powerinfer_jax.sparsify import DistillConfig
+    from powerinfer_jax.sparsify.train import Distiller
+
+    ckpt = load_checkpoint(model_arg)
+    teacher = from_params(ckpt.config, ckpt.params, kernels="xla")
+    variants = {"float32": dict(compute_dtype="float32"), "bfloat16": {},
+                "bfloat16+remat": dict(remat=True)}
+    base = DistillConfig(refit=False, samples=0, sample_fraction=0.0)
+    tokens = np.random.default_rng(0).integers(0, ckpt.config.vocab_size,
+                                               (base.batch, base.seq_len)).astype(np.int32)
+    runs = {}
+    for name, kw in variants.items():
+        d = Distiller(from_params(ckpt.config, ckpt.params, kernels="xla"), teacher,
+                      base.replace(**kw))
+        t0 = time.perf_counter()
+        d.step(tokens, 0)  # compiles
+        runs[name] = {"d": d, "compile_s": time.perf_counter() - t0, "tok_s": []}
+    for r in range(rounds):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run["d"].step(tokens, r + 1)
+            run["tok_s"].append(tokens.size / (time.perf_counter() - t0))
+    ref = runs["float32"]["tok_s"]
+    rows = []
+    for name, run in runs.items():
+        head = _common.header("sparsify_curve", threads=threads,
+                              dtype=variants[name].get("compute_dtype", "bfloat16"),
+                              model=model_arg, config=base.replace(**variants[name]).to_dict(),
+                              quick=False)
+        rows.append({**head, "stage": "step_speed", "variant": base.variant, "setting": name,
+                     "tok_s_median": statistics.median(run["tok_s"]), "tok_s_rounds": run["tok_s"],
+                     "x_float32_median": statistics.median(a / b for a, b in zip(run["tok_s"], ref)),
+                     "compile_s": run["compile_s"], "rounds": rounds,
+                     "tokens_per_step": int(tokens.size),
+                     "load_avg_1min": os.getloadavg()[0]})
+        print(f"step speed {name}: {rows[-1]['tok_s_median']:.1f} tok/s "
+              f"({rows[-1]['x_float32_median']:.2f}x float32)", flush=True)
+    return rows
+
+
 def plot_curve(rows: list[dict], path: Path) -> None:
     """Two panels: perplexity x dense and measured FFN sparsity against training tokens, one line
     per run (variant, target, lr, run id); final 16-chunk oracle points as stars."""
@@ -163,6 +212,9 @@ def main(argv=None) -> None:
     p.add_argument("--final", nargs="*", default=[], metavar="DIR",
                    help="finished sparsify output directories to evaluate")
     p.add_argument("--plot", action="store_true", help="only redraw the plot")
+    p.add_argument("--step-speed", type=int, default=0, metavar="ROUNDS",
+                   help="time one training step per setting (float32, bfloat16, remat) over "
+                        "ROUNDS interleaved rounds")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
@@ -170,6 +222,9 @@ def main(argv=None) -> None:
 
     threads = _cli.configure_threads(args.threads)
     dirs = [Path(d) for d in args.final]
+    if args.step_speed:
+        _common.append_rows(args.out, step_speed_rows(_common.DEFAULT_MODEL,
+                                                      rounds=args.step_speed, threads=threads))
     if args.train:
         from powerinfer_jax.sparsify import DistillConfig, distill
 

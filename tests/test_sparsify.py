@@ -15,11 +15,12 @@ from powerinfer_jax.checkpoint import load_checkpoint
 from powerinfer_jax.config import SparsityConfig
 from powerinfer_jax.errors import UserError
 from powerinfer_jax.models.transformer import Transformer, from_params
-from powerinfer_jax.sparsify import DistillConfig, distill
+from powerinfer_jax.sparsify import DistillConfig, build_artifacts, distill
 from powerinfer_jax.sparsify import forward as fw
 from powerinfer_jax.sparsify.checkpoints import TrainCheckpoints
 from powerinfer_jax.sparsify.export import canonical_params
 from powerinfer_jax.sparsify.train import Distiller
+from powerinfer_jax.sparsity.predictor import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 # D=48, F=37 (prime), unequal head sizes: shapes that catch transposed axes
@@ -247,7 +248,9 @@ def test_distilled_directory_loads_everywhere(tiny_dir, texts, cache, tmp_path):
     out = tmp_path / "relu"
     curve = tmp_path / "curve.jsonl"
     distill(str(tiny_dir), cfg, out=out, corpus=[train], progress=False, eval_text=valid,
-            curve=curve, eval_every=2, eval_chunks=1)
+            curve=curve, eval_every=2, eval_chunks=1, calibrate=False)
+    build_artifacts(out, cfg.target_sparsity, corpus=[train], progress=False,
+                    train=TrainConfig(rank=8, steps=20))  # what calibrate=True runs, smaller
     ckpt = load_checkpoint(out)
     assert ckpt.config.activation == "relu"
     assert json.loads((out / "config.json").read_text())["hidden_act"] == "relu"
@@ -266,7 +269,8 @@ def test_distilled_directory_loads_everywhere(tiny_dir, texts, cache, tmp_path):
     arts = load_artifacts(out / "sparsity" / "target_0.70", fingerprint=fp, need_predictor=True)
     assert arts.meta["profile"]["activation"] == "relu"
     rows = [json.loads(line) for line in curve.read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 2, 4]
+    assert [(r["stage"], r["step"]) for r in rows] == [("baseline", 0), ("start", 0),
+                                                        ("train", 2), ("end", 4)]
     assert {"ffn_sparsity", "ppl_x_dense", "tokens", "variant", "machine", "commit",
             "wall_s", "threads", "config"} <= set(rows[0])
     proc = subprocess.run([sys.executable, "-m", "powerinfer_jax.generate", "--model", str(out),
@@ -329,3 +333,18 @@ def test_resume_refuses_a_checkpoint_of_another_model(tiny_dir, texts, cache, tm
         distill(str(other), cfg, resume=True, **kw)
     with pytest.raises(UserError, match="same run config"):
         distill(str(tiny_dir), cfg.replace(lr=1e-4), resume=True, **kw)
+
+
+def test_curve_plot_from_rows(tmp_path):
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from experiments.sparsify_curve import plot_curve
+
+    cfg = small().to_dict()
+    rows = [{"stage": s, "tokens": t, "ppl_x_dense": p, "ffn_sparsity": 0.85, "config": cfg,
+             "commit": "abc"} for s, t, p in (("baseline", 0, 1.7), ("start", 0, 1.6),
+                                             ("train", 1024, 1.4), ("end", 2048, 1.3))]
+    rows.append({"stage": "final", "mode": "oracle", "tokens": 2048, "ppl_x_dense": 1.31,
+                 "ffn_sparsity": 0.86, "config": cfg})
+    plot_curve(rows, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 10_000

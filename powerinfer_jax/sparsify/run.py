@@ -225,13 +225,15 @@ def _student_config(config, activation: str):
         return config
 
 
-def build_artifacts(out: Path, target: float, *, corpus=None, progress: bool = True):
+def build_artifacts(out: Path, target: float, *, corpus=None, progress: bool = True,
+                    train=None):
     """The project's sparsity artifacts (profile, thresholds, q4 and low-rank predictors) for the
     exported model, into <out>/sparsity (what `python -m powerinfer_jax.calibrate --model DIR`
-    does)."""
+    does). train: the low-rank predictors' TrainConfig (default: calibrate's)."""
     from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.models.transformer import from_params
     from powerinfer_jax.sparsity import artifacts
+    from powerinfer_jax.sparsity.predictor import TrainConfig
 
     ckpt = load_checkpoint(out)
     model = from_params(ckpt.config, ckpt.params)
@@ -239,6 +241,7 @@ def build_artifacts(out: Path, target: float, *, corpus=None, progress: bool = T
     return artifacts.build_artifacts(model, ckpt.tokenizer, fingerprint=fp,
                                      root=artifacts.artifacts_root(str(out), ckpt.source),
                                      target_sparsity=target, corpus_files=corpus,
+                                     train=TrainConfig() if train is None else train,
                                      progress=progress)
 
 
