@@ -32,8 +32,7 @@ from experiments import _common
 
 OUT = _common.RESULTS / "sparsify_curve.jsonl"
 PNG = _common.RESULTS / "sparsify_curve.png"
-VALID = _common.DATA / "wiki.valid.txt"
-TRAIN = _common.DATA / "wiki.train.txt"
+DATA = {"valid": _common.DATA / "wiki.valid.txt", "train": _common.DATA / "wiki.train.txt"}
 FINAL_CTX, FINAL_CHUNKS = 512, 16
 _DENSE_CACHE: dict = {}
 
@@ -53,60 +52,72 @@ def _ppl(model_arg, sparsity, ids, threads):
     return res
 
 
-def final_rows(out_dir: Path, *, threads: int) -> list[dict]:
-    """The 'final' rows of one finished sparsify output directory."""
+def final_rows(out_dir: Path, *, targets=None, threads: int) -> list[dict]:
+    """The 'final' rows of one finished sparsify output directory, at its trained target
+    sparsity and any other calibration `targets` (artifacts built where missing)."""
     from experiments.power_law import layer_rows
     from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.config import SparsityConfig
+    from powerinfer_jax.sparsify import build_artifacts
     from powerinfer_jax.sparsity.profile import ActivationProfile
 
     record = json.loads((out_dir / "sparsify.json").read_text())
     cfg = record["config"]
-    target = float(cfg["target_sparsity"])
+    targets = sorted({float(cfg["target_sparsity"]), *(targets or [])})
+    missing = [t for t in targets
+               if not (out_dir / "sparsity" / f"target_{t:.2f}" / "meta.json").is_file()]
+    if missing:
+        build_artifacts(out_dir, missing, corpus=[DATA["train"]])
     ckpt = load_checkpoint(out_dir)
-    ids = ckpt.tokenizer.encode(VALID.read_text(encoding="utf-8"), add_bos=False)
+    ids = ckpt.tokenizer.encode(DATA["valid"].read_text(encoding="utf-8"), add_bos=False)
     teacher = record["model"]
     if teacher not in _DENSE_CACHE:
         _DENSE_CACHE[teacher] = _ppl(teacher, SparsityConfig(), ids, threads)
     dense = _DENSE_CACHE[teacher]
-    art_dir = out_dir / "sparsity" / f"target_{target:.2f}"
-    meta = json.loads((art_dir / "meta.json").read_text())
-    prof = ActivationProfile.load(art_dir / "profile.npz")
-    cover = [r["neurons_for_80pct"] for r in layer_rows(prof.counts, prof.n_tokens)]
     head = _common.header("sparsify_curve", threads=threads, dtype="float32", model=str(out_dir),
                           config=cfg, quick=False)
     common = {**head, "stage": "final", "variant": cfg["variant"], "teacher": teacher,
-              "tokens": record["tokens_trained"], "wall_s": round(record["wall_s"], 1),
-              "train_commit": record.get("commit"), "eval_chunks": FINAL_CHUNKS,
-              "eval_ctx": FINAL_CTX, "ppl_dense": dense["ppl"],
-              "neurons_for_80pct_median": float(np.median(cover)),
-              "neurons_for_80pct_mean": float(np.mean(cover)),
-              "profiled_sparsity": float(np.mean(prof.sparsity))}
-    rows = []
-    modes = [("dense", SparsityConfig()),
-             ("oracle", SparsityConfig(mode="oracle", target_sparsity=target)),
-             ("predictor (q4)", SparsityConfig(mode="predictor", predictor="q4",
-                                               target_sparsity=target)),
-             ("predictor (lowrank)", SparsityConfig(mode="predictor", predictor="lowrank",
-                                                    target_sparsity=target))]
-    reports = {"predictor (q4)": meta.get("q4", {}), "predictor (lowrank)": meta.get("predictor",
-                                                                                       {})}
-    for label, sparsity in modes:
-        res = _ppl(out_dir, sparsity, ids, threads)
-        row = {**common, "mode": label, "ppl": res["ppl"], "ppl_x_dense": res["ppl"] / dense["ppl"],
-               "ffn_sparsity": res["ffn_sparsity"], "eval_s": res["eval_s"]}
-        if "predictor_recall" in res:
-            row["predictor_recall"] = res["predictor_recall"]
-        rep = reports.get(label)
-        if rep:
-            row.update(heldout_recall=rep.get("mean_recall"),
-                       heldout_precision=rep.get("mean_precision"),
-                       predicted_sparsity=rep.get("mean_predicted_sparsity"),
-                       predictor_cost=rep.get("cost"))
-        rows.append(row)
-        print(f"{out_dir.name} {label}: ppl {res['ppl']:.3f} ({row['ppl_x_dense']:.3f}x dense "
-              f"{dense['ppl']:.3f}), FFN sparsity {res['ffn_sparsity']:.3f}", flush=True)
+              "tokens": record["tokens_trained"], "steps": record["steps"],
+              "planned_steps": record.get("planned_steps", record["steps"]),
+              "wall_s": round(record["wall_s"], 1), "train_commit": record.get("commit"),
+              "eval_chunks": FINAL_CHUNKS, "eval_ctx": FINAL_CTX, "ppl_dense": dense["ppl"]}
+    rows = [_final_row(common, "dense", None, _ppl(out_dir, SparsityConfig(), ids, threads),
+                       dense, {})]
+    for t in targets:
+        art_dir = out_dir / "sparsity" / f"target_{t:.2f}"
+        meta = json.loads((art_dir / "meta.json").read_text())
+        prof = ActivationProfile.load(art_dir / "profile.npz")
+        cover = [r["neurons_for_80pct"] for r in layer_rows(prof.counts, prof.n_tokens)]
+        at_t = {**common, "neurons_for_80pct_median": float(np.median(cover)),
+                "neurons_for_80pct_mean": float(np.mean(cover)),
+                "profiled_sparsity": float(np.mean(prof.sparsity))}
+        for label, sparsity, rep in (
+                ("oracle", SparsityConfig(mode="oracle", target_sparsity=t), {}),
+                ("predictor (q4)", SparsityConfig(mode="predictor", predictor="q4",
+                                                  target_sparsity=t), meta.get("q4", {})),
+                ("predictor (lowrank)", SparsityConfig(mode="predictor", predictor="lowrank",
+                                                       target_sparsity=t),
+                 meta.get("predictor", {}))):
+            rows.append(_final_row(at_t, label, t, _ppl(out_dir, sparsity, ids, threads), dense,
+                                   rep))
     return rows
+
+
+def _final_row(common: dict, mode: str, target, res: dict, dense: dict, report: dict) -> dict:
+    row = {**common, "mode": mode, "target_sparsity": target, "ppl": res["ppl"],
+           "ppl_x_dense": res["ppl"] / dense["ppl"], "ffn_sparsity": res["ffn_sparsity"],
+           "eval_s": res["eval_s"]}
+    if "predictor_recall" in res:
+        row["predictor_recall"] = res["predictor_recall"]
+    if report:
+        row.update(heldout_recall=report.get("mean_recall"),
+                   heldout_precision=report.get("mean_precision"),
+                   predicted_sparsity=report.get("mean_predicted_sparsity"),
+                   predictor_cost=report.get("cost"))
+    print(f"{common['model']} {mode} {target}: ppl {res['ppl']:.3f} "
+          f"({row['ppl_x_dense']:.3f}x dense {dense['ppl']:.3f}), FFN sparsity "
+          f"{res['ffn_sparsity']:.3f}", flush=True)
+    return row
 
 
 def step_speed_rows(model_arg: str, *, rounds: int, threads: int) -> list[dict]:
@@ -211,13 +222,18 @@ def main(argv=None) -> None:
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--final", nargs="*", default=[], metavar="DIR",
                    help="finished sparsify output directories to evaluate")
+    p.add_argument("--targets", type=float, nargs="*", default=[],
+                   help="also evaluate at these calibration targets (artifacts built if missing)")
     p.add_argument("--plot", action="store_true", help="only redraw the plot")
     p.add_argument("--step-speed", type=int, default=0, metavar="ROUNDS",
                    help="time one training step per setting (float32, bfloat16, remat) over "
                         "ROUNDS interleaved rounds")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=str(OUT))
+    p.add_argument("--train-text", default=str(DATA["train"]), help="training/calibration text")
+    p.add_argument("--valid-text", default=str(DATA["valid"]), help="validation text")
     args = p.parse_args(argv)
+    DATA.update(train=Path(args.train_text), valid=Path(args.valid_text))
     from powerinfer_jax import _cli
 
     threads = _cli.configure_threads(args.threads)
@@ -232,11 +248,13 @@ def main(argv=None) -> None:
             variant, target = spec.split(":")
             cfg = DistillConfig(variant=variant, target_sparsity=float(target), lr=args.lr,
                                 tokens=args.tokens, l1=args.l1, samples=args.samples)
-            res = distill(_common.DEFAULT_MODEL, cfg, corpus=[TRAIN], eval_text=VALID,
-                          curve=args.out, eval_every=args.eval_every, keep_checkpoints=False)
+            res = distill(_common.DEFAULT_MODEL, cfg, corpus=[DATA["train"]],
+                          eval_text=DATA["valid"],
+                          curve=args.out, eval_every=args.eval_every, keep_checkpoints=False,
+                          calibrate=False)  # final_rows builds the artifacts it evaluates
             dirs.append(Path(res["out"]))
     for d in dirs:
-        _common.append_rows(args.out, final_rows(d, threads=threads))
+        _common.append_rows(args.out, final_rows(d, targets=args.targets, threads=threads))
     plot_curve(_common.read_rows(args.out), PNG if args.out == str(OUT) else
                Path(args.out).with_suffix(".png"))
     print(f"rows in {args.out}; plot {PNG}")

@@ -225,24 +225,42 @@ def _student_config(config, activation: str):
         return config
 
 
-def build_artifacts(out: Path, target: float, *, corpus=None, progress: bool = True,
-                    train=None):
+def build_artifacts(out: Path, target, *, corpus=None, progress: bool = True, train=None,
+                    max_tokens: int | None = None) -> list:
     """The project's sparsity artifacts (profile, thresholds, q4 and low-rank predictors) for the
-    exported model, into <out>/sparsity (what `python -m powerinfer_jax.calibrate --model DIR`
-    does). train: the low-rank predictors' TrainConfig (default: calibrate's)."""
+    exported model, into <out>/sparsity: what `python -m powerinfer_jax.calibrate --model DIR
+    --target-sparsity T` writes, for one target or several (one profiling pass for all).
+    train: the low-rank predictors' TrainConfig (default: calibrate's)."""
     from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.models.transformer import from_params
-    from powerinfer_jax.sparsity import artifacts
+    from powerinfer_jax.sparsity import artifacts as arts
+    from powerinfer_jax.sparsity import corpus as corpus_mod
+    from powerinfer_jax.sparsity import profile as prof
+    from powerinfer_jax.sparsity.calibrate import check_target_sparsity
     from powerinfer_jax.sparsity.predictor import TrainConfig
 
+    targets = [check_target_sparsity(t) for t in (target if isinstance(target, (list, tuple))
+                                                  else [target])]
     ckpt = load_checkpoint(out)
     model = from_params(ckpt.config, ckpt.params)
-    fp = artifacts.model_fingerprint(str(out), ckpt.source, ckpt.config)
-    return artifacts.build_artifacts(model, ckpt.tokenizer, fingerprint=fp,
-                                     root=artifacts.artifacts_root(str(out), ckpt.source),
-                                     target_sparsity=target, corpus_files=corpus,
-                                     train=TrainConfig() if train is None else train,
-                                     progress=progress)
+    fp = arts.model_fingerprint(str(out), ckpt.source, ckpt.config)
+    root = arts.artifacts_root(str(out), ckpt.source)
+    files = corpus_mod.default_corpus_files() if corpus is None else list(corpus)
+    ids = ckpt.tokenizer.encode(corpus_mod.read_corpus(files), add_bos=False)
+    chunks = corpus_mod.corpus_chunks(ids, min(arts.DEFAULT_CTX, model.config.max_seq_len),
+                                      max_tokens or arts.DEFAULT_MAX_TOKENS)
+    x_lnd = prof.collect_ffn_inputs(model, chunks, progress=progress)
+    base = prof.profile_activations(model, x_lnd, progress=progress)
+    built = []
+    for t in targets:
+        a, profile = arts.build_for_target(model, x_lnd, base, t,
+                                           train=TrainConfig() if train is None else train,
+                                           progress=progress)
+        a.meta.update(corpus=[str(f) for f in files], tokens=int(chunks.size),
+                      ctx=int(chunks.shape[1]))
+        arts.save_artifacts(arts.target_dir(root, t), a, profile, fp)
+        built.append(a)
+    return built
 
 
 def _evaluator(teacher, tokenizer, ids, cfg: DistillConfig, eval_text, eval_chunks: int):
