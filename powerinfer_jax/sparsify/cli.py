@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="build the sparsity artifacts of the result (default: yes)")
     r.add_argument("--save-every", type=int, default=25, help="steps between checkpoints")
     r.add_argument("--keep-checkpoints", action=argparse.BooleanOptionalAction, default=False)
+    r.add_argument("--stop-after", type=int, default=None, metavar="STEPS",
+                   help="stop after this many steps in this call (checkpoint saved; --resume "
+                        "continues): a run in budgeted pieces")
+    r.add_argument("--export-partial", action=argparse.BooleanOptionalAction, default=False,
+                   help="when stopped early (--stop-after), still export and calibrate the "
+                        "model as it is")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     r.add_argument("--json", action=argparse.BooleanOptionalAction, default=False)
     return p
@@ -109,17 +115,24 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)  # validate flags before anything heavy starts
     threads = _cli.configure_threads(args.threads)
-    if args.eval_every < 0 or args.eval_chunks < 1 or args.save_every < 1:
-        raise ValueError(f"--eval-every/--eval-chunks/--save-every: expected >= 0 / >= 1 / >= 1, "
-                         f"got {args.eval_every}/{args.eval_chunks}/{args.save_every}")
+    if args.eval_every < 0 or args.eval_chunks < 1 or args.save_every < 1 or (
+            args.stop_after is not None and args.stop_after < 0):
+        raise ValueError(f"--eval-every/--eval-chunks/--save-every/--stop-after: expected >= 0 / "
+                         f">= 1 / >= 1 / >= 0, got {args.eval_every}/{args.eval_chunks}/"
+                         f"{args.save_every}/{args.stop_after}")
     from powerinfer_jax.sparsify.run import distill
 
     res = distill(args.model, cfg, out=args.out, corpus=args.corpus, resume=args.resume,
                   force=args.force, progress=args.progress, calibrate=args.calibrate,
                   eval_every=args.eval_every, eval_chunks=args.eval_chunks,
                   eval_text=args.eval_text, curve=args.curve, save_every=args.save_every,
-                  keep_checkpoints=args.keep_checkpoints)
+                  keep_checkpoints=args.keep_checkpoints, stop_after=args.stop_after,
+                  export_partial=args.export_partial)
     out = res["out"]
+    if "stopped_at" in res:
+        print(f"stopped at step {res['stopped_at']} of {cfg.steps}; continue with --resume"
+              + (f" (exported as it is to {out})" if args.export_partial else ""))
+        return
     state = "reused" if res["cached"] else "wrote"
     print(f"{state} {out} ({cfg.variant}, target sparsity {cfg.target_sparsity}); run it with "
           f"--model {out} --sparsity oracle --target-sparsity {cfg.target_sparsity}")

@@ -121,8 +121,8 @@ class Distiller:
             progress: bool = True, on_step: Callable[[int, dict], None] | None = None,
             eval_every: int = 0, on_eval: Callable[[int], None] | None = None) -> dict:
         """Train steps [start_step, stop_step or cfg.steps). Saves every `save_every` steps, at the
-        end, and on an interrupt (Ctrl-C or SIGTERM) after the last finished step, then re-raises
-        it. on_step(step, metrics) after each step; on_eval(steps_done) every `eval_every` steps.
+        end, and on an interrupt: Ctrl-C or SIGTERM stop the loop after the running step, save it
+        and raise KeyboardInterrupt (a second one stops at once, unsaved). on_step(step, metrics) after each step; on_eval(steps_done) every `eval_every` steps.
         Returns {"steps": steps done in all, "train_s", "first_step_s"}."""
         cfg = self.cfg
         stop = cfg.steps if stop_step is None else min(stop_step, cfg.steps)
@@ -135,40 +135,42 @@ class Distiller:
                        unit="step", dynamic_ncols=True)
         done = start_step
         wall = {"train_s": 0.0, "first_step_s": None}
-        previous = _sigterm_as_interrupt()
         try:
-            for s in range(start_step, stop):
-                t0 = time.perf_counter()
-                m = self.step(batches(s), s)
-                dt = time.perf_counter() - t0
-                if not math.isfinite(m["loss"]):
-                    raise FloatingPointError(f"training loss: expected a finite value, got "
-                                             f"{m['loss']} at step {s} (lower --lr)")
-                done = s + 1
-                wall["train_s"] += dt
-                if wall["first_step_s"] is None:
-                    wall["first_step_s"] = dt  # includes compilation
-                m["tok_s"] = tokens_per_step / dt
-                if bar is not None:
-                    bar.set_postfix(loss=f"{m['loss']:.4f}", kl=f"{m['kl']:.4f}",
-                                    sparsity=f"{m['sparsity']:.3f}", tok_s=f"{m['tok_s']:.0f}")
-                    bar.update(1)
-                if on_step is not None:
-                    on_step(s, m)
-                if checkpoints is not None and done % save_every == 0 and done < stop:
-                    checkpoints.save(done, self.params, self.opt_state, record)
-                if on_eval is not None and eval_every and done % eval_every == 0 \
-                        and done < cfg.steps:
-                    on_eval(done)
-        except KeyboardInterrupt:
-            if checkpoints is not None and done > start_step:
+            with StopRequests() as stop_requested:
+                for s in range(start_step, stop):
+                    t0 = time.perf_counter()
+                    m = self.step(batches(s), s)
+                    dt = time.perf_counter() - t0
+                    if not math.isfinite(m["loss"]):
+                        raise FloatingPointError(f"training loss: expected a finite value, got "
+                                                 f"{m['loss']} at step {s} (lower --lr)")
+                    done = s + 1
+                    wall["train_s"] += dt
+                    if wall["first_step_s"] is None:
+                        wall["first_step_s"] = dt  # includes compilation
+                    m["tok_s"] = tokens_per_step / dt
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{m['loss']:.4f}", kl=f"{m['kl']:.4f}",
+                                        sparsity=f"{m['sparsity']:.3f}",
+                                        tok_s=f"{m['tok_s']:.0f}")
+                        bar.update(1)
+                    if on_step is not None:
+                        on_step(s, m)
+                    if stop_requested():
+                        raise KeyboardInterrupt
+                    if checkpoints is not None and done % save_every == 0 and done < stop:
+                        checkpoints.save(done, self.params, self.opt_state, record)
+                    if on_eval is not None and eval_every and done % eval_every == 0 \
+                            and done < cfg.steps:
+                        on_eval(done)
+        except KeyboardInterrupt as e:
+            if checkpoints is not None and done > start_step and not isinstance(e, ForcedStop):
                 checkpoints.save(done, self.params, self.opt_state, record)
                 if bar is not None:
                     bar.write(f"interrupted: saved step {done} to {checkpoints.directory}; "
                               "rerun with --resume to continue")
             raise
         finally:
-            _restore_sigterm(previous)
             if bar is not None:
                 bar.close()
         if checkpoints is not None and done > start_step:
@@ -176,21 +178,40 @@ class Distiller:
         return {"steps": done, **wall}
 
 
-def _sigterm_as_interrupt():
-    """Turn SIGTERM into KeyboardInterrupt (so a killed run saves first). Returns what to restore
-    (None off the main thread, where signals cannot be handled)."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    return signal.SIG_DFL if previous is None else previous
+class ForcedStop(KeyboardInterrupt):
+    """A second Ctrl-C/SIGTERM: stop at once, without saving (a step may be half applied)."""
 
 
-def _restore_sigterm(previous) -> None:
-    if previous is not None:
-        signal.signal(signal.SIGTERM, previous)
+class StopRequests:
+    """Within the block, the first SIGINT/SIGTERM only records a request, which the training loop
+    honours between steps (a step's new weights are assigned before its results are read, so an
+    exception in the middle would save weights one step ahead of the step count); a second one
+    raises ForcedStop. Calling the object says whether a stop was requested. Off the main thread
+    (no signal handlers there) it never is."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __call__(self) -> bool:
+        return self.requested
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise ForcedStop
+        self.requested = True
+
+    def __enter__(self):
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, previous in self._previous.items():
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        return False
