@@ -1,0 +1,124 @@
+"""Teacher samples: what the dense model itself writes for varied prompts, as training sequences.
+
+Distilling on the teacher's own text keeps the student close to the teacher off the corpus's domain
+(chat, lists, code, dialogue), where wiki text alone would leave it unconstrained. Each sequence is
+filled to exactly `seq_len` tokens with one or more turns: a prompt (chat-templated instruction or
+a plain-text opening), then the teacher's sampled continuation up to its end-of-turn token.
+Sampling is seeded, so the samples are reproducible; they are cached by the caller.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+
+# Instructions (sent through the model's chat template) and plain openings (continued as text).
+CHAT_PROMPTS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how vaccines train the immune system, in simple terms.",
+    "Give me three tips for learning a new language as an adult.",
+    "What is the difference between weather and climate?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Summarize the causes of the French Revolution in a paragraph.",
+    "Plan a three-day trip to Kyoto for someone who loves gardens.",
+    "Why is the sky blue?",
+    "Write a polite email asking a colleague to review a report by Friday.",
+    "List the planets of the solar system with one fact about each.",
+    "How do I make a simple tomato sauce?",
+    "Explain recursion to a ten-year-old.",
+    "Compose a haiku about autumn rain.",
+    "What are the pros and cons of working from home?",
+    "Describe how a bill becomes a law in the United States.",
+    "Solve: a train travels 120 km in 1.5 hours. What is its average speed?",
+    "Write a dialogue between a cat and a dog arguing about who is the better pet.",
+    "What should I consider when buying a used car?",
+    "Explain the water cycle step by step.",
+    "Translate 'Where is the train station?' into French, Spanish and German.",
+    "Give a short biography of Marie Curie.",
+    "How does a binary search work? Show an example.",
+    "Write a limerick about a forgetful robot.",
+    "What are some healthy breakfast ideas?",
+)
+TEXT_PROMPTS = (
+    "The history of the printing press begins",
+    "In the early morning, the market square",
+    "def parse_config(path):\n",
+    "Chapter 1\n\nThe rain had not stopped for three days when",
+    "The following is a list of common kitchen herbs and their uses:\n1.",
+    "Photosynthesis is the process by which",
+    "Dear Sir or Madam,\n\nI am writing to",
+    "Q: What is the capital of Australia?\nA:",
+)
+TEMPERATURE = 0.8
+TOP_P = 0.95
+
+
+def prompt_texts(tokenizer) -> list[str]:
+    """Every prompt as the text the model sees (chat prompts through the chat template)."""
+    chats = [tokenizer.apply_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+    return chats + list(TEXT_PROMPTS)
+
+
+def samples_key(fingerprint_id: str, n: int, seq_len: int, seed: int) -> str:
+    """A cache key for the samples of one model, count, length and seed (and these prompts)."""
+    h = hashlib.sha256(json.dumps(["batched-v1", fingerprint_id, n, seq_len, seed, CHAT_PROMPTS,
+                                   TEXT_PROMPTS, TEMPERATURE, TOP_P]).encode())
+    return h.hexdigest()[:16]
+
+
+def generate_samples(model, tokenizer, *, n: int, seq_len: int, seed: int, batch: int = 32,
+                     progress: bool = True) -> np.ndarray:
+    """[n, seq_len] int32 sequences written by `model` (a Transformer), `batch` rows at a time.
+
+    All rows of a batch advance together, one position per jitted decode step over a KV cache:
+    a row copies its pending prompt tokens, then samples; when it samples an end-of-turn token, a
+    new random prompt follows. (One row at a time through the runtime's Engine measured ~5
+    tokens/s here, since each turn is a new prompt to prefill; a batch of 32 rows is one matmul
+    per weight per position.)"""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from powerinfer_jax.models.transformer import init_cache
+    from powerinfer_jax.runtime.sampling import SamplingParams, sample
+
+    params = SamplingParams(temperature=TEMPERATURE, top_p=TOP_P)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, tokens_b, position, cache, key):
+        m = nnx.merge(graphdef, state)
+        positions = jnp.full((tokens_b.shape[0], 1), position, jnp.int32)
+        h, cache, _ = m.hidden(tokens_b[:, None], positions, cache, position, seq_len)
+        return sample(m.logits(h)[:, 0], jax.random.fold_in(key, position), params), cache
+
+    prompts = [tokenizer.encode(t) for t in prompt_texts(tokenizer)]
+    rng = np.random.default_rng([seed, 2])
+    eos = set(tokenizer.eos_ids)
+    out = np.zeros((n, seq_len), np.int32)
+    starts = range(0, n, batch)
+    if progress:
+        from tqdm import tqdm
+
+        starts = tqdm(starts, desc="teacher samples", unit="batch")
+    for start in starts:
+        rows = min(batch, n - start)
+        pending = [list(prompts[int(rng.integers(len(prompts)))]) for _ in range(rows)]
+        cache = init_cache(model.config, batch=rows, max_len=seq_len, dtype=model.dtype)
+        key = jax.random.key(int(rng.integers(1 << 31)))
+        seqs = np.zeros((rows, seq_len), np.int32)
+        for r in range(rows):
+            seqs[r, 0] = pending[r].pop(0)
+        for pos in range(seq_len - 1):
+            sampled, cache = step(state, jnp.asarray(seqs[:, pos]), np.int32(pos), cache, key)
+            sampled = np.asarray(sampled)
+            for r in range(rows):
+                if pending[r]:
+                    seqs[r, pos + 1] = pending[r].pop(0)
+                    continue
+                seqs[r, pos + 1] = sampled[r]
+                if int(sampled[r]) in eos:
+                    pending[r] = list(prompts[int(rng.integers(len(prompts)))])
+        out[start:start + rows] = seqs
+    return out
