@@ -58,6 +58,8 @@ NOT_RUN = {
     "peers_powerinfer": "needs a PowerInfer source tree (--powerinfer-src; no download here) and "
                         "builds it (experiments/peers_powerinfer_build.sh): run by hand",
     "plots": "figure script (run after the experiments)",
+    "sparsify_curve": "rows of a finished `python -m powerinfer_jax.sparsify` run (hours of "
+                      "training on 2 cores): run by hand on its output directory",
     "report": "writes REPORT.md (run last)",
     "run_all": "this script",
 }

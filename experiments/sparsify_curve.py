@@ -40,13 +40,12 @@ _DENSE_CACHE: dict = {}
 def _ppl(model_arg, sparsity, ids, threads):
     from powerinfer_jax import evaluate
     from powerinfer_jax.config import RuntimeConfig
-    from powerinfer_jax.runtime.session import open_session
+    from powerinfer_jax.runtime.session import build
 
-    s = open_session(str(model_arg), RuntimeConfig(dtype="float32", threads=threads), sparsity,
-                     progress=False)
+    s = build(str(model_arg), RuntimeConfig(dtype="float32", threads=threads), sparsity,
+              progress=False)
     t0 = time.perf_counter()
     res = evaluate.perplexity(s.model, ids, ctx=FINAL_CTX, max_chunks=FINAL_CHUNKS,
-                              sparsity=sparsity, thresholds=s.thresholds,
                               oracle_thresholds=s.oracle_thresholds)
     res["eval_s"] = round(time.perf_counter() - t0, 1)
     return res

@@ -15,6 +15,7 @@ from flax import nnx
 from helpers_models import CORPUS, save_hf_llama, save_hf_opt, tiny_llama_config
 from powerinfer_jax.checkpoint import load_checkpoint
 from powerinfer_jax.config import SparsityConfig
+from powerinfer_jax.sparsity.modes import configure
 from powerinfer_jax.errors import UserError
 from powerinfer_jax.models.transformer import Transformer, from_params
 from powerinfer_jax.sparsify import DistillConfig, build_artifacts, distill
@@ -179,9 +180,8 @@ def test_curve_eval_matches_the_models_oracle_mode():
     thr = np.full(config.n_layers, 0.05, np.float32)
     ours = perplexity(student, fw.student_spec(config, "threshold", 0.5), chunks, thr)
     model = from_params(config, params, kernels="xla")
-    ref = evaluate.perplexity(model, chunks.reshape(-1), ctx=24, max_chunks=3,
-                              sparsity=SparsityConfig(mode="oracle", impl="reference"),
-                              thresholds=tuple(float(t) for t in thr))
+    configure(model, SparsityConfig(mode="oracle", impl="reference"), thresholds=thr)
+    ref = evaluate.perplexity(model, chunks.reshape(-1), ctx=24, max_chunks=3)
     assert ours["ppl"] == pytest.approx(ref["ppl"], rel=1e-4)
     assert ours["ffn_sparsity"] == pytest.approx(ref["ffn_sparsity"], abs=1e-4)
 

@@ -90,7 +90,7 @@ def generate_samples(model, tokenizer, *, n: int, seq_len: int, seed: int, batch
     def step(state, tokens_b, position, cache, key):
         m = nnx.merge(graphdef, state)
         positions = jnp.full((tokens_b.shape[0], 1), position, jnp.int32)
-        h, cache, _ = m.hidden(tokens_b[:, None], positions, cache, position, seq_len)
+        h, cache = m.hidden(tokens_b[:, None], positions, cache, position, seq_len)
         return sample(m.logits(h)[:, 0], jax.random.fold_in(key, position), params), cache
 
     prompts = [tokenizer.encode(t) for t in prompt_texts(tokenizer)]
