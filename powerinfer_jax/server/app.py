@@ -216,9 +216,17 @@ async def _generate(state: ServerState, request: Request, *, chat: bool):
     reply = P.Reply(chat, state.model_name)
     watch = asyncio.ensure_future(_disconnected(request))
     if s.stream:
-        return StreamingResponse(_stream(state, job, reply, s, watch, path, arrived),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        end = {"status": 499}  # set to 200 (or an engine error's status) by the stream
+
+        def cleanup():
+            watch.cancel()
+            state.worker.cancel(job)  # a no-op for a finished job; frees the slot otherwise
+            state.count(path, end["status"])
+            if end["status"] == 200:
+                state.metrics.latency.labels(_ENDPOINTS[path]).observe(
+                    time.perf_counter() - arrived)
+
+        return _EventStream(_stream(job, reply, s, watch, end), cleanup)
     try:
         while True:
             ev = await _next(job, watch)
@@ -237,42 +245,50 @@ async def _generate(state: ServerState, request: Request, *, chat: bool):
         state.worker.cancel(job)  # a no-op for a finished job; frees the slot otherwise
 
 
-async def _stream(state, job, reply, s: P.Sampling, watch, path, arrived):
-    status = 499  # unless the stream completes
+class _EventStream(StreamingResponse):
+    """Server-sent events whose cleanup runs however the response ends: completed, the client
+    gone mid-stream, or cancelled before the first chunk (when the generator never starts)."""
+
+    def __init__(self, events, cleanup: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._cleanup = cleanup
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._cleanup()
+
+
+async def _stream(job, reply, s: P.Sampling, watch, end: dict):
     held = None  # an event read ahead while merging text pieces
-    try:
-        if reply.chat:
-            yield _sse(reply.chunk(first=True))
-        while True:
-            ev, held = (held, None) if held is not None else (await _next(job, watch), None)
-            if ev is None:
-                return
-            if ev[0] == "text":
-                text = ev[1]
-                while held is None and not job.events.empty():  # a slow reader: merge pieces
-                    nxt = job.events.get_nowait()
-                    if nxt[0] == "text":
-                        text += nxt[1]
-                    else:
-                        held = nxt
-                yield _sse(reply.chunk(text))
-                continue
-            if ev[0] == "done":
-                yield _sse(reply.chunk(outcome=ev[1]))
-                if s.include_usage:
-                    yield _sse(reply.usage_chunk(ev[1]))
-                status = 200
-            else:  # the headers are sent: the error goes in the stream, as OpenAI does
-                status = ev[1]
-                yield _sse(P.ApiError(ev[1], ev[2]).body())
-            yield "data: [DONE]\n\n"
+    if reply.chat:
+        yield _sse(reply.chunk(first=True))
+    while True:
+        ev, held = (held, None) if held is not None else (await _next(job, watch), None)
+        if ev is None:  # the client went away
             return
-    finally:
-        watch.cancel()
-        state.worker.cancel(job)
-        state.count(path, status)
-        if status == 200:
-            state.metrics.latency.labels(_ENDPOINTS[path]).observe(time.perf_counter() - arrived)
+        if ev[0] == "text":
+            text = ev[1]
+            while held is None and not job.events.empty():  # a slow reader: merge pieces
+                nxt = job.events.get_nowait()
+                if nxt[0] == "text":
+                    text += nxt[1]
+                else:
+                    held = nxt
+            yield _sse(reply.chunk(text))
+            continue
+        if ev[0] == "done":
+            yield _sse(reply.chunk(outcome=ev[1]))
+            if s.include_usage:
+                yield _sse(reply.usage_chunk(ev[1]))
+            end["status"] = 200
+        else:  # the headers are sent: the error goes in the stream, as OpenAI does
+            end["status"] = ev[1]
+            yield _sse(P.ApiError(ev[1], ev[2]).body())
+        yield "data: [DONE]\n\n"
+        return
 
 
 def _sse(obj: dict) -> str:

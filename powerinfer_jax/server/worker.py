@@ -104,6 +104,7 @@ class Worker:
         self._cv = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: dict[int, Job] = {}  # slot -> job; written by the engine thread, locked
+        self._starting = 0  # jobs taken from the queue whose prefill has not finished
         self._closing = False
         self._deadline = 0.0
         self._sched = Scheduler(engine)
@@ -128,7 +129,8 @@ class Worker:
         with self._cv:
             if self._closing:
                 raise Unavailable("the server is shutting down")
-            if len(self._running) + len(self._waiting) >= self.engine.max_batch + self.queue_size:
+            held = len(self._running) + self._starting + len(self._waiting)
+            if held >= self.engine.max_batch + self.queue_size:
                 raise Overloaded(f"all {self.engine.max_batch} slots are busy and "
                                  f"{len(self._waiting)} requests are waiting (--queue "
                                  f"{self.queue_size}); retry later")
@@ -180,6 +182,7 @@ class Worker:
                 admit = []
                 while self._waiting and len(self._running) + len(admit) < self.engine.max_batch:
                     admit.append(self._waiting.popleft())
+                self._starting = len(admit)
                 self.metrics.queue_length.set(len(self._waiting))
             try:
                 self._iterate(admit)
@@ -209,11 +212,15 @@ class Worker:
                 job.fail(500, "engine error while prefilling the prompt")
                 with self._cv:  # the others never started: they wait for the reset engine
                     self._waiting.extendleft(reversed(admit[i + 1:]))
+                    self._starting = 0
                 raise
             job.slot = slot
             with self._cv:
                 self._running[slot] = job
+                self._starting -= 1
             self.metrics.prompt_tokens.inc(len(job.request.prompt_ids))
+        with self._cv:
+            self._starting = 0  # the cancelled and the refused ones
         if not self._sched.live:
             return
         self.metrics.step_sequences.observe(self._sched.live)
