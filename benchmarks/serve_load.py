@@ -163,6 +163,31 @@ async def run_level(url: str, prompts, concurrency: int, per_client: int, new_to
             "stream_decode_tok_s_median": statistics.median(dec) if dec else None}
 
 
+ENGINE_COUNTERS = ("pij_decode_step_seconds_sum", "pij_decode_step_seconds_count",
+                   "pij_prefill_seconds_sum", "pij_prefill_seconds_count",
+                   "pij_decode_step_sequences_sum")
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """Our server's engine-thread counters from /metrics (where a level's wall time went)."""
+    out = dict.fromkeys(ENGINE_COUNTERS, 0.0)
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in out:
+            out[name] = float(value)
+    return out
+
+
+def breakdown(before: dict, after: dict, wall: float) -> dict:
+    d = {k: after[k] - before[k] for k in ENGINE_COUNTERS}
+    steps = d["pij_decode_step_seconds_count"]
+    return {"decode_steps": steps, "decode_s": d["pij_decode_step_seconds_sum"],
+            "mean_step_ms": 1e3 * d["pij_decode_step_seconds_sum"] / steps if steps else None,
+            "mean_sequences_per_step": d["pij_decode_step_sequences_sum"] / steps if steps else None,
+            "prefills": d["pij_prefill_seconds_count"], "prefill_s": d["pij_prefill_seconds_sum"],
+            "other_s": wall - d["pij_decode_step_seconds_sum"] - d["pij_prefill_seconds_sum"]}
+
+
 def pct(sorted_values: list[float], q: float):
     """Nearest-rank percentile (None for no values)."""
     if not sorted_values:
@@ -263,8 +288,12 @@ def main(argv=None) -> None:
             for c in args.concurrency:
                 for s in servers:
                     load0 = os.getloadavg()[0]
+                    before = engine_counters(s.url) if s.name == OURS else None
                     res = asyncio.run(run_level(s.url, prompts, c, args.requests_per_client,
                                                 args.new_tokens))
+                    if before is not None:
+                        res["engine_thread"] = breakdown(before, engine_counters(s.url),
+                                                         res["wall_s"])
                     row = {**head, "system": s.name, "round": rnd, "warmup": rnd == 0,
                            "concurrency": c, **res, "loadavg_1m": [load0, os.getloadavg()[0]]}
                     print(f"round {rnd} {s.name:15s} C={c:3d} {res['agg_tok_s']:7.1f} tok/s "

@@ -157,7 +157,8 @@ def test_models_health_and_metrics(client, server):
     text = httpx.get(server.url + "/metrics").text
     for name in ("pij_prompt_tokens_total", "pij_request_latency_seconds_bucket",
                  "pij_time_to_first_token_seconds_count", "pij_slots_busy", "pij_slots_total 4.0",
-                 "pij_queue_length", "pij_decode_step_sequences_bucket"):
+                 "pij_queue_length", "pij_decode_step_sequences_bucket",
+                 "pij_decode_step_seconds_count", "pij_prefill_seconds_count"):
         assert name in text
 
 

@@ -38,6 +38,13 @@ class Metrics:
         self.queue_length = prom.Gauge("pij_queue_length", "Requests waiting for a free slot",
                                        registry=r)
         self.decode_steps = prom.Counter("pij_decode_steps", "Batched decode steps", registry=r)
+        self.step_seconds = prom.Histogram(
+            "pij_decode_step_seconds", "Wall time of one batched decode step (Scheduler.step: "
+            "the device step, reading its tokens, detokenizing)", buckets=_TTFT_BUCKETS,
+            registry=r)
+        self.prefill_seconds = prom.Histogram(
+            "pij_prefill_seconds", "Wall time of prefilling one prompt into a slot (decode steps "
+            "wait meanwhile)", buckets=_TTFT_BUCKETS, registry=r)
         self.step_sequences = prom.Histogram(
             "pij_decode_step_sequences", "Sequences advanced together by one decode step",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)

@@ -70,8 +70,15 @@ class _Generation(_Strict):
     stop: Any = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=1)] | None = None
+    n: Any = None
     ignore_eos: bool | None = None
+
+    @field_validator("n", mode="plain")
+    @classmethod
+    def _n(cls, v):
+        if v is None or (type(v) is int and v == 1):
+            return v
+        raise ValueError("1 (one choice per request; send several requests for more)")
 
     @field_validator("stop", mode="plain")
     @classmethod
@@ -103,15 +110,20 @@ class CompletionRequest(_Generation):
                          "(several prompts per request are not supported)")
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Any = None  # text, or a list of text parts joined
     name: str | None = None
+
+    @field_validator("content", mode="plain")
+    @classmethod
+    def _content(cls, v):
+        if v is None or isinstance(v, str):
+            return v or ""
+        if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                       and isinstance(p.get("text"), str) for p in v):
+            return "".join(p["text"] for p in v)
+        raise ValueError('a string or a list of text parts ({"type": "text", "text": "..."})')
 
 
 class ChatRequest(_Generation):
@@ -159,13 +171,8 @@ def sampling(req: _Generation) -> Sampling:
 
 def chat_messages(req: ChatRequest) -> list[dict]:
     """Messages as the chat template takes them ({"role", "content": str})."""
-    out = []
-    for m in req.messages:
-        content = m.content if isinstance(m.content, str) or m.content is None else "".join(
-            p.text for p in m.content)
-        out.append({"role": "system" if m.role == "developer" else m.role,
-                    "content": content or ""})
-    return out
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
+            for m in req.messages]
 
 
 def _same(a, b) -> bool:
@@ -192,8 +199,15 @@ def _describe(err: dict) -> tuple[str, str, str]:
         return f"body: expected a JSON object, got invalid JSON ({msg})", "body", "invalid_json"
     if err["type"] == "model_type":
         return f"{param}: expected a JSON object, got {_short(err['input'])}", param, "invalid_type"
-    return f"{param}: expected {msg[0].lower()}{msg[1:]}, got {_short(err['input'])}", param, \
-        "invalid_value"
+    ctx = err.get("ctx") or {}
+    if err["type"] == "too_short":
+        rule = f"at least {ctx.get('min_length')} item(s)"
+    elif err["type"] == "too_long":
+        rule = f"at most {ctx.get('max_length')} item(s)"
+    else:
+        rule = msg.removeprefix("Input should be ")
+        rule = rule[0].lower() + rule[1:] if rule else rule
+    return f"{param}: expected {rule}, got {_short(err['input'])}", param, "invalid_value"
 
 
 # ---------------------------------------------------------------------------- responses

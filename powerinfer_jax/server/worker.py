@@ -205,6 +205,7 @@ class Worker:
             try:
                 job.admitted = time.perf_counter()
                 slot = self._sched.add(job.request, tag=job)
+                self.metrics.prefill_seconds.observe(time.perf_counter() - job.admitted)
             except UserError as e:  # a request the handler's checks let through
                 job.fail(400, str(e))
                 continue
@@ -224,7 +225,9 @@ class Worker:
         if not self._sched.live:
             return
         self.metrics.step_sequences.observe(self._sched.live)
+        t0 = time.perf_counter()
         finished = self._sched.step()
+        self.metrics.step_seconds.observe(time.perf_counter() - t0)
         self.metrics.decode_steps.inc()
         for job, result in finished:
             self._release(job.slot)
