@@ -262,6 +262,11 @@ class Engine:
                                      max_len=self.max_seq_len, dtype=self.cache_dtype)
         return self._cache
 
+    def reset_cache(self) -> None:
+        """Drop the KV cache (made afresh on next use). After a failed step, which may have
+        consumed the donated cache, every slot starts over (the server's recovery path)."""
+        self._cache = None
+
     def prefill_slot(self, slot: int, r: Request):
         """Prefill `r`'s prompt into cache row `slot`; returns its first token (a device scalar)."""
         n = len(r.prompt_ids)

@@ -1,0 +1,70 @@
+"""An OpenAI-compatible HTTP server with continuous batching.
+
+    python -m powerinfer_jax.serve --model smollm2-135m --dtype bfloat16 --threads 2 --parallel 8
+
+Endpoints: POST /v1/completions and /v1/chat/completions (OpenAI's request and response shapes,
+server-sent events with "stream": true, llama-server's `timings`), GET /v1/models, GET /health
+(503 while the model loads, then 200) and GET /metrics (Prometheus). --parallel sequences share
+each decode step; up to --queue more wait for a slot, beyond that requests get 429. SIGINT/SIGTERM:
+queued requests get 503, running ones --shutdown-grace seconds to finish, then the server exits.
+The app lives in powerinfer_jax/server/.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from powerinfer_jax import _cli
+from powerinfer_jax.errors import check_positive_int, fail
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m powerinfer_jax.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _cli.add_common_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8080, help="(default: %(default)s)")
+    p.add_argument("--parallel", type=int, default=4,
+                   help="sequence slots decoded together (the engine's max_batch; each holds a "
+                        "KV cache of --max-seq-len) (default: %(default)s)")
+    p.add_argument("--queue", type=int, default=64,
+                   help="requests that may wait for a free slot; more get 429 (default: "
+                        "%(default)s)")
+    p.add_argument("--alias", default=None,
+                   help="the model's name in the API (default: --model as given)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile the decode step for every batch size before answering /health "
+                        "200 (default: on)")
+    p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
+                   help="on SIGINT/SIGTERM, seconds running requests may take to finish before "
+                        "they are cancelled (default: %(default)s)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    check_positive_int("--parallel", args.parallel, maximum=256)
+    if not isinstance(args.queue, int) or args.queue < 0:
+        fail("--queue", "an integer >= 0", args.queue)
+    if not 0 < args.port < 65536:
+        fail("--port", "an integer in [1, 65535]", args.port)
+    if args.shutdown_grace < 0:
+        fail("--shutdown-grace", "seconds >= 0", args.shutdown_grace)
+    _cli.setup(args)  # pin --threads before anything starts XLA
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+
+    from powerinfer_jax.server import Server, create_app
+
+    app = create_app(lambda: _cli.build_from_args(args, max_batch=args.parallel),
+                     slots=args.parallel, model_name=args.alias, queue_size=args.queue,
+                     warmup=("greedy",) if args.warmup else ())
+    Server(app, host=args.host, port=args.port, grace_s=args.shutdown_grace,
+           log_level=args.log_level).run()
+    if app.state.pij.load_error is not None:  # a bad --model: one line on stderr, status 2
+        raise app.state.pij.load_error
+
+
+if __name__ == "__main__":
+    _cli.run_main(main)

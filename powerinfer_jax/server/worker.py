@@ -1,0 +1,264 @@
+"""The engine thread: one Scheduler (continuous batching) driven by one thread, fed by the event loop.
+
+Request handlers, on the asyncio event loop, `submit` a Job. The engine thread moves waiting jobs
+into free slots between decode steps (`Scheduler.add` prefills them), advances every live sequence
+by one token per step, and sends each job's text pieces and its end back to the loop with
+`loop.call_soon_threadsafe`. A handler whose client went away `cancel`s its job: the engine thread
+frees the slot before its next step. The queue is bounded: `submit` refuses a job when every slot
+is busy and `queue_size` jobs already wait (the handler answers 429).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Sequence
+
+from powerinfer_jax.api import _StopText
+from powerinfer_jax.config import SamplingParams
+from powerinfer_jax.errors import UserError
+from powerinfer_jax.runtime.decode import GenerationResult, Request, Scheduler
+
+log = logging.getLogger("powerinfer_jax.server")
+
+
+class Overloaded(Exception):
+    """Every slot is busy and the queue is full (HTTP 429)."""
+
+
+class Unavailable(Exception):
+    """The server is shutting down (HTTP 503)."""
+
+
+@dataclasses.dataclass
+class Outcome:
+    """A finished job: its text, tokens and timings."""
+
+    text: str
+    result: GenerationResult
+    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens)
+    queued_s: float  # arrival to the prefill's start
+
+
+class Job:
+    """One request's generation. Its events, in order, on `events` (an asyncio.Queue read on the
+    loop): ("text", piece)* (streaming only) then ("done", Outcome) or ("error", status, message).
+    Created on the event loop's thread."""
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], *, max_tokens: int,
+                 sampling: SamplingParams, seed: int, stop: Sequence[str], ignore_eos: bool,
+                 stream: bool, metrics=None):
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.metrics = metrics
+        self.text = _StopText(tokenizer, stop, self._post_text if stream else None)
+        eos = () if ignore_eos else tokenizer.eos_ids
+        self.request = Request(list(prompt_ids), max_tokens, sampling, seed, eos, self._on_token)
+        self.arrived = time.perf_counter()
+        self.admitted: float | None = None
+        self.first_token: float | None = None
+        self.cancelled = False  # set by the loop (client gone), read by the engine thread
+        self.slot: int | None = None
+
+    # ------------------------------------------------------------------ engine thread
+    def _post(self, event: tuple) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _post_text(self, piece: str) -> None:
+        self._post(("text", piece))
+
+    def _on_token(self, token: int) -> bool:
+        if self.first_token is None:
+            self.first_token = time.perf_counter()
+            if self.metrics is not None:
+                self.metrics.ttft.observe(self.first_token - self.arrived)
+        if self.metrics is not None:
+            self.metrics.generated_tokens.inc()
+        if self.cancelled:
+            return True
+        return self.text.feed(token)
+
+    def finish(self, result: GenerationResult) -> None:
+        self.text.finish()
+        reason = "stop" if self.text.stopped or result.stop_reason == "eos" else "length"
+        queued = (self.admitted or self.arrived) - self.arrived
+        self._post(("done", Outcome(self.text.text, result, reason, queued)))
+
+    def fail(self, status: int, message: str) -> None:
+        self._post(("error", status, message))
+
+
+class Worker:
+    """Owns the Scheduler and the thread that drives it."""
+
+    def __init__(self, engine, metrics, *, queue_size: int):
+        self.engine = engine
+        self.metrics = metrics
+        self.queue_size = queue_size
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: dict[int, Job] = {}  # slot -> job; written by the engine thread, locked
+        self._starting = 0  # jobs taken from the queue whose prefill has not finished
+        self._closing = False
+        self._deadline = 0.0
+        self._sched = Scheduler(engine)
+        self._thread = threading.Thread(target=self._loop, name="pij-engine", daemon=True)
+
+    # ------------------------------------------------------------------ any thread
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def busy(self) -> int:
+        with self._cv:
+            return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        with self._cv:
+            return len(self._waiting)
+
+    def submit(self, job: Job) -> None:
+        """Queue `job` for the next free slot; Overloaded when slots and queue are full."""
+        with self._cv:
+            if self._closing:
+                raise Unavailable("the server is shutting down")
+            held = len(self._running) + self._starting + len(self._waiting)
+            if held >= self.engine.max_batch + self.queue_size:
+                raise Overloaded(f"all {self.engine.max_batch} slots are busy and "
+                                 f"{len(self._waiting)} requests are waiting (--queue "
+                                 f"{self.queue_size}); retry later")
+            job.metrics = self.metrics
+            self._waiting.append(job)
+            self.metrics.queue_length.set(len(self._waiting))
+            self._cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The job's client went away: drop it from the queue, or free its slot before the next
+        decode step."""
+        with self._cv:
+            job.cancelled = True
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self.metrics.queue_length.set(len(self._waiting))
+            self._cv.notify()
+
+    def shutdown(self, grace_s: float = 0.0) -> None:
+        """Stop taking jobs and answer the queued ones 503 now; running sequences may finish
+        within `grace_s` seconds, then the rest are cancelled (503) and the thread exits."""
+        with self._cv:
+            now = time.perf_counter()
+            self._deadline = min(self._deadline, now + grace_s) if self._closing else now + grace_s
+            self._closing = True
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            self.metrics.queue_length.set(0)
+            self._cv.notify()
+        for job in waiting:
+            job.fail(503, "the server is shutting down")
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the engine thread to exit; True when it has."""
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # ------------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._waiting or self._running or self._closing):
+                    self._cv.wait()
+                if self._closing and (not self._running or time.perf_counter() >= self._deadline):
+                    ending = list(self._running.values())
+                    self._running.clear()
+                    break
+                admit = []
+                while self._waiting and len(self._running) + len(admit) < self.engine.max_batch:
+                    admit.append(self._waiting.popleft())
+                self._starting = len(admit)
+                self.metrics.queue_length.set(len(self._waiting))
+            try:
+                self._iterate(admit)
+            except Exception as e:  # a bug in the engine: fail what it held, keep serving
+                self._engine_failed(e)
+            self.metrics.slots_busy.set(len(self._running))
+        for job in ending:
+            self._sched.cancel(job.slot)
+            job.fail(503, "the server shut down before the request finished")
+        self.metrics.slots_busy.set(0)
+
+    def _iterate(self, admit: list[Job]) -> None:
+        for slot, job in list(self._running.items()):
+            if job.cancelled:
+                self._sched.cancel(slot)
+                self._release(slot)
+        for i, job in enumerate(admit):
+            if job.cancelled:
+                continue
+            try:
+                job.admitted = time.perf_counter()
+                slot = self._sched.add(job.request, tag=job)
+                self.metrics.prefill_seconds.observe(time.perf_counter() - job.admitted)
+            except UserError as e:  # a request the handler's checks let through
+                job.fail(400, str(e))
+                continue
+            except Exception:
+                job.fail(500, "engine error while prefilling the prompt")
+                with self._cv:  # the others never started: they wait for the reset engine
+                    self._waiting.extendleft(reversed(admit[i + 1:]))
+                    self._starting = 0
+                raise
+            job.slot = slot
+            with self._cv:
+                self._running[slot] = job
+                self._starting -= 1
+            self.metrics.prompt_tokens.inc(len(job.request.prompt_ids))
+        with self._cv:
+            self._starting = 0  # the cancelled and the refused ones
+        if not self._sched.live:
+            return
+        self.metrics.step_sequences.observe(self._sched.live)
+        t0 = time.perf_counter()
+        finished = self._sched.step()
+        self.metrics.step_seconds.observe(time.perf_counter() - t0)
+        self.metrics.decode_steps.inc()
+        for job, result in finished:
+            self._release(job.slot)
+            if not job.cancelled:
+                job.finish(result)
+
+    def _release(self, slot: int) -> None:
+        with self._cv:
+            self._running.pop(slot, None)
+
+    def _engine_failed(self, e: Exception) -> None:
+        log.exception("engine failure; failing the running requests and resetting the engine")
+        with self._cv:
+            jobs = list(self._running.values())
+            self._running.clear()
+        for job in jobs:
+            job.fail(500, f"engine error: {type(e).__name__}: {e}")
+        self._sched = Scheduler(self.engine)
+        self.engine.reset_cache()  # a failed step may have consumed (donated) the cache
+
+
+def warm_up(engine, kinds: Sequence[str] = ("greedy",)) -> None:
+    """Compile the shortest prompt bucket and every batch bucket's first cache bucket before
+    serving, by running throwaway one-token prompts through a Scheduler (so the first requests do
+    not wait for compilation). kinds: "greedy" and/or "sample"."""
+    params = {"greedy": SamplingParams(), "sample": SamplingParams(temperature=1.0)}
+    buckets = sorted({engine.batch_bucket(n) for n in range(1, engine.max_batch + 1)})
+    for kind in kinds:
+        for b in buckets:
+            sched = Scheduler(engine)
+            for _ in range(b):
+                sched.add(Request([0], 2, params[kind]))
+            while sched.live:
+                sched.step()
