@@ -63,7 +63,8 @@ class Session:
                 "predictor": self.sparsity.predictor if self.sparsity.mode == "predictor" else None,
                 "gate_up": self.sparsity.gate_up if self.sparsity.mode == "predictor" else None,
                 "kernels": self.model.kernels, "max_seq_len": kv_length(self.config, self.runtime),
-                "placement": None if self.placement is None else self.placement.summary()}
+                "placement": None if self.placement is None else self.placement.summary(),
+                "devices": self.runtime.devices}
 
 
 def kv_length(config: ModelConfig, runtime: RuntimeConfig) -> int:
@@ -97,7 +98,15 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     # The default budget is read before any weight is on the device.
     accel = _accelerator()
     default_budget = None
-    if accel is not None and placement.budget_bytes is None:
+    shards = runtime.devices or 1
+    if runtime.devices is not None:
+        from powerinfer_jax.runtime.mesh import check_divisible, make_mesh
+
+        make_mesh(shards)  # fail on a bad device count before loading anything heavy
+        check_divisible(ckpt.config, shards)
+    # A mesh spreads the model over its devices: no default GPU placement (--vram-budget still
+    # places, per mesh: hot rows split over the devices, cold rows on the host).
+    if accel is not None and placement.budget_bytes is None and runtime.devices is None:
         from powerinfer_jax.runtime.placing import default_budget_bytes
 
         default_budget = default_budget_bytes()
@@ -110,8 +119,12 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
         arts = _artifacts(model, ckpt, m, sparsity, artifacts_root, progress)
         modes.configure(m, sparsity, arts)
         placed = _place(model, ckpt, m, runtime, sparsity, placement, artifacts_root,
-                        default_budget)
-    if accel is not None:
+                        default_budget, shards)
+    if runtime.devices is not None:
+        from powerinfer_jax.runtime.mesh import shard_model
+
+        shard_model(m, runtime.devices)
+    elif accel is not None:
         _to_accelerator(m, accel)
     return Session(config=ckpt.config, model=m, tokenizer=ckpt.tokenizer, runtime=runtime,
                    sparsity=sparsity, source=str(ckpt.source), model_arg=str(model),
@@ -169,7 +182,8 @@ def _to_accelerator(m, device) -> None:
     nnx.update(m, jax.device_put(nnx.state(m), device))
 
 
-def _place(model_arg, ckpt, m, runtime, sparsity, placement, artifacts_root, default_budget):
+def _place(model_arg, ckpt, m, runtime, sparsity, placement, artifacts_root, default_budget,
+           shards=1):
     from powerinfer_jax.config import DEFAULT_TARGET_SPARSITY
     from powerinfer_jax.runtime.placing import place_model
     from powerinfer_jax.sparsity.artifacts import artifacts_root as default_root
@@ -182,4 +196,4 @@ def _place(model_arg, ckpt, m, runtime, sparsity, placement, artifacts_root, def
     return place_model(m, placement, kv_len=kv_length(ckpt.config, runtime),
                        model_fingerprint=model_fingerprint(model_arg, ckpt.source, ckpt.config),
                        artifacts_dir=target_dir(root, target), cache_dir=root,
-                       default_budget=default_budget)
+                       default_budget=default_budget, shards=shards)
