@@ -39,6 +39,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help=f"KV cache length (default: min(model context, {DEFAULT_CONTEXT_CAP}))")
+    p.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="tensor parallel over the first N devices: attention heads and FFN "
+                        "neurons split across them (default: one device; on a CPU, "
+                        "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N devices)")
     p.add_argument("--artifacts", default=None, metavar="DIR",
                    help="sparsity artifacts root, as written by calibrate --out (default: next to "
                         "the model; for a registry model in its cache directory)")
@@ -115,7 +119,8 @@ def setup(args) -> int:
 
 def configs_from_args(args, **runtime_fields) -> tuple[RuntimeConfig, SparsityConfig]:
     runtime = RuntimeConfig(dtype=args.dtype, threads=args.threads, max_seq_len=args.max_seq_len,
-                            kernels=args.kernels, weights=args.weights, **runtime_fields)
+                            kernels=args.kernels, weights=args.weights,
+                            devices=getattr(args, "devices", None), **runtime_fields)
     target = args.target_sparsity
     sparsity = SparsityConfig(mode=args.sparsity, threshold=args.threshold, impl=args.impl,
                               predictor=getattr(args, "predictor", "q4"), gate_up=args.gate_up,

@@ -218,9 +218,13 @@ class RuntimeConfig:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    # tensor parallel over the first `devices` devices (runtime/mesh.py); None: one device
+    devices: int | None = None
 
     def __post_init__(self):
         _check_choice("--dtype", self.dtype, DTYPES)
+        if self.devices is not None:
+            _check_positive("--devices", self.devices)
         _check_choice("--kernels", self.kernels, KERNELS)
         _check_choice("RuntimeConfig.decode_attention", self.decode_attention, ("auto", "xla"))
         _check_choice("--weights", self.weights, WEIGHTS)

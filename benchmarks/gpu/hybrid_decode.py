@@ -4,12 +4,14 @@ fractions of the FFN bytes (issue 5's benchmark). Needs a GPU and the PIJ_CUDA=O
 SYNTHETIC: the weights are random (no checkpoint can reach the GPU machine), and the active
 neurons are not predicted from the weights. Each layer gets a `SampledMasks` predictor: neuron i is
 active for a token with probability freq[l, i], drawn inside the jitted step from the token's own
-hidden state, so every token and layer draws a fresh mask. freq is SmolLM2-135M's profiled
-activation frequency (benchmarks/gpu/smollm2_frequency.npz, from `python -m
-powerinfer_jax.calibrate` at the named sparsity target): as is for the SmolLM2 shapes, and for the
-Llama-2-7B shapes each layer's sorted frequencies are resampled to 11008 neurons (the layer of the
-same relative depth) and assigned to neurons in a random order. The placement sees the same freq,
-as it would see a real profile.
+hidden state, so every token and layer draws a fresh mask. freq comes from an activation profile
+(--profile, benchmarks/gpu/synthetic.py `load_profile`): by default SmolLM2-135M's profiled
+frequencies (benchmarks/gpu/smollm2_frequency.npz, from `python -m powerinfer_jax.calibrate` at
+target 0.50 or 0.80), or any profile npz, e.g. a sparsified model's
+`sparsity/target_*/profile.npz`, whose neurons fire with more locality. As is when the profile has
+the model's shape; otherwise each layer's sorted frequencies are resampled to the model's neurons
+(the layer of the same relative depth) and assigned to neurons in a random order. The placement
+sees the same freq, as it would see a real profile.
 
 Every configuration runs the framework's own path: Transformer, placement (sparsity/placement.py),
 apply_placement (hot-first permutation; cold rows registered once in the CUDA module's host store)
@@ -30,6 +32,7 @@ work overlap when the full call takes less than the sum of the two parts.
 
   python benchmarks/gpu/hybrid_decode.py --shapes llama2-7b --budgets 0.1 0.25 0.5 1.0 \
       --out benchmarks/gpu_hybrid.jsonl --commit $(git rev-parse --short HEAD)
+  python benchmarks/gpu/hybrid_decode.py --profile path/to/target_0.50/profile.npz ...
 """
 from __future__ import annotations
 
@@ -45,26 +48,20 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _p in (str(REPO), str(Path(__file__).resolve().parent)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import synthetic  # noqa: E402
 from powerinfer_jax.config import ModelConfig, SparsityConfig  # noqa: E402
 
-SHAPES = {
-    "smollm2-135m": ModelConfig(arch="llama", vocab_size=49152, d_model=576, n_layers=30,
-                                n_heads=9, n_kv_heads=3, head_dim=64, d_ff=1536, max_seq_len=256,
-                                activation="silu", rope_theta=100000.0, tie_embeddings=True),
-    "llama2-7b": ModelConfig(arch="llama", vocab_size=32000, d_model=4096, n_layers=32,
-                             n_heads=32, n_kv_heads=32, head_dim=128, d_ff=11008,
-                             max_seq_len=256, activation="silu"),
-}
+SHAPES = synthetic.SHAPES
 MODES = ("all_gpu", "all_gpu_dense", "hybrid", "layers", "layers_dense")
-FREQ_FILE = Path(__file__).with_name("smollm2_frequency.npz")
 
 
 class SampledMasks(nnx.Module):
@@ -83,21 +80,6 @@ class SampledMasks(nnx.Module):
 
     def permute(self, perm) -> None:
         self.freq.set_value(self.freq[...][perm])
-
-
-def frequencies(shapes: str, cfg: ModelConfig, target: str, seed: int = 0) -> np.ndarray:
-    """[L, F] activation frequencies for the model shape (see the module docstring)."""
-    with np.load(FREQ_FILE) as z:
-        src = z[f"target_{target}"]
-    if src.shape == (cfg.n_layers, cfg.d_ff):
-        return src.astype(np.float64)
-    rng = np.random.default_rng(seed)
-    out = np.empty((cfg.n_layers, cfg.d_ff))
-    for l in range(cfg.n_layers):
-        s = np.sort(src[round(l * (src.shape[0] - 1) / max(1, cfg.n_layers - 1))])[::-1]
-        q = np.interp(np.linspace(0, 1, cfg.d_ff), np.linspace(0, 1, s.size), s)
-        out[l] = q[rng.permutation(cfg.d_ff)]
-    return out
 
 
 def build(cfg: ModelConfig, freq: np.ndarray, dtype, seed: int, sparsity):
@@ -143,8 +125,8 @@ def header(args, cfg) -> dict:
             "machine": {**_cli.machine_info(), "gpu": dev.device_kind,
                         "jax": jax.__version__},
             "threads": args.threads, "dtype": args.dtype, "model": f"{args.shapes} (synthetic)",
-            "synthetic": "random weights; masks sampled from SmolLM2-135M's profiled activation "
-                         f"frequencies (target {args.profile_target})"}
+            "synthetic": "random weights; masks sampled from the profiled activation "
+                         f"frequencies of {args.profile}"}
 
 
 def run_mode(args, cfg, freq, mode: str, frac: float | None) -> dict:
@@ -227,7 +209,12 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="host pool threads for the cold rows")
-    ap.add_argument("--profile-target", default="0.50", choices=["0.50", "0.80"])
+    ap.add_argument("--profile", default=None,
+                    help="activation profile npz: PATH (a profile.npz: counts / n_tokens, or a "
+                         "'frequency' array), PATH:KEY, or a key of the bundled SmolLM2 "
+                         "profiles (0.50, 0.80) (default: --profile-target's)")
+    ap.add_argument("--profile-target", default="0.50", choices=["0.50", "0.80"],
+                    help="the bundled SmolLM2 profile at this calibration target")
     ap.add_argument("--prompt-tokens", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
@@ -248,11 +235,14 @@ def main(argv=None) -> None:
         sys.exit("hybrid_decode: expected the PIJ_CUDA=ON build (see BUILD.md)")
     _ffi.set_num_threads(args.threads)  # the one pool, shared with the CUDA module
     cfg = SHAPES[args.shapes].replace(max_seq_len=args.max_seq_len)
-    freq = frequencies(args.shapes, cfg, args.profile_target)
+    src, args.profile = synthetic.load_profile(args.profile or args.profile_target)
+    freq = synthetic.frequencies(src, cfg)
     head = header(args, cfg)
     head["config"] = {"shapes": args.shapes, "n_layers": cfg.n_layers, "d_model": cfg.d_model,
                       "d_ff": cfg.d_ff, "mean_active_fraction": float(freq.mean()),
-                      "profile_target": args.profile_target,
+                      "profile": args.profile,
+                      "profile_target": None if ":target_" not in args.profile
+                      else args.profile.rsplit("target_", 1)[1],
                       "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                       "repeats": args.repeats}
     jobs = [(m, None) for m in args.modes if m.startswith("all_gpu")]

@@ -181,7 +181,9 @@ class Attention(nnx.Module):
         it keeps decode from reading the whole cache while sequences are short. Returns
         (y_btd, new_cache)."""
         b, t, _ = x_btd.shape
-        kh, g, h = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
+        # KV heads from the weights: on a mesh (runtime/mesh.py) this device's share of them
+        h, g = self.head_dim, self.n_heads // self.n_kv_heads
+        kh = self.k.weight.shape[0] // h
         if (cache is not None and kv_len is not None and t == 1 and self.decode_kernel
                 and jax.default_backend() == "cpu"):
             return self._decode_ffi(x_btd, positions_bt, cache, cache_index, kv_len)

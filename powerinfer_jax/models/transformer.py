@@ -53,12 +53,15 @@ class Block(nnx.Module):
         self.ffn_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps)
         self.ffn = FFN(d_model=c.d_model, d_ff=c.d_ff, activation=c.activation, gated=c.gated,
                        bias=c.bias, dtype=dtype, rngs=rngs, kernels=kernels)
+        # Tensor parallel (runtime/mesh.py): the mesh axis over which attention's and the FFN's
+        # outputs are partial sums (this device's heads / neurons), summed before the residual.
+        self.reduce_axis = None
 
     def __call__(self, x_btd, positions_bt, cache, cache_index, kv_len):
         attn_out, new_cache = self.attn(self.attn_norm(x_btd), positions_bt, cache, cache_index,
                                         kv_len)
         if not self.parallel:
-            x_btd = x_btd + attn_out
+            x_btd = x_btd + self._sum_shards(attn_out)
         ffn_in = self.ffn_norm(x_btd)
         sow(self, "ffn_in", ffn_in)
         token = _RESIDUAL.set(x_btd)
@@ -66,8 +69,12 @@ class Block(nnx.Module):
             ffn_out = self.ffn(ffn_in)
         finally:
             _RESIDUAL.reset(token)
-        out = x_btd + (attn_out + ffn_out) if self.parallel else x_btd + ffn_out
-        return out, new_cache
+        if self.parallel:  # Falcon: attention and FFN both read the block's input
+            return x_btd + self._sum_shards(attn_out + ffn_out), new_cache
+        return x_btd + self._sum_shards(ffn_out), new_cache
+
+    def _sum_shards(self, y):
+        return y if self.reduce_axis is None else jax.lax.psum(y, self.reduce_axis)
 
 
 class Transformer(nnx.Module):
@@ -92,6 +99,7 @@ class Transformer(nnx.Module):
         self.lm_head = (None if c.tie_embeddings else
                         Linear(c.d_model, c.vocab_size, bias=False, dtype=dtype, rngs=rngs,
                                kernels=kernels))
+        self.parallel = None  # runtime/mesh.py's TensorParallel once sharded over a mesh
 
     def hidden(self, tokens_bt, positions_bt, cache=None, cache_index=None, kv_len=None):
         """The final-norm hidden states [B, T, D] (float32) and the updated cache.
@@ -104,12 +112,16 @@ class Transformer(nnx.Module):
         x = self.embed(tokens_bt)
         if self.pos_embed is not None:
             x = x + self.pos_embed[...][positions_bt + self.config.position_offset].astype(F32)
-        new_cache = []
-        for i, layer in enumerate(self.layers):
-            x, layer_cache = layer(x, positions_bt, None if cache is None else cache[i],
-                                   cache_index, kv_len)
-            new_cache.append(layer_cache)
-        return self.final_norm(x), (None if cache is None else new_cache)
+        if self.parallel is None:
+            x, new_cache = run_layers(self.layers, x, positions_bt, cache, cache_index, kv_len)
+        else:  # each device runs the layers on its shard (runtime/mesh.py)
+            x, new_cache = self.parallel.run_layers(run_layers, self.layers, x, positions_bt,
+                                                    cache, cache_index, kv_len)
+        return self.final_norm(x), new_cache
+
+    def cache_sharding(self):
+        """How the KV cache is laid over the model's mesh (None: not sharded)."""
+        return None if self.parallel is None else self.parallel.cache_sharding()
 
     def embed(self, tokens_bt):
         """Token embeddings [B, T, D] float32 (a quantized table: only the gathered rows are
@@ -136,6 +148,16 @@ class Transformer(nnx.Module):
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         return self.logits(self.hidden(tokens_bt, positions_bt)[0])
+
+
+def run_layers(layers, x_btd, positions_bt, cache, cache_index, kv_len):
+    """The residual stream through every layer; returns (x, the updated cache or None)."""
+    new_cache = []
+    for i, layer in enumerate(layers):
+        x_btd, layer_cache = layer(x_btd, positions_bt, None if cache is None else cache[i],
+                                   cache_index, kv_len)
+        new_cache.append(layer_cache)
+    return x_btd, (None if cache is None else new_cache)
 
 
 def capture(fn, model, *args):

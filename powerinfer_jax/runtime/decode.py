@@ -105,6 +105,7 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.max_batch = max_batch
         self.cache_dtype = model.dtype
+        self._cache_sharding = model.cache_sharding()  # None unless sharded (runtime/mesh.py)
         self.compile_count = 0
         self.compile_s = 0.0
         self._executables: dict = {}
@@ -147,9 +148,14 @@ class Engine:
 
     # ------------------------------------------------------------------ compilation
     def _abstract_cache(self):
-        return jax.eval_shape(lambda: init_cache(self.config, batch=self.max_batch,
-                                                 max_len=self.max_seq_len,
-                                                 dtype=self.cache_dtype))
+        abstract = jax.eval_shape(lambda: init_cache(self.config, batch=self.max_batch,
+                                                     max_len=self.max_seq_len,
+                                                     dtype=self.cache_dtype))
+        if self._cache_sharding is None:
+            return abstract
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                           sharding=self._cache_sharding),
+                            abstract)
 
     def _executable(self, key: tuple):
         """The compiled step for one shape bucket, compiled ahead of time on first need.
@@ -260,6 +266,8 @@ class Engine:
         if self._cache is None:
             self._cache = init_cache(self.config, batch=self.max_batch,
                                      max_len=self.max_seq_len, dtype=self.cache_dtype)
+            if self._cache_sharding is not None:
+                self._cache = jax.device_put(self._cache, self._cache_sharding)
         return self._cache
 
     def reset_cache(self) -> None:

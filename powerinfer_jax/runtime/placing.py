@@ -54,10 +54,11 @@ def load_frequencies(artifacts_dir: Path | None, n_layers: int, d_ff: int
 
 def place_model(model, cfg: PlacementConfig, *, kv_len: int, model_fingerprint,
                 artifacts_dir: Path | None, cache_dir: Path | None,
-                default_budget: int | None = None) -> pl.Placement | None:
+                default_budget: int | None = None, shards: int = 1) -> pl.Placement | None:
     """Decide (or reuse from the cache) and apply the placement; None when none applies.
     default_budget: the budget without --vram-budget (read before the model was loaded, as the
-    session does); None: default_budget_bytes() now."""
+    session does); None: default_budget_bytes() now. shards: the mesh's devices (--devices):
+    hot counts are rounded down to multiples of it (runtime/mesh.py `round_placement`)."""
     from powerinfer_jax.models.hybrid import apply_placement
     from powerinfer_jax.sparsity.placement_cache import load_or_place
 
@@ -74,5 +75,9 @@ def place_model(model, cfg: PlacementConfig, *, kv_len: int, model_fingerprint,
                        stats=pl.stats_fingerprint(freqs) if freqs is not None else "none",
                        cold_balance=pl.DEFAULT_COLD_BALANCE)
     p, _ = load_or_place(cache_dir, key, lambda: pl.place(cfg.offload, freqs, sizes, budget))
+    if shards > 1:
+        from powerinfer_jax.runtime.mesh import round_placement
+
+        p = round_placement(p, shards, freqs)
     apply_placement(model, p)
     return p

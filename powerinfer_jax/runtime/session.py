@@ -65,7 +65,8 @@ class Session:
                 "gate_up": self.sparsity.gate_up if self.sparsity.mode == "predictor" else None,
                 "kernels": self.model.kernels, "max_seq_len": kv_length(self.config, self.runtime),
                 "weights": weight_formats(self.model), "auto": self.auto,
-                "placement": None if self.placement is None else self.placement.summary()}
+                "placement": None if self.placement is None else self.placement.summary(),
+                "devices": self.runtime.devices}
 
 
 def weight_formats(model) -> dict[str, int]:
@@ -110,10 +111,8 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
                            progress, checkpoint, threads)
     sparsity = sparsity.with_default_target()
     accel = _accelerator()
-    # Placement moves float rows between memories: a placed model is dequantized at load.
-    placed = placement.budget_bytes is not None or accel is not None
     if checkpoint is None:
-        ckpt = load_checkpoint(model, keep_quantized=runtime.weights == "auto" and not placed)
+        ckpt = load_checkpoint(model, keep_quantized=_keeps_quantized(runtime, placement))
     else:
         ckpt = checkpoint
     if runtime.max_seq_len is not None and runtime.max_seq_len > ckpt.config.max_seq_len:
@@ -123,7 +122,15 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     # the device goes there: a model larger than the device's memory never lands on it whole.
     # The default budget is read before any weight is on the device.
     default_budget = None
-    if accel is not None and placement.budget_bytes is None:
+    shards = runtime.devices or 1
+    if runtime.devices is not None:
+        from powerinfer_jax.runtime.mesh import check_divisible, make_mesh
+
+        make_mesh(shards)  # fail on a bad device count before loading anything heavy
+        check_divisible(ckpt.config, shards)
+    # A mesh spreads the model over its devices: no default GPU placement (--vram-budget still
+    # places, per mesh: hot rows split over the devices, cold rows on the host).
+    if accel is not None and placement.budget_bytes is None and runtime.devices is None:
         from powerinfer_jax.runtime.placing import default_budget_bytes
 
         default_budget = default_budget_bytes()
@@ -136,13 +143,24 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
         arts = _artifacts(model, ckpt, m, sparsity, artifacts_root, progress)
         modes.configure(m, sparsity, arts)
         placed = _place(model, ckpt, m, runtime, sparsity, placement, artifacts_root,
-                        default_budget)
-    if accel is not None:
+                        default_budget, shards)
+    if runtime.devices is not None:
+        from powerinfer_jax.runtime.mesh import shard_model
+
+        shard_model(m, runtime.devices)
+    elif accel is not None:
         _to_accelerator(m, accel)
     return Session(config=ckpt.config, model=m, tokenizer=ckpt.tokenizer, runtime=runtime,
                    sparsity=sparsity, source=str(ckpt.source), model_arg=str(model),
                    threads=threads, artifacts=arts, placement=placed,
                    max_batch=max_batch)
+
+
+def _keeps_quantized(runtime: RuntimeConfig, placement: PlacementConfig) -> bool:
+    """Whether a quantized file's blocks stay as they are: placement (a budget, or a GPU) moves
+    float rows between memories and a mesh splits rows over devices, so those dequantize at load."""
+    placed = placement.budget_bytes is not None or _accelerator() is not None
+    return runtime.weights == "auto" and not placed and runtime.devices is None
 
 
 def _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch, progress,
@@ -156,9 +174,7 @@ def _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch, 
     from powerinfer_jax.sparsity.artifacts import artifacts_root as default_root
 
     if checkpoint is None:
-        placed = placement.budget_bytes is not None or _accelerator() is not None
-        checkpoint = load_checkpoint(model, keep_quantized=runtime.weights == "auto"
-                                     and not placed)
+        checkpoint = load_checkpoint(model, keep_quantized=_keeps_quantized(runtime, placement))
     target = sparsity.target_sparsity or DEFAULT_TARGET_SPARSITY
     root = Path(default_root(model, checkpoint.source) if artifacts_root is None
                 else artifacts_root)
@@ -226,7 +242,8 @@ def _to_accelerator(m, device) -> None:
     nnx.update(m, jax.device_put(nnx.state(m), device))
 
 
-def _place(model_arg, ckpt, m, runtime, sparsity, placement, artifacts_root, default_budget):
+def _place(model_arg, ckpt, m, runtime, sparsity, placement, artifacts_root, default_budget,
+           shards=1):
     from powerinfer_jax.config import DEFAULT_TARGET_SPARSITY
     from powerinfer_jax.runtime.placing import place_model
     from powerinfer_jax.sparsity.artifacts import artifacts_root as default_root
@@ -239,4 +256,4 @@ def _place(model_arg, ckpt, m, runtime, sparsity, placement, artifacts_root, def
     return place_model(m, placement, kv_len=kv_length(ckpt.config, runtime),
                        model_fingerprint=model_fingerprint(model_arg, ckpt.source, ckpt.config),
                        artifacts_dir=target_dir(root, target), cache_dir=root,
-                       default_budget=default_budget)
+                       default_budget=default_budget, shards=shards)

@@ -1,0 +1,241 @@
+"""The GPU comparison's scripts, checked without a GPU (benchmarks/gpu/).
+
+synthetic.py: the streamed GGUF holds what the gguf package reads back (names, shapes, types,
+metadata, every tensor's bits), our loader loads it as the same model, and llama.cpp loads and
+runs it when a build is at hand ($PIJ_LLAMA_CPP_BIN or .peers/llama.cpp-cuda); profiles load from
+each format and map onto other shapes keeping their distribution. llama_cpp_ngl.py: GGUF byte
+accounting against the file, the -ngl / -ot layouts against hand-computed budgets, the
+llama-bench command and its JSON. The shell scripts parse.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+GPU = REPO / "benchmarks" / "gpu"
+sys.path.insert(0, str(GPU))
+
+import llama_cpp_ngl as lcn  # noqa: E402
+import synthetic  # noqa: E402
+from helpers_models import tiny_llama_config  # noqa: E402
+
+CFG = tiny_llama_config(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96,
+                        max_seq_len=128)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny.bf16.gguf"
+    info = synthetic.write_gguf(path, CFG, dtype="bf16", seed=3)
+    return path, info
+
+
+def test_gguf_reads_back_with_the_gguf_package(tiny_gguf):
+    from gguf import GGUFReader
+
+    path, info = tiny_gguf
+    r = GGUFReader(str(path))
+    plan = synthetic.tensor_plan(CFG, "bf16")
+    assert [t.name for t in r.tensors] == [name for name, _, _ in plan]
+    for t, (name, shape, gtype) in zip(r.tensors, plan):
+        assert t.tensor_type.name == gtype and tuple(int(x) for x in t.shape[::-1]) == shape
+        want = synthetic.tensor_values(name, shape, gtype, seed=3)
+        got = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8).view(want.dtype)
+        np.testing.assert_array_equal(got.reshape(shape), want)
+        assert int(t.n_bytes) == info["tensor_bytes"][name]
+
+    def field(key):
+        f = r.fields[key]
+        return f.parts[f.data[0]].tolist()[0]
+
+    assert field("llama.block_count") == 3 and field("llama.feed_forward_length") == 96
+    assert field("llama.attention.head_count_kv") == 2
+    assert len(r.fields["tokenizer.ggml.tokens"].data) == CFG.vocab_size
+
+
+def test_bf16_values_are_plain_numbers():
+    bits = synthetic.tensor_values("blk.0.ffn_up.weight", (64, 300), "BF16", seed=0)
+    x = (bits.astype(np.uint32) << 16).view(np.float32)
+    assert np.all(np.isfinite(x)) and np.all(np.abs(x) >= 2.0 ** -7) and np.all(np.abs(x) < 2 ** -5)
+    assert 0.4 < (x > 0).mean() < 0.6
+    f16 = synthetic.tensor_values("blk.0.ffn_up.weight", (64, 300), "F16", seed=0).view(np.float16)
+    assert np.all(np.isfinite(f16)) and np.all(np.abs(f16) >= 2.0 ** -7)
+
+
+def test_our_loader_reads_the_same_model(tiny_gguf):
+    from powerinfer_jax.checkpoint.base import rope_unpermute
+    from powerinfer_jax.checkpoint.gguf import load_gguf
+
+    path, _ = tiny_gguf
+    ck = load_gguf(path)
+    c = ck.config
+    assert (c.n_layers, c.d_model, c.d_ff, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size) == (
+        3, 64, 96, 4, 2, 16, CFG.vocab_size)
+
+    def value(name, shape):
+        bits = synthetic.tensor_values(name, shape, "BF16", seed=3)
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+
+    np.testing.assert_array_equal(ck.params["layers.1.ffn.down_t.weight"],
+                                  value("blk.1.ffn_down.weight", (64, 96)).T)
+    np.testing.assert_array_equal(ck.params["layers.2.attn.q.weight"],
+                                  rope_unpermute(value("blk.2.attn_q.weight", (64, 64)), 4))
+    assert ck.tokenizer.encode("\u2581w7") is not None
+
+
+def _llama_cpp_bin() -> Path | None:
+    for d in (os.environ.get("PIJ_LLAMA_CPP_BIN"), REPO / ".peers" / "llama.cpp-cuda"):
+        if d and any((Path(d) / b).is_file() for b in ("llama-bench", "llama-batched-bench")):
+            return Path(d)
+    return None
+
+
+@pytest.mark.skipif(_llama_cpp_bin() is None,
+                    reason="no llama.cpp build ($PIJ_LLAMA_CPP_BIN or .peers/llama.cpp-cuda)")
+def test_llama_cpp_runs_the_file(tiny_gguf):
+    """llama.cpp (on this machine's CPU) loads the file and decodes with it."""
+    path, _ = tiny_gguf
+    d = _llama_cpp_bin()
+    env = lcn.library_env(d)
+    if (d / "llama-bench").is_file():
+        lay = lcn.Layout("ngl", 0, (), 0)
+        cmd = lcn.llama_bench_cmd(d, path, lay, threads=1, prompt_tokens=4, new_tokens=4,
+                                  repeats=1)
+        res = lcn.run_llama_bench(cmd, env, timeout=120)
+        assert res["decode_tok_s"] > 0 and res["llama_bench"]["n_gen"] == 4
+    else:
+        r = subprocess.run([str(d / "llama-batched-bench"), "-m", str(path), "-npp", "8",
+                            "-ntg", "4", "-npl", "1", "-t", "1", "-c", "64"],
+                           capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out = r.stdout + r.stderr  # the table goes to llama.cpp's log (stderr)
+        assert "|     8 |      4 |    1 |" in out, out[-1000:]
+
+
+# ------------------------------------------------------------------------ profiles
+def test_profiles_load_from_every_format(tmp_path):
+    freq, label = synthetic.load_profile("0.80")
+    assert freq.shape == (30, 1536) and label.endswith(":target_0.80")
+    same, _ = synthetic.load_profile(f"{synthetic.BUNDLED_PROFILE}:target_0.80")
+    np.testing.assert_array_equal(freq, same)
+    counts = np.random.default_rng(0).integers(0, 50, size=(4, 24))
+    np.savez(tmp_path / "profile.npz", counts=counts, n_tokens=50, thresholds=np.zeros(4))
+    got, _ = synthetic.load_profile(str(tmp_path / "profile.npz"))
+    np.testing.assert_allclose(got, counts / 50)
+    np.savez(tmp_path / "f.npz", frequency=counts / 100)
+    np.testing.assert_allclose(synthetic.load_profile(str(tmp_path / "f.npz"))[0], counts / 100)
+    for bad, msg in ((str(tmp_path / "f.npz") + ":nope", "expected a key in"),
+                     ("0.33", "expected a key in"), (str(tmp_path / "none.npz"), "expected")):
+        with pytest.raises(SystemExit, match=msg):
+            synthetic.load_profile(bad)
+    np.savez(tmp_path / "big.npz", frequency=counts)
+    with pytest.raises(SystemExit, match=r"frequencies in \[0, 1\]"):
+        synthetic.load_profile(str(tmp_path / "big.npz"))
+
+
+def test_frequencies_map_a_profile_onto_other_shapes():
+    src, _ = synthetic.load_profile("0.50")
+    seven = synthetic.SHAPES["llama2-7b"]
+    out = synthetic.frequencies(src, seven)
+    assert out.shape == (32, 11008)
+    np.testing.assert_array_equal(synthetic.frequencies(src, synthetic.SHAPES["smollm2-135m"]),
+                                  src)
+    for l, s in ((0, 0), (31, 29)):  # first and last layers keep their source's distribution
+        q = np.linspace(0.05, 0.95, 10)
+        np.testing.assert_allclose(np.quantile(out[l], q), np.quantile(src[s], q), atol=0.02)
+    assert not np.all(np.diff(out[5]) <= 0)  # neurons in a random order, not sorted
+    np.testing.assert_array_equal(out, synthetic.frequencies(src, seven))  # seeded
+
+
+# ------------------------------------------------------------------------ llama_cpp_ngl
+def test_gguf_bytes_match_the_file(tiny_gguf):
+    path, info = tiny_gguf
+    s = lcn.gguf_bytes(path)
+    tb = info["tensor_bytes"]
+    assert s.n_layers == 3 and s.token_embd == tb["token_embd.weight"]
+    assert s.output == tb["output_norm.weight"] + tb["output.weight"]
+    for l in range(3):
+        assert s.layer[l] == sum(v for k, v in tb.items() if k.startswith(f"blk.{l}."))
+        assert s.ffn[l] == 3 * 96 * 64 * 2
+    assert s.kv_per_token_layer == 2 * 2 * 16 * 2  # K and V, 2 KV heads of 16, f16
+    assert sum(s.layer) + s.output + s.token_embd == sum(tb.values())
+
+
+def test_layouts_fill_the_budget_like_place_layers():
+    s = lcn.GgufBytes(n_layers=4, layer=(100,) * 4, ffn=(60,) * 4, output=30, token_embd=50,
+                      kv_per_token_layer=1)
+    # ngl: output (30), then whole layers of 100 + 10 KV (n_ctx 10), from the last one
+    cases = {0: 0, 29: 0, 30: 1, 139: 1, 140: 2, 250: 3, 470: 5, 10 ** 6: 5}
+    for budget, k in cases.items():
+        lay = lcn.llama_cpp_layout(s, budget, 10, "ngl")
+        assert lay.ngl == k and lay.gpu_bytes == (0 if k == 0 else 30 + 110 * (k - 1))
+        assert lay.gpu_bytes <= budget and lay.args() == ["-ngl", str(k)]
+    # ot: output + every layer's non-FFN part and KV (30 + 4 * 50) first, then whole FFNs
+    assert lcn.llama_cpp_layout(s, 229, 10, "ot") is None
+    for budget, j in ((230, 0), (289, 0), (290, 1), (410, 3), (470, 4)):
+        lay = lcn.llama_cpp_layout(s, budget, 10, "ot")
+        assert lay.ngl == 5 and lay.cpu_ffn_layers == tuple(range(j, 4))
+        assert lay.gpu_bytes == 230 + 60 * j <= budget
+    lay = lcn.llama_cpp_layout(s, 290, 10, "ot")
+    assert lay.args() == ["-ngl", "5", "-ot", r"blk\.(1|2|3)\.ffn_(gate|up|down)\.weight=CPU"]
+    assert lcn.llama_cpp_layout(s, 470, 10, "ot").args() == ["-ngl", "5"]
+
+
+def test_our_budget_is_hybrid_decodes():
+    """The budget's byte count is placement.model_bytes of the real model, without making it."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from powerinfer_jax.models.transformer import Transformer
+    from powerinfer_jax.sparsity import placement as pl
+
+    budget, sizes = lcn.our_budget(CFG, "bfloat16", 0.25, kv_len=64)
+    real = pl.model_bytes(Transformer(CFG, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), kv_len=64)
+    assert sizes == real and budget == real.dense + int(0.25 * real.ffn)
+
+
+def test_llama_bench_command_and_output():
+    lay = lcn.Layout("ot", 33, (30, 31), 123)
+    cmd = lcn.llama_bench_cmd("/x", "m.gguf", lay, threads=12, prompt_tokens=8, new_tokens=32,
+                              repeats=3)
+    assert cmd == ["/x/llama-bench", "-m", "m.gguf", "-ngl", "33", "-ot",
+                   r"blk\.(30|31)\.ffn_(gate|up|down)\.weight=CPU", "-t", "12", "-p", "0",
+                   "-n", "32", "-d", "8", "-r", "3", "-o", "jsonl"]
+    line = json.dumps({"build_commit": "0c1e570", "n_gpu_layers": 33, "n_prompt": 0, "n_gen": 32,
+                       "n_depth": 8, "avg_ts": 41.5, "stddev_ts": 0.5,
+                       "samples_ts": [41.0, 41.5, 42.0]})
+    row = lcn.parse_llama_bench("some log line\n" + line + "\n")
+    assert row["avg_ts"] == 41.5
+    with pytest.raises(RuntimeError, match="n_gen > 0"):
+        lcn.parse_llama_bench("no json here")
+
+
+def test_dry_run_prints_budgets_and_commands(tmp_path):
+    """The whole planning path on the real shapes' arithmetic, against a small stand-in file:
+    --dry-run refuses a file of the wrong depth, and plans one of the right depth."""
+    r = subprocess.run([sys.executable, str(GPU / "llama_cpp_ngl.py"), "--llama-bin", "/x",
+                        "--gguf", str(tmp_path / "missing.gguf"), "--dry-run"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "expected an existing --gguf" in r.stderr
+    path = tmp_path / "deep.gguf"
+    synthetic.write_gguf(path, CFG.replace(n_layers=32, vocab_size=300), dtype="bf16")
+    r = subprocess.run([sys.executable, str(GPU / "llama_cpp_ngl.py"), "--llama-bin", "/x",
+                        "--gguf", str(path), "--budgets", "0.1", "1.0", "--dry-run"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    plans = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{")]
+    assert [p["budget_ffn_fraction"] for p in plans] == [0.1, 1.0]
+    # the stand-in is tiny next to Llama-2-7B's budget: everything fits
+    assert plans[1]["ngl"]["ngl"] == 33 and plans[1]["ot"]["cpu_ffn_layers"] == 0
+    assert sum(l.startswith("/x/llama-bench") for l in r.stdout.splitlines()) == 4
+
+
+def test_shell_scripts_parse():
+    for script in GPU.glob("*.sh"):
+        r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert r.returncode == 0, f"{script.name}: {r.stderr}"
