@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
 import time
 
 import numpy as np
+
+from powerinfer_jax import _cli
 
 # Weight copies timed in turn total this much: twice this VM's reported last-level cache (480 MiB)
 # so each call's rows come from DRAM, as a model's do (for the quantized weights and the bf16
@@ -29,24 +29,6 @@ COLD_BYTES = 1 << 30
 LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 SHARED = "other work shared the 2-core VM during the run (benchmarks ran under nice -n 10)"
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class Pool:
@@ -176,7 +158,8 @@ def main(argv=None) -> None:
                 for a in (0.1, 0.5, 1.0)]
     if args.quick:
         configs = [configs[1], configs[-4]]
-    base = dict(bench="quant_ops", commit=_commit(), machine=_cpu(), isa=_ffi._pij_ext.isa_info(),
+    base = dict(bench="quant_ops", commit=_cli.git_commit(),
+                machine=_cli.machine_info()["cpu"], isa=_ffi._pij_ext.isa_info(),
                 shared_machine=SHARED, repeats=args.repeats)
     rng = np.random.default_rng(0)
     pool = Pool(rng)

@@ -19,32 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from powerinfer_jax import _cli
+
 FORMATS = ("Q8_0", "Q5_1", "Q4_1", "Q4_0", "Q4_K")
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def _ffn_float(x, gate, up, down_t):
@@ -75,7 +58,8 @@ def main(argv=None) -> None:
     ck = load_checkpoint(args.model)
     kept = load_checkpoint(args.model, keep_quantized=True).params
     c = ck.config
-    base = dict(bench="reblock_error", model=args.model, commit=_commit(), machine=_cpu(),
+    base = dict(bench="reblock_error", model=args.model, commit=_cli.git_commit(),
+                machine=_cli.machine_info()["cpu"],
                 threads=args.threads, shared_machine="other work shared the machine (nice -n 10)")
     rows = []
     formats = [f for f in FORMATS if c.d_model % quants.block_size(f)[0] == 0]
