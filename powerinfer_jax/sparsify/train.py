@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 import time
 from typing import Callable
 
@@ -166,9 +167,12 @@ class Distiller:
         except KeyboardInterrupt as e:
             if checkpoints is not None and done > start_step and not isinstance(e, ForcedStop):
                 checkpoints.save(done, self.params, self.opt_state, record)
+                msg = (f"interrupted: saved step {done} to {checkpoints.directory}; rerun with "
+                       "--resume to continue")
                 if bar is not None:
-                    bar.write(f"interrupted: saved step {done} to {checkpoints.directory}; "
-                              "rerun with --resume to continue")
+                    bar.write(msg)
+                else:
+                    print(msg, file=sys.stderr, flush=True)
             raise
         finally:
             if bar is not None:
