@@ -42,8 +42,9 @@ def _ppl(model_arg, sparsity, ids, threads):
     from powerinfer_jax.config import RuntimeConfig
     from powerinfer_jax.runtime.session import build
 
-    s = build(str(model_arg), RuntimeConfig(dtype="float32", threads=threads), sparsity,
-              progress=False)
+    # weights="dtype": the teacher's Q4_1 blocks dequantized, as the student was trained from
+    s = build(str(model_arg), RuntimeConfig(dtype="float32", threads=threads, weights="dtype"),
+              sparsity, progress=False)
     t0 = time.perf_counter()
     res = evaluate.perplexity(s.model, ids, ctx=FINAL_CTX, max_chunks=FINAL_CHUNKS,
                               oracle_thresholds=s.oracle_thresholds)
