@@ -152,6 +152,14 @@ def test_sparsity_auto_times_once_then_reuses_its_decision(legacy_gguf, tmp_path
     again = pij.load(str(legacy_gguf), sparsity="auto", artifacts=str(arts), progress=False)
     assert again.session.describe()["auto"]["cached"]
     assert again.session.describe()["auto"]["chosen"] == a["chosen"]
-    (arts / "auto_choice.json").write_text("{not json")
+    [choice] = arts.glob("auto_choice-*.json")
+    # another thread count is another decision, in its own file: the first one stays cached
+    one = pij.load(str(legacy_gguf), sparsity="auto", artifacts=str(arts), threads=1,
+                   progress=False)
+    assert not one.session.describe()["auto"]["cached"]
+    assert len(list(arts.glob("auto_choice-*.json"))) == 2
+    assert pij.load(str(legacy_gguf), sparsity="auto", artifacts=str(arts),
+                    progress=False).session.describe()["auto"]["cached"]
+    choice.write_text("{not json")
     redo = pij.load(str(legacy_gguf), sparsity="auto", artifacts=str(arts), progress=False)
     assert not redo.session.describe()["auto"]["cached"]

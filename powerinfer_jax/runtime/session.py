@@ -185,7 +185,7 @@ def _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch, 
 
     session, report = auto.choose(
         one, key=auto.cache_key(checkpoint.source, runtime, threads, target), target=target,
-        cache_file=root / "auto_choice.json", progress=progress)
+        cache_dir=root, progress=progress)
     session.auto = auto.describe(report)
     return session
 
