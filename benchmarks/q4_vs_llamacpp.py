@@ -269,6 +269,11 @@ def main(argv=None) -> int:
     ap.add_argument("--load-repeats", type=int, default=3)
     ap.add_argument("--no-load", action="store_true", help="skip the load-time rows")
     ap.add_argument("--load-only", action="store_true")
+    ap.add_argument("--sparse-model", default=None, metavar="DIR",
+                    help="also time a sparsified model (python -m powerinfer_jax.sparsify's output "
+                         "directory): configs sparsified_dense_bf16 and sparsified_q4gu_bf16")
+    ap.add_argument("--sparse-target", type=float, default=0.85,
+                    help="the sparsified model's calibrated target sparsity")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "q4_vs_llamacpp.jsonl"))
     args = ap.parse_args(argv)
 
@@ -276,6 +281,12 @@ def main(argv=None) -> int:
     from experiments._common import append_rows, run_id
     from experiments.peers import peer_ggufs
 
+    if args.sparse_model:  # issue 13: a sparsified model (HF directory) beside the dense file
+        d, t = args.sparse_model, str(args.sparse_target)
+        CONFIGS["sparsified_dense_bf16"] = ("bfloat16", "auto", ["--model", d, "--sparsity",
+                                                                 "dense"])
+        CONFIGS["sparsified_q4gu_bf16"] = ("bfloat16", "auto", [
+            "--model", d, "--sparsity", "predictor", "--gate-up", "q4", "--target-sparsity", t])
     configs = [c for c in args.configs.split(",") if c]
     for c in configs:
         if c not in CONFIGS and c not in LLAMA_CONFIGS:
