@@ -153,8 +153,9 @@ def test_sparsity_auto_times_once_then_reuses_its_decision(legacy_gguf, tmp_path
     assert again.session.describe()["auto"]["cached"]
     assert again.session.describe()["auto"]["chosen"] == a["chosen"]
     [choice] = arts.glob("auto_choice-*.json")
-    # another thread count is another decision, in its own file: the first one stays cached
-    one = pij.load(str(legacy_gguf), sparsity="auto", artifacts=str(arts), threads=1,
+    # another dtype is another decision, in its own file: the first one stays cached (not
+    # another thread count: a test before this one may have pinned the process to one CPU)
+    one = pij.load(str(legacy_gguf), sparsity="auto", artifacts=str(arts), dtype="bfloat16",
                    progress=False)
     assert not one.session.describe()["auto"]["cached"]
     assert len(list(arts.glob("auto_choice-*.json"))) == 2

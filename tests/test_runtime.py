@@ -21,12 +21,21 @@ def model():
     return Transformer(TINY, rngs=nnx.Rngs(0))
 
 
+@nnx.jit
+def _forward(model, tokens):
+    return model(tokens)
+
+
 def greedy_no_cache(model, prompt, n):
-    """Reference: re-run the whole sequence without a cache for every new token."""
+    """Reference: re-run the whole sequence without a cache for every new token. The sequence is
+    padded to one fixed length (one compile, not one per length; run eagerly this took a minute):
+    under causal attention the padding after position i cannot change position i's logits."""
     ids = list(prompt)
+    width = len(prompt) + n
     for _ in range(n):
-        logits = model(jnp.asarray([ids]))
-        ids.append(int(jnp.argmax(logits[0, -1])))
+        padded = jnp.asarray([ids + [0] * (width - len(ids))])
+        logits = _forward(model, padded)
+        ids.append(int(jnp.argmax(logits[0, len(ids) - 1])))
     return ids[len(prompt):]
 
 
