@@ -238,8 +238,10 @@ void QSparseFfn(const QFfnWeights& w, std::span<const float* const> x_rows,
   }
   CollectCandidates(w, score_rows, params, s);
   const std::span<const int32_t> cands(s.candidates);
-  const int64_t num_cands = static_cast<int64_t>(cands.size());
-  const int64_t pieces = NumPieces(num_cands);
+  // Pieces are fixed ranges of neuron ids (not of the candidate list), so a token's sum runs in
+  // the same pieces and order whatever other tokens share the call: batched decoding gives each
+  // sequence the bits it gets alone.
+  const int64_t pieces = NumPieces(w.num_neurons);
   const int64_t chunk = std::min(num_tokens, kTokenChunk);
   if (static_cast<int64_t>(s.partial_y.size()) < pieces * chunk * dim) {
     s.partial_y.resize(pieces * chunk * dim);
@@ -261,7 +263,9 @@ void QSparseFfn(const QFfnWeights& w, std::span<const float* const> x_rows,
     float* partial = s.partial_y.data();
     int32_t* counts = s.partial_count.data();
     pool.Run(0, pieces, [&](int64_t k, int /*worker*/) {
-      const int64_t lo = num_cands * k / pieces, hi = num_cands * (k + 1) / pieces;
+      const int64_t first = w.num_neurons * k / pieces, last = w.num_neurons * (k + 1) / pieces;
+      const int64_t lo = std::lower_bound(cands.begin(), cands.end(), first) - cands.begin();
+      const int64_t hi = std::lower_bound(cands.begin(), cands.end(), last) - cands.begin();
       RunPiece(w, score_rows, params, s, cands.subspan(lo, hi - lo), t0, ntok, s.pieces[k],
                partial + k * out_size, counts + k * ntok);
     });

@@ -56,11 +56,13 @@ void SparseFfn(const FfnWeights<W>& weights, const FfnTokens& tokens, const Spar
   const int64_t dim = weights.dim;
   const int64_t out_size = num_tokens * dim;
   CollectNeurons(tokens, params, weights.num_neurons, scratch);
-  const int64_t num_listed = static_cast<int64_t>(scratch.neurons.size());
 
-  // Equal contiguous pieces of the active list, one per thread: balanced even when active neurons
-  // cluster (hot neurons are permuted first), and fixed for given inputs and thread count.
-  const int64_t num_pieces = std::clamp<int64_t>(num_listed, 1, pool.NumThreads());
+  // One piece per thread, each a fixed range of neuron ids [F*k/P, F*(k+1)/P): a token's
+  // contributions are summed in the same pieces and order whatever other tokens share the call
+  // (splitting the union of active neurons instead balanced better when active neurons cluster,
+  // but a sequence then got other bits decoded in a batch than alone).
+  const int64_t num_pieces = std::max<int64_t>(1, std::min<int64_t>(weights.num_neurons,
+                                                                     pool.NumThreads()));
   if (static_cast<int64_t>(scratch.partial_y.size()) < (num_pieces - 1) * out_size) {
     scratch.partial_y.resize((num_pieces - 1) * out_size);
   }
@@ -76,9 +78,13 @@ void SparseFfn(const FfnWeights<W>& weights, const FfnTokens& tokens, const Spar
     int32_t* counts = partial_count + piece * num_tokens;
     std::fill_n(out, out_size, 0.0f);
     std::fill_n(counts, num_tokens, 0);
-    const int64_t lo = num_listed * piece / num_pieces;
-    const int64_t hi = num_listed * (piece + 1) / num_pieces;
-    internal::AccumulateNeurons(weights, tokens, params, all.subspan(lo, hi - lo), out, counts);
+    const int64_t first = weights.num_neurons * piece / num_pieces;
+    const int64_t last = weights.num_neurons * (piece + 1) / num_pieces;
+    const int64_t lo = std::lower_bound(all.begin(), all.end(), first) - all.begin();
+    const int64_t hi = std::lower_bound(all.begin(), all.end(), last) - all.begin();
+    if (hi > lo) {
+      internal::AccumulateNeurons(weights, tokens, params, all.subspan(lo, hi - lo), out, counts);
+    }
   });
 
   // y = ((piece 0 + piece 1) + ...) + b_down, always in piece order: deterministic.

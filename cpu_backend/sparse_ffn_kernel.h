@@ -25,7 +25,10 @@ constexpr int kMaxGroup = 4;
 template <typename W, int kTok, bool kGated>
 inline void NeuronDots(const W* gate_row, const W* up_row, const float* const* x, int64_t dim,
                        float* gate_dot, float* up_dot) {
-  constexpr int kUnroll = kTok == 1 ? 4 : (kTok == 2 ? 2 : 1);
+  // The same unroll (so the same summation order per token) for every group size: a token's dot
+  // products must not depend on how many tokens share its pass, or a sequence decoded in a batch
+  // would differ from itself decoded alone. Two chains per accumulator still outrun memory.
+  constexpr int kUnroll = 2;
   constexpr int kStep = simd::kLanes * kUnroll;
   simd::Vec acc_g[kTok][kUnroll];
   simd::Vec acc_u[kTok][kUnroll];
