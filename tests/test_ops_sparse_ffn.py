@@ -335,3 +335,25 @@ def test_thread_pool_survives_back_to_back_jobs_with_more_threads_than_cores():
     except subprocess.TimeoutExpired:
         pytest.fail("thread pool hung: back-to-back jobs did not finish in 120 s")
     assert out == ["300000", "500000"]
+
+
+@pytest.mark.parametrize("criterion", ["oracle", "scores"])
+def test_a_token_gets_the_same_bits_alone_and_in_a_batch(criterion):
+    """Batched decoding relies on it: each row of a 16-token call (token groups of 4, a union of
+    active neurons) equals, bit for bit, that token computed alone; so does linear's."""
+    rng = np.random.default_rng(3)
+    t, d, f = 16, 200, 300
+    x = jnp.asarray(rng.standard_normal((t, d), dtype=np.float32))
+    w = {k: jnp.asarray(rng.standard_normal((f, d), dtype=np.float32) * 0.1, jnp.bfloat16)
+         for k in ("w_up", "w_gate", "w_down_t")}
+    scores = rng.standard_normal((t, f)).astype(np.float32)
+    kw = dict(criterion=criterion, threshold=0.3 if criterion == "scores" else 0.05)
+    together, _ = ops.sparse_ffn(x, w["w_up"], w["w_down_t"], w_gate=w["w_gate"],
+                                 scores=None if criterion == "oracle" else scores, **kw)
+    lin = ops.linear(x, w["w_up"])
+    for i in (0, 5, 15):
+        alone, _ = ops.sparse_ffn(x[i:i + 1], w["w_up"], w["w_down_t"], w_gate=w["w_gate"],
+                                  scores=None if criterion == "oracle" else scores[i:i + 1], **kw)
+        np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(together)[i])
+        np.testing.assert_array_equal(np.asarray(ops.linear(x[i:i + 1], w["w_up"]))[0],
+                                      np.asarray(lin)[i])
