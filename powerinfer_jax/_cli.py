@@ -162,8 +162,14 @@ def run_main(main) -> None:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        raise SystemExit(130) from None
+        # The exception has unwound every finally block and context manager (temp files gone,
+        # cache locks released); the interpreter's own teardown is skipped: after an interrupt
+        # mid-compile jaxlib's teardown segfaulted (exit -11 instead of 130, seen in CI).
+        from powerinfer_jax import _interrupt
+
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(_interrupt.EXIT_INTERRUPTED)
 
 
 def print_json(obj) -> None:
