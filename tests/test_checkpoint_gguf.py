@@ -221,3 +221,61 @@ def test_real_smollm2_matches_transformers(tmp_path):
         name = _hf_to_canonical(hf_name)
         ours = ck.params[name].T if name.endswith("down_t.weight") else ck.params[name]
         np.testing.assert_array_equal(ours, value.float().numpy(), err_msg=hf_name)
+
+
+# ------------------------------------------------------------ our header reader vs gguf's own
+def _assert_same_as_gguf_reader(path):
+    """Every metadata value and every tensor header and byte equal `gguf.GGUFReader`'s."""
+    from gguf import GGUFReader
+
+    from powerinfer_jax.checkpoint.gguf_file import GGUFFile
+
+    ours, theirs = GGUFFile(path), GGUFReader(path)
+    want = {}
+    for key, field in theirs.fields.items():
+        if not key.startswith("GGUF."):
+            value = field.contents()
+            want[key] = value.tolist() if isinstance(value, np.ndarray) else value
+    assert ours.metadata == want
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.tensor_type, a.shape.tolist(), a.n_bytes, a.data_offset) == \
+            (b.tensor_type, b.shape.tolist(), int(b.n_bytes), int(b.data_offset)), a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        assert np.array_equal(np.asarray(a.data).view(np.uint8), np.asarray(b.data).view(np.uint8))
+
+
+def test_header_reader_matches_gguf_package(tiny):
+    _assert_same_as_gguf_reader(tiny[0])
+
+
+def test_header_reader_matches_gguf_package_on_real_file():
+    from helpers_models import real_gguf_path
+
+    path = real_gguf_path()
+    if path is None:
+        pytest.skip("no SmolLM2 GGUF: set PIJ_TEST_GGUF or fetch smollm2-135m into the cache")
+    _assert_same_as_gguf_reader(path)
+
+
+def test_header_reader_corrupt_bytes_give_one_error(tiny, tmp_path):
+    """Flipped bytes in the header and every truncation point of it: a GGUFFormatError (the
+    loader's one-line error), or a parse; never another exception or a hang."""
+    from powerinfer_jax.checkpoint.gguf_file import GGUFFile, GGUFFormatError
+
+    data = tiny[0].read_bytes()
+    header_end = GGUFFile(tiny[0]).tensors[0].data_offset
+    rng = np.random.default_rng(0)
+    bad = tmp_path / "bad.gguf"
+    cases = [data[:cut] for cut in range(0, header_end, max(1, header_end // 97))]
+    for _ in range(150):
+        b = bytearray(data)
+        for pos in rng.integers(0, header_end, size=rng.integers(1, 4)):
+            b[pos] = int(rng.integers(0, 256))
+        cases.append(bytes(b))
+    for case in cases:
+        bad.write_bytes(case)
+        try:
+            GGUFFile(bad)
+        except GGUFFormatError as e:
+            assert "\n" not in str(e)

@@ -16,7 +16,6 @@ Tensor types read: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_
 """
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -24,6 +23,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from powerinfer_jax.checkpoint import gguf_arch, quants
+from powerinfer_jax.checkpoint.gguf_file import GGUFFile, GGUFFormatError
 from powerinfer_jax.checkpoint.base import (Checkpoint, QuantTensor, check_params,
                                             expected_shapes, rope_permute, rope_unpermute,
                                             unsupported_architecture)
@@ -40,26 +40,8 @@ def file_magic(path: str | os.PathLike) -> bytes:
         return f.read(4)
 
 
-@functools.cache
-def _reader_class():
-    """GGUFReader that also opens PowerInfer's "PWRI" files (same layout, other magic)."""
-    from gguf import GGUFReader
-    from gguf.constants import GGUF_MAGIC as magic_u32
-
-    pwri_u32 = int.from_bytes(PWRI_MAGIC, "little")
-
-    class Reader(GGUFReader):
-        def _get(self, offset, dtype, count=1, override_order=None):
-            value = super()._get(offset, dtype, count, override_order)
-            if offset == 0 and count == 1 and value.dtype == np.uint32 and value[0] == pwri_u32:
-                return np.array([magic_u32], np.uint32)
-            return value
-
-    return Reader
-
-
-def _open(path: Path):
-    """A GGUFReader on `path`, or a UserError naming the file, what is wrong and the fix: fetch
+def _open(path: Path) -> GGUFFile:
+    """The parsed header of `path` (`gguf_file.GGUFFile`), or a UserError naming the file, what is wrong and the fix: fetch
     it again for a registry model's cached file, replace or re-convert a user's own file."""
     from powerinfer_jax.checkpoint.registry import is_registry_file
     from powerinfer_jax.errors import UserError
@@ -73,8 +55,8 @@ def _open(path: Path):
         fix = ("this is your own file: copy or download it again, or re-convert the model "
                "(llama.cpp's convert_hf_to_gguf.py)")
     try:
-        reader = _reader_class()(path, "r")
-    except Exception as e:  # GGUFReader raises ValueError/IndexError/KeyError/OSError on bad bytes
+        reader = GGUFFile(path)
+    except (GGUFFormatError, OSError, ValueError) as e:
         with open(path, "rb") as f:
             magic = f.read(4)
         what = ("not a GGUF file (it does not start with b'GGUF')"
@@ -91,15 +73,9 @@ def _open(path: Path):
     return reader
 
 
-def read_metadata(reader) -> dict[str, Any]:
+def read_metadata(reader: GGUFFile) -> dict[str, Any]:
     """All key/value metadata as plain python values (arrays -> lists)."""
-    out = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        value = field.contents()
-        out[key] = value.tolist() if isinstance(value, np.ndarray) else value
-    return out
+    return dict(reader.metadata)
 
 
 def _tensor_type(t) -> str:

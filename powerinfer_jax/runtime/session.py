@@ -106,6 +106,7 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     from powerinfer_jax.sparsity import modes
 
     threads = _size_thread_pool(runtime.threads)
+    use_compilation_cache()
     if sparsity.mode == "auto":
         return _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch,
                            progress, checkpoint, threads)
@@ -188,6 +189,30 @@ def _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch, 
         cache_dir=root, progress=progress)
     session.auto = auto.describe(report)
     return session
+
+
+def use_compilation_cache() -> None:
+    """Keep XLA's compiled executables in `<cache>/xla` (jax's persistent compilation cache):
+    a later run of the same model, mode and shapes skips XLA's compile, ~0.9 s of the 2 s to
+    the first token of SmolLM2 on CPU (tracing still runs). A bad entry is jax's to handle: it
+    warns and compiles. Off with POWERINFER_JAX_XLA_CACHE=0; a directory the user set through
+    jax's own config is left as it is."""
+    import os
+
+    import jax
+
+    from powerinfer_jax.cache import cache_dir
+
+    if os.environ.get("POWERINFER_JAX_XLA_CACHE", "1") == "0" or \
+            jax.config.jax_compilation_cache_dir:
+        return
+    path = cache_dir() / "xla"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only cache: run without it
+        return
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
 
 
 def _size_thread_pool(threads: int | None) -> int:
