@@ -19,6 +19,7 @@ constexpr int64_t kRowBlock = 16;
 // Decode: rows per tile, sharing the token's activation loads.
 constexpr int kDecodeRows = 2;
 
+
 template <class F, int kC>
 inline void TokenTile(const uint8_t* row, const QActView* xs, int64_t nblocks, float* dots) {
   qkern::DotTile<F, 1, kC>(&row, xs, nblocks, dots);
@@ -39,7 +40,7 @@ void Rows(const QLinearOut& out, int64_t dim, std::span<const QActView> xs, int6
     for (; o + kDecodeRows <= hi; o += kDecodeRows) {
       const uint8_t* rows[kDecodeRows];
       for (int r = 0; r < kDecodeRows; ++r) rows[r] = out.w + (o + r) * row_bytes;
-      qkern::DotTile<F, kDecodeRows, 1>(rows, xs.data(), nblocks, dots);
+      qkern::DotTile<F, kDecodeRows, 1, qkern::kStreamAhead>(rows, xs.data(), nblocks, dots);
       for (int r = 0; r < kDecodeRows; ++r) put(o + r, 0, dots[r]);
     }
     for (; o < hi; ++o) {

@@ -60,16 +60,25 @@ def _models(path):
             from_params(f.config, f.params, kernels="ffi"))
 
 
+@pytest.mark.parametrize("down", ["neuron_rows", "file_layout"])
 @pytest.mark.parametrize("which", ["legacy", "kquant"])
-def test_quantized_model_equals_its_jnp_reference(which, request):
+def test_quantized_model_equals_its_jnp_reference(which, down, request):
     """The kernels on the blocks against the ops' jnp references on the same blocks (XLA's
-    attention, dequantize + the same 8-bit activation rounding): equal up to float rounding."""
+    attention, dequantize + the same 8-bit activation rounding): equal up to float rounding.
+    down: the sparse kernel's re-blocked neuron rows, or the file's ffn_down (dense models)."""
     path = request.getfixturevalue(f"{which}_gguf")
     q = load_checkpoint(path, keep_quantized=True)
-    fast = from_params(q.config, q.params, kernels="ffi")
-    ref = from_params(q.config, q.params, kernels="xla", quantized=True)
+    kw = {"down_qtype": None} if down == "file_layout" else {}
+    fast = from_params(q.config, q.params, kernels="ffi", **kw)
+    ref = from_params(q.config, q.params, kernels="xla", quantized=True, **kw)
     assert fast.layers[0].attn.q.qtype is not None and fast.layers[0].ffn.quantized
-    assert ref.layers[1].ffn.down_t.qtype == "Q8_0"  # down rows re-blocked per neuron
+    stored = q.params["layers.1.ffn.down_t.weight"]
+    if down == "file_layout":
+        assert ref.layers[1].ffn.down_t.file_layout
+        assert ref.layers[1].ffn.down_t.qtype == stored.qtype
+        assert ref.layers[1].ffn.down_t.weight.shape == stored.blocks.shape
+    else:
+        assert ref.layers[1].ffn.down_t.qtype == "Q8_0"  # down rows re-blocked per neuron
     a, b = np.asarray(fast(TOKENS)), np.asarray(ref(TOKENS))
     np.testing.assert_allclose(a, b, atol=2e-3 * np.abs(b).max(), rtol=0)
 
@@ -96,8 +105,19 @@ def test_weights_auto_keeps_the_file_format_and_dtype_dequantizes(legacy_gguf):
     q = pij.load(str(legacy_gguf), progress=False)
     f = pij.load(str(legacy_gguf), weights="dtype", progress=False)
     w = q.session.describe()["weights"]
-    # q, gate, up in Q4_1; v, the down rows re-blocked per neuron and the embedding in Q8_0
+    # dense: q, gate, up and the file's ffn_down as stored in Q4_1; v and the embedding in Q8_0
+    assert (w["Q4_1"], w["Q8_0"], w["Q4_0"], w["Q5_1"]) == (8, 3, 2, 2), w
+    sparse = pij.load(str(legacy_gguf), sparsity="oracle", progress=False)
+    # a sparse mode reads down rows per active neuron: re-blocked along D in Q8_0
+    w = sparse.session.describe()["weights"]
     assert (w["Q4_1"], w["Q8_0"], w["Q4_0"], w["Q5_1"]) == (6, 5, 2, 2), w
+    # the two down layouts agree up to their rounding (the 8-bit activations of the file's
+    # layout, the Q8_0 re-blocking of the neuron rows): the bound of the op-by-op test above
+    x = np.random.default_rng(1).standard_normal((1, 3, q.config.d_model)).astype(np.float32)
+    for ls, ld in zip(sparse.session.model.layers, q.session.model.layers):
+        ls.ffn.set_selector(None)  # the oracle's threshold is calibrated: compare every neuron
+        a, b = np.asarray(ls.ffn(x)), np.asarray(ld.ffn(x))
+        assert np.abs(a - b).max() < 0.015 * np.abs(b).max()
     assert set(f.session.describe()["weights"]) == {"float32"}
     out_q = q.generate("the quick brown fox", max_new_tokens=8)
     assert 1 <= len(out_q.token_ids) <= 8

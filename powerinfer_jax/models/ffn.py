@@ -89,20 +89,51 @@ class HostRows(nnx.Variable):
 
 
 class DownT(nnx.Module):
-    """The down projection stored transposed: weight [F, D] (row i is neuron i), bias [D]; or
-    neuron i's down row in a GGUF block format `qtype` (uint8 [F, row_bytes]: the file's ffn_down
-    re-blocked along D at load, models/qweights.py)."""
+    """The down projection stored transposed: weight [F, D] (row i is neuron i), bias [D]. On a
+    quantized file (models/qweights.py) it holds GGUF blocks in format `qtype`, in one of two
+    layouts:
+      * neuron rows (`file_layout` False): uint8 [F, row_bytes], neuron i's down row blocked along
+        D, re-blocked at load (`DOWN_QTYPE`): what the sparse kernel reads, row by active row;
+      * the file's ffn_down as stored (`file_layout` True): uint8 [D, row_bytes] blocked along F,
+        a matvec for ops.qlinear with 8-bit activations, as llama.cpp computes it. Dense models
+        keep it: no re-blocking error, fewer bytes (Q4_1: 20 per 32 values where Q8_0 takes 34)
+        and the integer dot kernel. Installing a selector re-blocks it (`to_neuron_rows`)."""
 
-    def __init__(self, d_ff: int, d_model: int, *, bias: bool, dtype, rngs: nnx.Rngs | None):
+    def __init__(self, d_ff: int, d_model: int, *, bias: bool, dtype, rngs: nnx.Rngs | None,
+                 kernels: str = "xla"):
         self.qtype = None
+        self.file_layout = False
+        self.kernels = kernels
+        self.d_ff = d_ff
         self.weight = _param((d_ff, d_model), dtype, rngs, scale=d_ff ** -0.5)
         self.bias = _param((d_model,), F32, None) if bias else None
 
-    def load_quantized(self, blocks, qtype: str) -> None:
+    def load_quantized(self, blocks, qtype: str, *, file_layout: bool = False) -> None:
         self.weight = nnx.Param(jnp.asarray(blocks, jnp.uint8))
         self.qtype = qtype
+        self.file_layout = file_layout
+
+    def to_neuron_rows(self, qtype: str) -> None:
+        """The file's ffn_down blocks -> neuron rows re-blocked along D in `qtype` (host side,
+        outside jit; once)."""
+        if self.qtype is None or not self.file_layout:
+            return
+        from powerinfer_jax.checkpoint.base import QuantTensor
+
+        d_model = self.weight.shape[0]
+        t = QuantTensor(np.asarray(self.weight[...]), self.qtype, (self.d_ff, d_model),
+                        transposed=True).reblocked(qtype)
+        self.load_quantized(t.blocks, t.qtype)
 
     def __call__(self, a_btf):
+        if self.qtype is not None and self.file_layout:
+            from powerinfer_jax import ops
+
+            return ops.qlinear(a_btf, self.weight[...], self.qtype, self.d_ff, _value(self.bias),
+                               impl="ffi" if self.kernels == "ffi" else "reference")
+        if self.qtype is not None:
+            fail("DownT call", "float rows or the file's ffn_down layout",
+                 f"neuron rows in {self.qtype} (the sparse kernel's layout)")
         w = self.weight[...]
         y = jnp.einsum("btf,fd->btd", a_btf.astype(w.dtype), w, preferred_element_type=F32)
         return y + self.bias[...] if self.bias is not None else y
@@ -123,6 +154,8 @@ class Rows:
     fused: bool = False
 
     def dense(self, ffn, x_btd):
+        if ffn.quantized and ffn.down_t.file_layout:  # three matvecs on the file's blocks
+            return ffn.down_t(ffn.hot_activations(x_btd))
         if ffn.quantized or use_ffi(ffn.kernels, x_btd, ffn.up.weight[...]):
             # Every neuron through the custom call: "oracle" at threshold 0 skips only exact
             # zeros, so this is the dense FFN with rows streamed at their stored width.
@@ -242,7 +275,7 @@ class FFN(nnx.Module):
         lin = dict(dtype=dtype, rngs=rngs, kernels=kernels)
         self.gate = Linear(d_model, d_ff, bias=False, **lin) if gated else None
         self.up = Linear(d_model, d_ff, bias=bias, **lin)
-        self.down_t = DownT(d_ff, d_model, bias=bias, dtype=dtype, rngs=rngs)
+        self.down_t = DownT(d_ff, d_model, bias=bias, dtype=dtype, rngs=rngs, kernels=kernels)
         self.selector = nnx.data(None)  # a Selector; None: dense
         self.backend = Rows()
         self.cold = nnx.data(None)  # after split() on the CPU: {"gate", "up", "down_t", "b_up"}
@@ -261,6 +294,10 @@ class FFN(nnx.Module):
         """Install the layer's selector and resolve the backend for it (see the module doc)."""
         if selector is not None and not isinstance(selector, Selector):
             fail("FFN selector", "a Selector or None", type(selector).__name__)
+        if selector is not None:  # the sparse kernel reads down rows per active neuron
+            from powerinfer_jax.models.transformer import DOWN_QTYPE
+
+            self.down_t.to_neuron_rows(DOWN_QTYPE)
         self.selector = nnx.data(selector)
         if not self.placed:
             fused = (selector is not None and impl == "ffi" and self.kernels == "ffi"
@@ -299,6 +336,9 @@ class FFN(nnx.Module):
         if perm.shape != (f,) or not np.array_equal(np.sort(perm), np.arange(f)):
             fail("FFN.permute order", f"a permutation of range({f})", f"shape {perm.shape}")
         perm = jnp.asarray(perm, jnp.int32)
+        from powerinfer_jax.models.transformer import DOWN_QTYPE
+
+        self.down_t.to_neuron_rows(DOWN_QTYPE)  # rows move whole only as neuron rows
         for lin in (self.gate, self.up, self.down_t):
             if lin is not None:
                 lin.weight.set_value(lin.weight[...][perm])
@@ -375,10 +415,15 @@ class FFN(nnx.Module):
         """Activations of the rows in the Params (all of them when unplaced), with XLA (on a
         quantized FFN: the gate and up projections through ops.qlinear)."""
         if self.quantized:
-            u = self.up(x_btd)
             if self.gate is None:
-                return activate(self.activation, u)
-            g = self.gate(x_btd)
+                return activate(self.activation, self.up(x_btd))
+            from powerinfer_jax import ops
+
+            # gate and up rows in one pool job (the same per-row kernel as two qlinear calls)
+            g, u = ops.qlinear_many(x_btd, [self.gate.weight[...], self.up.weight[...]],
+                                    [self.gate.qtype, self.up.qtype], self.up.d_in,
+                                    [None, _value(self.up.bias)],
+                                    impl="ffi" if self.kernels == "ffi" else "reference")
             if self.activation == "drelu":
                 return jax.nn.relu(g) * jax.nn.relu(u)
             return activate(self.activation, g) * u

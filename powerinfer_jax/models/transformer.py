@@ -204,14 +204,15 @@ DOWN_QTYPE = "Q8_0"  # the format down rows are re-blocked into per neuron (see 
 
 
 def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=F32,
-                kernels: str = "auto", down_qtype: str = DOWN_QTYPE,
+                kernels: str = "auto", down_qtype: str | None = DOWN_QTYPE,
                 quantized: bool | None = None, **options) -> Transformer:
     """Build a Transformer from canonical named arrays (e.g. a loaded checkpoint).
 
     Matrices take `dtype`; norms and biases stay float32. Block-quantized tensors
     (checkpoint.base.QuantTensor, from load_checkpoint(keep_quantized=True)) stay in the file's
     format when the custom calls run (kernels "ffi"): matmuls compute on the blocks; the down
-    projection, stored blocked along F, is re-blocked per neuron along D in `down_qtype`. With
+    projection, stored blocked along F, is re-blocked per neuron along D in `down_qtype` (None:
+    kept as the file stores it, for a dense model; a selector re-blocks it when installed). With
     XLA kernels they are dequantized to `dtype` (quantized=True keeps them: the ops' jnp
     references then compute on them, slowly; tests). Missing, unexpected or misshaped tensors are a
     ValueError naming them. kernels: see models/layers.py ("auto": the custom calls on CPU);
@@ -263,6 +264,9 @@ def _load_quantized(model: Transformer, name: str, t, down_qtype: str) -> None:
     owner = model.layers[int(layer)]
     for attr in rest[:-1]:
         owner = getattr(owner, attr)
+    if t.transposed and down_qtype is None:  # ffn.down_t as the file stores it (dense)
+        owner.load_quantized(as_blocks(t), t.qtype, file_layout=True)
+        return
     if t.transposed:  # ffn.down_t: neuron i's down row is a column of the stored matrix
         t = t.reblocked(down_qtype)
     owner.load_quantized(as_blocks(t), t.qtype)
