@@ -130,6 +130,22 @@ def hf(path: Path, ids: list[int], *, chunks: int, ctx: int, threads: int) -> di
             "torch": torch.__version__}
 
 
+def previous_hf(out: Path, name: str, args) -> dict:
+    """The latest hf_transformers row of `out` for file `name` at the same ctx, chunks, text."""
+    found = None
+    if out.is_file():
+        for line in out.read_text(encoding="utf-8").splitlines():
+            r = json.loads(line)
+            if (r.get("system") == "hf_transformers" and r.get("file") == name
+                    and r.get("ctx") == args.ctx and r.get("max_chunks") == args.chunks
+                    and r.get("text") == args.text.name):
+                found = r
+    if found is None:
+        raise SystemExit(f"--reuse-hf: no hf_transformers row for {name} (ctx {args.ctx}, "
+                         f"{args.chunks} chunks, {args.text.name}) in {out}: run without it")
+    return found
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -141,6 +157,12 @@ def main(argv=None) -> None:
     p.add_argument("--text", type=Path, default=VALID)
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "quant_ppl_vs_hf.jsonl")
     p.add_argument("--note", default="other work shared the machine (nice -n 10)")
+    p.add_argument("--weights", nargs="+", choices=WEIGHTS, default=list(WEIGHTS),
+                   help="our weight modes to run (default: all)")
+    p.add_argument("--reuse-hf", action="store_true",
+                   help="take HF's perplexity from the latest hf_transformers row of --out for "
+                        "the same file, ctx, chunks and text (HF's side does not change with our "
+                        "commits) instead of running transformers again; the row says so")
     args = p.parse_args(argv)
 
     sys.path.insert(0, str(REPO))
@@ -160,11 +182,15 @@ def main(argv=None) -> None:
         ids = token_ids(path, text)
         print(f"{path.name}: {len(ids)} tokens, types {head['tensor_types']}", file=sys.stderr,
               flush=True)
-        ref = hf(path, ids, chunks=args.chunks, ctx=args.ctx, threads=args.threads)
-        rows = [{**head, "system": "hf_transformers", "weights": "dequantized float32 (HF)",
-                 **ref, "ratio_to_hf": 1.0, "within_1pct": True}]
+        if args.reuse_hf:
+            ref, rows = previous_hf(args.out, path.name, args), []
+            head["hf_reused_from"] = {"commit": ref["commit"], "time": ref["time"]}
+        else:
+            ref = hf(path, ids, chunks=args.chunks, ctx=args.ctx, threads=args.threads)
+            rows = [{**head, "system": "hf_transformers", "weights": "dequantized float32 (HF)",
+                     **ref, "ratio_to_hf": 1.0, "within_1pct": True}]
         print(f"  hf_transformers          ppl {ref['ppl']:.4f}", file=sys.stderr, flush=True)
-        for weights in WEIGHTS:
+        for weights in args.weights:
             try:
                 res = ours(path, args.text, weights=weights, chunks=args.chunks, ctx=args.ctx,
                            threads=args.threads)

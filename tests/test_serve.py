@@ -312,8 +312,10 @@ def test_shutdown_with_requests_in_flight_is_prompt(spare, monkeypatch):
         outcomes.append(r.json()["error"]["message"] if r.status_code == 503 else r.status_code)
 
     clients = [threading.Thread(target=f) for f in (stream, stream, whole)]
-    for t in clients:
+    for t in clients[:2]:  # the streams take the two slots first, then the whole one queues
         t.start()
+    wait_for(lambda: health(srv.url)["slots_processing"] == 2, 20, "two streams running")
+    clients[2].start()
     wait_for(lambda: health(srv.url)["queued"] == 1, 20, "two running, one queued")
     t0 = time.monotonic()
     app_srv.__exit__(None, None, None)  # stop(): as on SIGTERM

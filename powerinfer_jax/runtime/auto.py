@@ -11,6 +11,7 @@ reuses it. `Session.describe()["auto"]` says what was chosen and why.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import sys
@@ -37,16 +38,24 @@ def cache_key(source: str, runtime, threads: int, target: float) -> dict:
     dtype, weight format and target."""
     from powerinfer_jax import _cli
 
+    from importlib import metadata
+
+    try:
+        version = metadata.version("powerinfer_jax")
+    except metadata.PackageNotFoundError:  # run from a source tree
+        version = "source"
     try:
         from powerinfer_jax.ops import _ffi
 
         isa = _ffi.simd_name()
-    except ImportError:
-        isa = "none"
+        st = os.stat(_ffi._pij_ext.__file__)
+        build = f"{st.st_size}-{st.st_mtime_ns}"  # a rebuilt extension times afresh
+    except (ImportError, OSError):
+        isa, build = "none", "none"
     return {"model": str(source), "cpu": _cli.machine_info()["cpu"],
             "machine": platform.machine(), "isa": isa, "threads": threads,
             "dtype": runtime.dtype, "weights": runtime.weights, "kernels": runtime.kernels,
-            "target": target}
+            "target": target, "version": version, "kernels_build": build}
 
 
 def time_decode(session, prompt: list[int], steps: int) -> float:
