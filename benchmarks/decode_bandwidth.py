@@ -1,0 +1,160 @@
+"""Prefill and decode on the user's Q4_1 file, ours vs llama.cpp, with bytes read per decode token
+next to the read bandwidth measured in the same run (issue 14's "prefill reported too; bytes read
+per token vs the measured bandwidth").
+
+Per round and thread count, back to back: llama.cpp's `llama-bench -p P -n N` (its pp and tg
+rows) and our `python -m powerinfer_jax.bench --prompt-tokens P --new-tokens N` (dense, the
+file's blocks, bf16 compute), then the machine's read bandwidth at that thread count
+(`_pij_ext.stream_sum` over a 1 GiB array: DRAM, and a 96 MiB one, about the model's size: what
+a token's weights can be read at when they stay in this VM's large last-level cache).
+
+Bytes per decode token: every tensor of the file once (each matrix is read in full per token;
+the tied embedding is the lm_head's matrix, the lookup reads one row more), the same for both
+systems. effective_gbs = bytes x tok/s: the share of the bandwidth each system turns into
+tokens; the rest is compute and per-token fixed cost.
+
+    python benchmarks/decode_bandwidth.py [--threads 1 2] [--rounds 3] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import q4_vs_llamacpp as q4  # noqa: E402  (same provenance helpers and llama-bench build)
+
+
+def file_tensor_bytes(path: Path) -> int:
+    from powerinfer_jax.checkpoint.gguf_file import GGUFFile
+
+    return sum(t.n_bytes for t in GGUFFile(path).tensors)
+
+
+def bandwidth_gbs(threads: int, mib: int) -> float:
+    code = ("import time, numpy as np; from powerinfer_jax import _pij_ext; "
+            f"_pij_ext.set_num_threads({threads}); a = np.ones({mib} << 18, np.float32); "
+            "_pij_ext.stream_sum(a); ts = []\n"
+            "for _ in range(5):\n t = time.perf_counter(); _pij_ext.stream_sum(a); "
+            "ts.append(time.perf_counter() - t)\n"
+            "print(a.nbytes / min(ts) / 1e9)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _llama_rows(binary: Path, gguf: Path, args: list[str]) -> tuple[list[dict], list, int]:
+    cmd = [str(binary), "-m", str(gguf), *args, "-r", "2", "-o", "jsonl"]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")], cmd, \
+        p.returncode
+
+
+def llama(binary: Path, gguf: Path, *, threads: int, prompt: int, new: int) -> tuple[dict, list]:
+    """tg and pp rows of llama-bench with its defaults. On AMX machines its default repacks the
+    weights into its AMX buffer type, and in this llama.cpp tree that type's prefill matmul
+    crashes (SIGSEGV in ggml_backend_amx_mul_mat): prefill then runs again with --repack 0 and
+    the row says so."""
+    t = ["-t", str(threads)]
+    tg_rows, cmd, rc = _llama_rows(binary, gguf, ["-p", "0", "-n", str(new), *t])
+    tg = [r for r in tg_rows if r.get("n_gen") == new and r.get("n_prompt") == 0]
+    if rc != 0 or not tg:
+        raise RuntimeError(f"{' '.join(cmd)}: exit {rc}, no tg{new} row")
+    out = {"decode_tok_s": tg[-1]["avg_ts"], "llama_decode_repack": 1}
+    pp_rows, pcmd, rc = _llama_rows(binary, gguf, ["-p", str(prompt), "-n", "0", *t])
+    if rc != 0:
+        out["llama_prefill_default_exit"] = rc
+        pp_rows, pcmd, rc = _llama_rows(binary, gguf, ["-p", str(prompt), "-n", "0", *t,
+                                                       "--repack", "0"])
+        out["llama_prefill_repack"] = 0
+    pp = [r for r in pp_rows if r.get("n_prompt") == prompt and r.get("n_gen") == 0]
+    if rc != 0 or not pp:
+        raise RuntimeError(f"{' '.join(pcmd)}: exit {rc}, no pp{prompt} row")
+    out["prefill_tok_s"] = pp[-1]["avg_ts"]
+    return out, cmd + ["&&"] + pcmd
+
+
+def ours(*, threads: int, prompt: int, new: int) -> tuple[dict, list]:
+    cmd = [sys.executable, "-m", "powerinfer_jax.bench", "--model", q4.MODEL, "--dtype",
+           "bfloat16", "--weights", "auto", "--sparsity", "dense", "--prompt-tokens",
+           str(prompt), "--new-tokens", str(new), "--threads", str(threads), "--repeats", "2",
+           "--json"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: exit {proc.returncode}: {proc.stderr[-2000:]}")
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"prefill_tok_s": r["prefill_tok_s"], "decode_tok_s": r["decode_tok_s"]}, cmd
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--llama-bench", default=str(q4.CACHE / "peers" / "llamacpp-cpu-native" /
+                                                 "bin" / "llama-bench"))
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "decode_bandwidth.jsonl"))
+    args = ap.parse_args(argv)
+
+    from powerinfer_jax.checkpoint import resolve_model
+
+    gguf = Path(resolve_model(q4.MODEL))
+    per_token = file_tensor_bytes(gguf)
+    base = {"bench": "decode_bandwidth", "run_id": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()),
+            "commit": q4.git_commit(), "machine": q4.machine(), "model": q4.MODEL,
+            "file": gguf.name, "file_bytes": gguf.stat().st_size,
+            "bytes_per_decode_token": per_token, "prompt_tokens": args.prompt_tokens,
+            "new_tokens": args.new_tokens, "isa": q4.ext_isa(sys.executable)["isa_info"]}
+    rows = []
+    for rnd in range(args.rounds):
+        for threads in args.threads:
+            bw = {"bandwidth_gbs_1gib": bandwidth_gbs(threads, 1024),
+                  "bandwidth_gbs_96mib": bandwidth_gbs(threads, 96)}
+            for system in ("llama.cpp", "powerinfer_jax"):
+                if system == "llama.cpp":
+                    res, cmd = llama(Path(args.llama_bench), gguf, threads=threads,
+                                     prompt=args.prompt_tokens, new=args.new_tokens)
+                    extra = {"weights": "Q4_1 (llama.cpp)", "dtype": "f32 compute"}
+                else:
+                    res, cmd = ours(threads=threads, prompt=args.prompt_tokens,
+                                    new=args.new_tokens)
+                    extra = {"weights": "auto (the file's Q4_1 blocks)", "dtype": "bfloat16"}
+                eff = per_token * res["decode_tok_s"] / 1e9
+                row = {**base, **extra, "kind": "measure", "round": rnd, "threads": threads,
+                       "system": system, **res, **bw, "effective_gbs": eff,
+                       "fraction_of_bandwidth_1gib": eff / bw["bandwidth_gbs_1gib"],
+                       "fraction_of_bandwidth_96mib": eff / bw["bandwidth_gbs_96mib"],
+                       "loadavg": os.getloadavg(), "command": " ".join(map(str, cmd))}
+                rows.append(row)
+                print(f"[{rnd}] t={threads} {system:15s} prefill {res['prefill_tok_s']:8.1f} "
+                      f"decode {res['decode_tok_s']:7.1f} tok/s  {eff:5.1f} GB/s of "
+                      f"{bw['bandwidth_gbs_96mib']:.0f} (96 MiB) / "
+                      f"{bw['bandwidth_gbs_1gib']:.0f} (1 GiB)", file=sys.stderr, flush=True)
+    measured = list(rows)
+    for threads in args.threads:
+        for key in ("prefill_tok_s", "decode_tok_s"):
+            ratios = []
+            for rnd in range(args.rounds):
+                a = [r for r in measured if r["round"] == rnd and r["threads"] == threads]
+                o = next(r[key] for r in a if r["system"] == "powerinfer_jax")
+                ll = next(r[key] for r in a if r["system"] == "llama.cpp")
+                ratios.append(o / ll)
+            rows.append({**base, "kind": "summary", "threads": threads, "metric": key,
+                         "ratio_ours_to_llamacpp_per_round": ratios,
+                         "median_ratio": statistics.median(ratios)})
+            print(f"t={threads} {key}: ours / llama.cpp median {statistics.median(ratios):.3f}",
+                  file=sys.stderr)
+    with open(args.out, "a", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
