@@ -52,6 +52,9 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--weights", choices=["dtype", "auto"], default="dtype",
+                   help="dtype: the file dequantized to --dtypes (the earlier rows); auto: a "
+                        "quantized file's blocks kept, as users run it")
     p.add_argument("--tag", default="")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "batch_decode.jsonl"))
     args = p.parse_args(argv)
@@ -62,7 +65,7 @@ def main(argv=None) -> None:
     from powerinfer_jax.runtime.decode import Request
 
     threads = _cli.configure_threads(args.threads)
-    ckpt = load_checkpoint(args.model)
+    ckpt = load_checkpoint(args.model, keep_quantized=args.weights == "auto")
     max_b = max(args.batches)
     max_len = args.prompt_tokens + args.new_tokens + 8
     rows = []
@@ -79,7 +82,8 @@ def main(argv=None) -> None:
                 if together != alone:  # recorded, not timed; the other configurations go on
                     differ = [i for i, (x, y) in enumerate(zip(together, alone)) if x != y]
                     cfg = {"mode": mode, "batch": b, "prompt_tokens": args.prompt_tokens,
-                           "new_tokens": args.new_tokens, "tag": args.tag}
+                           "new_tokens": args.new_tokens, "tag": args.tag,
+                           "weights": args.weights}
                     rows.append({**_common.header("batch_decode", threads=threads, dtype=dtype,
                                                   model=args.model, config=cfg, quick=False),
                                  "batch": b, "mode": mode, "status": "mismatch",
@@ -98,7 +102,8 @@ def main(argv=None) -> None:
                     sequential.append(n_tot / s_tot)
                 ratios = [x / y for x, y in zip(batched, sequential)]
                 cfg = {"mode": mode, "batch": b, "prompt_tokens": args.prompt_tokens,
-                       "new_tokens": args.new_tokens, "rounds": args.rounds, "tag": args.tag}
+                       "new_tokens": args.new_tokens, "rounds": args.rounds, "tag": args.tag,
+                       "weights": args.weights}
                 row = {**_common.header("batch_decode", threads=threads, dtype=dtype,
                                         model=args.model, config=cfg, quick=False),
                        "batch": b, "mode": mode, "aggregate_tok_s_rounds": batched,

@@ -197,6 +197,18 @@ def test_bad_requests_are_400_naming_the_field(server, path, body, param):
     assert err["message"].startswith(param.split(".")[0]) and "expected" in err["message"]
 
 
+def test_a_chat_only_field_on_a_completion_is_ignored(server):
+    """max_completion_tokens belongs to chat; on /v1/completions it is an unknown extra, whatever
+    its type (the fuzz test found a list reaching the context check: a 500)."""
+    for value in ([1, 2], "5", 3):
+        r = httpx.post(server.url + "/v1/completions", json={
+            "model": MODEL, "prompt": "x", "max_tokens": 2, "max_completion_tokens": value})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
+        r = httpx.post(server.url + "/v1/completions", json={
+            "model": MODEL, "prompt": "x", "max_completion_tokens": value})
+        assert r.status_code == 200, r.text
+
+
 def test_the_openai_client_raises_its_errors(client):
     with pytest.raises(openai.BadRequestError, match="n: expected"):
         client.completions.create(model=MODEL, prompt="x", n=3)

@@ -352,8 +352,10 @@ def _max_tokens(engine, req, n_prompt: int, chat: bool) -> int:
     """The request's max_tokens (defaults: 16 for completions, the rest of the context for chat),
     checked with the prompt against the context."""
     what = "messages" if chat else "prompt"
-    asked = req.max_tokens if req.max_tokens is not None else getattr(
-        req, "max_completion_tokens", None)
+    # max_completion_tokens is a chat field; on a completions request it is an unknown extra
+    # (kept unvalidated by extra="allow"), never a number to trust
+    asked = req.max_tokens if req.max_tokens is not None or not chat else \
+        req.max_completion_tokens
     ctx = engine.max_seq_len
     room = ctx - n_prompt
     if n_prompt == 0:
