@@ -1,4 +1,5 @@
 """Our Transformer's logits against HF transformers' on tiny random models it builds and saves itself."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -93,3 +94,22 @@ def test_from_params_names_missing_and_misshaped_tensors(tmp_path):
     params["final_norm.scale"] = params["final_norm.scale"][:-1]
     with pytest.raises(ValueError, match=r"tensor final_norm.scale: expected shape \(64,\)"):
         from_params(ckpt.config, params)
+
+
+@pytest.mark.parametrize("kind,d", [("rms", 576), ("layer", 100)])
+def test_norm_gives_a_row_the_same_bits_whatever_the_batch(kind, d):
+    """XLA's reduce vectorizes by shape (jnp.mean over 16 rows of 576 gave other last bits than
+    each row alone); the norms sum in a fixed order, so batched decoding matches single."""
+    from powerinfer_jax.models.layers import Norm
+
+    norm = Norm(d, kind=kind, eps=1e-5)
+    f = jax.jit(lambda v: norm(v))
+    x = np.random.default_rng(0).standard_normal((16, 1, d)).astype(np.float32)
+    together = np.asarray(f(x))
+    alone = np.concatenate([np.asarray(f(x[i:i + 1])) for i in range(16)])
+    np.testing.assert_array_equal(together, alone)
+    mean = x.astype(np.float64).mean(-1, keepdims=True)
+    ref = (x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5)
+           if kind == "rms" else (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True)
+                                                      + 1e-5))
+    np.testing.assert_allclose(together, ref, rtol=2e-6, atol=2e-6)

@@ -101,6 +101,29 @@ class Linear(nnx.Module):
         return y + self.bias[...] if self.bias is not None else y
 
 
+_SUM_WIDTH = 64  # the lanes of row_mean's fixed-order sum
+
+
+def row_mean(v):
+    """Mean over the last axis [..., 1], summed in a fixed order: the 64-wide chunks one after
+    another, then halves of the 64 lanes. Every step is an elementwise add, so a row's result
+    does not depend on how many rows share the call. XLA's own reduce is vectorized by shape:
+    at 8 or more rows it gave other last bits than a row alone, and 8-bit activations
+    downstream turned that into other greedy tokens in batched decoding."""
+    d = v.shape[-1]
+    pad = -d % _SUM_WIDTH
+    if pad:
+        v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, pad)])  # adding zeros is exact
+    chunks = v.reshape(v.shape[:-1] + (-1, _SUM_WIDTH))
+    acc = chunks[..., 0, :]
+    for i in range(1, chunks.shape[-2]):
+        acc = acc + chunks[..., i, :]
+    while acc.shape[-1] > 1:
+        half = acc.shape[-1] // 2
+        acc = acc[..., :half] + acc[..., half:]
+    return acc / d
+
+
 class Norm(nnx.Module):
     """RMSNorm (llama) or LayerNorm (OPT), computed in float32."""
 
@@ -113,10 +136,10 @@ class Norm(nnx.Module):
     def __call__(self, x):
         x = x.astype(F32)
         if self.kind == "rms":
-            y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+            y = x * jax.lax.rsqrt(row_mean(x * x) + self.eps)
             return y * self.scale[...]
-        mean = jnp.mean(x, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+        mean = row_mean(x)
+        var = row_mean(jnp.square(x - mean))
         return (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
 
 
