@@ -136,8 +136,14 @@ void RunPiece(const QFfnWeights& w, std::span<const float* const> score_rows,
   const int64_t down_bytes = QRowBytes(w.down_type, dim);
   std::fill_n(out, ntok * dim, 0.0f);
   std::fill_n(counts, ntok, 0);
-  piece.active.clear();
-  piece.coef.clear();
+  if (static_cast<int64_t>(piece.active.size()) < ntok) {
+    piece.active.resize(ntok);
+    piece.coef.resize(ntok);
+  }
+  for (int64_t t = 0; t < ntok; ++t) {
+    piece.active[t].clear();
+    piece.coef[t].clear();
+  }
   int32_t block[kEstimateBlock];
   for (size_t b = 0; b < cands.size(); b += kEstimateBlock) {
     const size_t e = std::min(cands.size(), b + kEstimateBlock);
@@ -156,42 +162,24 @@ void RunPiece(const QFfnWeights& w, std::span<const float* const> score_rows,
         cands.subspan(e, std::min(kGateUpAhead, cands.size() - e));
     Activations(w, p, s, neurons, next, t0, ntok, piece);
     const float* act = piece.act.data();
-    if (ntok == 1) {
-      for (int64_t j = 0; j < nb; ++j) {
-        if (oracle && !ActiveByMagnitude(act[j], p.threshold)) continue;
-        piece.active.push_back(block[j]);
-        piece.coef.push_back(act[j]);
-        PrefetchL2(w.down + block[j] * down_bytes, down_bytes);  // read after the estimates
+    for (int64_t j = 0; j < nb; ++j) {
+      bool any = false;
+      for (int64_t t = 0; t < ntok; ++t) {
+        const float a = act[j * ntok + t];
+        const bool on = oracle ? ActiveByMagnitude(a, p.threshold)
+                               : SelectedByScore(score_rows[t0 + t][block[j]], p.threshold);
+        if (!on) continue;
+        piece.active[t].push_back(block[j]);
+        piece.coef[t].push_back(a);
+        any = true;
       }
-      continue;
+      if (any) PrefetchL2(w.down + block[j] * down_bytes, down_bytes);  // read after the estimates
     }
-    VisitQType(w.down_type, [&]<class F>(F) {
-      const int64_t nblocks = dim / F::kBlock;
-      for (int64_t j = 0; j < nb; ++j) {
-        float coef[qkern::kMaxTokens];
-        float* ys[qkern::kMaxTokens];
-        int n = 0;
-        const uint8_t* row = w.down + block[j] * down_bytes;
-        for (int64_t t = 0; t < ntok; ++t) {
-          const float a = act[j * ntok + t];
-          const bool on = oracle ? ActiveByMagnitude(a, p.threshold)
-                                 : SelectedByScore(score_rows[t0 + t][block[j]], p.threshold);
-          if (!on) continue;
-          ++counts[t];
-          coef[n] = a;
-          ys[n++] = out + t * dim;
-          if (n == qkern::kMaxTokens) {
-            qkern::AxpyTokens<F>(row, coef, ys, n, nblocks);
-            n = 0;
-          }
-        }
-        if (n > 0) qkern::AxpyTokens<F>(row, coef, ys, n, nblocks);
-      }
-    });
   }
-  if (ntok == 1) {
-    counts[0] = static_cast<int32_t>(piece.active.size());
-    AccumulateDown(w, piece.active, piece.coef, out);
+  // Each token's rows summed alone, in id order (the same calls whatever the batch).
+  for (int64_t t = 0; t < ntok; ++t) {
+    counts[t] = static_cast<int32_t>(piece.active[t].size());
+    AccumulateDown(w, piece.active[t], piece.coef[t], out + t * dim);
   }
 }
 

@@ -55,8 +55,11 @@ struct QSparseFfnScratch {
   std::vector<int32_t> partial_count;  // [pieces, chunk tokens]
   struct Piece {
     std::vector<float> gate, up, act;  // [block neurons, chunk tokens]
-    std::vector<int32_t> active;       // decode: the piece's active neurons
-    std::vector<float> coef;           // decode: their a_i
+    // Per token of the chunk: the piece's active neurons in id order and their a_i. Every
+    // token's down rows are summed by AccumulateDown alone, so a token gets the same bits
+    // whether it is decoded alone or in a batch (or a prefill).
+    std::vector<std::vector<int32_t>> active;
+    std::vector<std::vector<float>> coef;
   };
   std::vector<Piece> pieces;
 };

@@ -1,7 +1,6 @@
 // The inner loops of the quantized kernels, written once over a format's traits (quant_formats.h):
 //   DotTile     kR weight rows x kC tokens of int8 activations -> kR * kC dot products
-//   AxpyRows    y += sum_k coef[k] * row_k (dequantized on the fly): sparse FFN down rows, decode
-//   AxpyTokens  y_t += coef_t * row for up to kMaxTokens tokens: down rows, prefill
+//   AxpyRows    y += sum_k coef[k] * row_k (dequantized on the fly): sparse FFN down rows, per token
 //   DequantizeRow  a row to float (tests, debugging)
 // Single-threaded and allocation-free; qlinear.cc / qsparse_ffn.cc split the work over threads.
 // Every (row, token) result goes through the same operations in the same order whatever tile it
@@ -9,6 +8,7 @@
 #ifndef PIJ_CPU_BACKEND_QUANT_KERNELS_H_
 #define PIJ_CPU_BACKEND_QUANT_KERNELS_H_
 
+#include <cmath>
 #include <cstdint>
 
 #include "cpu_backend/quant_act.h"
@@ -86,7 +86,9 @@ inline void DotTile(const uint8_t* const* rows, const QActView* xs, int64_t nblo
         for (int t = 0; t < kC; ++t) {
           const qsimd::I32x8 dot = Dot<F>(u, qsimd::Load32(xs[t].q + b * 32));
           acc[r][t] = qsimd::MulAdd(qsimd::ToF32(dot), qsimd::Set1(p.s * xs[t].d[b]), acc[r][t]);
-          if constexpr (F::kHasMin) macc[r][t] += p.m * xs[t].c[b];
+          // std::fma, not `+= p.m * c`: the compiler contracted that in some tile shapes and
+          // not in others, and a token's bits then depended on how many tokens shared the tile
+          if constexpr (F::kHasMin) macc[r][t] = std::fma(p.m, xs[t].c[b], macc[r][t]);
         }
       }
     }
@@ -217,36 +219,8 @@ inline void AxpyRows(const uint8_t* const* rows, const float* coef, int64_t nblo
   }
 }
 
-// y[t][0, D) += coef[t] * dequant(row) for n <= kMaxTokens tokens; the row is unpacked once.
+// Tokens per DotTile in the multi-token kernels.
 constexpr int kMaxTokens = 4;
-
-template <class F>
-inline void AxpyTokens(const uint8_t* row, const float* coef, float* const* y, int n,
-                       int64_t nblocks) {
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const uint8_t* blk = row + b * F::kBytes;
-    typename F::Prep p;
-    F::Prepare(blk, p);
-    float s[16], m[16];
-    HalfScales<F>(p, s, m);
-#pragma GCC unroll 8
-    for (int c = 0; c < F::kChunks; ++c) {
-      const I8x32 u = UnpackForParts<F>(blk, c);
-      F32x8 w[4];  // the chunk's 32 weights, dequantized once for every token
-      for (int q = 0; q < 4; ++q) {
-        const int h = 2 * c + q / 2;
-        w[q] = qsimd::MulAdd(ChunkPart<F>(blk, u, c, q), qsimd::Set1(s[h]), qsimd::Set1(m[h]));
-      }
-      for (int t = 0; t < n; ++t) {
-        float* yc = y[t] + b * F::kBlock + 32 * c;
-        const F32x8 a = qsimd::Set1(coef[t]);
-        for (int q = 0; q < 4; ++q) {
-          qsimd::Store(yc + 8 * q, qsimd::MulAdd(a, w[q], qsimd::Load(yc + 8 * q)));
-        }
-      }
-    }
-  }
-}
 
 // out[0, nblocks * kBlock) = the row's weights, s * u + m (a multiply, then an add, as the gguf
 // package's numpy dequantizers round).

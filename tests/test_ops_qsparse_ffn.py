@@ -262,3 +262,21 @@ def test_nan_input_or_score_reaches_the_output(criterion):
     else:  # the NaN score selects neuron 3 for token 0
         assert int(np.asarray(n)[0]) == int(np.asarray(n_ref)[0]) == int((~(scores[0] <= 0.05)).sum())
     _close(y[:1], y_ref[:1])
+
+
+@pytest.mark.parametrize("criterion", ["oracle", "scores"])
+@pytest.mark.parametrize("gu,dn", [("Q4_1", "Q8_0"), ("Q4_K", "Q6_K")])
+def test_a_token_gets_the_same_bits_alone_and_in_a_batch(gu, dn, criterion):
+    """Batched decoding: each token's sum over its own active down rows, in the same order as
+    when it is decoded alone (the multi-token path once shared a row's dequantization across
+    tokens and rounded differently). Many neurons and 16 tokens: several pieces and tiles."""
+    x, w, rng = ffn(gu, dn, 23, t=16, f=300)
+    scores = rng.standard_normal((16, 300)).astype(np.float32)
+    kw = dict(scores=scores if criterion == "scores" else None, criterion=criterion,
+              threshold=0.3 if criterion == "scores" else float(gap_threshold(activations(x, w))))
+    y, n = ops.qsparse_ffn(x, **w, **kw)
+    for t in range(16):
+        one = dict(kw, scores=None if kw["scores"] is None else scores[t:t + 1])
+        y1, n1 = ops.qsparse_ffn(x[t:t + 1], **w, **one)
+        np.testing.assert_array_equal(np.asarray(y1)[0], np.asarray(y)[t])
+        assert int(np.asarray(n1)[0]) == int(np.asarray(n)[t])
