@@ -5,7 +5,7 @@ per token vs the measured bandwidth").
 Per round and thread count, back to back: llama.cpp's `llama-bench -p P -n N` (its pp and tg
 rows) and our `python -m powerinfer_jax.bench --prompt-tokens P --new-tokens N` (dense, the
 file's blocks, bf16 compute), then the machine's read bandwidth at that thread count
-(`_pij_ext.stream_sum` over a 1 GiB array: DRAM, and a 96 MiB one, about the model's size: what
+(`_bench_ops.read_bandwidth_gbs` over a 1 GiB array: DRAM, and a 96 MiB one, about the model's size: what
 a token's weights can be read at when they stay in this VM's large last-level cache).
 
 Bytes per decode token: every tensor of the file once (each matrix is read in full per token;
@@ -38,14 +38,11 @@ def file_tensor_bytes(path: Path) -> int:
 
 
 def bandwidth_gbs(threads: int, mib: int) -> float:
-    code = ("import time, numpy as np; from powerinfer_jax import _pij_ext; "
-            f"_pij_ext.set_num_threads({threads}); a = np.ones({mib} << 18, np.float32); "
-            "_pij_ext.stream_sum(a); ts = []\n"
-            "for _ in range(5):\n t = time.perf_counter(); _pij_ext.stream_sum(a); "
-            "ts.append(time.perf_counter() - t)\n"
-            "print(a.nbytes / min(ts) / 1e9)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    from powerinfer_jax import ops
+    from powerinfer_jax._bench_ops import read_bandwidth_gbs
+
+    ops.set_num_threads(threads)
+    return read_bandwidth_gbs(nbytes=mib << 20)
 
 
 def _llama_rows(binary: Path, gguf: Path, args: list[str]) -> tuple[list[dict], list, int]:

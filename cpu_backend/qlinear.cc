@@ -19,7 +19,6 @@ constexpr int64_t kRowBlock = 16;
 // Decode: rows per tile, sharing the token's activation loads.
 constexpr int kDecodeRows = 2;
 
-
 template <class F, int kC>
 inline void TokenTile(const uint8_t* row, const QActView* xs, int64_t nblocks, float* dots) {
   qkern::DotTile<F, 1, kC>(&row, xs, nblocks, dots);

@@ -44,24 +44,10 @@ constexpr int64_t MinGroup() {
 #endif
 constexpr int64_t kStreamAhead = PIJ_STREAM_AHEAD;
 
-#ifndef PIJ_STREAM_LOCALITY
-#define PIJ_STREAM_LOCALITY 3
-#endif
-#ifndef PIJ_STREAM_ONCE
-#define PIJ_STREAM_ONCE 0
-#endif
-
 template <int64_t kAhead, int64_t kBytes>
 inline void StreamPrefetch(const uint8_t* blk) {
   if constexpr (kAhead > 0) {
-    const uint8_t* p = blk + kAhead;
-    if constexpr (PIJ_STREAM_ONCE && kBytes < 64) {
-      // one request per cache line: from the block that starts in its first kBytes
-      if ((reinterpret_cast<uintptr_t>(p) & 63) >= static_cast<uintptr_t>(kBytes)) return;
-    }
-    for (int64_t off = 0; off < kBytes; off += 64) {
-      __builtin_prefetch(p + off, 0, PIJ_STREAM_LOCALITY);
-    }
+    for (int64_t off = 0; off < kBytes; off += 64) __builtin_prefetch(blk + kAhead + off, 0, 3);
   }
 }
 

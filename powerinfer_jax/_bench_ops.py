@@ -49,11 +49,12 @@ def _median_us(fn, arg_sets, *, repeats: int) -> float:
     return median_seconds(fn, repeats=repeats, arg_sets=arg_sets) * 1e6
 
 
-def read_bandwidth_gbs(repeats: int = 5) -> float:
-    """The machine's read bandwidth (GB/s) with the kernel thread pool's current thread count."""
+def read_bandwidth_gbs(repeats: int = 5, nbytes: int = _BANDWIDTH_BYTES) -> float:
+    """The machine's read bandwidth (GB/s) over `nbytes` with the kernel thread pool's current
+    thread count."""
     from powerinfer_jax.ops import _ffi
 
-    data = np.ones(_BANDWIDTH_BYTES // 4, np.float32)
+    data = np.ones(nbytes // 4, np.float32)
     _ffi._pij_ext.stream_sum(data)
     best = float("inf")
     for _ in range(repeats):

@@ -41,8 +41,9 @@ def file_magic(path: str | os.PathLike) -> bytes:
 
 
 def _open(path: Path) -> GGUFFile:
-    """The parsed header of `path` (`gguf_file.GGUFFile`), or a UserError naming the file, what is wrong and the fix: fetch
-    it again for a registry model's cached file, replace or re-convert a user's own file."""
+    """The parsed header of `path` (`gguf_file.GGUFFile`), or a UserError naming the file, what
+    is wrong and the fix: fetch it again for a registry model's cached file, replace or
+    re-convert a user's own file."""
     from powerinfer_jax.checkpoint.registry import is_registry_file
     from powerinfer_jax.errors import UserError
 

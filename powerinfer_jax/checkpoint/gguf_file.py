@@ -82,7 +82,6 @@ class GGUFFile:
                 raise GGUFFormatError(f"expected at least a 24-byte header, got {size} bytes")
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._size = size
-        self._off = 0
         self.magic = bytes(self._mm[:4])
         if self.magic not in MAGICS:
             raise GGUFFormatError(f"expected magic {MAGICS[0]!r} (or {MAGICS[1]!r}), got "

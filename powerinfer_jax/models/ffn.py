@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from powerinfer_jax.errors import fail
-from powerinfer_jax.models.layers import F32, Linear, _param, sow, use_ffi
+from powerinfer_jax.models.layers import F32, Linear, _param, op_impl, sow, use_ffi
 from powerinfer_jax.ops.reference import activate  # pure jnp, shared with the kernels' oracle
 
 
@@ -88,6 +88,9 @@ class HostRows(nnx.Variable):
     """FFN rows kept in host memory: the cold part of a placed FFN."""
 
 
+DOWN_QTYPE = "Q8_0"  # the format down rows are re-blocked into per neuron (neuron rows)
+
+
 class DownT(nnx.Module):
     """The down projection stored transposed: weight [F, D] (row i is neuron i), bias [D]. On a
     quantized file (models/qweights.py) it holds GGUF blocks in format `qtype`, in one of two
@@ -113,7 +116,7 @@ class DownT(nnx.Module):
         self.qtype = qtype
         self.file_layout = file_layout
 
-    def to_neuron_rows(self, qtype: str) -> None:
+    def to_neuron_rows(self, qtype: str = DOWN_QTYPE) -> None:
         """The file's ffn_down blocks -> neuron rows re-blocked along D in `qtype` (host side,
         outside jit; once)."""
         if self.qtype is None or not self.file_layout:
@@ -130,7 +133,7 @@ class DownT(nnx.Module):
             from powerinfer_jax import ops
 
             return ops.qlinear(a_btf, self.weight[...], self.qtype, self.d_ff, _value(self.bias),
-                               impl="ffi" if self.kernels == "ffi" else "reference")
+                               impl=op_impl(self.kernels))
         if self.qtype is not None:
             fail("DownT call", "float rows or the file's ffn_down layout",
                  f"neuron rows in {self.qtype} (the sparse kernel's layout)")
@@ -295,9 +298,7 @@ class FFN(nnx.Module):
         if selector is not None and not isinstance(selector, Selector):
             fail("FFN selector", "a Selector or None", type(selector).__name__)
         if selector is not None:  # the sparse kernel reads down rows per active neuron
-            from powerinfer_jax.models.transformer import DOWN_QTYPE
-
-            self.down_t.to_neuron_rows(DOWN_QTYPE)
+            self.down_t.to_neuron_rows()
         self.selector = nnx.data(selector)
         if not self.placed:
             fused = (selector is not None and impl == "ffi" and self.kernels == "ffi"
@@ -336,9 +337,7 @@ class FFN(nnx.Module):
         if perm.shape != (f,) or not np.array_equal(np.sort(perm), np.arange(f)):
             fail("FFN.permute order", f"a permutation of range({f})", f"shape {perm.shape}")
         perm = jnp.asarray(perm, jnp.int32)
-        from powerinfer_jax.models.transformer import DOWN_QTYPE
-
-        self.down_t.to_neuron_rows(DOWN_QTYPE)  # rows move whole only as neuron rows
+        self.down_t.to_neuron_rows()  # rows move whole only as neuron rows
         for lin in (self.gate, self.up, self.down_t):
             if lin is not None:
                 lin.weight.set_value(lin.weight[...][perm])
@@ -423,7 +422,7 @@ class FFN(nnx.Module):
             g, u = ops.qlinear_many(x_btd, [self.gate.weight[...], self.up.weight[...]],
                                     [self.gate.qtype, self.up.qtype], self.up.d_in,
                                     [None, _value(self.up.bias)],
-                                    impl="ffi" if self.kernels == "ffi" else "reference")
+                                    impl=op_impl(self.kernels))
             if self.activation == "drelu":
                 return jax.nn.relu(g) * jax.nn.relu(u)
             return activate(self.activation, g) * u

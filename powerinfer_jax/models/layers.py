@@ -50,6 +50,12 @@ def use_ffi(kernels: str, x, w) -> bool:
     return kernels == "ffi" and (w.dtype != F32 or rows <= FFI_F32_MAX_ROWS)
 
 
+def op_impl(kernels: str) -> str:
+    """The `impl` of an op for a module's kernels: the custom call, or its jnp reference (XLA
+    kernels on quantized blocks: tests)."""
+    return "ffi" if kernels == "ffi" else "reference"
+
+
 def matmul(x, w_od, kernels: str = "xla"):
     """x [..., I] times a weight stored [O, I] -> [..., O], float32 accumulation."""
     if use_ffi(kernels, x, w_od):
@@ -95,7 +101,7 @@ class Linear(nnx.Module):
             from powerinfer_jax import ops
 
             y = ops.qlinear(x, self.weight[...], self.qtype, self.d_in,
-                            impl="ffi" if self.kernels == "ffi" else "reference")
+                            impl=op_impl(self.kernels))
         else:
             y = matmul(x, self.weight[...], self.kernels)
         return y + self.bias[...] if self.bias is not None else y

@@ -17,9 +17,9 @@ from flax import nnx
 
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.errors import fail
-from powerinfer_jax.models.ffn import FFN
+from powerinfer_jax.models.ffn import DOWN_QTYPE, FFN
 from powerinfer_jax.models.layers import (F32, Attention, Linear, Norm, cache_storage_dtype,
-                                         matmul, resolve_kernels, sow)
+                                         matmul, op_impl, resolve_kernels, sow)
 
 
 _RESIDUAL = contextvars.ContextVar("ffn_residual")
@@ -141,7 +141,7 @@ class Transformer(nnx.Module):
             from powerinfer_jax import ops
 
             return ops.qlinear(h_btd, self.tok_embed[...], self.embed_qtype, self.config.d_model,
-                               impl="ffi" if self.kernels == "ffi" else "reference")
+                               impl=op_impl(self.kernels))
         return matmul(h_btd, self.tok_embed[...], self.kernels)
 
     def __call__(self, tokens_bt, positions_bt=None):
@@ -200,7 +200,6 @@ def param_names(config: ModelConfig) -> list[str]:
     return [_param_name(p) for p, _ in nnx.to_flat_state(nnx.state(abstract, nnx.Param))]
 
 
-DOWN_QTYPE = "Q8_0"  # the format down rows are re-blocked into per neuron (see from_params)
 
 
 def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=F32,

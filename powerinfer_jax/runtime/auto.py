@@ -36,9 +36,9 @@ def candidate(label: str, target: float):
 def cache_key(source: str, runtime, threads: int, target: float) -> dict:
     """What the timing depends on: the model file, machine, kernels' instruction set, threads,
     dtype, weight format and target."""
-    from powerinfer_jax import _cli
-
     from importlib import metadata
+
+    from powerinfer_jax import _cli
 
     try:
         version = metadata.version("powerinfer_jax")

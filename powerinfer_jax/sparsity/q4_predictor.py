@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from powerinfer_jax.models.layers import op_impl
 from powerinfer_jax.ops import q4
 
 class Q4Rows(nnx.Variable):
@@ -48,7 +49,7 @@ class Q4Predictor(nnx.Module):
         return ops.q4_scores(x_btd, self.q[...], self.dm[...],
                              None if self.b_up is None else self.b_up[...],
                              activation=self.activation, signed=signed,
-                             impl="ffi" if self.kernels == "ffi" else "reference")
+                             impl=op_impl(self.kernels))
 
     def sparse_ffn(self, x_btd, w_down_t, b_down, *, threshold: float):
         """The q4 FFN (SparsityConfig.gate_up == "q4"): these estimates as the activations, in one
