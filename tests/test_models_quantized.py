@@ -184,3 +184,23 @@ def test_sparsity_auto_times_once_then_reuses_its_decision(legacy_gguf, tmp_path
     choice.write_text("{not json")
     redo = pij.load(str(legacy_gguf), sparsity="auto", artifacts=str(arts), progress=False)
     assert not redo.session.describe()["auto"]["cached"]
+
+
+def test_down_rows_in_the_sparse_layout_refuse_the_dense_call(legacy_gguf):
+    """Neuron rows (the sparse kernel's layout) are no matvec: called as one, a one-line error
+    names the layout; the file's layout re-blocks once when a selector arrives."""
+    from powerinfer_jax.errors import UserError
+
+    q = load_checkpoint(legacy_gguf, keep_quantized=True)
+    sparse = from_params(q.config, q.params, kernels="ffi")  # neuron rows
+    a = np.ones((1, 1, q.config.d_ff), np.float32)
+    with pytest.raises(UserError, match=r"DownT call: expected float rows or the file's "
+                                        r"ffn_down layout, got .*neuron rows in Q8_0"):
+        sparse.layers[0].ffn.down_t(a)
+    dense = from_params(q.config, q.params, kernels="ffi", down_qtype=None)
+    down = dense.layers[0].ffn.down_t
+    assert down.file_layout
+    down.to_neuron_rows()
+    assert not down.file_layout and down.qtype == "Q8_0"
+    np.testing.assert_array_equal(np.asarray(down.weight[...]),
+                                  np.asarray(sparse.layers[0].ffn.down_t.weight[...]))

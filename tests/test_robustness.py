@@ -489,3 +489,45 @@ def test_sigint_in_cli_exits_130_with_one_line(tmp_path):
     assert p.returncode == 130, err[-2000:]
     # One line: _cli.run_main's, or _interrupt's when Ctrl-C comes before run_main (imports).
     assert err.strip() in ("interrupted", "powerinfer_jax: interrupted"), err[-2000:]
+
+
+# --------------------------------------------------------------- XLA's compilation cache
+def _generate(gguf, cache_root):
+    env = {**__import__("os").environ, "POWERINFER_JAX_CACHE": str(cache_root)}
+    p = subprocess.run([sys.executable, "-m", "powerinfer_jax.generate", "--model", str(gguf),
+                        "--prompt", "hello", "--max-new-tokens", "4", "--json"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_a_corrupt_compilation_cache_entry_recompiles(tmp_path):
+    """Entries under <cache>/xla are jax's own: overwritten with garbage, the next run warns,
+    compiles afresh and gives the same tokens (no traceback, no crash)."""
+    gguf = tmp_path / "m.gguf"
+    write_tiny_gguf(gguf)
+    first = _generate(gguf, tmp_path / "cache")
+    entries = list((tmp_path / "cache" / "xla").glob("*-cache"))
+    assert entries  # the first run filled the cache
+    for e in entries:
+        e.write_bytes(b"\x00garbage" * 7)
+    again = _generate(gguf, tmp_path / "cache")
+    assert again["tokens"] == first["tokens"]
+
+
+@pytest.mark.parametrize("case", ["unwritable", "off", "on"])
+def test_compilation_cache_location_and_switch(tmp_path, case):
+    """An unwritable cache root runs without the cache (no error); POWERINFER_JAX_XLA_CACHE=0
+    turns it off; otherwise it is <cache>/xla."""
+    root = tmp_path / "root"
+    if case == "unwritable":
+        root.write_text("a file where the cache directory would be")
+    env = {**__import__("os").environ, "POWERINFER_JAX_CACHE": str(root),
+           "POWERINFER_JAX_XLA_CACHE": "0" if case == "off" else "1"}
+    code = ("import jax; from powerinfer_jax.runtime.session import use_compilation_cache; "
+            "use_compilation_cache(); print(jax.config.jax_compilation_cache_dir)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    want = str(root / "xla") if case == "on" else "None"
+    assert p.stdout.strip().splitlines()[-1] == want
