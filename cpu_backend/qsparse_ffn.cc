@@ -67,6 +67,11 @@ void NeuronDots(const uint8_t* const* mats, std::span<const int32_t> neurons,
   }
 }
 
+// Whether act(g) * u is exactly 0 for every g <= 0 (ReLU-family gates: relu, drelu).
+constexpr bool ZeroBelowZero(Activation a) {
+  return a == Activation::kRelu || a == Activation::kDrelu;
+}
+
 // The neurons' a_i for tokens [t0, t0 + ntok): act [j * ntok + t].
 void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseFfnScratch& s,
                  std::span<const int32_t> neurons, std::span<const int32_t> next, int64_t t0,
@@ -74,7 +79,34 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
   float* gate = piece.gate.data();
   float* up = piece.up.data();
   const bool gated = w.gate != nullptr;
-  if (gated && w.gate_type == w.up_type) {  // one pass: the two rows share the activation loads
+  if (gated && ZeroBelowZero(p.activation)) {
+    // relu(gate) is exactly 0 where gate <= 0, and so is a_i whatever the up row holds: read
+    // the gate rows first, then the up rows only of neurons some token's gate turns on (a ReLU
+    // model's up reads fall with its sparsity; the up values of the others are never used).
+    VisitQType(w.gate_type, [&]<class F>(F) {
+      NeuronDots<F, 1>(&w.gate, neurons, next, s.gate_views.data() + t0, ntok, w.dim, &gate);
+    });
+    int32_t on_ids[kEstimateBlock];
+    int64_t on_pos[kEstimateBlock];
+    int64_t n_on = 0;
+    for (size_t j = 0; j < neurons.size(); ++j) {
+      bool on = false;
+      for (int64_t t = 0; t < ntok; ++t) on |= !(gate[j * ntok + t] <= 0.0f);  // NaN: on
+      if (on) {
+        on_pos[n_on] = static_cast<int64_t>(j);
+        on_ids[n_on++] = neurons[j];
+      }
+    }
+    float* on_up = piece.act.data();  // scratch of the same size, written again below
+    VisitQType(w.up_type, [&]<class F>(F) {
+      NeuronDots<F, 1>(&w.up, std::span<const int32_t>(on_ids, n_on), {},
+                       s.up_views.data() + t0, ntok, w.dim, &on_up);
+    });
+    std::fill_n(up, neurons.size() * ntok, 0.0f);
+    for (int64_t k = n_on - 1; k >= 0; --k) {  // back to the neurons' slots
+      std::copy_n(on_up + k * ntok, ntok, up + on_pos[k] * ntok);
+    }
+  } else if (gated && w.gate_type == w.up_type) {  // one pass: the two rows share the loads
     VisitQType(w.up_type, [&]<class F>(F) {
       const uint8_t* mats[2] = {w.gate, w.up};
       float* outs[2] = {gate, up};
@@ -100,7 +132,7 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
   float* act = piece.act.data();
   for (int64_t k = 0; k < n; k += simd::kLanes) {
     const simd::Vec u = simd::Load(up + k);
-    const simd::Vec a = gated ? simd::Mul(simd::Activate(p.activation, simd::Load(gate + k)), u)
+    const simd::Vec a = gated ? simd::GatedActivate(p.activation, simd::Load(gate + k), u)
                               : simd::Activate(p.activation, u);
     simd::Store(act + k, a);
   }
@@ -169,6 +201,8 @@ void RunPiece(const QFfnWeights& w, std::span<const float* const> score_rows,
         const bool on = oracle ? ActiveByMagnitude(a, p.threshold)
                                : SelectedByScore(score_rows[t0 + t][block[j]], p.threshold);
         if (!on) continue;
+        ++counts[t];
+        if (a == 0.0f) continue;  // selected, but its row would add exact zeros: not read
         piece.active[t].push_back(block[j]);
         piece.coef[t].push_back(a);
         any = true;
@@ -177,10 +211,7 @@ void RunPiece(const QFfnWeights& w, std::span<const float* const> score_rows,
     }
   }
   // Each token's rows summed alone, in id order (the same calls whatever the batch).
-  for (int64_t t = 0; t < ntok; ++t) {
-    counts[t] = static_cast<int32_t>(piece.active[t].size());
-    AccumulateDown(w, piece.active[t], piece.coef[t], out + t * dim);
-  }
+  for (int64_t t = 0; t < ntok; ++t) AccumulateDown(w, piece.active[t], piece.coef[t], out + t * dim);
 }
 
 void CollectCandidates(const QFfnWeights& w, std::span<const float* const> score_rows,

@@ -151,11 +151,17 @@ inline Vec Gelu(Vec x) {
 
 inline Vec Activate(Activation act, Vec x) {
   switch (act) {
-    case Activation::kRelu: return Relu(x);
+    case Activation::kRelu:
+    case Activation::kDrelu: return Relu(x);  // dReLU on one projection (pij_math.h)
     case Activation::kGelu: return Gelu(x);
     case Activation::kSilu:
     default: return Silu(x);
   }
+}
+
+// A gated FFN's a_i from its gate and up projections, as pij_math.h's GatedActivate.
+inline Vec GatedActivate(Activation act, Vec gate, Vec up) {
+  return Mul(Activate(act, gate), act == Activation::kDrelu ? Relu(up) : up);
 }
 
 }  // namespace pij::simd

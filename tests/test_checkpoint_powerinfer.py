@@ -325,3 +325,58 @@ def test_stale_gpu_index_is_rejected(tmp_path):
     write_gguf(other, config, random_params(config), gpt2_tokenizer_meta(), powerinfer=True)
     with pytest.raises(UserError, match=r"general.architecture: expected 'generic.gpu_index'"):
         pi.load_gpu_index(other, config)
+
+
+@pytest.mark.parametrize("kind", ["reglu", "drelu"])
+def test_quantized_file_keeps_its_predictor_blocks(tmp_path, kind):
+    """A Q4_0 PowerInfer GGUF (PowerInfer's `quantize` writes fc1/fc2 in the model's type): on its
+    blocks, the predictors compute with ops.qlinear as PowerInfer's ggml does (8-bit activations),
+    equal to the jnp reference of the same arithmetic; a float model gets them dequantized; the
+    hot-first permutation moves whole block rows."""
+    from powerinfer_jax.checkpoint.base import QuantTensor
+    from powerinfer_jax.ops import reference
+
+    config = _tiny(kind)
+    params = random_params(config)
+    rng = np.random.default_rng(2)
+    preds = pi.PowerInferPredictors(
+        tuple((rng.standard_normal((32, config.d_model)) * 0.3).astype(np.float32)
+              for _ in range(config.n_layers)),
+        tuple((rng.standard_normal((config.d_ff, 32)) * 0.3).astype(np.float32)
+              for _ in range(config.n_layers)), 0.0)
+    path = pi.write_powerinfer_gguf(tmp_path / "m.powerinfer.gguf", config, params,
+                                    gpt2_tokenizer_meta(), preds, weight_type="Q4_0")
+    kept = pi.load_predictors(path, config, keep_quantized=True)
+    assert all(isinstance(t, QuantTensor) and t.qtype == "Q4_0" for t in kept.fc1 + kept.fc2)
+    floats = pi.load_predictors(path, config)
+    np.testing.assert_array_equal(kept.fc2[0].dequantize(), floats.fc2[0])
+
+    ck = load_checkpoint(path, keep_quantized=True)
+    model = from_params(ck.config, ck.params, kernels="ffi")
+    assert model.layers[0].ffn.quantized
+    sels = pip_.selectors(model, kept)
+    pred = sels[0].predictor
+    assert pred.fc1.qtype == pred.fc2.qtype == "Q4_0"
+    assert pred.fc1.weight[...].dtype == jnp.uint8
+    xla_model = from_params(ck.config, ck.params, kernels="xla")  # float weights: float predictors
+    r = _residual(xla_model, 0)
+    d, rank = config.d_model, 32
+    want = reference.qlinear(jax_relu(reference.qlinear(r, kept.fc1[0].blocks, "Q4_0", d)),
+                             kept.fc2[0].blocks, "Q4_0", rank)
+    got = np.asarray(pred.raw(r))
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(got).max())
+    perm = np.random.default_rng(3).permutation(config.d_ff)
+    pred.permute(perm)
+    np.testing.assert_array_equal(np.asarray(pred.raw(r)), got[..., perm])
+
+    pred_f = pip_.selectors(xla_model, kept)[0].predictor
+    assert pred_f.fc1.qtype is None
+    np.testing.assert_array_equal(np.asarray(pred_f.fc1.weight[...]), floats.fc1[0])
+
+    pip_.attach(model, kept)  # the whole model in predictor mode on the blocks runs and skips
+    logits, n = _logits(model)
+    assert np.all(np.isfinite(logits)) and 0 < float(np.asarray(n).mean()) < config.d_ff
+
+
+def jax_relu(x):
+    return jnp.maximum(x, 0.0)

@@ -50,7 +50,7 @@ def activations(x, w, activation="silu"):
     if w["gate"] is None:
         return np.asarray(reference.activate(activation, up))
     gate = reference.qlinear(x, w["gate"], w["gate_qtype"], d)
-    return np.asarray(reference.activate(activation, gate) * up)
+    return np.asarray(reference.gated_activate(activation, gate, up))
 
 
 def gap_threshold(a, q=0.5):
@@ -94,7 +94,7 @@ def test_scores_match_reference(gu, dn, t):
     np.testing.assert_array_equal(np.asarray(n), np.asarray(n_ref))
 
 
-@pytest.mark.parametrize("activation", ["silu", "relu", "gelu"])
+@pytest.mark.parametrize("activation", ["silu", "relu", "gelu", "drelu"])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("t", [1, 5])
@@ -280,3 +280,33 @@ def test_a_token_gets_the_same_bits_alone_and_in_a_batch(gu, dn, criterion):
         y1, n1 = ops.qsparse_ffn(x[t:t + 1], **w, **one)
         np.testing.assert_array_equal(np.asarray(y1)[0], np.asarray(y)[t])
         assert int(np.asarray(n1)[0]) == int(np.asarray(n)[t])
+
+
+@pytest.mark.parametrize("activation", ["relu", "drelu"])
+@pytest.mark.parametrize("criterion", ["oracle", "scores"])
+@pytest.mark.parametrize("t", [1, 3])
+def test_relu_gate_off_rows_are_never_read(activation, criterion, t):
+    """ReLU-family gates: where no token's gate is positive, a_i is exactly 0 whatever the up row
+    holds, so neither its up row nor (selected by scores or not) its down row is read. Those rows
+    are poisoned with NaN scales here: the output still equals the reference on clean rows, and
+    the counts still count every selected neuron."""
+    x, w, rng = ffn("Q4_0", "Q4_0", 40 + t, t=t, f=64)
+    d = x.shape[-1]
+    gate = np.asarray(reference.qlinear(x, w["gate"], "Q4_0", d))  # [T, F]
+    off = np.all(gate <= 0, axis=0)
+    assert 0 < off.sum() < 64
+    scores = np.ones((t, 64), np.float32) if criterion == "scores" else None
+    clean = run_both(x, w, scores=scores, threshold=0.0, criterion=criterion,
+                     activation=activation)[1]
+    poisoned = dict(w)
+    for name in ("up", "down"):
+        rows = np.array(w[name]).reshape(64, -1, 18)  # Q4_0: fp16 scale + 16 bytes per block
+        rows[off, :, 0], rows[off, :, 1] = 0x00, 0x7E  # scale = NaN
+        poisoned[name] = rows.reshape(64, -1)
+    y, n = ops.qsparse_ffn(x, poisoned["up"], poisoned["down"],
+                           **{k: v for k, v in poisoned.items() if k not in ("up", "down")},
+                           scores=scores, threshold=0.0, criterion=criterion,
+                           activation=activation)
+    assert np.all(np.isfinite(np.asarray(y)))
+    _close(y, clean[0])
+    np.testing.assert_array_equal(np.asarray(n), np.asarray(clean[1]))

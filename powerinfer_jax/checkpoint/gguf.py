@@ -102,13 +102,6 @@ def _read_stored(t, expected: tuple[int, ...], source: str, keep_quantized: bool
     return quants.dequantize(rows, qtype).reshape(shape)
 
 
-def _read_tensor(t, expected: tuple[int, ...], source: str) -> tuple[np.ndarray, None]:
-    """(float32 values of numpy shape `expected`, None): the float read for callers outside
-    load_gguf (checkpoint/powerinfer.py's predictors); the second slot once held raw blocks,
-    which `load_gguf(keep_quantized=True)` now keeps instead."""
-    return _read_stored(t, expected, source, keep_quantized=False), None
-
-
 def _canonical(value, src):
     """A stored tensor (array or QuantTensor) -> the canonical param, per its layout source:
     llama.cpp's RoPE rows back to HF order, a fused tensor's rows, ffn_down transposed. Rows

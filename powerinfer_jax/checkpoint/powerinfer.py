@@ -40,7 +40,8 @@ GPU_INDEX_ARCH = "generic.gpu_index"
 
 @dataclasses.dataclass(frozen=True)
 class PowerInferPredictors:
-    """Per layer fc1 [R_l, D] and fc2 [F, R_l] (float32), and the file's sparse threshold."""
+    """Per layer fc1 [R_l, D] and fc2 [F, R_l] (float32 arrays, or `QuantTensor`s of the file's
+    blocks from `load_predictors(keep_quantized=True)`), and the file's sparse threshold."""
 
     fc1: tuple[np.ndarray, ...]
     fc2: tuple[np.ndarray, ...]
@@ -52,20 +53,23 @@ class PowerInferPredictors:
             fail(f"{source}: predictors", f"one per layer ({config.n_layers})",
                  f"{len(self.fc1)} fc1 and {len(self.fc2)} fc2")
         for i, (a, b) in enumerate(zip(self.fc1, self.fc2)):
-            r = a.shape[0] if a.ndim == 2 else -1
-            if a.ndim != 2 or a.shape[1] != config.d_model:
+            a_shape, b_shape = tuple(a.shape), tuple(b.shape)
+            r = a_shape[0] if len(a_shape) == 2 else -1
+            if len(a_shape) != 2 or a_shape[1] != config.d_model:
                 fail(f"{source}: blk.{i}.fc1.weight shape", f"[R, D = {config.d_model}]",
-                     a.shape, "a predictor for another model")
-            if b.shape != (config.d_ff, r):
+                     a_shape, "a predictor for another model")
+            if b_shape != (config.d_ff, r):
                 fail(f"{source}: blk.{i}.fc2.weight shape", f"[F, R] = {(config.d_ff, r)}",
-                     b.shape, "a predictor for another model")
+                     b_shape, "a predictor for another model")
         if not np.isfinite(self.threshold):
             fail(f"{source}: {SPARSE_THRESHOLD_KEY}", "a finite float", self.threshold)
 
 
-def load_predictors(path: str | os.PathLike, config: ModelConfig | None = None
-                    ) -> PowerInferPredictors:
-    """The predictors of a PowerInfer GGUF (checked against `config` when given)."""
+def load_predictors(path: str | os.PathLike, config: ModelConfig | None = None, *,
+                    keep_quantized: bool = False) -> PowerInferPredictors:
+    """The predictors of a PowerInfer GGUF (checked against `config` when given). keep_quantized:
+    block-quantized fc1/fc2 (PowerInfer's `quantize` writes them in the model's type) stay
+    `QuantTensor`s, for the predictor to compute on the file's blocks as PowerInfer does."""
     path = Path(path)
     source = f"PowerInfer GGUF {str(path)!r}"
     reader = _gguf._open(path)
@@ -81,7 +85,7 @@ def load_predictors(path: str | os.PathLike, config: ModelConfig | None = None
                 fail(f"{source}: tensor {name!r}", "present (a predictor per layer)", None,
                      "the file has no predictors: it is a dense GGUF, not a PowerInfer one")
             shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-            out.append(_gguf._read_tensor(t, shape, source)[0])
+            out.append(_gguf._read_stored(t, shape, source, keep_quantized))
     threshold = float(meta.get(SPARSE_THRESHOLD_KEY, 0.0))
     preds = PowerInferPredictors(tuple(fc1), tuple(fc2), threshold)
     if config is not None:

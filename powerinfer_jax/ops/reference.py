@@ -152,7 +152,7 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
         act_tf = activate(activation, up_tf)
     else:
         gate_qtype = up_qtype if gate_qtype is None else gate_qtype
-        act_tf = activate(activation, qlinear(x, gate, gate_qtype, d)) * up_tf
+        act_tf = gated_activate(activation, qlinear(x, gate, gate_qtype, d), up_tf)
     if criterion == "scores":  # "not <=": NaN counts as active, as in sparse_ffn
         mask_tf = ~(jnp.asarray(scores, jnp.float32) <= threshold)
     else:

@@ -200,7 +200,7 @@ def _powerinfer(model, cfg, predictors):
 def _powerinfer_load(source, config):
     from powerinfer_jax.checkpoint.powerinfer import load_predictors
 
-    return load_predictors(source, config)
+    return load_predictors(source, config, keep_quantized=True)  # selectors() decides the form
 
 
 register("powerinfer", Mode(

@@ -39,30 +39,45 @@ class PowerInferPredictor(nnx.Module):
     """One layer's PowerInfer predictor: scores = +1 if relu(x @ fc1.T) @ fc2.T >= threshold."""
 
     def __init__(self, fc1_rd, fc2_fr, threshold: float = 0.0, *, dtype=F32,
-                 kernels: str = "xla", f16_inputs: bool = False):
-        """f16_inputs: round both matmuls' inputs to float16 first, as PowerInfer's CPU matmuls
-        on F16 weights do (ggml converts the activations to F16): to measure how much of a
+                 kernels: str = "xla", f16_inputs: bool = False, quantized: bool = False):
+        """fc1_rd, fc2_fr: float arrays or `QuantTensor`s (a quantized PowerInfer GGUF's blocks).
+        quantized: keep QuantTensors as blocks, computed on by ops.qlinear with 8-bit activations
+        as PowerInfer's ggml computes a Q4_0 predictor (a quantized model's predictors: their
+        bytes are read every token); otherwise they are dequantized to `dtype`.
+        f16_inputs: round both matmuls' inputs to float16 first, as PowerInfer's CPU matmuls on
+        F16 weights do (ggml converts the activations to F16): to measure how much of a
         disagreement with PowerInfer that rounding alone explains. Off for normal runs."""
-        self.kernels = kernels
+        from powerinfer_jax.checkpoint.base import QuantTensor
+        from powerinfer_jax.models.layers import Linear
+
         self.threshold = float(threshold)
         self.f16_inputs = f16_inputs
-        self.fc1_rd = nnx.Param(jnp.asarray(fc1_rd, dtype))
-        self.fc2_fr = nnx.Param(jnp.asarray(fc2_fr, dtype))
+        self.fc1 = Linear(fc1_rd.shape[1], fc1_rd.shape[0], bias=False, dtype=dtype, rngs=None,
+                          kernels=kernels)
+        self.fc2 = Linear(fc2_fr.shape[1], fc2_fr.shape[0], bias=False, dtype=dtype, rngs=None,
+                          kernels=kernels)
+        for lin, w in ((self.fc1, fc1_rd), (self.fc2, fc2_fr)):
+            if isinstance(w, QuantTensor) and quantized:
+                if f16_inputs:
+                    fail("PowerInferPredictor f16_inputs", "float weights (quantized ones "
+                         "round their inputs to 8 bits)", f"{w.qtype} blocks")
+                lin.load_quantized(w.blocks, w.qtype)
+            else:
+                w = w.dequantize() if isinstance(w, QuantTensor) else w
+                lin.weight.set_value(jnp.asarray(w, dtype))
 
     def raw(self, x_btd):
         """fc2's output [B, T, F] (float32): PowerInfer's `sparse_idx`."""
-        from powerinfer_jax.models.layers import matmul
-
         r = (lambda v: v.astype(jnp.float16).astype(F32)) if self.f16_inputs else (lambda v: v)
-        h_btr = jax.nn.relu(matmul(r(x_btd), self.fc1_rd[...], self.kernels))
-        return matmul(r(h_btr), self.fc2_fr[...], self.kernels)
+        return self.fc2(r(jax.nn.relu(self.fc1(r(x_btd)))))
 
     def __call__(self, x_btd):
         return jnp.where(self.raw(x_btd) >= self.threshold, 1.0, -1.0).astype(F32)
 
     def permute(self, perm) -> None:
-        """Reorder the output neurons (FFN.permute)."""
-        self.fc2_fr.set_value(self.fc2_fr[...][perm])
+        """Reorder the output neurons (FFN.permute): fc2's rows (whole block rows when
+        quantized)."""
+        self.fc2.weight.set_value(self.fc2.weight[...][perm])
 
 
 class PowerInferSelector(Selector):
@@ -87,9 +102,11 @@ def selectors(model, predictors, *, f16_inputs: bool = False) -> list:
     """One PowerInferSelector per layer with its layer's predictor (checked against the model):
     the "powerinfer" sparsity mode (sparsity/modes.py)."""
     predictors.check(model.config, "PowerInfer predictors")
+    quantized = model.kernels == "ffi" and model.layers[0].ffn.quantized  # the model's own form
     return [PowerInferSelector(PowerInferPredictor(
         predictors.fc1[l], predictors.fc2[l], predictors.threshold, dtype=model.dtype,
-        kernels=model.kernels, f16_inputs=f16_inputs)) for l in range(model.config.n_layers)]
+        kernels=model.kernels, f16_inputs=f16_inputs, quantized=quantized))
+        for l in range(model.config.n_layers)]
 
 
 def attach(model, predictors, *, impl: str = "ffi", f16_inputs: bool = False) -> None:
