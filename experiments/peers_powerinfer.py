@@ -22,8 +22,15 @@ the two greedy sequences, and teacher-forced agreement: our argmax at each posit
 PowerInfer's own sequence vs its next token (one divergence then does not count for every later
 token). PowerInfer computes with F16 activations, we with float32: near-ties may flip.
 
+--weights Q4_0: both files are quantized by PowerInfer's own `quantize` (its Q4_0, predictors
+included, lm_head Q8_0), PowerInfer runs them, and ours keeps their blocks (dense matrices as
+qlinear, FFN rows and predictors as the file stores them). --ppl-chunks N: perplexity of each
+mode by llama.cpp's protocol (PowerInfer's `perplexity`: N chunks of 512 tokens of
+--ppl-text, the second half of each scored), ours by the same protocol on the same file.
+
   python -m experiments.peers_powerinfer --powerinfer-src PATH_TO_POWERINFER_GIT [--threads 1 2]
-      [--rounds 3] [--prompt-tokens 64] [--new-tokens 64] [--quick]
+      [--rounds 3] [--prompt-tokens 64] [--new-tokens 64] [--weights F16|Q4_0]
+      [--ppl-chunks 16] [--quick]
 """
 from __future__ import annotations
 
@@ -44,6 +51,7 @@ from experiments import _common
 BUILD_SCRIPT = Path(__file__).with_name("peers_powerinfer_build.sh")
 OUT = _common.RESULTS / "peers_powerinfer.jsonl"
 MODES = ("dense", "predictor")
+PPL_CTX = 512
 DTYPES = ("float32", "bfloat16")
 
 
@@ -60,8 +68,9 @@ def build(src: str, root: Path) -> tuple[Path, str]:
 
 # ------------------------------------------------------------------------------------- exports
 def exports(root: Path, model: str, train_text: Path, *, rank: int, train_tokens: int,
-            steps: int) -> dict[str, Path]:
-    """The two PowerInfer GGUFs (module docstring), written once into root/exports."""
+            steps: int, weights: str = "F16", quantize: Path | None = None) -> dict[str, Path]:
+    """The two PowerInfer GGUFs (module docstring), written once into root/exports; with weights
+    other than F16, quantized from those by PowerInfer's `quantize` binary."""
     from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.checkpoint import powerinfer as pi
     from powerinfer_jax.checkpoint.registry import resolve_model
@@ -70,7 +79,7 @@ def exports(root: Path, model: str, train_text: Path, *, rank: int, train_tokens
     d = root / "exports"
     d.mkdir(parents=True, exist_ok=True)
     tag = f"r{rank}-n{train_tokens}-s{steps}"
-    files = {"dense": d / "smollm2-relu.dense.powerinfer.gguf",
+    files = {"dense": d / "smollm2-relu.dense-r32.powerinfer.gguf",
              "predictor": d / f"smollm2-relu.pred-{tag}.powerinfer.gguf"}
     src = Path(resolve_model(model))
     meta = tokenizer_meta(src)
@@ -90,7 +99,23 @@ def exports(root: Path, model: str, train_text: Path, *, rank: int, train_tokens
         tmp = files["predictor"].with_suffix(".tmp")
         pi.write_powerinfer_gguf(tmp, ck.config, ck.params, meta, preds)
         tmp.replace(files["predictor"])
-    return files
+    if weights == "F16":
+        return files
+    out = {}
+    for mode, f16 in files.items():
+        out[mode] = f16.with_name(f16.name.replace(".powerinfer.gguf",
+                                                   f".{weights.lower()}.powerinfer.gguf"))
+        if not out[mode].is_file():
+            _log(f"quantizing {f16.name} to {weights} with PowerInfer's quantize")
+            tmp = out[mode].with_suffix(".tmp")
+            proc = subprocess.run([str(quantize), str(f16), str(tmp), weights],
+                                  capture_output=True, text=True, errors="replace")
+            if proc.returncode != 0:
+                raise RuntimeError(f"PowerInfer quantize {f16.name}: expected exit status 0, got "
+                                   f"{proc.returncode}:\n{proc.stderr[-2000:]}")
+            load_checkpoint(tmp, keep_quantized=True)  # our reader accepts it (or says why not)
+            tmp.replace(out[mode])
+    return out
 
 
 def train_predictors(ck, train_text: Path, *, rank: int, n_tokens: int, steps: int):
@@ -149,6 +174,46 @@ def run_powerinfer(binary: Path, model: Path, prompt: str, *, threads: int,
             "prompt_tokens": pf_n, "decode_runs": dec_n}
 
 
+_PPL = re.compile(r"Final estimate: PPL = ([\d.]+)")
+
+
+def ppl_powerinfer(binary: Path, model: Path, text: Path, *, ctx: int, chunks: int,
+                   threads: int) -> float:
+    """PowerInfer's `perplexity` on the file (llama.cpp's protocol: `ppl_ours`)."""
+    cpus = sorted(os.sched_getaffinity(0))[:threads]
+    cmd = ["taskset", "-c", ",".join(map(str, cpus)), str(binary.with_name("perplexity")),
+           "-m", str(model), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "--chunks",
+           str(chunks), "-t", str(threads), "-tb", str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=3600)
+    m = _PPL.search(proc.stdout)
+    if proc.returncode != 0 or m is None:
+        raise RuntimeError(f"PowerInfer perplexity: expected exit status 0 and a final estimate, "
+                           f"got {proc.returncode}:\n{proc.stderr[-2000:]}")
+    return float(m.group(1))
+
+
+def ppl_ours(model, ids: list[int], *, ctx: int, chunks: int) -> float:
+    """llama.cpp's perplexity protocol (examples/perplexity at PowerInfer's commit): the text's
+    tokens (no BOS for a BPE vocabulary) in consecutive ctx-token chunks, each run alone; the
+    second half of each chunk scored, position j predicting token j + 1 for j in [ctx/2, ctx-1)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def nll(state, tokens):
+        logits = nnx.merge(graphdef, state)(tokens)[0, ctx // 2:-1]
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.take_along_axis(logp, tokens[0, ctx // 2 + 1:, None], axis=-1).sum()
+
+    n = min(chunks, len(ids) // ctx)
+    total = sum(float(nll(state, jnp.asarray([ids[i * ctx:(i + 1) * ctx]], jnp.int32)))
+                for i in range(n))
+    return float(np.exp(total / (n * (ctx - ctx // 2 - 1))))
+
+
 # --------------------------------------------------------------------------------------- ours
 def child(args) -> None:
     """One thread count, one round: our engines on both files (rows on stdout)."""
@@ -167,13 +232,15 @@ def child(args) -> None:
     ops.set_num_threads(threads)
     spec = json.loads(Path(args.child_spec).read_text())
     ids, n_new = spec["prompt_ids"], spec["new_tokens"]
+    quantized = spec["weights"] != "F16"
+    ppl_ids = spec.get("ppl_ids")
     for mode in MODES:
         path = Path(spec["files"][mode])
-        ck = load_checkpoint(path)
+        ck = load_checkpoint(path, keep_quantized=quantized)
         for dtype in DTYPES:
             model = from_params(ck.config, ck.params, dtype=jnp.dtype(dtype), kernels="auto")
             if mode == "predictor":  # dense: no selector
-                pp.attach(model, pi.load_predictors(path, ck.config))
+                pp.attach(model, pi.load_predictors(path, ck.config, keep_quantized=True))
             eng = Engine(model, max_seq_len=512)
             eng.generate(ids, max_new_tokens=n_new)  # compiles every bucket
             runs = [eng.generate(ids, max_new_tokens=n_new) for _ in range(2)]
@@ -181,10 +248,14 @@ def child(args) -> None:
                    "prefill_tok_s": statistics.median(r.prefill_tok_s for r in runs),
                    "decode_tok_s": statistics.median(r.decode_tok_s for r in runs),
                    "tokens": runs[0].tokens, "compiles": eng.compile_count}
+            if ppl_ids:
+                row["ppl"] = ppl_ours(model, ppl_ids, ctx=spec["ppl_ctx"],
+                                      chunks=spec["ppl_chunks"])
             theirs = spec["powerinfer_tokens"].get(mode)
             if dtype == "float32" and theirs:
                 row.update(agreement(model, ids, theirs, runs[0].tokens))
-                if mode == "predictor":  # how much F16 rounding of the predictor inputs explains
+                if mode == "predictor" and not quantized:  # how much F16 rounding of the
+                    # predictor inputs explains (a question about F16 files)
                     base = teacher_forced(model, ids, theirs)
                     pp.attach(model, pi.load_predictors(path, ck.config), f16_inputs=True)
                     f16 = teacher_forced(model, ids, theirs)
@@ -321,6 +392,13 @@ def main(argv=None) -> None:
                    help="also run small random bamboo/falcon/opt models through PowerInfer")
     p.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True,
                    help="the SmolLM2 agreement and timing rounds")
+    p.add_argument("--weights", choices=("F16", "Q4_0"), default="F16",
+                   help="the files' weights: F16 as our export writes them, or Q4_0 by "
+                        "PowerInfer's quantize (module docstring)")
+    p.add_argument("--ppl-chunks", type=int, default=0,
+                   help="perplexity of each mode on both sides over this many 512-token chunks "
+                        "of --ppl-text (round 0; 0: none)")
+    p.add_argument("--ppl-text", type=Path, default=_common.DATA / "wiki.valid.txt")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--child-spec", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -338,14 +416,26 @@ def main(argv=None) -> None:
     binary, pi_commit = build(args.powerinfer_src, root)
     _log(f"PowerInfer {pi_commit[:12]}: {binary}")
     files = exports(root, args.model, args.train_text, rank=args.rank,
-                    train_tokens=args.train_tokens, steps=args.steps)
-    tok = load_checkpoint(files["dense"]).tokenizer
+                    train_tokens=args.train_tokens, steps=args.steps, weights=args.weights,
+                    quantize=binary.with_name("quantize"))
+    tok = load_checkpoint(files["dense"], keep_quantized=True).tokenizer
+    ppl_ids = None
+    if args.ppl_chunks:
+        text = args.ppl_text.read_text(encoding="utf-8")
+        need = args.ppl_chunks * PPL_CTX
+        ppl_ids = tok.encode(text[:need * 8], add_bos=False)  # a prefix: BPE cuts at words
+        if len(ppl_ids) < need + 1:
+            raise SystemExit(f"--ppl-text: expected at least {need + 1} tokens, got "
+                             f"{len(ppl_ids)}")
+        ppl_ids = ppl_ids[:need]
     prompt = _prompt_text(args.prompt_text, args.prompt_tokens, tok)
     threads = args.threads or _common.available_threads()
     config = {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
               "rounds": args.rounds, "rank": args.rank, "train_tokens": args.train_tokens,
               "steps": args.steps, "files": {k: v.name for k, v in files.items()},
-              "powerinfer_weights": "F16", "activation": "relu (switched)"}
+              "powerinfer_weights": args.weights, "activation": "relu (switched)",
+              "ppl": {"chunks": args.ppl_chunks, "ctx": PPL_CTX, "text": args.ppl_text.name,
+                      "protocol": "llama.cpp perplexity: second half of each chunk"}}
     rows = []
     if args.families:
         ids = tok.encode(prompt, add_bos=False)
@@ -358,20 +448,29 @@ def main(argv=None) -> None:
         for t in threads:
             theirs = {m: run_powerinfer(binary, files[m], prompt, threads=t,
                                         new_tokens=args.new_tokens) for m in MODES}
+            ppl_now = ppl_ids is not None and rnd == 0 and t == threads[-1]
+            if ppl_now:
+                for m in MODES:
+                    theirs[m]["ppl"] = ppl_powerinfer(binary, files[m], args.ppl_text,
+                                                      ctx=PPL_CTX, chunks=args.ppl_chunks,
+                                                      threads=t)
+                    _log(f"PowerInfer {m}: perplexity {theirs[m]['ppl']:.3f}")
             ids = theirs["dense"]["prompt_ids"]
             for m in MODES:
                 r = theirs[m]
-                rows.append({**_common.header("peers_powerinfer", threads=t, dtype="F16",
+                rows.append({**_common.header("peers_powerinfer", threads=t, dtype=args.weights,
                                               model=args.model, config=config, quick=args.quick),
                              "system": "powerinfer", "mode": m, "round": rnd, "loadavg": _load(),
                              "powerinfer_commit": pi_commit,
                              "prompt_ids_match": r["prompt_ids"] == tok.encode(prompt, add_bos=False),
                              **{k: r[k] for k in ("prefill_tok_s", "decode_tok_s", "tokens",
-                                                  "prompt_tokens")}})
+                                                  "prompt_tokens", "ppl") if k in r}})
                 _log(f"round {rnd} t={t} PowerInfer {m}: prefill {r['prefill_tok_s']:.1f} "
                      f"decode {r['decode_tok_s']:.1f} tok/s")
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 json.dump({"prompt_ids": ids, "new_tokens": args.new_tokens,
+                           "weights": args.weights, "ppl_ids": ppl_ids if ppl_now else None,
+                           "ppl_ctx": PPL_CTX, "ppl_chunks": args.ppl_chunks,
                            "files": {k: str(v) for k, v in files.items()},
                            "powerinfer_tokens": {m: theirs[m]["tokens"] for m in MODES}}, f)
             ours = _common.run_children("experiments.peers_powerinfer", [t],
@@ -384,6 +483,7 @@ def main(argv=None) -> None:
                              **r})
                 _log(f"round {rnd} t={t} ours {r['mode']} {r['dtype']}: prefill "
                      f"{r['prefill_tok_s']:.1f} decode {r['decode_tok_s']:.1f} tok/s"
+                     + (f" perplexity {r['ppl']:.3f}" if "ppl" in r else "")
                      + (f" agree prefix {r['agree_prefix']} tf {r['agree_teacher_forced']:.3f}"
                         if "agree_prefix" in r else ""))
     if args.speed:
@@ -409,12 +509,22 @@ def summary(rows, args, config, pi_commit) -> list[dict]:
         out.append({**_common.header("peers_powerinfer", threads=t, dtype=dtype,
                                      model=args.model, config=config, quick=args.quick),
                     "system": "summary", "mode": mode, "powerinfer_commit": pi_commit,
+                    **_ppls(rows, mode, dtype),
                     "decode_ratio_median": statistics.median(ratios["decode"]),
                     "prefill_ratio_median": statistics.median(ratios["prefill"]),
                     "decode_ratios": ratios["decode"], "prefill_ratios": ratios["prefill"]})
         _log(f"summary {mode} {dtype} t={t}: ours/PowerInfer decode "
              f"{out[-1]['decode_ratio_median']:.2f}x prefill {out[-1]['prefill_ratio_median']:.2f}x")
     return out
+
+
+def _ppls(rows, mode, dtype) -> dict:
+    """The perplexities measured for (mode, dtype), ours and PowerInfer's, when --ppl-chunks."""
+    ours = [r["ppl"] for r in rows if r["system"] == "powerinfer_jax" and r["mode"] == mode
+            and r["dtype"] == dtype and "ppl" in r]
+    theirs = [r["ppl"] for r in rows if r["system"] == "powerinfer" and r["mode"] == mode
+              and "ppl" in r]
+    return {"ppl_ours": ours[0], "ppl_powerinfer": theirs[0]} if ours and theirs else {}
 
 
 if __name__ == "__main__":

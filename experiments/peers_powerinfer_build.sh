@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build SJTU-IPADS/PowerInfer's `main` (CPU only) from a git checkout or bare mirror, outside the repo.
+# Build SJTU-IPADS/PowerInfer's `main`, `quantize` and `perplexity` (CPU only) from a git checkout or
+# bare mirror, outside the repo.
 #
 #   experiments/peers_powerinfer_build.sh SOURCE_GIT_DIR [BUILD_ROOT]
 #
@@ -15,7 +16,7 @@ root=${2:-${POWERINFER_JAX_CACHE:-$HOME/.cache/powerinfer_jax}/peers}
 gitdir=$(cd "$src" && git rev-parse --absolute-git-dir)
 commit=$(git --git-dir="$gitdir" rev-parse HEAD)
 dir="$root/powerinfer-${commit:0:12}"
-if [[ ! -x "$dir/build/bin/main" ]]; then
+if [[ ! -d "$dir/src" ]]; then
   mkdir -p "$dir/src"
   # A mirror may lack large blobs (vocab test files, third-party code of its other projects):
   # leave out any blob that is absent; `main` needs none of them.
@@ -27,7 +28,11 @@ if [[ ! -x "$dir/build/bin/main" ]]; then
   nice -n 10 cmake -S "$dir/src" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_NATIVE=ON \
     -DLLAMA_CUBLAS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF >"$dir/cmake.log" 2>&1 \
     || { tail -30 "$dir/cmake.log" >&2; exit 1; }
-  nice -n 10 cmake --build "$dir/build" --target main -j2 >"$dir/build.log" 2>&1 \
-    || { tail -40 "$dir/build.log" >&2; exit 1; }
 fi
+for target in main quantize perplexity; do
+  if [[ ! -x "$dir/build/bin/$target" ]]; then
+    nice -n 10 cmake --build "$dir/build" --target "$target" -j2 >>"$dir/build.log" 2>&1 \
+      || { tail -40 "$dir/build.log" >&2; exit 1; }
+  fi
+done
 echo "$dir/build/bin/main"

@@ -239,7 +239,7 @@ def test_predictors_for_another_model_are_rejected(tmp_path):
                                  gpt2_tokenizer_meta(), preds)
     path = pi.write_powerinfer_gguf(tmp_path / "m.gguf", config, random_params(config),
                                     gpt2_tokenizer_meta(), pi.all_active_predictors(config))
-    with pytest.raises(UserError, match=r"m.gguf.*fc2.weight shape: expected \[F, R\] = \(50, 16\)"):
+    with pytest.raises(UserError, match=r"m.gguf.*fc2.weight shape: expected \[F, R\] = \(50, 32\)"):
         pi.load_predictors(path, config.replace(d_ff=50))
     dense = tmp_path / "dense.gguf"
     from powerinfer_jax.checkpoint.gguf import write_gguf

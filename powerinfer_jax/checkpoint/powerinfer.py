@@ -122,10 +122,12 @@ def write_powerinfer_gguf(path: str | os.PathLike, config: ModelConfig,
                             extra_meta={SPARSE_THRESHOLD_KEY: float(predictors.threshold)})
 
 
-def all_active_predictors(config: ModelConfig, rank: int = 16) -> PowerInferPredictors:
+def all_active_predictors(config: ModelConfig, rank: int = 32) -> PowerInferPredictors:
     """Zero predictors: every output is 0 >= threshold 0, so every neuron is computed. PowerInfer's
     sparse graph needs predictors; these make it run the dense FFN through its sparse kernels
-    (the predictor-free comparison)."""
+    (the predictor-free comparison). rank 32: one block of the 4- and 8-bit formats, so that
+    PowerInfer's `quantize` can block fc2's rows (it writes a 16-wide Q4_0 row unchecked, a file
+    no reader can parse)."""
     d, f = config.d_model, config.d_ff
     return PowerInferPredictors(tuple(np.zeros((rank, d), np.float32) for _ in range(config.n_layers)),
                                 tuple(np.zeros((f, rank), np.float32) for _ in range(config.n_layers)),
