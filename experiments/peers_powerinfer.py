@@ -184,7 +184,9 @@ def ppl_powerinfer(binary: Path, model: Path, text: Path, *, ctx: int, chunks: i
     cmd = ["taskset", "-c", ",".join(map(str, cpus)), str(binary.with_name("perplexity")),
            "-m", str(model), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "--chunks",
            str(chunks), "-t", str(threads), "-tb", str(threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=3600)
+    with tempfile.TemporaryDirectory() as wd:  # it writes llama.log into its directory
+        proc = subprocess.run(cmd, cwd=wd, capture_output=True, text=True, errors="replace",
+                              timeout=3600)
     m = _PPL.search(proc.stdout)
     if proc.returncode != 0 or m is None:
         raise RuntimeError(f"PowerInfer perplexity: expected exit status 0 and a final estimate, "
