@@ -12,11 +12,46 @@ constexpr int64_t kParallelMinElements = 1 << 15;
 // Rows per task: several tasks per thread even out cores that run at different speeds, while each
 // task still streams a long contiguous stretch of the weight matrix.
 constexpr int64_t kTasksPerThread = 4;
+// From this many tokens rows are taken in pairs (RowPair). One token streams the weights from
+// memory, where a second row's loads only add register pressure.
+constexpr int64_t kPairMinTokens = 2;
+
+// Rows o and o + 1 for all tokens: the gated dot kernel's two rows share each token's loads,
+// and compute each (row, token) dot exactly as the one-row kernel does (same chains, same
+// reduction), so pairing never changes a bit.
+template <typename W>
+void RowPair(const W* w, const float* bias, int64_t out_dim, int64_t dim,
+             std::span<const float* const> x_rows, float* y, int64_t o) {
+  const int64_t num_tokens = static_cast<int64_t>(x_rows.size());
+  const W* row0 = w + o * dim;
+  const W* row1 = row0 + dim;
+  const float b0 = bias != nullptr ? bias[o] : 0.0f;
+  const float b1 = bias != nullptr ? bias[o + 1] : 0.0f;
+  float dots0[internal::kMaxGroup];
+  float dots1[internal::kMaxGroup];
+  for (int64_t t0 = 0; t0 < num_tokens; t0 += internal::kMaxGroup) {
+    const float* const* x = x_rows.data() + t0;
+    const int64_t n = std::min<int64_t>(internal::kMaxGroup, num_tokens - t0);
+    switch (n) {
+      case 1: internal::NeuronDots<W, 1, true>(row0, row1, x, dim, dots0, dots1); break;
+      case 2: internal::NeuronDots<W, 2, true>(row0, row1, x, dim, dots0, dots1); break;
+      case 3: internal::NeuronDots<W, 3, true>(row0, row1, x, dim, dots0, dots1); break;
+      default: internal::NeuronDots<W, 4, true>(row0, row1, x, dim, dots0, dots1); break;
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      y[(t0 + t) * out_dim + o] = dots0[t] + b0;
+      y[(t0 + t) * out_dim + o + 1] = dots1[t] + b1;
+    }
+  }
+}
 
 template <typename W>
 void Rows(const W* w, const float* bias, int64_t out_dim, int64_t dim,
           std::span<const float* const> x_rows, float* y, int64_t lo, int64_t hi) {
   const int64_t num_tokens = static_cast<int64_t>(x_rows.size());
+  if (num_tokens >= kPairMinTokens) {  // several tokens: compute-bound, pairs of rows
+    for (; lo + 2 <= hi; lo += 2) RowPair(w, bias, out_dim, dim, x_rows, y, lo);
+  }
   float unused[internal::kMaxGroup];
   float dots[internal::kMaxGroup];
   for (int64_t o = lo; o < hi; ++o) {

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <span>
+#include <vector>
 
 #include "cpu_backend/simd.h"
 #include "cpu_backend/sparse_ffn.h"
@@ -111,6 +112,45 @@ inline void AccumulateDown(const W* down_row, int64_t dim, int n, const float* c
   }
 }
 
+// One neuron, tokens [t0, t0 + kTok), criterion kScores or kOracle: coef[t] = a_i of token t
+// where the neuron is active for it (active[t]; counted), 0 elsewhere. Returns whether any token
+// uses it (with kScores, an unwanted neuron's rows are never read).
+template <typename W, int kTok, bool kGated>
+inline bool NeuronCoefs(const FfnWeights<W>& w, const FfnTokens& tokens, const SparseFfnParams& p,
+                        int32_t i, int64_t t0, float* coef, bool* active, int32_t* counts) {
+  const int64_t row = static_cast<int64_t>(i) * w.dim;
+  const bool by_scores = p.criterion == Criterion::kScores;
+  bool wanted[kTok];
+  if (by_scores) {
+    bool any = false;
+    for (int t = 0; t < kTok; ++t) {
+      wanted[t] = SelectedByScore(tokens.score_rows[t0 + t][i], p.threshold);
+      any = any || wanted[t];
+    }
+    if (!any) {  // no token of this group needs the neuron: its rows stay untouched
+      std::fill_n(coef, kTok, 0.0f);
+      std::fill_n(active, kTok, false);
+      return false;
+    }
+  }
+  float gate_dot[kTok];
+  float up_dot[kTok];
+  NeuronDots<W, kTok, kGated>(kGated ? w.gate + row : nullptr, w.up + row,
+                              tokens.x_rows.data() + t0, w.dim, gate_dot, up_dot);
+  const float b_up = w.b_up != nullptr ? w.b_up[i] : 0.0f;
+  bool any = false;
+  for (int t = 0; t < kTok; ++t) {
+    const float up = up_dot[t] + b_up;
+    const float a =
+        kGated ? GatedActivate(p.activation, gate_dot[t], up) : Activate(p.activation, up);
+    active[t] = by_scores ? wanted[t] : ActiveByMagnitude(a, p.threshold);
+    coef[t] = active[t] ? a : 0.0f;
+    counts[t0 + t] += active[t];
+    any = any || active[t];
+  }
+  return any;
+}
+
 // One neuron, tokens [t0, t0 + kTok): decides per token whether the neuron is active and
 // accumulates its contribution into that token's partial output row and count.
 template <typename W, int kTok, bool kGated>
@@ -134,33 +174,16 @@ inline void ProcessNeuron(const FfnWeights<W>& w, const FfnTokens& tokens,
     if (n > 0) AccumulateDown(w.down_t + row, dim, n, coef, active_y);
     return;
   }
-  const bool by_scores = p.criterion == Criterion::kScores;
-  bool wanted[kTok];
-  if (by_scores) {
-    bool any = false;
-    for (int t = 0; t < kTok; ++t) {
-      wanted[t] = SelectedByScore(tokens.score_rows[t0 + t][i], p.threshold);
-      any = any || wanted[t];
-    }
-    if (!any) return;  // no token of this group needs the neuron: its rows stay untouched
-  }
-  float gate_dot[kTok];
-  float up_dot[kTok];
-  NeuronDots<W, kTok, kGated>(kGated ? w.gate + row : nullptr, w.up + row,
-                              tokens.x_rows.data() + t0, dim, gate_dot, up_dot);
-  const float b_up = w.b_up != nullptr ? w.b_up[i] : 0.0f;
+  bool active[kTok];
+  if (!NeuronCoefs<W, kTok, kGated>(w, tokens, p, i, t0, coef, active, counts)) return;
+  float packed[kTok];
   for (int t = 0; t < kTok; ++t) {
-    const float up = up_dot[t] + b_up;
-    const float a =
-        kGated ? GatedActivate(p.activation, gate_dot[t], up) : Activate(p.activation, up);
-    const bool active = by_scores ? wanted[t] : ActiveByMagnitude(a, p.threshold);
-    if (!active) continue;
-    ++counts[t0 + t];
-    coef[n] = a;
+    if (!active[t]) continue;
+    packed[n] = coef[t];
     active_y[n] = y_partial + (t0 + t) * dim;
     ++n;
   }
-  if (n > 0) AccumulateDown(w.down_t + row, dim, n, coef, active_y);
+  AccumulateDown(w.down_t + row, dim, n, packed, active_y);
 }
 
 // Accumulates the contributions of `neurons` for all tokens into y_partial [T, D] (zeroed by the
@@ -287,6 +310,110 @@ void AccumulateDownOneToken(const FfnWeights<W>& w, const float* act, float thre
   }
 }
 
+// Several tokens: y[t] += sum_k coef[k][t] * rows[k] over a block of m neurons, with a tile of
+// kTok tokens x kVec vectors of y held in registers across the block (one y load and store per
+// block instead of per neuron). Per element the FMAs still run in neuron order from the same
+// start, as AccumulateDown's: a token's sum is bitwise what it gets decoded alone (a zero coef,
+// an inactive token, adds an exact 0 to a nonzero sum).
+template <typename W, int kTok, int kVec>
+inline void DownTile(const W* const* rows, int m, const float* coef, int64_t stride,
+                     float* const* y, int64_t d) {
+  simd::Vec acc[kTok][kVec];
+  for (int t = 0; t < kTok; ++t) {
+    for (int v = 0; v < kVec; ++v) acc[t][v] = simd::Load(y[t] + d + v * simd::kLanes);
+  }
+  for (int k = 0; k < m; ++k) {
+    simd::Vec w[kVec];
+    for (int v = 0; v < kVec; ++v) w[v] = simd::Load(rows[k] + d + v * simd::kLanes);
+    for (int t = 0; t < kTok; ++t) {
+      const simd::Vec c = simd::Set1(coef[k * stride + t]);
+      for (int v = 0; v < kVec; ++v) acc[t][v] = simd::MulAdd(c, w[v], acc[t][v]);
+    }
+  }
+  for (int t = 0; t < kTok; ++t) {
+    for (int v = 0; v < kVec; ++v) simd::Store(y[t] + d + v * simd::kLanes, acc[t][v]);
+  }
+}
+
+template <typename W, int kTok>
+inline void DownBlock(const W* const* rows, int m, const float* coef, int64_t stride,
+                      float* const* y, int64_t dim) {
+  constexpr int kVec = simd::kLanes >= 16 ? 4 : 2;  // 16 or 8 accumulators with 4 tokens
+  int64_t d = 0;
+  for (; d + kVec * simd::kLanes <= dim; d += kVec * simd::kLanes) {
+    DownTile<W, kTok, kVec>(rows, m, coef, stride, y, d);
+  }
+  for (; d + simd::kLanes <= dim; d += simd::kLanes) {
+    DownTile<W, kTok, 1>(rows, m, coef, stride, y, d);
+  }
+  for (; d < dim; ++d) {  // as AccumulateDown's scalar tail
+    for (int k = 0; k < m; ++k) {
+      const float w = ToF32(rows[k][d]);
+      for (int t = 0; t < kTok; ++t) y[t][d] += coef[k * stride + t] * w;
+    }
+  }
+}
+
+// Neurons per DownBlock.
+constexpr int kDownBlockNeurons = 8;
+
+template <typename W, bool kGated>
+void AccumulateNeuronsBlocked(const FfnWeights<W>& w, const FfnTokens& tokens,
+                              const SparseFfnParams& p, std::span<const int32_t> neurons,
+                              float* y_partial, int32_t* counts) {
+  const int64_t num_tokens = static_cast<int64_t>(tokens.x_rows.size());
+  const int64_t n = static_cast<int64_t>(neurons.size());
+  const int64_t dim = w.dim;
+  thread_local std::vector<float> coef_store;
+  if (static_cast<int64_t>(coef_store.size()) < kDownBlockNeurons * num_tokens) {
+    coef_store.resize(kDownBlockNeurons * num_tokens);
+  }
+  float* coef = coef_store.data();  // [neuron of the block][token]
+  const W* rows[kDownBlockNeurons];
+  int m = 0;
+  auto flush = [&] {
+    for (int64_t t0 = 0; t0 < num_tokens; t0 += kMaxGroup) {
+      float* y[kMaxGroup];
+      const int64_t nt = std::min<int64_t>(kMaxGroup, num_tokens - t0);
+      for (int64_t t = 0; t < nt; ++t) y[t] = y_partial + (t0 + t) * dim;
+      switch (nt) {
+        case 1: DownBlock<W, 1>(rows, m, coef + t0, num_tokens, y, dim); break;
+        case 2: DownBlock<W, 2>(rows, m, coef + t0, num_tokens, y, dim); break;
+        case 3: DownBlock<W, 3>(rows, m, coef + t0, num_tokens, y, dim); break;
+        default: DownBlock<W, 4>(rows, m, coef + t0, num_tokens, y, dim); break;
+      }
+    }
+    m = 0;
+  };
+  const int64_t ahead = PrefetchAhead();
+  for (int64_t k = 0; k < std::min<int64_t>(ahead, n); ++k) {
+    PrefetchNeuron<W, kGated>(w, neurons[k], false);
+  }
+  bool active[kMaxGroup];
+  for (int64_t k = 0; k < n; ++k) {
+    const int32_t i = neurons[k];
+    if (k + ahead < n) PrefetchNeuron<W, kGated>(w, neurons[k + ahead], false);
+    float* c = coef + m * num_tokens;
+    bool any = false;
+    for (int64_t t0 = 0; t0 < num_tokens; t0 += kMaxGroup) {
+      switch (std::min<int64_t>(kMaxGroup, num_tokens - t0)) {
+        case 1: any |= NeuronCoefs<W, 1, kGated>(w, tokens, p, i, t0, c + t0, active, counts);
+                break;
+        case 2: any |= NeuronCoefs<W, 2, kGated>(w, tokens, p, i, t0, c + t0, active, counts);
+                break;
+        case 3: any |= NeuronCoefs<W, 3, kGated>(w, tokens, p, i, t0, c + t0, active, counts);
+                break;
+        default: any |= NeuronCoefs<W, 4, kGated>(w, tokens, p, i, t0, c + t0, active, counts);
+                 break;
+      }
+    }
+    if (!any) continue;
+    rows[m++] = w.down_t + static_cast<int64_t>(i) * dim;
+    if (m == kDownBlockNeurons) flush();
+  }
+  if (m > 0) flush();
+}
+
 template <typename W, bool kGated>
 void AccumulateNeuronsImpl(const FfnWeights<W>& w, const FfnTokens& tokens,
                            const SparseFfnParams& p, std::span<const int32_t> neurons,
@@ -296,6 +423,10 @@ void AccumulateNeuronsImpl(const FfnWeights<W>& w, const FfnTokens& tokens,
   const bool down_only = p.criterion == Criterion::kActivations;
   if (down_only && num_tokens == 1) {
     AccumulateDownOneToken(w, tokens.score_rows[0], p.threshold, neurons, y_partial, counts);
+    return;
+  }
+  if (!down_only && num_tokens > 1) {
+    AccumulateNeuronsBlocked<W, kGated>(w, tokens, p, neurons, y_partial, counts);
     return;
   }
   const int64_t ahead = down_only ? PrefetchAheadDown() : PrefetchAhead();
