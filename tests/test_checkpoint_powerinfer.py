@@ -87,6 +87,15 @@ def test_reads_a_falcon_file_written_like_powerinfers_hf_converter(tmp_path):
     assert pi.load_predictors(path, c).threshold == 0.0
 
 
+def _random_predictors(config, *, rank, seed, threshold):
+    rng = np.random.default_rng(seed)
+    return pi.PowerInferPredictors(
+        tuple((rng.standard_normal((rank, config.d_model)) * 0.3).astype(np.float32)
+              for _ in range(config.n_layers)),
+        tuple((rng.standard_normal((config.d_ff, rank)) * 0.3).astype(np.float32)
+              for _ in range(config.n_layers)), threshold)
+
+
 def _tiny(kind="reglu"):
     from test_models_families import _config
 
@@ -99,12 +108,7 @@ def test_round_trip_keeps_logits_and_predictor_outputs(tmp_path, kind):
     predictors on the residual), same predictor outputs."""
     config = _tiny(kind)
     params = random_params(config)
-    rng = np.random.default_rng(1)
-    preds = pi.PowerInferPredictors(
-        tuple((rng.standard_normal((8, config.d_model)) * 0.3).astype(np.float32)
-              for _ in range(config.n_layers)),
-        tuple((rng.standard_normal((config.d_ff, 8)) * 0.3).astype(np.float32)
-              for _ in range(config.n_layers)), 0.1)
+    preds = _random_predictors(config, rank=8, seed=1, threshold=0.1)
     path = pi.write_powerinfer_gguf(tmp_path / "m.powerinfer.gguf", config, params,
                                     gpt2_tokenizer_meta(), preds, weight_type="F32")
     ck = load_checkpoint(path)
@@ -338,12 +342,7 @@ def test_quantized_file_keeps_its_predictor_blocks(tmp_path, kind):
 
     config = _tiny(kind)
     params = random_params(config)
-    rng = np.random.default_rng(2)
-    preds = pi.PowerInferPredictors(
-        tuple((rng.standard_normal((32, config.d_model)) * 0.3).astype(np.float32)
-              for _ in range(config.n_layers)),
-        tuple((rng.standard_normal((config.d_ff, 32)) * 0.3).astype(np.float32)
-              for _ in range(config.n_layers)), 0.0)
+    preds = _random_predictors(config, rank=32, seed=2, threshold=0.0)  # rank: a Q4_0 block
     path = pi.write_powerinfer_gguf(tmp_path / "m.powerinfer.gguf", config, params,
                                     gpt2_tokenizer_meta(), preds, weight_type="Q4_0")
     kept = pi.load_predictors(path, config, keep_quantized=True)
