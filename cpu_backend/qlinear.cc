@@ -18,10 +18,27 @@ constexpr int64_t kTokenGroup = 64;
 constexpr int64_t kRowBlock = 16;
 // Decode: rows per tile, sharing the token's activation loads.
 constexpr int kDecodeRows = 2;
+// Several tokens: rows per tile.
+constexpr int kPairRows = 2;
 
-template <class F, int kC>
-inline void TokenTile(const uint8_t* row, const QActView* xs, int64_t nblocks, float* dots) {
-  qkern::DotTile<F, 1, kC>(&row, xs, nblocks, dots);
+template <class F, int kR, int kC>
+inline void TokenTile(const uint8_t* const* rows, const QActView* xs, int64_t nblocks,
+                      float* dots) {
+  qkern::DotTile<F, kR, kC>(rows, xs, nblocks, dots);
+}
+
+// kR rows x up to 4 tokens [t, g1) of the group: dots [r * n + k].
+template <class F, int kR>
+inline int64_t GroupTile(const uint8_t* const* rows, const QActView* xs, int64_t t, int64_t g1,
+                         int64_t nblocks, float* dots) {
+  const int64_t n = std::min<int64_t>(4, g1 - t);
+  switch (n) {
+    case 1: TokenTile<F, kR, 1>(rows, xs + t, nblocks, dots); break;
+    case 2: TokenTile<F, kR, 2>(rows, xs + t, nblocks, dots); break;
+    case 3: TokenTile<F, kR, 3>(rows, xs + t, nblocks, dots); break;
+    default: TokenTile<F, kR, 4>(rows, xs + t, nblocks, dots); break;
+  }
+  return n;
 }
 
 template <class F>
@@ -49,22 +66,28 @@ void Rows(const QLinearOut& out, int64_t dim, std::span<const QActView> xs, int6
     }
     return;
   }
-  float dots[4];
+  // Several tokens: rows in pairs (each token's activation loads serve both rows), the tile's
+  // arithmetic per (row, token) the same as the decode tile's, so no bit depends on the batch.
+  float dots[kPairRows * 4];
   for (int64_t g0 = 0; g0 < num_tokens; g0 += kTokenGroup) {
     const int64_t g1 = std::min(num_tokens, g0 + kTokenGroup);
     for (int64_t r0 = lo; r0 < hi; r0 += kRowBlock) {
       const int64_t r1 = std::min(hi, r0 + kRowBlock);
-      for (int64_t o = r0; o < r1; ++o) {
+      int64_t o = r0;
+      for (; o + kPairRows <= r1; o += kPairRows) {
+        const uint8_t* rows[kPairRows];
+        for (int r = 0; r < kPairRows; ++r) rows[r] = out.w + (o + r) * row_bytes;
+        for (int64_t t = g0; t < g1; t += 4) {
+          const int64_t n = GroupTile<F, kPairRows>(rows, xs.data(), t, g1, nblocks, dots);
+          for (int r = 0; r < kPairRows; ++r) {
+            for (int64_t k = 0; k < n; ++k) put(o + r, t + k, dots[r * n + k]);
+          }
+        }
+      }
+      for (; o < r1; ++o) {
         const uint8_t* row = out.w + o * row_bytes;
         for (int64_t t = g0; t < g1; t += 4) {
-          const QActView* x = xs.data() + t;
-          const int64_t n = std::min<int64_t>(4, g1 - t);
-          switch (n) {
-            case 1: TokenTile<F, 1>(row, x, nblocks, dots); break;
-            case 2: TokenTile<F, 2>(row, x, nblocks, dots); break;
-            case 3: TokenTile<F, 3>(row, x, nblocks, dots); break;
-            default: TokenTile<F, 4>(row, x, nblocks, dots); break;
-          }
+          const int64_t n = GroupTile<F, 1>(&row, xs.data(), t, g1, nblocks, dots);
           for (int64_t k = 0; k < n; ++k) put(o, t + k, dots[k]);
         }
       }
