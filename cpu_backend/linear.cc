@@ -32,12 +32,9 @@ void RowPair(const W* w, const float* bias, int64_t out_dim, int64_t dim,
   for (int64_t t0 = 0; t0 < num_tokens; t0 += internal::kMaxGroup) {
     const float* const* x = x_rows.data() + t0;
     const int64_t n = std::min<int64_t>(internal::kMaxGroup, num_tokens - t0);
-    switch (n) {
-      case 1: internal::NeuronDots<W, 1, true>(row0, row1, x, dim, dots0, dots1); break;
-      case 2: internal::NeuronDots<W, 2, true>(row0, row1, x, dim, dots0, dots1); break;
-      case 3: internal::NeuronDots<W, 3, true>(row0, row1, x, dim, dots0, dots1); break;
-      default: internal::NeuronDots<W, 4, true>(row0, row1, x, dim, dots0, dots1); break;
-    }
+    internal::VisitGroup(n, [&](auto g) {
+      internal::NeuronDots<W, decltype(g)::value, true>(row0, row1, x, dim, dots0, dots1);
+    });
     for (int64_t t = 0; t < n; ++t) {
       y[(t0 + t) * out_dim + o] = dots0[t] + b0;
       y[(t0 + t) * out_dim + o + 1] = dots1[t] + b1;
@@ -60,12 +57,10 @@ void Rows(const W* w, const float* bias, int64_t out_dim, int64_t dim,
     for (int64_t t0 = 0; t0 < num_tokens; t0 += internal::kMaxGroup) {
       const float* const* x = x_rows.data() + t0;
       const int64_t n = std::min<int64_t>(internal::kMaxGroup, num_tokens - t0);
-      switch (n) {  // one pass over the row serves up to kMaxGroup tokens
-        case 1: internal::NeuronDots<W, 1, false>(nullptr, row, x, dim, unused, dots); break;
-        case 2: internal::NeuronDots<W, 2, false>(nullptr, row, x, dim, unused, dots); break;
-        case 3: internal::NeuronDots<W, 3, false>(nullptr, row, x, dim, unused, dots); break;
-        default: internal::NeuronDots<W, 4, false>(nullptr, row, x, dim, unused, dots); break;
-      }
+      // one pass over the row serves up to kMaxGroup tokens
+      internal::VisitGroup(n, [&](auto g) {
+        internal::NeuronDots<W, decltype(g)::value, false>(nullptr, row, x, dim, unused, dots);
+      });
       for (int64_t t = 0; t < n; ++t) y[(t0 + t) * out_dim + o] = dots[t] + b;
     }
   }

@@ -21,22 +21,16 @@ constexpr int kDecodeRows = 2;
 // Several tokens: rows per tile.
 constexpr int kPairRows = 2;
 
-template <class F, int kR, int kC>
-inline void TokenTile(const uint8_t* const* rows, const QActView* xs, int64_t nblocks,
-                      float* dots) {
-  qkern::DotTile<F, kR, kC>(rows, xs, nblocks, dots);
-}
-
 // kR rows x up to 4 tokens [t, g1) of the group: dots [r * n + k].
 template <class F, int kR>
 inline int64_t GroupTile(const uint8_t* const* rows, const QActView* xs, int64_t t, int64_t g1,
                          int64_t nblocks, float* dots) {
   const int64_t n = std::min<int64_t>(4, g1 - t);
   switch (n) {
-    case 1: TokenTile<F, kR, 1>(rows, xs + t, nblocks, dots); break;
-    case 2: TokenTile<F, kR, 2>(rows, xs + t, nblocks, dots); break;
-    case 3: TokenTile<F, kR, 3>(rows, xs + t, nblocks, dots); break;
-    default: TokenTile<F, kR, 4>(rows, xs + t, nblocks, dots); break;
+    case 1: qkern::DotTile<F, kR, 1>(rows, xs + t, nblocks, dots); break;
+    case 2: qkern::DotTile<F, kR, 2>(rows, xs + t, nblocks, dots); break;
+    case 3: qkern::DotTile<F, kR, 3>(rows, xs + t, nblocks, dots); break;
+    default: qkern::DotTile<F, kR, 4>(rows, xs + t, nblocks, dots); break;
   }
   return n;
 }

@@ -103,7 +103,7 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
                        s.up_views.data() + t0, ntok, w.dim, &on_up);
     });
     std::fill_n(up, neurons.size() * ntok, 0.0f);
-    for (int64_t k = n_on - 1; k >= 0; --k) {  // back to the neurons' slots
+    for (int64_t k = 0; k < n_on; ++k) {  // back to the neurons' slots
       std::copy_n(on_up + k * ntok, ntok, up + on_pos[k] * ntok);
     }
   } else if (gated && w.gate_type == w.up_type) {  // one pass: the two rows share the loads

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_backend/simd.h"
@@ -20,6 +21,19 @@ namespace pij::internal {
 // vector feeds kMaxGroup FMAs, so prefill reads each row from memory once per 4 tokens at most,
 // while the 2 * kMaxGroup accumulators still fit in registers.
 constexpr int kMaxGroup = 4;
+
+// fn(std::integral_constant<int, n>{}) for a token group of n in [1, kMaxGroup]: the kernels
+// take the group size as a template parameter (registers per token).
+template <class Fn>
+inline void VisitGroup(int64_t n, Fn&& fn) {
+  static_assert(kMaxGroup == 4, "one case per group size");
+  switch (n) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    default: fn(std::integral_constant<int, 4>{}); break;
+  }
+}
 
 // Dot products of one neuron's gate and up rows with kTok token rows. With one token the loop is
 // unrolled kUnroll times so several independent FMA chains hide the FMA latency.
@@ -376,12 +390,9 @@ void AccumulateNeuronsBlocked(const FfnWeights<W>& w, const FfnTokens& tokens,
       float* y[kMaxGroup];
       const int64_t nt = std::min<int64_t>(kMaxGroup, num_tokens - t0);
       for (int64_t t = 0; t < nt; ++t) y[t] = y_partial + (t0 + t) * dim;
-      switch (nt) {
-        case 1: DownBlock<W, 1>(rows, m, coef + t0, num_tokens, y, dim); break;
-        case 2: DownBlock<W, 2>(rows, m, coef + t0, num_tokens, y, dim); break;
-        case 3: DownBlock<W, 3>(rows, m, coef + t0, num_tokens, y, dim); break;
-        default: DownBlock<W, 4>(rows, m, coef + t0, num_tokens, y, dim); break;
-      }
+      VisitGroup(nt, [&](auto k) {
+        DownBlock<W, decltype(k)::value>(rows, m, coef + t0, num_tokens, y, dim);
+      });
     }
     m = 0;
   };
@@ -396,16 +407,10 @@ void AccumulateNeuronsBlocked(const FfnWeights<W>& w, const FfnTokens& tokens,
     float* c = coef + m * num_tokens;
     bool any = false;
     for (int64_t t0 = 0; t0 < num_tokens; t0 += kMaxGroup) {
-      switch (std::min<int64_t>(kMaxGroup, num_tokens - t0)) {
-        case 1: any |= NeuronCoefs<W, 1, kGated>(w, tokens, p, i, t0, c + t0, active, counts);
-                break;
-        case 2: any |= NeuronCoefs<W, 2, kGated>(w, tokens, p, i, t0, c + t0, active, counts);
-                break;
-        case 3: any |= NeuronCoefs<W, 3, kGated>(w, tokens, p, i, t0, c + t0, active, counts);
-                break;
-        default: any |= NeuronCoefs<W, 4, kGated>(w, tokens, p, i, t0, c + t0, active, counts);
-                 break;
-      }
+      VisitGroup(std::min<int64_t>(kMaxGroup, num_tokens - t0), [&](auto g) {
+        any |= NeuronCoefs<W, decltype(g)::value, kGated>(w, tokens, p, i, t0, c + t0, active,
+                                                         counts);
+      });
     }
     if (!any) continue;
     rows[m++] = w.down_t + static_cast<int64_t>(i) * dim;
@@ -437,12 +442,9 @@ void AccumulateNeuronsImpl(const FfnWeights<W>& w, const FfnTokens& tokens,
     const int32_t i = neurons[k];
     if (k + ahead < n) PrefetchNeuron<W, kGated>(w, neurons[k + ahead], down_only);
     for (int64_t t0 = 0; t0 < num_tokens; t0 += kMaxGroup) {
-      switch (std::min<int64_t>(kMaxGroup, num_tokens - t0)) {
-        case 1: ProcessNeuron<W, 1, kGated>(w, tokens, p, i, t0, y_partial, counts); break;
-        case 2: ProcessNeuron<W, 2, kGated>(w, tokens, p, i, t0, y_partial, counts); break;
-        case 3: ProcessNeuron<W, 3, kGated>(w, tokens, p, i, t0, y_partial, counts); break;
-        default: ProcessNeuron<W, 4, kGated>(w, tokens, p, i, t0, y_partial, counts); break;
-      }
+      VisitGroup(std::min<int64_t>(kMaxGroup, num_tokens - t0), [&](auto g) {
+        ProcessNeuron<W, decltype(g)::value, kGated>(w, tokens, p, i, t0, y_partial, counts);
+      });
     }
   }
 }

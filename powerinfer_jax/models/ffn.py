@@ -31,7 +31,8 @@ from flax import nnx
 
 from powerinfer_jax.errors import fail
 from powerinfer_jax.models.layers import F32, Linear, _param, op_impl, sow, use_ffi
-from powerinfer_jax.ops.reference import activate  # pure jnp, shared with the kernels' oracle
+from powerinfer_jax.ops.reference import (  # pure jnp, shared with the kernels' oracle
+    activate, gated_activate)
 
 
 class Selection(NamedTuple):
@@ -406,9 +407,7 @@ class FFN(nnx.Module):
         u = proj(up) if b_up is None else proj(up) + b_up
         if gate is None:
             return activate(self.activation, u)
-        if self.activation == "drelu":
-            return jax.nn.relu(proj(gate)) * jax.nn.relu(u)
-        return activate(self.activation, proj(gate)) * u
+        return gated_activate(self.activation, proj(gate), u)
 
     def hot_activations(self, x_btd):
         """Activations of the rows in the Params (all of them when unplaced), with XLA (on a
@@ -423,9 +422,7 @@ class FFN(nnx.Module):
                                     [self.gate.qtype, self.up.qtype], self.up.d_in,
                                     [None, _value(self.up.bias)],
                                     impl=op_impl(self.kernels))
-            if self.activation == "drelu":
-                return jax.nn.relu(g) * jax.nn.relu(u)
-            return activate(self.activation, g) * u
+            return gated_activate(self.activation, g, u)
         return self._rows_act(x_btd, _value(self.gate and self.gate.weight), self.up.weight[...],
                               _value(self.up.bias))
 

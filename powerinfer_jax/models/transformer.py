@@ -200,8 +200,6 @@ def param_names(config: ModelConfig) -> list[str]:
     return [_param_name(p) for p, _ in nnx.to_flat_state(nnx.state(abstract, nnx.Param))]
 
 
-
-
 def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=F32,
                 kernels: str = "auto", down_qtype: str | None = DOWN_QTYPE,
                 quantized: bool | None = None, **options) -> Transformer:
