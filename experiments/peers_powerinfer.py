@@ -406,6 +406,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.child_threads is not None:
         return child(args)
+    if args.ppl_chunks < 0:
+        raise SystemExit(f"--ppl-chunks: expected a count >= 0, got {args.ppl_chunks}")
     if not args.powerinfer_src:
         raise SystemExit("--powerinfer-src: expected a PowerInfer git directory, got none "
                          "(or set $POWERINFER_SRC)")

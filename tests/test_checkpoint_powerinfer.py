@@ -349,6 +349,8 @@ def test_quantized_file_keeps_its_predictor_blocks(tmp_path, kind):
     assert all(isinstance(t, QuantTensor) and t.qtype == "Q4_0" for t in kept.fc1 + kept.fc2)
     floats = pi.load_predictors(path, config)
     np.testing.assert_array_equal(kept.fc2[0].dequantize(), floats.fc2[0])
+    with pytest.raises(UserError, match=r"fc2.weight shape: expected \[F, R\] = \(50, 32\)"):
+        pi.load_predictors(path, config.replace(d_ff=50), keep_quantized=True)  # another model
 
     ck = load_checkpoint(path, keep_quantized=True)
     model = from_params(ck.config, ck.params, kernels="ffi")
