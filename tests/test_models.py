@@ -113,3 +113,47 @@ def test_norm_gives_a_row_the_same_bits_whatever_the_batch(kind, d):
            if kind == "rms" else (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True)
                                                       + 1e-5))
     np.testing.assert_allclose(together, ref, rtol=2e-6, atol=2e-6)
+
+
+def test_shapes_only_builds_what_eval_shape_builds():
+    """from_params builds its placeholder model directly under `shapes_only` instead of tracing
+    the constructors with nnx.eval_shape: the same parameters, shapes and dtypes, nothing
+    materialised; outside the context modules get concrete arrays again."""
+    from flax import nnx
+
+    from helpers_models import tiny_llama_config
+    from powerinfer_jax.models.layers import Norm, shapes_only
+    from powerinfer_jax.models.transformer import Transformer
+
+    cfg = tiny_llama_config()
+    with shapes_only():
+        direct = Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    traced = nnx.eval_shape(lambda: Transformer(cfg, dtype=jnp.bfloat16))
+
+    def leaves(m):
+        return [(p, v.get_value().shape, v.get_value().dtype)
+                for p, v in nnx.to_flat_state(nnx.state(m, nnx.Param))]
+
+    assert leaves(direct) == leaves(traced)
+    assert all(isinstance(v.get_value(), jax.ShapeDtypeStruct)
+               for _, v in nnx.to_flat_state(nnx.state(direct, nnx.Param)))
+    norm = Norm(5, kind="layer", eps=1e-5)
+    np.testing.assert_array_equal(np.asarray(norm.scale[...]), np.ones(5, np.float32))
+    np.testing.assert_array_equal(np.asarray(norm.bias[...]), np.zeros(5, np.float32))
+
+
+def test_paused_gc_restores_the_collectors_state():
+    import gc
+
+    from powerinfer_jax.checkpoint.loader import paused_gc
+
+    assert gc.isenabled()
+    with paused_gc():
+        assert not gc.isenabled()
+        with paused_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), paused_gc():
+        raise RuntimeError("a failed load")
+    assert gc.isenabled()

@@ -204,3 +204,39 @@ def test_down_rows_in_the_sparse_layout_refuse_the_dense_call(legacy_gguf):
     assert not down.file_layout and down.qtype == "Q8_0"
     np.testing.assert_array_equal(np.asarray(down.weight[...]),
                                   np.asarray(sparse.layers[0].ffn.down_t.weight[...]))
+
+
+def test_a_loaded_files_blocks_are_in_memory_once(legacy_gguf):
+    """The blocks are copied out of the file once, 64-byte aligned, and the model's arrays alias
+    that copy (XLA's CPU client keeps such host memory as it is): not a second copy per tensor.
+    The aliased host array is read-only, so nothing can change the weights under the model."""
+    from powerinfer_jax.checkpoint.base import HOST_ALIGN
+
+    q = load_checkpoint(legacy_gguf, keep_quantized=True)
+    m = from_params(q.config, q.params, kernels="ffi", down_qtype=None)
+    for name, module in [("layers.0.ffn.up.weight", m.layers[0].ffn.up),
+                         ("layers.1.ffn.down_t.weight", m.layers[1].ffn.down_t),
+                         ("tok_embed", None)]:
+        blocks = q.params[name].blocks
+        assert blocks.ctypes.data % HOST_ALIGN == 0, name
+        assert not blocks.flags.writeable, name
+        weight = m.tok_embed[...] if module is None else module.weight[...]
+        assert np.shares_memory(np.asarray(weight), blocks), name
+    with pytest.raises(ValueError, match="read-only"):
+        q.params["layers.0.ffn.up.weight"].blocks[0, 0] = 1
+
+
+def test_aligned_copies_only_when_asked_or_needed():
+    from powerinfer_jax.checkpoint.base import HOST_ALIGN, aligned
+
+    raw = np.arange(1000, dtype=np.uint8)
+    for start in range(8):  # every misalignment of a view into `raw`
+        a = raw[start:start + 640].reshape(10, 64)
+        b = aligned(a)
+        assert b.ctypes.data % HOST_ALIGN == 0 and b.flags.c_contiguous
+        np.testing.assert_array_equal(a, b)
+        assert aligned(b) is b
+        c = aligned(b, copy=True)
+        assert c is not b and not np.shares_memory(b, c) and c.ctypes.data % HOST_ALIGN == 0
+    f = aligned(np.ones((3, 5), np.float32)[:, 1:])  # not contiguous, another dtype
+    assert f.dtype == np.float32 and f.shape == (3, 4) and f.flags.c_contiguous

@@ -1,6 +1,7 @@
 """Tokenizer: ids equal to transformers' GGUF tokenizer, streaming decode, chat templates."""
 import shutil
 
+import numpy as np
 import pytest
 
 from helpers_models import (SAMPLE_TEXTS, gpt2_tokenizer_meta, real_gguf_path, spm_tokenizer_meta,
@@ -130,3 +131,27 @@ def test_bad_inputs(tmp_path):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2"})
     with pytest.raises(ValueError, match="expected an existing tokenizer.json, got .*missing.json"):
         Tokenizer.from_file(tmp_path / "missing.json")
+
+
+def test_respelling_outside_the_byte_alphabet_matches_the_per_token_rule():
+    """The one-regex-pass search for tokens outside GPT-2's byte alphabet respells exactly the
+    tokens a per-token set check finds, wherever they sit (first, last, after empty tokens)."""
+    from powerinfer_jax.tokenizer import _bytes_to_unicode, _respell_outside_alphabet
+
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+
+    def per_token(tokens):
+        return [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode())
+                for t in tokens]
+
+    rng = np.random.default_rng(0)
+    inside = sorted(alphabet)
+    for _ in range(20):
+        tokens = ["".join(rng.choice(inside, size=rng.integers(0, 5))) for _ in range(50)]
+        for i in rng.choice(50, size=rng.integers(0, 4), replace=False):
+            tokens[i] = rng.choice(["<a b>", " ", "x\n", "\t", "é ", "中"])
+        tokens[0] = rng.choice([tokens[0], "<s> </s>"])
+        assert _respell_outside_alphabet(tokens) == per_token(tokens)
+    clean = ["a", "Ġb", ""]
+    assert _respell_outside_alphabet(clean) is clean

@@ -21,6 +21,24 @@ from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.tokenizer import Tokenizer
 
 
+# XLA's CPU client aliases a host array whose data starts on this boundary instead of copying it
+# (jax.device_put(..., may_alias=True)); the blocks are read with that alignment (see `aligned`).
+HOST_ALIGN = 64
+
+
+def aligned(a: np.ndarray, *, copy: bool = False) -> np.ndarray:
+    """`a` as a C-contiguous array starting on a HOST_ALIGN-byte boundary: `a` itself when it
+    already is one (and not `copy`), else a copy in memory allocated that way."""
+    a = np.asarray(a)
+    if not copy and a.flags.c_contiguous and a.ctypes.data % HOST_ALIGN == 0:
+        return a
+    raw = np.empty(a.nbytes + HOST_ALIGN, np.uint8)
+    start = -raw.ctypes.data % HOST_ALIGN
+    out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    np.copyto(out, a)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantTensor:
     """A weight kept as a GGUF tensor's blocks: stored once, dequantized on demand.

@@ -24,7 +24,7 @@ import numpy as np
 
 from powerinfer_jax.checkpoint import gguf_arch, quants
 from powerinfer_jax.checkpoint.gguf_file import GGUFFile, GGUFFormatError
-from powerinfer_jax.checkpoint.base import (Checkpoint, QuantTensor, check_params,
+from powerinfer_jax.checkpoint.base import (Checkpoint, QuantTensor, aligned, check_params,
                                             expected_shapes, rope_permute, rope_unpermute,
                                             unsupported_architecture)
 from powerinfer_jax.config import ModelConfig
@@ -98,7 +98,9 @@ def _read_stored(t, expected: tuple[int, ...], source: str, keep_quantized: bool
     data = np.asarray(t.data)
     rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
     if keep_quantized and qtype in quants.QUANTIZED_TYPES and len(shape) == 2:
-        return QuantTensor(np.array(rows, dtype=np.uint8), qtype, shape)  # a copy: the file closes
+        # a copy (the file closes), aligned so the model's arrays alias it: the bytes are copied
+        # out of the file once, not once more into XLA's buffers
+        return QuantTensor(aligned(rows.astype(np.uint8, copy=False), copy=True), qtype, shape)
     return quants.dequantize(rows, qtype).reshape(shape)
 
 

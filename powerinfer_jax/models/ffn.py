@@ -31,6 +31,7 @@ from flax import nnx
 
 from powerinfer_jax.errors import fail
 from powerinfer_jax.models.layers import F32, Linear, _param, op_impl, sow, use_ffi
+from powerinfer_jax.models.qweights import host_blocks
 from powerinfer_jax.ops.reference import (  # pure jnp, shared with the kernels' oracle
     activate, gated_activate)
 
@@ -113,7 +114,7 @@ class DownT(nnx.Module):
         self.bias = _param((d_model,), F32, None) if bias else None
 
     def load_quantized(self, blocks, qtype: str, *, file_layout: bool = False) -> None:
-        self.weight = nnx.Param(jnp.asarray(blocks, jnp.uint8))
+        self.weight = nnx.Param(host_blocks(blocks))
         self.qtype = qtype
         self.file_layout = file_layout
 

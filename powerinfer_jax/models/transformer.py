@@ -18,8 +18,9 @@ from flax import nnx
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.errors import fail
 from powerinfer_jax.models.ffn import DOWN_QTYPE, FFN
-from powerinfer_jax.models.layers import (F32, Attention, Linear, Norm, cache_storage_dtype,
-                                         matmul, op_impl, resolve_kernels, sow)
+from powerinfer_jax.models.layers import (F32, Attention, Linear, Norm, _param,
+                                         cache_storage_dtype, matmul, op_impl, resolve_kernels,
+                                         shapes_only, sow)
 
 
 _RESIDUAL = contextvars.ContextVar("ffn_residual")
@@ -174,9 +175,7 @@ def capture(fn, model, *args):
 
 
 def _embedding(shape, dtype, rngs):
-    if rngs is None:
-        return nnx.Param(jnp.zeros(shape, dtype))
-    return nnx.Param((jax.random.normal(rngs.params(), shape, F32) * 0.02).astype(dtype))
+    return _param(shape, dtype, rngs, scale=0.02)
 
 
 def init_cache(config: ModelConfig, *, batch: int, max_len: int, dtype):
@@ -196,7 +195,8 @@ def _param_name(path) -> str:
 
 def param_names(config: ModelConfig) -> list[str]:
     """Canonical checkpoint names this config's model expects."""
-    abstract = nnx.eval_shape(lambda: Transformer(config))
+    with shapes_only():
+        abstract = Transformer(config)
     return [_param_name(p) for p, _ in nnx.to_flat_state(nnx.state(abstract, nnx.Param))]
 
 
@@ -223,7 +223,8 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
         # on blocks; elsewhere the floats
         params = {**params, **{name: t.dequantize() for name, t in blocks.items()}}
         blocks = {}
-    model = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, kernels=kernels, **options))
+    with shapes_only():
+        model = Transformer(config, dtype=dtype, kernels=kernels, **options)
     state = nnx.state(model, nnx.Param)
     flat = nnx.to_flat_state(state)
     expected = {_param_name(p) for p, _ in flat}
@@ -248,10 +249,10 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
 
 def _load_quantized(model: Transformer, name: str, t, down_qtype: str) -> None:
     """Put a QuantTensor's blocks into the module that owns canonical param `name`."""
-    from powerinfer_jax.models.qweights import as_blocks
+    from powerinfer_jax.models.qweights import as_blocks, host_blocks
 
     if name == "tok_embed":
-        model.tok_embed = nnx.Param(jnp.asarray(as_blocks(t)))
+        model.tok_embed = nnx.Param(host_blocks(t.blocks))
         model.embed_qtype = t.qtype
         return
     if name == "lm_head":
