@@ -83,13 +83,17 @@ struct Legacy {
   static constexpr bool kSigned = kSignedT;
   static constexpr bool kHasMin = kHasMinT;
   using Prep = LegacyPrep;
+  // m / s where the minimum is a fixed multiple of the scale (Q4_0, Q5_0); 0 where it is stored
+  // (Q4_1, Q5_1) or absent (Q8_0).
+  static constexpr float kMinPerScale = 0.0f;
   static const int8_t* PlainQuants(const uint8_t*) { return nullptr; }
 };
 
 struct Q4_0 : Legacy<QType::kQ4_0, 18, false, true> {
+  static constexpr float kMinPerScale = -8.0f;
   static void Prepare(const uint8_t* b, Prep& p) {
     p.s = qsimd::HalfAt(b);
-    p.m = -8.0f * p.s;
+    p.m = kMinPerScale * p.s;
   }
   static I8x32 Unpack(const uint8_t* b, int) { return qsimd::Nibbles16(b + 2); }
 };
@@ -103,9 +107,10 @@ struct Q4_1 : Legacy<QType::kQ4_1, 20, false, true> {
 };
 
 struct Q5_0 : Legacy<QType::kQ5_0, 22, false, true> {
+  static constexpr float kMinPerScale = -16.0f;
   static void Prepare(const uint8_t* b, Prep& p) {
     p.s = qsimd::HalfAt(b);
-    p.m = -16.0f * p.s;
+    p.m = kMinPerScale * p.s;
   }
   static I8x32 Unpack(const uint8_t* b, int) {
     const I8x32 high = qsimd::ShiftLeft(qsimd::Bits32(qsimd::LoadU32(b + 2)), 4);

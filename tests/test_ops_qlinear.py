@@ -85,13 +85,15 @@ def test_bitwise_deterministic_across_runs_and_thread_counts(qtype, t):
     assert all(np.array_equal(results[0], r) for r in results[1:])
 
 
-def test_one_token_equals_its_row_in_a_prefill():
-    """Decode tiles (2 rows x 1 token) and prefill tiles (1 row x 4 tokens) run the same
-    arithmetic per (row, token): bitwise equal."""
-    x, blocks, d = operands("Q4_K", 5, t=9)
-    full = np.asarray(ops.qlinear(x, blocks, "Q4_K", d))
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q4_0", "Q4_1", "Q5_0", "Q8_0"])
+def test_one_token_equals_its_row_in_a_prefill(qtype):
+    """Decode tiles (2 rows x 1 token) and prefill tiles (2 rows x 4 tokens, a 1-row tail) run
+    the same arithmetic per (row, token): bitwise equal. Legacy D = 160 is 5 blocks: the block
+    pairs of the AVX-512 path and its odd last block."""
+    x, blocks, d = operands(qtype, 5, t=9)
+    full = np.asarray(ops.qlinear(x, blocks, qtype, d))
     for t in (0, 4, 8):
-        np.testing.assert_array_equal(np.asarray(ops.qlinear(x[t], blocks, "Q4_K", d)), full[t])
+        np.testing.assert_array_equal(np.asarray(ops.qlinear(x[t], blocks, qtype, d)), full[t])
 
 
 def test_qlinear_many_mixed_types_equals_separate_calls():

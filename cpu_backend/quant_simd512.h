@@ -1,0 +1,67 @@
+// The 512-bit operations of the legacy formats' decode dots (quant_kernels.h `LegacyDotTile`):
+// two 32-weight blocks per vector, where the 256-bit path takes one. Only built where the
+// compiler targets AVX-512 (F, BW, VL, DQ); vpdpbusd with VNNI, vpmaddubsw + vpmaddwd without.
+#ifndef PIJ_CPU_BACKEND_QUANT_SIMD512_H_
+#define PIJ_CPU_BACKEND_QUANT_SIMD512_H_
+
+#include "cpu_backend/quant_simd.h"
+
+#if defined(PIJ_QSIMD_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define PIJ_QSIMD_AVX512 1
+
+namespace pij::qsimd512 {
+
+using I8x64 = __m512i;
+using F32x16 = __m512;
+
+// [a, b]: a in bytes 0-31, b in bytes 32-63.
+inline I8x64 Pair(__m256i a, __m256i b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
+
+// Sum of u[4i + k] * s[4i + k] over k in every int32 lane i; u unsigned, s signed.
+inline __m512i DotU8S8(I8x64 u, I8x64 s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+#else
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+#endif
+}
+// The same for signed w: |w| times s negated where w < 0 (AVX-512 has no vpsignb).
+inline __m512i DotS8S8(I8x64 w, I8x64 s) {
+  const __mmask64 negative = _mm512_movepi8_mask(w);
+  return DotU8S8(_mm512_abs_epi8(w),
+                 _mm512_mask_sub_epi8(s, negative, _mm512_setzero_si512(), s));
+}
+
+// Two blocks' 16 packed bytes -> 64 values in the legacy 4-bit order: block a's 16 low nibbles,
+// its 16 high nibbles, then block b's (what Nibbles16 gives for each, side by side).
+inline I8x64 Nibbles16x2(const uint8_t* a, const uint8_t* b) {
+  const __m256i ab = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  const __m512i twice = _mm512_broadcast_i64x4(ab);  // [a, b, a, b]
+  const __m512i by4_high = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  const __m512i n = _mm512_and_si512(_mm512_srlv_epi16(twice, by4_high),
+                                     _mm512_set1_epi8(0x0f));  // [lo a, lo b, hi a, hi b]
+  return _mm512_shuffle_i64x2(n, n, _MM_SHUFFLE(3, 1, 2, 0));  // [lo a, hi a, lo b, hi b]
+}
+
+// Lanes 0-7 = lane 0 of v, lanes 8-15 = lane 2 of v.
+inline F32x16 SpreadLanes02(__m128 v) {
+  return _mm512_permutexvar_ps(
+      _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), _mm512_castps128_ps512(v));
+}
+
+// [x[0], y[0], x[1], y[1]] from two pairs of floats.
+inline __m128 Interleave2(const float* x, const float* y) {
+  const __m128 xs = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x)));
+  const __m128 ys = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(y)));
+  return _mm_unpacklo_ps(xs, ys);
+}
+
+}  // namespace pij::qsimd512
+
+#endif
+#endif  // PIJ_CPU_BACKEND_QUANT_SIMD512_H_
