@@ -40,6 +40,10 @@ constexpr int64_t MinGroup() {
 // enough of the stream in flight on the VMs we measure: a token's matvecs over ~95 MB of Q4_1
 // took 9 ms; requesting each block's bytes this far ahead as it is read, 4.3-4.6 ms (4-16 KiB
 // tried). For rows read in order (ops.qlinear at decode), not for scattered sparse rows.
+// The requests fill L2, not L1 (prefetcht1): each L1 fill holds one of the core's few L1 miss
+// buffers for a whole DRAM round trip, which capped the stream; into L2, Q8_0 matvecs (little
+// arithmetic per byte) read 9 -> 22 GB/s on one thread and 20 -> 41 on two (an AMD EPYC that
+// streams 32-36). Q4_1, bound by its unpacking, was no different.
 #ifndef PIJ_STREAM_AHEAD
 #define PIJ_STREAM_AHEAD 8192
 #endif
@@ -48,7 +52,7 @@ constexpr int64_t kStreamAhead = PIJ_STREAM_AHEAD;
 template <int64_t kAhead, int64_t kBytes>
 inline void StreamPrefetch(const uint8_t* blk) {
   if constexpr (kAhead > 0) {
-    for (int64_t off = 0; off < kBytes; off += 64) __builtin_prefetch(blk + kAhead + off, 0, 3);
+    for (int64_t off = 0; off < kBytes; off += 64) __builtin_prefetch(blk + kAhead + off, 0, 2);
   }
 }
 

@@ -4,7 +4,8 @@
 // multiplies them with 32 int8 activations into 8 int32 lanes (lane i: bytes 4i .. 4i + 3, so
 // lanes 0-3 cover the first 16 weights and lanes 4-7 the last 16), and scales in float (`F32x8`).
 // One width for every x86 build: AVX-512 machines run the same 256-bit code, only the integer dot
-// instruction differs. Chosen at compile time, like simd.h:
+// instruction differs, except the legacy formats' dots, which take two blocks per 512-bit vector
+// there (quant_simd512.h, quant_kernels.h `LegacyDotTile`). Chosen at compile time, like simd.h:
 //   AVX-512 VNNI + VL  vpdpbusd on ymm (EVEX)            "avx512vnni"
 //   AVX-VNNI           vpdpbusd on ymm (VEX)             "avxvnni"
 //   AVX2 + FMA + F16C  vpmaddubsw + vpmaddwd             "avx2"
