@@ -90,9 +90,12 @@ inline void NeuronDots(const W* gate_row, const W* up_row, const float* const* x
     }
     float g_sum = simd::ReduceSum(g);
     float u_sum = simd::ReduceSum(v);
-    for (int64_t e = d; e < dim; ++e) {  // scalar tail (dim not a multiple of the lane count)
-      if constexpr (kGated) g_sum += ToF32(gate_row[e]) * x[t][e];
-      u_sum += ToF32(up_row[e]) * x[t][e];
+    // Scalar tail (dim not a multiple of the lane count), as explicit fmas: `sum += w * x` was
+    // contracted into an fma in some instantiations and not in others (GCC for Zen 4, D = 200:
+    // 8 tail values), so a token's dot differed between a decode call and a batch.
+    for (int64_t e = d; e < dim; ++e) {
+      if constexpr (kGated) g_sum = std::fma(ToF32(gate_row[e]), x[t][e], g_sum);
+      u_sum = std::fma(ToF32(up_row[e]), x[t][e], u_sum);
     }
     gate_dot[t] = g_sum;
     up_dot[t] = u_sum;
@@ -122,7 +125,7 @@ inline void AccumulateDown(const W* down_row, int64_t dim, int n, const float* c
   }
   for (; d < dim; ++d) {
     const float w = ToF32(down_row[d]);
-    for (int k = 0; k < n; ++k) y[k][d] += coef[k] * w;
+    for (int k = 0; k < n; ++k) y[k][d] = std::fma(coef[k], w, y[k][d]);  // fma: see NeuronDots
   }
 }
 
@@ -264,7 +267,7 @@ inline void AccumulateRows(const W* const* rows, const float* coef, int64_t dim,
     simd::Store(y + d, acc);
   }
   for (; d < dim; ++d) {
-    for (int k = 0; k < kRows; ++k) y[d] += coef[k] * ToF32(rows[k][d]);
+    for (int k = 0; k < kRows; ++k) y[d] = std::fma(coef[k], ToF32(rows[k][d]), y[d]);
   }
 }
 
@@ -363,7 +366,7 @@ inline void DownBlock(const W* const* rows, int m, const float* coef, int64_t st
   for (; d < dim; ++d) {  // as AccumulateDown's scalar tail
     for (int k = 0; k < m; ++k) {
       const float w = ToF32(rows[k][d]);
-      for (int t = 0; t < kTok; ++t) y[t][d] += coef[k * stride + t] * w;
+      for (int t = 0; t < kTok; ++t) y[t][d] = std::fma(coef[k * stride + t], w, y[t][d]);
     }
   }
 }
