@@ -56,11 +56,6 @@ def dequantize_rows(blocks, qtype: str, dim: int):
     return dequantize_blocks(flat, qtype, dim).reshape(blocks.shape[:-1] + (dim,))
 
 
-def as_blocks(t) -> np.ndarray:
-    """A QuantTensor's blocks as a contiguous uint8 array."""
-    return np.ascontiguousarray(np.asarray(t.blocks, np.uint8))
-
-
 def host_blocks(blocks) -> jax.Array:
     """Blocks (uint8 [rows, row_bytes]) as the model's array. XLA's CPU client keeps a 64-byte
     aligned host array as it is instead of copying it, so a loaded file's bytes are in memory

@@ -249,22 +249,22 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
 
 def _load_quantized(model: Transformer, name: str, t, down_qtype: str) -> None:
     """Put a QuantTensor's blocks into the module that owns canonical param `name`."""
-    from powerinfer_jax.models.qweights import as_blocks, host_blocks
+    from powerinfer_jax.models.qweights import host_blocks
 
     if name == "tok_embed":
         model.tok_embed = nnx.Param(host_blocks(t.blocks))
         model.embed_qtype = t.qtype
         return
     if name == "lm_head":
-        model.lm_head.load_quantized(as_blocks(t), t.qtype)
+        model.lm_head.load_quantized(t.blocks, t.qtype)
         return
     _, layer, *rest = name.split(".")
     owner = model.layers[int(layer)]
     for attr in rest[:-1]:
         owner = getattr(owner, attr)
     if t.transposed and down_qtype is None:  # ffn.down_t as the file stores it (dense)
-        owner.load_quantized(as_blocks(t), t.qtype, file_layout=True)
+        owner.load_quantized(t.blocks, t.qtype, file_layout=True)
         return
     if t.transposed:  # ffn.down_t: neuron i's down row is a column of the stored matrix
         t = t.reblocked(down_qtype)
-    owner.load_quantized(as_blocks(t), t.qtype)
+    owner.load_quantized(t.blocks, t.qtype)
