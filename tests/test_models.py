@@ -141,19 +141,3 @@ def test_shapes_only_builds_what_eval_shape_builds():
     np.testing.assert_array_equal(np.asarray(norm.scale[...]), np.ones(5, np.float32))
     np.testing.assert_array_equal(np.asarray(norm.bias[...]), np.zeros(5, np.float32))
 
-
-def test_paused_gc_restores_the_collectors_state():
-    import gc
-
-    from powerinfer_jax.checkpoint.loader import paused_gc
-
-    assert gc.isenabled()
-    with paused_gc():
-        assert not gc.isenabled()
-        with paused_gc():
-            assert not gc.isenabled()
-        assert not gc.isenabled()
-    assert gc.isenabled()
-    with pytest.raises(RuntimeError), paused_gc():
-        raise RuntimeError("a failed load")
-    assert gc.isenabled()

@@ -1,8 +1,6 @@
 """`load_checkpoint`: one entry point for GGUF files, HF directories and registry names."""
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 
 from powerinfer_jax.checkpoint.base import Checkpoint
@@ -16,32 +14,15 @@ def load_checkpoint(name_or_path: str | os.PathLike, *, keep_quantized: bool = F
     keep_quantized (GGUF only): block-quantized matrices stay as `QuantTensor`s, their file's
     blocks kept once (`.dequantize()` gives the float32 param) for the quantized kernels."""
     path = resolve_model(name_or_path)
-    with paused_gc():
-        if path.is_dir():
-            from powerinfer_jax.checkpoint.hf import load_hf
+    if path.is_dir():
+        from powerinfer_jax.checkpoint.hf import load_hf
 
-            return load_hf(path)
-        from powerinfer_jax.checkpoint.gguf import load_gguf
+        return load_hf(path)
+    from powerinfer_jax.checkpoint.gguf import load_gguf
 
-        ckpt = load_gguf(path, keep_quantized=keep_quantized)
+    ckpt = load_gguf(path, keep_quantized=keep_quantized)
     _return_freed_memory()
     return ckpt
-
-
-@contextlib.contextmanager
-def paused_gc():
-    """Python's cycle collector off while a model loads or builds. A load allocates ~100k
-    vocabulary strings and merge pairs, a build thousands of module attributes: each allocation
-    burst set off full collections over everything jax and flax had allocated, ~50 ms each and
-    a third of SmolLM2's load time, that found no cycles to free. Reference counting still frees
-    everything as usual; the collector's state is restored on exit (nesting is fine)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _return_freed_memory() -> None:

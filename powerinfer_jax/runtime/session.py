@@ -102,7 +102,6 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     checkpoint: an already loaded Checkpoint of `model` (experiments that build several variants).
     """
     from powerinfer_jax.checkpoint import load_checkpoint
-    from powerinfer_jax.checkpoint.loader import paused_gc
     from powerinfer_jax.models.transformer import DOWN_QTYPE, from_params
     from powerinfer_jax.sparsity import modes
 
@@ -140,11 +139,10 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
         import jax.numpy as jnp
 
         # a dense model keeps the file's ffn_down blocks; sparse modes read them per neuron
-        with paused_gc():  # not around _artifacts: calibration traces jax, which makes cycles
-            m = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(runtime.dtype),
-                            kernels=runtime.kernels, decode_attention=runtime.decode_attention,
-                            fuse_qkv=runtime.fuse_qkv,
-                            down_qtype=None if sparsity.mode == "dense" else DOWN_QTYPE)
+        m = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(runtime.dtype),
+                        kernels=runtime.kernels, decode_attention=runtime.decode_attention,
+                        fuse_qkv=runtime.fuse_qkv,
+                        down_qtype=None if sparsity.mode == "dense" else DOWN_QTYPE)
         arts = _artifacts(model, ckpt, m, sparsity, artifacts_root, progress)
         modes.configure(m, sparsity, arts)
         placed = _place(model, ckpt, m, runtime, sparsity, placement, artifacts_root,
