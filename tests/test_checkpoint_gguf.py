@@ -279,3 +279,39 @@ def test_header_reader_corrupt_bytes_give_one_error(tiny, tmp_path):
             GGUFFile(bad)
         except GGUFFormatError as e:
             assert "\n" not in str(e)
+
+
+def test_string_arrays_read_alike_compiled_and_in_python(tiny, tmp_path, monkeypatch):
+    """The compiled string-array loop and the Python one give the same metadata on good files
+    and the same one-line error on truncated ones and on bytes that are not UTF-8."""
+    from powerinfer_jax.checkpoint import gguf_file
+    from powerinfer_jax.checkpoint.gguf_file import GGUFFile, GGUFFormatError
+
+    if gguf_file._ext_strings is None:
+        pytest.skip("the compiled extension is not built")
+    data = tiny[0].read_bytes()
+    tokens_at = data.index(b"tokenizer.ggml.tokens")
+    header_end = GGUFFile(tiny[0]).tensors[0].data_offset
+    rng = np.random.default_rng(1)
+    cases = [data, *(data[:cut] for cut in rng.integers(tokens_at, header_end, 40))]
+    for _ in range(40):  # a byte of a token string made 0xff (never valid UTF-8), or a length
+        b = bytearray(data)
+        b[int(rng.integers(tokens_at + 40, header_end))] = 0xFF
+        cases.append(bytes(b))
+    bad = tmp_path / "case.gguf"
+
+    def outcome():
+        try:
+            return GGUFFile(bad).metadata
+        except GGUFFormatError as e:
+            return str(e)
+
+    errors = 0
+    for case in cases:
+        bad.write_bytes(case)
+        compiled = outcome()
+        with monkeypatch.context() as m:
+            m.setattr(gguf_file, "_ext_strings", None)
+            assert outcome() == compiled
+        errors += isinstance(compiled, str)
+    assert errors >= 40  # the cases reach the error paths, not only good parses

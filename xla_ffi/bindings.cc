@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 
 #include <atomic>
+#include <cstring>
 #include <string>
 #include <stdexcept>
 #include <string>
@@ -40,6 +41,34 @@ void CheckThreadCount(const char* what, int n) {
   }
 }
 
+// GGUF string arrays (a u64 length, then that many UTF-8 bytes, `count` times) from `offset` of
+// `data`, as a list of str: the header reader's loop, several times faster than in Python for a
+// model's ~100k tokens and merges. Returns (strings, end offset, 0), or for the first bad item
+// (its index, its byte offset, 1) when its length runs past the end of data and (index, offset
+// of its bytes, 2) when they are not UTF-8, so the caller's error can name it.
+nb::tuple GgufStrings(nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> data,
+                      uint64_t offset, uint64_t count) {
+  const uint8_t* base = data.data();
+  const uint64_t size = data.shape(0);
+  nb::list out;
+  uint64_t off = offset;
+  for (uint64_t i = 0; i < count; ++i) {
+    uint64_t n;
+    if (off > size || size - off < 8) return nb::make_tuple(i, off, 1);
+    std::memcpy(&n, base + off, 8);  // GGUF is little-endian, as every host this builds for
+    if (n > size - off - 8) return nb::make_tuple(i, off, 1);
+    PyObject* s = PyUnicode_DecodeUTF8(reinterpret_cast<const char*>(base + off + 8),
+                                       static_cast<Py_ssize_t>(n), "strict");
+    if (s == nullptr) {
+      PyErr_Clear();
+      return nb::make_tuple(i, off + 8, 2);
+    }
+    out.append(nb::steal(s));
+    off += 8 + n;
+  }
+  return nb::make_tuple(out, off, 0);
+}
+
 }  // namespace
 
 NB_MODULE(_pij_ext, m) {
@@ -67,6 +96,9 @@ NB_MODULE(_pij_ext, m) {
     }
     if (!ok) throw std::invalid_argument("set_num_threads: n: above the pool's maximum");
   }, nb::arg("n"), "Resize the kernel thread pool (the calling thread counts as one).");
+  m.def("gguf_strings", &GgufStrings, nb::arg("data"), nb::arg("offset"), nb::arg("count"),
+        "`count` GGUF strings from byte `offset` of `data` (uint8): (list, end, 0), or "
+        "(index, byte offset, 1: past the end | 2: not UTF-8) for the first bad one.");
   m.def("max_threads", []() { return pij::ThreadPool::MaxThreads(); },
         "The most threads set_num_threads accepts: max(256, 4 x hardware threads).");
   m.def("get_num_threads", []() { return pij::GetCpuRuntime().pool.NumThreads(); });
