@@ -2,7 +2,8 @@
 
 XLA makes several host devices only when told before JAX starts
 (XLA_FLAGS=--xla_force_host_platform_device_count=4), so `test_cases_on_4_host_devices` runs this
-module again in a subprocess with the flag; there every other test runs, here they skip.
+module again in a subprocess with the flag (started when the suite's collection ends, beside the
+other tests: helpers_background); there every other test runs, here they skip.
 
 Invariants: a model sharded over the devices gives the unsharded model's logits (float
 tolerance: the partial sums are added in another order) and greedy tokens, dense and sparse
@@ -11,26 +12,36 @@ per shard, unplaced and placed hot/cold (CPU hybrid); the active counts `capture
 unsharded ones; shapes that do not divide fail with one clear error.
 """
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+import helpers_background
 
 N = 4
 CHILD = os.environ.get("PIJ_MESH_CHILD") == "1"
 child_only = pytest.mark.skipif(not CHILD, reason="runs in test_cases_on_4_host_devices' child")
 
 
-def test_cases_on_4_host_devices():
-    if CHILD:
-        pytest.skip("this is the child")
+def _start_child():
+    """This module's child cases, in the background from the suite's start (helpers_background)."""
     env = {**os.environ, "PIJ_MESH_CHILD": "1",
            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
                         f"--xla_force_host_platform_device_count={N}".strip()}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "-rs", __file__], env=env, capture_output=True, text=True,
-                       timeout=900, cwd=os.path.dirname(os.path.dirname(__file__)))
+    helpers_background.start("mesh", [sys.executable, "-m", "pytest", "-q", "-p",
+                                      "no:cacheprovider", "-rs", __file__],
+                             env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+if not CHILD:  # the child's own session must not start another child
+    BACKGROUND = {"test_cases_on_4_host_devices": _start_child}
+
+
+def test_cases_on_4_host_devices():
+    if CHILD:
+        pytest.skip("this is the child")
+    r = helpers_background.finish("mesh", timeout=900)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-3000:]
 
