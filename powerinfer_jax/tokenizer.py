@@ -13,6 +13,7 @@ BOS is added by `encode` itself (never by a post-processor), so every source beh
 from __future__ import annotations
 
 import json
+import json.encoder
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -236,9 +237,7 @@ def _respell_outside_alphabet(tokens: list[str]) -> list[str]:
 
 def _byte_level_bpe(tokens: list[str], merges: Iterable[str], pre: str | None) -> _Backend:
     vocab = dict(zip(_respell_outside_alphabet(tokens), range(len(tokens))))
-    pairs = [tuple(m.split(" ")) for m in merges]
-    backend = _Backend(models.BPE(vocab=vocab, merges=pairs, continuing_subword_prefix="",
-                                  end_of_word_suffix="", fuse_unk=False))
+    backend = _bpe_backend(vocab, list(merges))
     digits, split = _PRE_SPLITS.get(pre or "default", (False, None))
     steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
     if split is None or split == _GPT2_SPLIT:  # unknown `pre`: GPT-2's split, as transformers does
@@ -249,6 +248,32 @@ def _byte_level_bpe(tokens: list[str], merges: Iterable[str], pre: str | None) -
     backend.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
     backend.decoder = decoders.ByteLevel()
     return backend
+
+
+def _bpe_backend(vocab: dict[str, int], merges: list[str]) -> _Backend:
+    """A byte-level BPE backend from its vocabulary and "left right" merges, built from a
+    tokenizer.json text whose vocabulary and merges are written string by string.
+
+    Why not `models.BPE(vocab, merges)`, or json.dumps of the whole spec: the first needs a
+    (left, right) tuple per merge and the second makes a (key, value) tuple per vocabulary
+    entry. In a fresh process after jax's imports those ~50k tracked allocations set off the
+    cycle collector ~60 times over jax's heap, a full collection among them: most of the
+    0.3-0.4 s SmolLM2's tokenizer took to build on a 2-core Zen 3. Strings are not tracked."""
+    quote = json.encoder.encode_basestring  # CPython's C string encoder
+    head = json.dumps({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+                       "normalizer": None, "pre_tokenizer": None, "post_processor": None,
+                       "decoder": None, "model": {
+                           "type": "BPE", "dropout": None, "unk_token": None,
+                           "continuing_subword_prefix": "", "end_of_word_suffix": "",
+                           "fuse_unk": False, "byte_fallback": False, "ignore_merges": False}})
+    text = "".join((  # head less its closing "}}", then vocab and merges
+        head[:-2], ', "vocab": {', ",".join(map("{}:{}".format, map(quote, vocab), vocab.values())),
+        '}, "merges": [', ",".join(map(quote, merges)), "]}}"))
+    try:
+        return _Backend.from_str(text)
+    except Exception as e:  # tokenizers raises a bare Exception naming the column
+        raise ValueError("tokenizer.ggml.merges: expected \"left right\" pairs of vocabulary "
+                         f"tokens, got a list tokenizers rejects ({e})") from None
 
 
 def _scored_merges(tokens: list[str], scores: Sequence[float] | None) -> list[tuple[str, str]]:

@@ -127,6 +127,10 @@ def test_from_file(tmp_path):
 def test_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match=r"tokenizer.ggml.model: expected one of \['gpt2', 'llama'\], got 't5'"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]})
+    meta = {f"tokenizer.ggml.{k}": v for k, v in gpt2_tokenizer_meta().items()}
+    for merges in (["ab"], ["a b c"], ["a \u00ff\u00fe"]):  # no space, two, an unknown token
+        with pytest.raises(ValueError, match=r'tokenizer.ggml.merges: expected "left right" pairs'):
+            Tokenizer.from_gguf_metadata({**meta, "tokenizer.ggml.merges": merges})
     with pytest.raises(ValueError, match="tokenizer.ggml.tokens: expected a non-empty token list"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2"})
     with pytest.raises(ValueError, match="expected an existing tokenizer.json, got .*missing.json"):
