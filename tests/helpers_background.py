@@ -9,7 +9,6 @@ the test simply waits for it.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import tempfile
@@ -38,8 +37,10 @@ def start(key: str, argv: list[str], *, env: dict | None = None, cwd=None) -> No
     workdir = Path(tempfile.mkdtemp(prefix=f"pij-bg-{key}-"))
     argv = [a.replace("{workdir}", str(workdir)) for a in argv]
     with open(workdir / "stdout", "w") as out, open(workdir / "stderr", "w") as err:
-        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=cwd,
-                                preexec_fn=lambda: os.nice(NICE))
+        # `nice` the command, not preexec_fn=os.nice: a preexec_fn forces a fork of this
+        # multithreaded (jax) process, which jax warns may deadlock
+        proc = subprocess.Popen(["nice", "-n", str(NICE), *argv], stdout=out, stderr=err,
+                                env=env, cwd=cwd)
     _JOBS[key] = Job(proc, workdir)
 
 
