@@ -237,7 +237,7 @@ def _respell_outside_alphabet(tokens: list[str]) -> list[str]:
 
 def _byte_level_bpe(tokens: list[str], merges: Iterable[str], pre: str | None) -> _Backend:
     vocab = dict(zip(_respell_outside_alphabet(tokens), range(len(tokens))))
-    backend = _bpe_backend(vocab, list(merges))
+    backend = _bpe_backend(vocab, merges)
     digits, split = _PRE_SPLITS.get(pre or "default", (False, None))
     steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
     if split is None or split == _GPT2_SPLIT:  # unknown `pre`: GPT-2's split, as transformers does
@@ -250,7 +250,7 @@ def _byte_level_bpe(tokens: list[str], merges: Iterable[str], pre: str | None) -
     return backend
 
 
-def _bpe_backend(vocab: dict[str, int], merges: list[str]) -> _Backend:
+def _bpe_backend(vocab: dict[str, int], merges: Iterable[str]) -> _Backend:
     """A byte-level BPE backend from its vocabulary and "left right" merges, built from a
     tokenizer.json text whose vocabulary and merges are written string by string.
 
@@ -312,7 +312,7 @@ def _add_special_tokens(backend: _Backend, tokens: list[str], types: list[int], 
     matched whole. In a byte-level vocabulary a control token outside the byte alphabet is a
     llama.cpp mislabel and is left alone (as transformers does)."""
     alphabet = set(_bytes_to_unicode().values()) if byte_level else None
-    kinds = np.asarray(types[:len(tokens)])  # one vectorised pass: a vocabulary holds ~50k-150k tokens
+    kinds = np.asarray(types[:len(tokens)])  # one vectorised pass over ~50k-150k tokens
     control = [AddedToken(tokens[i], normalized=False, special=True)
                for i in np.flatnonzero(kinds == _CONTROL).tolist()
                if alphabet is None or set(tokens[i]) <= alphabet]

@@ -5,7 +5,8 @@ import helpers_background
 
 
 def _starter(item):
-    return getattr(item.module, "BACKGROUND", {}).get(getattr(item, "originalname", item.name))
+    hooks = getattr(getattr(item, "module", None), "BACKGROUND", {})  # non-Python items: none
+    return hooks.get(getattr(item, "originalname", item.name))
 
 
 def pytest_collection_modifyitems(session, config, items):

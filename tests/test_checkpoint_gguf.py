@@ -287,7 +287,7 @@ def test_string_arrays_read_alike_compiled_and_in_python(tiny, tmp_path, monkeyp
     from powerinfer_jax.checkpoint import gguf_file
     from powerinfer_jax.checkpoint.gguf_file import GGUFFile, GGUFFormatError
 
-    if gguf_file._ext_strings is None:
+    if gguf_file._compiled_strings() is None:
         pytest.skip("the compiled extension is not built")
     data = tiny[0].read_bytes()
     tokens_at = data.index(b"tokenizer.ggml.tokens")
@@ -311,7 +311,7 @@ def test_string_arrays_read_alike_compiled_and_in_python(tiny, tmp_path, monkeyp
         bad.write_bytes(case)
         compiled = outcome()
         with monkeypatch.context() as m:
-            m.setattr(gguf_file, "_ext_strings", None)
+            m.setattr(gguf_file, "_compiled_strings", lambda: None)
             assert outcome() == compiled
         errors += isinstance(compiled, str)
     assert errors >= 40  # the cases reach the error paths, not only good parses

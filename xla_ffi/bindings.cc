@@ -42,10 +42,11 @@ void CheckThreadCount(const char* what, int n) {
 }
 
 // GGUF string arrays (a u64 length, then that many UTF-8 bytes, `count` times) from `offset` of
-// `data`, as a list of str: the header reader's loop, several times faster than in Python for a
-// model's ~100k tokens and merges. Returns (strings, end offset, 0), or for the first bad item
-// (its index, its byte offset, 1) when its length runs past the end of data and (index, offset
-// of its bytes, 2) when they are not UTF-8, so the caller's error can name it.
+// `data` (any byte buffer: the reader passes its mmap), as a list of str: the header reader's
+// loop, several times faster than in Python for a model's ~100k tokens and merges. Returns
+// (strings, end offset, 0), or for the first bad item (its index, its byte offset, 1) when its
+// length runs past the end of data and (index, offset of its bytes, 2) when they are not UTF-8,
+// so the caller's error can name it. gguf_file._python_strings is the same loop in Python.
 nb::tuple GgufStrings(nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> data,
                       uint64_t offset, uint64_t count) {
   const uint8_t* base = data.data();
@@ -97,7 +98,8 @@ NB_MODULE(_pij_ext, m) {
     if (!ok) throw std::invalid_argument("set_num_threads: n: above the pool's maximum");
   }, nb::arg("n"), "Resize the kernel thread pool (the calling thread counts as one).");
   m.def("gguf_strings", &GgufStrings, nb::arg("data"), nb::arg("offset"), nb::arg("count"),
-        "`count` GGUF strings from byte `offset` of `data` (uint8): (list, end, 0), or "
+        "`count` GGUF strings from byte `offset` of `data` (a byte buffer, e.g. the file's "
+        "mmap): (list, end, 0), or "
         "(index, byte offset, 1: past the end | 2: not UTF-8) for the first bad one.");
   m.def("max_threads", []() { return pij::ThreadPool::MaxThreads(); },
         "The most threads set_num_threads accepts: max(256, 4 x hardware threads).");

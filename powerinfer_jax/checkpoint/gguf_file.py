@@ -51,10 +51,35 @@ _TYPED = {  # tensor types whose data is handed over typed, as GGUFReader does; 
 
 _U64 = struct.Struct("<Q")
 
-try:  # the package's compiled extension reads string arrays; the loop below is the fallback
-    from powerinfer_jax._pij_ext import gguf_strings as _ext_strings
-except ImportError:  # a source checkout without the built extension
-    _ext_strings = None
+
+def _compiled_strings():
+    """The compiled extension's string-array reader (`_pij_ext.gguf_strings`, loaded as every
+    use of the extension is, through ops._ffi), or None on a checkout where it is not built."""
+    try:
+        from powerinfer_jax.ops._ffi import _pij_ext
+    except ImportError:
+        return None
+    return _pij_ext.gguf_strings
+
+
+def _python_strings(mm, off: int, count: int):
+    """`_pij_ext.gguf_strings` in Python, with its contract: (strings, end offset, 0), or for the
+    first bad item (its index, its offset, 1: its length runs past the end | 2: its bytes, which
+    are not UTF-8)."""
+    size, out, unpack = len(mm), [], _U64.unpack_from
+    try:  # one try around the loop: ~100k items
+        for _ in range(count):
+            if off + 8 > size:
+                return len(out), off, 1
+            (n,) = unpack(mm, off)
+            off += 8
+            if off + n > size:
+                return len(out), off - 8, 1
+            out.append(mm[off:off + n].decode("utf-8"))
+            off += n
+    except UnicodeDecodeError:
+        return len(out), off, 2
+    return out, off, 0
 
 
 class GGUFFormatError(ValueError):
@@ -167,36 +192,15 @@ class GGUFFile:
 
     def _strings(self, count: int) -> list[str]:
         """`count` strings in a row (a tokenizer holds ~100k of them): read by the compiled
-        extension's loop, else by `_string` inlined."""
-        if _ext_strings is not None:
-            got, off, status = _ext_strings(np.frombuffer(self._mm, np.uint8), self._off, count)
-            if status == 0:
-                self._off = off
-                return got
-            if status == 2:
-                raise GGUFFormatError(f"string array item {got} at byte {off}: expected UTF-8")
+        extension's loop, else by the same loop in Python."""
+        got, off, status = (_compiled_strings() or _python_strings)(self._mm, self._off, count)
+        if status == 2:
+            raise GGUFFormatError(f"string array item {got} at byte {off}: expected UTF-8")
+        if status:
             raise GGUFFormatError(f"string array at byte {self._off}: expected {count} strings, "
                                   f"the file ends after {got}")
-        mm, off, size, out = self._mm, self._off, self._size, []
-        unpack = _U64.unpack_from
-        try:
-            for _ in range(count):
-                if off + 8 > size:
-                    break
-                (n,) = unpack(mm, off)
-                off += 8
-                if off + n > size:
-                    break
-                out.append(mm[off:off + n].decode("utf-8"))
-                off += n
-        except UnicodeDecodeError:
-            raise GGUFFormatError(f"string array item {len(out)} at byte {off}: expected "
-                                  "UTF-8") from None
-        if len(out) < count:
-            raise GGUFFormatError(f"string array at byte {self._off}: expected {count} strings, "
-                                  f"the file ends after {len(out)}")
         self._off = off
-        return out
+        return got
 
     def _value(self, vtype: int):
         if vtype == GGUFValueType.STRING:
