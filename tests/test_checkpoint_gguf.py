@@ -315,3 +315,25 @@ def test_string_arrays_read_alike_compiled_and_in_python(tiny, tmp_path, monkeyp
             assert outcome() == compiled
         errors += isinstance(compiled, str)
     assert errors >= 40  # the cases reach the error paths, not only good parses
+
+
+def test_string_array_reader_bounds():
+    """Offsets past the end, lengths past the end and a zero count, straight into both readers:
+    a status naming the item, never a read outside the buffer."""
+    import struct
+
+    from powerinfer_jax.checkpoint import gguf_file
+
+    readers = [gguf_file._python_strings]
+    if gguf_file._compiled_strings() is not None:
+        readers.append(gguf_file._compiled_strings())
+    ok = struct.pack("<Q", 2) + b"hi"
+    huge = struct.pack("<Q", 2**64 - 1) + b"x"
+    for read in readers:
+        assert read(ok, 0, 1) == (["hi"], 10, 0)
+        assert read(ok, 0, 0) == ([], 0, 0)
+        assert read(ok, 10, 1) == (0, 10, 1)   # at the end
+        assert read(ok, 11, 1) == (0, 11, 1)   # past it
+        assert read(ok, 0, 2) == (1, 10, 1)    # the second item is missing
+        assert read(ok + huge, 0, 2) == (1, 10, 1)  # a length that runs past the end
+        assert read(struct.pack("<Q", 1) + b"\xff", 0, 1) == (0, 8, 2)
