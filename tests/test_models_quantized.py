@@ -206,22 +206,43 @@ def test_down_rows_in_the_sparse_layout_refuse_the_dense_call(legacy_gguf):
                                   np.asarray(sparse.layers[0].ffn.down_t.weight[...]))
 
 
+def _mapped_file(address: int) -> str | None:
+    """The file whose mapping in this process holds `address` (from /proc/self/maps), or None."""
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        for line in f:
+            span, *rest = line.split(maxsplit=5)
+            lo, hi = (int(v, 16) for v in span.split("-"))
+            if lo <= address < hi:
+                return rest[4].strip() if len(rest) == 5 else None
+    return None
+
+
 def test_a_loaded_files_blocks_are_in_memory_once(legacy_gguf):
-    """The blocks are copied out of the file once, 64-byte aligned, and the model's arrays alias
-    that copy (XLA's CPU client keeps such host memory as it is): not a second copy per tensor.
-    The aliased host array is read-only, so nothing can change the weights under the model."""
+    """The blocks are the file's own pages: the checkpoint's blocks lie in the process's mapping of
+    the file (no copy), and where they start 64-byte aligned the model's arrays alias them (XLA's
+    CPU client keeps such host memory as it is), so the weights are in memory once. Rows that move
+    (Q/K, RoPE order) are copied. The mapping is read-only: nothing can change the weights."""
     from powerinfer_jax.checkpoint.base import HOST_ALIGN
 
     q = load_checkpoint(legacy_gguf, keep_quantized=True)
     m = from_params(q.config, q.params, kernels="ffi", down_qtype=None)
+    aliased = 0
     for name, module in [("layers.0.ffn.up.weight", m.layers[0].ffn.up),
+                         ("layers.1.ffn.up.weight", m.layers[1].ffn.up),
+                         ("layers.0.ffn.down_t.weight", m.layers[0].ffn.down_t),
                          ("layers.1.ffn.down_t.weight", m.layers[1].ffn.down_t),
                          ("tok_embed", None)]:
         blocks = q.params[name].blocks
-        assert blocks.ctypes.data % HOST_ALIGN == 0, name
+        assert _mapped_file(blocks.ctypes.data) == str(legacy_gguf), name
         assert not blocks.flags.writeable, name
-        weight = m.tok_embed[...] if module is None else module.weight[...]
-        assert np.shares_memory(np.asarray(weight), blocks), name
+        weight = np.asarray(m.tok_embed[...] if module is None else module.weight[...])
+        np.testing.assert_array_equal(weight, blocks)
+        if blocks.ctypes.data % HOST_ALIGN == 0:
+            assert np.shares_memory(weight, blocks), name
+            aliased += 1
+    assert aliased, "no tensor of the test file starts 64-byte aligned"
+    q_rows = q.params["layers.0.attn.q.weight"].blocks  # RoPE order: rows moved, so a copy
+    assert _mapped_file(q_rows.ctypes.data) != str(legacy_gguf)
     with pytest.raises(ValueError, match="read-only"):
         q.params["layers.0.ffn.up.weight"].blocks[0, 0] = 1
 

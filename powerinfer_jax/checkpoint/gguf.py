@@ -98,9 +98,12 @@ def _read_stored(t, expected: tuple[int, ...], source: str, keep_quantized: bool
     data = np.asarray(t.data)
     rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
     if keep_quantized and qtype in quants.QUANTIZED_TYPES and len(shape) == 2:
-        # a copy (the file closes), aligned so the model's arrays alias it: the bytes are copied
-        # out of the file once, not once more into XLA's buffers
-        return QuantTensor(aligned(rows.astype(np.uint8, copy=False), copy=True), qtype, shape)
+        # the file's own pages (a read-only view of its mmap, which stays mapped while the model
+        # uses it, as llama.cpp maps its files): nothing is copied where the model's arrays can
+        # alias the view (models/qweights.host_blocks: 64-byte aligned, true of every tensor of
+        # a 64-aligned file); rows that move (Q/K's RoPE order) and misaligned data are copied
+        # there. Like llama.cpp's mmap, a file truncated in place under a running model faults.
+        return QuantTensor(rows, qtype, shape)
     return quants.dequantize(rows, qtype).reshape(shape)
 
 
