@@ -24,7 +24,7 @@ import numpy as np
 
 from powerinfer_jax.checkpoint import gguf_arch, quants
 from powerinfer_jax.checkpoint.gguf_file import GGUFFile, GGUFFormatError
-from powerinfer_jax.checkpoint.base import (Checkpoint, QuantTensor, aligned, check_params,
+from powerinfer_jax.checkpoint.base import (Checkpoint, QuantTensor, check_params,
                                             expected_shapes, rope_permute, rope_unpermute,
                                             unsupported_architecture)
 from powerinfer_jax.config import ModelConfig
