@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers_models import VOCAB, save_hf_llama, save_hf_opt, write_tiny_gguf
+from helpers_models import VOCAB, save_hf_llama, save_hf_opt, tiny_llama_config, write_tiny_gguf
 from powerinfer_jax.checkpoint import load_checkpoint
 from powerinfer_jax.models.transformer import from_params, init_cache, param_names
 
@@ -80,6 +80,29 @@ def test_bfloat16_weights_stay_close_to_float32(tmp_path):
     assert model.layers[0].attn.q.weight[...].dtype == jnp.bfloat16
     assert np.mean(np.argmax(f32, -1) == np.argmax(bf16, -1)) > 0.9
     np.testing.assert_allclose(bf16, f32, atol=0.1)
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"tie_embeddings": True},
+    {"arch": "opt", "gated": False, "bias": True, "norm": "layer", "positions": "learned",
+     "position_offset": 2, "activation": "relu"},
+    {"arch": "falcon", "gated": False, "norm": "layer", "parallel_block": True,
+     "activation": "gelu", "tie_embeddings": True}])
+def test_param_names_are_the_loaders_expected_shapes(changes):
+    """from_params finds each Param by its canonical name (checkpoint.base.expected_shapes) instead
+    of walking the module graph: the two lists must be the same, shapes included."""
+    from flax import nnx
+
+    from powerinfer_jax.checkpoint.base import expected_shapes
+    from powerinfer_jax.models.layers import shapes_only
+    from powerinfer_jax.models.transformer import Transformer, _param_name
+
+    config = tiny_llama_config(**changes)
+    with shapes_only():
+        model = Transformer(config)
+    got = {_param_name(p): tuple(v.get_value().shape)
+           for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    assert got == expected_shapes(config)
 
 
 def test_from_params_names_missing_and_misshaped_tensors(tmp_path):

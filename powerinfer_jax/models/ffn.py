@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from powerinfer_jax.errors import fail
-from powerinfer_jax.models.layers import F32, Linear, _param, op_impl, sow, use_ffi
+from powerinfer_jax.models.layers import F32, Linear, Module, _param, op_impl, sow, use_ffi
 from powerinfer_jax.models.qweights import host_blocks
 from powerinfer_jax.ops.reference import (  # pure jnp, shared with the kernels' oracle
     activate, gated_activate)
@@ -56,7 +56,7 @@ class Selection(NamedTuple):
             self.threshold
 
 
-class Selector(nnx.Module):
+class Selector(Module):
     """Finds one FFN layer's active neurons (implementations: sparsity/selectors.py)."""
 
     def select(self, ffn: "FFN", x_btd) -> Selection:
@@ -93,7 +93,7 @@ class HostRows(nnx.Variable):
 DOWN_QTYPE = "Q8_0"  # the format down rows are re-blocked into per neuron (neuron rows)
 
 
-class DownT(nnx.Module):
+class DownT(Module):
     """The down projection stored transposed: weight [F, D] (row i is neuron i), bias [D]. On a
     quantized file (models/qweights.py) it holds GGUF blocks in format `qtype`, in one of two
     layouts:
@@ -114,7 +114,7 @@ class DownT(nnx.Module):
         self.bias = _param((d_model,), F32, None) if bias else None
 
     def load_quantized(self, blocks, qtype: str, *, file_layout: bool = False) -> None:
-        self.weight = nnx.Param(host_blocks(blocks))
+        self.weight.set_value(host_blocks(blocks))  # in place: no new Param per tensor
         self.qtype = qtype
         self.file_layout = file_layout
 
@@ -272,7 +272,7 @@ class CudaHybrid:
 
 
 # ------------------------------------------------------------------------------------ the FFN
-class FFN(nnx.Module):
+class FFN(Module):
     def __init__(self, *, d_model: int, d_ff: int, activation: str, gated: bool, bias: bool,
                  dtype, rngs: nnx.Rngs | None, kernels: str = "xla"):
         self.activation = activation

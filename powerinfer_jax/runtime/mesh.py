@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from powerinfer_jax.errors import fail
+from powerinfer_jax.models.layers import Module
 
 AXIS = "tp"
 _AXIS_LETTERS = set("btsdfnkghvr")  # models/layers.py's axis legend
@@ -120,7 +121,7 @@ class TensorParallel:
         return P(None, None, self.axis, None)
 
 
-class _Stack(nnx.Module):
+class _Stack(Module):
     """The layers under a Module root: nnx.capture on a bare nnx.List mixes key types."""
 
     def __init__(self, layers):

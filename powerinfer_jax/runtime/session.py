@@ -271,13 +271,13 @@ def _to_accelerator(m, device) -> None:
 
 def _place(model_arg, ckpt, m, runtime, sparsity, placement, artifacts_root, default_budget,
            shards=1):
+    if placement.budget_bytes is None and default_budget is None:
+        return None  # CPU-only without --vram-budget: every FFN row runs on the FFI pool
     from powerinfer_jax.config import DEFAULT_TARGET_SPARSITY
     from powerinfer_jax.runtime.placing import place_model
     from powerinfer_jax.sparsity.artifacts import artifacts_root as default_root
     from powerinfer_jax.sparsity.artifacts import model_fingerprint, target_dir
 
-    if placement.budget_bytes is None and default_budget is None:
-        return None  # CPU-only without --vram-budget: every FFN row runs on the FFI pool
     root = default_root(model_arg, ckpt.source) if artifacts_root is None else artifacts_root
     target = sparsity.target_sparsity or DEFAULT_TARGET_SPARSITY
     return place_model(m, placement, kv_len=kv_length(ckpt.config, runtime),

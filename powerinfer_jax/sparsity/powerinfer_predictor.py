@@ -31,11 +31,12 @@ from flax import nnx
 
 from powerinfer_jax.errors import fail
 from powerinfer_jax.models.ffn import Selection, Selector
+from powerinfer_jax.models.layers import Module
 
 F32 = jnp.float32
 
 
-class PowerInferPredictor(nnx.Module):
+class PowerInferPredictor(Module):
     """One layer's PowerInfer predictor: scores = +1 if relu(x @ fc1.T) @ fc2.T >= threshold."""
 
     def __init__(self, fc1_rd, fc2_fr, threshold: float = 0.0, *, dtype=F32,
@@ -117,7 +118,7 @@ def attach(model, predictors, *, impl: str = "ffi", f16_inputs: bool = False) ->
 
 
 # ------------------------------------------------------------------------ PowerInfer's shape
-class BiasFreeStack(nnx.Module):
+class BiasFreeStack(Module):
     """L bias-free predictors, trained together: fc1 [L, R, D], fc2 [L, F, R]."""
 
     def __init__(self, n_layers: int, d_model: int, rank: int, d_ff: int, *, rngs: nnx.Rngs):

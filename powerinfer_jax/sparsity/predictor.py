@@ -16,10 +16,12 @@ import numpy as np
 import optax
 from flax import nnx
 
+from powerinfer_jax.models.layers import Module
+
 F32 = jnp.float32
 
 
-class Predictor(nnx.Module):
+class Predictor(Module):
     """One layer's predictor at inference: logits [..., F] = relu(x @ w_in.T + b_in) @ w_out.T + b_out.
 
     Weights are stored [out, in] (`w_in_rd` [R, D], `w_out_fr` [F, R]) in the model's dtype, like
@@ -48,7 +50,7 @@ class Predictor(nnx.Module):
         self.b_out_f.set_value(self.b_out_f[...][perm])
 
 
-class PredictorStack(nnx.Module):
+class PredictorStack(Module):
     """L predictors with stacked weights ([L, D, R], [L, R], [L, R, F], [L, F])."""
 
     def __init__(self, n_layers: int, d_model: int, rank: int, d_ff: int, *, rngs: nnx.Rngs):

@@ -16,14 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from powerinfer_jax.models.layers import op_impl
+from powerinfer_jax.models.layers import Module, op_impl
 from powerinfer_jax.ops import q4
 
 class Q4Rows(nnx.Variable):
     """Packed 4-bit rows (not trained, not a checkpoint parameter)."""
 
 
-class Q4Predictor(nnx.Module):
+class Q4Predictor(Module):
     def __init__(self, q, dm, b_up, *, activation: str, kernels: str = "xla"):
         self.q = Q4Rows(jnp.asarray(q, jnp.uint8))  # [F, G, P * 32]
         self.dm = Q4Rows(jnp.asarray(dm, jnp.float16))  # [F, G, 4P]
