@@ -184,7 +184,8 @@ from powerinfer_jax.checkpoint import load_checkpoint, resolve_model
 from powerinfer_jax.config import RuntimeConfig, SparsityConfig
 from powerinfer_jax.runtime.session import build
 import powerinfer_jax.models.transformer  # flax.nnx: library import, as llama.cpp's shared
-import jax, jax.numpy as jnp              # libraries load before its model-load timer starts
+import powerinfer_jax.checkpoint.gguf     # and the gguf package's tables: libraries load
+import jax, jax.numpy as jnp              # before llama.cpp's model-load timer starts
 jnp.zeros(1).block_until_ready()  # XLA's CPU client starts here, not inside the load
 t_import = time.perf_counter() - t_import
 def rss():
