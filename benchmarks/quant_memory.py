@@ -5,6 +5,9 @@ Each variant loads in a fresh process (so one does not reuse the other's freed p
 records the RSS before the load (after importing the package), after it (the checkpoint alive,
 the reader closed, garbage collected) and at its peak (ru_maxrss), and the bytes the params hold; then, the params dropped, what stays (the runtime's fixed
 overhead: tokenizer, metadata, heap), so the params' own share can be compared with the file.
+A quantized file's blocks are views of its mmap (checkpoint/gguf.py): they count in the resident
+set only once touched, so the keep_quantized variant also builds the model, generates 2 tokens
+and records the resident bytes of the file's mapping (/proc/self/smaps) and the process's RSS.
 
     nice -n 10 python benchmarks/quant_memory.py --out benchmarks/quant_memory.jsonl
 """
@@ -24,21 +27,47 @@ def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-model, keep = sys.argv[1], sys.argv[2] == "1"
-path = ckpt.resolve_model(model)
+def file_rss(path):  # resident bytes of this process's mappings of `path` (/proc/self/smaps)
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's first line
+                inside = len(head) >= 6 and head[5] == path
+            elif inside and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+model, keep, use = sys.argv[1], sys.argv[2] != "0", sys.argv[2] == "2"
+path = os.path.realpath(ckpt.resolve_model(model))
 before = rss()
 ck = ckpt.load_checkpoint(path, keep_quantized=keep)
 gc.collect()
 after = rss()
+mapped_after_load = file_rss(path)
 held = sum(int(np.asarray(v.blocks).nbytes) if hasattr(v, "blocks") else int(v.nbytes)
            for v in ck.params.values())
+extra = {}
+if use:  # the weights in use: a model built on them after a first generate
+    from powerinfer_jax.config import RuntimeConfig, SparsityConfig
+    from powerinfer_jax.runtime.session import build
+    s = build(model, RuntimeConfig(dtype="bfloat16"), SparsityConfig(), checkpoint=ck,
+              progress=False)
+    s.engine.generate([1, 2, 3, 4], max_new_tokens=2)
+    gc.collect()
+    extra = dict(rss_after_generate=rss(), file_mapping_rss_after_generate=file_rss(path))
+    print(json.dumps(dict(file_bytes=os.path.getsize(path), rss_before=before, rss_after=after,
+                          params_bytes=held, file_mapping_rss_after_load=mapped_after_load,
+                          **extra)))
+    sys.exit(0)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 # the fixed overhead: what the load leaves behind without its params (tokenizer, metadata, heap)
 ck.params.clear()
 gc.collect()
 ckpt.loader._return_freed_memory()
 print(json.dumps(dict(file_bytes=os.path.getsize(path), rss_before=before, rss_after=after,
-                      rss_peak=peak, params_bytes=held, rss_without_params=rss())))
+                      rss_peak=peak, params_bytes=held, rss_without_params=rss(),
+                      file_mapping_rss_after_load=mapped_after_load)))
 """
 
 
@@ -63,6 +92,18 @@ def main(argv=None) -> None:
                          r["rss_after"] - r["rss_without_params"]) / r["file_bytes"])
             fh.write(json.dumps(r) + "\n")
             print(json.dumps(r))
+        # the quantized blocks are views of the file's mmap: resident once touched, so the
+        # weights' own footprint is read after a build and a first generate
+        out = subprocess.run([sys.executable, "-c", _CHILD, args.model, "2"],
+                             capture_output=True, text=True, check=True).stdout
+        r = json.loads(out.strip().splitlines()[-1])
+        r.update(bench="quant_memory", model=args.model, keep_quantized=True, commit=commit,
+                 part="after_build_and_generate",
+                 file_mapping_over_file=r["file_mapping_rss_after_generate"] / r["file_bytes"],
+                 rss_growth_through_generate_over_file=(
+                     r["rss_after_generate"] - r["rss_before"]) / r["file_bytes"])
+        fh.write(json.dumps(r) + "\n")
+        print(json.dumps(r))
 
 
 if __name__ == "__main__":
