@@ -6,20 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers_cuda import needs_cuda
 from powerinfer_jax.ops import reference
 
 
-def _gpu():
-    try:
-        from powerinfer_jax.ops import _ffi
-    except ImportError:
-        return None
-    if jax.default_backend() != "gpu" or _ffi._pij_cuda is None:
-        return None
-    return jax.devices()[0]
-
-
-pytestmark = pytest.mark.skipif(_gpu() is None, reason="needs a GPU and the PIJ_CUDA=ON build")
+pytestmark = needs_cuda
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])

@@ -5,19 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers_cuda import cuda_device, needs_cuda
 from powerinfer_jax import ops
 
 
-def _gpu():
-    try:
-        from powerinfer_jax.ops import _ffi
-    except ImportError:
-        return None
-    gpus = [d for d in jax.devices() if d.platform == "gpu"] if jax.default_backend() == "gpu" else []
-    return gpus[0] if gpus and _ffi._pij_cuda is not None else None
-
-
-pytestmark = pytest.mark.skipif(_gpu() is None, reason="needs a GPU and the PIJ_CUDA=ON build")
+pytestmark = needs_cuda
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
@@ -41,7 +33,7 @@ def test_cuda_matches_reference(dtype, gated, t, criterion, d):
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
         want_y, want_n = ops.sparse_ffn(x, w_up, w_down_t, impl="reference", **args)
-    gpu = _gpu()
+    gpu = cuda_device()
     put = lambda a: None if a is None else jax.device_put(a, gpu)
     got_y, got_n = jax.jit(lambda x, u, dn, g, s: ops.sparse_ffn(
         x, u, dn, **{**args, "w_gate": g, "scores": s}))(

@@ -12,20 +12,11 @@ from pathlib import Path
 import jax
 import pytest
 
+from helpers_cuda import cuda_device, needs_cuda
 from helpers_models import save_hf_llama, write_tiny_gguf
 
 
-def _gpu():
-    try:
-        from powerinfer_jax.ops import _ffi
-    except ImportError:
-        return None
-    if jax.default_backend() != "gpu" or _ffi._pij_cuda is None:
-        return None
-    return jax.devices()[0]
-
-
-pytestmark = pytest.mark.skipif(_gpu() is None, reason="needs a GPU and the PIJ_CUDA=ON build")
+pytestmark = needs_cuda
 
 PROMPT = [5, 9, 14, 3, 22]
 GIB = 1 << 30
@@ -61,7 +52,7 @@ def _session(model, mode, budget_frac, tmp_path, *, cpu=False, monkeypatch=None,
 
 
 def _tokens(s, cpu=False):
-    ctx = jax.default_device(jax.devices("cpu")[0]) if cpu else jax.default_device(_gpu())
+    ctx = jax.default_device(jax.devices("cpu")[0]) if cpu else jax.default_device(cuda_device())
     with ctx:
         return s.engine.generate(PROMPT, max_new_tokens=8).tokens
 
