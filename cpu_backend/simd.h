@@ -161,7 +161,7 @@ inline Vec Activate(Activation act, Vec x) {
 
 // A gated FFN's a_i from its gate and up projections, as pij_math.h's GatedActivate.
 inline Vec GatedActivate(Activation act, Vec gate, Vec up) {
-  return Mul(Activate(act, gate), act == Activation::kDrelu ? Relu(up) : up);
+  return Mul(simd::Activate(act, gate), act == Activation::kDrelu ? simd::Relu(up) : up);
 }
 
 }  // namespace pij::simd
