@@ -63,7 +63,7 @@ inline void StreamPrefetch(const uint8_t* blk) {
 // AVX-512 holds acc_0 and acc_1 as the halves of one 512-bit vector and takes two blocks per
 // step: half the instructions of one block per step (the decode matvecs were compute bound at
 // ~13 GB/s of Q4_1 on a machine that reads 36), and two independent FMA chains elsewhere.
-#if defined(PIJ_QSIMD_AVX512)
+#if defined(PIJ_QSIMD_AVX2)
 // Blocks a and b's scales and minimums as Prepare gives them: [s_a, m_a, s_b, m_b].
 template <class F>
 inline __m128 ScaleMin2(const uint8_t* a, const uint8_t* b) {
@@ -78,6 +78,9 @@ inline __m128 ScaleMin2(const uint8_t* a, const uint8_t* b) {
   }
 }
 
+#endif
+
+#if defined(PIJ_QSIMD_AVX512)
 // Blocks a and b unpacked side by side: 64 bytes in the activations' order.
 template <class F>
 inline qsimd512::I8x64 Unpack2(const uint8_t* a, const uint8_t* b) {
@@ -115,7 +118,7 @@ inline void LegacyDotTile(const uint8_t* const* rows, const QActView* xs, int64_
     __m128 dc[kC];  // [d_b, c_b, d_b+1, c_b+1]
     for (int t = 0; t < kC; ++t) {
       x[t] = _mm512_loadu_si512(xs[t].q + b * 32);
-      dc[t] = qsimd512::Interleave2(xs[t].d + b, F::kHasMin ? xs[t].c + b : xs[t].d + b);
+      dc[t] = qsimd::Interleave2(xs[t].d + b, F::kHasMin ? xs[t].c + b : xs[t].d + b);
     }
     for (int r = 0; r < kR; ++r) {
       const uint8_t* blk = rows[r] + b * F::kBytes;
@@ -156,6 +159,75 @@ inline void LegacyDotTile(const uint8_t* const* rows, const QActView* xs, int64_
         m = _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1)) + _mm_cvtss_f32(_mm_shuffle_ps(v, v, 3));
       }
       out[r * kC + t] = qsimd::ReduceSum(halves) + m;
+    }
+  }
+}
+#elif defined(PIJ_QSIMD_AVX2)
+// AVX2 also takes two blocks per step, for the scales: the pair's f16 scales and minimums are
+// widened in one op and multiplied by the activations' in one op, and the two minimum chains are
+// the lanes 1 and 3 of one FMA, where one block per step spent a scalar widen, multiply,
+// broadcast and FMA per block (perf: most of the Q4_1 decode loop on a Cascade Lake Xeon).
+// Every product, FMA and sum is the portable path's (the #else below), so the bits are too.
+template <class F, int kR, int kC, int64_t kAhead>
+inline void LegacyDotTile(const uint8_t* const* rows, const QActView* xs, int64_t nblocks,
+                          float* out) {
+  F32x8 acc[2][kR][kC];
+  __m128 mins[kR][kC];  // lanes 1 and 3: min_0 and min_1 (lanes 0 and 2 unused)
+  for (int r = 0; r < kR; ++r) {
+    for (int t = 0; t < kC; ++t) {
+      acc[0][r][t] = acc[1][r][t] = qsimd::Zero();
+      mins[r][t] = _mm_setzero_ps();
+    }
+  }
+  int64_t b = 0;
+  for (; b + 2 <= nblocks; b += 2) {
+    __m128 dc[kC];  // [d_b, c_b, d_b+1, c_b+1]
+    for (int t = 0; t < kC; ++t) {
+      dc[t] = qsimd::Interleave2(xs[t].d + b, F::kHasMin ? xs[t].c + b : xs[t].d + b);
+    }
+    for (int r = 0; r < kR; ++r) {
+      const uint8_t* blk = rows[r] + b * F::kBytes;
+      StreamPrefetch<kAhead, 2 * F::kBytes>(blk);
+      const I8x32 u0 = F::Unpack(blk, 0);
+      const I8x32 u1 = F::Unpack(blk + F::kBytes, 0);
+      const __m128 sm = ScaleMin2<F>(blk, blk + F::kBytes);
+      for (int t = 0; t < kC; ++t) {
+        const __m128 sd = _mm_mul_ps(sm, dc[t]);  // lanes 0 and 2: s_b * d_b, s_b+1 * d_b+1
+        const qsimd::I32x8 dot0 = Dot<F>(u0, qsimd::Load32(xs[t].q + b * 32));
+        const qsimd::I32x8 dot1 = Dot<F>(u1, qsimd::Load32(xs[t].q + (b + 1) * 32));
+        acc[0][r][t] = qsimd::MulAdd(qsimd::ToF32(dot0), _mm256_broadcastss_ps(sd), acc[0][r][t]);
+        acc[1][r][t] = qsimd::MulAdd(qsimd::ToF32(dot1),
+                                     _mm256_broadcastss_ps(_mm_movehl_ps(sd, sd)), acc[1][r][t]);
+        if constexpr (F::kHasMin) mins[r][t] = _mm_fmadd_ps(sm, dc[t], mins[r][t]);
+      }
+    }
+  }
+  if (b < nblocks) {  // an odd count: the last block is even
+    for (int r = 0; r < kR; ++r) {
+      const uint8_t* blk = rows[r] + b * F::kBytes;
+      typename F::Prep p;
+      F::Prepare(blk, p);
+      const I8x32 u = F::Unpack(blk, 0);
+      for (int t = 0; t < kC; ++t) {
+        const qsimd::I32x8 dot = Dot<F>(u, qsimd::Load32(xs[t].q + b * 32));
+        acc[0][r][t] = qsimd::MulAdd(qsimd::ToF32(dot), qsimd::Set1(p.s * xs[t].d[b]),
+                                     acc[0][r][t]);
+        if constexpr (F::kHasMin) {  // min_0 = fma(m_b, c_b, min_0), in lane 1
+          const __m128 v = mins[r][t];
+          const float m0 = std::fma(p.m, xs[t].c[b], _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1)));
+          mins[r][t] = _mm_blend_ps(v, _mm_set1_ps(m0), 0x2);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < kR; ++r) {
+    for (int t = 0; t < kC; ++t) {
+      float m = 0.0f;
+      if constexpr (F::kHasMin) {
+        const __m128 v = mins[r][t];
+        m = _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1)) + _mm_cvtss_f32(_mm_shuffle_ps(v, v, 3));
+      }
+      out[r * kC + t] = qsimd::ReduceSum(qsimd::Add(acc[0][r][t], acc[1][r][t])) + m;
     }
   }
 }

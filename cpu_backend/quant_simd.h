@@ -65,6 +65,13 @@ inline float HalfToF32(uint16_t bits) { return _cvtsh_ss(bits); }
 inline float HalfAt(const uint8_t* p) { return HalfToF32(LoadU16(p)); }
 
 inline I8x32 Load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+// [x[0], y[0], x[1], y[1]] from two pairs of floats.
+inline __m128 Interleave2(const float* x, const float* y) {
+  const __m128 xs = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x)));
+  const __m128 ys = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(y)));
+  return _mm_unpacklo_ps(xs, ys);
+}
 inline I8x32 Or(I8x32 a, I8x32 b) { return _mm256_or_si256(a, b); }
 
 // 16 bytes -> 32 values: the 16 low nibbles, then the 16 high nibbles (the legacy 4-bit order).

@@ -54,13 +54,6 @@ inline F32x16 SpreadLanes02(__m128 v) {
       _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), _mm512_castps128_ps512(v));
 }
 
-// [x[0], y[0], x[1], y[1]] from two pairs of floats.
-inline __m128 Interleave2(const float* x, const float* y) {
-  const __m128 xs = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x)));
-  const __m128 ys = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(y)));
-  return _mm_unpacklo_ps(xs, ys);
-}
-
 }  // namespace pij::qsimd512
 
 #endif
