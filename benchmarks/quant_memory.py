@@ -47,7 +47,8 @@ after = rss()
 mapped_after_load = file_rss(path)
 held = sum(int(np.asarray(v.blocks).nbytes) if hasattr(v, "blocks") else int(v.nbytes)
            for v in ck.params.values())
-extra = {}
+row = dict(file_bytes=os.path.getsize(path), rss_before=before, rss_after=after,
+           params_bytes=held, file_mapping_rss_after_load=mapped_after_load)
 if use:  # the weights in use: a model built on them after a first generate
     from powerinfer_jax.config import RuntimeConfig, SparsityConfig
     from powerinfer_jax.runtime.session import build
@@ -55,19 +56,15 @@ if use:  # the weights in use: a model built on them after a first generate
               progress=False)
     s.engine.generate([1, 2, 3, 4], max_new_tokens=2)
     gc.collect()
-    extra = dict(rss_after_generate=rss(), file_mapping_rss_after_generate=file_rss(path))
-    print(json.dumps(dict(file_bytes=os.path.getsize(path), rss_before=before, rss_after=after,
-                          params_bytes=held, file_mapping_rss_after_load=mapped_after_load,
-                          **extra)))
-    sys.exit(0)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-# the fixed overhead: what the load leaves behind without its params (tokenizer, metadata, heap)
-ck.params.clear()
-gc.collect()
-ckpt.loader._return_freed_memory()
-print(json.dumps(dict(file_bytes=os.path.getsize(path), rss_before=before, rss_after=after,
-                      rss_peak=peak, params_bytes=held, rss_without_params=rss(),
-                      file_mapping_rss_after_load=mapped_after_load)))
+    row.update(rss_after_generate=rss(), file_mapping_rss_after_generate=file_rss(path))
+else:
+    row["rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # the fixed overhead: what the load leaves without its params (tokenizer, metadata, heap)
+    ck.params.clear()
+    gc.collect()
+    ckpt.loader._return_freed_memory()
+    row["rss_without_params"] = rss()
+print(json.dumps(row))
 """
 
 

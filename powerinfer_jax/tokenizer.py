@@ -260,19 +260,18 @@ def _bpe_backend(vocab: dict[str, int], merges: Iterable[str]) -> _Backend:
     process after jax's imports that many tracked allocations set off ~60 collections over
     jax's heap, a full one among them (counted with gc.get_stats), and every tuple is freed as
     soon as BPE has read it, so the pause leaves nothing for the collector."""
+    rule = "tokenizer.ggml.merges: expected \"left right\" pairs of vocabulary tokens, got"
     enabled = gc.isenabled()
     gc.disable()
     try:
         pairs = [tuple(m.split(" ")) for m in merges]
         bad = next((" ".join(p) for p in pairs if len(p) != 2), None)
         if bad is not None:
-            raise ValueError("tokenizer.ggml.merges: expected \"left right\" pairs of vocabulary "
-                             f"tokens, got {bad!r}")
+            raise ValueError(f"{rule} {bad!r}")
         try:
             return _Backend(models.BPE(vocab, pairs))
         except Exception as e:  # tokenizers raises a bare Exception naming the token
-            raise ValueError("tokenizer.ggml.merges: expected \"left right\" pairs of vocabulary "
-                             f"tokens, got a list tokenizers rejects ({e})") from None
+            raise ValueError(f"{rule} a list tokenizers rejects ({e})") from None
     finally:
         pairs = None
         if enabled:

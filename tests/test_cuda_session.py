@@ -32,7 +32,6 @@ def relu_dir(tmp_path_factory):
 def _session(model, mode, budget_frac, tmp_path, *, cpu=False, monkeypatch=None, **runtime):
     from powerinfer_jax.config import PlacementConfig, RuntimeConfig, SparsityConfig
     from powerinfer_jax.runtime import session
-    from powerinfer_jax.sparsity import placement as pl
 
     rt = RuntimeConfig(max_seq_len=32, **runtime)
     sp = SparsityConfig(mode=mode)
@@ -43,12 +42,19 @@ def _session(model, mode, budget_frac, tmp_path, *, cpu=False, monkeypatch=None,
                                  progress=False)
     cfg = PlacementConfig()
     if budget_frac is not None:
-        probe = session.build(str(model), rt, sp, artifacts_root=tmp_path / "probe",
-                              progress=False)
-        sizes = pl.model_bytes(probe.model, kv_len=32)
-        cfg = PlacementConfig(vram_budget_gib=(sizes.dense + budget_frac * sizes.ffn) / GIB)
+        cfg = PlacementConfig(vram_budget_gib=_budget_gib(model, rt, sp, budget_frac, tmp_path))
     return session.build(str(model), rt, sp, placement=cfg, artifacts_root=tmp_path / "gpu",
                          progress=False)
+
+
+def _budget_gib(model, rt, sp, frac, tmp_path) -> float:
+    """A budget holding the dense parts and `frac` of the FFN's bytes (sized on a probe build)."""
+    from powerinfer_jax.runtime import session
+    from powerinfer_jax.sparsity import placement as pl
+
+    probe = session.build(str(model), rt, sp, artifacts_root=tmp_path / "probe", progress=False)
+    sizes = pl.model_bytes(probe.model, kv_len=32)
+    return (sizes.dense + frac * sizes.ffn) / GIB
 
 
 def _tokens(s, cpu=False):
@@ -96,15 +102,11 @@ def test_gpu_quantized_gguf_dequantizes_and_matches_the_cpu_backend(tmp_path, mo
 
 def test_gpu_generate_cli_with_a_budget(relu_dir, tmp_path):
     """`python -m powerinfer_jax.generate` on the GPU with a budget that splits the FFN: exit 0,
-    no traceback, a JSON row naming the placement, the same tokens as the in-process build."""
+    no traceback, a JSON row naming a hybrid placement within the budget."""
     from powerinfer_jax.config import RuntimeConfig, SparsityConfig
-    from powerinfer_jax.runtime import session
-    from powerinfer_jax.sparsity import placement as pl
 
-    probe = session.build(str(relu_dir), RuntimeConfig(max_seq_len=32),
-                          SparsityConfig(mode="oracle"), artifacts_root=tmp_path, progress=False)
-    sizes = pl.model_bytes(probe.model, kv_len=32)
-    budget = (sizes.dense + 0.3 * sizes.ffn) / GIB
+    budget = _budget_gib(relu_dir, RuntimeConfig(max_seq_len=32), SparsityConfig(mode="oracle"),
+                         0.3, tmp_path)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-m", "powerinfer_jax.generate", "--model", str(relu_dir),

@@ -245,14 +245,18 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
     return model
 
 
-def _variable(model: Transformer, name: str) -> nnx.Variable:
-    """The Param that holds canonical param `name` (the inverse of `_param_name`)."""
-    path = "lm_head.weight" if name == "lm_head" else name.replace("ffn.down.bias",
-                                                                   "ffn.down_t.bias")
+def _at(model: Transformer, path: str):
+    """The node at a dotted module path ("layers.3.ffn.up.weight": list indices as digits)."""
     node = model
     for part in path.split("."):
         node = node[int(part)] if part.isdigit() else getattr(node, part)
     return node
+
+
+def _variable(model: Transformer, name: str) -> nnx.Variable:
+    """The Param that holds canonical param `name` (the inverse of `_param_name`)."""
+    return _at(model, "lm_head.weight" if name == "lm_head"
+               else name.replace("ffn.down.bias", "ffn.down_t.bias"))
 
 
 def _load_quantized(model: Transformer, name: str, t, down_qtype: str) -> None:
@@ -266,10 +270,7 @@ def _load_quantized(model: Transformer, name: str, t, down_qtype: str) -> None:
     if name == "lm_head":
         model.lm_head.load_quantized(t.blocks, t.qtype)
         return
-    _, layer, *rest = name.split(".")
-    owner = model.layers[int(layer)]
-    for attr in rest[:-1]:
-        owner = getattr(owner, attr)
+    owner = _at(model, name.rsplit(".", 1)[0])  # the module whose `weight` it is
     if t.transposed and down_qtype is None:  # ffn.down_t as the file stores it (dense)
         owner.load_quantized(t.blocks, t.qtype, file_layout=True)
         return
