@@ -141,6 +141,21 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
 // Decode: y += sum over the listed (neuron, coef) of coef * down row, kDownGroup rows per pass.
 void AccumulateDown(const QFfnWeights& w, std::span<const int32_t> neurons,
                     std::span<const float> coef, float* y) {
+  if (w.down_groups) {  // the neurons are in id order: each group's run is summed in one pass
+    VisitQType(w.down_type, [&]<class F>(F) {
+      if constexpr (F::kBlock == 32) {
+        const int64_t group_bytes = w.dim * F::kBytes;
+        int32_t lanes[32];
+        for (size_t i = 0, j; i < neurons.size(); i = j) {
+          const int32_t g = neurons[i] / 32;
+          for (j = i; j < neurons.size() && neurons[j] / 32 == g; ++j) lanes[j - i] = neurons[j] % 32;
+          qkern::AxpyGroup<F>(w.down + g * group_bytes, w.dim / 32, lanes, coef.data() + i,
+                              static_cast<int>(j - i), y);
+        }
+      }
+    });
+    return;
+  }
   VisitQType(w.down_type, [&]<class F>(F) {
     const int64_t nblocks = w.dim / F::kBlock;
     const int64_t row_bytes = nblocks * F::kBytes;
@@ -165,7 +180,13 @@ void RunPiece(const QFfnWeights& w, std::span<const float* const> score_rows,
               int32_t* counts) {
   const int64_t dim = w.dim;
   const bool oracle = p.criterion == Criterion::kOracle;
-  const int64_t down_bytes = QRowBytes(w.down_type, dim);
+  // What one active neuron's down sum reads: its row, or in groups its quant row (the group's
+  // scale planes are requested with its first active neuron).
+  const QTypeInfo down_info = GetQTypeInfo(w.down_type);
+  const int64_t scale_bytes = w.down_groups ? DownGroupScaleBytes(w.down_type) * dim : 0;
+  const int64_t down_bytes = w.down_groups ? dim / 32 * (down_info.bytes - scale_bytes / dim)
+                                           : QRowBytes(w.down_type, dim);
+  int32_t last_group = -1;
   std::fill_n(out, ntok * dim, 0.0f);
   std::fill_n(counts, ntok, 0);
   if (static_cast<int64_t>(piece.active.size()) < ntok) {
@@ -207,7 +228,15 @@ void RunPiece(const QFfnWeights& w, std::span<const float* const> score_rows,
         piece.coef[t].push_back(a);
         any = true;
       }
-      if (any) PrefetchL2(w.down + block[j] * down_bytes, down_bytes);  // read after the estimates
+      if (!any) continue;  // the active rows are read after the estimates: requested now
+      if (!w.down_groups) {
+        PrefetchL2(w.down + block[j] * down_bytes, down_bytes);
+        continue;
+      }
+      const uint8_t* group = w.down + (block[j] / 32) * dim * down_info.bytes;
+      if (block[j] / 32 != last_group) PrefetchL2(group, scale_bytes);
+      last_group = block[j] / 32;
+      PrefetchL2(group + scale_bytes + (block[j] % 32) * down_bytes, down_bytes);
     }
   }
   // Each token's rows summed alone, in id order (the same calls whatever the batch).

@@ -33,8 +33,12 @@ namespace pij {
 struct QFfnWeights {
   const uint8_t* gate = nullptr;  // [F, QRowBytes(gate_type, D)]; nullptr: non-gated FFN
   const uint8_t* up = nullptr;    // [F, QRowBytes(up_type, D)]
-  const uint8_t* down = nullptr;  // [F, QRowBytes(down_type, D)]: neuron i's down row along D
+  const uint8_t* down = nullptr;  // [F, QRowBytes(down_type, D)]: neuron i's down row along D,
+                                  // or with down_groups [F / 32, D * bytes of a block]
   QType gate_type = QType::kQ8_0, up_type = QType::kQ8_0, down_type = QType::kQ8_0;
+  // down holds the file's own ffn_down blocks regrouped per 32 neurons (quant_kernels.h
+  // AxpyGroup; a 32-weight format, F a multiple of 32): no re-quantization, the file's size.
+  bool down_groups = false;
   const float* b_up = nullptr;    // [F] or nullptr
   const float* b_down = nullptr;  // [D] or nullptr
   int64_t num_neurons = 0, dim = 0;

@@ -60,6 +60,15 @@ inline int64_t QRowBytes(QType t, int64_t cols) {
   const QTypeInfo info = GetQTypeInfo(t);
   return cols / info.block * info.bytes;
 }
+// Bytes of a block's scale fields, which down groups (quant_kernels.h AxpyGroup) keep as planes:
+// 2 (d) or 4 (d, m) for the 32-weight formats; 0 for the others, which have no down groups.
+constexpr int64_t DownGroupScaleBytes(QType t) {
+  switch (t) {
+    case QType::kQ4_0: case QType::kQ5_0: case QType::kQ8_0: return 2;
+    case QType::kQ4_1: case QType::kQ5_1: return 4;
+    default: return 0;
+  }
+}
 
 namespace qfmt {
 

@@ -1,6 +1,7 @@
 // The inner loops of the quantized kernels, written once over a format's traits (quant_formats.h):
 //   DotTile     kR weight rows x kC tokens of int8 activations -> kR * kC dot products
 //   AxpyRows    y += sum_k coef[k] * row_k (dequantized on the fly): sparse FFN down rows, per token
+//   AxpyGroup   the same over neurons of one down group (the file's blocks regrouped, below)
 //   DequantizeRow  a row to float (tests, debugging)
 // Single-threaded and allocation-free; qlinear.cc / qsparse_ffn.cc split the work over threads.
 // Every (row, token) result goes through the same operations in the same order whatever tile it
@@ -406,6 +407,85 @@ inline void AxpyRows(const uint8_t* const* rows, const float* coef, int64_t nblo
       }
     }
   }
+}
+
+// Down groups (legacy formats): a GGUF ffn_down [D, F] holds, at row d, one block per 32 neurons.
+// Group g regroups those D blocks of neurons 32g .. 32g + 31 without re-quantizing them:
+//   the blocks' scale fields as planes, [D] f16 s (then [D] f16 m for Q4_1 / Q5_1), then
+//   32 neuron rows, each D / 32 chunks of the block's quant bytes (the block minus its scale
+//   fields: Q4 qs[16], Q5 qh u32 | qs[16], Q8_0 qs[32]) for weights 32c .. 32c + 31 along D,
+//   packed as the format packs a block.
+// D * kBytes bytes per group, the file's size. Neuron j's weight at d is s[d] * q + m[d], so
+//   sum_k coef_k * w_k[d] = s[d] * (sum_k coef_k * q_k[d]) + m[d] * sum_k coef_k
+// and a group with n active neurons reads its 2 or 4 bytes per d once and n quant rows, where
+// rows re-blocked per neuron along D (Q8_0: 34 bytes per 32 weights) read n rows of their own.
+// y[0, D) += sum_k coef[k] * w_{lanes[k]} over n neurons of one group (lanes: their index in the
+// group, coef: their a_i), in one pass over y: per chunk the neurons' quants are summed in float
+// in the order given, then scaled. D = 32 * nchunks.
+template <class F>
+inline void AxpyGroup(const uint8_t* group, int64_t nchunks, const int32_t* lanes,
+                      const float* coef, int n, float* y) {
+  static_assert(F::kBlock == 32, "down groups hold the 32-weight formats");
+  constexpr int kScale = static_cast<int>(DownGroupScaleBytes(F::kType));
+  constexpr int kQuant = F::kBytes - kScale;
+  const int64_t dim = 32 * nchunks;
+  const uint8_t* rows = group + kScale * dim;
+  const int64_t row_bytes = nchunks * kQuant;
+  float coef_sum = 0.0f;
+  for (int k = 0; k < n; ++k) coef_sum += coef[k];
+  const F32x8 sum_v = qsimd::Set1(coef_sum);
+#if defined(PIJ_QSIMD_AVX512)
+  // 16 lanes: the same FMAs per weight in the same order, half the instructions.
+  const __m512 sum16 = _mm512_set1_ps(coef_sum);
+  for (int64_t c = 0; c < nchunks; ++c) {
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int k = 0; k < n; ++k) {
+      const uint8_t* blk = rows + lanes[k] * row_bytes + c * kQuant - kScale;  // as a block
+      const __m256i u = F::Unpack(blk, 0);  // Q8_0: its int8 quants as they are
+      const __m512 a = _mm512_set1_ps(coef[k]);
+      for (int h = 0; h < 2; ++h) {
+        const __m128i b = h == 0 ? _mm256_castsi256_si128(u) : _mm256_extracti128_si256(u, 1);
+        const __m512i w = F::kSigned ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+        acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(w), a, acc[h]);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const int64_t d0 = 32 * c + 16 * h;
+      const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(group + 2 * d0)));
+      __m512 yv = _mm512_fmadd_ps(sv, acc[h], _mm512_loadu_ps(y + d0));
+      if constexpr (F::kHasMin) {
+        const __m512 m = kScale == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                           reinterpret_cast<const __m256i*>(group + 2 * dim + 2 * d0)))
+                                     : _mm512_mul_ps(sv, _mm512_set1_ps(F::kMinPerScale));
+        yv = _mm512_fmadd_ps(m, sum16, yv);
+      }
+      _mm512_storeu_ps(y + d0, yv);
+    }
+  }
+  (void)sum_v;
+#else
+  for (int64_t c = 0; c < nchunks; ++c) {
+    F32x8 acc[4] = {qsimd::Zero(), qsimd::Zero(), qsimd::Zero(), qsimd::Zero()};
+    for (int k = 0; k < n; ++k) {
+      const uint8_t* blk = rows + lanes[k] * row_bytes + c * kQuant - kScale;  // as a block
+      const I8x32 u = UnpackForParts<F>(blk, 0);
+      const F32x8 a = qsimd::Set1(coef[k]);
+      for (int q = 0; q < 4; ++q) acc[q] = qsimd::MulAdd(ChunkPart<F>(blk, u, 0, q), a, acc[q]);
+    }
+    for (int q = 0; q < 4; ++q) {
+      const int64_t d0 = 32 * c + 8 * q;
+      const F32x8 s = qsimd::HalvesToF32(group + 2 * d0);
+      F32x8 yv = qsimd::MulAdd(s, acc[q], qsimd::Load(y + d0));
+      if constexpr (F::kHasMin) {
+        const F32x8 m = kScale == 4 ? qsimd::HalvesToF32(group + 2 * dim + 2 * d0)
+                                    : qsimd::Mul(s, qsimd::Set1(F::kMinPerScale));
+        yv = qsimd::MulAdd(m, sum_v, yv);
+      }
+      qsimd::Store(y + d0, yv);
+    }
+  }
+#endif
 }
 
 // Tokens per DotTile in the multi-token kernels.

@@ -148,6 +148,10 @@ inline F32x8 Duplicate(F32x8 v, int hi) {
 inline F32x8 U8ToF32(const uint8_t* p) {
   return ToF32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+// 8 f16 values at p as floats.
+inline F32x8 HalvesToF32(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 inline F32x8 S8ToF32(const int8_t* p) {
   return ToF32(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -275,6 +279,11 @@ inline F32x8 Duplicate(F32x8 v, int hi) {
 inline F32x8 U8ToF32(const uint8_t* p) {
   F32x8 r;
   for (int i = 0; i < 8; ++i) r.v[i] = p[i];
+  return r;
+}
+inline F32x8 HalvesToF32(const uint8_t* p) {
+  F32x8 r;
+  for (int i = 0; i < 8; ++i) r.v[i] = HalfAt(p + 2 * i);
   return r;
 }
 inline F32x8 S8ToF32(const int8_t* p) {

@@ -60,25 +60,31 @@ def _models(path):
             from_params(f.config, f.params, kernels="ffi"))
 
 
-@pytest.mark.parametrize("down", ["neuron_rows", "file_layout"])
+@pytest.mark.parametrize("down", ["default", "q8_rows", "file_layout"])
 @pytest.mark.parametrize("which", ["legacy", "kquant"])
 def test_quantized_model_equals_its_jnp_reference(which, down, request):
     """The kernels on the blocks against the ops' jnp references on the same blocks (XLA's
     attention, dequantize + the same 8-bit activation rounding): equal up to float rounding.
-    down: the sparse kernel's re-blocked neuron rows, or the file's ffn_down (dense models)."""
+    down: the sparse kernel's layout by default (the file's blocks in down groups for the legacy
+    file's Q4_1 down, Q8_0 neuron rows for the K-quant file's Q6_K), Q8_0 rows asked for, or the
+    file's ffn_down (dense models)."""
     path = request.getfixturevalue(f"{which}_gguf")
     q = load_checkpoint(path, keep_quantized=True)
-    kw = {"down_qtype": None} if down == "file_layout" else {}
+    kw = {"file_layout": {"down_qtype": None}, "q8_rows": {"down_qtype": "Q8_0"}}.get(down, {})
     fast = from_params(q.config, q.params, kernels="ffi", **kw)
     ref = from_params(q.config, q.params, kernels="xla", quantized=True, **kw)
     assert fast.layers[0].attn.q.qtype is not None and fast.layers[0].ffn.quantized
     stored = q.params["layers.1.ffn.down_t.weight"]
+    got = ref.layers[1].ffn.down_t
     if down == "file_layout":
-        assert ref.layers[1].ffn.down_t.file_layout
-        assert ref.layers[1].ffn.down_t.qtype == stored.qtype
-        assert ref.layers[1].ffn.down_t.weight.shape == stored.blocks.shape
+        assert got.file_layout and not got.grouped
+        assert got.qtype == stored.qtype
+        assert got.weight.shape == stored.blocks.shape
+    elif down == "default" and which == "legacy":
+        assert got.grouped and got.qtype == stored.qtype == "Q4_1"
+        assert got.weight.shape == (q.config.d_ff // 32, stored.blocks.size // (q.config.d_ff // 32))
     else:
-        assert ref.layers[1].ffn.down_t.qtype == "Q8_0"  # down rows re-blocked per neuron
+        assert got.qtype == "Q8_0" and not got.grouped  # down rows re-blocked per neuron
     a, b = np.asarray(fast(TOKENS)), np.asarray(ref(TOKENS))
     np.testing.assert_allclose(a, b, atol=2e-3 * np.abs(b).max(), rtol=0)
 
@@ -108,11 +114,12 @@ def test_weights_auto_keeps_the_file_format_and_dtype_dequantizes(legacy_gguf):
     # dense: q, gate, up and the file's ffn_down as stored in Q4_1; v and the embedding in Q8_0
     assert (w["Q4_1"], w["Q8_0"], w["Q4_0"], w["Q5_1"]) == (8, 3, 2, 2), w
     sparse = pij.load(str(legacy_gguf), sparsity="oracle", progress=False)
-    # a sparse mode reads down rows per active neuron: re-blocked along D in Q8_0
+    # a sparse mode reads down rows per active neuron: the file's Q4_1 blocks in down groups
     w = sparse.session.describe()["weights"]
-    assert (w["Q4_1"], w["Q8_0"], w["Q4_0"], w["Q5_1"]) == (6, 5, 2, 2), w
-    # the two down layouts agree up to their rounding (the 8-bit activations of the file's
-    # layout, the Q8_0 re-blocking of the neuron rows): the bound of the op-by-op test above
+    assert (w["Q4_1"], w["Q8_0"], w["Q4_0"], w["Q5_1"]) == (8, 3, 2, 2), w
+    assert all(l.ffn.down_t.grouped for l in sparse.session.model.layers)
+    # the two down layouts agree up to their rounding (the 8-bit activations the file's layout
+    # multiplies by; the groups take a_i as floats): the bound of the op-by-op test above
     x = np.random.default_rng(1).standard_normal((1, 3, q.config.d_model)).astype(np.float32)
     for ls, ld in zip(sparse.session.model.layers, q.session.model.layers):
         ls.ffn.set_selector(None)  # the oracle's threshold is calibrated: compare every neuron
@@ -192,18 +199,25 @@ def test_down_rows_in_the_sparse_layout_refuse_the_dense_call(legacy_gguf):
     from powerinfer_jax.errors import UserError
 
     q = load_checkpoint(legacy_gguf, keep_quantized=True)
-    sparse = from_params(q.config, q.params, kernels="ffi")  # neuron rows
+    sparse = from_params(q.config, q.params, kernels="ffi")  # down groups (Q4_1)
+    rows = from_params(q.config, q.params, kernels="ffi", down_qtype="Q8_0")  # neuron rows
     a = np.ones((1, 1, q.config.d_ff), np.float32)
     with pytest.raises(UserError, match=r"DownT call: expected float rows or the file's "
-                                        r"ffn_down layout, got .*neuron rows in Q8_0"):
+                                        r"ffn_down layout, got .*down groups in Q4_1"):
         sparse.layers[0].ffn.down_t(a)
+    with pytest.raises(UserError, match=r"got .*neuron rows in Q8_0"):
+        rows.layers[0].ffn.down_t(a)
     dense = from_params(q.config, q.params, kernels="ffi", down_qtype=None)
     down = dense.layers[0].ffn.down_t
     assert down.file_layout
-    down.to_neuron_rows()
-    assert not down.file_layout and down.qtype == "Q8_0"
+    down.to_neuron_rows()  # the file's blocks -> down groups, as loaded for a sparse mode
+    assert not down.file_layout and down.grouped and down.qtype == "Q4_1"
     np.testing.assert_array_equal(np.asarray(down.weight[...]),
                                   np.asarray(sparse.layers[0].ffn.down_t.weight[...]))
+    down.to_neuron_rows("Q8_0")  # groups -> rows (what permuting neurons needs)
+    assert not down.grouped and down.qtype == "Q8_0"
+    np.testing.assert_array_equal(np.asarray(down.weight[...]),
+                                  np.asarray(rows.layers[0].ffn.down_t.weight[...]))
 
 
 def _mapped_file(address: int) -> str | None:

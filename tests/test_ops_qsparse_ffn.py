@@ -310,3 +310,99 @@ def test_relu_gate_off_rows_are_never_read(activation, criterion, t):
     assert np.all(np.isfinite(np.asarray(y)))
     _close(y, clean[0])
     np.testing.assert_array_equal(np.asarray(n), np.asarray(clean[1]))
+
+
+# ------------------------------------------------------------------- down groups (the file's blocks)
+def grouped(seed, gu, dn, *, t, f=96, d=160):
+    """An FFN whose down is a random file-layout ffn_down [D, F] in `dn`, as down groups."""
+    rng = np.random.default_rng(seed)
+    file_down = random_blocks(dn, d, f, rng)
+    w = dict(up=random_blocks(gu, f, d, rng), down=quants.down_groups(file_down, dn, d, f),
+             up_qtype=gu, down_qtype=dn, gate=random_blocks(gu, f, d, rng), gate_qtype=gu,
+             b_up=None, b_down=rng.standard_normal(d).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((t, d), dtype=np.float32))
+    return x, w, file_down, rng
+
+
+def test_down_groups_round_trip_and_dequantize_as_the_file():
+    """down_groups rearranges bytes only: back to the file's blocks bit for bit, and the neuron
+    rows the reference reads are the file's dequantized columns."""
+    rng = np.random.default_rng(20)
+    for dn in quants.DOWN_GROUP_TYPES:
+        file_down = random_blocks(dn, 64, 96, rng)
+        groups = quants.down_groups(file_down, dn, 64, 96)
+        assert groups.shape == (3, 64 * quants.block_size(dn)[1])
+        np.testing.assert_array_equal(quants.down_groups_to_file(groups, dn, 64, 96), file_down)
+        want = quants.dequantize(file_down, dn).T
+        got = quants.dequantize(quants.down_groups_to_file(groups, dn, 64, 96), dn).T
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="Q4_K"):
+        quants.down_groups(random_blocks("Q4_K", 256, 256, rng), "Q4_K", 256, 256)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        quants.down_groups(random_blocks("Q8_0", 48, 32, rng), "Q8_0", 48, 32)
+
+
+@pytest.mark.parametrize("dn", quants.DOWN_GROUP_TYPES)
+@pytest.mark.parametrize("t", [1, 3, 17])
+def test_down_groups_match_the_file_down(dn, t):
+    """Groups vs the reference on the file's own down blocks (dequantized, transposed): the
+    same y up to float sum order, the same counts; oracle and scores."""
+    x, w, file_down, rng = grouped(30 + t, "Q4_1", dn, t=t)
+    d, f = 160, 96
+    thr = gap_threshold(activations(x, w))
+    kw = {k: v for k, v in w.items() if k not in ("up", "down")}
+    y, n = ops.qsparse_ffn(x, w["up"], w["down"], threshold=thr, down_layout="groups", **kw)
+    dense_down = quants.dequantize(file_down, dn).T  # [F, D]
+    a = activations(x, w)
+    on = np.abs(a) > thr
+    want = np.where(on, a, 0.0) @ dense_down + w["b_down"]
+    _close(y, want)
+    np.testing.assert_array_equal(np.asarray(n), on.sum(-1))
+    y_ref, n_ref = ops.qsparse_ffn(x, w["up"], w["down"], threshold=thr, down_layout="groups",
+                                   impl="reference", **kw)
+    _close(y, y_ref)
+    np.testing.assert_array_equal(np.asarray(n), np.asarray(n_ref))
+    scores = rng.standard_normal((t, f)).astype(np.float32)
+    ys, ns = ops.qsparse_ffn(x, w["up"], w["down"], threshold=0.3, down_layout="groups",
+                             scores=scores, criterion="scores", **kw)
+    ys_ref, ns_ref = ops.qsparse_ffn(x, w["up"], w["down"], threshold=0.3, down_layout="groups",
+                                     scores=scores, criterion="scores", impl="reference", **kw)
+    _close(ys, ys_ref)
+    np.testing.assert_array_equal(np.asarray(ns), np.asarray(ns_ref))
+    assert d % 32 == 0
+
+
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_down_groups_bitwise_deterministic_across_thread_counts(t):
+    x, w, _, _ = grouped(40 + t, "Q4_0", "Q4_1", t=t, f=704)
+    kw = {k: v for k, v in w.items() if k not in ("up", "down")}
+    results = []
+    for threads in (1, 2, 3, 2):
+        ops.set_num_threads(threads)
+        y, n = ops.qsparse_ffn(x, w["up"], w["down"], threshold=0.0, down_layout="groups", **kw)
+        results.append((np.asarray(y), np.asarray(n)))
+    ops.set_num_threads(2)
+    for y, n in results[1:]:
+        np.testing.assert_array_equal(y, results[0][0])
+        np.testing.assert_array_equal(n, results[0][1])
+
+
+def test_down_groups_bad_input():
+    x, w, _, _ = grouped(50, "Q4_1", "Q4_1", t=1)
+    kw = {k: v for k, v in w.items() if k not in ("up", "down", "down_qtype")}
+    with pytest.raises(ValueError, match="down_layout"):
+        ops.qsparse_ffn(x, w["up"], w["down"], down_qtype="Q4_1", down_layout="cols", **kw)
+    with pytest.raises(ValueError, match=r"groups of 32 neurons.*\(3, 3200\)"):
+        ops.qsparse_ffn(x, w["up"], w["down"][:, :-1], down_qtype="Q4_1", down_layout="groups",
+                        **kw)
+    with pytest.raises(ValueError, match="Q6_K"):
+        ops.qsparse_ffn(x, w["up"], w["down"], down_qtype="Q6_K", down_layout="groups", **kw)
+    # the handler checks on its own (a caller past ops' checks): a clear error, no crash
+    with pytest.raises(Exception, match=r"groups of 32 neurons.*\[3, 3200\]"):
+        _ffi.qsparse_ffn(x, w["up"], w["down"][:, :-1], down_qtype="Q4_1", down_layout="groups",
+                         up_qtype="Q4_1", gate=None, gate_qtype="Q4_1", b_up=None, b_down=None,
+                         scores=None, threshold=0.0, activation="silu", criterion="oracle")
+    with pytest.raises(Exception, match="down_qtype .down_layout groups.*got 14"):
+        _ffi.qsparse_ffn(x, w["up"], w["down"], down_qtype="Q6_K", down_layout="groups",
+                         up_qtype="Q4_1", gate=None, gate_qtype="Q4_1", b_up=None, b_down=None,
+                         scores=None, threshold=0.0, activation="silu", criterion="oracle")

@@ -3,11 +3,14 @@
 //   x       f32 [..., D]          leading dims broadcast against y's (vmap: size 1 or equal)
 //   gate    u8  [1.., F, Bg] or empty (non-gated)   Bg = QRowBytes(gate_qtype, D)
 //   up      u8  [1.., F, Bu]
-//   down    u8  [1.., F, Bd]      neuron i's down row, blocked along D
+//   down    u8  [1.., F, Bd]      neuron i's down row, blocked along D (down_layout "rows"), or
+//           u8  [1.., F/32, D*b]  the file's blocks in groups of 32 neurons ("groups", b: a block's
+//                                 bytes; cpu_backend/quant_kernels.h AxpyGroup)
 //   b_up    f32 [F] or empty;  b_down f32 [D] or empty
 //   scores  f32 [..., F]          criterion "scores"; empty for "oracle"
 // Results: y f32 [..., D], n_active s32 [...]. Attributes: gate_qtype, up_qtype, down_qtype
-// (GGML type ids), threshold (f32, finite, >= 0), activation, criterion ("scores" | "oracle").
+// (GGML type ids), threshold (f32, finite, >= 0), activation, criterion ("scores" | "oracle"),
+// down_layout ("rows" | "groups").
 #include <cmath>
 #include <exception>
 #include <mutex>
@@ -33,7 +36,8 @@ ffi::Error QSparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuff
                              ffi::AnyBuffer scores, ffi::Result<ffi::AnyBuffer> y,
                              ffi::Result<ffi::AnyBuffer> n_active, int32_t gate_qtype,
                              int32_t up_qtype, int32_t down_qtype, float threshold,
-                             std::string_view activation, std::string_view criterion) {
+                             std::string_view activation, std::string_view criterion,
+                             std::string_view down_layout) {
   QFfnWeights w;
   QSparseFfnParams p;
   if (ffi::Error e = ParseActivation(kOp, activation, p.activation); e.failure()) return e;
@@ -65,9 +69,30 @@ ffi::Error QSparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuff
     }
     w.gate = static_cast<const uint8_t*>(gate.untyped_data());
   }
-  if (ffi::Error e = DecodeQWeight(kOp, "down", down, down_qtype, dim, f, w.down_type);
-      e.failure()) {
-    return e;
+  if (down_layout == "groups") {  // [F / 32, D * block bytes]: a [F / 32] x (32 D) weight
+    if (!IsQType(down_qtype) || DownGroupScaleBytes(static_cast<QType>(down_qtype)) == 0) {
+      return InvalidArg(kOp, "down_qtype (down_layout groups)",
+                        "a 32-weight format id: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8",
+                        std::to_string(down_qtype));
+    }
+    if (f % 32 != 0 || dim % 32 != 0) {
+      return InvalidArg(kOp, "F and D (down_layout groups)", "multiples of 32",
+                        std::to_string(f) + " and " + std::to_string(dim));
+    }
+    int64_t groups = f / 32;
+    if (ffi::Error e = DecodeQWeight(kOp, "down (groups of 32 neurons)", down, down_qtype,
+                                     32 * dim, groups, w.down_type);
+        e.failure()) {
+      return e;
+    }
+    w.down_groups = true;
+  } else if (down_layout == "rows") {
+    if (ffi::Error e = DecodeQWeight(kOp, "down", down, down_qtype, dim, f, w.down_type);
+        e.failure()) {
+      return e;
+    }
+  } else {
+    return InvalidArg(kOp, "down_layout", "one of rows, groups", down_layout);
   }
   if (ffi::Error e = DecodeOptionalF32(kOp, "b_up", b_up, f, w.b_up); e.failure()) return e;
   if (ffi::Error e = DecodeOptionalF32(kOp, "b_down", b_down, dim, w.b_down); e.failure()) return e;
@@ -140,4 +165,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQSparseFfnCpu, pij::QSparseFfnCpuImpl,
                                   .Attr<int32_t>("down_qtype")
                                   .Attr<float>("threshold")
                                   .Attr<std::string_view>("activation")
-                                  .Attr<std::string_view>("criterion"));
+                                  .Attr<std::string_view>("criterion")
+                                  .Attr<std::string_view>("down_layout"));

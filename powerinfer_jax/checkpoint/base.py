@@ -91,6 +91,17 @@ class QuantTensor:
         _pij_ext.dequantize_into(blocks, quants.type_id(self.qtype), values)
         return np.ascontiguousarray(values.T) if self.transposed else values
 
+    def down_groups(self) -> np.ndarray:
+        """ffn_down's blocks (a transposed tensor: stored [D, F]) as down groups, uint8
+        [F / 32, D * block bytes] (checkpoint.quants.down_groups): rearranged, not re-quantized."""
+        from powerinfer_jax.checkpoint import quants
+
+        if not self.transposed:
+            raise ValueError(f"QuantTensor.down_groups: expected ffn_down as stored (transposed), "
+                             f"got a {self.qtype} tensor of canonical shape {self.shape}")
+        d, f = self.stored_shape
+        return quants.down_groups(np.asarray(self.blocks), self.qtype, d, f)
+
     def reblocked(self, qtype: str) -> "QuantTensor":
         """The canonical matrix's rows re-quantized in `qtype` (dequantize, then quantize each
         canonical row): down_t [F, D] blocked along D, one neuron's down row per block row.

@@ -136,6 +136,74 @@ F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0"
 
 # The largest |quant x sub-scale| product of each format: f16 fields of scale / this keep the
 # weights within about +-scale, like a real checkpoint's.
+# Down groups: a GGUF ffn_down [D, F] (blocked along F) holds one block per 32 neurons at each row
+# d; group g keeps the D blocks of neurons 32g .. 32g + 31 unchanged in value, rearranged so that a
+# neuron's weights lie together (cpu_backend/quant_kernels.h AxpyGroup, the kernel that reads
+# them): the blocks' scale fields as planes over D ([D] f16 d, then [D] f16 m for Q4_1 / Q5_1),
+# then 32 neuron rows, each D / 32 runs of the block's quant bytes for 32 consecutive d, packed
+# as the format packs a block. D * block bytes per group: the file's size, nothing re-quantized.
+DOWN_GROUP_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+_SCALE_BYTES = {"Q4_0": 2, "Q5_0": 2, "Q8_0": 2, "Q4_1": 4, "Q5_1": 4}
+
+
+def _unpack_quants(q: np.ndarray, qtype: str) -> np.ndarray:
+    """A block's quant bytes [..., bytes] -> its 32 values' codes [..., 32] (uint8; Q8_0's int8
+    bytes as they are)."""
+    if qtype == "Q8_0":
+        return q
+    qs = q[..., -16:]
+    v = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    if qtype in ("Q5_0", "Q5_1"):  # qh: bit j (little endian u32) is value j's fifth bit
+        v |= np.unpackbits(q[..., :4], axis=-1, bitorder="little") << 4
+    return v
+
+
+def _pack_quants(v: np.ndarray, qtype: str) -> np.ndarray:
+    """The inverse of _unpack_quants."""
+    if qtype == "Q8_0":
+        return v
+    qs = (v[..., :16] & 15) | ((v[..., 16:] & 15) << 4)
+    if qtype in ("Q5_0", "Q5_1"):
+        return np.concatenate([np.packbits((v >> 4) & 1, axis=-1, bitorder="little"), qs], axis=-1)
+    return qs
+
+
+def _check_groups(qtype: str, d: int, f: int) -> tuple[int, int]:
+    if qtype not in DOWN_GROUP_TYPES:
+        fail("down groups type", f"one of {list(DOWN_GROUP_TYPES)} (32-weight blocks)", qtype)
+    if d % 32 or f % 32 or d <= 0 or f <= 0:
+        fail("down groups shape (D, F)", "positive multiples of 32", (d, f))
+    return block_size(qtype)[1], _SCALE_BYTES[qtype]
+
+
+def down_groups(blocks: np.ndarray, qtype: str, d: int, f: int) -> np.ndarray:
+    """ffn_down as the file stores it, uint8 [D, row_bytes(qtype, F)] -> its down groups, uint8
+    [F / 32, D * block bytes] (the layout above)."""
+    nb, sb = _check_groups(qtype, d, f)
+    g = f // 32
+    b = np.asarray(blocks, np.uint8)
+    if b.shape != (d, g * nb):
+        fail(f"ffn_down blocks ({qtype}, D={d}, F={f})", f"uint8 {(d, g * nb)}", b.shape)
+    b = b.reshape(d, g, nb)
+    planes = b[:, :, :sb].reshape(d, g, sb // 2, 2).transpose(1, 2, 0, 3).reshape(g, sb * d)
+    codes = _unpack_quants(b[:, :, sb:], qtype).transpose(1, 2, 0)  # [G, 32 neurons, D]
+    rows = _pack_quants(codes.reshape(g, 32, d // 32, 32), qtype).reshape(g, -1)
+    return np.concatenate([planes, rows], axis=1)
+
+
+def down_groups_to_file(groups: np.ndarray, qtype: str, d: int, f: int) -> np.ndarray:
+    """The inverse of down_groups: the file's ffn_down blocks, uint8 [D, row_bytes(qtype, F)]."""
+    nb, sb = _check_groups(qtype, d, f)
+    g = f // 32
+    b = np.asarray(groups, np.uint8)
+    if b.shape != (g, d * nb):
+        fail(f"down groups ({qtype}, D={d}, F={f})", f"uint8 {(g, d * nb)}", b.shape)
+    planes = b[:, :sb * d].reshape(g, sb // 2, d, 2).transpose(2, 0, 1, 3).reshape(d, g, sb)
+    codes = _unpack_quants(b[:, sb * d:].reshape(g, 32, d // 32, nb - sb), qtype)
+    quant = _pack_quants(codes.reshape(g, 32, d).transpose(2, 0, 1), qtype)  # [D, G, bytes]
+    return np.concatenate([planes, quant], axis=2).reshape(d, g * nb)
+
+
 _RANGE = {"Q4_0": 8, "Q4_1": 15, "Q5_0": 16, "Q5_1": 31, "Q8_0": 127, "Q2_K": 45, "Q3_K": 128,
           "Q4_K": 945, "Q5_K": 1953, "Q6_K": 4096}
 

@@ -90,44 +90,70 @@ class HostRows(nnx.Variable):
     """FFN rows kept in host memory: the cold part of a placed FFN."""
 
 
-DOWN_QTYPE = "Q8_0"  # the format down rows are re-blocked into per neuron (neuron rows)
+DOWN_QTYPE = "Q8_0"  # the format down rows are re-blocked into per neuron where groups cannot be
+DOWN_GROUPS = "groups"  # down_qtype: the file's blocks in down groups where its format allows
 
 
 class DownT(Module):
     """The down projection stored transposed: weight [F, D] (row i is neuron i), bias [D]. On a
-    quantized file (models/qweights.py) it holds GGUF blocks in format `qtype`, in one of two
+    quantized file (models/qweights.py) it holds GGUF blocks in format `qtype`, in one of three
     layouts:
-      * neuron rows (`file_layout` False): uint8 [F, row_bytes], neuron i's down row blocked along
-        D, re-blocked at load (`DOWN_QTYPE`): what the sparse kernel reads, row by active row;
-      * the file's ffn_down as stored (`file_layout` True): uint8 [D, row_bytes] blocked along F,
-        a matvec for ops.qlinear with 8-bit activations, as llama.cpp computes it. Dense models
-        keep it: no re-blocking error, fewer bytes (Q4_1: 20 per 32 values where Q8_0 takes 34)
-        and the integer dot kernel. Installing a selector re-blocks it (`to_neuron_rows`)."""
+      * the file's ffn_down as stored (`file_layout`): uint8 [D, row_bytes] blocked along F, a
+        matvec for ops.qlinear with 8-bit activations, as llama.cpp computes it. Dense models
+        keep it.
+      * down groups (`grouped`): the same blocks rearranged per 32 neurons, uint8
+        [F / 32, D * block bytes] (checkpoint.quants.down_groups): what the sparse kernel reads
+        in the 32-weight formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). Nothing is re-quantized, the
+        size is the file's, and a group's scales are read once for all its active neurons.
+      * neuron rows (neither): uint8 [F, row_bytes], neuron i's down row re-blocked along D in
+        another format (`DOWN_QTYPE` for the K-quants, whose super-blocks span 256 neurons):
+        the sparse kernel's other layout, and the one rows can be permuted in.
+    Installing a selector moves the file's layout to groups (or rows) (`to_neuron_rows`)."""
 
     def __init__(self, d_ff: int, d_model: int, *, bias: bool, dtype, rngs: nnx.Rngs | None,
                  kernels: str = "xla"):
         self.qtype = None
         self.file_layout = False
+        self.grouped = False
         self.kernels = kernels
         self.d_ff = d_ff
         self.weight = _param((d_ff, d_model), dtype, rngs, scale=d_ff ** -0.5)
         self.bias = _param((d_model,), F32, None) if bias else None
 
-    def load_quantized(self, blocks, qtype: str, *, file_layout: bool = False) -> None:
+    def load_quantized(self, blocks, qtype: str, *, file_layout: bool = False,
+                       grouped: bool = False) -> None:
         self.weight.set_value(host_blocks(blocks))  # in place: no new Param per tensor
         self.qtype = qtype
         self.file_layout = file_layout
+        self.grouped = grouped
 
-    def to_neuron_rows(self, qtype: str = DOWN_QTYPE) -> None:
-        """The file's ffn_down blocks -> neuron rows re-blocked along D in `qtype` (host side,
-        outside jit; once)."""
-        if self.qtype is None or not self.file_layout:
+    @property
+    def down_layout(self) -> str:
+        """ops.qsparse_ffn's down_layout for these blocks."""
+        return "groups" if self.grouped else "rows"
+
+    def to_neuron_rows(self, qtype: str = DOWN_GROUPS) -> None:
+        """The file's ffn_down blocks (or down groups) -> down groups (`DOWN_GROUPS`, where the
+        format has them, else `DOWN_QTYPE` rows) or neuron rows re-blocked along D in `qtype`
+        (host side, outside jit; once). Rows already re-blocked stay as they are."""
+        if self.qtype is None or not (self.file_layout or self.grouped):
             return
+        from powerinfer_jax.checkpoint import quants
         from powerinfer_jax.checkpoint.base import QuantTensor
 
-        d_model = self.weight.shape[0]
-        t = QuantTensor(np.asarray(self.weight[...]), self.qtype, (self.d_ff, d_model),
-                        transposed=True).reblocked(qtype)
+        if qtype == DOWN_GROUPS and self.grouped:
+            return
+        # D: the file's rows, or a group's bytes over a block's (D blocks per group)
+        d_model = (self.weight.shape[0] if self.file_layout
+                   else self.weight.shape[1] // quants.block_size(self.qtype)[1])
+        blocks = np.asarray(self.weight[...])
+        if self.grouped:  # back to the file's blocks first
+            blocks = quants.down_groups_to_file(blocks, self.qtype, d_model, self.d_ff)
+        t = QuantTensor(blocks, self.qtype, (self.d_ff, d_model), transposed=True)
+        if qtype == DOWN_GROUPS and self.qtype in quants.DOWN_GROUP_TYPES:
+            self.load_quantized(t.down_groups(), t.qtype, grouped=True)
+            return
+        t = t.reblocked(DOWN_QTYPE if qtype == DOWN_GROUPS else qtype)
         self.load_quantized(t.blocks, t.qtype)
 
     def __call__(self, a_btf):
@@ -138,7 +164,8 @@ class DownT(Module):
                                impl=op_impl(self.kernels))
         if self.qtype is not None:
             fail("DownT call", "float rows or the file's ffn_down layout",
-                 f"neuron rows in {self.qtype} (the sparse kernel's layout)")
+                 f"{'down groups' if self.grouped else 'neuron rows'} in {self.qtype} (the "
+                 "sparse kernel's layout)")
         w = self.weight[...]
         y = jnp.einsum("btf,fd->btd", a_btf.astype(w.dtype), w, preferred_element_type=F32)
         return y + self.bias[...] if self.bias is not None else y
@@ -184,7 +211,7 @@ class Rows:
                 scores=sel.scores if sel.criterion == "scores" else None,
                 threshold=float(sel.threshold), activation=ffn.activation,
                 criterion="scores" if sel.criterion == "scores" else "oracle",
-                impl=impl or self.impl)
+                down_layout=ffn.down_t.down_layout, impl=impl or self.impl)
         return ops.sparse_ffn(
             x_btd, ffn.up.weight[...], ffn.down_t.weight[...], w_gate=_value(ffn.gate and
                                                                              ffn.gate.weight),
@@ -339,7 +366,7 @@ class FFN(Module):
         if perm.shape != (f,) or not np.array_equal(np.sort(perm), np.arange(f)):
             fail("FFN.permute order", f"a permutation of range({f})", f"shape {perm.shape}")
         perm = jnp.asarray(perm, jnp.int32)
-        self.down_t.to_neuron_rows()  # rows move whole only as neuron rows
+        self.down_t.to_neuron_rows(DOWN_QTYPE)  # rows move whole only as neuron rows
         for lin in (self.gate, self.up, self.down_t):
             if lin is not None:
                 lin.weight.set_value(lin.weight[...][perm])

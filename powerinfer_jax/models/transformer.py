@@ -17,7 +17,7 @@ from flax import nnx
 
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.errors import fail
-from powerinfer_jax.models.ffn import DOWN_QTYPE, FFN
+from powerinfer_jax.models.ffn import DOWN_GROUPS, DOWN_QTYPE, FFN
 from powerinfer_jax.models.layers import (F32, Attention, Linear, Module, Norm, _param,
                                          cache_storage_dtype, matmul, op_impl, resolve_kernels,
                                          shapes_only, sow)
@@ -201,15 +201,18 @@ def param_names(config: ModelConfig) -> list[str]:
 
 
 def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=F32,
-                kernels: str = "auto", down_qtype: str | None = DOWN_QTYPE,
+                kernels: str = "auto", down_qtype: str | None = DOWN_GROUPS,
                 quantized: bool | None = None, **options) -> Transformer:
     """Build a Transformer from canonical named arrays (e.g. a loaded checkpoint).
 
     Matrices take `dtype`; norms and biases stay float32. Block-quantized tensors
     (checkpoint.base.QuantTensor, from load_checkpoint(keep_quantized=True)) stay in the file's
     format when the custom calls run (kernels "ffi"): matmuls compute on the blocks; the down
-    projection, stored blocked along F, is re-blocked per neuron along D in `down_qtype` (None:
-    kept as the file stores it, for a dense model; a selector re-blocks it when installed). With
+    projection, stored blocked along F, is kept for the sparse kernel as `down_qtype` says:
+    "groups" (default): the file's blocks rearranged per 32 neurons (down groups) where the format
+    is a 32-weight one, else re-blocked per neuron along D in DOWN_QTYPE; a type name: re-blocked
+    in it; None: kept as the file stores it, for a dense model (a selector regroups it when
+    installed). With
     XLA kernels they are dequantized to `dtype` (quantized=True keeps them: the ops' jnp
     references then compute on them, slowly; tests). Missing, unexpected or misshaped tensors are a
     ValueError naming them. kernels: see models/layers.py ("auto": the custom calls on CPU);
@@ -261,6 +264,7 @@ def _variable(model: Transformer, name: str) -> nnx.Variable:
 
 def _load_quantized(model: Transformer, name: str, t, down_qtype: str) -> None:
     """Put a QuantTensor's blocks into the module that owns canonical param `name`."""
+    from powerinfer_jax.checkpoint import quants
     from powerinfer_jax.models.qweights import host_blocks
 
     if name == "tok_embed":
@@ -274,6 +278,9 @@ def _load_quantized(model: Transformer, name: str, t, down_qtype: str) -> None:
     if t.transposed and down_qtype is None:  # ffn.down_t as the file stores it (dense)
         owner.load_quantized(t.blocks, t.qtype, file_layout=True)
         return
+    if t.transposed and down_qtype == DOWN_GROUPS and t.qtype in quants.DOWN_GROUP_TYPES:
+        owner.load_quantized(t.down_groups(), t.qtype, grouped=True)  # the file's blocks, regrouped
+        return
     if t.transposed:  # ffn.down_t: neuron i's down row is a column of the stored matrix
-        t = t.reblocked(down_qtype)
+        t = t.reblocked(DOWN_QTYPE if down_qtype == DOWN_GROUPS else down_qtype)
     owner.load_quantized(t.blocks, t.qtype)

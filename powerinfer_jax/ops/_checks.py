@@ -194,7 +194,8 @@ def check_qlinear(x, blocks, qtype, in_features, b) -> tuple[str, int]:
 
 
 def check_qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_up, b_down,
-                      scores, threshold, activation, criterion) -> tuple[float, str, str, str]:
+                      scores, threshold, activation, criterion,
+                      down_layout="rows") -> tuple[float, str, str, str]:
     """Validates the quantized sparse FFN's operands; returns (threshold, gate, up and down type
     names; gate's is up's when absent)."""
     check_choice("activation", activation, ACTIVATIONS)
@@ -210,7 +211,20 @@ def check_qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_
         g = check_qtype("gate_qtype", gate_qtype if gate_qtype is not None else up_qtype)
         check_qweight("gate", gate, g, d, rows=f)
     dn = check_qtype("down_qtype", down_qtype)
-    check_qweight("down (down_t rows blocked along D)", down, dn, d, rows=f)
+    check_choice("down_layout", down_layout, ("rows", "groups"))
+    if down_layout == "rows":
+        check_qweight("down (down_t rows blocked along D)", down, dn, d, rows=f)
+    else:
+        from powerinfer_jax.checkpoint import quants
+
+        if dn not in quants.DOWN_GROUP_TYPES or f % 32 or d % 32:
+            fail("down groups (down_layout 'groups')",
+                 f"a type in {list(quants.DOWN_GROUP_TYPES)} and F, D multiples of 32",
+                 f"{dn}, F={f}, D={d}")
+        want = (f // 32, d * quants.block_size(dn)[1])
+        if _shape(down) != want or jnp.result_type(down) != jnp.uint8:
+            fail("down (groups of 32 neurons)", f"uint8 {want}",
+                 f"{jnp.result_type(down)} {_shape(down)}")
     for name, b, n in (("b_up", b_up, f), ("b_down", b_down, d)):
         if b is not None and _shape(b) != (n,):
             fail(f"{name} shape", f"[{n}]", _shape(b))

@@ -165,7 +165,7 @@ def qembedding(ids, blocks, qtype, in_features):
 
 
 def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_up, b_down, scores,
-                threshold, activation, criterion):
+                threshold, activation, criterion, down_layout="rows"):
     x32 = jnp.asarray(x, jnp.float32)
     rows = x32.shape[:-1]
     call = jax.ffi.ffi_call(
@@ -176,7 +176,8 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_up, b_
     scores_op = _opt_f32(scores if criterion == "scores" else None)
     return call(x32, gate_op, up, down, _opt_f32(b_up), _opt_f32(b_down), scores_op,
                 gate_qtype=_qid(gate_qtype), up_qtype=_qid(up_qtype), down_qtype=_qid(down_qtype),
-                threshold=np.float32(threshold), activation=activation, criterion=criterion)
+                threshold=np.float32(threshold), activation=activation, criterion=criterion,
+                down_layout=down_layout)
 
 
 def decode_attention(q, k_new, v_new, k_cache, v_cache, where, *, kv_len, rope_theta,

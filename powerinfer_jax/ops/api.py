@@ -159,13 +159,16 @@ def qembedding(ids, blocks, qtype, in_features: int, *, impl="ffi"):
 
 def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None, b_up=None,
                 b_down=None, scores=None, threshold=0.0, activation="silu", criterion="oracle",
-                impl="ffi"):
+                down_layout="rows", impl="ffi"):
     """The sparse FFN on quantized weights, in one custom call.
 
     up, gate: the file's ffn_up / ffn_gate blocks, uint8 [F, row_bytes] (neuron-major rows of D
     values; gate None: non-gated FFN); down: neuron i's down row (down_t [F, D]) blocked along D,
-    uint8 [F, row_bytes], e.g. `QuantTensor.reblocked("Q8_0").blocks` of ffn.down_t.weight. The
-    types are GGML block type names or ids (gate_qtype defaults to up_qtype).
+    uint8 [F, row_bytes], e.g. `QuantTensor.reblocked("Q8_0").blocks` of ffn.down_t.weight
+    (down_layout "rows"), or the file's own ffn_down blocks in groups of 32 neurons, uint8
+    [F / 32, D * block bytes], `checkpoint.quants.down_groups` (down_layout "groups"; Q4_0, Q4_1,
+    Q5_0, Q5_1, Q8_0: nothing re-quantized, and a group's scales read once for all its active
+    neurons). The types are GGML block type names or ids (gate_qtype defaults to up_qtype).
     a = act(gate.x) * (up.x + b_up) (gated) or act(up.x + b_up) from int8-rounded x (as qlinear);
     active: criterion "oracle": |a| > threshold (threshold 0 with every neuron active is the dense
     quantized FFN); "scores": scores [..., F] > threshold, and only those neurons' gate/up rows
@@ -176,9 +179,10 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
     t, g, u, dn = _checks.check_qsparse_ffn(
         x, up, down, up_qtype=up_qtype, down_qtype=down_qtype, gate=gate, gate_qtype=gate_qtype,
         b_up=b_up, b_down=b_down, scores=scores, threshold=threshold, activation=activation,
-        criterion=criterion)
+        criterion=criterion, down_layout=down_layout)
     kwargs = dict(up_qtype=u, down_qtype=dn, gate=gate, gate_qtype=g, b_up=b_up, b_down=b_down,
-                  scores=scores, threshold=t, activation=activation, criterion=criterion)
+                  scores=scores, threshold=t, activation=activation, criterion=criterion,
+                  down_layout=down_layout)
     if impl == "reference":
         return reference.qsparse_ffn(x, up, down, **kwargs)
     from powerinfer_jax.ops import _ffi

@@ -143,7 +143,8 @@ def qembedding(ids, blocks, qtype: str, in_features: int):
 
 
 def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None, b_up=None,
-                b_down=None, scores=None, threshold=0.0, activation="silu", criterion="oracle"):
+                b_down=None, scores=None, threshold=0.0, activation="silu", criterion="oracle",
+                down_layout="rows"):
     """The quantized sparse FFN, from dequantized weights and rounded activations. See
     ops.api.qsparse_ffn."""
     d = x.shape[-1]
@@ -157,7 +158,19 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
         mask_tf = ~(jnp.asarray(scores, jnp.float32) <= threshold)
     else:
         mask_tf = ~(jnp.abs(act_tf) <= threshold)
-    w_down = dequantize_blocks(down, down_qtype, d)
+    if down_layout == "groups":  # back to the file's ffn_down [D, F], dequantized, transposed
+        from powerinfer_jax.checkpoint import quants
+
+        f = down.shape[0] * 32
+
+        def dequantize_groups(g):
+            return quants.dequantize(quants.down_groups_to_file(np.asarray(g), down_qtype, d, f),
+                                     down_qtype).T.copy()
+
+        w_down = jax.pure_callback(dequantize_groups, jax.ShapeDtypeStruct((f, d), jnp.float32),
+                                   down)
+    else:
+        w_down = dequantize_blocks(down, down_qtype, d)
     y = jnp.einsum("...F,FD->...D", jnp.where(mask_tf, act_tf, 0.0), w_down, precision=_HIGHEST)
     if b_down is not None:
         y = y + jnp.asarray(b_down, jnp.float32)

@@ -102,7 +102,7 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     checkpoint: an already loaded Checkpoint of `model` (experiments that build several variants).
     """
     from powerinfer_jax.checkpoint import load_checkpoint
-    from powerinfer_jax.models.transformer import DOWN_QTYPE, from_params
+    from powerinfer_jax.models.transformer import DOWN_GROUPS, from_params
     from powerinfer_jax.sparsity import modes
 
     threads = _size_thread_pool(runtime.threads)
@@ -142,7 +142,7 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
         m = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(runtime.dtype),
                         kernels=runtime.kernels, decode_attention=runtime.decode_attention,
                         fuse_qkv=runtime.fuse_qkv,
-                        down_qtype=None if sparsity.mode == "dense" else DOWN_QTYPE)
+                        down_qtype=None if sparsity.mode == "dense" else DOWN_GROUPS)
         arts = _artifacts(model, ckpt, m, sparsity, artifacts_root, progress)
         modes.configure(m, sparsity, arts)
         placed = _place(model, ckpt, m, runtime, sparsity, placement, artifacts_root,
