@@ -33,35 +33,57 @@ inline void PrefetchL2(const uint8_t* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += kCacheLine) __builtin_prefetch(p + off, 0, 2);
 }
 
-// out[m][j * ntok + t] = row neurons[j] of matrix m . x_t for kRows matrices of format F. The
-// rows of the neuron kGateUpAhead places further (in `neurons`, then in `next`) are requested
-// first: selected neurons are scattered, and the hardware prefetcher does not follow gaps.
+// out[m][j * ntok + t] = row neurons[j] of matrix m . x_t for kRows matrices of format F, two
+// neurons per tile (2 * kRows independent dot chains: one row alone is bound by its chain's FMA
+// latency; a tile's arithmetic per (row, token) is the same whatever the tile, so are the bits).
+// The rows of the neurons kGateUpAhead places further (in `neurons`, then in `next`) are
+// requested first: selected neurons are scattered, and the hardware prefetcher does not follow
+// gaps.
 template <class F, int kRows>
 void NeuronDots(const uint8_t* const* mats, std::span<const int32_t> neurons,
                 std::span<const int32_t> next, const QActView* xs, int64_t ntok, int64_t dim,
                 float* const* out) {
+  constexpr int kPair = 2;
   const int64_t nblocks = dim / F::kBlock;
   const int64_t row_bytes = nblocks * F::kBytes;
-  float dots[kRows * qkern::kMaxTokens];
+  float dots[kPair * kRows * qkern::kMaxTokens];
   const size_t n = neurons.size();
-  for (size_t j = 0; j < n; ++j) {
-    const size_t a = j + kGateUpAhead;
-    if (a < n || a - n < next.size()) {
-      const int64_t i = a < n ? neurons[a] : next[a - n];
-      for (int m = 0; m < kRows; ++m) PrefetchL2(mats[m] + i * row_bytes, row_bytes);
-    }
-    const uint8_t* rows[kRows];
-    for (int m = 0; m < kRows; ++m) rows[m] = mats[m] + neurons[j] * row_bytes;
-    for (int64_t t = 0; t < ntok; t += qkern::kMaxTokens) {
-      const int n = static_cast<int>(std::min<int64_t>(qkern::kMaxTokens, ntok - t));
-      switch (n) {
-        case 1: qkern::DotTile<F, kRows, 1>(rows, xs + t, nblocks, dots); break;
-        case 2: qkern::DotTile<F, kRows, 2>(rows, xs + t, nblocks, dots); break;
-        case 3: qkern::DotTile<F, kRows, 3>(rows, xs + t, nblocks, dots); break;
-        default: qkern::DotTile<F, kRows, 4>(rows, xs + t, nblocks, dots); break;
+  for (size_t j = 0; j < n; j += kPair) {
+    const int pair = static_cast<int>(std::min<size_t>(kPair, n - j));
+    for (int q = 0; q < pair; ++q) {
+      const size_t a = j + q + kGateUpAhead;
+      if (a < n || a - n < next.size()) {
+        const int64_t i = a < n ? neurons[a] : next[a - n];
+        for (int m = 0; m < kRows; ++m) PrefetchL2(mats[m] + i * row_bytes, row_bytes);
       }
-      for (int m = 0; m < kRows; ++m) {
-        for (int k = 0; k < n; ++k) out[m][j * ntok + t + k] = dots[m * n + k];
+    }
+    const uint8_t* rows[kPair * kRows];  // row q * kRows + m: neuron j + q, matrix m
+    for (int q = 0; q < pair; ++q) {
+      for (int m = 0; m < kRows; ++m) rows[q * kRows + m] = mats[m] + neurons[j + q] * row_bytes;
+    }
+    for (int64_t t = 0; t < ntok; t += qkern::kMaxTokens) {
+      const int c = static_cast<int>(std::min<int64_t>(qkern::kMaxTokens, ntok - t));
+      if (pair == kPair) {
+        switch (c) {
+          case 1: qkern::DotTile<F, kPair * kRows, 1>(rows, xs + t, nblocks, dots); break;
+          case 2: qkern::DotTile<F, kPair * kRows, 2>(rows, xs + t, nblocks, dots); break;
+          case 3: qkern::DotTile<F, kPair * kRows, 3>(rows, xs + t, nblocks, dots); break;
+          default: qkern::DotTile<F, kPair * kRows, 4>(rows, xs + t, nblocks, dots); break;
+        }
+      } else {
+        switch (c) {
+          case 1: qkern::DotTile<F, kRows, 1>(rows, xs + t, nblocks, dots); break;
+          case 2: qkern::DotTile<F, kRows, 2>(rows, xs + t, nblocks, dots); break;
+          case 3: qkern::DotTile<F, kRows, 3>(rows, xs + t, nblocks, dots); break;
+          default: qkern::DotTile<F, kRows, 4>(rows, xs + t, nblocks, dots); break;
+        }
+      }
+      for (int q = 0; q < pair; ++q) {
+        for (int m = 0; m < kRows; ++m) {
+          for (int k = 0; k < c; ++k) {
+            out[m][(j + q) * ntok + t + k] = dots[(q * kRows + m) * c + k];
+          }
+        }
       }
     }
   }
