@@ -152,11 +152,16 @@ def test_bitwise_deterministic_across_runs_and_thread_counts(t):
     """Pieces depend on the neuron count only, so 1, 2 and 3 threads sum the same partials in the
     same order (40 tokens: two token chunks)."""
     x, w, _ = ffn("Q4_K", "Q8_0", 11, t=t, f=700)
+    assert_same_bits_over_threads(lambda: ops.qsparse_ffn(
+        x, w["up"], w["down"], up_qtype="Q4_K", down_qtype="Q8_0", gate=w["gate"], threshold=0.0))
+
+
+def assert_same_bits_over_threads(call):
+    """call() -> (y, n) gives the same bits with 1, 2 and 3 threads (and 2 again)."""
     results = []
     for threads in (1, 2, 3, 2):
         ops.set_num_threads(threads)
-        y, n = ops.qsparse_ffn(x, w["up"], w["down"], up_qtype="Q4_K", down_qtype="Q8_0",
-                               gate=w["gate"], threshold=0.0)
+        y, n = call()
         results.append((np.asarray(y), np.asarray(n)))
     ops.set_num_threads(2)
     for y, n in results[1:]:
@@ -376,15 +381,8 @@ def test_down_groups_match_the_file_down(dn, t):
 def test_down_groups_bitwise_deterministic_across_thread_counts(t):
     x, w, _, _ = grouped(40 + t, "Q4_0", "Q4_1", t=t, f=704)
     kw = {k: v for k, v in w.items() if k not in ("up", "down")}
-    results = []
-    for threads in (1, 2, 3, 2):
-        ops.set_num_threads(threads)
-        y, n = ops.qsparse_ffn(x, w["up"], w["down"], threshold=0.0, down_layout="groups", **kw)
-        results.append((np.asarray(y), np.asarray(n)))
-    ops.set_num_threads(2)
-    for y, n in results[1:]:
-        np.testing.assert_array_equal(y, results[0][0])
-        np.testing.assert_array_equal(n, results[0][1])
+    assert_same_bits_over_threads(lambda: ops.qsparse_ffn(
+        x, w["up"], w["down"], threshold=0.0, down_layout="groups", **kw))
 
 
 def test_down_groups_bad_input():
