@@ -52,8 +52,8 @@ row = dict(file_bytes=os.path.getsize(path), rss_before=before, rss_after=after,
 if use:  # the weights in use: a model built on them after a first generate
     from powerinfer_jax.config import RuntimeConfig, SparsityConfig
     from powerinfer_jax.runtime.session import build
-    s = build(model, RuntimeConfig(dtype="bfloat16"), SparsityConfig(), checkpoint=ck,
-              progress=False)
+    sparsity = SparsityConfig(**json.loads(sys.argv[3])) if len(sys.argv) > 3 else SparsityConfig()
+    s = build(model, RuntimeConfig(dtype="bfloat16"), sparsity, checkpoint=ck, progress=False)
     s.engine.generate([1, 2, 3, 4], max_new_tokens=2)
     gc.collect()
     row.update(rss_after_generate=rss(), file_mapping_rss_after_generate=file_rss(path))
@@ -72,11 +72,15 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--out", default="benchmarks/quant_memory.jsonl")
+    ap.add_argument("--sparse", action="store_true",
+                    help="only the build-and-generate row, in predictor mode with --gate-up q4 at "
+                         "0.5 (the sparse kernel's down groups instead of the file's ffn_down)")
     args = ap.parse_args(argv)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
+    sparse = dict(mode="predictor", predictor="q4", gate_up="q4", target_sparsity=0.5)
     with open(args.out, "a", encoding="utf-8") as fh:
-        for keep in (False, True):
+        for keep in (() if args.sparse else (False, True)):
             out = subprocess.run([sys.executable, "-c", _CHILD, args.model, "1" if keep else "0"],
                                  capture_output=True, text=True, check=True).stdout
             r = json.loads(out.strip().splitlines()[-1])
@@ -91,11 +95,12 @@ def main(argv=None) -> None:
             print(json.dumps(r))
         # the quantized blocks are views of the file's mmap: resident once touched, so the
         # weights' own footprint is read after a build and a first generate
-        out = subprocess.run([sys.executable, "-c", _CHILD, args.model, "2"],
+        out = subprocess.run([sys.executable, "-c", _CHILD, args.model, "2"]
+                             + ([json.dumps(sparse)] if args.sparse else []),
                              capture_output=True, text=True, check=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
         r.update(bench="quant_memory", model=args.model, keep_quantized=True, commit=commit,
-                 part="after_build_and_generate",
+                 part="after_build_and_generate", sparsity=sparse if args.sparse else "dense",
                  file_mapping_over_file=r["file_mapping_rss_after_generate"] / r["file_bytes"],
                  rss_growth_through_generate_over_file=(
                      r["rss_after_generate"] - r["rss_before"]) / r["file_bytes"])
