@@ -27,19 +27,6 @@ constexpr int kDecodeRows = 2;
 // Several tokens: rows per tile.
 constexpr int kPairRows = 2;
 
-// kR rows x up to 4 tokens [t, g1) of the group: dots [r * n + k].
-template <class F, int kR>
-inline int64_t GroupTile(const uint8_t* const* rows, const QActView* xs, int64_t t, int64_t g1,
-                         int64_t nblocks, float* dots) {
-  const int64_t n = std::min<int64_t>(4, g1 - t);
-  switch (n) {
-    case 1: qkern::DotTile<F, kR, 1>(rows, xs + t, nblocks, dots); break;
-    case 2: qkern::DotTile<F, kR, 2>(rows, xs + t, nblocks, dots); break;
-    case 3: qkern::DotTile<F, kR, 3>(rows, xs + t, nblocks, dots); break;
-    default: qkern::DotTile<F, kR, 4>(rows, xs + t, nblocks, dots); break;
-  }
-  return n;
-}
 
 template <class F>
 void Rows(const QLinearOut& out, int64_t dim, std::span<const QActView> xs, int64_t lo,
@@ -78,7 +65,7 @@ void Rows(const QLinearOut& out, int64_t dim, std::span<const QActView> xs, int6
         const uint8_t* rows[kPairRows];
         for (int r = 0; r < kPairRows; ++r) rows[r] = out.w + (o + r) * row_bytes;
         for (int64_t t = g0; t < g1; t += 4) {
-          const int64_t n = GroupTile<F, kPairRows>(rows, xs.data(), t, g1, nblocks, dots);
+          const int64_t n = qkern::TokenTile<F, kPairRows>(rows, xs.data(), t, g1, nblocks, dots);
           for (int r = 0; r < kPairRows; ++r) {
             for (int64_t k = 0; k < n; ++k) put(o + r, t + k, dots[r * n + k]);
           }
@@ -87,7 +74,7 @@ void Rows(const QLinearOut& out, int64_t dim, std::span<const QActView> xs, int6
       for (; o < r1; ++o) {
         const uint8_t* row = out.w + o * row_bytes;
         for (int64_t t = g0; t < g1; t += 4) {
-          const int64_t n = GroupTile<F, 1>(&row, xs.data(), t, g1, nblocks, dots);
+          const int64_t n = qkern::TokenTile<F, 1>(&row, xs.data(), t, g1, nblocks, dots);
           for (int64_t k = 0; k < n; ++k) put(o, t + k, dots[k]);
         }
       }

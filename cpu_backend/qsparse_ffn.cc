@@ -61,23 +61,10 @@ void NeuronDots(const uint8_t* const* mats, std::span<const int32_t> neurons,
     for (int q = 0; q < pair; ++q) {
       for (int m = 0; m < kRows; ++m) rows[q * kRows + m] = mats[m] + neurons[j + q] * row_bytes;
     }
-    for (int64_t t = 0; t < ntok; t += qkern::kMaxTokens) {
-      const int c = static_cast<int>(std::min<int64_t>(qkern::kMaxTokens, ntok - t));
-      if (pair == kPair) {
-        switch (c) {
-          case 1: qkern::DotTile<F, kPair * kRows, 1>(rows, xs + t, nblocks, dots); break;
-          case 2: qkern::DotTile<F, kPair * kRows, 2>(rows, xs + t, nblocks, dots); break;
-          case 3: qkern::DotTile<F, kPair * kRows, 3>(rows, xs + t, nblocks, dots); break;
-          default: qkern::DotTile<F, kPair * kRows, 4>(rows, xs + t, nblocks, dots); break;
-        }
-      } else {
-        switch (c) {
-          case 1: qkern::DotTile<F, kRows, 1>(rows, xs + t, nblocks, dots); break;
-          case 2: qkern::DotTile<F, kRows, 2>(rows, xs + t, nblocks, dots); break;
-          case 3: qkern::DotTile<F, kRows, 3>(rows, xs + t, nblocks, dots); break;
-          default: qkern::DotTile<F, kRows, 4>(rows, xs + t, nblocks, dots); break;
-        }
-      }
+    for (int64_t t = 0; t < ntok;) {
+      const int64_t c =
+          pair == kPair ? qkern::TokenTile<F, kPair * kRows>(rows, xs, t, ntok, nblocks, dots)
+                        : qkern::TokenTile<F, kRows>(rows, xs, t, ntok, nblocks, dots);
       for (int q = 0; q < pair; ++q) {
         for (int m = 0; m < kRows; ++m) {
           for (int k = 0; k < c; ++k) {
@@ -85,6 +72,7 @@ void NeuronDots(const uint8_t* const* mats, std::span<const int32_t> neurons,
           }
         }
       }
+      t += c;
     }
   }
 }
@@ -204,9 +192,10 @@ void RunPiece(const QFfnWeights& w, std::span<const float* const> score_rows,
   const bool oracle = p.criterion == Criterion::kOracle;
   // What one active neuron's down sum reads: its row, or in groups its quant row (the group's
   // scale planes are requested with its first active neuron).
-  const QTypeInfo down_info = GetQTypeInfo(w.down_type);
-  const int64_t scale_bytes = w.down_groups ? DownGroupScaleBytes(w.down_type) * dim : 0;
-  const int64_t down_bytes = w.down_groups ? dim / 32 * (down_info.bytes - scale_bytes / dim)
+  const int64_t block_bytes = GetQTypeInfo(w.down_type).bytes;
+  const int64_t block_scale = w.down_groups ? DownGroupScaleBytes(w.down_type) : 0;
+  const int64_t scale_bytes = block_scale * dim;  // a group's scale planes
+  const int64_t down_bytes = w.down_groups ? dim / 32 * (block_bytes - block_scale)
                                            : QRowBytes(w.down_type, dim);
   int32_t last_group = -1;
   std::fill_n(out, ntok * dim, 0.0f);
@@ -255,7 +244,7 @@ void RunPiece(const QFfnWeights& w, std::span<const float* const> score_rows,
         PrefetchL2(w.down + block[j] * down_bytes, down_bytes);
         continue;
       }
-      const uint8_t* group = w.down + (block[j] / 32) * dim * down_info.bytes;
+      const uint8_t* group = w.down + (block[j] / 32) * dim * block_bytes;
       if (block[j] / 32 != last_group) PrefetchL2(group, scale_bytes);
       last_group = block[j] / 32;
       PrefetchL2(group + scale_bytes + (block[j] % 32) * down_bytes, down_bytes);

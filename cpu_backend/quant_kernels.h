@@ -433,7 +433,6 @@ inline void AxpyGroup(const uint8_t* group, int64_t nchunks, const int32_t* lane
   const int64_t row_bytes = nchunks * kQuant;
   float coef_sum = 0.0f;
   for (int k = 0; k < n; ++k) coef_sum += coef[k];
-  const F32x8 sum_v = qsimd::Set1(coef_sum);
 #if defined(PIJ_QSIMD_AVX512)
   // 16 lanes: the same FMAs per weight in the same order, half the instructions.
   const __m512 sum16 = _mm512_set1_ps(coef_sum);
@@ -463,8 +462,8 @@ inline void AxpyGroup(const uint8_t* group, int64_t nchunks, const int32_t* lane
       _mm512_storeu_ps(y + d0, yv);
     }
   }
-  (void)sum_v;
 #else
+  const F32x8 sum_v = qsimd::Set1(coef_sum);
   for (int64_t c = 0; c < nchunks; ++c) {
     F32x8 acc[4] = {qsimd::Zero(), qsimd::Zero(), qsimd::Zero(), qsimd::Zero()};
     for (int k = 0; k < n; ++k) {
@@ -490,6 +489,20 @@ inline void AxpyGroup(const uint8_t* group, int64_t nchunks, const int32_t* lane
 
 // Tokens per DotTile in the multi-token kernels.
 constexpr int kMaxTokens = 4;
+
+// kR rows x up to kMaxTokens tokens [t, end): dots [r * n + k]; returns n, the tokens taken.
+template <class F, int kR>
+inline int64_t TokenTile(const uint8_t* const* rows, const QActView* xs, int64_t t, int64_t end,
+                         int64_t nblocks, float* dots) {
+  const int64_t n = std::min<int64_t>(kMaxTokens, end - t);
+  switch (n) {
+    case 1: DotTile<F, kR, 1>(rows, xs + t, nblocks, dots); break;
+    case 2: DotTile<F, kR, 2>(rows, xs + t, nblocks, dots); break;
+    case 3: DotTile<F, kR, 3>(rows, xs + t, nblocks, dots); break;
+    default: DotTile<F, kR, 4>(rows, xs + t, nblocks, dots); break;
+  }
+  return n;
+}
 
 // out[0, nblocks * kBlock) = the row's weights, s * u + m (a multiply, then an add, as the gguf
 // package's numpy dequantizers round).

@@ -168,7 +168,8 @@ def _pack_quants(v: np.ndarray, qtype: str) -> np.ndarray:
     return qs
 
 
-def _check_groups(qtype: str, d: int, f: int) -> tuple[int, int]:
+def check_down_groups(qtype: str, d: int, f: int) -> tuple[int, int]:
+    """The rule for down groups of a [D, F] ffn_down in `qtype`; (block bytes, scale bytes)."""
     if qtype not in DOWN_GROUP_TYPES:
         fail("down groups type", f"one of {list(DOWN_GROUP_TYPES)} (32-weight blocks)", qtype)
     if d % 32 or f % 32 or d <= 0 or f <= 0:
@@ -179,7 +180,7 @@ def _check_groups(qtype: str, d: int, f: int) -> tuple[int, int]:
 def down_groups(blocks: np.ndarray, qtype: str, d: int, f: int) -> np.ndarray:
     """ffn_down as the file stores it, uint8 [D, row_bytes(qtype, F)] -> its down groups, uint8
     [F / 32, D * block bytes] (the layout above)."""
-    nb, sb = _check_groups(qtype, d, f)
+    nb, sb = check_down_groups(qtype, d, f)
     g = f // 32
     b = np.asarray(blocks, np.uint8)
     if b.shape != (d, g * nb):
@@ -193,7 +194,7 @@ def down_groups(blocks: np.ndarray, qtype: str, d: int, f: int) -> np.ndarray:
 
 def down_groups_to_file(groups: np.ndarray, qtype: str, d: int, f: int) -> np.ndarray:
     """The inverse of down_groups: the file's ffn_down blocks, uint8 [D, row_bytes(qtype, F)]."""
-    nb, sb = _check_groups(qtype, d, f)
+    nb, sb = check_down_groups(qtype, d, f)
     g = f // 32
     b = np.asarray(groups, np.uint8)
     if b.shape != (g, d * nb):

@@ -17,7 +17,7 @@ from flax import nnx
 
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.errors import fail
-from powerinfer_jax.models.ffn import DOWN_GROUPS, DOWN_QTYPE, FFN
+from powerinfer_jax.models.ffn import DOWN_GROUPS, FFN
 from powerinfer_jax.models.layers import (F32, Attention, Linear, Module, Norm, _param,
                                          cache_storage_dtype, matmul, op_impl, resolve_kernels,
                                          shapes_only, sow)
@@ -264,7 +264,6 @@ def _variable(model: Transformer, name: str) -> nnx.Variable:
 
 def _load_quantized(model: Transformer, name: str, t, down_qtype: str) -> None:
     """Put a QuantTensor's blocks into the module that owns canonical param `name`."""
-    from powerinfer_jax.checkpoint import quants
     from powerinfer_jax.models.qweights import host_blocks
 
     if name == "tok_embed":
@@ -275,12 +274,9 @@ def _load_quantized(model: Transformer, name: str, t, down_qtype: str) -> None:
         model.lm_head.load_quantized(t.blocks, t.qtype)
         return
     owner = _at(model, name.rsplit(".", 1)[0])  # the module whose `weight` it is
-    if t.transposed and down_qtype is None:  # ffn.down_t as the file stores it (dense)
+    if t.transposed:  # ffn.down_t as the file stores it; DownT moves it to the sparse layout
         owner.load_quantized(t.blocks, t.qtype, file_layout=True)
+        if down_qtype is not None:
+            owner.to_neuron_rows(down_qtype)
         return
-    if t.transposed and down_qtype == DOWN_GROUPS and t.qtype in quants.DOWN_GROUP_TYPES:
-        owner.load_quantized(t.down_groups(), t.qtype, grouped=True)  # the file's blocks, regrouped
-        return
-    if t.transposed:  # ffn.down_t: neuron i's down row is a column of the stored matrix
-        t = t.reblocked(DOWN_QTYPE if down_qtype == DOWN_GROUPS else down_qtype)
     owner.load_quantized(t.blocks, t.qtype)

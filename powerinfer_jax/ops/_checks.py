@@ -217,11 +217,8 @@ def check_qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_
     else:
         from powerinfer_jax.checkpoint import quants
 
-        if dn not in quants.DOWN_GROUP_TYPES or f % 32 or d % 32:
-            fail("down groups (down_layout 'groups')",
-                 f"a type in {list(quants.DOWN_GROUP_TYPES)} and F, D multiples of 32",
-                 f"{dn}, F={f}, D={d}")
-        want = (f // 32, d * quants.block_size(dn)[1])
+        block_bytes, _ = quants.check_down_groups(dn, d, f)
+        want = (f // 32, d * block_bytes)
         if _shape(down) != want or jnp.result_type(down) != jnp.uint8:
             fail("down (groups of 32 neurons)", f"uint8 {want}",
                  f"{jnp.result_type(down)} {_shape(down)}")
