@@ -38,6 +38,11 @@ def file_rss(path):  # resident bytes of this process's mappings of `path` (/pro
                 total += int(head[1]) * 1024
     return total
 
+def file_spans(path):  # [begin, end) of this process's mappings of `path` (/proc/self/maps)
+    with open("/proc/self/maps") as f:
+        return [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f
+                if line.rstrip().endswith(" " + path)]
+
 model, keep, use = sys.argv[1], sys.argv[2] != "0", sys.argv[2] == "2"
 path = os.path.realpath(ckpt.resolve_model(model))
 before = rss()
@@ -57,6 +62,13 @@ if use:  # the weights in use: a model built on them after a first generate
     s.engine.generate([1, 2, 3, 4], max_new_tokens=2)
     gc.collect()
     row.update(rss_after_generate=rss(), file_mapping_rss_after_generate=file_rss(path))
+    # the model's arrays that are not views of the file (copies: down groups, predictors, ...)
+    import jax
+    from flax import nnx
+    spans = file_spans(path)
+    row["model_bytes_outside_file"] = sum(
+        int(x.nbytes) for x in jax.tree.leaves(nnx.state(s.model)) if hasattr(x, "nbytes")
+        and not any(b <= x.unsafe_buffer_pointer() < e for b, e in spans))
 else:
     row["rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     # the fixed overhead: what the load leaves without its params (tokenizer, metadata, heap)
@@ -103,7 +115,10 @@ def main(argv=None) -> None:
                  part="after_build_and_generate", sparsity=sparse if args.sparse else "dense",
                  file_mapping_over_file=r["file_mapping_rss_after_generate"] / r["file_bytes"],
                  rss_growth_through_generate_over_file=(
-                     r["rss_after_generate"] - r["rss_before"]) / r["file_bytes"])
+                     r["rss_after_generate"] - r["rss_before"]) / r["file_bytes"],
+                 # the weights' resident share: the file's mapping plus the model's own copies
+                 weights_resident_over_file=(r["file_mapping_rss_after_generate"]
+                                             + r["model_bytes_outside_file"]) / r["file_bytes"])
         fh.write(json.dumps(r) + "\n")
         print(json.dumps(r))
 

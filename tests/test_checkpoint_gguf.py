@@ -337,3 +337,53 @@ def test_string_array_reader_bounds():
         assert read(ok, 0, 2) == (1, 10, 1)    # the second item is missing
         assert read(ok + huge, 0, 2) == (1, 10, 1)  # a length that runs past the end
         assert read(struct.pack("<Q", 1) + b"\xff", 0, 1) == (0, 8, 2)
+
+
+def _mapping_rss(address: int) -> int:
+    """Resident bytes of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" in head[3]:
+                begin, end = (int(x, 16) for x in head[0].split("-"))
+                inside = begin <= address < end
+            elif inside and head[0] == "Rss:":
+                return int(head[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="Linux madvise")
+def test_release_mapped_pages_drops_only_a_read_only_files_pages(tmp_path):
+    """The file's whole pages under a view leave the resident set and read back unchanged; memory
+    that is not a read-only shared file mapping (anonymous, or a private copy) is never touched."""
+    import mmap
+
+    from powerinfer_jax.checkpoint.gguf_file import release_mapped_pages
+
+    page = mmap.PAGESIZE
+    data = np.random.default_rng(0).integers(0, 256, 16 * page, dtype=np.uint8)
+    path = tmp_path / "bytes.bin"
+    data.tofile(path)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    whole = np.frombuffer(mm, np.uint8)
+    assert int(whole.astype(np.int64).sum()) == int(data.astype(np.int64).sum())  # all resident
+    resident = _mapping_rss(whole.ctypes.data)
+    view = whole[100:100 + 10 * page]  # 9 whole pages inside it, partial ones at both ends
+    assert release_mapped_pages(view) == 9 * page
+    assert _mapping_rss(whole.ctypes.data) <= resident - 9 * page
+    np.testing.assert_array_equal(whole, data)  # faulted back in from the file, unchanged
+
+    with open(path, "r+b") as f:
+        private = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    copy = np.frombuffer(private, np.uint8)
+    copy[:] = 7  # a private copy's pages hold what was written, not the file's bytes
+    anonymous = np.full(16 * page, 9, np.uint8)
+    for arr, value in ((copy, 7), (anonymous, 9)):
+        assert release_mapped_pages(arr) == 0
+        assert (arr == value).all()
+    assert release_mapped_pages(whole[:10]) == 0  # no whole page: nothing to release
+    del whole, view, copy
+    mm.close()
+    private.close()

@@ -242,3 +242,48 @@ class GGUFFile:
         if kind not in GGML_QUANT_SIZES:
             raise GGUFFormatError(f"tensor {name!r}: type {kind.name} has no known block size")
         return name, ne, kind, offset
+
+
+MADV_DONTNEED = 4  # Linux's value (asm-generic/mman-common.h)
+
+
+def _shared_file_mapping(lo: int, hi: int) -> bool:
+    """Whether [lo, hi) lies in one mapping of this process that is a file's, shared and not
+    writable (how `GGUFFile` maps a file): its pages hold nothing but the file's bytes."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                begin, end = (int(x, 16) for x in parts[0].split("-"))
+                if begin <= lo < end:
+                    perms, inode = parts[1], parts[4]
+                    return hi <= end and perms[1] == "-" and perms[3] == "s" and inode != "0"
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def release_mapped_pages(array) -> int:
+    """Drop from this process's resident set the whole pages of `array`'s bytes, when they lie
+    in a read-only shared file mapping (a view of a `GGUFFile`): they were read once (e.g. to
+    regroup ffn_down for the sparse kernel) and are not needed again. Such pages are the file's
+    bytes and nothing else, so a later read faults them back in from the page cache or the
+    file, unchanged; any other memory (anonymous, private or writable) is left alone, because
+    MADV_DONTNEED would zero or discard it. Returns the bytes released (0 off Linux)."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return 0
+    import ctypes
+
+    a = np.asarray(array)
+    if a.size == 0 or not (a.flags.c_contiguous or a.flags.f_contiguous):
+        return 0
+    page = mmap.PAGESIZE
+    start = a.__array_interface__["data"][0]
+    lo, hi = -(-start // page) * page, (start + a.nbytes) // page * page
+    if hi <= lo or not _shared_file_mapping(lo, hi):
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return hi - lo if libc.madvise(lo, hi - lo, MADV_DONTNEED) == 0 else 0

@@ -140,6 +140,7 @@ class DownT(Module):
             return
         from powerinfer_jax.checkpoint import quants
         from powerinfer_jax.checkpoint.base import QuantTensor
+        from powerinfer_jax.checkpoint.gguf_file import release_mapped_pages
 
         if qtype == DOWN_GROUPS and self.grouped:
             return
@@ -152,9 +153,11 @@ class DownT(Module):
         t = QuantTensor(blocks, self.qtype, (self.d_ff, d_model), transposed=True)
         if qtype == DOWN_GROUPS and self.qtype in quants.DOWN_GROUP_TYPES:
             self.load_quantized(t.down_groups(), t.qtype, grouped=True)
-            return
-        t = t.reblocked(DOWN_QTYPE if qtype == DOWN_GROUPS else qtype)
-        self.load_quantized(t.blocks, t.qtype)
+        else:
+            t = t.reblocked(DOWN_QTYPE if qtype == DOWN_GROUPS else qtype)
+            self.load_quantized(t.blocks, t.qtype)
+        # the file's ffn_down pages were read once to build the copy: out of the resident set
+        release_mapped_pages(blocks)
 
     def __call__(self, a_btf):
         if self.qtype is not None and self.file_layout:
