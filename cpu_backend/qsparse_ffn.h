@@ -57,6 +57,8 @@ struct QSparseFfnScratch {
   std::vector<uint8_t> marks;
   std::vector<float> partial_y;        // [pieces, chunk tokens, D]
   std::vector<int32_t> partial_count;  // [pieces, chunk tokens]
+  std::vector<int64_t> cand_ends;      // [pieces]: candidates up to each piece's end
+  std::vector<int64_t> piece_runs;     // [tasks + 1]: the pieces each task runs
   struct Piece {
     std::vector<float> gate, up, act;  // [block neurons, chunk tokens]
     // Per token of the chunk: the piece's active neurons in id order and their a_i. Every
