@@ -56,7 +56,8 @@ void NeuronDots(const uint8_t* const* mats, std::span<const int32_t> neurons,
   float dots[kRows * qkern::kMaxTokens];
   const size_t n = neurons.size();
   if (n == 0) return;
-  const bool streamed = neurons[n - 1] - neurons[0] == static_cast<int64_t>(n) - 1;
+  // (one neuron alone is not a stream: it still requests the next block's rows)
+  const bool streamed = n > 1 && neurons[n - 1] - neurons[0] == static_cast<int64_t>(n) - 1;
   const size_t step = ntok == 1 ? kPair : 1;
   for (size_t j = 0; j < n; j += step) {
     const int group = static_cast<int>(std::min(step, n - j));
