@@ -222,13 +222,10 @@ def test_down_rows_in_the_sparse_layout_refuse_the_dense_call(legacy_gguf):
 
 def _mapped_file(address: int) -> str | None:
     """The file whose mapping in this process holds `address` (from /proc/self/maps), or None."""
-    with open("/proc/self/maps", encoding="utf-8") as f:
-        for line in f:
-            span, *rest = line.split(maxsplit=5)
-            lo, hi = (int(v, 16) for v in span.split("-"))
-            if lo <= address < hi:
-                return rest[4].strip() if len(rest) == 5 else None
-    return None
+    from powerinfer_jax.checkpoint.gguf_file import mapping_at
+
+    m = mapping_at(address)
+    return (m.path or None) if m is not None else None
 
 
 def test_a_loaded_files_blocks_are_in_memory_once(legacy_gguf):

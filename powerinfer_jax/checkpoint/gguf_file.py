@@ -20,7 +20,7 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -244,23 +244,29 @@ class GGUFFile:
         return name, ne, kind, offset
 
 
-MADV_DONTNEED = 4  # Linux's value (asm-generic/mman-common.h)
+class Mapping(NamedTuple):
+    """One line of /proc/self/maps: [begin, end), perms ("r-xs"...), inode (0: not a file's)."""
+
+    begin: int
+    end: int
+    perms: str
+    inode: int
+    path: str
 
 
-def _shared_file_mapping(lo: int, hi: int) -> bool:
-    """Whether [lo, hi) lies in one mapping of this process that is a file's, shared and not
-    writable (how `GGUFFile` maps a file): its pages hold nothing but the file's bytes."""
+def mapping_at(address: int) -> Mapping | None:
+    """The mapping of this process that holds `address` (/proc/self/maps), or None (none holds
+    it, or no /proc: not Linux)."""
     try:
-        with open("/proc/self/maps") as f:
+        with open("/proc/self/maps", encoding="utf-8") as f:
             for line in f:
-                parts = line.split(maxsplit=5)
-                begin, end = (int(x, 16) for x in parts[0].split("-"))
-                if begin <= lo < end:
-                    perms, inode = parts[1], parts[4]
-                    return hi <= end and perms[1] == "-" and perms[3] == "s" and inode != "0"
-    except (OSError, ValueError, IndexError):
+                span, perms, _, _, inode, *path = line.split(maxsplit=5)
+                begin, end = (int(x, 16) for x in span.split("-"))
+                if begin <= address < end:
+                    return Mapping(begin, end, perms, int(inode), path[0].strip() if path else "")
+    except (OSError, ValueError):
         pass
-    return False
+    return None
 
 
 def release_mapped_pages(array) -> int:
@@ -282,8 +288,12 @@ def release_mapped_pages(array) -> int:
     page = mmap.PAGESIZE
     start = a.__array_interface__["data"][0]
     lo, hi = -(-start // page) * page, (start + a.nbytes) // page * page
-    if hi <= lo or not _shared_file_mapping(lo, hi):
+    if hi <= lo:
+        return 0
+    # one mapping, a file's (inode), shared and not writable: how GGUFFile maps a file
+    m = mapping_at(lo)
+    if m is None or hi > m.end or m.perms[1] != "-" or m.perms[3] != "s" or m.inode == 0:
         return 0
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return hi - lo if libc.madvise(lo, hi - lo, MADV_DONTNEED) == 0 else 0
+    return hi - lo if libc.madvise(lo, hi - lo, mmap.MADV_DONTNEED) == 0 else 0
