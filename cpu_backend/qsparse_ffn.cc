@@ -342,6 +342,11 @@ void QSparseFfn(const QFfnWeights& w, std::span<const float* const> x_rows,
     const int64_t last = w.num_neurons * (k + 1) / pieces;
     cand_ends[k] = std::lower_bound(cands.begin(), cands.end(), last) - cands.begin();
   }
+  // Each thread takes a run of consecutive pieces (with about its share of the candidates): its
+  // rows are one stream, where pieces handed out one by one made every piece a new stream to
+  // ramp up on. Which thread runs a piece changes no bit.
+  const int64_t tasks = std::min<int64_t>(pieces, pool.NumThreads());
+  PieceRuns(cand_ends, tasks, s.piece_runs);
   const int64_t chunk = std::min(num_tokens, kTokenChunk);
   if (static_cast<int64_t>(s.partial_y.size()) < pieces * chunk * dim) {
     s.partial_y.resize(pieces * chunk * dim);
@@ -362,11 +367,6 @@ void QSparseFfn(const QFfnWeights& w, std::span<const float* const> x_rows,
     const int64_t out_size = ntok * dim;
     float* partial = s.partial_y.data();
     int32_t* counts = s.partial_count.data();
-    // Each thread takes a run of consecutive pieces (with about its share of the candidates):
-    // its rows are one stream, where pieces handed out one by one made every piece a new stream
-    // to ramp up on. Which thread runs a piece changes no bit.
-    const int64_t tasks = std::min<int64_t>(pieces, pool.NumThreads());
-    PieceRuns(cand_ends, tasks, s.piece_runs);
     pool.Run(0, tasks, [&](int64_t task, int /*worker*/) {
       for (int64_t k = s.piece_runs[task]; k < s.piece_runs[task + 1]; ++k) {
         const int64_t lo = k == 0 ? 0 : cand_ends[k - 1];
