@@ -359,7 +359,7 @@ def test_release_mapped_pages_drops_only_a_read_only_files_pages(tmp_path):
     that is not a read-only shared file mapping (anonymous, or a private copy) is never touched."""
     import mmap
 
-    from powerinfer_jax.checkpoint.gguf_file import release_mapped_pages
+    from powerinfer_jax.checkpoint.gguf_file import mapping_at, release_mapped_pages
 
     page = mmap.PAGESIZE
     data = np.random.default_rng(0).integers(0, 256, 16 * page, dtype=np.uint8)
@@ -384,6 +384,9 @@ def test_release_mapped_pages_drops_only_a_read_only_files_pages(tmp_path):
         assert release_mapped_pages(arr) == 0
         assert (arr == value).all()
     assert release_mapped_pages(whole[:10]) == 0  # no whole page: nothing to release
+    assert mapping_at(0) is None  # an address no mapping holds
+    m = mapping_at(whole.ctypes.data)
+    assert m.path == str(path.resolve()) and m.perms.startswith("r-") and m.perms[3] == "s" and m.inode
     del whole, view, copy
     mm.close()
     private.close()
