@@ -10,7 +10,8 @@ Modes: dense; predictor (q4 predictor, gate/up rows read at the dtype); predicto
 estimates as activations: --gate-up q4, one custom call per layer); dense_xla_attention (dense
 with decode attention through XLA's ops instead of ops.decode_attention: that op's ablation);
 predictor_q4gu_qkv3 (predictor_q4gu with q, k, v as three linear calls instead of one
-ops.linear_many call: that call's ablation).
+ops.linear_many call: that call's ablation); dense_block1 and predictor_q4gu_block1 (one decode
+step per executable call instead of RuntimeConfig.decode_block: the decode block's ablation).
 
   python benchmarks/e2e_ab.py [--dtypes bfloat16 float32] [--threads 2] [--rounds 5]
 """
@@ -25,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-MODES = ("dense", "predictor", "predictor_q4gu", "dense_xla_attention", "predictor_q4gu_qkv3")
+MODES = ("dense", "predictor", "predictor_q4gu", "dense_xla_attention", "predictor_q4gu_qkv3",
+         "dense_block1", "predictor_q4gu_block1")
 DEFAULT_MODES = ("dense", "predictor", "predictor_q4gu")
 
 
@@ -35,10 +37,12 @@ def build(name: str, ckpt, mode: str, dtype: str, target: float, max_seq_len: in
 
     label = {"dense_xla_attention": "dense", "predictor_q4gu_qkv3": "predictor_q4gu"}.get(mode,
                                                                                        mode)
+    label = label.removesuffix("_block1")
     return _common.build_mode(name, label, dtype=dtype, max_seq_len=max_seq_len, checkpoint=ckpt,
                               target=target,
                               decode_attention="xla" if mode == "dense_xla_attention" else "auto",
-                              fuse_qkv=mode != "predictor_q4gu_qkv3").engine
+                              fuse_qkv=mode != "predictor_q4gu_qkv3",
+                              **({"decode_block": 1} if mode.endswith("_block1") else {})).engine
 
 
 def main(argv=None) -> None:

@@ -43,6 +43,10 @@ CONFIGS = {
     "auto_bf16": ("bfloat16", "auto", ["--sparsity", "auto"]),
     "dense_f32": ("float32", "auto", ["--sparsity", "dense"]),
 }
+# the decode block's ablation (one decode step per executable call; not run by default)
+ABLATIONS = {f"{name}_block1": (dtype, weights, [*flags, "--decode-block", "1"])
+             for name, (dtype, weights, flags) in CONFIGS.items()
+             if name in ("dense_bf16", "pred_q4gu_bf16")}
 LLAMA_CONFIGS = {"llama_q4_1": "Q4_1", "llama_bf16": "BF16"}
 ISAS = ("native", "avx2")
 
@@ -254,7 +258,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--configs", default=",".join(list(LLAMA_CONFIGS) + list(CONFIGS)),
-                    help="comma list of " + ", ".join(list(LLAMA_CONFIGS) + list(CONFIGS)))
+                    help="comma list of " + ", ".join(list(LLAMA_CONFIGS) + list(CONFIGS)
+                                                      + list(ABLATIONS)))
     ap.add_argument("--isas", default=",".join(ISAS))
     ap.add_argument("--native-python", default=sys.executable)
     ap.add_argument("--avx2-python", default=os.environ.get("PIJ_AVX2_PYTHON"),
@@ -289,6 +294,7 @@ def main(argv=None) -> int:
                                                                  "dense"])
         CONFIGS["sparsified_q4gu_bf16"] = ("bfloat16", "auto", [
             "--model", d, "--sparsity", "predictor", "--gate-up", "q4", "--target-sparsity", t])
+    CONFIGS.update(ABLATIONS)
     configs = [c for c in args.configs.split(",") if c]
     for c in configs:
         if c not in CONFIGS and c not in LLAMA_CONFIGS:

@@ -39,6 +39,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help=f"KV cache length (default: min(model context, {DEFAULT_CONTEXT_CAP}))")
+    p.add_argument("--decode-block", type=int, default=RuntimeConfig.decode_block, metavar="N",
+                   help="decode steps per executable call: the call's fixed host cost is paid "
+                        "once per N tokens (1: a call per token; the server always steps one "
+                        "token at a time) (default: %(default)s)")
     p.add_argument("--devices", type=int, default=None, metavar="N",
                    help="tensor parallel over the first N devices: attention heads and FFN "
                         "neurons split across them (default: one device; on a CPU, "
@@ -120,7 +124,9 @@ def setup(args) -> int:
 def configs_from_args(args, **runtime_fields) -> tuple[RuntimeConfig, SparsityConfig]:
     runtime = RuntimeConfig(dtype=args.dtype, threads=args.threads, max_seq_len=args.max_seq_len,
                             kernels=args.kernels, weights=args.weights,
-                            devices=getattr(args, "devices", None), **runtime_fields)
+                            devices=getattr(args, "devices", None),
+                            decode_block=getattr(args, "decode_block", RuntimeConfig.decode_block),
+                            **runtime_fields)
     target = args.target_sparsity
     sparsity = SparsityConfig(mode=args.sparsity, threshold=args.threshold, impl=args.impl,
                               predictor=getattr(args, "predictor", "q4"), gate_up=args.gate_up,

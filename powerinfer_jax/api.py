@@ -136,7 +136,7 @@ class LLM:
         req, text = self._request(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                                   top_k=top_k, top_p=top_p, seed=seed, stop=stop, chat=chat,
                                   on_text=pieces.append)
-        sched = Scheduler(self.session.engine)
+        sched = Scheduler(self.session.engine, block=self.session.engine.decode_block)
         sched.add(req)
         done = False
         while not done:

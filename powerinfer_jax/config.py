@@ -210,6 +210,8 @@ class RuntimeConfig:
     # custom call; q, k, v as three linear calls instead of one linear_many call
     decode_attention: str = "auto"  # "auto" (the custom call with kernels ffi on CPU) | "xla"
     fuse_qkv: bool = True
+    # decode steps per executable call (runtime/decode.py DECODE_BLOCK; 1: a call per token)
+    decode_block: int = 4
     # "auto": a quantized file's matrices stay in its block format and are computed on as stored
     # (the custom calls on CPU; models/qweights.py); "dtype": dequantized to `dtype` at load
     weights: str = "auto"
@@ -228,6 +230,8 @@ class RuntimeConfig:
         _check_choice("--kernels", self.kernels, KERNELS)
         _check_choice("RuntimeConfig.decode_attention", self.decode_attention, ("auto", "xla"))
         _check_choice("--weights", self.weights, WEIGHTS)
+        _check(isinstance(self.decode_block, int) and 1 <= self.decode_block <= 64,
+               "--decode-block", "an integer in [1, 64]", self.decode_block)
         if self.threads is not None:
             _check_positive("--threads", self.threads)
         if self.max_seq_len is not None:

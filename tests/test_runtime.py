@@ -112,6 +112,35 @@ def test_lookahead_step_past_a_stop_is_discarded(model):
         assert eng.generate([1, 2, 3], max_new_tokens=budget).tokens == free.tokens[:budget]
 
 
+@pytest.mark.parametrize("block,dtype", [(2, "float32"), (3, "float32"), (4, "float32"),
+                                         (4, "bfloat16")])
+def test_a_block_of_steps_gives_the_tokens_of_single_steps(model, block, dtype):
+    """A decode call of `block` steps (a loop on the device; unrolled for a bf16 embedding table)
+    against one step per call: the same tokens greedy and sampled, in a batch whose sequences end
+    mid-block at different lengths, and up to the end of a short cache, where a block would pass
+    it and steps go one at a time."""
+    from powerinfer_jax.runtime.decode import Request
+
+    if dtype == "bfloat16":
+        model = nnx.merge(nnx.graphdef(model), jax.tree.map(
+            lambda x: x.astype(jnp.bfloat16) if x.ndim == 2 else x, nnx.state(model)))
+        assert model.tok_embed[...].dtype == jnp.bfloat16
+
+    sp = SamplingParams(temperature=0.9, top_k=5)
+    reqs = [Request([1, 2, 3], 9), Request([7, 8], 6, sp, seed=3), Request([4] * 5, 11, sp, seed=1),
+            Request(list(range(1, 16)), 17), Request(list(range(1, 15)), 18)]  # to the cache end
+    one = Engine(model, max_seq_len=32, max_batch=2, decode_block=1).run(reqs)
+    eng = Engine(model, max_seq_len=32, max_batch=2, decode_block=block)
+    many = eng.run(reqs)
+    assert [r.tokens for r in many] == [r.tokens for r in one]
+    assert [len(r.tokens) for r in many] == [9, 6, 11, 17, 18]
+    if block > 2:  # (two steps never pass the end of a cache that holds prompt + new tokens)
+        assert any(k[0] == "decode" and k[-1] == 1 for k in eng._executables)
+    assert any(k[0] == "decode" and k[-1] == block for k in eng._executables)
+    with pytest.raises(ValueError, match=r"decode_block: expected an integer in \[1, 64\]"):
+        Engine(model, max_seq_len=32, decode_block=0)
+
+
 def test_more_new_tokens_than_the_context_holds_is_an_error(model):
     """Issue 16: a prompt near the context limit used to get fewer new tokens than asked,
     silently; now the request is refused up front, naming both numbers and the fix."""

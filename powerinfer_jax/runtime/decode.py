@@ -9,9 +9,19 @@ and attends to a power-of-two prefix of the cache covering the furthest position
 once per (prefill bucket), (batch bucket, cache bucket) and sampling kind, never per step
 (`Engine.compile_count`).
 
-While the host reads step k's tokens, step k+1 is already dispatched on the device with k's
+A decode call runs a block of `decode_block` steps in one executable (each step's tokens feed the
+next on the device): the call's own cost on the host thread, about 0.9 ms for SmolLM2 (its ~340
+argument arrays and XLA's launch, measured with perf) whatever the step computes, is paid once per
+block, not per token, and on a 2-core machine that thread takes a core from the kernels less often. Every step
+keeps its own position and PRNG key, so a block gives the tokens single steps give. Tokens a block
+computes past a sequence's end (a stop token or string, or max_new_tokens reached mid-block) are
+discarded; near the end of the cache, where a block's positions would pass it, steps run one at a
+time. The Scheduler's `block` chooses (Engine.run and the API's stream: decode_block; the server:
+1, so that a new request joins after one step, not a block).
+
+While the host reads block k's tokens, block k+1 is already dispatched on the device with k's last
 tokens (they never leave the device for that): the jitted call's argument handling overlaps the
-running step. A step dispatched past a sequence's end is discarded for that sequence.
+running block. A block dispatched past a sequence's end is discarded for that sequence.
 """
 from __future__ import annotations
 
@@ -24,13 +34,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from powerinfer_jax.config import MAX_SEED, SamplingParams
+from powerinfer_jax.config import MAX_SEED, RuntimeConfig, SamplingParams
 from powerinfer_jax.errors import check, fail
 from powerinfer_jax.models.transformer import Transformer, init_cache
 from powerinfer_jax.runtime import sampling as smp
 
 _MIN_BUCKET = 16
 _MIN_KV_BUCKET = 128  # decode compiles at most log2(max_seq_len / 128) + 1 cache buckets
+# Decode steps per executable call (Engine.run; RuntimeConfig.decode_block). 4 and 8 decoded
+# SmolLM2 alike (+5-6% tok/s over single steps at 1 and 2 threads, Cascade Lake, a scratch loop
+# of the jitted steps); 4 wastes fewer steps past a stop token.
+DECODE_BLOCK = RuntimeConfig.decode_block
 
 
 def prefill_bucket(n: int, max_len: int, minimum: int = _MIN_BUCKET) -> int:
@@ -95,13 +109,17 @@ class _Live:
 class Engine:
     """The jitted steps of one built model over a cache of `max_batch` slots."""
 
-    def __init__(self, model: Transformer, *, max_seq_len: int, max_batch: int = 1):
+    def __init__(self, model: Transformer, *, max_seq_len: int, max_batch: int = 1,
+                 decode_block: int = DECODE_BLOCK):
         c = model.config
         check(isinstance(max_seq_len, int) and 0 < max_seq_len <= c.max_seq_len, "max_seq_len",
               f"1..{c.max_seq_len} (the model's context)", max_seq_len)
         check(isinstance(max_batch, int) and 0 < max_batch <= 256, "max_batch",
               "an integer in [1, 256]", max_batch)
+        check(isinstance(decode_block, int) and 0 < decode_block <= 64, "decode_block",
+              "an integer in [1, 64]", decode_block)
         self.config = c
+        self.decode_block = decode_block
         self.max_seq_len = max_seq_len
         self.max_batch = max_batch
         self.cache_dtype = model.dtype
@@ -134,15 +152,38 @@ class Engine:
             return tok[0], cache
 
         def decode(leaves, tokens_b, positions_b, cache, seeds_b, temp_b, top_k_b, top_p_b, *,
-                   kv_len, kind):
+                   kv_len, kind, steps):
             m = merged(leaves)
-            h, cache = m.hidden(tokens_b[:, None], positions_b[:, None], cache, positions_b,
-                                kv_len)
-            return smp.sample_rows(m.logits(h)[:, 0], smp.row_keys(seeds_b, positions_b), temp_b,
-                                   top_k_b, top_p_b, kind), cache
+
+            def step(i, toks, cache):
+                pos = positions_b + i
+                h, cache = m.hidden(toks[:, None], pos[:, None], cache, pos, kv_len)
+                return smp.sample_rows(m.logits(h)[:, 0], smp.row_keys(seeds_b, pos), temp_b,
+                                       top_k_b, top_p_b, kind), cache
+
+            if steps == 1 or m.tok_embed[...].dtype in (jnp.bfloat16, jnp.float16):
+                # Unrolled: XLA's CPU backend gathers from a 16-bit float table in f32 (a
+                # convert of the table fused with the slice); in a loop it hoisted that convert
+                # out of the body and wrote SmolLM2's whole bf16 table out as 113 MB of f32 on
+                # every call (decode 58 -> 39 tok/s). Unrolling costs compile time (SmolLM2:
+                # 1.3 s -> 5.2 s for 4 steps), so quantized and f32 tables take the loop.
+                out = []
+                for i in range(steps):
+                    tokens_b, cache = step(i, tokens_b, cache)
+                    out.append(tokens_b)
+                return jnp.stack(out), cache
+
+            def body(i, carry):
+                toks, cache, out = carry
+                toks, cache = step(i, toks, cache)
+                return toks, cache, out.at[i].set(toks)
+
+            out = jnp.zeros((steps,) + tokens_b.shape, jnp.int32)
+            _, cache, out = jax.lax.fori_loop(0, steps, body, (tokens_b, cache, out))
+            return out, cache
 
         self._prefill = jax.jit(prefill, static_argnames="kind", donate_argnames="cache")
-        self._decode = jax.jit(decode, static_argnames=("kv_len", "kind"),
+        self._decode = jax.jit(decode, static_argnames=("kv_len", "kind", "steps"),
                                donate_argnames="cache")
         self._set_token = jax.jit(lambda toks, i, t: toks.at[i].set(t))
 
@@ -178,10 +219,11 @@ class Engine:
                                       cache, arr((), u32), arr((), f32), arr((), i32),
                                       arr((), f32), kind=kind).compile()
         else:
-            _, b, kv_len, kind = key
+            _, b, kv_len, kind, steps = key
             exe = self._decode.lower(self._state, arr((b,), i32), arr((b,), i32), cache,
                                      arr((b,), u32), arr((b,), f32), arr((b,), i32),
-                                     arr((b,), f32), kv_len=kv_len, kind=kind).compile()
+                                     arr((b,), f32), kv_len=kv_len, kind=kind,
+                                     steps=steps).compile()
         self._executables[key] = exe
         self.compile_count += 1
         self.compile_s += time.perf_counter() - t0
@@ -189,6 +231,11 @@ class Engine:
 
     def kv_bucket(self, position: int) -> int:
         return prefill_bucket(position + 1, self.max_seq_len, _MIN_KV_BUCKET)
+
+    def block_at(self, position: int, block: int) -> int:
+        """Steps of the next decode call from `position` (the furthest live one): `block`, or 1
+        where the block's positions would pass the cache's end."""
+        return block if position + block <= self.max_seq_len else 1
 
     def batch_bucket(self, live_slots: int) -> int:
         return min(1 << max(live_slots - 1, 0).bit_length(), self.max_batch)
@@ -237,7 +284,7 @@ class Engine:
         for r in requests:
             self._check_request(r)
         results: list[GenerationResult | None] = [None] * len(requests)
-        scheduler = Scheduler(self)
+        scheduler = Scheduler(self, block=self.decode_block)
         queue = list(enumerate(requests))
         self._warm(requests)
         while queue or scheduler.live:
@@ -257,8 +304,12 @@ class Engine:
         n = len(r.prompt_ids)
         kind = smp.sampling_kind([r.sampling])
         self._executable(("prefill", prefill_bucket(n, self.max_seq_len), kind))
-        for kv in sorted({self.kv_bucket(n + s) for s in range(r.max_new_tokens - 1)}):
-            self._executable(("decode", 1, kv, kind))
+        position, made = n, 1  # the Scheduler's calls when no stop token comes first
+        while made < r.max_new_tokens:
+            steps = self.block_at(position, self.decode_block)
+            self._executable(("decode", 1, self.kv_bucket(position + steps - 1), kind, steps))
+            position += steps
+            made += steps
 
     # ------------------------------------------------------------------ low-level steps
     def cache(self):
@@ -288,13 +339,14 @@ class Engine:
                                np.uint32(r.seed), temp, top_k, top_p)
         return tok
 
-    def decode_step(self, tokens_b, positions_b: np.ndarray, seeds_b: np.ndarray, params):
-        """One decode step over slots [0, b): tokens_b [b] (device or host), positions [b];
-        returns the next tokens [b] (on the device)."""
+    def decode_step(self, tokens_b, positions_b: np.ndarray, seeds_b: np.ndarray, params,
+                    steps: int = 1):
+        """`steps` decode steps over slots [0, b): tokens_b [b] (device or host), positions [b]
+        (of each slot's first step); returns the next tokens [steps, b] (on the device)."""
         b = positions_b.shape[0]
         kind = smp.sampling_kind(params)
-        kv_len = self.kv_bucket(int(positions_b.max()))
-        exe = self._executable(("decode", b, kv_len, kind))
+        kv_len = self.kv_bucket(int(positions_b.max()) + steps - 1)
+        exe = self._executable(("decode", b, kv_len, kind, steps))
         temp, top_k, top_p = smp.rows(params)
         toks, self._cache = exe(self._state, tokens_b, positions_b.astype(np.int32),
                                 self.cache(), seeds_b.astype(np.uint32), temp, top_k, top_p)
@@ -306,14 +358,17 @@ _IDLE = SamplingParams()
 
 class Scheduler:
     """Continuous batching over an Engine's slots: `add` a request (prefilled at once into a free
-    slot), `step` advances every live sequence by one token and returns the ones that finished.
-    The server drives it from one thread; `Engine.run` drives it for a list of requests."""
+    slot), `step` advances every live sequence by up to `block` tokens (one decode call) and
+    returns the ones that finished. The server drives it from one thread (block 1); `Engine.run`
+    drives it for a list of requests (the engine's decode_block)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, block: int = 1):
+        check(isinstance(block, int) and 0 < block <= 64, "Scheduler block",
+              "an integer in [1, 64]", block)
         self.engine = engine
+        self.block = block
         self.slots: list[_Live | None] = [None] * engine.max_batch
-        self._pending = None  # (device tokens, positions, bucket) of a step dispatched ahead
-        self._tokens = None  # device tokens [b] the next step consumes
+        self._pending = None  # (device tokens [k, b], positions, bucket, k) of a call dispatched ahead
 
     @property
     def live(self) -> int:
@@ -339,8 +394,8 @@ class Scheduler:
         self.slots[slot] = None
 
     def step(self) -> list[tuple[object, GenerationResult]]:
-        """Advance every live sequence by one token: report each new token (on_token), and
-        return (tag, result) for the sequences that finished."""
+        """Advance every live sequence by one decode call (up to `block` tokens each): report
+        each new token (on_token), and return (tag, result) for the sequences that finished."""
         finished = []
         fresh = [s for s in self.slots if s is not None and not s.tokens]
         for s in fresh:  # prompts prefilled since the last step: their first token is known now
@@ -349,9 +404,10 @@ class Scheduler:
         if live:
             toks = self._dispatch(live, fresh)
             host = np.asarray(toks)  # the sync: streaming and stop checks need the values
-            for s in live:
-                if s.done is None and self.slots[s.slot] is s:
-                    self._accept(s, int(host[s.slot]))
+            for row in host:  # a sequence that stops mid-block ignores the rest
+                for s in live:
+                    if s.done is None and self.slots[s.slot] is s:
+                        self._accept(s, int(row[s.slot]))
         for i, s in enumerate(self.slots):
             if s is not None and s.done is not None:
                 self.slots[i] = None
@@ -359,10 +415,11 @@ class Scheduler:
         return finished
 
     def _dispatch(self, live, fresh):
-        """The device tokens of this step: the step dispatched ahead last time when it still
-        covers every live slot, else one dispatched now; then the next step is dispatched ahead."""
+        """The device tokens [k, b] of this call: the call dispatched ahead last time when it
+        still covers every live slot, else one dispatched now; then the next is dispatched ahead."""
         eng = self.engine
         b = eng.batch_bucket(max(s.slot for s in live) + 1)
+        k = eng.block_at(max(s.position for s in live), self.block)
         positions = np.zeros(b, np.int32)
         seeds = np.zeros(b, np.uint32)
         params = [_IDLE] * b
@@ -371,22 +428,24 @@ class Scheduler:
             seeds[s.slot] = s.request.seed
             params[s.slot] = s.request.sampling
         pending, self._pending = self._pending, None
-        if pending is not None and not fresh and pending[2] == b and all(
+        if pending is not None and not fresh and pending[2] == b and pending[3] == k and all(
                 pending[1][s.slot] == s.position for s in live):
             toks = pending[0]  # rows of slots that finished since are junk, never read
         else:
             base = np.zeros(b, np.int32)
             for s in live:
                 base[s.slot] = s.tokens[-1]
-            toks = eng.decode_step(base, positions, seeds, params)
-        # Step k+1 on step k's device tokens, before the host reads them, when every live sequence
-        # stays inside its budget (a sequence that stops meanwhile just wastes its row; free rows
-        # write junk at position 0, which a later prefill of the slot overwrites).
-        if all(len(s.tokens) + 1 < s.request.max_new_tokens for s in live):
+            toks = eng.decode_step(base, positions, seeds, params, k)
+        # The next call on this one's last device tokens, before the host reads them, when every
+        # live sequence needs tokens past this call (a sequence that stops meanwhile just wastes
+        # its row; free rows write junk at position 0, which a later prefill of the slot
+        # overwrites).
+        if all(len(s.tokens) + k < s.request.max_new_tokens for s in live):
             nxt = positions.copy()
             for s in live:
-                nxt[s.slot] = s.position + 1
-            self._pending = (eng.decode_step(toks, nxt, seeds, params), nxt, b)
+                nxt[s.slot] = s.position + k
+            k2 = eng.block_at(max(s.position for s in live) + k, self.block)
+            self._pending = (eng.decode_step(toks[-1], nxt, seeds, params, k2), nxt, b, k2)
         return toks
 
     def _accept(self, s: _Live, tok: int, first: bool = False) -> None:

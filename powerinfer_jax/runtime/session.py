@@ -39,7 +39,7 @@ class Session:
             from powerinfer_jax.runtime.decode import Engine
 
             self._engine = Engine(self.model, max_seq_len=kv_length(self.config, self.runtime),
-                                  max_batch=self.max_batch)
+                                  max_batch=self.max_batch, decode_block=self.runtime.decode_block)
         return self._engine
 
     @property
@@ -66,7 +66,7 @@ class Session:
                 "kernels": self.model.kernels, "max_seq_len": kv_length(self.config, self.runtime),
                 "weights": weight_formats(self.model), "auto": self.auto,
                 "placement": None if self.placement is None else self.placement.summary(),
-                "devices": self.runtime.devices}
+                "devices": self.runtime.devices, "decode_block": self.runtime.decode_block}
 
 
 def weight_formats(model) -> dict[str, int]:
