@@ -41,7 +41,8 @@ def load(model: str = DEFAULT_MODEL, *, dtype: str = "float32", sparsity: str = 
          threshold: float = 0.0, vram_budget: float | None = None, offload: str = "hybrid",
          threads: int | None = None, max_seq_len: int | None = None, max_batch: int = 1,
          kernels: str = "auto", weights: str = "auto", artifacts: str | None = None,
-         progress: bool = True, devices: int | None = None) -> "LLM":
+         progress: bool = True, devices: int | None = None,
+         decode_block: int = RuntimeConfig.decode_block) -> "LLM":
     """Load `model` (registry name, .gguf file or Hugging Face directory) ready to run.
 
     dtype: compute and weight dtype ("float32" or "bfloat16"). sparsity: a registered mode
@@ -54,11 +55,13 @@ def load(model: str = DEFAULT_MODEL, *, dtype: str = "float32", sparsity: str = 
     and computes on them; "dtype" dequantizes them to `dtype`. artifacts: where the sparsity
     artifacts live (default: next to the model). devices: tensor parallel over the first N
     devices (attention heads and FFN neurons split, runtime/mesh.py); None: one device.
+    decode_block: decode steps per executable call (generate and stream; runtime/decode.py).
     """
     from powerinfer_jax.runtime.session import build
 
     runtime = RuntimeConfig(dtype=dtype, threads=threads, max_seq_len=max_seq_len,
-                            kernels=kernels, weights=weights, devices=devices)
+                            kernels=kernels, weights=weights, devices=devices,
+                            decode_block=decode_block)
     sp = SparsityConfig(mode=sparsity, threshold=float(threshold), predictor=predictor,
                         gate_up=gate_up,
                         target_sparsity=None if target_sparsity is None else float(target_sparsity))

@@ -170,6 +170,8 @@ def test_prefill_bucket():
     ("temperature", -1.0, "--temperature"),
     ("top_p", 0.0, r"--top-p: expected a float in \(0, 1\]"),
     ("threads", 0, "--threads: expected a positive integer, got 0"),
+    ("decode_block", 0, r"--decode-block: expected an integer in \[1, 64\], got 0"),
+    ("decode_block", 2.0, r"--decode-block: expected an integer in \[1, 64\], got 2\.0"),
 ])
 def test_runtime_config_rejects_bad_values(field, value, match):
     with pytest.raises(ValueError, match=match):
