@@ -33,6 +33,7 @@ DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CONTEXT_CAP = 2048  # KV cache slots unless max_seq_len says otherwise
 DEFAULT_TARGET_SPARSITY = 0.5  # threshold/predictor modes without a target
 MAX_SEED = 2 ** 32 - 1  # seeds are folded into a 32-bit PRNG key
+MAX_DECODE_BLOCK = 64  # decode steps per executable call (RuntimeConfig.decode_block), at most
 
 
 def sparsity_modes() -> tuple[str, ...]:
@@ -198,6 +199,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def check_decode_block(name: str, value) -> None:
+    """A number of decode steps per executable call: an integer in [1, MAX_DECODE_BLOCK]."""
+    _check(isinstance(value, int) and 1 <= value <= MAX_DECODE_BLOCK, name,
+           f"an integer in [1, {MAX_DECODE_BLOCK}]", value)
+
+
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
     """Settings of one generation run."""
@@ -230,8 +237,7 @@ class RuntimeConfig:
         _check_choice("--kernels", self.kernels, KERNELS)
         _check_choice("RuntimeConfig.decode_attention", self.decode_attention, ("auto", "xla"))
         _check_choice("--weights", self.weights, WEIGHTS)
-        _check(isinstance(self.decode_block, int) and 1 <= self.decode_block <= 64,
-               "--decode-block", "an integer in [1, 64]", self.decode_block)
+        check_decode_block("--decode-block", self.decode_block)
         if self.threads is not None:
             _check_positive("--threads", self.threads)
         if self.max_seq_len is not None:

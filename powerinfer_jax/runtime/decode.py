@@ -12,8 +12,9 @@ once per (prefill bucket), (batch bucket, cache bucket) and sampling kind, never
 A decode call runs a block of `decode_block` steps in one executable (each step's tokens feed the
 next on the device): the call's own cost on the host thread, about 0.9 ms for SmolLM2 (its ~340
 argument arrays and XLA's launch, measured with perf) whatever the step computes, is paid once per
-block, not per token, and on a 2-core machine that thread takes a core from the kernels less often. Every step
-keeps its own position and PRNG key, so a block gives the tokens single steps give. Tokens a block
+block, not per token, and on a 2-core machine that thread takes a core from the kernels less
+often. Every step keeps its own position and PRNG key, so a block gives the tokens single steps
+give. Tokens a block
 computes past a sequence's end (a stop token or string, or max_new_tokens reached mid-block) are
 discarded; near the end of the cache, where a block's positions would pass it, steps run one at a
 time. The Scheduler's `block` chooses (Engine.run and the API's stream: decode_block; the server:
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from powerinfer_jax.config import MAX_SEED, RuntimeConfig, SamplingParams
+from powerinfer_jax.config import MAX_SEED, RuntimeConfig, SamplingParams, check_decode_block
 from powerinfer_jax.errors import check, fail
 from powerinfer_jax.models.transformer import Transformer, init_cache
 from powerinfer_jax.runtime import sampling as smp
@@ -116,8 +117,7 @@ class Engine:
               f"1..{c.max_seq_len} (the model's context)", max_seq_len)
         check(isinstance(max_batch, int) and 0 < max_batch <= 256, "max_batch",
               "an integer in [1, 256]", max_batch)
-        check(isinstance(decode_block, int) and 0 < decode_block <= 64, "decode_block",
-              "an integer in [1, 64]", decode_block)
+        check_decode_block("decode_block", decode_block)
         self.config = c
         self.decode_block = decode_block
         self.max_seq_len = max_seq_len
@@ -363,12 +363,12 @@ class Scheduler:
     drives it for a list of requests (the engine's decode_block)."""
 
     def __init__(self, engine: Engine, block: int = 1):
-        check(isinstance(block, int) and 0 < block <= 64, "Scheduler block",
-              "an integer in [1, 64]", block)
+        check_decode_block("Scheduler block", block)
         self.engine = engine
         self.block = block
         self.slots: list[_Live | None] = [None] * engine.max_batch
-        self._pending = None  # (device tokens [k, b], positions, bucket, k) of a call dispatched ahead
+        # (device tokens [k, b], positions, bucket, k) of a call dispatched ahead
+        self._pending = None
 
     @property
     def live(self) -> int:
@@ -419,7 +419,8 @@ class Scheduler:
         still covers every live slot, else one dispatched now; then the next is dispatched ahead."""
         eng = self.engine
         b = eng.batch_bucket(max(s.slot for s in live) + 1)
-        k = eng.block_at(max(s.position for s in live), self.block)
+        furthest = max(s.position for s in live)
+        k = eng.block_at(furthest, self.block)
         positions = np.zeros(b, np.int32)
         seeds = np.zeros(b, np.uint32)
         params = [_IDLE] * b
@@ -444,7 +445,7 @@ class Scheduler:
             nxt = positions.copy()
             for s in live:
                 nxt[s.slot] = s.position + k
-            k2 = eng.block_at(max(s.position for s in live) + k, self.block)
+            k2 = eng.block_at(furthest + k, self.block)
             self._pending = (eng.decode_step(toks[-1], nxt, seeds, params, k2), nxt, b, k2)
         return toks
 
