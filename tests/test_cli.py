@@ -102,6 +102,7 @@ def test_bench_appends_a_row(tiny_dir, tmp_path, capsys):
     (["--prompt", "the fox " * 200, "--max-seq-len", "64"], r"prompt: expected fewer than 64 tokens"),
     (["--prompt", "x", "--max-seq-len", "100000"], r"--max-seq-len: expected at most 128"),
     (["--prompt", "x", "--temperature", "-1"], "--temperature: expected a finite float >= 0"),
+    (["--prompt", "x", "--decode-block", "65"], r"--decode-block: expected an integer in \[1, 64\]"),
 ])
 def test_generate_user_errors(tiny_dir, argv, match):
     with pytest.raises(ValueError, match=match):

@@ -139,6 +139,11 @@ def test_a_block_of_steps_gives_the_tokens_of_single_steps(model, block, dtype):
     assert any(k[0] == "decode" and k[-1] == block for k in eng._executables)
     with pytest.raises(ValueError, match=r"decode_block: expected an integer in \[1, 64\]"):
         Engine(model, max_seq_len=32, decode_block=0)
+    from powerinfer_jax.runtime.decode import Scheduler
+
+    with pytest.raises(ValueError, match=r"Scheduler block: expected an integer in \[1, 64\], "
+                                         r"got 65"):
+        Scheduler(eng, block=65)
 
 
 def test_more_new_tokens_than_the_context_holds_is_an_error(model):
