@@ -174,8 +174,12 @@ void AccumulateDown(const QFfnWeights& w, std::span<const int32_t> neurons,
         for (size_t i = 0, j; i < neurons.size(); i = j) {
           const int32_t g = neurons[i] / 32;
           for (j = i; j < neurons.size() && neurons[j] / 32 == g; ++j) lanes[j - i] = neurons[j] % 32;
-          qkern::AxpyGroup<F>(w.down + g * group_bytes, w.dim / 32, lanes, coef.data() + i,
-                              static_cast<int>(j - i), y);
+          const uint8_t* group = w.down + g * group_bytes;
+          if constexpr (DownGroupPairs(F::kType)) {
+            qkern::AxpyPairs<F>(group, w.dim / 32, lanes, coef.data() + i, static_cast<int>(j - i), y);
+          } else {
+            qkern::AxpyGroup<F>(group, w.dim / 32, lanes, coef.data() + i, static_cast<int>(j - i), y);
+          }
         }
       }
     });
@@ -205,14 +209,15 @@ void RunPiece(const QFfnWeights& w, std::span<const float* const> score_rows,
               int32_t* counts) {
   const int64_t dim = w.dim;
   const bool oracle = p.criterion == Criterion::kOracle;
-  // What one active neuron's down sum reads: its row, or in groups its quant row (the group's
-  // scale planes are requested with its first active neuron).
+  // What one active neuron's down sum reads: its row, or in groups its quant row or its pair's
+  // (the group's scale planes are requested with its first active neuron).
   const int64_t block_bytes = GetQTypeInfo(w.down_type).bytes;
   const int64_t block_scale = w.down_groups ? DownGroupScaleBytes(w.down_type) : 0;
   const int64_t scale_bytes = block_scale * dim;  // a group's scale planes
-  const int64_t down_bytes = w.down_groups ? dim / 32 * (block_bytes - block_scale)
+  const bool pairs = w.down_groups && DownGroupPairs(w.down_type);
+  const int64_t down_bytes = w.down_groups ? dim / 32 * (block_bytes - block_scale) * (pairs ? 2 : 1)
                                            : QRowBytes(w.down_type, dim);
-  int32_t last_group = -1;
+  int32_t last_group = -1, last_row = -1;
   std::fill_n(out, ntok * dim, 0.0f);
   std::fill_n(counts, ntok, 0);
   if (static_cast<int64_t>(piece.active.size()) < ntok) {
@@ -262,7 +267,9 @@ void RunPiece(const QFfnWeights& w, std::span<const float* const> score_rows,
       const uint8_t* group = w.down + (block[j] / 32) * dim * block_bytes;
       if (block[j] / 32 != last_group) PrefetchL2(group, scale_bytes);
       last_group = block[j] / 32;
-      PrefetchL2(group + scale_bytes + (block[j] % 32) * down_bytes, down_bytes);
+      const int32_t row = pairs ? block[j] / 2 : block[j];  // (a pair's row is requested once)
+      if (row != last_row) PrefetchL2(group + scale_bytes + (row % (pairs ? 16 : 32)) * down_bytes, down_bytes);
+      last_row = row;
     }
   }
   // Each token's rows summed alone, in id order (the same calls whatever the batch).
@@ -335,11 +342,13 @@ void QSparseFfn(const QFfnWeights& w, std::span<const float* const> x_rows,
   // the same pieces and order whatever other tokens share the call: batched decoding gives each
   // sequence the bits it gets alone.
   const int64_t pieces = NumPieces(w.num_neurons);
-  // cand_ends[k]: the candidates before piece k + 1's first neuron id
+  // cand_ends[k]: the candidates before piece k + 1's first neuron id. Down groups end pieces
+  // at a group's end (F is a multiple of 32): a group's coefs are rounded together (AxpyPairs).
   std::vector<int64_t>& cand_ends = s.cand_ends;
   cand_ends.resize(pieces);
+  const int64_t align = w.down_groups ? 32 : 1;
   for (int64_t k = 0; k < pieces; ++k) {
-    const int64_t last = w.num_neurons * (k + 1) / pieces;
+    const int64_t last = (w.num_neurons / align) * (k + 1) / pieces * align;
     cand_ends[k] = std::lower_bound(cands.begin(), cands.end(), last) - cands.begin();
   }
   // Each thread takes a run of consecutive pieces (with about its share of the candidates): its

@@ -70,6 +70,10 @@ constexpr int64_t DownGroupScaleBytes(QType t) {
   }
 }
 
+// Whether a format's down groups hold neuron pairs (AxpyPairs) rather than neuron rows
+// (AxpyGroup): the 4-bit formats, whose codes fit an int16 sum of 8-bit products.
+constexpr bool DownGroupPairs(QType t) { return t == QType::kQ4_0 || t == QType::kQ4_1; }
+
 namespace qfmt {
 
 using qsimd::F32x8;

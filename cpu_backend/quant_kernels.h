@@ -9,8 +9,10 @@
 #ifndef PIJ_CPU_BACKEND_QUANT_KERNELS_H_
 #define PIJ_CPU_BACKEND_QUANT_KERNELS_H_
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "cpu_backend/quant_act.h"
 #include "cpu_backend/quant_formats.h"
@@ -485,6 +487,148 @@ inline void AxpyGroup(const uint8_t* group, int64_t nchunks, const int32_t* lane
     }
   }
 #endif
+}
+
+// Down groups of the 4-bit formats (DownGroupPairs): the scale planes, then 16 rows of neuron
+// pairs, each D / 32 chunks of 32 bytes; byte k of chunk c holds the codes of neuron 2p + k % 2
+// at d = 32c + k / 2 (low nibble) and d = 32c + 16 + k / 2 (high nibble) (checkpoint/quants.py).
+// The n coefs are quantized to int8 with one scale per group, da = max |coef| / 127 (what the
+// dense down matvec does to its input per 32 neurons), and per d
+//   y[d] += (s[d] * da) * sum_k q_k[d] * aq_k + m[d] * (da * sum_k aq_k)   (Q4_0: m = -8 s)
+// the integer sum exact: a pair's two products in one int16 (vpmaddubsw), at most 8 pairs per
+// int16 sum (8 * 2 * 15 * 127 < 2^15), then int32. Pairs whose two coefs are 0 are not read.
+// Where float AxpyGroup spends 3-4 vector ops per 8 or 16 weights of one neuron, this spends
+// about 8 per 64 weights of two. A non-finite coef makes the group's terms NaN, as a float sum
+// with it would be non-finite. Every d goes through the same two FMAs in every build.
+template <class F>
+inline void AxpyPairs(const uint8_t* group, int64_t nchunks, const int32_t* lanes,
+                      const float* coef, int n, float* y) {
+  static_assert(DownGroupPairs(F::kType), "pair rows hold the 4-bit formats");
+  constexpr int kScale = static_cast<int>(DownGroupScaleBytes(F::kType));
+  constexpr int kPairRuns = 8;  // pairs per int16 sum
+  const int64_t dim = 32 * nchunks;
+  const uint8_t* rows = group + kScale * dim;  // pair p's row at rows + p * dim
+  float amax = 0.0f;
+  bool finite = true;
+  for (int k = 0; k < n; ++k) {
+    amax = std::max(amax, std::fabs(coef[k]));
+    finite = finite && std::isfinite(coef[k]);
+  }
+  if (!finite) {
+    for (int64_t d = 0; d < dim; ++d) y[d] += std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  if (amax == 0.0f) return;
+  // As QuantizeBlock (quant_act.cc) rounds activations, and the reference's round_activations.
+  const float da = amax / 127.0f;
+  const float id = 1.0f / da;
+  int8_t aq[32] = {};
+  int32_t q_sum = 0;
+  for (int k = 0; k < n; ++k) {
+    const int8_t q = static_cast<int8_t>(std::clamp(std::nearbyint(coef[k] * id), -127.0f, 127.0f));
+    aq[lanes[k]] = q;
+    q_sum += q;
+  }
+  const float coef_sum = da * static_cast<float>(q_sum);  // the rounded coefs' sum
+  int32_t pair_row[16];  // the read pairs' row offsets
+  int16_t pair_act[16];  // their two 8-bit coefs as one int16 (low byte: the even neuron)
+  int np = 0;
+  for (int p = 0; p < 16; ++p) {
+    if ((aq[2 * p] | aq[2 * p + 1]) == 0) continue;
+    pair_row[np] = static_cast<int32_t>(p * dim);
+    pair_act[np++] = static_cast<int16_t>(static_cast<uint8_t>(aq[2 * p]) |
+                                          (static_cast<uint16_t>(static_cast<uint8_t>(aq[2 * p + 1])) << 8));
+  }
+  const auto scale_at = [&](int64_t d) { return qsimd::HalfAt(group + 2 * d) * da; };
+  const auto min_at = [&](int64_t d) {
+    return kScale == 4 ? qsimd::HalfAt(group + 2 * dim + 2 * d)
+                       : qsimd::HalfAt(group + 2 * d) * F::kMinPerScale;
+  };
+  int64_t c = 0;
+#if defined(PIJ_QSIMD_AVX512)
+  {  // two chunks per 64-byte load
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const __m512 da16 = _mm512_set1_ps(da), sum16 = _mm512_set1_ps(coef_sum);
+    for (; c + 2 <= nchunks; c += 2) {
+      // [c, d 0-15], [c + 1, d 0-15], [c, d 16-31], [c + 1, d 16-31]
+      __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                        _mm512_setzero_si512()};
+      for (int j0 = 0; j0 < np; j0 += kPairRuns) {
+        __m512i lo16 = _mm512_setzero_si512(), hi16 = _mm512_setzero_si512();
+        for (int j = j0; j < std::min(np, j0 + kPairRuns); ++j) {
+          const __m512i b = _mm512_loadu_si512(rows + pair_row[j] + 32 * c);
+          const __m512i a = _mm512_set1_epi16(pair_act[j]);
+          lo16 = _mm512_add_epi16(lo16, _mm512_maddubs_epi16(_mm512_and_si512(b, low4), a));
+          hi16 = _mm512_add_epi16(
+              hi16, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(b, 4), low4), a));
+        }
+        acc[0] = _mm512_add_epi32(acc[0], _mm512_cvtepi16_epi32(_mm512_castsi512_si256(lo16)));
+        acc[1] = _mm512_add_epi32(acc[1], _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(lo16, 1)));
+        acc[2] = _mm512_add_epi32(acc[2], _mm512_cvtepi16_epi32(_mm512_castsi512_si256(hi16)));
+        acc[3] = _mm512_add_epi32(acc[3], _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(hi16, 1)));
+      }
+      constexpr int kOffset[4] = {0, 32, 16, 48};
+      for (int q = 0; q < 4; ++q) {
+        const int64_t d0 = 32 * c + kOffset[q];
+        const __m512 s = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 2 * d0)));
+        __m512 yv = _mm512_fmadd_ps(_mm512_mul_ps(s, da16), _mm512_cvtepi32_ps(acc[q]),
+                                    _mm512_loadu_ps(y + d0));
+        const __m512 m = kScale == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                           reinterpret_cast<const __m256i*>(group + 2 * dim + 2 * d0)))
+                                     : _mm512_mul_ps(s, _mm512_set1_ps(F::kMinPerScale));
+        _mm512_storeu_ps(y + d0, _mm512_fmadd_ps(m, sum16, yv));
+      }
+    }
+  }
+#endif
+#if defined(PIJ_QSIMD_AVX2)
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  for (; c < nchunks; ++c) {
+    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                      _mm256_setzero_si256()};  // d 0-7, 8-15, 16-23, 24-31 of the chunk
+    for (int j0 = 0; j0 < np; j0 += kPairRuns) {
+      __m256i lo16 = _mm256_setzero_si256(), hi16 = _mm256_setzero_si256();
+      for (int j = j0; j < std::min(np, j0 + kPairRuns); ++j) {
+        const __m256i b = qsimd::Load32(rows + pair_row[j] + 32 * c);
+        const __m256i a = _mm256_set1_epi16(pair_act[j]);
+        lo16 = _mm256_add_epi16(lo16, _mm256_maddubs_epi16(_mm256_and_si256(b, low4), a));
+        hi16 = _mm256_add_epi16(
+            hi16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), low4), a));
+      }
+      acc[0] = _mm256_add_epi32(acc[0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo16)));
+      acc[1] = _mm256_add_epi32(acc[1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo16, 1)));
+      acc[2] = _mm256_add_epi32(acc[2], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi16)));
+      acc[3] = _mm256_add_epi32(acc[3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi16, 1)));
+    }
+    for (int q = 0; q < 4; ++q) {
+      const int64_t d0 = 32 * c + 8 * q;
+      const F32x8 s = qsimd::HalvesToF32(group + 2 * d0);
+      const F32x8 yv = qsimd::MulAdd(qsimd::Mul(s, qsimd::Set1(da)), qsimd::ToF32(acc[q]),
+                                     qsimd::Load(y + d0));
+      const F32x8 m = kScale == 4 ? qsimd::HalvesToF32(group + 2 * dim + 2 * d0)
+                                  : qsimd::Mul(s, qsimd::Set1(F::kMinPerScale));
+      qsimd::Store(y + d0, qsimd::MulAdd(m, qsimd::Set1(coef_sum), yv));
+    }
+  }
+#else
+  for (; c < nchunks; ++c) {
+    for (int e = 0; e < 32; ++e) {  // d = 32c + e: bytes 2 (e % 16), + 1 of each pair's chunk
+      const int64_t d = 32 * c + e;
+      const int shift = e < 16 ? 0 : 4;  // low nibbles for d 0-15, high for 16-31
+      int32_t acc = 0;
+      for (int j = 0; j < np; ++j) {
+        const uint8_t* b = rows + pair_row[j] + 32 * c + 2 * (e % 16);
+        const auto a0 = static_cast<int8_t>(pair_act[j] & 0xff);
+        const auto a1 = static_cast<int8_t>((pair_act[j] >> 8) & 0xff);
+        acc += ((b[0] >> shift) & 15) * a0 + ((b[1] >> shift) & 15) * a1;
+      }
+      y[d] = std::fma(min_at(d), coef_sum, std::fma(scale_at(d), static_cast<float>(acc), y[d]));
+    }
+  }
+#endif
+  (void)scale_at;
+  (void)min_at;
 }
 
 // Tokens per DotTile in the multi-token kernels.

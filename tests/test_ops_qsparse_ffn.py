@@ -351,7 +351,9 @@ def test_down_groups_round_trip_and_dequantize_as_the_file():
 @pytest.mark.parametrize("t", [1, 3, 17])
 def test_down_groups_match_the_file_down(dn, t):
     """Groups vs the reference on the file's own down blocks (dequantized, transposed): the
-    same y up to float sum order, the same counts; oracle and scores."""
+    same y up to float sum order, the same counts; oracle and scores. The 4-bit formats' pair
+    rows sum 8-bit coefs (rounded per group of 32 neurons, as a dense down matvec rounds its
+    input), the others float coefs."""
     x, w, file_down, rng = grouped(30 + t, "Q4_1", dn, t=t)
     d, f = 160, 96
     thr = gap_threshold(activations(x, w))
@@ -360,7 +362,10 @@ def test_down_groups_match_the_file_down(dn, t):
     dense_down = quants.dequantize(file_down, dn).T  # [F, D]
     a = activations(x, w)
     on = np.abs(a) > thr
-    want = np.where(on, a, 0.0) @ dense_down + w["b_down"]
+    coef = np.where(on, a, 0.0)
+    if dn in quants.DOWN_PAIR_TYPES:
+        coef = np.asarray(reference.round_activations(coef, 32))
+    want = coef @ dense_down + w["b_down"]
     _close(y, want)
     np.testing.assert_array_equal(np.asarray(n), on.sum(-1))
     y_ref, n_ref = ops.qsparse_ffn(x, w["up"], w["down"], threshold=thr, down_layout="groups",
@@ -404,3 +409,19 @@ def test_down_groups_bad_input():
         _ffi.qsparse_ffn(x, w["up"], w["down"], down_qtype="Q6_K", down_layout="groups",
                          up_qtype="Q4_1", gate=None, gate_qtype="Q4_1", b_up=None, b_down=None,
                          scores=None, threshold=0.0, activation="silu", criterion="oracle")
+
+
+@pytest.mark.parametrize("dn", quants.DOWN_PAIR_TYPES)
+def test_down_pairs_nan_input_reaches_only_its_token(dn):
+    """A token whose input holds a NaN gets a non-finite y through the pair rows' 8-bit coefs
+    (never a silently finite one), as the reference does; the other tokens are unchanged."""
+    x, w, _, _ = grouped(60, "Q4_1", dn, t=3)
+    kw = {k: v for k, v in w.items() if k not in ("up", "down")}
+    bad = x.at[1, 7].set(jnp.nan)
+    y, _ = ops.qsparse_ffn(bad, w["up"], w["down"], threshold=0.0, down_layout="groups", **kw)
+    clean, _ = ops.qsparse_ffn(x, w["up"], w["down"], threshold=0.0, down_layout="groups", **kw)
+    y_ref, _ = ops.qsparse_ffn(bad, w["up"], w["down"], threshold=0.0, down_layout="groups",
+                               impl="reference", **kw)
+    y, clean, y_ref = np.asarray(y), np.asarray(clean), np.asarray(y_ref)
+    assert not np.isfinite(y[1]).any() and not np.isfinite(y_ref[1]).any()
+    np.testing.assert_array_equal(y[[0, 2]], clean[[0, 2]])

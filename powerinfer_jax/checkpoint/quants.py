@@ -138,11 +138,18 @@ F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0"
 # weights within about +-scale, like a real checkpoint's.
 # Down groups: a GGUF ffn_down [D, F] (blocked along F) holds one block per 32 neurons at each row
 # d; group g keeps the D blocks of neurons 32g .. 32g + 31 unchanged in value, rearranged so that a
-# neuron's weights lie together (cpu_backend/quant_kernels.h AxpyGroup, the kernel that reads
-# them): the blocks' scale fields as planes over D ([D] f16 d, then [D] f16 m for Q4_1 / Q5_1),
-# then 32 neuron rows, each D / 32 runs of the block's quant bytes for 32 consecutive d, packed
-# as the format packs a block. D * block bytes per group: the file's size, nothing re-quantized.
+# neuron's weights lie together (cpu_backend/quant_kernels.h AxpyGroup / AxpyPairs, the kernels
+# that read them): the blocks' scale fields as planes over D ([D] f16 d, then [D] f16 m for Q4_1 /
+# Q5_1), then the quant bytes:
+#   Q5_0, Q5_1, Q8_0: 32 neuron rows, each D / 32 runs of the block's quant bytes for 32
+#     consecutive d, packed as the format packs a block;
+#   Q4_0, Q4_1 (DOWN_PAIR_TYPES): 16 rows of neuron pairs (2p, 2p + 1), each D / 32 runs of 32
+#     bytes for 32 consecutive d: byte k holds the 4-bit codes of neuron 2p + k % 2 at d = k // 2
+#     (low nibble) and at d = 16 + k // 2 (high nibble), so one 32-byte load gives, per d, the two
+#     neurons' codes side by side for an integer multiply-add with their 8-bit activations.
+# D * block bytes per group: the file's size, nothing re-quantized.
 DOWN_GROUP_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+DOWN_PAIR_TYPES = ("Q4_0", "Q4_1")
 _SCALE_BYTES = {"Q4_0": 2, "Q5_0": 2, "Q8_0": 2, "Q4_1": 4, "Q5_1": 4}
 
 
@@ -188,7 +195,12 @@ def down_groups(blocks: np.ndarray, qtype: str, d: int, f: int) -> np.ndarray:
     b = b.reshape(d, g, nb)
     planes = b[:, :, :sb].reshape(d, g, sb // 2, 2).transpose(1, 2, 0, 3).reshape(g, sb * d)
     codes = _unpack_quants(b[:, :, sb:], qtype).transpose(1, 2, 0)  # [G, 32 neurons, D]
-    rows = _pack_quants(codes.reshape(g, 32, d // 32, 32), qtype).reshape(g, -1)
+    if qtype in DOWN_PAIR_TYPES:
+        # [G, pair, neuron of pair, chunk, half, d in half] -> [G, pair, chunk, d in half, neuron]
+        c = codes.reshape(g, 16, 2, d // 32, 2, 16).transpose(0, 1, 3, 4, 5, 2)
+        rows = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(g, -1)
+    else:
+        rows = _pack_quants(codes.reshape(g, 32, d // 32, 32), qtype).reshape(g, -1)
     return np.concatenate([planes, rows], axis=1)
 
 
@@ -200,7 +212,12 @@ def down_groups_to_file(groups: np.ndarray, qtype: str, d: int, f: int) -> np.nd
     if b.shape != (g, d * nb):
         fail(f"down groups ({qtype}, D={d}, F={f})", f"uint8 {(g, d * nb)}", b.shape)
     planes = b[:, :sb * d].reshape(g, sb // 2, d, 2).transpose(2, 0, 1, 3).reshape(d, g, sb)
-    codes = _unpack_quants(b[:, sb * d:].reshape(g, 32, d // 32, nb - sb), qtype)
+    if qtype in DOWN_PAIR_TYPES:
+        pairs = b[:, sb * d:].reshape(g, 16, d // 32, 16, 2)  # [G, pair, chunk, d in half, neuron]
+        c = np.stack([pairs & 15, pairs >> 4], axis=3)  # [G, pair, chunk, half, d in half, neuron]
+        codes = c.transpose(0, 1, 5, 2, 3, 4)  # [G, pair, neuron, chunk, half, d in half]
+    else:
+        codes = _unpack_quants(b[:, sb * d:].reshape(g, 32, d // 32, nb - sb), qtype)
     quant = _pack_quants(codes.reshape(g, 32, d).transpose(2, 0, 1), qtype)  # [D, G, bytes]
     return np.concatenate([planes, quant], axis=2).reshape(d, g * nb)
 

@@ -171,7 +171,10 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
                                    down)
     else:
         w_down = dequantize_blocks(down, down_qtype, d)
-    y = jnp.einsum("...F,FD->...D", jnp.where(mask_tf, act_tf, 0.0), w_down, precision=_HIGHEST)
+    coef_tf = jnp.where(mask_tf, act_tf, 0.0)
+    if down_layout == "groups" and down_qtype in quants.DOWN_PAIR_TYPES:
+        coef_tf = round_activations(coef_tf, 32)  # 8-bit coefs per group (AxpyPairs)
+    y = jnp.einsum("...F,FD->...D", coef_tf, w_down, precision=_HIGHEST)
     if b_down is not None:
         y = y + jnp.asarray(b_down, jnp.float32)
     return y, jnp.sum(mask_tf, axis=-1, dtype=jnp.int32)
