@@ -4,6 +4,7 @@ Everything is seeded, small (vocab 300, D=64) and fast (< 1 s to build).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -34,6 +35,17 @@ def real_gguf_path() -> Path | None:
 
     p = model_path("smollm2-135m")
     return p if p.is_file() and p.stat().st_size == KNOWN_MODELS["smollm2-135m"].size else None
+
+
+@functools.cache
+def hf_smollm2(path: Path):
+    """transformers' own model of the GGUF at `path` (it dequantizes the file to float32 itself):
+    loaded once per session, ~25 s on 2 cores, and only read by the tests that compare with it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                torch_dtype=torch.float32).eval()
 
 
 def tiny_llama_config(**changes) -> ModelConfig:

@@ -206,7 +206,7 @@ def test_real_smollm2_matches_transformers(tmp_path):
     if path is None:
         pytest.skip("no SmolLM2 GGUF: set PIJ_TEST_GGUF or fetch smollm2-135m into the cache")
     pytest.importorskip("torch")
-    from transformers import AutoModelForCausalLM
+    from helpers_models import hf_smollm2
 
     ck = load_checkpoint(path)
     c = ck.config
@@ -214,7 +214,7 @@ def test_real_smollm2_matches_transformers(tmp_path):
     assert (c.tie_embeddings, c.max_seq_len, c.rope_theta, c.eos_token_ids) == (True, 8192, 100000.0, (2,))
     kept = load_checkpoint(path, keep_quantized=True).params
     assert kept["layers.0.attn.q.weight"].qtype == "Q4_1" and kept["tok_embed"].qtype == "Q8_0"
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    model = hf_smollm2(path)
     for hf_name, value in model.state_dict().items():
         if hf_name == "lm_head.weight":  # tied
             continue
