@@ -631,6 +631,80 @@ inline void AxpyPairs(const uint8_t* group, int64_t nchunks, const int32_t* lane
   (void)min_at;
 }
 
+// Neuron rows of the 4-bit formats (DownGroupPairs types), n <= 32 rows of one group of 32
+// neuron ids, as AxpyRows sums them but in integers: per block b the coefs times the rows'
+// scales, c_k = coef_k * s_k(b), are rounded to int8 together (scale max |c| / 127), and per e
+//   y[32b + e] += scale * sum_k cq_k * q_k[32b + e] + sum_k coef_k * m_k(b)   (Q4_0: m = -8 s)
+// with two rows' codes interleaved per e (vpunpcklbw / vpunpckhbw) into one vpmaddubsw, the sum
+// exact in int16 (8 pairs at most, as AxpyPairs) and int32. A non-finite c makes the block's y
+// NaN. Every e goes through the same FMA and add in every build.
+template <class F>
+inline void AxpyRowPairs(const uint8_t* const* rows, const float* coef, int n, int64_t nblocks,
+                         float* y) {
+  static_assert(DownGroupPairs(F::kType), "row pairs hold the 4-bit formats");
+  constexpr int kQuants = F::kType == QType::kQ4_1 ? 4 : 2;  // the quants' offset in a block
+  constexpr int kPairRuns = 8;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    float c[32];
+    float msum = 0.0f, amax = 0.0f;
+    bool finite = true;
+    for (int k = 0; k < n; ++k) {
+      typename F::Prep p;
+      F::Prepare(rows[k] + b * F::kBytes, p);
+      c[k] = coef[k] * p.s;
+      msum = std::fma(coef[k], p.m, msum);  // explicit: the same in builds that contract or not
+      amax = std::max(amax, std::fabs(c[k]));
+      finite = finite && std::isfinite(c[k]);
+    }
+    float* yb = y + 32 * b;
+    if (!finite) {
+      for (int e = 0; e < 32; ++e) yb[e] += std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    const float scale = amax / 127.0f;
+    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    int8_t cq[33];
+    for (int k = 0; k < n; ++k) {
+      cq[k] = static_cast<int8_t>(std::clamp(std::nearbyint(c[k] * inv), -127.0f, 127.0f));
+    }
+    cq[n] = 0;  // an odd count's last row pairs with nothing
+#if defined(PIJ_QSIMD_AVX2)
+    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                      _mm256_setzero_si256()};  // e 0-7, 8-15, 16-23, 24-31
+    for (int k0 = 0; k0 < n; k0 += 2 * kPairRuns) {
+      __m256i lo16 = _mm256_setzero_si256(), hi16 = _mm256_setzero_si256();
+      for (int k = k0; k < std::min(n, k0 + 2 * kPairRuns); k += 2) {
+        const __m256i r0 = qsimd::Nibbles16(rows[k] + b * F::kBytes + kQuants);
+        const __m256i r1 = k + 1 < n ? qsimd::Nibbles16(rows[k + 1] + b * F::kBytes + kQuants)
+                                     : _mm256_setzero_si256();
+        const __m256i a = _mm256_set1_epi16(static_cast<int16_t>(
+            static_cast<uint8_t>(cq[k]) | (static_cast<uint16_t>(static_cast<uint8_t>(cq[k + 1])) << 8)));
+        // per 128-bit lane: unpacklo gives e 0-7 | 16-23, unpackhi e 8-15 | 24-31
+        lo16 = _mm256_add_epi16(lo16, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(r0, r1), a));
+        hi16 = _mm256_add_epi16(hi16, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(r0, r1), a));
+      }
+      acc[0] = _mm256_add_epi32(acc[0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo16)));
+      acc[2] = _mm256_add_epi32(acc[2], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo16, 1)));
+      acc[1] = _mm256_add_epi32(acc[1], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi16)));
+      acc[3] = _mm256_add_epi32(acc[3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi16, 1)));
+    }
+    for (int q = 0; q < 4; ++q) {
+      const F32x8 yv = qsimd::MulAdd(qsimd::Set1(scale), qsimd::ToF32(acc[q]), qsimd::Load(yb + 8 * q));
+      qsimd::Store(yb + 8 * q, qsimd::Add(yv, qsimd::Set1(msum)));
+    }
+#else
+    for (int e = 0; e < 32; ++e) {
+      int32_t acc = 0;
+      for (int k = 0; k < n; ++k) {
+        const uint8_t byte = rows[k][b * F::kBytes + kQuants + e % 16];
+        acc += (e < 16 ? byte & 15 : byte >> 4) * cq[k];
+      }
+      yb[e] = std::fma(scale, static_cast<float>(acc), yb[e]) + msum;
+    }
+#endif
+  }
+}
+
 // Tokens per DotTile in the multi-token kernels.
 constexpr int kMaxTokens = 4;
 
