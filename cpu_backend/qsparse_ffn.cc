@@ -163,12 +163,6 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
   }
 }
 
-// Whether neuron rows are summed in integers per group of 32 ids (AxpyRowPairs): the 4-bit
-// formats' rows, where F is a multiple of 32 (checkpoint/quants.py's rounding rule).
-bool RowPairs(const QFfnWeights& w) {
-  return !w.down_groups && DownGroupPairs(w.down_type) && w.num_neurons % 32 == 0;
-}
-
 // Decode: y += sum over the listed (neuron, coef) of coef * down row, kDownGroup rows per pass.
 void AccumulateDown(const QFfnWeights& w, std::span<const int32_t> neurons,
                     std::span<const float> coef, float* y) {
@@ -195,19 +189,6 @@ void AccumulateDown(const QFfnWeights& w, std::span<const int32_t> neurons,
     const int64_t nblocks = w.dim / F::kBlock;
     const int64_t row_bytes = nblocks * F::kBytes;
     const size_t n = neurons.size();
-    if constexpr (DownGroupPairs(F::kType)) {
-      if (RowPairs(w)) {  // runs of one group of 32 ids each, rounded together (AxpyRowPairs)
-        const uint8_t* group_rows[32];
-        for (size_t i = 0, j; i < n; i = j) {
-          const int32_t g = neurons[i] / 32;
-          for (j = i; j < n && neurons[j] / 32 == g; ++j) {
-            group_rows[j - i] = w.down + neurons[j] * row_bytes;
-          }
-          qkern::AxpyRowPairs<F>(group_rows, coef.data() + i, static_cast<int>(j - i), nblocks, y);
-        }
-        return;
-      }
-    }
     const uint8_t* rows[kDownGroup];
     size_t k = 0;
     for (; k + kDownGroup <= n; k += kDownGroup) {
@@ -361,11 +342,11 @@ void QSparseFfn(const QFfnWeights& w, std::span<const float* const> x_rows,
   // the same pieces and order whatever other tokens share the call: batched decoding gives each
   // sequence the bits it gets alone.
   const int64_t pieces = NumPieces(w.num_neurons);
-  // cand_ends[k]: the candidates before piece k + 1's first neuron id. Down groups and row
-  // pairs end pieces at a group's end (F a multiple of 32): a group's coefs round together.
+  // cand_ends[k]: the candidates before piece k + 1's first neuron id. Down groups end pieces
+  // at a group's end (F is a multiple of 32): a group's coefs are rounded together (AxpyPairs).
   std::vector<int64_t>& cand_ends = s.cand_ends;
   cand_ends.resize(pieces);
-  const int64_t align = w.down_groups || RowPairs(w) ? 32 : 1;
+  const int64_t align = w.down_groups ? 32 : 1;
   for (int64_t k = 0; k < pieces; ++k) {
     const int64_t last = (w.num_neurons / align) * (k + 1) / pieces * align;
     cand_ends[k] = std::lower_bound(cands.begin(), cands.end(), last) - cands.begin();

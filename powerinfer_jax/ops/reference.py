@@ -111,37 +111,6 @@ def round_activations(x, block: int):
     return (jnp.clip(jnp.round(xb * inv), -127, 127) * scale).reshape(x.shape)
 
 
-def _row_pairs_down(coef: np.ndarray, blocks: np.ndarray, qtype: str, d: int) -> np.ndarray:
-    """sum_i coef_i * down row i over Q4_0 / Q4_1 neuron rows as cpu_backend's AxpyRowPairs
-    rounds it: per block b (32 outputs) and group g of 32 neuron ids, c_i = coef_i * s_i(b) to
-    int8 with scale max |c| / 127; y = sum_g scale * sum_i cq_i * code_i + sum_i coef_i * m_i(b)
-    (Q4_0: m = -8 s); a non-finite c makes its block NaN. coef [..., F] -> [..., D] float32."""
-    f = blocks.shape[0]
-    nb = d // 32
-    b = blocks.reshape(f, nb, -1)
-    s = b[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [F, nb]
-    m = (b[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if qtype == "Q4_1"
-         else np.float32(-8.0) * s)
-    from powerinfer_jax.checkpoint import quants
-
-    codes = quants._unpack_quants(b[:, :, 4 if qtype == "Q4_1" else 2:], qtype)  # [F, nb, 32]
-    lead = coef.shape[:-1]
-    c_tf = coef.reshape(-1, f).astype(np.float32)
-    c = c_tf[:, :, None] * s[None]  # [T, F, nb]
-    cg = c.reshape(c.shape[0], f // 32, 32, nb)
-    bad = ~np.all(np.isfinite(cg), axis=2)  # [T, G, nb]
-    scale = np.max(np.abs(np.where(np.isfinite(cg), cg, 0)), axis=2) / np.float32(127.0)
-    inv = np.where(scale > 0, np.float32(1.0) / np.where(scale > 0, scale, 1), 0).astype(np.float32)
-    with np.errstate(invalid="ignore"):
-        cq = np.clip(np.round(np.where(np.isfinite(cg), cg, 0) * inv[:, :, None]), -127, 127)
-    ints = np.einsum("tgib,gibe->tgbe", cq.astype(np.int64),
-                     codes.reshape(f // 32, 32, nb, 32).astype(np.int64))
-    y = np.einsum("tgb,tgbe->tbe", scale.astype(np.float64), ints.astype(np.float64))
-    y = y + np.einsum("tf,fb->tb", c_tf.astype(np.float64), m.astype(np.float64))[:, :, None]
-    y = np.where(bad.any(axis=1)[:, :, None], np.nan, y)
-    return y.reshape(lead + (d,)).astype(np.float32)
-
-
 def dequantize_blocks(blocks, qtype: str, in_features: int):
     """uint8 [R, row_bytes] GGML blocks -> float32 [R, in_features], with the gguf package's
     dequantizer (a host callback, so it also works on traced arrays under jit)."""
@@ -205,12 +174,7 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
     coef_tf = jnp.where(mask_tf, act_tf, 0.0)
     if down_layout == "groups" and down_qtype in quants.DOWN_PAIR_TYPES:
         coef_tf = round_activations(coef_tf, 32)  # 8-bit coefs per group (AxpyPairs)
-    if down_layout == "rows" and down_qtype in ("Q4_0", "Q4_1") and down.shape[0] % 32 == 0:
-        y = jax.pure_callback(  # 8-bit coef * scale per block and group (AxpyRowPairs)
-            lambda c, b: _row_pairs_down(np.asarray(c), np.asarray(b), down_qtype, d),
-            jax.ShapeDtypeStruct(coef_tf.shape[:-1] + (d,), jnp.float32), coef_tf, down)
-    else:
-        y = jnp.einsum("...F,FD->...D", coef_tf, w_down, precision=_HIGHEST)
+    y = jnp.einsum("...F,FD->...D", coef_tf, w_down, precision=_HIGHEST)
     if b_down is not None:
         y = y + jnp.asarray(b_down, jnp.float32)
     return y, jnp.sum(mask_tf, axis=-1, dtype=jnp.int32)
