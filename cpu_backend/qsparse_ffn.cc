@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "cpu_backend/quant_kernels.h"
 #include "cpu_backend/simd.h"
@@ -163,6 +164,33 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
   }
 }
 
+// Whether the coefs of 4-bit neuron rows are rounded to 8 bits per group of 32 ids before their
+// float sum, as PowerInfer's Q4_0 axpy rounds them (Q8_0 per 32 neurons) and as down groups and
+// the dense down matvec round their input: Q4_0 / Q4_1 rows, F a multiple of 32.
+bool RoundsRowCoefs(const QFfnWeights& w) {
+  return !w.down_groups && DownGroupPairs(w.down_type) && w.num_neurons % 32 == 0;
+}
+
+// coef[k] of neurons[k] (in id order) -> round(coef * 127 / amax) * amax / 127 per run of one
+// group of 32 ids (amax over the run; the group's other neurons are 0), as quant_act.cc's
+// QuantizeBlock and the reference's round_activations; a run holding a NaN or inf becomes NaN.
+void RoundCoefsPer32(std::span<const int32_t> neurons, std::span<float> coef) {
+  for (size_t i = 0, j; i < neurons.size(); i = j) {
+    float amax = 0.0f;
+    bool finite = true;
+    for (j = i; j < neurons.size() && neurons[j] / 32 == neurons[i] / 32; ++j) {
+      amax = std::max(amax, std::fabs(coef[j]));
+      finite = finite && std::isfinite(coef[j]);
+    }
+    const float d = amax / 127.0f;
+    const float id = d > 0.0f ? 1.0f / d : 0.0f;
+    for (size_t k = i; k < j; ++k) {
+      coef[k] = finite ? std::clamp(std::nearbyint(coef[k] * id), -127.0f, 127.0f) * d
+                       : std::numeric_limits<float>::quiet_NaN();
+    }
+  }
+}
+
 // Decode: y += sum over the listed (neuron, coef) of coef * down row, kDownGroup rows per pass.
 void AccumulateDown(const QFfnWeights& w, std::span<const int32_t> neurons,
                     std::span<const float> coef, float* y) {
@@ -273,7 +301,10 @@ void RunPiece(const QFfnWeights& w, std::span<const float* const> score_rows,
     }
   }
   // Each token's rows summed alone, in id order (the same calls whatever the batch).
-  for (int64_t t = 0; t < ntok; ++t) AccumulateDown(w, piece.active[t], piece.coef[t], out + t * dim);
+  for (int64_t t = 0; t < ntok; ++t) {
+    if (RoundsRowCoefs(w)) RoundCoefsPer32(piece.active[t], piece.coef[t]);
+    AccumulateDown(w, piece.active[t], piece.coef[t], out + t * dim);
+  }
 }
 
 // Split pieces [0, ends.size()) into `tasks` runs of consecutive pieces with about equal
@@ -342,11 +373,11 @@ void QSparseFfn(const QFfnWeights& w, std::span<const float* const> x_rows,
   // the same pieces and order whatever other tokens share the call: batched decoding gives each
   // sequence the bits it gets alone.
   const int64_t pieces = NumPieces(w.num_neurons);
-  // cand_ends[k]: the candidates before piece k + 1's first neuron id. Down groups end pieces
-  // at a group's end (F is a multiple of 32): a group's coefs are rounded together (AxpyPairs).
+  // cand_ends[k]: the candidates before piece k + 1's first neuron id. Pieces end at a group's
+  // end where coefs are rounded per 32 ids (down groups, RoundsRowCoefs): a group's round together.
   std::vector<int64_t>& cand_ends = s.cand_ends;
   cand_ends.resize(pieces);
-  const int64_t align = w.down_groups ? 32 : 1;
+  const int64_t align = w.down_groups || RoundsRowCoefs(w) ? 32 : 1;
   for (int64_t k = 0; k < pieces; ++k) {
     const int64_t last = (w.num_neurons / align) * (k + 1) / pieces * align;
     cand_ends[k] = std::lower_bound(cands.begin(), cands.end(), last) - cands.begin();

@@ -425,3 +425,46 @@ def test_down_pairs_nan_input_reaches_only_its_token(dn):
     y, clean, y_ref = np.asarray(y), np.asarray(clean), np.asarray(y_ref)
     assert not np.isfinite(y[1]).any() and not np.isfinite(y_ref[1]).any()
     np.testing.assert_array_equal(y[[0, 2]], clean[[0, 2]])
+
+
+# ------------------------------------- 4-bit neuron rows: 8-bit coefs per 32 ids (as PowerInfer)
+@pytest.mark.parametrize("dn", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("t", [1, 3, 17])
+def test_row_coefs_round_per_32_neurons(dn, t):
+    """Q4_0 / Q4_1 neuron rows with F a multiple of 32 sum coefs rounded to 8 bits per 32 ids (the
+    masked activations' round_activations, as PowerInfer's Q4_0 axpy takes them as Q8_0), then in
+    float: against numpy on those coefs, and against the reference; oracle and scores. F = 37
+    (other tests) keeps float coefs."""
+    x, w, rng = ffn("Q4_1", dn, 70 + t, t=t, f=96)
+    a = activations(x, w)
+    thr = gap_threshold(a)
+    (y, n), (y_ref, n_ref) = run_both(x, w, threshold=thr, criterion="oracle")
+    coef = np.asarray(reference.round_activations(np.where(np.abs(a) > thr, a, 0.0), 32))
+    assert np.any(coef != np.where(np.abs(a) > thr, a, 0.0))  # the rounding is not a no-op
+    _close(y, coef @ quants.dequantize(w["down"], dn))
+    _close(y, y_ref)
+    np.testing.assert_array_equal(np.asarray(n), np.asarray(n_ref))
+    scores = jnp.asarray(rng.standard_normal((t, 96), dtype=np.float32))
+    (ys, ns), (ys_ref, ns_ref) = run_both(x, w, scores=scores, threshold=0.3, criterion="scores")
+    _close(ys, ys_ref)
+    np.testing.assert_array_equal(np.asarray(ns), np.asarray(ns_ref))
+
+
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_row_coefs_bitwise_deterministic_across_thread_counts(t):
+    x, w, _ = ffn("Q4_0", "Q4_0", 80 + t, t=t, f=704)
+    assert_same_bits_over_threads(lambda: ops.qsparse_ffn(
+        x, w["up"], w["down"], up_qtype="Q4_0", down_qtype="Q4_0", gate=w["gate"],
+        threshold=0.0))
+
+
+def test_row_coefs_nan_input_reaches_only_its_token():
+    x, w, _ = ffn("Q4_1", "Q4_1", 90, t=3, f=64)
+    kw = {k: v for k, v in w.items() if k not in ("up", "down")}
+    bad = x.at[1, 3].set(jnp.nan)
+    y, _ = ops.qsparse_ffn(bad, w["up"], w["down"], threshold=0.0, **kw)
+    clean, _ = ops.qsparse_ffn(x, w["up"], w["down"], threshold=0.0, **kw)
+    y_ref, _ = ops.qsparse_ffn(bad, w["up"], w["down"], threshold=0.0, impl="reference", **kw)
+    y, clean, y_ref = np.asarray(y), np.asarray(clean), np.asarray(y_ref)
+    assert not np.isfinite(y[1]).any() and not np.isfinite(y_ref[1]).any()
+    np.testing.assert_array_equal(y[[0, 2]], clean[[0, 2]])

@@ -172,8 +172,9 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
     else:
         w_down = dequantize_blocks(down, down_qtype, d)
     coef_tf = jnp.where(mask_tf, act_tf, 0.0)
-    if down_layout == "groups" and down_qtype in quants.DOWN_PAIR_TYPES:
-        coef_tf = round_activations(coef_tf, 32)  # 8-bit coefs per group (AxpyPairs)
+    if down_qtype in ("Q4_0", "Q4_1") and (down_layout == "groups" or down.shape[0] % 32 == 0):
+        # 8-bit coefs per 32 neurons (AxpyPairs; 4-bit rows as PowerInfer's Q4_0 axpy)
+        coef_tf = round_activations(coef_tf, 32)
     y = jnp.einsum("...F,FD->...D", coef_tf, w_down, precision=_HIGHEST)
     if b_down is not None:
         y = y + jnp.asarray(b_down, jnp.float32)
