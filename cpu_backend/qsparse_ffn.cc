@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 
 #include "cpu_backend/quant_kernels.h"
 #include "cpu_backend/simd.h"
@@ -171,23 +170,19 @@ bool RoundsRowCoefs(const QFfnWeights& w) {
   return !w.down_groups && DownGroupPairs(w.down_type) && w.num_neurons % 32 == 0;
 }
 
-// coef[k] of neurons[k] (in id order) -> round(coef * 127 / amax) * amax / 127 per run of one
-// group of 32 ids (amax over the run; the group's other neurons are 0), as quant_act.cc's
-// QuantizeBlock and the reference's round_activations; a run holding a NaN or inf becomes NaN.
+// coef[k] of neurons[k] (in id order) -> its 8-bit rounding per run of one group of 32 ids, as
+// QuantizeBlock rounds the group's 32 values with the others 0 (qkern::QuantizeLanes), the
+// reference's round_activations; a run holding a NaN or inf becomes NaN.
 void RoundCoefsPer32(std::span<const int32_t> neurons, std::span<float> coef) {
+  int32_t lanes[32];
+  int8_t q[32];
   for (size_t i = 0, j; i < neurons.size(); i = j) {
-    float amax = 0.0f;
-    bool finite = true;
     for (j = i; j < neurons.size() && neurons[j] / 32 == neurons[i] / 32; ++j) {
-      amax = std::max(amax, std::fabs(coef[j]));
-      finite = finite && std::isfinite(coef[j]);
+      lanes[j - i] = neurons[j] % 32;
     }
-    const float d = amax / 127.0f;
-    const float id = d > 0.0f ? 1.0f / d : 0.0f;
-    for (size_t k = i; k < j; ++k) {
-      coef[k] = finite ? std::clamp(std::nearbyint(coef[k] * id), -127.0f, 127.0f) * d
-                       : std::numeric_limits<float>::quiet_NaN();
-    }
+    int32_t q_sum;
+    const float d = qkern::QuantizeLanes(lanes, coef.data() + i, static_cast<int>(j - i), q, &q_sum);
+    for (size_t k = i; k < j; ++k) coef[k] = static_cast<float>(q[lanes[k - i]]) * d;
   }
 }
 
@@ -203,10 +198,11 @@ void AccumulateDown(const QFfnWeights& w, std::span<const int32_t> neurons,
           const int32_t g = neurons[i] / 32;
           for (j = i; j < neurons.size() && neurons[j] / 32 == g; ++j) lanes[j - i] = neurons[j] % 32;
           const uint8_t* group = w.down + g * group_bytes;
+          const int n = static_cast<int>(j - i);
           if constexpr (DownGroupPairs(F::kType)) {
-            qkern::AxpyPairs<F>(group, w.dim / 32, lanes, coef.data() + i, static_cast<int>(j - i), y);
+            qkern::AxpyPairs<F>(group, w.dim / 32, lanes, coef.data() + i, n, y);
           } else {
-            qkern::AxpyGroup<F>(group, w.dim / 32, lanes, coef.data() + i, static_cast<int>(j - i), y);
+            qkern::AxpyGroup<F>(group, w.dim / 32, lanes, coef.data() + i, n, y);
           }
         }
       }
@@ -243,8 +239,10 @@ void RunPiece(const QFfnWeights& w, std::span<const float* const> score_rows,
   const int64_t block_scale = w.down_groups ? DownGroupScaleBytes(w.down_type) : 0;
   const int64_t scale_bytes = block_scale * dim;  // a group's scale planes
   const bool pairs = w.down_groups && DownGroupPairs(w.down_type);
-  const int64_t down_bytes = w.down_groups ? dim / 32 * (block_bytes - block_scale) * (pairs ? 2 : 1)
-                                           : QRowBytes(w.down_type, dim);
+  const bool round_coefs = RoundsRowCoefs(w);
+  const int64_t down_bytes = w.down_groups
+                                 ? dim / 32 * (block_bytes - block_scale) * (pairs ? 2 : 1)
+                                 : QRowBytes(w.down_type, dim);
   int32_t last_group = -1, last_row = -1;
   std::fill_n(out, ntok * dim, 0.0f);
   std::fill_n(counts, ntok, 0);
@@ -296,13 +294,15 @@ void RunPiece(const QFfnWeights& w, std::span<const float* const> score_rows,
       if (block[j] / 32 != last_group) PrefetchL2(group, scale_bytes);
       last_group = block[j] / 32;
       const int32_t row = pairs ? block[j] / 2 : block[j];  // (a pair's row is requested once)
-      if (row != last_row) PrefetchL2(group + scale_bytes + (row % (pairs ? 16 : 32)) * down_bytes, down_bytes);
+      if (row != last_row) {
+        PrefetchL2(group + scale_bytes + (row % (pairs ? 16 : 32)) * down_bytes, down_bytes);
+      }
       last_row = row;
     }
   }
   // Each token's rows summed alone, in id order (the same calls whatever the batch).
   for (int64_t t = 0; t < ntok; ++t) {
-    if (RoundsRowCoefs(w)) RoundCoefsPer32(piece.active[t], piece.coef[t]);
+    if (round_coefs) RoundCoefsPer32(piece.active[t], piece.coef[t]);
     AccumulateDown(w, piece.active[t], piece.coef[t], out + t * dim);
   }
 }

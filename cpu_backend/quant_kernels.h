@@ -500,6 +500,19 @@ inline void AxpyGroup(const uint8_t* group, int64_t nchunks, const int32_t* lane
 // Where float AxpyGroup spends 3-4 vector ops per 8 or 16 weights of one neuron, this spends
 // about 8 per 64 weights of two. A non-finite coef makes the group's terms NaN, as a float sum
 // with it would be non-finite. Every d goes through the same two FMAs in every build.
+// n coefs at `lanes` of a group of 32 neurons (the others 0) rounded as QuantizeBlock rounds a
+// block of 32 activations: the int8 codes q[32], their sum, and the scale (NaN where a coef is
+// NaN or inf). AxpyPairs' coefs and qsparse_ffn.cc's rounded row coefs.
+inline float QuantizeLanes(const int32_t* lanes, const float* coef, int n, int8_t* q,
+                           int32_t* q_sum) {
+  float block[32] = {};
+  for (int k = 0; k < n; ++k) block[lanes[k]] = coef[k];
+  int32_t sums16[2];
+  const float d = QuantizeBlock(block, 32, q, sums16);
+  *q_sum = sums16[0] + sums16[1];
+  return d;
+}
+
 template <class F>
 inline void AxpyPairs(const uint8_t* group, int64_t nchunks, const int32_t* lanes,
                       const float* coef, int n, float* y) {
@@ -508,27 +521,14 @@ inline void AxpyPairs(const uint8_t* group, int64_t nchunks, const int32_t* lane
   constexpr int kPairRuns = 8;  // pairs per int16 sum
   const int64_t dim = 32 * nchunks;
   const uint8_t* rows = group + kScale * dim;  // pair p's row at rows + p * dim
-  float amax = 0.0f;
-  bool finite = true;
-  for (int k = 0; k < n; ++k) {
-    amax = std::max(amax, std::fabs(coef[k]));
-    finite = finite && std::isfinite(coef[k]);
-  }
-  if (!finite) {
+  int8_t aq[32];
+  int32_t q_sum;
+  const float da = QuantizeLanes(lanes, coef, n, aq, &q_sum);
+  if (std::isnan(da)) {
     for (int64_t d = 0; d < dim; ++d) y[d] += std::numeric_limits<float>::quiet_NaN();
     return;
   }
-  if (amax == 0.0f) return;
-  // As QuantizeBlock (quant_act.cc) rounds activations, and the reference's round_activations.
-  const float da = amax / 127.0f;
-  const float id = 1.0f / da;
-  int8_t aq[32] = {};
-  int32_t q_sum = 0;
-  for (int k = 0; k < n; ++k) {
-    const int8_t q = static_cast<int8_t>(std::clamp(std::nearbyint(coef[k] * id), -127.0f, 127.0f));
-    aq[lanes[k]] = q;
-    q_sum += q;
-  }
+  if (da == 0.0f) return;
   const float coef_sum = da * static_cast<float>(q_sum);  // the rounded coefs' sum
   int32_t pair_row[16];  // the read pairs' row offsets
   int16_t pair_act[16];  // their two 8-bit coefs as one int16 (low byte: the even neuron)
@@ -536,14 +536,9 @@ inline void AxpyPairs(const uint8_t* group, int64_t nchunks, const int32_t* lane
   for (int p = 0; p < 16; ++p) {
     if ((aq[2 * p] | aq[2 * p + 1]) == 0) continue;
     pair_row[np] = static_cast<int32_t>(p * dim);
-    pair_act[np++] = static_cast<int16_t>(static_cast<uint8_t>(aq[2 * p]) |
-                                          (static_cast<uint16_t>(static_cast<uint8_t>(aq[2 * p + 1])) << 8));
+    const auto hi = static_cast<uint16_t>(static_cast<uint8_t>(aq[2 * p + 1]));
+    pair_act[np++] = static_cast<int16_t>(static_cast<uint8_t>(aq[2 * p]) | (hi << 8));
   }
-  const auto scale_at = [&](int64_t d) { return qsimd::HalfAt(group + 2 * d) * da; };
-  const auto min_at = [&](int64_t d) {
-    return kScale == 4 ? qsimd::HalfAt(group + 2 * dim + 2 * d)
-                       : qsimd::HalfAt(group + 2 * d) * F::kMinPerScale;
-  };
   int64_t c = 0;
 #if defined(PIJ_QSIMD_AVX512)
   {  // two chunks per 64-byte load
@@ -612,6 +607,11 @@ inline void AxpyPairs(const uint8_t* group, int64_t nchunks, const int32_t* lane
     }
   }
 #else
+  const auto scale_at = [&](int64_t d) { return qsimd::HalfAt(group + 2 * d) * da; };
+  const auto min_at = [&](int64_t d) {
+    return kScale == 4 ? qsimd::HalfAt(group + 2 * dim + 2 * d)
+                       : qsimd::HalfAt(group + 2 * d) * F::kMinPerScale;
+  };
   for (; c < nchunks; ++c) {
     for (int e = 0; e < 32; ++e) {  // d = 32c + e: bytes 2 (e % 16), + 1 of each pair's chunk
       const int64_t d = 32 * c + e;
@@ -627,8 +627,6 @@ inline void AxpyPairs(const uint8_t* group, int64_t nchunks, const int32_t* lane
     }
   }
 #endif
-  (void)scale_at;
-  (void)min_at;
 }
 
 // Tokens per DotTile in the multi-token kernels.

@@ -411,24 +411,8 @@ def test_down_groups_bad_input():
                          scores=None, threshold=0.0, activation="silu", criterion="oracle")
 
 
-@pytest.mark.parametrize("dn", quants.DOWN_PAIR_TYPES)
-def test_down_pairs_nan_input_reaches_only_its_token(dn):
-    """A token whose input holds a NaN gets a non-finite y through the pair rows' 8-bit coefs
-    (never a silently finite one), as the reference does; the other tokens are unchanged."""
-    x, w, _, _ = grouped(60, "Q4_1", dn, t=3)
-    kw = {k: v for k, v in w.items() if k not in ("up", "down")}
-    bad = x.at[1, 7].set(jnp.nan)
-    y, _ = ops.qsparse_ffn(bad, w["up"], w["down"], threshold=0.0, down_layout="groups", **kw)
-    clean, _ = ops.qsparse_ffn(x, w["up"], w["down"], threshold=0.0, down_layout="groups", **kw)
-    y_ref, _ = ops.qsparse_ffn(bad, w["up"], w["down"], threshold=0.0, down_layout="groups",
-                               impl="reference", **kw)
-    y, clean, y_ref = np.asarray(y), np.asarray(clean), np.asarray(y_ref)
-    assert not np.isfinite(y[1]).any() and not np.isfinite(y_ref[1]).any()
-    np.testing.assert_array_equal(y[[0, 2]], clean[[0, 2]])
-
-
 # ------------------------------------- 4-bit neuron rows: 8-bit coefs per 32 ids (as PowerInfer)
-@pytest.mark.parametrize("dn", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("dn", quants.DOWN_PAIR_TYPES)
 @pytest.mark.parametrize("t", [1, 3, 17])
 def test_row_coefs_round_per_32_neurons(dn, t):
     """Q4_0 / Q4_1 neuron rows with F a multiple of 32 sum coefs rounded to 8 bits per 32 ids (the
@@ -458,10 +442,18 @@ def test_row_coefs_bitwise_deterministic_across_thread_counts(t):
         threshold=0.0))
 
 
-def test_row_coefs_nan_input_reaches_only_its_token():
-    x, w, _ = ffn("Q4_1", "Q4_1", 90, t=3, f=64)
+@pytest.mark.parametrize("layout,dn", [("groups", "Q4_0"), ("groups", "Q4_1"), ("rows", "Q4_1")])
+def test_rounded_coefs_nan_input_reaches_only_its_token(layout, dn):
+    """A token whose input holds a NaN gets a non-finite y through the 8-bit coefs (down groups'
+    pairs and 4-bit rows), never a silently finite one, as the reference does; the other tokens
+    are unchanged."""
+    if layout == "groups":
+        x, w, _, _ = grouped(60, "Q4_1", dn, t=3)
+    else:
+        x, w, _ = ffn("Q4_1", dn, 90, t=3, f=64)
     kw = {k: v for k, v in w.items() if k not in ("up", "down")}
-    bad = x.at[1, 3].set(jnp.nan)
+    kw["down_layout"] = layout
+    bad = x.at[1, 7].set(jnp.nan)
     y, _ = ops.qsparse_ffn(bad, w["up"], w["down"], threshold=0.0, **kw)
     clean, _ = ops.qsparse_ffn(x, w["up"], w["down"], threshold=0.0, **kw)
     y_ref, _ = ops.qsparse_ffn(bad, w["up"], w["down"], threshold=0.0, impl="reference", **kw)

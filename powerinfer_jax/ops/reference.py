@@ -147,6 +147,8 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
                 down_layout="rows"):
     """The quantized sparse FFN, from dequantized weights and rounded activations. See
     ops.api.qsparse_ffn."""
+    from powerinfer_jax.checkpoint import quants
+
     d = x.shape[-1]
     up_tf = qlinear(x, up, up_qtype, d, b_up)
     if gate is None:
@@ -159,8 +161,6 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
     else:
         mask_tf = ~(jnp.abs(act_tf) <= threshold)
     if down_layout == "groups":  # back to the file's ffn_down [D, F], dequantized, transposed
-        from powerinfer_jax.checkpoint import quants
-
         f = down.shape[0] * 32
 
         def dequantize_groups(g):
@@ -172,7 +172,7 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
     else:
         w_down = dequantize_blocks(down, down_qtype, d)
     coef_tf = jnp.where(mask_tf, act_tf, 0.0)
-    if down_qtype in ("Q4_0", "Q4_1") and (down_layout == "groups" or down.shape[0] % 32 == 0):
+    if down_qtype in quants.DOWN_PAIR_TYPES and (down_layout == "groups" or down.shape[0] % 32 == 0):
         # 8-bit coefs per 32 neurons (AxpyPairs; 4-bit rows as PowerInfer's Q4_0 axpy)
         coef_tf = round_activations(coef_tf, 32)
     y = jnp.einsum("...F,FD->...D", coef_tf, w_down, precision=_HIGHEST)
