@@ -159,14 +159,23 @@ def check_writable(path: str, what: str) -> None:
         fail(what, "a writable file", path)
 
 
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for `yes | head`'s writer
+
+
 def run_main(main) -> None:
     """Call main(); a user error (bad flag value, bad file, bad state) prints one line on stderr
-    and exits with status 2, Ctrl-C exits with 130, both without a traceback."""
+    and exits with status 2, Ctrl-C exits with 130, a reader that closed stdout early (`| head`)
+    ends the command with 141, all without a traceback."""
     try:
         main()
     except (UserError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except BrokenPipeError:
+        # stdout's reader is gone: point stdout at /dev/null so the interpreter's final flush
+        # does not raise again, and stop quietly, as a Unix filter does on SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(EXIT_BROKEN_PIPE) from None
     except KeyboardInterrupt:
         # The exception has unwound every finally block and context manager (temp files gone,
         # cache locks released); the interpreter's own teardown is skipped: after an interrupt

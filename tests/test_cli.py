@@ -128,3 +128,20 @@ def test_cli_errors_are_one_clean_line(argv, match):
                        capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 2
     assert match in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_reader_closing_stdout_early_ends_the_command_quietly():
+    """`python -m powerinfer_jax.generate ... | head -c 1`: the CLIs' run_main stops with 141
+    (128 + SIGPIPE) and no BrokenPipeError traceback once the reader has gone."""
+    code = ("import sys; from powerinfer_jax import _cli\n"
+            "def main():\n"
+            "    for _ in range(10000):\n"
+            "        sys.stdout.write('x' * 1000); sys.stdout.flush()\n"
+            "_cli.run_main(main)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    assert p.stdout.read(1) == b"x"
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
