@@ -1,8 +1,10 @@
 #include "cpu_backend/qlinear.h"
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
+#include "cpu_backend/quant_interleaved.h"
 #include "cpu_backend/quant_kernels.h"
 
 namespace pij {
@@ -82,11 +84,58 @@ void Rows(const QLinearOut& out, int64_t dim, std::span<const QActView> xs, int6
   }
 }
 
+// Rows [lo, hi) of rows interleaved by 16 (lo, hi multiples of 16): each group of 16 rows in
+// one tile per token (decode, streamed ahead) or per 4 tokens (the group stays in cache while
+// the tiles pass over it); a (row, token) result is the same whatever the tile.
+template <class F>
+void InterleavedRows(const QLinearOut& out, int64_t dim, std::span<const QActView> xs, int64_t lo,
+                     int64_t hi) {
+  if constexpr (qkern::Interleavable(F::kType)) {
+    constexpr int64_t kG = qkern::kInterleave;
+    const int64_t nblocks = dim / F::kBlock;
+    const int64_t group_bytes = nblocks * F::kBytes * kG;
+    const int64_t num_tokens = static_cast<int64_t>(xs.size());
+    float dots[qkern::kMaxTokens * kG];
+    for (int64_t g = lo / kG; g < hi / kG; ++g) {
+      const uint8_t* group = out.w + g * group_bytes;
+      for (int64_t t = 0; t < num_tokens;) {
+        const int64_t n = std::min<int64_t>(qkern::kMaxTokens, num_tokens - t);
+        switch (n) {
+          case 1:
+            if (num_tokens == 1) {
+              qkern::InterleavedTile<F, 1, qkern::kStreamAhead>(group, nblocks, xs.data(), dots);
+            } else {
+              qkern::InterleavedTile<F, 1>(group, nblocks, xs.data() + t, dots);
+            }
+            break;
+          case 2: qkern::InterleavedTile<F, 2>(group, nblocks, xs.data() + t, dots); break;
+          case 3: qkern::InterleavedTile<F, 3>(group, nblocks, xs.data() + t, dots); break;
+          default: qkern::InterleavedTile<F, 4>(group, nblocks, xs.data() + t, dots); break;
+        }
+        for (int64_t k = 0; k < n; ++k) {
+          for (int64_t r = 0; r < kG; ++r) {
+            const int64_t o = g * kG + r;
+            out.y[(t + k) * out.out_dim + o] =
+                dots[k * kG + r] + (out.bias != nullptr ? out.bias[o] : 0.0f);
+          }
+        }
+        t += n;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void QLinearRows(const QLinearOut& out, int64_t dim, std::span<const QActView> xs, int64_t lo,
                  int64_t hi) {
-  VisitQType(out.qtype, [&]<class F>(F) { Rows<F>(out, dim, xs, lo, hi); });
+  VisitQType(out.qtype, [&]<class F>(F) {
+    if (out.interleaved) {
+      InterleavedRows<F>(out, dim, xs, lo, hi);
+    } else {
+      Rows<F>(out, dim, xs, lo, hi);
+    }
+  });
 }
 
 void QLinearMany(std::span<const QLinearOut> outs, int64_t dim,
@@ -113,7 +162,12 @@ void QLinearMany(std::span<const QLinearOut> outs, int64_t dim,
   auto rows = [&](int64_t lo, int64_t hi) {
     int64_t base = 0;
     for (const QLinearOut& o : outs) {
-      const int64_t a = std::max(lo, base), b = std::min(hi, base + o.out_dim);
+      int64_t a = std::max(lo, base), b = std::min(hi, base + o.out_dim);
+      if (o.interleaved) {  // whole groups: each to the task its first row falls in
+        constexpr int64_t kG = qkern::kInterleave;
+        a = base + (a - base + kG - 1) / kG * kG;
+        b = base + (b - base + kG - 1) / kG * kG;
+      }
       if (a < b) {
         const bool k = GetQTypeInfo(o.qtype).block == 256;
         const std::span<const QActView> xs(k ? views256 : views32);
@@ -130,6 +184,50 @@ void QLinearMany(std::span<const QLinearOut> outs, int64_t dim,
   const int64_t tasks = std::min<int64_t>(total, pool.NumThreads() * per_thread);
   pool.Run(0, tasks, [&](int64_t task, int /*worker*/) {
     rows(total * task / tasks, total * (task + 1) / tasks);
+  });
+}
+
+void InterleaveRows(const uint8_t* src, QType t, int64_t rows, int64_t row_bytes, uint8_t* dst) {
+  constexpr int64_t kG = qkern::kInterleave;
+  const int64_t bytes = GetQTypeInfo(t).bytes;
+  const int64_t head = qkern::InterleavedHead(t) / kG;  // f16 field bytes per block
+  const int64_t nblocks = row_bytes / bytes;
+  for (int64_t g = 0; g < rows / kG; ++g) {
+    for (int64_t b = 0; b < nblocks; ++b) {
+      uint8_t* rec = dst + (g * nblocks + b) * kG * bytes;
+      for (int64_t r = 0; r < kG; ++r) {
+        const uint8_t* blk = src + (g * kG + r) * row_bytes + b * bytes;
+        for (int64_t f = 0; f < head / 2; ++f) std::memcpy(rec + f * 2 * kG + 2 * r, blk + 2 * f, 2);
+        for (int64_t c = 0; c < (bytes - head) / 4; ++c) {
+          std::memcpy(rec + kG * head + 64 * c + 4 * r, blk + head + 4 * c, 4);
+        }
+      }
+    }
+  }
+}
+
+void QLinearInterleavedPortable(const QLinearOut& out, int64_t dim,
+                                std::span<const float* const> x_rows) {
+  QActs acts;
+  ThreadPool pool(1);
+  QuantizeActs(x_rows, dim, 32, acts, pool);
+  VisitQType(out.qtype, [&]<class F>(F) {
+    if constexpr (qkern::Interleavable(F::kType)) {
+      constexpr int64_t kG = qkern::kInterleave;
+      const int64_t nblocks = dim / F::kBlock;
+      float dots[kG];
+      for (size_t t = 0; t < x_rows.size(); ++t) {
+        const QActView x = acts.View(static_cast<int64_t>(t), 32);
+        for (int64_t g = 0; g < out.out_dim / kG; ++g) {
+          qkern::InterleavedTileScalar<F, 1>(out.w + g * nblocks * F::kBytes * kG, nblocks, &x,
+                                             dots);
+          for (int64_t r = 0; r < kG; ++r) {
+            const int64_t o = g * kG + r;
+            out.y[t * out.out_dim + o] = dots[r] + (out.bias != nullptr ? out.bias[o] : 0.0f);
+          }
+        }
+      }
+    }
   });
 }
 

@@ -22,6 +22,9 @@ struct QLinearOut {
   const float* bias;   // [out_dim] or nullptr
   int64_t out_dim;
   float* y;            // [T, out_dim]
+  // The rows interleaved by 16 (quant_interleaved.h: Q4_0, Q4_1, Q8_0; out_dim a multiple of
+  // 16), the same bytes rearranged; false: the file's rows.
+  bool interleaved = false;
 };
 
 // Activations of the call, per block size (32: legacy formats, 256: K-quants).
@@ -37,9 +40,20 @@ struct QLinearScratch {
 void QLinearMany(std::span<const QLinearOut> outs, int64_t dim,
                  std::span<const float* const> x_rows, QLinearScratch& scratch, ThreadPool& pool);
 
-// Rows [lo, hi) of one product for the quantized tokens xs (T views), y [T, out_dim].
+// Rows [lo, hi) of one product for the quantized tokens xs (T views), y [T, out_dim]; for
+// interleaved rows lo and hi are multiples of 16 (or hi = out_dim).
 void QLinearRows(const QLinearOut& out, int64_t dim, std::span<const QActView> xs, int64_t lo,
                  int64_t hi);
+
+// dst = src's rows interleaved by 16 (quant_interleaved.h; checkpoint/quants.py `interleave` is
+// the same map): src and dst uint8 [rows, row_bytes], t interleavable, rows a multiple of 16
+// and row_bytes of the block (checked by the caller).
+void InterleaveRows(const uint8_t* src, QType t, int64_t rows, int64_t row_bytes, uint8_t* dst);
+
+// Tests: out (interleaved rows, as QLinearMany computes them) through the portable per-lane
+// loops instead of the build's vector code, one token at a time; the two must agree bitwise.
+void QLinearInterleavedPortable(const QLinearOut& out, int64_t dim,
+                                std::span<const float* const> x_rows);
 
 // The float values of `rows` rows of `cols` weights in format t (tests).
 void DequantizeRows(const uint8_t* blocks, QType t, int64_t rows, int64_t cols, float* out);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "cpu_backend/quant_interleaved.h"
 #include "cpu_backend/quant_kernels.h"
 #include "cpu_backend/simd.h"
 
@@ -17,6 +18,7 @@ constexpr int64_t kMaxPieces = 16;
 constexpr int64_t kTokenChunk = 32;
 // Neurons estimated per step before their down rows are requested (as q4_ffn.cc).
 constexpr int64_t kEstimateBlock = 16;
+static_assert(kEstimateBlock == qkern::kInterleave, "an interleaved group is one estimate block");
 // Decode down rows per pass over y (as sparse_ffn_kernel.h's kDownGroup).
 constexpr int kDownGroup = 8;
 // Below this many output values the final reduction runs on the caller.
@@ -92,6 +94,39 @@ void NeuronDots(const uint8_t* const* mats, std::span<const int32_t> neurons,
   }
 }
 
+// out[j * ntok + t] = row j of the 16-row group `group` (interleaved, quant_interleaved.h) . x_t:
+// the oracle's estimate block of 16 consecutive neurons in one tile per token (decode: streamed
+// ahead, as the groups are read in order) or per 4 tokens.
+template <class F>
+void GroupDots(const uint8_t* mat, int64_t group, const QActView* xs, int64_t ntok, int64_t dim,
+               float* out) {
+  if constexpr (qkern::Interleavable(F::kType)) {
+    constexpr int64_t kG = qkern::kInterleave;
+    const int64_t nblocks = dim / F::kBlock;
+    const uint8_t* g = mat + group * nblocks * F::kBytes * kG;
+    float dots[qkern::kMaxTokens * kG];
+    for (int64_t t = 0; t < ntok;) {
+      const int64_t n = std::min<int64_t>(qkern::kMaxTokens, ntok - t);
+      switch (n) {
+        case 1:
+          if (ntok == 1) {
+            qkern::InterleavedTile<F, 1, qkern::kStreamAhead>(g, nblocks, xs, dots);
+          } else {
+            qkern::InterleavedTile<F, 1>(g, nblocks, xs + t, dots);
+          }
+          break;
+        case 2: qkern::InterleavedTile<F, 2>(g, nblocks, xs + t, dots); break;
+        case 3: qkern::InterleavedTile<F, 3>(g, nblocks, xs + t, dots); break;
+        default: qkern::InterleavedTile<F, 4>(g, nblocks, xs + t, dots); break;
+      }
+      for (int64_t k = 0; k < n; ++k) {
+        for (int64_t j = 0; j < kG; ++j) out[j * ntok + t + k] = dots[k * kG + j];
+      }
+      t += n;
+    }
+  }
+}
+
 // Whether act(g) * u is exactly 0 for every g <= 0 (ReLU-family gates: relu, drelu).
 constexpr bool ZeroBelowZero(Activation a) {
   return a == Activation::kRelu || a == Activation::kDrelu;
@@ -104,7 +139,17 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
   float* gate = piece.gate.data();
   float* up = piece.up.data();
   const bool gated = w.gate != nullptr;
-  if (gated && ZeroBelowZero(p.activation)) {
+  if (w.gate_up_interleaved) {  // one group: neurons are its 16 ids (QSparseFfn aligns blocks)
+    const int64_t group = neurons[0] / qkern::kInterleave;
+    if (gated) {
+      VisitQType(w.gate_type, [&]<class F>(F) {
+        GroupDots<F>(w.gate, group, s.gate_views.data() + t0, ntok, w.dim, gate);
+      });
+    }
+    VisitQType(w.up_type, [&]<class F>(F) {
+      GroupDots<F>(w.up, group, s.up_views.data() + t0, ntok, w.dim, up);
+    });
+  } else if (gated && ZeroBelowZero(p.activation)) {
     // relu(gate) is exactly 0 where gate <= 0, and so is a_i whatever the up row holds: read
     // the gate rows first, then the up rows only of neurons some token's gate turns on (a ReLU
     // model's up reads fall with its sparsity; the up values of the others are never used).
@@ -377,7 +422,8 @@ void QSparseFfn(const QFfnWeights& w, std::span<const float* const> x_rows,
   // end where coefs are rounded per 32 ids (down groups, RoundsRowCoefs): a group's round together.
   std::vector<int64_t>& cand_ends = s.cand_ends;
   cand_ends.resize(pieces);
-  const int64_t align = w.down_groups || RoundsRowCoefs(w) ? 32 : 1;
+  // Interleaved gate/up: pieces end at a group's end, so each estimate block is one group.
+  const int64_t align = w.down_groups || RoundsRowCoefs(w) ? 32 : w.gate_up_interleaved ? 16 : 1;
   for (int64_t k = 0; k < pieces; ++k) {
     const int64_t last = (w.num_neurons / align) * (k + 1) / pieces * align;
     cand_ends[k] = std::lower_bound(cands.begin(), cands.end(), last) - cands.begin();

@@ -1,12 +1,13 @@
 """A quantized GGUF kept in its block format inside the model (weights="auto"): logits against the
 same file dequantized (the 8-bit activation rounding is the only difference), greedy tokens,
 sparse modes on the blocks, batched == single, and the fallbacks (XLA kernels, placement)."""
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import powerinfer_jax as pij
 from helpers_models import tiny_llama_config, write_tiny_gguf
-from powerinfer_jax.checkpoint import load_checkpoint
+from powerinfer_jax.checkpoint import load_checkpoint, quants
 from powerinfer_jax.models.transformer import from_params
 from powerinfer_jax.runtime.decode import Request
 
@@ -76,10 +77,16 @@ def test_quantized_model_equals_its_jnp_reference(which, down, request):
     assert fast.layers[0].attn.q.qtype is not None and fast.layers[0].ffn.quantized
     stored = q.params["layers.1.ffn.down_t.weight"]
     got = ref.layers[1].ffn.down_t
-    if down == "file_layout":
+    if down == "file_layout":  # interleaved by 16 for the matvec where the format has it
         assert got.file_layout and not got.grouped
-        assert got.qtype == stored.qtype
+        assert got.qtype in (stored.qtype, stored.qtype + quants.INTERLEAVED_SUFFIX)
+        assert (got.qtype != stored.qtype) == quants.can_interleave(stored.qtype,
+                                                                    stored.blocks.shape[0])
         assert got.weight.shape == stored.blocks.shape
+        assert np.array_equal(
+            np.asarray(got.weight[...]) if got.qtype == stored.qtype
+            else quants.deinterleave(np.asarray(got.weight[...]), got.qtype),
+            np.asarray(stored.blocks))
     elif down == "default" and which == "legacy":
         assert got.grouped and got.qtype == stored.qtype == "Q4_1"
         assert got.weight.shape == (q.config.d_ff // 32, stored.blocks.size // (q.config.d_ff // 32))
@@ -232,26 +239,35 @@ def test_a_loaded_files_blocks_are_in_memory_once(legacy_gguf):
     """The blocks are the file's own pages: the checkpoint's blocks lie in the process's mapping of
     the file (no copy), and where they start 64-byte aligned the model's arrays alias them (XLA's
     CPU client keeps such host memory as it is), so the weights are in memory once. Rows that move
-    (Q/K, RoPE order) are copied. The mapping is read-only: nothing can change the weights."""
+    (Q/K, RoPE order) are copied. The mapping is read-only: nothing can change the weights.
+    Rows interleaved for ops.qlinear (quants.interleave) are a copy in that layout, and the
+    file's pages they were built from leave the resident set (release_mapped_pages)."""
     from powerinfer_jax.checkpoint.base import HOST_ALIGN
 
     q = load_checkpoint(legacy_gguf, keep_quantized=True)
     m = from_params(q.config, q.params, kernels="ffi", down_qtype=None)
-    aliased = 0
+    aliased = copied = 0
     for name, module in [("layers.0.ffn.up.weight", m.layers[0].ffn.up),
                          ("layers.1.ffn.up.weight", m.layers[1].ffn.up),
                          ("layers.0.ffn.down_t.weight", m.layers[0].ffn.down_t),
                          ("layers.1.ffn.down_t.weight", m.layers[1].ffn.down_t),
+                         ("layers.0.attn.v.weight", m.layers[0].attn.v),
                          ("tok_embed", None)]:
         blocks = q.params[name].blocks
         assert _mapped_file(blocks.ctypes.data) == str(legacy_gguf), name
         assert not blocks.flags.writeable, name
         weight = np.asarray(m.tok_embed[...] if module is None else module.weight[...])
+        qtype = m.embed_qtype if module is None else module.qtype
+        if quants.interleaved_base(qtype):
+            np.testing.assert_array_equal(weight, quants.interleave(blocks, q.params[name].qtype))
+            assert _mapped_file(weight.ctypes.data) != str(legacy_gguf), name
+            copied += 1
+            continue
         np.testing.assert_array_equal(weight, blocks)
         if blocks.ctypes.data % HOST_ALIGN == 0:
             assert np.shares_memory(weight, blocks), name
             aliased += 1
-    assert aliased, "no tensor of the test file starts 64-byte aligned"
+    assert aliased and copied, (aliased, copied)
     q_rows = q.params["layers.0.attn.q.weight"].blocks  # RoPE order: rows moved, so a copy
     assert _mapped_file(q_rows.ctypes.data) != str(legacy_gguf)
     with pytest.raises(ValueError, match="read-only"):
@@ -272,3 +288,29 @@ def test_aligned_copies_only_when_asked_or_needed():
         assert c is not b and not np.shares_memory(b, c) and c.ctypes.data % HOST_ALIGN == 0
     f = aligned(np.ones((3, 5), np.float32)[:, 1:])  # not contiguous, another dtype
     assert f.dtype == np.float32 and f.shape == (3, 4) and f.flags.c_contiguous
+
+
+def test_gate_up_layout_follows_the_selector(legacy_gguf):
+    """Quantized gate/up load interleaved by 16 (the dense matvecs and the quantized oracle
+    compute every neuron from it); a selector whose scores pick rows one by one turns them back
+    into the file's rows, byte for byte; the FFN's output stays the same up to float rounding."""
+    from powerinfer_jax.sparsity.selectors import GateMagnitude, Q4Activations
+
+    q = load_checkpoint(legacy_gguf, keep_quantized=True)
+    m = from_params(q.config, q.params, kernels="ffi")
+    ffn = m.layers[0].ffn
+    stored = q.params["layers.0.ffn.up.weight"]
+    assert quants.can_interleave(stored.qtype, stored.blocks.shape[0])
+    assert ffn.up.qtype == ffn.gate.qtype == stored.qtype + quants.INTERLEAVED_SUFFIX
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 3, q.config.d_model)),
+                    jnp.float32)
+    dense = np.asarray(ffn(x))
+    ffn.set_selector(Q4Activations(None, 0.0))  # the oracle at 0: every neuron
+    assert ffn.up.qtype == stored.qtype + quants.INTERLEAVED_SUFFIX
+    oracle = np.asarray(ffn(x))
+    ffn.set_selector(GateMagnitude(0.0))  # scores: rows read per selected neuron
+    assert ffn.up.qtype == ffn.gate.qtype == stored.qtype
+    np.testing.assert_array_equal(np.asarray(ffn.up.weight[...]), np.asarray(stored.blocks))
+    scored = np.asarray(ffn(x))
+    for y in (oracle, scored):
+        np.testing.assert_allclose(y, dense, atol=1e-4 * np.abs(dense).max(), rtol=0)

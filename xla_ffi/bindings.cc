@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstring>
 #include <string>
+#include <vector>
 #include <stdexcept>
 #include <string>
 
@@ -12,6 +13,7 @@
 
 #include "cpu_backend/bandwidth.h"
 #include "cpu_backend/qlinear.h"
+#include "cpu_backend/quant_interleaved.h"
 #include "cpu_backend/quant_simd.h"
 #include "cpu_backend/simd.h"
 #include "cpu_backend/thread_pool.h"
@@ -135,6 +137,44 @@ NB_MODULE(_pij_ext, m) {
     d["build_isa"] = PIJ_ISA_NAME;             // the CMake PIJ_ISA the module was built with
     return d;
   }, "Which instruction sets the module was compiled for.");
+  m.def("interleave_into", [](nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> blocks,
+                              int32_t qtype,
+                              nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {
+    const int64_t rows = static_cast<int64_t>(blocks.shape(0)), row_bytes = static_cast<int64_t>(blocks.shape(1));
+    if (!pij::IsQType(qtype) || !pij::qkern::Interleavable(static_cast<pij::QType>(qtype)) ||
+        rows % pij::qkern::kInterleave != 0 ||
+        row_bytes % pij::GetQTypeInfo(static_cast<pij::QType>(qtype)).bytes != 0 ||
+        static_cast<int64_t>(out.shape(0)) != rows || static_cast<int64_t>(out.shape(1)) != row_bytes) {
+      throw std::invalid_argument("interleave_into: expected Q4_0/Q4_1/Q8_0 blocks uint8 [rows, row bytes], rows "
+                                  "a multiple of 16, and out of the same shape; got qtype " +
+                                  std::to_string(qtype) + ", " + std::to_string(rows) + " rows of " +
+                                  std::to_string(row_bytes) + " bytes");
+    }
+    nb::gil_scoped_release release;
+    pij::InterleaveRows(blocks.data(), static_cast<pij::QType>(qtype), rows, row_bytes, out.data());
+  }, nb::arg("blocks"), nb::arg("qtype"), nb::arg("out"),
+        "out = blocks' rows interleaved by 16 (ops.qlinear's fastest layout; checkpoint.quants.interleave).");
+  m.def("qlinear_interleaved_portable",
+        [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x,
+           nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> blocks, int32_t qtype,
+           nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> y) {
+    const int64_t tokens = static_cast<int64_t>(x.shape(0)), dim = static_cast<int64_t>(x.shape(1));
+    const int64_t rows = static_cast<int64_t>(blocks.shape(0));
+    if (!pij::IsQType(qtype) || !pij::qkern::Interleavable(static_cast<pij::QType>(qtype)) ||
+        rows % pij::qkern::kInterleave != 0 || dim % 32 != 0 ||
+        static_cast<int64_t>(blocks.shape(1)) != pij::QRowBytes(static_cast<pij::QType>(qtype), dim) ||
+        static_cast<int64_t>(y.shape(0)) != tokens || static_cast<int64_t>(y.shape(1)) != rows) {
+      throw std::invalid_argument("qlinear_interleaved_portable: expected x [T, D], interleaved "
+                                  "Q4_0/Q4_1/Q8_0 blocks [O, row bytes of D] (O a multiple of 16) "
+                                  "and y [T, O]");
+    }
+    std::vector<const float*> x_rows(tokens);
+    for (int64_t t = 0; t < tokens; ++t) x_rows[t] = x.data() + t * dim;
+    pij::QLinearOut out{blocks.data(), static_cast<pij::QType>(qtype), nullptr, rows, y.data(), true};
+    nb::gil_scoped_release release;
+    pij::QLinearInterleavedPortable(out, dim, x_rows);
+  }, nb::arg("x"), nb::arg("blocks"), nb::arg("qtype"), nb::arg("y"),
+        "Tests: y = x . rows of interleaved blocks through the portable loops (bitwise the vector kernels').");
   m.def("dequantize_into", [](nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> blocks,
                               int32_t qtype,
                               nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cpu_backend/qlinear.h"
+#include "cpu_backend/quant_interleaved.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/cpu_handlers.h"
 #include "xla_ffi/cpu_runtime.h"
@@ -36,10 +37,19 @@ ffi::Error CheckX(ffi::AnyBuffer x, int64_t& dim, int64_t& rows) {
 ffi::Error CheckProduct(const std::string& which, int64_t dim, int64_t rows, ffi::AnyBuffer blocks,
                         int32_t qtype_id, ffi::AnyBuffer bias, ffi::AnyBuffer y, QLinearOut& out) {
   int64_t out_dim = -1;
-  if (ffi::Error e =
-          DecodeQWeight(kOp, which + "blocks", blocks, qtype_id, dim, out_dim, out.qtype);
+  out.interleaved = (qtype_id & qkern::kInterleavedQTypeFlag) != 0;
+  if (ffi::Error e = DecodeQWeight(kOp, which + "blocks", blocks,
+                                   qtype_id & ~qkern::kInterleavedQTypeFlag, dim, out_dim,
+                                   out.qtype);
       e.failure()) {
     return e;
+  }
+  if (out.interleaved &&
+      (!qkern::Interleavable(out.qtype) || out_dim % qkern::kInterleave != 0)) {
+    return InvalidArg(kOp, which + "blocks (rows interleaved by 16)",
+                      "Q4_0, Q4_1 or Q8_0 with a multiple of 16 rows",
+                      std::string(GetQTypeInfo(out.qtype).name) + " with " +
+                          std::to_string(out_dim) + " rows");
   }
   if (ffi::Error e = DecodeOptionalF32(kOp, which + "bias", bias, out_dim, out.bias); e.failure()) {
     return e;

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "cpu_backend/qsparse_ffn.h"
+#include "cpu_backend/quant_interleaved.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/cpu_handlers.h"
 #include "xla_ffi/cpu_runtime.h"
@@ -59,15 +60,33 @@ ffi::Error QSparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuff
   }
   const int64_t dim = x_dims.back();
   int64_t f = -1;
-  if (ffi::Error e = DecodeQWeight(kOp, "up", up, up_qtype, dim, f, w.up_type); e.failure()) {
+  // gate and up rows interleaved by 16 (quant_interleaved.h): both or neither, criterion oracle
+  // (every neuron's estimate is computed, a group at a time)
+  constexpr int32_t kFlag = qkern::kInterleavedQTypeFlag;
+  w.gate_up_interleaved = (up_qtype & kFlag) != 0;
+  if (ffi::Error e = DecodeQWeight(kOp, "up", up, up_qtype & ~kFlag, dim, f, w.up_type);
+      e.failure()) {
     return e;
   }
+  const bool gate_interleaved = (gate_qtype & kFlag) != 0;
   if (gate.element_count() != 0) {
-    if (ffi::Error e = DecodeQWeight(kOp, "gate", gate, gate_qtype, dim, f, w.gate_type);
+    if (ffi::Error e = DecodeQWeight(kOp, "gate", gate, gate_qtype & ~kFlag, dim, f, w.gate_type);
         e.failure()) {
       return e;
     }
     w.gate = static_cast<const uint8_t*>(gate.untyped_data());
+  }
+  if (w.gate_up_interleaved || (w.gate != nullptr && gate_interleaved)) {
+    const bool ok = (w.gate == nullptr || gate_interleaved) && w.gate_up_interleaved &&
+                    qkern::Interleavable(w.up_type) &&
+                    (w.gate == nullptr || qkern::Interleavable(w.gate_type)) &&
+                    f % qkern::kInterleave == 0 && p.criterion == Criterion::kOracle;
+    if (!ok) {
+      return InvalidArg(kOp, "gate/up rows interleaved by 16",
+                        "both interleaved, Q4_0/Q4_1/Q8_0, F a multiple of 16, criterion oracle",
+                        std::string("up ") + GetQTypeInfo(w.up_type).name + ", F " +
+                            std::to_string(f) + ", criterion " + std::string(criterion));
+    }
   }
   if (down_layout == "groups") {  // [F / 32, D * block bytes]: a [F / 32] x (32 D) weight
     if (!IsQType(down_qtype) || DownGroupScaleBytes(static_cast<QType>(down_qtype)) == 0) {

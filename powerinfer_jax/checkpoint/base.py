@@ -26,15 +26,22 @@ from powerinfer_jax.tokenizer import Tokenizer
 HOST_ALIGN = 64
 
 
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array starting on a HOST_ALIGN-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + HOST_ALIGN, np.uint8)
+    start = -raw.ctypes.data % HOST_ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
 def aligned(a: np.ndarray, *, copy: bool = False) -> np.ndarray:
     """`a` as a C-contiguous array starting on a HOST_ALIGN-byte boundary: `a` itself when it
     already is one (and not `copy`), else a copy in memory allocated that way."""
     a = np.asarray(a)
     if not copy and a.flags.c_contiguous and a.ctypes.data % HOST_ALIGN == 0:
         return a
-    raw = np.empty(a.nbytes + HOST_ALIGN, np.uint8)
-    start = -raw.ctypes.data % HOST_ALIGN
-    out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out = aligned_empty(a.shape, a.dtype)
     np.copyto(out, a)
     return out
 

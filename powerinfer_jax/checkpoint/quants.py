@@ -35,13 +35,18 @@ def _kind(qtype: str) -> GGMLQuantizationType:
 
 
 def type_id(qtype: str) -> int:
-    """GGML's id of the type (what a GGUF tensor header stores, what the kernels take)."""
+    """GGML's id of the type (what a GGUF tensor header stores, what the kernels take); an
+    interleaved name's is its format's with INTERLEAVED_ID_FLAG."""
+    base = interleaved_base(qtype)
+    if base is not None:
+        return int(_kind(base).value) | INTERLEAVED_ID_FLAG
     return int(_kind(qtype).value)
 
 
 def block_size(qtype: str) -> tuple[int, int]:
-    """(values per block, bytes per block) from the gguf package's table."""
-    return GGML_QUANT_SIZES[_kind(qtype)]
+    """(values per block, bytes per block) from the gguf package's table (an interleaved name:
+    its format's)."""
+    return GGML_QUANT_SIZES[_kind(interleaved_base(qtype) or qtype)]
 
 
 def row_bytes(qtype: str, cols: int) -> int:
@@ -61,7 +66,11 @@ def _as_bytes(raw: np.ndarray) -> np.ndarray:
 
 def dequantize(raw: np.ndarray, qtype: str) -> np.ndarray:
     """Raw bytes of whole rows (`uint8[..., row_bytes]`, or an already typed float array) ->
-    float32 `[..., row_elements]`."""
+    float32 `[..., row_elements]`. Rows interleaved by 16 (a "Q4_0x16" name: uint8 [O,
+    row_bytes]) come out as the file's rows would."""
+    if interleaved_base(qtype) is not None:
+        base = interleaved_base(qtype)
+        return dequantize(deinterleave(raw, qtype), base)
     kind = _kind(qtype)
     raw = _as_bytes(raw)
     block, nbytes = GGML_QUANT_SIZES[kind]
@@ -220,6 +229,78 @@ def down_groups_to_file(groups: np.ndarray, qtype: str, d: int, f: int) -> np.nd
         codes = _unpack_quants(b[:, sb * d:].reshape(g, 32, d // 32, nb - sb), qtype)
     quant = _pack_quants(codes.reshape(g, 32, d).transpose(2, 0, 1), qtype)  # [D, G, bytes]
     return np.concatenate([planes, quant], axis=2).reshape(d, g * nb)
+
+
+# Rows interleaved by 16 (cpu_backend/quant_interleaved.h): what ops.qlinear reads fastest. A
+# [O, row_bytes] matrix in one of INTERLEAVE_TYPES, O a multiple of 16, becomes records per
+# (group of 16 rows, block), group-major: the 16 rows' f16 scales, for Q4_1 their f16 minimums,
+# then chunks of 4 quant bytes per row (chunk c: bytes 4c .. 4c + 3 of each row's quants, row r at
+# 4r). Same bytes, same shape [O, row_bytes]; the format's name gains INTERLEAVED_SUFFIX
+# ("Q4_0x16"), its id INTERLEAVED_ID_FLAG, so nothing reads the rows as the file's by mistake.
+INTERLEAVE = 16
+INTERLEAVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+INTERLEAVED_SUFFIX = "x16"
+INTERLEAVED_ID_FLAG = 0x100
+INTERLEAVED_TYPES = tuple(t + INTERLEAVED_SUFFIX for t in INTERLEAVE_TYPES)
+
+
+def interleaved_base(qtype: str) -> str | None:
+    """The file's format of an interleaved type name ("Q4_0x16" -> "Q4_0"), else None."""
+    return qtype[:-len(INTERLEAVED_SUFFIX)] if qtype in INTERLEAVED_TYPES else None
+
+
+def can_interleave(qtype: str, rows: int) -> bool:
+    """Whether a [rows, ...] matrix in qtype has the interleaved layout."""
+    return qtype in INTERLEAVE_TYPES and rows > 0 and rows % INTERLEAVE == 0
+
+
+def interleave_index(qtype: str) -> np.ndarray:
+    """int64 [16, block bytes]: where byte k of row r's block lies in its record (the map both
+    directions of the layout use)."""
+    base = interleaved_base(qtype) or qtype
+    if base not in INTERLEAVE_TYPES:
+        fail("interleaved rows type", f"one of {list(INTERLEAVE_TYPES)}", qtype)
+    nbytes = block_size(base)[1]
+    head = _SCALE_BYTES[base]  # bytes of f16 fields before a block's quants
+    r = np.arange(INTERLEAVE)[:, None]
+    k = np.arange(nbytes)[None, :]
+    field = INTERLEAVE * 2 * (k // 2) + 2 * r + k % 2  # f16 field k // 2 of row r: its plane
+    j = k - head  # quant byte j: chunk j // 4, row r, byte j % 4
+    quant = INTERLEAVE * head + 64 * (j // 4) + 4 * r + j % 4
+    return np.where(k < head, field, quant)
+
+
+def _check_interleave(blocks, qtype: str) -> tuple[np.ndarray, int]:
+    b = np.asarray(blocks, np.uint8)
+    if b.ndim != 2 or not can_interleave(qtype, b.shape[0]):
+        fail(f"rows to interleave ({qtype})",
+             f"uint8 [O, row_bytes] in one of {list(INTERLEAVE_TYPES)}, O a multiple of "
+             f"{INTERLEAVE}", f"{b.dtype} {b.shape}")
+    nbytes = block_size(qtype)[1]
+    if b.shape[1] % nbytes:
+        fail(f"{qtype} row", f"a multiple of {nbytes} bytes", b.shape[1])
+    return b, nbytes
+
+
+def interleave(blocks: np.ndarray, qtype: str) -> np.ndarray:
+    """The file's rows, uint8 [O, row_bytes] in qtype -> interleaved by 16 (same shape); the
+    layout's type is qtype + INTERLEAVED_SUFFIX."""
+    b, nbytes = _check_interleave(blocks, qtype)
+    o, nb = b.shape[0], b.shape[1] // nbytes
+    src = b.reshape(o // INTERLEAVE, INTERLEAVE, nb, nbytes).transpose(0, 2, 1, 3)
+    rec = np.empty((o // INTERLEAVE, nb, INTERLEAVE * nbytes), np.uint8)
+    rec[:, :, interleave_index(qtype)] = src  # [G, nb, 16, bytes] into the record's positions
+    return rec.reshape(o, nb * nbytes)
+
+
+def deinterleave(blocks: np.ndarray, qtype: str) -> np.ndarray:
+    """The inverse of interleave: uint8 [O, row_bytes] in the file's layout of qtype (the base
+    type or its interleaved name)."""
+    base = interleaved_base(qtype) or qtype
+    b, nbytes = _check_interleave(blocks, base)
+    o, nb = b.shape[0], b.shape[1] // nbytes
+    rec = b.reshape(o // INTERLEAVE, nb, INTERLEAVE * nbytes)
+    return rec[:, :, interleave_index(base)].transpose(0, 2, 1, 3).reshape(o, nb * nbytes)
 
 
 _RANGE = {"Q4_0": 8, "Q4_1": 15, "Q5_0": 16, "Q5_1": 31, "Q8_0": 127, "Q2_K": 45, "Q3_K": 128,

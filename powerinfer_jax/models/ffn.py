@@ -31,6 +31,7 @@ from flax import nnx
 
 from powerinfer_jax.errors import fail
 from powerinfer_jax.models.layers import F32, Linear, Module, _param, op_impl, sow, use_ffi
+from powerinfer_jax.models.qweights import interleaved
 from powerinfer_jax.models.qweights import host_blocks
 from powerinfer_jax.ops.reference import (  # pure jnp, shared with the kernels' oracle
     activate, gated_activate)
@@ -72,6 +73,13 @@ class Selector(Module):
 
     def describe(self) -> dict:
         return {"selector": type(self).__name__}
+
+    @property
+    def every_estimate(self) -> bool:
+        """Whether on a quantized FFN it takes the sparse call's oracle, which computes every
+        neuron's gate and up (so their rows may stay interleaved for the matvec), rather than
+        scores that select rows to read one by one."""
+        return False
 
 
 def cuda_hybrid_available() -> bool:
@@ -122,6 +130,8 @@ class DownT(Module):
 
     def load_quantized(self, blocks, qtype: str, *, file_layout: bool = False,
                        grouped: bool = False) -> None:
+        if file_layout:  # a matvec for ops.qlinear: its fastest layout where the format has it
+            blocks, qtype = interleaved(blocks, qtype)
         self.weight.set_value(host_blocks(blocks))  # in place: no new Param per tensor
         self.qtype = qtype
         self.file_layout = file_layout
@@ -148,10 +158,13 @@ class DownT(Module):
         d_model = (self.weight.shape[0] if self.file_layout
                    else self.weight.shape[1] // quants.block_size(self.qtype)[1])
         blocks = np.asarray(self.weight[...])
+        file_qtype = quants.interleaved_base(self.qtype) or self.qtype
         if self.grouped:  # back to the file's blocks first
             blocks = quants.down_groups_to_file(blocks, self.qtype, d_model, self.d_ff)
-        t = QuantTensor(blocks, self.qtype, (self.d_ff, d_model), transposed=True)
-        if qtype == DOWN_GROUPS and self.qtype in quants.DOWN_GROUP_TYPES:
+        elif file_qtype != self.qtype:  # the file's rows, interleaved for the matvec
+            blocks = quants.deinterleave(blocks, self.qtype)
+        t = QuantTensor(blocks, file_qtype, (self.d_ff, d_model), transposed=True)
+        if qtype == DOWN_GROUPS and file_qtype in quants.DOWN_GROUP_TYPES:
             self.load_quantized(t.down_groups(), t.qtype, grouped=True)
         else:
             t = t.reblocked(DOWN_QTYPE if qtype == DOWN_GROUPS else qtype)
@@ -331,6 +344,8 @@ class FFN(Module):
             fail("FFN selector", "a Selector or None", type(selector).__name__)
         if selector is not None:  # the sparse kernel reads down rows per active neuron
             self.down_t.to_neuron_rows()
+            if not selector.every_estimate:  # and gate/up rows per selected neuron
+                self.gate_up_rows()
         self.selector = nnx.data(selector)
         if not self.placed:
             fused = (selector is not None and impl == "ffi" and self.kernels == "ffi"
@@ -344,6 +359,18 @@ class FFN(Module):
     def quantized(self) -> bool:
         """Rows kept in the file's block format (models/qweights.py), computed on as stored."""
         return self.up.qtype is not None
+
+    def gate_up_rows(self) -> None:
+        """Quantized gate/up rows interleaved by 16 (loaded so for the dense matvecs and the
+        quantized oracle, which compute every neuron) -> the file's rows, which a selector's
+        scores and a permutation read per neuron. Host side, once; rows stay as they are."""
+        from powerinfer_jax.checkpoint import quants
+
+        for lin in (self.gate, self.up):
+            base = lin is not None and lin.qtype and quants.interleaved_base(lin.qtype)
+            if base:
+                lin.load_quantized(quants.deinterleave(np.asarray(lin.weight[...]), lin.qtype),
+                                   base)
 
     # ---------------------------------------------------------------- placement
     @property
@@ -370,6 +397,7 @@ class FFN(Module):
             fail("FFN.permute order", f"a permutation of range({f})", f"shape {perm.shape}")
         perm = jnp.asarray(perm, jnp.int32)
         self.down_t.to_neuron_rows(DOWN_QTYPE)  # rows move whole only as neuron rows
+        self.gate_up_rows()
         for lin in (self.gate, self.up, self.down_t):
             if lin is not None:
                 lin.weight.set_value(lin.weight[...][perm])

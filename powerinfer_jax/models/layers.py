@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from powerinfer_jax.models.qweights import host_blocks
+from powerinfer_jax.models.qweights import host_blocks, interleaved
 
 F32 = jnp.float32
 _NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
@@ -129,8 +129,12 @@ class Linear(Module):
         self.weight = _param((d_out, d_in), dtype, rngs, scale=d_in ** -0.5)
         self.bias = _param((d_out,), F32, None) if bias else None
 
-    def load_quantized(self, blocks, qtype: str) -> None:
-        """Keep `weight` as the file's blocks (uint8 [out, row_bytes] in `qtype`)."""
+    def load_quantized(self, blocks, qtype: str, *, interleave: bool = False) -> None:
+        """Keep `weight` as the file's blocks (uint8 [out, row_bytes] in `qtype`); interleave:
+        their rows interleaved by 16 where the format and row count allow (qweights.interleaved:
+        the layout ops.qlinear reads fastest; the qtype then names it, "Q4_0x16")."""
+        if interleave:
+            blocks, qtype = interleaved(blocks, qtype)
         self.weight.set_value(host_blocks(blocks))  # in place: no new Param per tensor
         self.qtype = qtype
 

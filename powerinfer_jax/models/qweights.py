@@ -66,3 +66,40 @@ def host_blocks(blocks) -> jax.Array:
     host = aligned(np.asarray(blocks, np.uint8))
     host.flags.writeable = False
     return jax.device_put(host, may_alias=True)
+
+
+def interleaved(blocks, qtype: str):
+    """(blocks, qtype) with the rows interleaved by 16 where the format and row count allow
+    (checkpoint.quants.interleave: ops.qlinear's fastest layout, the same bytes rearranged; the
+    type becomes e.g. "Q4_0x16"), else as given."""
+    from powerinfer_jax.checkpoint import quants
+
+    from powerinfer_jax.checkpoint.gguf_file import release_mapped_pages
+
+    b = np.asarray(blocks)
+    if not quants.can_interleave(qtype, b.shape[0]):
+        return blocks, qtype
+    from powerinfer_jax.checkpoint.base import aligned_empty
+    from powerinfer_jax.ops import _ffi
+
+    out = aligned_empty(b.shape, np.uint8)  # host_blocks keeps it as it is
+    _ffi._pij_ext.interleave_into(np.ascontiguousarray(b, np.uint8), quants.type_id(qtype), out)
+    release_mapped_pages(b)  # the file's rows were read once to build the copy
+    return out, qtype + quants.INTERLEAVED_SUFFIX
+
+
+def gather_rows(table, ids, qtype: str):
+    """Rows `ids` of a block table uint8 [O, row_bytes] -> uint8 [..., row_bytes] in the file's
+    layout (a table interleaved by 16 gives each id's group, then its lane's bytes)."""
+    from powerinfer_jax.checkpoint import quants
+
+    base = quants.interleaved_base(qtype)
+    if base is None:
+        return table[ids]
+    nbytes = quants.block_size(base)[1]
+    o, row_bytes = table.shape
+    g = quants.INTERLEAVE
+    groups = table.reshape(o // g, row_bytes // nbytes, g * nbytes)[ids // g]  # [..., nb, rec]
+    lanes = jnp.asarray(quants.interleave_index(base))[ids % g]  # [..., bytes]
+    lanes = jnp.broadcast_to(lanes[..., None, :], groups.shape[:-1] + (nbytes,))
+    return jnp.take_along_axis(groups, lanes, axis=-1).reshape(ids.shape + (row_bytes,))

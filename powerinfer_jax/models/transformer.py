@@ -127,12 +127,14 @@ class Transformer(Module):
     def embed(self, tokens_bt):
         """Token embeddings [B, T, D] float32 (a quantized table: only the gathered rows are
         dequantized)."""
-        rows = self.tok_embed[...][tokens_bt]
         if self.embed_qtype is None:
-            return rows.astype(F32)
-        from powerinfer_jax.models.qweights import dequantize_rows
+            return self.tok_embed[...][tokens_bt].astype(F32)
+        from powerinfer_jax.checkpoint.quants import interleaved_base
+        from powerinfer_jax.models.qweights import dequantize_rows, gather_rows
 
-        return dequantize_rows(rows, self.embed_qtype, self.config.d_model)
+        rows = gather_rows(self.tok_embed[...], tokens_bt, self.embed_qtype)
+        return dequantize_rows(rows, interleaved_base(self.embed_qtype) or self.embed_qtype,
+                               self.config.d_model)
 
     def logits(self, h_btd):
         """Vocabulary logits [B, T, V] in float32."""
@@ -264,14 +266,20 @@ def _variable(model: Transformer, name: str) -> nnx.Variable:
 
 def _load_quantized(model: Transformer, name: str, t, down_qtype: str) -> None:
     """Put a QuantTensor's blocks into the module that owns canonical param `name`."""
-    from powerinfer_jax.models.qweights import host_blocks
+    from powerinfer_jax.models.qweights import host_blocks, interleaved
 
+    # Matrices take ops.qlinear's fastest layout (rows interleaved by 16) where the format has
+    # it: the attention projections, the LM head (a tied embedding too: its lookups read the
+    # layout), FFN gate/up (back to the file's rows when a selector reads them per neuron,
+    # FFN.gate_up_rows) and ffn_down as stored (DownT).
     if name == "tok_embed":
-        model.tok_embed.set_value(host_blocks(t.blocks))
-        model.embed_qtype = t.qtype
+        blocks, qtype = (t.blocks, t.qtype) if model.lm_head is not None else \
+            interleaved(t.blocks, t.qtype)
+        model.tok_embed.set_value(host_blocks(blocks))
+        model.embed_qtype = qtype
         return
     if name == "lm_head":
-        model.lm_head.load_quantized(t.blocks, t.qtype)
+        model.lm_head.load_quantized(t.blocks, t.qtype, interleave=True)
         return
     owner = _at(model, name.rsplit(".", 1)[0])  # the module whose `weight` it is
     if t.transposed:  # ffn.down_t as the file stores it; DownT moves it to the sparse layout
@@ -279,4 +287,7 @@ def _load_quantized(model: Transformer, name: str, t, down_qtype: str) -> None:
         if down_qtype is not None:
             owner.to_neuron_rows(down_qtype)
         return
-    owner.load_quantized(t.blocks, t.qtype)
+    if isinstance(owner, Linear):
+        owner.load_quantized(t.blocks, t.qtype, interleave=True)
+    else:  # DownT neuron rows (a PowerInfer file's ffn_down_t): the sparse kernel's layout
+        owner.load_quantized(t.blocks, t.qtype)

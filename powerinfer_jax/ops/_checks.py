@@ -160,6 +160,22 @@ def check_qtype(what: str, qtype) -> str:
     fail(what, f"one of {list(quants.QUANTIZED_TYPES)}", qtype, hint)
 
 
+def quants_base(name: str) -> str | None:
+    from powerinfer_jax.checkpoint import quants
+
+    return quants.interleaved_base(name)
+
+
+def check_qlinear_type(qtype, what: str = "qtype") -> str:
+    """ops.qlinear's formats: the block types, or the file's rows interleaved by 16
+    ("Q4_0x16", checkpoint.quants.interleave) -> the name."""
+    from powerinfer_jax.checkpoint import quants
+
+    if isinstance(qtype, str) and qtype in quants.INTERLEAVED_TYPES:
+        return qtype
+    return check_qtype(what, qtype)
+
+
 def check_qweight(what: str, blocks, qtype: str, in_features: int, rows: int | None = None) -> int:
     """blocks: uint8 [R, row_bytes] for rows of in_features values in qtype; returns R."""
     from powerinfer_jax.checkpoint import quants
@@ -186,8 +202,10 @@ def check_qlinear(x, blocks, qtype, in_features, b) -> tuple[str, int]:
         fail("x", "a floating array [..., D]", f"{jnp.result_type(x)} {_shape(x)}")
     if not isinstance(in_features, (int, np.integer)) or _shape(x)[-1] != in_features:
         fail("in_features", f"x's last dim ({_shape(x)[-1]}), a static int", in_features)
-    name = check_qtype("qtype", qtype)
+    name = check_qlinear_type(qtype)
     o = check_qweight("blocks", blocks, name, int(in_features))
+    if quants_base(name) is not None and o % 16:
+        fail("blocks", f"rows interleaved by 16 ({name}): a multiple of 16 rows", o)
     if b is not None and _shape(b) != (o,):
         fail("b shape", f"[O] = ({o},)", _shape(b))
     return name, o
@@ -204,12 +222,17 @@ def check_qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_
     if np.ndim(x) < 1 or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
         fail("x", "a floating array [..., D]", f"{jnp.result_type(x)} {_shape(x)}")
     d = _shape(x)[-1]
-    u = check_qtype("up_qtype", up_qtype)
+    u = check_qlinear_type(up_qtype, "up_qtype")
     f = check_qweight("up", up, u, d)
     g = u
     if gate is not None:
-        g = check_qtype("gate_qtype", gate_qtype if gate_qtype is not None else up_qtype)
+        g = check_qlinear_type(gate_qtype if gate_qtype is not None else up_qtype, "gate_qtype")
         check_qweight("gate", gate, g, d, rows=f)
+    if quants_base(u) or quants_base(g):  # rows interleaved by 16: every neuron's estimate
+        if not (quants_base(u) and quants_base(g)) or criterion != "oracle" or f % 16:
+            fail("gate/up rows interleaved by 16", "both interleaved, F a multiple of 16, "
+                 "criterion 'oracle'", f"up {u}, gate {g}, F {f}, criterion {criterion!r}",
+                 "a selector that reads rows per neuron takes the file's rows")
     dn = check_qtype("down_qtype", down_qtype)
     check_choice("down_layout", down_layout, ("rows", "groups"))
     if down_layout == "rows":

@@ -70,18 +70,25 @@ class Session:
 
 
 def weight_formats(model) -> dict[str, int]:
-    """How many matrices the built model keeps in each format ("Q4_1", ..., or the float dtype)."""
+    """How many matrices the built model keeps in each format ("Q4_1", ..., or the float dtype;
+    the file's format whatever the layout, e.g. rows interleaved for ops.qlinear)."""
     from flax import nnx
 
+    from powerinfer_jax.checkpoint.quants import interleaved_base
+
     counts: dict[str, int] = {}
+
+    def count(key):
+        key = interleaved_base(key) or key
+        counts[key] = counts.get(key, 0) + 1
+
     for module in (m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)):
         qtype = getattr(module, "qtype", None)
         weight = getattr(module, "weight", None)
         if isinstance(weight, nnx.Param):
-            key = qtype or str(weight[...].dtype)
-            counts[key] = counts.get(key, 0) + 1
+            count(qtype or str(weight[...].dtype))
     if getattr(model, "embed_qtype", None):
-        counts[model.embed_qtype] = counts.get(model.embed_qtype, 0) + 1
+        count(model.embed_qtype)
     return counts
 
 

@@ -23,6 +23,10 @@ class Oracle(Selector):
     def select(self, ffn, x_btd) -> Selection:
         return Selection("oracle", self.threshold)
 
+    @property
+    def every_estimate(self) -> bool:
+        return True
+
     def describe(self) -> dict:
         return {"selector": "oracle", "threshold": self.threshold}
 
@@ -83,6 +87,10 @@ class Q4Activations(Selector):
     def permute(self, perm) -> None:
         if self.predictor is not None:
             self.predictor.permute(perm)
+
+    @property
+    def every_estimate(self) -> bool:
+        return self.predictor is None  # the quantized FFN's own activations: its oracle
 
     def describe(self) -> dict:
         return {"selector": "q4_activations", "threshold": self.threshold}

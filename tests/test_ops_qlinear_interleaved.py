@@ -1,0 +1,216 @@
+"""Rows interleaved by 16 (checkpoint.quants.interleave, cpu_backend/quant_interleaved.h): the
+layout ops.qlinear reads fastest, for Q4_0, Q4_1 and Q8_0. Checked against the file's rows (the
+same bytes rearranged), the jnp reference, the portable kernel's bits, and bad input."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers_quant import random_blocks
+from powerinfer_jax import ops
+from powerinfer_jax.checkpoint import quants
+from powerinfer_jax.errors import UserError
+from powerinfer_jax.models.qweights import gather_rows, interleaved
+from powerinfer_jax.ops import _ffi
+
+TYPES = list(quants.INTERLEAVE_TYPES)
+RTOL = 5e-6  # as test_ops_qlinear: only the summation order differs from the reference
+
+
+def _operands(qtype, seed, *, t, o=48, d=160):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((t, d), dtype=np.float32)
+    return jnp.asarray(x), random_blocks(qtype, o, d, rng), d
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_layout_round_trip_and_byte_map(qtype):
+    rng = np.random.default_rng(0)
+    b = random_blocks(qtype, 32, 96, rng)
+    packed = quants.interleave(b, qtype)
+    assert packed.shape == b.shape and not np.array_equal(packed, b)
+    assert np.array_equal(quants.deinterleave(packed, qtype + "x16"), b)
+    # the kernels' map, spelled out: row r's scale at 2r of its record, quant byte j in chunk
+    # j // 4 at 4r + j % 4 after the 16 rows' f16 fields
+    nbytes = quants.block_size(qtype)[1]
+    head = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[qtype]
+    rec = packed.reshape(2, 3, 16 * nbytes)  # [group, block, record]
+    g, blk, r = 1, 2, 5
+    row = b[16 * g + r, blk * nbytes:(blk + 1) * nbytes]
+    assert bytes(rec[g, blk, 2 * r:2 * r + 2]) == bytes(row[:2])
+    if head == 4:
+        assert bytes(rec[g, blk, 32 + 2 * r:34 + 2 * r]) == bytes(row[2:4])
+    q = row[head:]
+    for j in range(len(q)):
+        assert rec[g, blk, 16 * head + 64 * (j // 4) + 4 * r + j % 4] == q[j]
+    # the C++ packer writes the same bytes
+    fast, name = interleaved(b, qtype)
+    assert name == qtype + "x16" and np.array_equal(np.asarray(fast), packed)
+    # dequantizing the interleaved name gives the file's weights
+    assert np.array_equal(quants.dequantize(packed, name), quants.dequantize(b, qtype))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("t", [1, 2, 5, 17])
+def test_matches_the_files_rows_and_the_reference(qtype, t):
+    x, b, d = _operands(qtype, 1, t=t)
+    bias = jnp.asarray(np.random.default_rng(2).standard_normal(48), jnp.float32)
+    packed, name = interleaved(b, qtype)
+    got = np.asarray(ops.qlinear(x, packed, name, d, bias))
+    for want in (ops.qlinear(x, b, qtype, d, bias),
+                 ops.qlinear(x, packed, name, d, bias, impl="reference")):
+        want = np.asarray(want)
+        assert np.abs(got - want).max() / np.abs(want).max() < RTOL
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_vector_kernels_give_the_portable_bits(qtype):
+    """Every ISA runs the same per-lane arithmetic (quant_interleaved.h): the build's vector code
+    against the portable loops, bit for bit; and a token alone equals its row in a prefill."""
+    x, b, d = _operands(qtype, 3, t=7)
+    packed, name = interleaved(b, qtype)
+    got = np.asarray(ops.qlinear(x, packed, name, d))
+    portable = np.empty_like(got)
+    _ffi._pij_ext.qlinear_interleaved_portable(np.asarray(x), np.asarray(packed),
+                                               quants.type_id(qtype), portable)
+    assert np.array_equal(got, portable)
+    alone = np.concatenate([np.asarray(ops.qlinear(x[i:i + 1], packed, name, d))
+                            for i in range(x.shape[0])])
+    assert np.array_equal(got, alone)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bitwise_across_thread_counts_and_many(threads):
+    x, b, d = _operands("Q4_1", 4, t=3, o=160)
+    packed, name = interleaved(b, "Q4_1")
+    _, k, _ = _operands("Q4_0", 5, t=3, o=32)
+    kp, kname = interleaved(k, "Q4_0")
+    before = _ffi.get_num_threads()
+    try:
+        ops.set_num_threads(threads)
+        one = np.asarray(ops.qlinear(x, packed, name, d))
+        # one job over products of several layouts (the file's rows between two interleaved)
+        rows = random_blocks("Q5_0", 37, d, np.random.default_rng(6))
+        many = ops.qlinear_many(x, [kp, rows, packed], [kname, "Q5_0", name], d)
+    finally:
+        ops.set_num_threads(before)
+    assert np.array_equal(one, np.asarray(many[2]))
+    assert np.array_equal(np.asarray(many[0]), np.asarray(ops.qlinear(x, kp, kname, d)))
+    assert np.array_equal(np.asarray(many[1]), np.asarray(ops.qlinear(x, rows, "Q5_0", d)))
+    ops.set_num_threads(1 if threads == 2 else 2)
+    try:
+        assert np.array_equal(one, np.asarray(ops.qlinear(x, packed, name, d)))
+    finally:
+        ops.set_num_threads(before)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_embedding_lookup_reads_the_layout(qtype):
+    rng = np.random.default_rng(7)
+    b = random_blocks(qtype, 64, 96, rng)
+    packed, name = interleaved(b, qtype)
+    ids = jnp.asarray([[0, 17, 63], [5, 5, 40]])
+    assert np.array_equal(np.asarray(gather_rows(jnp.asarray(packed), ids, name)),
+                          b[np.asarray(ids)])
+
+
+def test_non_finite_input_reaches_only_its_token():
+    x, b, d = _operands("Q4_0", 8, t=3)
+    x = x.at[1, 7].set(jnp.nan)
+    packed, name = interleaved(b, "Q4_0")
+    y = np.asarray(ops.qlinear(x, packed, name, d))
+    assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2]]).all()
+
+
+def test_shapes_and_types_that_cannot_interleave_stay_as_the_files():
+    rng = np.random.default_rng(9)
+    for qtype, rows in (("Q4_0", 37), ("Q5_0", 32), ("Q4_K", 32)):
+        b = random_blocks(qtype, rows, 256, rng)
+        same, name = interleaved(b, qtype)
+        assert name == qtype and same is b
+
+
+def test_bad_input_is_a_clear_error():
+    x, b, d = _operands("Q4_0", 10, t=1)
+    packed, name = interleaved(b, "Q4_0")
+    with pytest.raises(UserError, match="multiple of 16 rows"):
+        ops.qlinear(x, packed[:40], name, d)
+    with pytest.raises(UserError, match="qtype"):
+        ops.qlinear(x, packed, "Q5_0x16", d)
+    with pytest.raises(UserError, match="multiple of 16"):
+        quants.interleave(b[:20], "Q4_0")
+    with pytest.raises(UserError, match="interleaved rows type"):
+        quants.interleave_index("Q4_K")
+    # the handler checks too (an id with the interleave flag on a format without the layout)
+    with pytest.raises(Exception, match="Q4_0, Q4_1 or Q8_0"):
+        _handler_bad(x, d)
+    with pytest.raises(ValueError, match="interleave_into"):
+        _ffi._pij_ext.interleave_into(np.zeros((20, 18), np.uint8), 2,
+                                      np.zeros((20, 18), np.uint8))
+
+
+def _handler_bad(x, d):
+    import jax
+
+    blocks = jnp.asarray(random_blocks("Q5_0", 32, d, np.random.default_rng(1)))
+    out = jax.ShapeDtypeStruct((1, 32), jnp.float32)
+    call = jax.ffi.ffi_call(_ffi.QLINEAR_TARGET, out, vmap_method="expand_dims")
+    return np.asarray(call(x, blocks, jnp.zeros((0,), jnp.float32),
+                           qtype=np.int32(quants.type_id("Q5_0") | quants.INTERLEAVED_ID_FLAG)))
+
+
+# ------------------------------------------------- the sparse FFN's oracle on interleaved gate/up
+def _sparse_operands(gu, dn, seed, *, t, f=64, d=160, layout="groups", activation="silu"):
+    from test_ops_qsparse_ffn import activations, gap_threshold
+
+    rng = np.random.default_rng(seed)
+    w = dict(up=random_blocks(gu, f, d, rng), gate=random_blocks(gu, f, d, rng), up_qtype=gu,
+             gate_qtype=gu, down_qtype=dn, b_up=None, b_down=None)
+    down_rows = random_blocks(dn, f, d, rng)  # [F, D] neuron rows; as the file: [D, F] blocks
+    w["down"] = down_rows if layout == "rows" else quants.down_groups(
+        quants.quantize(quants.dequantize(down_rows, dn).T.copy(), dn), dn, d, f)
+    x = jnp.asarray(rng.standard_normal((t, d), dtype=np.float32))
+    thr = gap_threshold(activations(x, {**w, "gate": w["gate"]}, activation))
+    packed = dict(w, up=interleaved(w["up"], gu)[0], gate=interleaved(w["gate"], gu)[0],
+                  up_qtype=gu + "x16", gate_qtype=gu + "x16")
+    kw = dict(threshold=thr, activation=activation, criterion="oracle", down_layout=layout)
+    return x, w, packed, kw
+
+
+def _call(x, w, **kw):
+    rest = {k: v for k, v in w.items() if k not in ("up", "down")}
+    return ops.qsparse_ffn(x, w["up"], w["down"], **rest, **kw)
+
+
+@pytest.mark.parametrize("gu,dn,layout", [("Q4_1", "Q4_1", "groups"), ("Q4_0", "Q8_0", "rows"),
+                                          ("Q8_0", "Q4_0", "groups")])
+@pytest.mark.parametrize("t", [1, 3, 6])
+def test_sparse_oracle_on_interleaved_gate_up(gu, dn, layout, t):
+    """Every neuron's gate/up from the interleaved groups: the same active neurons and output
+    as the file's rows (other summation order) and the reference on the interleaved names; each
+    token's bits alone as in the batch, whatever the thread count."""
+    x, rows, packed, kw = _sparse_operands(gu, dn, t, t=t, layout=layout)
+    y, n = _call(x, packed, **kw)
+    y_rows, n_rows = _call(x, rows, **kw)
+    y_ref, n_ref = _call(x, packed, impl="reference", **kw)
+    assert np.array_equal(np.asarray(n), np.asarray(n_rows))
+    assert np.array_equal(np.asarray(n), np.asarray(n_ref))
+    for want in (y_rows, y_ref):
+        want = np.asarray(want)
+        assert np.abs(np.asarray(y) - want).max() / np.abs(want).max() < RTOL
+    alone = np.concatenate([np.asarray(_call(x[i:i + 1], packed, **kw)[0]) for i in range(t)])
+    assert np.array_equal(np.asarray(y), alone)
+    before = _ffi.get_num_threads()
+    try:
+        ops.set_num_threads(1 if before > 1 else 2)
+        assert np.array_equal(np.asarray(_call(x, packed, **kw)[0]), np.asarray(y))
+    finally:
+        ops.set_num_threads(before)
+
+
+def test_sparse_interleaved_gate_up_needs_the_oracle():
+    x, rows, packed, kw = _sparse_operands("Q4_0", "Q4_0", 11, t=1)
+    scores = jnp.zeros((1, 64), jnp.float32)
+    with pytest.raises(UserError, match="interleaved by 16"):
+        _call(x, packed, **{**kw, "criterion": "scores"}, scores=scores)
+    with pytest.raises(UserError, match="interleaved by 16"):  # one of the two only
+        _call(x, dict(packed, gate=rows["gate"], gate_qtype="Q4_0"), **kw)
