@@ -187,12 +187,18 @@ void QLinearMany(std::span<const QLinearOut> outs, int64_t dim,
   });
 }
 
-void InterleaveRows(const uint8_t* src, QType t, int64_t rows, int64_t row_bytes, uint8_t* dst) {
+void InterleaveRows(const uint8_t* src, QType t, int64_t rows, int64_t row_bytes, uint8_t* dst,
+                    ThreadPool& pool) {
   constexpr int64_t kG = qkern::kInterleave;
   const int64_t bytes = GetQTypeInfo(t).bytes;
   const int64_t head = qkern::InterleavedHead(t) / kG;  // f16 field bytes per block
   const int64_t nblocks = row_bytes / bytes;
-  for (int64_t g = 0; g < rows / kG; ++g) {
+  const int64_t groups = rows / kG;
+  // Threads take ranges of groups: a load's page faults (the file's pages, the new buffer's)
+  // and copies split over the cores.
+  const int64_t tasks = std::min<int64_t>(groups, pool.NumThreads());
+  pool.Run(0, tasks, [&](int64_t task, int /*worker*/) {
+  for (int64_t g = groups * task / tasks; g < groups * (task + 1) / tasks; ++g) {
     for (int64_t b = 0; b < nblocks; ++b) {
       uint8_t* rec = dst + (g * nblocks + b) * kG * bytes;
       for (int64_t r = 0; r < kG; ++r) {
@@ -204,6 +210,7 @@ void InterleaveRows(const uint8_t* src, QType t, int64_t rows, int64_t row_bytes
       }
     }
   }
+  });
 }
 
 void QLinearInterleavedPortable(const QLinearOut& out, int64_t dim,

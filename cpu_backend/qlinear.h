@@ -48,7 +48,8 @@ void QLinearRows(const QLinearOut& out, int64_t dim, std::span<const QActView> x
 // dst = src's rows interleaved by 16 (quant_interleaved.h; checkpoint/quants.py `interleave` is
 // the same map): src and dst uint8 [rows, row_bytes], t interleavable, rows a multiple of 16
 // and row_bytes of the block (checked by the caller).
-void InterleaveRows(const uint8_t* src, QType t, int64_t rows, int64_t row_bytes, uint8_t* dst);
+void InterleaveRows(const uint8_t* src, QType t, int64_t rows, int64_t row_bytes, uint8_t* dst,
+                    ThreadPool& pool);
 
 // Tests: out (interleaved rows, as QLinearMany computes them) through the portable per-lane
 // loops instead of the build's vector code, one token at a time; the two must agree bitwise.

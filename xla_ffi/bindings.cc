@@ -151,7 +151,10 @@ NB_MODULE(_pij_ext, m) {
                                   std::to_string(row_bytes) + " bytes");
     }
     nb::gil_scoped_release release;
-    pij::InterleaveRows(blocks.data(), static_cast<pij::QType>(qtype), rows, row_bytes, out.data());
+    pij::CpuRuntime& rt = pij::GetCpuRuntime();
+    std::lock_guard<std::mutex> lock(rt.mutex);
+    pij::InterleaveRows(blocks.data(), static_cast<pij::QType>(qtype), rows, row_bytes, out.data(),
+                        rt.pool);
   }, nb::arg("blocks"), nb::arg("qtype"), nb::arg("out"),
         "out = blocks' rows interleaved by 16 (ops.qlinear's fastest layout; checkpoint.quants.interleave).");
   m.def("qlinear_interleaved_portable",

@@ -254,46 +254,64 @@ class Mapping(NamedTuple):
     path: str
 
 
-def mapping_at(address: int) -> Mapping | None:
-    """The mapping of this process that holds `address` (/proc/self/maps), or None (none holds
-    it, or no /proc: not Linux)."""
+def _mappings() -> list[Mapping]:
+    """This process's mappings (/proc/self/maps); empty without /proc (not Linux)."""
+    out = []
     try:
         with open("/proc/self/maps", encoding="utf-8") as f:
             for line in f:
                 span, perms, _, _, inode, *path = line.split(maxsplit=5)
                 begin, end = (int(x, 16) for x in span.split("-"))
-                if begin <= address < end:
-                    return Mapping(begin, end, perms, int(inode), path[0].strip() if path else "")
+                out.append(Mapping(begin, end, perms, int(inode), path[0].strip() if path else ""))
     except (OSError, ValueError):
-        pass
+        return []
+    return out
+
+
+def mapping_at(address: int, mappings: list[Mapping] | None = None) -> Mapping | None:
+    """The mapping of this process that holds `address` (/proc/self/maps, or `mappings` read
+    from it), or None (none holds it, or no /proc: not Linux)."""
+    for m in _mappings() if mappings is None else mappings:
+        if m.begin <= address < m.end:
+            return m
     return None
 
 
-def release_mapped_pages(array) -> int:
+def release_mapped_pages(*arrays) -> int:
     """Drop from this process's resident set the whole pages of `array`'s bytes, when they lie
     in a read-only shared file mapping (a view of a `GGUFFile`): they were read once (e.g. to
     regroup ffn_down for the sparse kernel) and are not needed again. Such pages are the file's
     bytes and nothing else, so a later read faults them back in from the page cache or the
     file, unchanged; any other memory (anonymous, private or writable) is left alone, because
-    MADV_DONTNEED would zero or discard it. Returns the bytes released (0 off Linux)."""
+    MADV_DONTNEED would zero or discard it. Several arrays share one read of the process's
+    mappings. Returns the bytes released (0 off Linux)."""
     import sys
 
     if not sys.platform.startswith("linux"):
         return 0
     import ctypes
 
-    a = np.asarray(array)
-    if a.size == 0 or not (a.flags.c_contiguous or a.flags.f_contiguous):
-        return 0
     page = mmap.PAGESIZE
-    start = a.__array_interface__["data"][0]
-    lo, hi = -(-start // page) * page, (start + a.nbytes) // page * page
-    if hi <= lo:
+    spans = []
+    for array in arrays:
+        a = np.asarray(array)
+        if a.size == 0 or not (a.flags.c_contiguous or a.flags.f_contiguous):
+            continue
+        start = a.__array_interface__["data"][0]
+        lo, hi = -(-start // page) * page, (start + a.nbytes) // page * page
+        if hi > lo:
+            spans.append((lo, hi))
+    if not spans:
         return 0
-    # one mapping, a file's (inode), shared and not writable: how GGUFFile maps a file
-    m = mapping_at(lo)
-    if m is None or hi > m.end or m.perms[1] != "-" or m.perms[3] != "s" or m.inode == 0:
-        return 0
+    mappings = _mappings()  # read once, while every array (and so its mapping) is alive
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return hi - lo if libc.madvise(lo, hi - lo, mmap.MADV_DONTNEED) == 0 else 0
+    released = 0
+    for lo, hi in spans:
+        # one mapping, a file's (inode), shared and not writable: how GGUFFile maps a file
+        m = mapping_at(lo, mappings)
+        if m is None or hi > m.end or m.perms[1] != "-" or m.perms[3] != "s" or m.inode == 0:
+            continue
+        if libc.madvise(lo, hi - lo, mmap.MADV_DONTNEED) == 0:
+            released += hi - lo
+    return released

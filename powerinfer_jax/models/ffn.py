@@ -150,7 +150,7 @@ class DownT(Module):
             return
         from powerinfer_jax.checkpoint import quants
         from powerinfer_jax.checkpoint.base import QuantTensor
-        from powerinfer_jax.checkpoint.gguf_file import release_mapped_pages
+        from powerinfer_jax.models.qweights import release_later
 
         if qtype == DOWN_GROUPS and self.grouped:
             return
@@ -170,7 +170,7 @@ class DownT(Module):
             t = t.reblocked(DOWN_QTYPE if qtype == DOWN_GROUPS else qtype)
             self.load_quantized(t.blocks, t.qtype)
         # the file's ffn_down pages were read once to build the copy: out of the resident set
-        release_mapped_pages(blocks)
+        release_later(blocks)
 
     def __call__(self, a_btf):
         if self.qtype is not None and self.file_layout:

@@ -8,6 +8,9 @@ by dequantizing only the gathered rows. checkpoint.base.QuantTensor is what the 
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,13 +71,43 @@ def host_blocks(blocks) -> jax.Array:
     return jax.device_put(host, may_alias=True)
 
 
+_DEFERRED: contextvars.ContextVar[list | None] = contextvars.ContextVar("deferred_release",
+                                                                        default=None)
+
+
+@contextlib.contextmanager
+def deferred_release():
+    """Within it, `interleaved` keeps the file rows it read and drops their pages from the
+    resident set once at the end (one read of the process's mappings for a whole model; the
+    arrays stay alive until then, so their mappings do too)."""
+    from powerinfer_jax.checkpoint.gguf_file import release_mapped_pages
+
+    token = _DEFERRED.set([])
+    try:
+        yield
+    finally:
+        pending = _DEFERRED.get()
+        _DEFERRED.reset(token)
+        release_mapped_pages(*pending)
+
+
+def release_later(array) -> None:
+    """Drop a file view's pages from the resident set (gguf_file.release_mapped_pages): now, or
+    at the end of the enclosing `deferred_release`."""
+    from powerinfer_jax.checkpoint.gguf_file import release_mapped_pages
+
+    pending = _DEFERRED.get()
+    if pending is None:
+        release_mapped_pages(array)
+    else:
+        pending.append(array)
+
+
 def interleaved(blocks, qtype: str):
     """(blocks, qtype) with the rows interleaved by 16 where the format and row count allow
     (checkpoint.quants.interleave: ops.qlinear's fastest layout, the same bytes rearranged; the
     type becomes e.g. "Q4_0x16"), else as given."""
     from powerinfer_jax.checkpoint import quants
-
-    from powerinfer_jax.checkpoint.gguf_file import release_mapped_pages
 
     b = np.asarray(blocks)
     if not quants.can_interleave(qtype, b.shape[0]):
@@ -84,7 +117,7 @@ def interleaved(blocks, qtype: str):
 
     out = aligned_empty(b.shape, np.uint8)  # host_blocks keeps it as it is
     _ffi._pij_ext.interleave_into(np.ascontiguousarray(b, np.uint8), quants.type_id(qtype), out)
-    release_mapped_pages(b)  # the file's rows were read once to build the copy
+    release_later(b)  # the file's rows were read once to build the copy
     return out, qtype + quants.INTERLEAVED_SUFFIX
 
 

@@ -245,8 +245,11 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
         if name not in blocks:
             var = _variable(model, name)
             var.set_value(jnp.asarray(np.asarray(params[name]), dtype=var.get_value().dtype))
-    for name, t in blocks.items():
-        _load_quantized(model, name, t, down_qtype)
+    from powerinfer_jax.models.qweights import deferred_release
+
+    with deferred_release():
+        for name, t in blocks.items():
+            _load_quantized(model, name, t, down_qtype)
     return model
 
 
