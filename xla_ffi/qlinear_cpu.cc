@@ -1,7 +1,8 @@
 // CPU FFI handlers for the quantized linear ops (cpu_backend/qlinear.h) and the embedding lookup
 // on a quantized table (qembedding, below): x f32 [..., D]; blocks
 // uint8 [O, row_bytes] (a GGUF tensor's raw rows, extra leading size-1 dims allowed for vmap);
-// bias f32 [O] or zero-size (absent); attribute qtype (GGML type id); y f32 [..., O].
+// bias f32 [O] or zero-size (absent); attribute qtype (GGML type id; with
+// kInterleavedQTypeFlag the rows interleaved by 16, quant_interleaved.h); y f32 [..., O].
 // qlinear_many: x, then n blocks, then n biases; attribute qtypes (int32 [n]); n results, as one
 // pool job.
 #include <exception>

@@ -9,7 +9,8 @@
 //   b_up    f32 [F] or empty;  b_down f32 [D] or empty
 //   scores  f32 [..., F]          criterion "scores"; empty for "oracle"
 // Results: y f32 [..., D], n_active s32 [...]. Attributes: gate_qtype, up_qtype, down_qtype
-// (GGML type ids), threshold (f32, finite, >= 0), activation, criterion ("scores" | "oracle"),
+// (GGML type ids; gate's and up's with kInterleavedQTypeFlag: rows interleaved by 16, criterion
+// "oracle" only), threshold (f32, finite, >= 0), activation, criterion ("scores" | "oracle"),
 // down_layout ("rows" | "groups").
 #include <cmath>
 #include <exception>

@@ -31,8 +31,7 @@ from flax import nnx
 
 from powerinfer_jax.errors import fail
 from powerinfer_jax.models.layers import F32, Linear, Module, _param, op_impl, sow, use_ffi
-from powerinfer_jax.models.qweights import interleaved
-from powerinfer_jax.models.qweights import host_blocks
+from powerinfer_jax.models.qweights import host_blocks, interleaved
 from powerinfer_jax.ops.reference import (  # pure jnp, shared with the kernels' oracle
     activate, gated_activate)
 
@@ -107,8 +106,9 @@ class DownT(Module):
     quantized file (models/qweights.py) it holds GGUF blocks in format `qtype`, in one of three
     layouts:
       * the file's ffn_down as stored (`file_layout`): uint8 [D, row_bytes] blocked along F, a
-        matvec for ops.qlinear with 8-bit activations, as llama.cpp computes it. Dense models
-        keep it.
+        matvec for ops.qlinear with 8-bit activations, as llama.cpp computes it, its rows
+        interleaved by 16 where the format has the layout (qtype "Q4_1x16" etc.,
+        checkpoint.quants.interleave). Dense models keep it.
       * down groups (`grouped`): the same blocks rearranged per 32 neurons, uint8
         [F / 32, D * block bytes] (checkpoint.quants.down_groups): what the sparse kernel reads
         in the 32-weight formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). Nothing is re-quantized, the
