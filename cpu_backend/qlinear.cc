@@ -99,19 +99,8 @@ void InterleavedRows(const QLinearOut& out, int64_t dim, std::span<const QActVie
     for (int64_t g = lo / kG; g < hi / kG; ++g) {
       const uint8_t* group = out.w + g * group_bytes;
       for (int64_t t = 0; t < num_tokens;) {
-        const int64_t n = std::min<int64_t>(qkern::kMaxTokens, num_tokens - t);
-        switch (n) {
-          case 1:
-            if (num_tokens == 1) {
-              qkern::InterleavedTile<F, 1, qkern::kStreamAhead>(group, nblocks, xs.data(), dots);
-            } else {
-              qkern::InterleavedTile<F, 1>(group, nblocks, xs.data() + t, dots);
-            }
-            break;
-          case 2: qkern::InterleavedTile<F, 2>(group, nblocks, xs.data() + t, dots); break;
-          case 3: qkern::InterleavedTile<F, 3>(group, nblocks, xs.data() + t, dots); break;
-          default: qkern::InterleavedTile<F, 4>(group, nblocks, xs.data() + t, dots); break;
-        }
+        const int64_t n =
+            qkern::InterleavedTokenTile<F>(group, nblocks, xs.data(), t, num_tokens, dots);
         for (int64_t k = 0; k < n; ++k) {
           for (int64_t r = 0; r < kG; ++r) {
             const int64_t o = g * kG + r;
@@ -198,18 +187,20 @@ void InterleaveRows(const uint8_t* src, QType t, int64_t rows, int64_t row_bytes
   // and copies split over the cores.
   const int64_t tasks = std::min<int64_t>(groups, pool.NumThreads());
   pool.Run(0, tasks, [&](int64_t task, int /*worker*/) {
-  for (int64_t g = groups * task / tasks; g < groups * (task + 1) / tasks; ++g) {
-    for (int64_t b = 0; b < nblocks; ++b) {
-      uint8_t* rec = dst + (g * nblocks + b) * kG * bytes;
-      for (int64_t r = 0; r < kG; ++r) {
-        const uint8_t* blk = src + (g * kG + r) * row_bytes + b * bytes;
-        for (int64_t f = 0; f < head / 2; ++f) std::memcpy(rec + f * 2 * kG + 2 * r, blk + 2 * f, 2);
-        for (int64_t c = 0; c < (bytes - head) / 4; ++c) {
-          std::memcpy(rec + kG * head + 64 * c + 4 * r, blk + head + 4 * c, 4);
+    for (int64_t g = groups * task / tasks; g < groups * (task + 1) / tasks; ++g) {
+      for (int64_t b = 0; b < nblocks; ++b) {
+        uint8_t* rec = dst + (g * nblocks + b) * kG * bytes;
+        for (int64_t r = 0; r < kG; ++r) {
+          const uint8_t* blk = src + (g * kG + r) * row_bytes + b * bytes;
+          for (int64_t f = 0; f < head / 2; ++f) {
+            std::memcpy(rec + f * 2 * kG + 2 * r, blk + 2 * f, 2);
+          }
+          for (int64_t c = 0; c < (bytes - head) / 4; ++c) {
+            std::memcpy(rec + kG * head + 64 * c + 4 * r, blk + head + 4 * c, 4);
+          }
         }
       }
     }
-  }
   });
 }
 

@@ -106,19 +106,7 @@ void GroupDots(const uint8_t* mat, int64_t group, const QActView* xs, int64_t nt
     const uint8_t* g = mat + group * nblocks * F::kBytes * kG;
     float dots[qkern::kMaxTokens * kG];
     for (int64_t t = 0; t < ntok;) {
-      const int64_t n = std::min<int64_t>(qkern::kMaxTokens, ntok - t);
-      switch (n) {
-        case 1:
-          if (ntok == 1) {
-            qkern::InterleavedTile<F, 1, qkern::kStreamAhead>(g, nblocks, xs, dots);
-          } else {
-            qkern::InterleavedTile<F, 1>(g, nblocks, xs + t, dots);
-          }
-          break;
-        case 2: qkern::InterleavedTile<F, 2>(g, nblocks, xs + t, dots); break;
-        case 3: qkern::InterleavedTile<F, 3>(g, nblocks, xs + t, dots); break;
-        default: qkern::InterleavedTile<F, 4>(g, nblocks, xs + t, dots); break;
-      }
+      const int64_t n = qkern::InterleavedTokenTile<F>(g, nblocks, xs, t, ntok, dots);
       for (int64_t k = 0; k < n; ++k) {
         for (int64_t j = 0; j < kG; ++j) out[j * ntok + t + k] = dots[k * kG + j];
       }

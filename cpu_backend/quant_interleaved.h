@@ -22,12 +22,14 @@
 #ifndef PIJ_CPU_BACKEND_QUANT_INTERLEAVED_H_
 #define PIJ_CPU_BACKEND_QUANT_INTERLEAVED_H_
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 #include "cpu_backend/quant_act.h"
 #include "cpu_backend/quant_formats.h"
+#include "cpu_backend/quant_kernels.h"
 #include "cpu_backend/quant_simd.h"
 
 namespace pij::qkern {
@@ -39,6 +41,11 @@ constexpr int32_t kInterleavedQTypeFlag = 0x100;
 
 constexpr bool Interleavable(QType t) {
   return t == QType::kQ4_0 || t == QType::kQ4_1 || t == QType::kQ8_0;
+}
+
+// Whether a matrix of `rows` rows in t has the layout (checkpoint/quants.py `can_interleave`).
+constexpr bool CanInterleave(QType t, int64_t rows) {
+  return Interleavable(t) && rows > 0 && rows % kInterleave == 0;
 }
 
 // Bytes of a record before its quants: scales, and minimums for Q4_1.
@@ -276,6 +283,28 @@ inline void InterleavedTile(const uint8_t* group, int64_t nblocks, const QActVie
 #else
   interleaved_detail::TileScalar<F, kC>(group, nblocks, xs, out);
 #endif
+}
+
+// Tokens [t, min(t + kMaxTokens, end)) of xs through one group's tile: out[k * 16 + r] for the
+// k-th of them; returns their count. A lone token (end == 1: decode) streams the group's records
+// ahead, as decode reads a matrix's groups in order.
+template <class F>
+inline int64_t InterleavedTokenTile(const uint8_t* group, int64_t nblocks, const QActView* xs,
+                                    int64_t t, int64_t end, float* out) {
+  const int64_t n = std::min<int64_t>(kMaxTokens, end - t);
+  switch (n) {
+    case 1:
+      if (end == 1) {
+        InterleavedTile<F, 1, kStreamAhead>(group, nblocks, xs, out);
+      } else {
+        InterleavedTile<F, 1>(group, nblocks, xs + t, out);
+      }
+      break;
+    case 2: InterleavedTile<F, 2>(group, nblocks, xs + t, out); break;
+    case 3: InterleavedTile<F, 3>(group, nblocks, xs + t, out); break;
+    default: InterleavedTile<F, 4>(group, nblocks, xs + t, out); break;
+  }
+  return n;
 }
 
 // The portable path on every build (tests compare the vector paths' bits against it).

@@ -141,8 +141,7 @@ NB_MODULE(_pij_ext, m) {
                               int32_t qtype,
                               nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {
     const int64_t rows = static_cast<int64_t>(blocks.shape(0)), row_bytes = static_cast<int64_t>(blocks.shape(1));
-    if (!pij::IsQType(qtype) || !pij::qkern::Interleavable(static_cast<pij::QType>(qtype)) ||
-        rows % pij::qkern::kInterleave != 0 ||
+    if (!pij::IsQType(qtype) || !pij::qkern::CanInterleave(static_cast<pij::QType>(qtype), rows) ||
         row_bytes % pij::GetQTypeInfo(static_cast<pij::QType>(qtype)).bytes != 0 ||
         static_cast<int64_t>(out.shape(0)) != rows || static_cast<int64_t>(out.shape(1)) != row_bytes) {
       throw std::invalid_argument("interleave_into: expected Q4_0/Q4_1/Q8_0 blocks uint8 [rows, row bytes], rows "
@@ -163,8 +162,8 @@ NB_MODULE(_pij_ext, m) {
            nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> y) {
     const int64_t tokens = static_cast<int64_t>(x.shape(0)), dim = static_cast<int64_t>(x.shape(1));
     const int64_t rows = static_cast<int64_t>(blocks.shape(0));
-    if (!pij::IsQType(qtype) || !pij::qkern::Interleavable(static_cast<pij::QType>(qtype)) ||
-        rows % pij::qkern::kInterleave != 0 || dim % 32 != 0 ||
+    if (!pij::IsQType(qtype) || !pij::qkern::CanInterleave(static_cast<pij::QType>(qtype), rows) ||
+        dim % 32 != 0 ||
         static_cast<int64_t>(blocks.shape(1)) != pij::QRowBytes(static_cast<pij::QType>(qtype), dim) ||
         static_cast<int64_t>(y.shape(0)) != tokens || static_cast<int64_t>(y.shape(1)) != rows) {
       throw std::invalid_argument("qlinear_interleaved_portable: expected x [T, D], interleaved "

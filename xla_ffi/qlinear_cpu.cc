@@ -45,8 +45,7 @@ ffi::Error CheckProduct(const std::string& which, int64_t dim, int64_t rows, ffi
       e.failure()) {
     return e;
   }
-  if (out.interleaved &&
-      (!qkern::Interleavable(out.qtype) || out_dim % qkern::kInterleave != 0)) {
+  if (out.interleaved && !qkern::CanInterleave(out.qtype, out_dim)) {
     return InvalidArg(kOp, which + "blocks (rows interleaved by 16)",
                       "Q4_0, Q4_1 or Q8_0 with a multiple of 16 rows",
                       std::string(GetQTypeInfo(out.qtype).name) + " with " +

@@ -79,9 +79,9 @@ ffi::Error QSparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuff
   }
   if (w.gate_up_interleaved || (w.gate != nullptr && gate_interleaved)) {
     const bool ok = (w.gate == nullptr || gate_interleaved) && w.gate_up_interleaved &&
-                    qkern::Interleavable(w.up_type) &&
-                    (w.gate == nullptr || qkern::Interleavable(w.gate_type)) &&
-                    f % qkern::kInterleave == 0 && p.criterion == Criterion::kOracle;
+                    qkern::CanInterleave(w.up_type, f) &&
+                    (w.gate == nullptr || qkern::CanInterleave(w.gate_type, f)) &&
+                    p.criterion == Criterion::kOracle;
     if (!ok) {
       return InvalidArg(kOp, "gate/up rows interleaved by 16",
                         "both interleaved, Q4_0/Q4_1/Q8_0, F a multiple of 16, criterion oracle",

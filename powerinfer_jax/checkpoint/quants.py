@@ -68,8 +68,8 @@ def dequantize(raw: np.ndarray, qtype: str) -> np.ndarray:
     """Raw bytes of whole rows (`uint8[..., row_bytes]`, or an already typed float array) ->
     float32 `[..., row_elements]`. Rows interleaved by 16 (a "Q4_0x16" name: uint8 [O,
     row_bytes]) come out as the file's rows would."""
-    if interleaved_base(qtype) is not None:
-        base = interleaved_base(qtype)
+    base = interleaved_base(qtype)
+    if base is not None:
         return dequantize(deinterleave(raw, qtype), base)
     kind = _kind(qtype)
     raw = _as_bytes(raw)

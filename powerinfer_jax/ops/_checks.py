@@ -160,12 +160,6 @@ def check_qtype(what: str, qtype) -> str:
     fail(what, f"one of {list(quants.QUANTIZED_TYPES)}", qtype, hint)
 
 
-def quants_base(name: str) -> str | None:
-    from powerinfer_jax.checkpoint import quants
-
-    return quants.interleaved_base(name)
-
-
 def check_qlinear_type(qtype, what: str = "qtype") -> str:
     """ops.qlinear's formats: the block types, or the file's rows interleaved by 16
     ("Q4_0x16", checkpoint.quants.interleave) -> the name."""
@@ -202,9 +196,11 @@ def check_qlinear(x, blocks, qtype, in_features, b) -> tuple[str, int]:
         fail("x", "a floating array [..., D]", f"{jnp.result_type(x)} {_shape(x)}")
     if not isinstance(in_features, (int, np.integer)) or _shape(x)[-1] != in_features:
         fail("in_features", f"x's last dim ({_shape(x)[-1]}), a static int", in_features)
+    from powerinfer_jax.checkpoint import quants
+
     name = check_qlinear_type(qtype)
     o = check_qweight("blocks", blocks, name, int(in_features))
-    if quants_base(name) is not None and o % 16:
+    if quants.interleaved_base(name) is not None and o % quants.INTERLEAVE:
         fail("blocks", f"rows interleaved by 16 ({name}): a multiple of 16 rows", o)
     if b is not None and _shape(b) != (o,):
         fail("b shape", f"[O] = ({o},)", _shape(b))
@@ -216,6 +212,8 @@ def check_qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_
                       down_layout="rows") -> tuple[float, str, str, str]:
     """Validates the quantized sparse FFN's operands; returns (threshold, gate, up and down type
     names; gate's is up's when absent)."""
+    from powerinfer_jax.checkpoint import quants
+
     check_choice("activation", activation, ACTIVATIONS)
     check_choice("criterion", criterion, ("scores", "oracle"))
     t = check_threshold(threshold)
@@ -228,8 +226,9 @@ def check_qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_
     if gate is not None:
         g = check_qlinear_type(gate_qtype if gate_qtype is not None else up_qtype, "gate_qtype")
         check_qweight("gate", gate, g, d, rows=f)
-    if quants_base(u) or quants_base(g):  # rows interleaved by 16: every neuron's estimate
-        if not (quants_base(u) and quants_base(g)) or criterion != "oracle" or f % 16:
+    base_u, base_g = quants.interleaved_base(u), quants.interleaved_base(g)
+    if base_u or base_g:  # rows interleaved by 16: every neuron's estimate
+        if not (base_u and base_g) or criterion != "oracle" or f % quants.INTERLEAVE:
             fail("gate/up rows interleaved by 16", "both interleaved, F a multiple of 16, "
                  "criterion 'oracle'", f"up {u}, gate {g}, F {f}, criterion {criterion!r}",
                  "a selector that reads rows per neuron takes the file's rows")
@@ -238,8 +237,6 @@ def check_qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_
     if down_layout == "rows":
         check_qweight("down (down_t rows blocked along D)", down, dn, d, rows=f)
     else:
-        from powerinfer_jax.checkpoint import quants
-
         block_bytes, _ = quants.check_down_groups(dn, d, f)
         want = (f // 32, d * block_bytes)
         if _shape(down) != want or jnp.result_type(down) != jnp.uint8:
