@@ -146,6 +146,9 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="interleave_into"):
         _ffi._pij_ext.interleave_into(np.zeros((20, 18), np.uint8), 2,
                                       np.zeros((20, 18), np.uint8))
+    with pytest.raises(ValueError, match="qlinear_interleaved_portable"):  # y of the wrong size
+        _ffi._pij_ext.qlinear_interleaved_portable(np.asarray(x), np.asarray(packed), 2,
+                                                   np.zeros((1, 47), np.float32))
 
 
 def _handler_bad(x, d):
