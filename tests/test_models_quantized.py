@@ -314,3 +314,60 @@ def test_gate_up_layout_follows_the_selector(legacy_gguf):
     scored = np.asarray(ffn(x))
     for y in (oracle, scored):
         np.testing.assert_allclose(y, dense, atol=1e-4 * np.abs(dense).max(), rtol=0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("down_qtype", [None, "groups"])
+def test_interleaved_copies_are_made_ahead_and_each_taken(tmp_path, monkeypatch, tied,
+                                                           down_qtype):
+    """from_params starts every interleaved copy on the pool before it builds the modules
+    (qweights.batched_load); the modules take exactly those copies (none made twice, none left
+    unused: the tied embedding only when it is the LM head, ffn_down only for a dense model),
+    byte for byte the layout quants.interleave spells out."""
+    from powerinfer_jax.models import qweights
+
+    path = tmp_path / "tiny.gguf"
+    # 320 tokens: a multiple of 16, so a tied Q8_0 embedding takes the layout too
+    write_tiny_gguf(path, tiny_llama_config(activation="relu", tie_embeddings=tied,
+                                            vocab_size=320), LEGACY)
+    q = load_checkpoint(path, keep_quantized=True)
+    loads = []
+
+    class Recorded(qweights._Load):
+        def __init__(self):
+            super().__init__()
+            loads.append(self)
+
+    monkeypatch.setattr(qweights, "_Load", Recorded)
+    m = from_params(q.config, q.params, kernels="ffi", down_qtype=down_qtype)
+    modules = {f"layers.{i}.{n}": getattr(getattr(m.layers[i], n.split(".")[0]),
+                                          n.split(".")[1])
+               for i in range(2) for n in ("attn.q", "attn.k", "attn.v", "ffn.gate", "ffn.up")}
+    interleaved = 0
+    for name, module in modules.items():
+        stored = q.params[name + ".weight"]
+        if quants.can_interleave(stored.qtype, stored.blocks.shape[0]):
+            assert module.qtype == stored.qtype + quants.INTERLEAVED_SUFFIX, name
+            np.testing.assert_array_equal(np.asarray(module.weight[...]),
+                                          quants.interleave(stored.blocks, stored.qtype))
+            interleaved += 1
+    assert (m.embed_qtype == "Q8_0x16") == tied
+    down = m.layers[0].ffn.down_t
+    assert (down.qtype == "Q4_1x16") == (down_qtype is None)
+    expected = interleaved + tied + (2 if down_qtype is None else 0)
+    assert len(loads) == 1 and loads[0].stats == {"ahead": expected, "claimed": expected}, \
+        [load.stats for load in loads]
+
+
+def test_an_error_while_interleaving_ahead_reaches_the_caller(legacy_gguf, monkeypatch):
+    """A failure on the pool's side of the load is raised by from_params (after the pool has
+    stopped writing), not lost in its thread or left waiting."""
+    from powerinfer_jax.ops import _ffi
+
+    def broken(jobs):
+        raise RuntimeError(f"interleave_many failed on {len(jobs)} jobs")
+
+    monkeypatch.setattr(_ffi._pij_ext, "interleave_many", broken)
+    q = load_checkpoint(legacy_gguf, keep_quantized=True)
+    with pytest.raises(RuntimeError, match=r"interleave_many failed on \d+ jobs"):
+        from_params(q.config, q.params, kernels="ffi")

@@ -146,6 +146,15 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="interleave_into"):
         _ffi._pij_ext.interleave_into(np.zeros((20, 18), np.uint8), 2,
                                       np.zeros((20, 18), np.uint8))
+    # the batch form checks every job before it writes any: the good one's output is untouched
+    good = random_blocks("Q4_0", 32, 64, np.random.default_rng(2))
+    out = np.zeros_like(good)
+    with pytest.raises(ValueError, match="interleave_into"):
+        _ffi._pij_ext.interleave_many([(good, 2, out), (np.zeros((20, 18), np.uint8), 2,
+                                                        np.zeros((20, 18), np.uint8))])
+    assert not out.any()
+    _ffi._pij_ext.interleave_many([(good, 2, out)])
+    np.testing.assert_array_equal(out, quants.interleave(good, "Q4_0"))
     with pytest.raises(ValueError, match="qlinear_interleaved_portable"):  # y of the wrong size
         _ffi._pij_ext.qlinear_interleaved_portable(np.asarray(x), np.asarray(packed), 2,
                                                    np.zeros((1, 47), np.float32))

@@ -4,12 +4,16 @@
 
 #include <atomic>
 #include <cstring>
+#include <span>
+#include <tuple>
 #include <string>
 #include <vector>
 #include <stdexcept>
 #include <string>
 
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include "cpu_backend/bandwidth.h"
 #include "cpu_backend/qlinear.h"
@@ -23,6 +27,38 @@
 namespace nb = nanobind;
 
 namespace {
+
+using Blocks = nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Bytes = nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+struct InterleaveJob {
+  const uint8_t* src;
+  pij::QType qtype;
+  int64_t rows, row_bytes;
+  uint8_t* dst;
+};
+
+// A job for pij::InterleaveRows, or std::invalid_argument naming what does not fit.
+InterleaveJob CheckedInterleaveJob(const Blocks& blocks, int32_t qtype, const Bytes& out) {
+  const int64_t rows = static_cast<int64_t>(blocks.shape(0)), row_bytes = static_cast<int64_t>(blocks.shape(1));
+  if (!pij::IsQType(qtype) || !pij::qkern::CanInterleave(static_cast<pij::QType>(qtype), rows) ||
+      row_bytes % pij::GetQTypeInfo(static_cast<pij::QType>(qtype)).bytes != 0 ||
+      static_cast<int64_t>(out.shape(0)) != rows || static_cast<int64_t>(out.shape(1)) != row_bytes) {
+    throw std::invalid_argument("interleave_into: expected Q4_0/Q4_1/Q8_0 blocks uint8 [rows, row bytes], rows "
+                                "a multiple of 16, and out of the same shape; got qtype " +
+                                std::to_string(qtype) + ", " + std::to_string(rows) + " rows of " +
+                                std::to_string(row_bytes) + " bytes");
+  }
+  return {blocks.data(), static_cast<pij::QType>(qtype), rows, row_bytes, out.data()};
+}
+
+void RunInterleaveJobs(std::span<const InterleaveJob> jobs) {
+  nb::gil_scoped_release release;
+  pij::CpuRuntime& rt = pij::GetCpuRuntime();
+  std::lock_guard<std::mutex> lock(rt.mutex);
+  for (const InterleaveJob& j : jobs) pij::InterleaveRows(j.src, j.qtype, j.rows, j.row_bytes, j.dst, rt.pool);
+}
+
 
 template <typename Fn>
 nb::capsule Capsule(Fn* fn) {
@@ -137,25 +173,19 @@ NB_MODULE(_pij_ext, m) {
     d["build_isa"] = PIJ_ISA_NAME;             // the CMake PIJ_ISA the module was built with
     return d;
   }, "Which instruction sets the module was compiled for.");
-  m.def("interleave_into", [](nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> blocks,
-                              int32_t qtype,
-                              nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {
-    const int64_t rows = static_cast<int64_t>(blocks.shape(0)), row_bytes = static_cast<int64_t>(blocks.shape(1));
-    if (!pij::IsQType(qtype) || !pij::qkern::CanInterleave(static_cast<pij::QType>(qtype), rows) ||
-        row_bytes % pij::GetQTypeInfo(static_cast<pij::QType>(qtype)).bytes != 0 ||
-        static_cast<int64_t>(out.shape(0)) != rows || static_cast<int64_t>(out.shape(1)) != row_bytes) {
-      throw std::invalid_argument("interleave_into: expected Q4_0/Q4_1/Q8_0 blocks uint8 [rows, row bytes], rows "
-                                  "a multiple of 16, and out of the same shape; got qtype " +
-                                  std::to_string(qtype) + ", " + std::to_string(rows) + " rows of " +
-                                  std::to_string(row_bytes) + " bytes");
-    }
-    nb::gil_scoped_release release;
-    pij::CpuRuntime& rt = pij::GetCpuRuntime();
-    std::lock_guard<std::mutex> lock(rt.mutex);
-    pij::InterleaveRows(blocks.data(), static_cast<pij::QType>(qtype), rows, row_bytes, out.data(),
-                        rt.pool);
+  m.def("interleave_into", [](Blocks blocks, int32_t qtype, Bytes out) {
+    const InterleaveJob job = CheckedInterleaveJob(blocks, qtype, out);
+    RunInterleaveJobs({&job, 1});
   }, nb::arg("blocks"), nb::arg("qtype"), nb::arg("out"),
         "out = blocks' rows interleaved by 16 (ops.qlinear's fastest layout; checkpoint.quants.interleave).");
+  m.def("interleave_many", [](const std::vector<std::tuple<Blocks, int32_t, Bytes>>& jobs) {
+    std::vector<InterleaveJob> checked;
+    checked.reserve(jobs.size());
+    for (const auto& [blocks, qtype, out] : jobs) checked.push_back(CheckedInterleaveJob(blocks, qtype, out));
+    RunInterleaveJobs(checked);
+  }, nb::arg("jobs"),
+        "interleave_into over [(blocks, qtype, out), ...], every job checked first, then all of them "
+        "in one call without the GIL (a model's load runs them beside its Python work).");
   m.def("qlinear_interleaved_portable",
         [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x,
            nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> blocks, int32_t qtype,

@@ -129,8 +129,11 @@ class DownT(Module):
         self.bias = _param((d_model,), F32, None) if bias else None
 
     def load_quantized(self, blocks, qtype: str, *, file_layout: bool = False,
-                       grouped: bool = False) -> None:
-        if file_layout:  # a matvec for ops.qlinear: its fastest layout where the format has it
+                       grouped: bool = False, interleave: bool = True) -> None:
+        """Keep the blocks as given: down groups (`grouped`), neuron rows, or ffn_down as the
+        file stores it (`file_layout`: a matvec for ops.qlinear, in its fastest layout where the
+        format has it unless `interleave` is False: a sparse model regroups them next)."""
+        if file_layout and interleave:
             blocks, qtype = interleaved(blocks, qtype)
         self.weight.set_value(host_blocks(blocks))  # in place: no new Param per tensor
         self.qtype = qtype

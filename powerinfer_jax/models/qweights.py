@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -71,44 +72,110 @@ def host_blocks(blocks) -> jax.Array:
     return jax.device_put(host, may_alias=True)
 
 
-_DEFERRED: contextvars.ContextVar[list | None] = contextvars.ContextVar("deferred_release",
-                                                                        default=None)
+class _Load:
+    """One model's load (`batched_load`): the file views whose pages leave the resident set at
+    the end, and the interleaved copies made ahead on the pool while Python builds the model."""
+
+    def __init__(self):
+        self.pending: list = []
+        self._ahead: dict[int, tuple] = {}  # id(file blocks) -> (file blocks, copy, its qtype)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.stats = {"ahead": 0, "claimed": 0}
+
+    def interleave_ahead(self, tensors) -> None:
+        """Start interleaving (blocks, qtype) pairs on the pool in one call that holds no GIL
+        (`_pij_ext.interleave_many`); `interleaved` hands each copy out when asked for it."""
+        from powerinfer_jax.checkpoint import quants
+        from powerinfer_jax.checkpoint.base import aligned_empty
+        from powerinfer_jax.ops import _ffi
+
+        jobs = []
+        for blocks, qtype in tensors:
+            b = np.asarray(blocks)
+            if quants.can_interleave(qtype, b.shape[0]) and id(blocks) not in self._ahead:
+                out = aligned_empty(b.shape, np.uint8)  # host_blocks keeps it as it is
+                self._ahead[id(blocks)] = (blocks, out, qtype + quants.INTERLEAVED_SUFFIX)
+                jobs.append((np.ascontiguousarray(b, np.uint8), quants.type_id(qtype), out))
+        if not jobs:
+            return
+        self.stats["ahead"] += len(jobs)
+
+        def run():
+            try:
+                _ffi._pij_ext.interleave_many(jobs)
+            except BaseException as e:  # re-raised where a copy is taken
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="pij-interleave", daemon=True)
+        self._thread.start()
+
+    def take(self, blocks):
+        """(copy, qtype) made ahead for `blocks` (waiting for the pool), or None."""
+        entry = self._ahead.get(id(blocks))
+        if entry is None or entry[0] is not blocks:
+            return None
+        del self._ahead[id(blocks)]
+        self.finish()
+        self.stats["claimed"] += 1
+        self.pending.append(blocks)  # the file's rows were read once to build the copy
+        return entry[1], entry[2]
+
+    def finish(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+_LOAD: contextvars.ContextVar[_Load | None] = contextvars.ContextVar("batched_load", default=None)
 
 
 @contextlib.contextmanager
-def deferred_release():
-    """Within it, `interleaved` keeps the file rows it read and drops their pages from the
-    resident set once at the end (one read of the process's mappings for a whole model; the
-    arrays stay alive until then, so their mappings do too)."""
+def batched_load():
+    """One model's load: yields the `_Load` whose `interleave_ahead` starts the copies early;
+    within it `interleaved` takes those copies and keeps the file rows it read, dropping their
+    pages from the resident set once at the end (one read of the process's mappings for a whole
+    model; the arrays stay alive until then, so their mappings do too)."""
     from powerinfer_jax.checkpoint.gguf_file import release_mapped_pages
 
-    token = _DEFERRED.set([])
+    load = _Load()
+    token = _LOAD.set(load)
     try:
-        yield
+        yield load
+        load.finish()
     finally:
-        pending = _DEFERRED.get()
-        _DEFERRED.reset(token)
-        release_mapped_pages(*pending)
+        _LOAD.reset(token)
+        if load._thread is not None:  # an error left the pool writing: wait for it
+            load._thread.join()
+        release_mapped_pages(*load.pending)
 
 
 def release_later(array) -> None:
     """Drop a file view's pages from the resident set (gguf_file.release_mapped_pages): now, or
-    at the end of the enclosing `deferred_release`."""
+    at the end of the enclosing `batched_load`."""
     from powerinfer_jax.checkpoint.gguf_file import release_mapped_pages
 
-    pending = _DEFERRED.get()
-    if pending is None:
+    load = _LOAD.get()
+    if load is None:
         release_mapped_pages(array)
     else:
-        pending.append(array)
+        load.pending.append(array)
 
 
 def interleaved(blocks, qtype: str):
     """(blocks, qtype) with the rows interleaved by 16 where the format and row count allow
     (checkpoint.quants.interleave: ops.qlinear's fastest layout, the same bytes rearranged; the
-    type becomes e.g. "Q4_0x16"), else as given."""
+    type becomes e.g. "Q4_0x16"), else as given. Within `batched_load`, a copy started by
+    `interleave_ahead` is taken, not made again."""
     from powerinfer_jax.checkpoint import quants
 
+    load = _LOAD.get()
+    ready = load.take(blocks) if load is not None else None
+    if ready is not None:
+        return ready
     b = np.asarray(blocks)
     if not quants.can_interleave(qtype, b.shape[0]):
         return blocks, qtype

@@ -228,29 +228,46 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
         # on blocks; elsewhere the floats
         params = {**params, **{name: t.dequantize() for name, t in blocks.items()}}
         blocks = {}
-    with shapes_only():
-        model = Transformer(config, dtype=dtype, kernels=kernels, **options)
     expected = expected_shapes(config)  # the model's params (tests: equal to param_names)
     missing = sorted(set(expected) - set(params))
     extra = sorted(set(params) - set(expected))
     if missing or extra:
         raise ValueError(f"checkpoint tensors: expected exactly the {len(expected)} tensors of a "
                          f"{config.arch} model, missing {missing[:8]}, unexpected {extra[:8]}")
-    # each placeholder Param is found by its name and given its value in place: walking the whole
-    # module graph (nnx.state, then nnx.update) took ~0.06 s of SmolLM2's build
     for name, shape in expected.items():
         got = tuple(params[name].shape)
         if got != shape:
             raise ValueError(f"tensor {name}: expected shape {shape}, got {got}")
-        if name not in blocks:
-            var = _variable(model, name)
-            var.set_value(jnp.asarray(np.asarray(params[name]), dtype=var.get_value().dtype))
-    from powerinfer_jax.models.qweights import deferred_release
+    from powerinfer_jax.models.qweights import batched_load
 
-    with deferred_release():
+    with batched_load() as load:
+        # the interleaved copies are made on the pool while Python builds the modules below
+        load.interleave_ahead((t.blocks, t.qtype) for name, t in blocks.items()
+                              if _interleaves(name, t, config, down_qtype))
+        with shapes_only():
+            model = Transformer(config, dtype=dtype, kernels=kernels, **options)
+        # each placeholder Param is found by its name and given its value in place: walking the
+        # whole module graph (nnx.state, then nnx.update) took ~0.06 s of SmolLM2's build
+        for name in expected:
+            if name not in blocks:
+                var = _variable(model, name)
+                var.set_value(jnp.asarray(np.asarray(params[name]),
+                                          dtype=var.get_value().dtype))
         for name, t in blocks.items():
             _load_quantized(model, name, t, down_qtype)
     return model
+
+
+def _interleaves(name: str, t, config: ModelConfig, down_qtype: str | None) -> bool:
+    """Whether `_load_quantized` puts tensor `name` in ops.qlinear's interleaved layout (where its
+    format and rows allow): every matrix read whole, the token embedding only when it is the LM
+    head too (tied), ffn_down only as the file stores it for a dense model (a sparse one regroups
+    it per neuron)."""
+    if name == "tok_embed":
+        return config.tie_embeddings
+    if name.endswith("ffn.down_t.weight"):
+        return t.transposed and down_qtype is None
+    return True
 
 
 def _at(model: Transformer, path: str):
@@ -275,22 +292,22 @@ def _load_quantized(model: Transformer, name: str, t, down_qtype: str) -> None:
     # it: the attention projections, the LM head (a tied embedding too: its lookups read the
     # layout), FFN gate/up (back to the file's rows when a selector reads them per neuron,
     # FFN.gate_up_rows) and ffn_down as stored (DownT).
+    interleave = _interleaves(name, t, model.config, down_qtype)
     if name == "tok_embed":
-        blocks, qtype = (t.blocks, t.qtype) if model.lm_head is not None else \
-            interleaved(t.blocks, t.qtype)
+        blocks, qtype = interleaved(t.blocks, t.qtype) if interleave else (t.blocks, t.qtype)
         model.tok_embed.set_value(host_blocks(blocks))
         model.embed_qtype = qtype
         return
     if name == "lm_head":
-        model.lm_head.load_quantized(t.blocks, t.qtype, interleave=True)
+        model.lm_head.load_quantized(t.blocks, t.qtype, interleave=interleave)
         return
     owner = _at(model, name.rsplit(".", 1)[0])  # the module whose `weight` it is
     if t.transposed:  # ffn.down_t as the file stores it; DownT moves it to the sparse layout
-        owner.load_quantized(t.blocks, t.qtype, file_layout=True)
+        owner.load_quantized(t.blocks, t.qtype, file_layout=True, interleave=interleave)
         if down_qtype is not None:
             owner.to_neuron_rows(down_qtype)
         return
     if isinstance(owner, Linear):
-        owner.load_quantized(t.blocks, t.qtype, interleave=True)
+        owner.load_quantized(t.blocks, t.qtype, interleave=interleave)
     else:  # DownT neuron rows (a PowerInfer file's ffn_down_t): the sparse kernel's layout
         owner.load_quantized(t.blocks, t.qtype)
