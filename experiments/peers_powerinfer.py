@@ -2,8 +2,10 @@
 exported model, same prompt ids, same threads: do the greedy tokens agree, and how fast is each?
 
 Model: SmolLM2-135M with its FFN activation switched to ReLU (ReGLU: relu(gate) * up), the form
-PowerInfer's sparse llama graph runs. Quality is irrelevant here (the switch makes it generate
-nonsense); agreement and speed are what is measured. Two PowerInfer GGUFs ("PWRI", F16 weights as
+PowerInfer's sparse llama graph runs. The switch alone makes it generate nonsense (perplexity in
+the thousands, where any rounding moves it by percents): fine for agreement and speed. For
+perplexity, pass --model DIR, a ReLU model made by `python -m powerinfer_jax.sparsify --variant
+relu` (distilled from SmolLM2; its teacher's GGUF tokenizer is exported with it). Two PowerInfer GGUFs ("PWRI", F16 weights as
 its converter writes them) are exported once into the build root:
   dense      all-active predictors (zero fc1/fc2: every output 0 >= threshold 0), so PowerInfer
              runs every neuron through its sparse kernels: the predictor-free path; ours runs
@@ -35,6 +37,7 @@ mode by llama.cpp's protocol (PowerInfer's `perplexity`: N chunks of 512 tokens 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -79,12 +82,13 @@ def exports(root: Path, model: str, train_text: Path, *, rank: int, train_tokens
     d = root / "exports"
     d.mkdir(parents=True, exist_ok=True)
     tag = f"r{rank}-n{train_tokens}-s{steps}"
-    files = {"dense": d / "smollm2-relu.dense-r32.powerinfer.gguf",
-             "predictor": d / f"smollm2-relu.pred-{tag}.powerinfer.gguf"}
     src = Path(resolve_model(model))
-    meta = tokenizer_meta(src)
+    stem = export_stem(model, src)
+    files = {"dense": d / f"{stem}.dense-r32.powerinfer.gguf",
+             "predictor": d / f"{stem}.pred-{tag}.powerinfer.gguf"}
     if not files["dense"].is_file():
         ck = load_checkpoint(src)
+        meta = gguf_tokenizer_meta(src, ck.tokenizer)
         cfg = ck.config.replace(activation="relu")
         _log(f"writing {files['dense']}")
         tmp = files["dense"].with_suffix(".tmp")
@@ -97,7 +101,8 @@ def exports(root: Path, model: str, train_text: Path, *, rank: int, train_tokens
         (d / f"predictor-{tag}.json").write_text(json.dumps(report))
         _log(f"writing {files['predictor']}")
         tmp = files["predictor"].with_suffix(".tmp")
-        pi.write_powerinfer_gguf(tmp, ck.config, ck.params, meta, preds)
+        pi.write_powerinfer_gguf(tmp, ck.config, ck.params, tokenizer_meta(files["dense"]),
+                                 preds)
         tmp.replace(files["predictor"])
     if weights == "F16":
         return files
@@ -116,6 +121,47 @@ def exports(root: Path, model: str, train_text: Path, *, rank: int, train_tokens
             load_checkpoint(tmp, keep_quantized=True)  # our reader accepts it (or says why not)
             tmp.replace(out[mode])
     return out
+
+
+def export_stem(model: str, src: Path) -> str:
+    """The exports' file stem: "smollm2-relu" for the default model (SmolLM2 with its FFN switched
+    to ReLU), else the model's name and a hash of its files (model_fingerprint), so exports of
+    two models (or of a model retrained in place) never share a file."""
+    from powerinfer_jax._cli import DEFAULT_MODEL
+    from powerinfer_jax.checkpoint import load_checkpoint
+    from powerinfer_jax.sparsity.artifacts import model_fingerprint
+
+    if model == DEFAULT_MODEL:
+        return "smollm2-relu"
+    ident = model_fingerprint(model, src, load_checkpoint(src).config)["id"]
+    return f"{src.name.split('.')[0]}-{hashlib.sha256(ident.encode()).hexdigest()[:10]}"
+
+
+def gguf_tokenizer_meta(src: Path, tokenizer) -> dict:
+    """GGUF tokenizer metadata for an export of `src`: a GGUF's own; for a directory made by
+    `python -m powerinfer_jax.sparsify` (which keeps its teacher's tokenizer), its teacher's GGUF,
+    checked to give the directory's own token ids on sample text."""
+    from powerinfer_jax.checkpoint import load_checkpoint, resolve_model
+    from powerinfer_jax.checkpoint.registry import KNOWN_MODELS
+    from experiments.peers import tokenizer_meta
+
+    if src.is_file():
+        return tokenizer_meta(src)
+    record = src / "sparsify.json"
+    ident = (json.loads(record.read_text()).get("fingerprint", {}).get("id", "")
+             if record.is_file() else "")
+    teacher = ident.split(":")[1] if ident.startswith("registry:") else None
+    if teacher not in KNOWN_MODELS:
+        raise SystemExit(f"--model {src}: expected a GGUF file or a sparsified directory whose "
+                         f"sparsify.json names a registry teacher (its GGUF tokenizer is "
+                         f"exported), got teacher {ident or 'none'!r}")
+    gguf = Path(resolve_model(teacher))
+    theirs = load_checkpoint(gguf, keep_quantized=True).tokenizer
+    sample = (_common.DATA / "wiki.train.txt").read_text(encoding="utf-8")[:20_000]
+    if theirs.encode(sample) != tokenizer.encode(sample):
+        raise SystemExit(f"--model {src}: its tokenizer and its teacher's ({gguf.name}) give "
+                         f"different ids on wiki.train.txt: cannot export the teacher's")
+    return tokenizer_meta(gguf)
 
 
 def train_predictors(ck, train_text: Path, *, rank: int, n_tokens: int, steps: int):
@@ -423,6 +469,10 @@ def main(argv=None) -> None:
                     train_tokens=args.train_tokens, steps=args.steps, weights=args.weights,
                     quantize=binary.with_name("quantize"))
     tok = load_checkpoint(files["dense"], keep_quantized=True).tokenizer
+    from powerinfer_jax.checkpoint import resolve_model
+
+    source_relu = load_checkpoint(resolve_model(args.model),
+                                  keep_quantized=True).config.activation == "relu"
     ppl_ids = None
     if args.ppl_chunks:
         text = args.ppl_text.read_text(encoding="utf-8")
@@ -437,7 +487,8 @@ def main(argv=None) -> None:
     config = {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
               "rounds": args.rounds, "rank": args.rank, "train_tokens": args.train_tokens,
               "steps": args.steps, "files": {k: v.name for k, v in files.items()},
-              "powerinfer_weights": args.weights, "activation": "relu (switched)",
+              "powerinfer_weights": args.weights,
+              "activation": "relu (its own)" if source_relu else "relu (switched)",
               "ppl": {"chunks": args.ppl_chunks, "ctx": PPL_CTX, "text": args.ppl_text.name,
                       "protocol": "llama.cpp perplexity: second half of each chunk"}}
     rows = []

@@ -288,3 +288,31 @@ def test_peers_plot_skips_the_head_to_head_summary(tmp_path):
                      modes={}))
     path = plots.plot_peers(rows, tmp_path / "peers.png")
     assert path.stat().st_size > 0
+
+
+def test_powerinfer_peer_exports_are_named_by_their_model(tmp_path):
+    """Exports of two models never share a file (the stem hashes the model's files), and a
+    directory without a sparsify.json naming a registry teacher has no GGUF tokenizer to export:
+    a clear exit, not another model's vocabulary."""
+    from experiments import peers_powerinfer
+    from helpers_models import tiny_llama_config, write_tiny_gguf
+    from powerinfer_jax.checkpoint import load_checkpoint
+
+    paths = []
+    for seed in (0, 1):
+        paths.append(tmp_path / f"tiny{seed}.gguf")
+        write_tiny_gguf(paths[-1], tiny_llama_config(activation="relu"), seed=seed)
+    stems = [peers_powerinfer.export_stem(str(p), p) for p in paths]
+    assert stems[0] != stems[1] and all(s.startswith("tiny") for s in stems), stems
+    assert peers_powerinfer.export_stem(str(paths[0]), paths[0]) == stems[0]  # stable
+    assert peers_powerinfer.export_stem("smollm2-135m", paths[0]) == "smollm2-relu"
+    tok = load_checkpoint(paths[0]).tokenizer
+    meta = peers_powerinfer.gguf_tokenizer_meta(paths[0], tok)
+    assert meta["tokens"] == peers.tokenizer_meta(paths[0])["tokens"]
+    d = tmp_path / "plain-dir"
+    d.mkdir()
+    with pytest.raises(SystemExit, match="sparsify.json names a registry teacher"):
+        peers_powerinfer.gguf_tokenizer_meta(d, tok)
+    (d / "sparsify.json").write_text(json.dumps({"fingerprint": {"id": "files:abc"}}))
+    with pytest.raises(SystemExit, match="got teacher 'files:abc'"):
+        peers_powerinfer.gguf_tokenizer_meta(d, tok)
