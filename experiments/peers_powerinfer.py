@@ -15,7 +15,8 @@ its converter writes them) are exported once into the build root:
              the residual; ours runs them in predictor mode (PowerInferPredictor).
 Per round and thread count: PowerInfer dense and predictor (one process each, pinned to the same
 CPUs, `-t T -tb T --temp 0 --repeat-penalty 1 --ignore-eos`, timings from its own report), then
-ours (a child process pinned to the same CPUs: float32 and bfloat16, dense and predictor; median
+ours (a child process pinned to the same CPUs: float32 and bfloat16; dense, predictor and exact,
+our ReLU sparsity without a predictor: OURS_ONLY; median
 of 2 timed generations after a compile run). Rows go to --out; a summary row per (mode, dtype,
 threads) gives the median of per-round ratios ours / PowerInfer (this VM drifts 20-30% within
 minutes; only ratios from one round are compared).
@@ -32,7 +33,7 @@ mode by llama.cpp's protocol (PowerInfer's `perplexity`: N chunks of 512 tokens 
 
   python -m experiments.peers_powerinfer --powerinfer-src PATH_TO_POWERINFER_GIT [--threads 1 2]
       [--rounds 3] [--prompt-tokens 64] [--new-tokens 64] [--weights F16|Q4_0]
-      [--ppl-chunks 16] [--quick]
+      [--ppl-chunks 16] [--ppl-repeats 3] [--model DIR] [--quick]
 """
 from __future__ import annotations
 
@@ -54,6 +55,15 @@ from experiments import _common
 BUILD_SCRIPT = Path(__file__).with_name("peers_powerinfer_build.sh")
 OUT = _common.RESULTS / "peers_powerinfer.jsonl"
 MODES = ("dense", "predictor")
+# Ours only: "exact" runs the dense file with the true active set (selectors.Oracle at 0: a
+# ReLU neuron whose activation is 0 is skipped; its gate/up computed, its down row not read),
+# no predictor and no approximation; compared with PowerInfer's sparse (predictor) mode.
+OURS_ONLY = {"exact": ("dense", "predictor")}  # mode -> (file it runs, PowerInfer mode compared)
+
+
+def peer_mode(mode: str) -> str:
+    """The PowerInfer mode a mode of ours is compared with."""
+    return OURS_ONLY[mode][1] if mode in OURS_ONLY else mode
 PPL_CTX = 512
 DTYPES = ("float32", "bfloat16")
 
@@ -282,13 +292,18 @@ def child(args) -> None:
     ids, n_new = spec["prompt_ids"], spec["new_tokens"]
     quantized = spec["weights"] != "F16"
     ppl_ids = spec.get("ppl_ids")
-    for mode in MODES:
-        path = Path(spec["files"][mode])
+    for mode in MODES + tuple(OURS_ONLY):
+        path = Path(spec["files"][OURS_ONLY[mode][0] if mode in OURS_ONLY else mode])
         ck = load_checkpoint(path, keep_quantized=quantized)
         for dtype in DTYPES:
             model = from_params(ck.config, ck.params, dtype=jnp.dtype(dtype), kernels="auto")
             if mode == "predictor":  # dense: no selector
                 pp.attach(model, pi.load_predictors(path, ck.config, keep_quantized=True))
+            elif mode == "exact":
+                from powerinfer_jax.sparsity.selectors import Oracle
+
+                for layer in model.layers:
+                    layer.ffn.set_selector(Oracle(0.0))
             eng = Engine(model, max_seq_len=512)
             eng.generate(ids, max_new_tokens=n_new)  # compiles every bucket
             runs = [eng.generate(ids, max_new_tokens=n_new) for _ in range(2)]
@@ -446,14 +461,18 @@ def main(argv=None) -> None:
     p.add_argument("--ppl-chunks", type=int, default=0,
                    help="perplexity of each mode on both sides over this many 512-token chunks "
                         "of --ppl-text (round 0; 0: none)")
+    p.add_argument("--ppl-repeats", type=int, default=1,
+                   help="PowerInfer perplexity runs per mode (its figure varies run to run; "
+                        "the median is compared)")
     p.add_argument("--ppl-text", type=Path, default=_common.DATA / "wiki.valid.txt")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--child-spec", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child_threads is not None:
         return child(args)
-    if args.ppl_chunks < 0:
-        raise SystemExit(f"--ppl-chunks: expected a count >= 0, got {args.ppl_chunks}")
+    if args.ppl_chunks < 0 or args.ppl_repeats < 1:
+        raise SystemExit(f"--ppl-chunks / --ppl-repeats: expected >= 0 / >= 1, got "
+                         f"{args.ppl_chunks} / {args.ppl_repeats}")
     if not args.powerinfer_src:
         raise SystemExit("--powerinfer-src: expected a PowerInfer git directory, got none "
                          "(or set $POWERINFER_SRC)")
@@ -490,6 +509,7 @@ def main(argv=None) -> None:
               "powerinfer_weights": args.weights,
               "activation": "relu (its own)" if source_relu else "relu (switched)",
               "ppl": {"chunks": args.ppl_chunks, "ctx": PPL_CTX, "text": args.ppl_text.name,
+                      "powerinfer_repeats": args.ppl_repeats,
                       "protocol": "llama.cpp perplexity: second half of each chunk"}}
     rows = []
     if args.families:
@@ -505,11 +525,13 @@ def main(argv=None) -> None:
                                         new_tokens=args.new_tokens) for m in MODES}
             ppl_now = ppl_ids is not None and rnd == 0 and t == threads[-1]
             if ppl_now:
-                for m in MODES:
-                    theirs[m]["ppl"] = ppl_powerinfer(binary, files[m], args.ppl_text,
-                                                      ctx=PPL_CTX, chunks=args.ppl_chunks,
-                                                      threads=t)
-                    _log(f"PowerInfer {m}: perplexity {theirs[m]['ppl']:.3f}")
+                for m in MODES:  # PowerInfer's figure moves between runs (ours does not):
+                    # --ppl-repeats runs, their median compared
+                    runs = [ppl_powerinfer(binary, files[m], args.ppl_text, ctx=PPL_CTX,
+                                           chunks=args.ppl_chunks, threads=t)
+                            for _ in range(args.ppl_repeats)]
+                    theirs[m]["ppl"], theirs[m]["ppl_runs"] = statistics.median(runs), runs
+                    _log(f"PowerInfer {m}: perplexity {theirs[m]['ppl']:.3f} (runs {runs})")
             ids = theirs["dense"]["prompt_ids"]
             for m in MODES:
                 r = theirs[m]
@@ -519,7 +541,8 @@ def main(argv=None) -> None:
                              "powerinfer_commit": pi_commit,
                              "prompt_ids_match": r["prompt_ids"] == tok.encode(prompt, add_bos=False),
                              **{k: r[k] for k in ("prefill_tok_s", "decode_tok_s", "tokens",
-                                                  "prompt_tokens", "ppl") if k in r}})
+                                                  "prompt_tokens", "ppl", "ppl_runs")
+                                    if k in r}})
                 _log(f"round {rnd} t={t} PowerInfer {m}: prefill {r['prefill_tok_s']:.1f} "
                      f"decode {r['decode_tok_s']:.1f} tok/s")
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -554,7 +577,7 @@ def summary(rows, args, config, pi_commit) -> list[dict]:
     for mode, dtype, t in sorted(keys):
         ratios = {"decode": [], "prefill": []}
         for rnd in range(args.rounds):
-            pi = [r for r in rows if r["system"] == "powerinfer" and r["mode"] == mode
+            pi = [r for r in rows if r["system"] == "powerinfer" and r["mode"] == peer_mode(mode)
                   and r["threads"] == t and r["round"] == rnd]
             us = [r for r in rows if r["system"] == "powerinfer_jax" and r["mode"] == mode
                   and r["dtype"] == dtype and r["threads"] == t and r["round"] == rnd]
@@ -563,7 +586,8 @@ def summary(rows, args, config, pi_commit) -> list[dict]:
                     ratios[k].append(us[0][f"{k}_tok_s"] / pi[0][f"{k}_tok_s"])
         out.append({**_common.header("peers_powerinfer", threads=t, dtype=dtype,
                                      model=args.model, config=config, quick=args.quick),
-                    "system": "summary", "mode": mode, "powerinfer_commit": pi_commit,
+                    "system": "summary", "mode": mode, "powerinfer_mode": peer_mode(mode),
+                    "powerinfer_commit": pi_commit,
                     **_ppls(rows, mode, dtype),
                     "decode_ratio_median": statistics.median(ratios["decode"]),
                     "prefill_ratio_median": statistics.median(ratios["prefill"]),
@@ -577,9 +601,12 @@ def _ppls(rows, mode, dtype) -> dict:
     """The perplexities measured for (mode, dtype), ours and PowerInfer's, when --ppl-chunks."""
     ours = [r["ppl"] for r in rows if r["system"] == "powerinfer_jax" and r["mode"] == mode
             and r["dtype"] == dtype and "ppl" in r]
-    theirs = [r["ppl"] for r in rows if r["system"] == "powerinfer" and r["mode"] == mode
-              and "ppl" in r]
-    return {"ppl_ours": ours[0], "ppl_powerinfer": theirs[0]} if ours and theirs else {}
+    theirs = [r for r in rows if r["system"] == "powerinfer"
+              and r["mode"] == peer_mode(mode) and "ppl" in r]
+    if not (ours and theirs):
+        return {}
+    return {"ppl_ours": ours[0], "ppl_powerinfer": theirs[0]["ppl"],
+            "ppl_powerinfer_runs": theirs[0].get("ppl_runs", [theirs[0]["ppl"]])}
 
 
 if __name__ == "__main__":

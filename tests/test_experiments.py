@@ -316,3 +316,28 @@ def test_powerinfer_peer_exports_are_named_by_their_model(tmp_path):
     (d / "sparsify.json").write_text(json.dumps({"fingerprint": {"id": "files:abc"}}))
     with pytest.raises(SystemExit, match="got teacher 'files:abc'"):
         peers_powerinfer.gguf_tokenizer_meta(d, tok)
+
+
+def test_powerinfer_peer_summary_compares_our_exact_mode_with_its_predictor_mode():
+    """Our predictor-free mode ("exact") has no PowerInfer twin: its ratios and perplexity are
+    taken against PowerInfer's sparse (predictor) mode of the same round and threads."""
+    import argparse
+
+    from experiments import peers_powerinfer as pp
+
+    rows = []
+    for rnd, (theirs, ours) in enumerate([(50.0, 80.0), (40.0, 80.0), (50.0, 90.0)]):
+        rows.append({"system": "powerinfer", "mode": "predictor", "threads": 2, "round": rnd,
+                     "decode_tok_s": theirs, "prefill_tok_s": 100.0,
+                     **({"ppl": 110.0} if rnd == 0 else {})})
+        rows.append({"system": "powerinfer", "mode": "dense", "threads": 2, "round": rnd,
+                     "decode_tok_s": 1.0, "prefill_tok_s": 1.0})
+        rows.append({"system": "powerinfer_jax", "mode": "exact", "dtype": "bfloat16",
+                     "threads": 2, "round": rnd, "decode_tok_s": ours, "prefill_tok_s": 150.0,
+                     **({"ppl": 60.0} if rnd == 0 else {})})
+    args = argparse.Namespace(rounds=3, model="tiny", quick=False)
+    (row,) = pp.summary(rows, args, {}, "abc")
+    assert row["mode"] == "exact" and row["powerinfer_mode"] == "predictor"
+    assert row["decode_ratios"] == [1.6, 2.0, 1.8] and row["decode_ratio_median"] == 1.8
+    assert row["ppl_ours"] == 60.0 and row["ppl_powerinfer"] == 110.0
+    assert row["ppl_powerinfer_runs"] == [110.0]
