@@ -59,7 +59,6 @@ void RunInterleaveJobs(std::span<const InterleaveJob> jobs) {
   for (const InterleaveJob& j : jobs) pij::InterleaveRows(j.src, j.qtype, j.rows, j.row_bytes, j.dst, rt.pool);
 }
 
-
 template <typename Fn>
 nb::capsule Capsule(Fn* fn) {
   static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>,

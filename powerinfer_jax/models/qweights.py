@@ -90,6 +90,7 @@ class _Load:
         from powerinfer_jax.checkpoint.base import aligned_empty
         from powerinfer_jax.ops import _ffi
 
+        self.finish()  # one batch on the pool at a time
         jobs = []
         for blocks, qtype in tensors:
             b = np.asarray(blocks)
