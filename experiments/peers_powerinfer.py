@@ -5,8 +5,8 @@ Model: SmolLM2-135M with its FFN activation switched to ReLU (ReGLU: relu(gate) 
 PowerInfer's sparse llama graph runs. The switch alone makes it generate nonsense (perplexity in
 the thousands, where any rounding moves it by percents): fine for agreement and speed. For
 perplexity, pass --model DIR, a ReLU model made by `python -m powerinfer_jax.sparsify --variant
-relu` (distilled from SmolLM2; its teacher's GGUF tokenizer is exported with it). Two PowerInfer GGUFs ("PWRI", F16 weights as
-its converter writes them) are exported once into the build root:
+relu` (distilled from SmolLM2; its teacher's GGUF tokenizer is exported with it). Two PowerInfer
+GGUFs ("PWRI", F16 weights as its converter writes them) are exported once into the build root:
   dense      all-active predictors (zero fc1/fc2: every output 0 >= threshold 0), so PowerInfer
              runs every neuron through its sparse kernels: the predictor-free path; ours runs
              dense (SparsityConfig mode "dense").
@@ -16,8 +16,8 @@ its converter writes them) are exported once into the build root:
 Per round and thread count: PowerInfer dense and predictor (one process each, pinned to the same
 CPUs, `-t T -tb T --temp 0 --repeat-penalty 1 --ignore-eos`, timings from its own report), then
 ours (a child process pinned to the same CPUs: float32 and bfloat16; dense, predictor and exact,
-our ReLU sparsity without a predictor: OURS_ONLY; median
-of 2 timed generations after a compile run). Rows go to --out; a summary row per (mode, dtype,
+our ReLU sparsity without a predictor: OURS_ONLY; median of 2 timed generations after a compile
+run). Rows go to --out; a summary row per (mode, dtype,
 threads) gives the median of per-round ratios ours / PowerInfer (this VM drifts 20-30% within
 minutes; only ratios from one round are compared).
 Agreement (float32 only, the precision closest to PowerInfer's F16 weights): the common prefix of
@@ -59,13 +59,18 @@ MODES = ("dense", "predictor")
 # ReLU neuron whose activation is 0 is skipped; its gate/up computed, its down row not read),
 # no predictor and no approximation; compared with PowerInfer's sparse (predictor) mode.
 OURS_ONLY = {"exact": ("dense", "predictor")}  # mode -> (file it runs, PowerInfer mode compared)
+PPL_CTX = 512
+DTYPES = ("float32", "bfloat16")
+
+
+def file_mode(mode: str) -> str:
+    """Which export (MODES) a mode of ours runs."""
+    return OURS_ONLY[mode][0] if mode in OURS_ONLY else mode
 
 
 def peer_mode(mode: str) -> str:
     """The PowerInfer mode a mode of ours is compared with."""
     return OURS_ONLY[mode][1] if mode in OURS_ONLY else mode
-PPL_CTX = 512
-DTYPES = ("float32", "bfloat16")
 
 
 def build(src: str, root: Path) -> tuple[Path, str]:
@@ -81,9 +86,11 @@ def build(src: str, root: Path) -> tuple[Path, str]:
 
 # ------------------------------------------------------------------------------------- exports
 def exports(root: Path, model: str, train_text: Path, *, rank: int, train_tokens: int,
-            steps: int, weights: str = "F16", quantize: Path | None = None) -> dict[str, Path]:
+            steps: int, weights: str = "F16", quantize: Path | None = None,
+            source_config=None) -> dict[str, Path]:
     """The two PowerInfer GGUFs (module docstring), written once into root/exports; with weights
-    other than F16, quantized from those by PowerInfer's `quantize` binary."""
+    other than F16, quantized from those by PowerInfer's `quantize` binary. source_config: the
+    model's ModelConfig when the caller has it (else read here)."""
     from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.checkpoint import powerinfer as pi
     from powerinfer_jax.checkpoint.registry import resolve_model
@@ -93,7 +100,9 @@ def exports(root: Path, model: str, train_text: Path, *, rank: int, train_tokens
     d.mkdir(parents=True, exist_ok=True)
     tag = f"r{rank}-n{train_tokens}-s{steps}"
     src = Path(resolve_model(model))
-    stem = export_stem(model, src)
+    if source_config is None:
+        source_config = load_checkpoint(src, keep_quantized=True).config
+    stem = export_stem(model, src, source_config)
     files = {"dense": d / f"{stem}.dense-r32.powerinfer.gguf",
              "predictor": d / f"{stem}.pred-{tag}.powerinfer.gguf"}
     if not files["dense"].is_file():
@@ -133,17 +142,16 @@ def exports(root: Path, model: str, train_text: Path, *, rank: int, train_tokens
     return out
 
 
-def export_stem(model: str, src: Path) -> str:
+def export_stem(model: str, src: Path, config) -> str:
     """The exports' file stem: "smollm2-relu" for the default model (SmolLM2 with its FFN switched
     to ReLU), else the model's name and a hash of its files (model_fingerprint), so exports of
     two models (or of a model retrained in place) never share a file."""
     from powerinfer_jax._cli import DEFAULT_MODEL
-    from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.sparsity.artifacts import model_fingerprint
 
     if model == DEFAULT_MODEL:
         return "smollm2-relu"
-    ident = model_fingerprint(model, src, load_checkpoint(src).config)["id"]
+    ident = model_fingerprint(model, src, config)["id"]
     return f"{src.name.split('.')[0]}-{hashlib.sha256(ident.encode()).hexdigest()[:10]}"
 
 
@@ -293,7 +301,7 @@ def child(args) -> None:
     quantized = spec["weights"] != "F16"
     ppl_ids = spec.get("ppl_ids")
     for mode in MODES + tuple(OURS_ONLY):
-        path = Path(spec["files"][OURS_ONLY[mode][0] if mode in OURS_ONLY else mode])
+        path = Path(spec["files"][file_mode(mode)])
         ck = load_checkpoint(path, keep_quantized=quantized)
         for dtype in DTYPES:
             model = from_params(ck.config, ck.params, dtype=jnp.dtype(dtype), kernels="auto")
@@ -479,19 +487,17 @@ def main(argv=None) -> None:
     if args.quick:
         args.rounds, args.new_tokens, args.prompt_tokens = 1, 16, 32
         args.train_tokens, args.steps = min(args.train_tokens, 1024), min(args.steps, 50)
-    from powerinfer_jax.checkpoint import cache_dir, load_checkpoint
+    from powerinfer_jax.checkpoint import cache_dir, load_checkpoint, resolve_model
 
     root = args.build_root or cache_dir() / "peers"
     binary, pi_commit = build(args.powerinfer_src, root)
     _log(f"PowerInfer {pi_commit[:12]}: {binary}")
+    source_config = load_checkpoint(resolve_model(args.model), keep_quantized=True).config
     files = exports(root, args.model, args.train_text, rank=args.rank,
                     train_tokens=args.train_tokens, steps=args.steps, weights=args.weights,
-                    quantize=binary.with_name("quantize"))
+                    quantize=binary.with_name("quantize"), source_config=source_config)
     tok = load_checkpoint(files["dense"], keep_quantized=True).tokenizer
-    from powerinfer_jax.checkpoint import resolve_model
-
-    source_relu = load_checkpoint(resolve_model(args.model),
-                                  keep_quantized=True).config.activation == "relu"
+    source_relu = source_config.activation == "relu"
     ppl_ids = None
     if args.ppl_chunks:
         text = args.ppl_text.read_text(encoding="utf-8")

@@ -302,10 +302,11 @@ def test_powerinfer_peer_exports_are_named_by_their_model(tmp_path):
     for seed in (0, 1):
         paths.append(tmp_path / f"tiny{seed}.gguf")
         write_tiny_gguf(paths[-1], tiny_llama_config(activation="relu"), seed=seed)
-    stems = [peers_powerinfer.export_stem(str(p), p) for p in paths]
+    configs = [load_checkpoint(p).config for p in paths]
+    stems = [peers_powerinfer.export_stem(str(p), p, c) for p, c in zip(paths, configs)]
     assert stems[0] != stems[1] and all(s.startswith("tiny") for s in stems), stems
-    assert peers_powerinfer.export_stem(str(paths[0]), paths[0]) == stems[0]  # stable
-    assert peers_powerinfer.export_stem("smollm2-135m", paths[0]) == "smollm2-relu"
+    assert peers_powerinfer.export_stem(str(paths[0]), paths[0], configs[0]) == stems[0]  # stable
+    assert peers_powerinfer.export_stem("smollm2-135m", paths[0], configs[0]) == "smollm2-relu"
     tok = load_checkpoint(paths[0]).tokenizer
     meta = peers_powerinfer.gguf_tokenizer_meta(paths[0], tok)
     assert meta["tokens"] == peers.tokenizer_meta(paths[0])["tokens"]

@@ -149,7 +149,7 @@ def test_bad_input_is_a_clear_error():
     # the batch form checks every job before it writes any: the good one's output is untouched
     good = random_blocks("Q4_0", 32, 64, np.random.default_rng(2))
     out = np.zeros_like(good)
-    with pytest.raises(ValueError, match="interleave_into"):
+    with pytest.raises(ValueError, match="interleave_many: expected .* got qtype 2, 20 rows"):
         _ffi._pij_ext.interleave_many([(good, 2, out), (np.zeros((20, 18), np.uint8), 2,
                                                         np.zeros((20, 18), np.uint8))])
     assert not out.any()

@@ -5,11 +5,10 @@
 #include <atomic>
 #include <cstring>
 #include <span>
-#include <tuple>
-#include <string>
-#include <vector>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/tuple.h>
@@ -38,13 +37,14 @@ struct InterleaveJob {
   uint8_t* dst;
 };
 
-// A job for pij::InterleaveRows, or std::invalid_argument naming what does not fit.
-InterleaveJob CheckedInterleaveJob(const Blocks& blocks, int32_t qtype, const Bytes& out) {
+// A job for pij::InterleaveRows, or std::invalid_argument (naming the binding `who`) saying what
+// does not fit.
+InterleaveJob CheckedInterleaveJob(const char* who, const Blocks& blocks, int32_t qtype, const Bytes& out) {
   const int64_t rows = static_cast<int64_t>(blocks.shape(0)), row_bytes = static_cast<int64_t>(blocks.shape(1));
   if (!pij::IsQType(qtype) || !pij::qkern::CanInterleave(static_cast<pij::QType>(qtype), rows) ||
       row_bytes % pij::GetQTypeInfo(static_cast<pij::QType>(qtype)).bytes != 0 ||
       static_cast<int64_t>(out.shape(0)) != rows || static_cast<int64_t>(out.shape(1)) != row_bytes) {
-    throw std::invalid_argument("interleave_into: expected Q4_0/Q4_1/Q8_0 blocks uint8 [rows, row bytes], rows "
+    throw std::invalid_argument(std::string(who) + ": expected Q4_0/Q4_1/Q8_0 blocks uint8 [rows, row bytes], rows "
                                 "a multiple of 16, and out of the same shape; got qtype " +
                                 std::to_string(qtype) + ", " + std::to_string(rows) + " rows of " +
                                 std::to_string(row_bytes) + " bytes");
@@ -173,14 +173,16 @@ NB_MODULE(_pij_ext, m) {
     return d;
   }, "Which instruction sets the module was compiled for.");
   m.def("interleave_into", [](Blocks blocks, int32_t qtype, Bytes out) {
-    const InterleaveJob job = CheckedInterleaveJob(blocks, qtype, out);
+    const InterleaveJob job = CheckedInterleaveJob("interleave_into", blocks, qtype, out);
     RunInterleaveJobs({&job, 1});
   }, nb::arg("blocks"), nb::arg("qtype"), nb::arg("out"),
         "out = blocks' rows interleaved by 16 (ops.qlinear's fastest layout; checkpoint.quants.interleave).");
   m.def("interleave_many", [](const std::vector<std::tuple<Blocks, int32_t, Bytes>>& jobs) {
     std::vector<InterleaveJob> checked;
     checked.reserve(jobs.size());
-    for (const auto& [blocks, qtype, out] : jobs) checked.push_back(CheckedInterleaveJob(blocks, qtype, out));
+    for (const auto& [blocks, qtype, out] : jobs) {
+      checked.push_back(CheckedInterleaveJob("interleave_many", blocks, qtype, out));
+    }
     RunInterleaveJobs(checked);
   }, nb::arg("jobs"),
         "interleave_into over [(blocks, qtype, out), ...], every job checked first, then all of them "

@@ -86,18 +86,15 @@ class _Load:
     def interleave_ahead(self, tensors) -> None:
         """Start interleaving (blocks, qtype) pairs on the pool in one call that holds no GIL
         (`_pij_ext.interleave_many`); `interleaved` hands each copy out when asked for it."""
-        from powerinfer_jax.checkpoint import quants
-        from powerinfer_jax.checkpoint.base import aligned_empty
         from powerinfer_jax.ops import _ffi
 
         self.finish()  # one batch on the pool at a time
         jobs = []
         for blocks, qtype in tensors:
-            b = np.asarray(blocks)
-            if quants.can_interleave(qtype, b.shape[0]) and id(blocks) not in self._ahead:
-                out = aligned_empty(b.shape, np.uint8)  # host_blocks keeps it as it is
-                self._ahead[id(blocks)] = (blocks, out, qtype + quants.INTERLEAVED_SUFFIX)
-                jobs.append((np.ascontiguousarray(b, np.uint8), quants.type_id(qtype), out))
+            job = _interleave_job(blocks, qtype) if id(blocks) not in self._ahead else None
+            if job is not None:
+                self._ahead[id(blocks)] = (blocks, job[2], job[3])
+                jobs.append(job[:3])
         if not jobs:
             return
         self.stats["ahead"] += len(jobs)
@@ -171,22 +168,32 @@ def interleaved(blocks, qtype: str):
     (checkpoint.quants.interleave: ops.qlinear's fastest layout, the same bytes rearranged; the
     type becomes e.g. "Q4_0x16"), else as given. Within `batched_load`, a copy started by
     `interleave_ahead` is taken, not made again."""
-    from powerinfer_jax.checkpoint import quants
-
     load = _LOAD.get()
     ready = load.take(blocks) if load is not None else None
     if ready is not None:
         return ready
-    b = np.asarray(blocks)
-    if not quants.can_interleave(qtype, b.shape[0]):
+    job = _interleave_job(blocks, qtype)
+    if job is None:
         return blocks, qtype
-    from powerinfer_jax.checkpoint.base import aligned_empty
     from powerinfer_jax.ops import _ffi
 
+    _ffi._pij_ext.interleave_into(*job[:3])
+    release_later(blocks)  # the file's rows were read once to build the copy
+    return job[2], job[3]
+
+
+def _interleave_job(blocks, qtype: str):
+    """(file rows, type id, empty copy, the copy's qtype) for `_pij_ext.interleave_into`, or None
+    where the format or row count has no interleaved layout."""
+    from powerinfer_jax.checkpoint import quants
+    from powerinfer_jax.checkpoint.base import aligned_empty
+
+    b = np.asarray(blocks)
+    if not quants.can_interleave(qtype, b.shape[0]):
+        return None
     out = aligned_empty(b.shape, np.uint8)  # host_blocks keeps it as it is
-    _ffi._pij_ext.interleave_into(np.ascontiguousarray(b, np.uint8), quants.type_id(qtype), out)
-    release_later(b)  # the file's rows were read once to build the copy
-    return out, qtype + quants.INTERLEAVED_SUFFIX
+    return (np.ascontiguousarray(b, np.uint8), quants.type_id(qtype), out,
+            qtype + quants.INTERLEAVED_SUFFIX)
 
 
 def gather_rows(table, ids, qtype: str):
