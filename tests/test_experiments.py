@@ -342,3 +342,11 @@ def test_powerinfer_peer_summary_compares_our_exact_mode_with_its_predictor_mode
     assert row["decode_ratios"] == [1.6, 2.0, 1.8] and row["decode_ratio_median"] == 1.8
     assert row["ppl_ours"] == 60.0 and row["ppl_powerinfer"] == 110.0
     assert row["ppl_powerinfer_runs"] == [110.0]
+
+
+def test_powerinfer_peer_rejects_a_repeat_count_below_one():
+    """--ppl-repeats 0 would compare a median of nothing: a one-line exit before any build."""
+    from experiments import peers_powerinfer
+
+    with pytest.raises(SystemExit, match=r"--ppl-repeats: expected >= 0 / >= 1, got 0 / 0"):
+        peers_powerinfer.main(["--ppl-repeats", "0", "--powerinfer-src", "/nonexistent"])
