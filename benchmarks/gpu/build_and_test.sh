@@ -3,10 +3,17 @@
 # modules with PIJ_CUDA=ON against the local python3's jax, then run the CUDA tests and
 # compute-sanitizer memcheck on the hybrid handler. Logs go to $OUT (or ./gpu_logs).
 # Usage: bash benchmarks/gpu/build_and_test.sh [pytest args...]   (PIJ_BUILD_ONLY=1: build only)
+# Carry .whl (benchmarks/gpu/prepare_wheels.sh) with the call: the image has no `gguf`.
 set -uo pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=$(command -v python3)
+# Wheels carried from the build machine (benchmarks/gpu/prepare_wheels.sh): packages the image lacks
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 {
   nvidia-smi -L; nproc; $PY --version
   $PY -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
