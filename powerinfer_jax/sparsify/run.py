@@ -218,7 +218,8 @@ def distill(model_arg: str, cfg: DistillConfig, *, out: str | os.PathLike | None
         run = distiller.run(batches, start_step=start, stop_step=stop, checkpoints=checkpoints,
                             record=record, save_every=save_every, progress=progress,
                             on_step=on_step, eval_every=eval_every, before_step=before_step,
-                            on_eval=lambda s: point(s, "train"), deadline=deadline)
+                            on_eval=lambda s: point(s, "train"), deadline=deadline,
+                            on_pause=lambda s: point(s, "pause"))
     except BaseException:
         checkpoints.close()
         raise
@@ -227,9 +228,6 @@ def distill(model_arg: str, cfg: DistillConfig, *, out: str | os.PathLike | None
         with timer.section("fatrelu"):
             calibrate_fatrelu(done)  # after the last step: the threshold is applied, not trained
     if done < cfg.steps:
-        if done > start and evaluator is not None:
-            point(done, "pause")  # then saved again, with this point's time in the record
-            checkpoints.save(done, distiller.params, distiller.opt_state, record)
         if not export_partial:
             checkpoints.close()
             return {"out": out, "cached": False, "stopped_at": done, "record": record,
@@ -271,11 +269,13 @@ def _student_config(config, activation: str):
 
 
 def build_artifacts(out: Path, target, *, corpus=None, progress: bool = True, train=None,
-                    max_tokens: int | None = None) -> list:
+                    max_tokens: int | None = None, predictors: bool = True) -> list:
     """The project's sparsity artifacts (profile, thresholds, q4 and low-rank predictors) for the
     exported model, into <out>/sparsity: what `python -m powerinfer_jax.calibrate --model DIR
     --target-sparsity T` writes, for one target or several (one profiling pass for all).
-    train: the low-rank predictors' TrainConfig (default: calibrate's)."""
+    train: the low-rank predictors' TrainConfig (default: calibrate's); predictors=False builds
+    the thresholds and profile only (minutes less). A model with a FATReLU threshold gets it as
+    every layer's gate threshold (threshold mode runs FATReLU)."""
     from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.models.transformer import from_params
     from powerinfer_jax.sparsity import artifacts as arts
@@ -299,9 +299,9 @@ def build_artifacts(out: Path, target, *, corpus=None, progress: bool = True, tr
     built = []
     gate = fatrelu_threshold(out)
     for t in targets:
-        a, profile = arts.build_for_target(model, x_lnd, base, t,
-                                           train=TrainConfig() if train is None else train,
-                                           progress=progress)
+        a, profile = arts.build_for_target(
+            model, x_lnd, base, t, train=None if not predictors else (
+                TrainConfig() if train is None else train), progress=progress)
         if gate is not None:  # threshold mode = FATReLU at the trained threshold (fatrelu.py)
             a = dataclasses.replace(a, thresholds_gate=(gate,) * ckpt.config.n_layers)
             a.meta.update(thresholds_gate=list(a.thresholds_gate), fatrelu_threshold=gate)

@@ -132,14 +132,21 @@ def generate_samples_engine(engine, tokenizer, *, n: int, seq_len: int, seed: in
 
 
 def generate_samples(model, tokenizer, *, n: int, seq_len: int, seed: int, batch: int = 32,
-                     progress: bool = True) -> np.ndarray:
+                     progress: bool = True, prompts: list | None = None,
+                     time_limit: float | None = None) -> np.ndarray:
     """[n, seq_len] int32 sequences written by `model` (a Transformer), `batch` rows at a time.
 
     All rows of a batch advance together, one position per jitted decode step over a KV cache:
     a row copies its pending prompt tokens, then samples; when it samples an end-of-turn token, a
     new random prompt follows. (One row at a time through the runtime's Engine measured ~5
     tokens/s here, since each turn is a new prompt to prefill; a batch of 32 rows is one matmul
-    per weight per position.)"""
+    per weight per position.)
+
+    prompts: token-id lists to draw from (default: prompt_texts, encoded). time_limit: seconds
+    after which no new batch starts; the rows of the batches done are returned ([m, seq_len],
+    m <= n, a multiple of `batch` unless the last batch was the end)."""
+    import time
+
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -157,16 +164,21 @@ def generate_samples(model, tokenizer, *, n: int, seq_len: int, seed: int, batch
         h, cache = m.hidden(tokens_b[:, None], positions, cache, position, seq_len)
         return sample(m.logits(h)[:, 0], jax.random.fold_in(key, position), params), cache
 
-    prompts = [tokenizer.encode(t) for t in prompt_texts(tokenizer)]
+    if prompts is None:
+        prompts = [tokenizer.encode(t) for t in prompt_texts(tokenizer)]
     rng = np.random.default_rng([seed, 2])
     eos = set(tokenizer.eos_ids)
     out = np.zeros((n, seq_len), np.int32)
+    t0 = time.perf_counter()
+    made = 0
     starts = range(0, n, batch)
     if progress:
         from tqdm import tqdm
 
         starts = tqdm(starts, desc="teacher samples", unit="batch")
     for start in starts:
+        if time_limit is not None and time.perf_counter() - t0 > time_limit:
+            break
         rows = min(batch, n - start)
         pending = [list(prompts[int(rng.integers(len(prompts)))]) for _ in range(rows)]
         cache = init_cache(model.config, batch=rows, max_len=seq_len, dtype=model.dtype)
@@ -185,4 +197,5 @@ def generate_samples(model, tokenizer, *, n: int, seq_len: int, seed: int, batch
                 if int(sampled[r]) in eos:
                     pending[r] = list(prompts[int(rng.integers(len(prompts)))])
         out[start:start + rows] = seqs
-    return out
+        made = start + rows
+    return out[:made]

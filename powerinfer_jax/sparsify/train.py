@@ -162,16 +162,20 @@ class Distiller:
             on_step: Callable[[int, dict], None] | None = None, eval_every: int = 0,
             on_eval: Callable[[int], None] | None = None,
             before_step: Callable[[int], None] | None = None,
+            on_pause: Callable[[int], None] | None = None,
             deadline: float | None = None) -> dict:
         """Train steps [start_step, stop_step or cfg.steps). Saves every `save_every` steps, at the
         end, and on an interrupt: Ctrl-C or SIGTERM stop the loop after the running step, save it
         and raise KeyboardInterrupt (a second one stops at once, unsaved). Saves run in the
         background (checkpoints.save(..., wait=False)) and are finished before the next one and
         before this returns. before_step(step) runs before each step (FATReLU's calibration);
-        on_step(step, metrics) after each; on_eval(steps_done) every `eval_every` steps.
+        on_step(step, metrics) after each; on_eval(steps_done) every `eval_every` steps;
+        on_pause(steps_done) when it stops before the last step (not interrupted), before the
+        final save (so what it adds to the record is saved).
         deadline: a time.monotonic() value: no step starts that would end past it (judged by the
         slowest step so far) and the run stops there, saved, as a budgeted piece of a longer run.
-        Time goes to self.timer: "data" (batches, teacher cache), "step", "checkpoint", "eval".
+        Time goes to self.timer: "data" (batches, teacher cache), "step", "checkpoint",
+        "fatrelu" (before_step).
         Returns {"steps": steps done in all, "train_s", "first_step_s", "stopped"}."""
         cfg = self.cfg
         stop = cfg.steps if stop_step is None else min(stop_step, cfg.steps)
@@ -230,8 +234,7 @@ class Distiller:
                         save(wait=False)
                     if on_eval is not None and eval_every and done % eval_every == 0 \
                             and done < cfg.steps:
-                        with timer.section("eval"):
-                            on_eval(done)
+                        on_eval(done)  # its own time is the caller's to count
         except KeyboardInterrupt as e:
             if checkpoints is not None and done > start_step and not isinstance(e, ForcedStop):
                 save(wait=True)
@@ -245,6 +248,8 @@ class Distiller:
         finally:
             if bar is not None:
                 bar.close()
+        if on_pause is not None and start_step < done < cfg.steps:
+            on_pause(done)
         if checkpoints is not None and done > start_step:
             save(wait=True)
         return {"steps": done, **wall}
