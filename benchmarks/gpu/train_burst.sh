@@ -8,7 +8,7 @@
 #   call 2: bash benchmarks/gpu/train_burst.sh run [args]    carry [".burst/p2", ".whl"]
 #           installs the carried wheels (gguf) into $PIJ_SITE (/tmp/site), joins the teacher, checks its
 #           sha256, trains for --budget seconds (default 390) after compilation, stops training
-#           by --deadline (default 440 s after this script started) and writes the weights'
+#           by --deadline (default 420 s after this script started) and writes the weights'
 #           change and burst.json into $OUT (<= 8 files, <= 64 MiB), then burst.log
 #
 # Back here: python -m powerinfer_jax.sparsify import-burst <the fetched $OUT folder>

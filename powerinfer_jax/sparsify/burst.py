@@ -19,8 +19,10 @@ Why these settings (135M student, ~6.5 min of an H200, ~100k+ tokens/s):
 - relu, not drelu: ProSparse and ReluLLaMA recover quality with ReLU on the gate alone; dReLU
   (TurboSparse) zeroes the up side too and needed 150B tokens at 7B scale. relu has one activation
   for the runtime's threshold mode (FATReLU) and PowerInfer's sparse kernels.
-- seq 512 x batch 32 = 16k tokens per step: the evaluation's context; ~45 GB at peak with the
-  online teacher and full-vocabulary KL in float32, inside an H100's 80 GB; ~2,000+ steps.
+- seq 512 x batch 32 = 16k tokens per step on an H200 (16 on an H100): the evaluation's context;
+  the attention scores, FFN activations and full-vocabulary KL in float32 are ~50-60 GB at peak
+  for batch 32 (XLA's estimate is checked after compiling; the batch halves if it does not fit,
+  and once more if the first step still runs out of memory); ~2,000 steps in the budget.
 - lr 3e-4 (AdamW, 50 warm-up steps, cosine to 10%): FFN-only distillation from the teacher's own
   weights at 16x the CPU runs' batch (2e-4 at 1k tokens per step recovered smoothly there).
 - L1 on relu(gate) in ProSparse's sine-ramped stages: none for the first 15% (the activation swap
@@ -58,13 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder with train_ids.npy (and valid_ids.npy for the evaluation)")
     p.add_argument("--out", required=True, help="output folder (the device tool's $OUT)")
     p.add_argument("--budget", type=float, default=390.0, help="seconds of training steps")
-    p.add_argument("--deadline", type=float, default=440.0,
+    p.add_argument("--deadline", type=float, default=420.0,
                    help="seconds after --started-at by which training stops")
     p.add_argument("--started-at", type=float, default=None,
                    help="epoch seconds when the command started (default: now)")
     p.add_argument("--variant", default="relu", choices=("relu", "drelu"))
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", type=int, default=0,
+                   help="sequences per step (0: 32 on a device with >= 100 GB, else 16; halved "
+                        "while XLA's estimate of the step's memory passes 90%% of the device's)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--lr-final-fraction", type=float, default=0.1)

@@ -35,6 +35,17 @@ POST_TRAIN_S = 25.0  # time kept after training for the final evaluation and the
 WIKI_PROMPTS = 256  # wiki.train snippets the teacher continues (besides the chat prompts)
 
 
+def _step_bytes(compiled) -> int | None:
+    """XLA's estimate of a compiled step's device memory (arguments, outputs, temporaries), or
+    None where the backend does not say."""
+    try:
+        m = compiled.memory_analysis()
+        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                   - getattr(m, "alias_size_in_bytes", 0))
+    except Exception:  # noqa: BLE001 - an optional report; absent on some backends
+        return None
+
+
 class TokenStream:
     """Deterministic batches [B, T] from a token stream (wiki.train) and sample rows: each pass
     over the stream starts at a fresh offset in [0, T) and takes its chunks in a fresh order;
@@ -96,7 +107,7 @@ class Burst:
         """The run's DistillConfig for `steps` steps (schedules are functions of it)."""
         a = self.args
         return DistillConfig(
-            variant=a.variant, tokens=steps * a.batch * a.seq_len, batch=a.batch,
+            variant=a.variant, tokens=steps * self.batch * a.seq_len, batch=self.batch,
             seq_len=a.seq_len, lr=a.lr, warmup_steps=a.warmup_steps,
             lr_final_fraction=a.lr_final_fraction, weight_decay=a.weight_decay, seed=a.seed,
             l1=0.0, l1_stages=a.l1_stages, l1_on=a.l1_on, fatrelu_kl_rise=a.fatrelu_kl_rise,
@@ -203,7 +214,8 @@ class Burst:
             (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
             updates, opt_state = tx.update(grads, opt_state, params)
             updates = jax.tree.map(lambda u: -lr * u, updates)
-            m.update(loss=loss, grad_norm=optax.tree.norm(grads))
+            grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+            m.update(loss=loss, grad_norm=grad_norm)
             return optax.apply_updates(params, updates), opt_state, m
 
         def nll(params, frozen, tokens, gate):
@@ -221,15 +233,49 @@ class Burst:
             return fw.kl_divergence(t_logits, s_logits), jnp.mean(aux["zero_frac"])
 
         self.opt_state = tx.init(self.params)
-        f32 = jnp.float32(0)
-        tokens = jax.ShapeDtypeStruct((a.batch, a.seq_len), jnp.int32)
-        with self.timer.section("compile"):
-            self.step = jax.jit(step, donate_argnums=(0, 1)).lower(
-                self.params, self.opt_state, self.frozen, self.t_params, self.t_frozen, tokens,
-                f32, f32, f32).compile()
+        self._jit_step = jax.jit(step, donate_argnums=(0, 1))
+        self.batch = a.batch or self.auto_batch()
+        self.compile_step()
         self.nll, self.teacher_nll = jax.jit(nll), jax.jit(teacher_nll)
         self.kl_at = jax.jit(kl_at)
-        self.note(f"step compiled in {self.timer.parts['compile']:.1f}s")
+
+    def auto_batch(self) -> int:
+        """--batch 0: 32 sequences where the device has >= 100 GB (H200: ~45-60 GB at peak with
+        seq 512), else 16 (an H100's 80 GB)."""
+        stats = jax.devices()[0].memory_stats() or {}
+        limit = stats.get("bytes_limit", 0)
+        return 32 if limit >= 100e9 else 16
+
+    def compile_step(self) -> None:
+        """AOT-compile the step for self.batch; halve the batch while XLA's own estimate of the
+        step's memory passes 90% of the device's (where the backend reports both)."""
+        a = self.args
+        f32 = jnp.float32(0)
+        while True:
+            tokens = jax.ShapeDtypeStruct((self.batch, a.seq_len), jnp.int32)
+            with self.timer.section("compile"):
+                self.step = self._jit_step.lower(
+                    self.params, self.opt_state, self.frozen, self.t_params, self.t_frozen,
+                    tokens, f32, f32, f32).compile()
+            need, limit = _step_bytes(self.step), (jax.devices()[0].memory_stats() or {}).get(
+                "bytes_limit")
+            self.log.update(batch=self.batch, step_bytes=need, device_bytes=limit)
+            self.note(f"step compiled for batch {self.batch} x {a.seq_len} "
+                      f"({self.timer.parts['compile']:.1f}s so far; needs "
+                      f"{(need or 0) / 1e9:.1f} GB of {(limit or 0) / 1e9:.1f})")
+            if not (need and limit and need > 0.9 * limit and self.batch > 1):
+                return
+            self.batch //= 2
+
+    def restart_smaller(self) -> None:
+        """After running out of device memory in the first step: fresh state (the step donated
+        the old), half the batch, compiled again."""
+        self.s_defs, self.params, self.frozen = scan.split(self.student, self.args.train)
+        self.opt_state = self.tx.init(self.params)
+        self.batch //= 2
+        self.log.setdefault("oom_restarts", []).append(self.batch)
+        self.note(f"out of device memory: restarting with batch {self.batch}")
+        self.compile_step()
 
     def evaluate(self, name: str, params=None, frozen=None, gate: float = 0.0) -> dict | None:
         """wiki.valid perplexity and FFN sparsity of the student (or other params) at `gate`."""
@@ -310,9 +356,13 @@ class Burst:
         self.load()
         self.models()
         samples = self.samples()
-        data = TokenStream(self.train_ids, samples, a.batch, a.seq_len,
-                           int(round(a.batch * a.sample_fraction)), a.seed)
         self.compile()
+
+        def stream():
+            return TokenStream(self.train_ids, samples, self.batch, a.seq_len,
+                               int(round(self.batch * a.sample_fraction)), a.seed)
+
+        data = stream()
         self.evaluate("start")
         t_train = time.time()
         train_end = min(t_train + a.budget, self.stop_wall)
@@ -337,12 +387,22 @@ class Burst:
             if eval_at and s in eval_at:
                 self.evaluate(f"step_{s}", gate=gate)
             t0 = time.perf_counter()
-            self.params, self.opt_state, m = self.step(
-                self.params, self.opt_state, self.frozen, self.t_params, self.t_frozen,
-                jnp.asarray(data(s)), jnp.float32(lr(s)), jnp.float32(l1_coefficient(cfg, s)),
-                jnp.float32(gate))
+            try:
+                self.params, self.opt_state, m = self.step(
+                    self.params, self.opt_state, self.frozen, self.t_params, self.t_frozen,
+                    jnp.asarray(data(s)), jnp.float32(lr(s)),
+                    jnp.float32(l1_coefficient(cfg, s)), jnp.float32(gate))
+                if s < PROBE_STEPS:
+                    jax.block_until_ready(m)
+            except Exception as e:  # noqa: BLE001 - only the first step's OOM is retried
+                if s or self.batch < 2 or "RESOURCE_EXHAUSTED" not in str(e) or \
+                        self.log.get("oom_restarts"):
+                    raise
+                self.restart_smaller()
+                data, t_train = stream(), time.time()
+                train_end = min(t_train + a.budget, self.stop_wall)
+                continue
             if s < PROBE_STEPS:
-                jax.block_until_ready(m)
                 probe.append(time.perf_counter() - t0)
             if s % LOG_EVERY == 0:
                 pending.append((s, m, float(lr(s)), l1_coefficient(cfg, s), gate))
@@ -359,7 +419,8 @@ class Burst:
                 eval_at = {int(steps * (i + 1) / (a.eval_points + 1))
                            for i in range(a.eval_points)}
                 self.log.update(probe_step_s=probe, planned_steps=steps)
-                self.note(f"step {step_s * 1e3:.0f} ms ({a.batch * a.seq_len / step_s:.0f} tok/s)"
+                self.note(f"step {step_s * 1e3:.0f} ms ({self.batch * a.seq_len / step_s:.0f} "
+                          "tok/s)"
                           f": {steps} steps planned")
                 window_t, window_n = time.time(), 0
             if pending or s == steps:  # sync every LOG_EVERY steps: the host stays close
@@ -372,7 +433,7 @@ class Burst:
         done = s
         if a.fatrelu_kl_rise > 0 and "fatrelu" not in self.log:
             gate = self.calibrate_fatrelu(done)  # stopped before fatrelu_at: applied untrained
-        tokens = done * a.batch * a.seq_len
+        tokens = done * self.batch * a.seq_len
         self.log.update(steps=done, stopped=stopped, tokens_trained=tokens,
                         tok_s=tokens / max(self.timer.parts["train_loop"], 1e-9),
                         corpus_passes=data.passes(done), fatrelu_threshold=gate or None,

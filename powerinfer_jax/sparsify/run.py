@@ -59,6 +59,8 @@ def _curve_row(cfg: DistillConfig, model_arg: str, res: dict, *, tokens: int, st
     from powerinfer_jax import _cli
 
     timing = record.get("timing", {})
+    steady = record.get("counts", {}).get("steady_steps", 0)
+    step_tok_s = steady * cfg.batch * cfg.seq_len / timing["step"] if timing.get("step") else None
     return {"experiment": "sparsify_curve", "variant": cfg.variant, "model": str(model_arg),
             "tokens": tokens, "step": step, "stage": stage,
             "ffn_sparsity": res["ffn_sparsity"], "ppl": res["ppl"], "ppl_dense": res["ppl_dense"],
@@ -68,6 +70,8 @@ def _curve_row(cfg: DistillConfig, model_arg: str, res: dict, *, tokens: int, st
             "gate_threshold": res.get("gate_threshold"),
             "train": train, "wall_s": round(sum(timing.values()), 1),
             "timing": {k: round(v, 1) for k, v in timing.items()},
+            "step_tok_s": step_tok_s,
+            "e2e_tok_s": tokens / sum(timing.values()) if tokens and timing else None,
             "threads": len(os.sched_getaffinity(0)), "machine": _cli.machine_info(),
             "commit": _cli.git_commit(), "config": cfg.to_dict()}
 
@@ -134,7 +138,8 @@ def distill(model_arg: str, cfg: DistillConfig, *, out: str | os.PathLike | None
     saved = checkpoints.read_record(start) if start else {}
     for part, seconds in saved.get("timing", {}).items():  # the earlier pieces of this run
         timer.add(part, seconds)
-    record["timing"] = timer.parts
+    timer.counts.update(saved.get("counts", {}))
+    record["timing"], record["counts"] = timer.parts, timer.counts
     with timer.section("load"):
         ids = data.corpus_ids(ckpt.tokenizer, corpus)  # refuses wiki.valid and empty files
         chunks = data.corpus_chunks(ids, cfg.seq_len)

@@ -51,8 +51,9 @@ def optimizer(cfg: DistillConfig) -> optax.GradientTransformation:
 class Timer:
     """Wall time per named part of a run (seconds), for the split the benchmark rows report."""
 
-    def __init__(self, parts=None):
+    def __init__(self, parts=None, counts=None):
         self.parts: dict[str, float] = dict(parts or {})
+        self.counts: dict[str, int] = dict(counts or {})  # e.g. "steady_steps" timed in "step"
 
     def add(self, name: str, seconds: float) -> None:
         self.parts[name] = self.parts.get(name, 0.0) + seconds
@@ -174,8 +175,9 @@ class Distiller:
         final save (so what it adds to the record is saved).
         deadline: a time.monotonic() value: no step starts that would end past it (judged by the
         slowest step so far) and the run stops there, saved, as a budgeted piece of a longer run.
-        Time goes to self.timer: "data" (batches, teacher cache), "step", "checkpoint",
-        "fatrelu" (before_step).
+        Time goes to self.timer: "data" (batches, teacher cache), "first_step" (the first step
+        of the call, compilation included), "step" (the others; counted in
+        timer.counts["steady_steps"]), "checkpoint", "fatrelu" (before_step).
         Returns {"steps": steps done in all, "train_s", "first_step_s", "stopped"}."""
         cfg = self.cfg
         stop = cfg.steps if stop_step is None else min(stop_step, cfg.steps)
@@ -205,12 +207,17 @@ class Distiller:
                     if deadline is not None and time.monotonic() + slowest > deadline:
                         wall["stopped"] = "deadline"
                         break
+                    teacher_s = timer.parts.get("teacher", 0.0)  # a cache fill counts there
                     batch = batches(s)
                     t1 = time.perf_counter()
                     m = self.step(batch, s)
                     dt = time.perf_counter() - t1
-                    timer.add("data", t1 - t0)
-                    timer.add("step", dt)
+                    timer.add("data", t1 - t0 - (timer.parts.get("teacher", 0.0) - teacher_s))
+                    if wall["first_step_s"] is None:  # compiles (once per call of run)
+                        timer.add("first_step", dt)
+                    else:
+                        timer.add("step", dt)
+                        timer.counts["steady_steps"] = timer.counts.get("steady_steps", 0) + 1
                     if not math.isfinite(m["loss"]):
                         raise FloatingPointError(f"training loss: expected a finite value, got "
                                                  f"{m['loss']} at step {s} (lower --lr)")
