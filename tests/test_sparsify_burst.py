@@ -177,3 +177,62 @@ def test_engine_samples_are_whole_turns_and_reproducible(tiny_dir):
     assert a.shape == (5, 24) and a.dtype == np.int32
     starts = {tuple(tok.encode(t)[:4]) for t in prompt_texts(tok)}
     assert all(tuple(row[:4]) in starts for row in a)  # every row starts at a turn's prompt
+
+
+# ------------------------------------------------------------------ the device-side script
+@pytest.mark.slow
+def test_train_burst_script_stages_joins_checks_and_runs(tmp_path):
+    """benchmarks/gpu/train_burst.sh as the two device calls run it, on a tiny GGUF split in two
+    parts: call 1 stages part 1, call 2 joins, checks the sha256 and runs the burst; a changed
+    part is refused before anything trains."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers_models import tiny_llama_config
+
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "benchmarks" / "gpu"))
+    import synthetic
+
+    cfg = tiny_llama_config(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                            d_ff=96, max_seq_len=128)
+    gguf = tmp_path / "teacher.gguf"
+    synthetic.write_gguf(gguf, cfg, dtype="f32", seed=1)
+    raw = gguf.read_bytes()
+    work = tmp_path / "checkout"
+    p1, p2 = work / ".burst" / "p1", work / ".burst" / "p2"
+    p1.mkdir(parents=True)
+    p2.mkdir()
+    (p1 / "teacher.gguf.part1").write_bytes(raw[:len(raw) // 2])
+    (p1 / "teacher.gguf.part1.sha256").write_text(
+        hashlib.sha256(raw[:len(raw) // 2]).hexdigest() + "\n")
+    (p2 / "teacher.gguf.part2").write_bytes(raw[len(raw) // 2:])
+    (p2 / "manifest.json").write_text(json.dumps({"sha256": hashlib.sha256(raw).hexdigest()}))
+    rng = np.random.default_rng(0)
+    np.save(p2 / "train_ids.npy", rng.integers(3, cfg.vocab_size, 2000).astype(np.uint16))
+    np.save(p2 / "valid_ids.npy", rng.integers(3, cfg.vocab_size, 300).astype(np.uint16))
+    env = {**os.environ, "PYTHONPATH": str(repo), "PIJ_BURST_STAGE": str(tmp_path / "stage"),
+           "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
+    script = str(repo / "benchmarks" / "gpu" / "train_burst.sh")
+
+    def call(*args):
+        return subprocess.run(["bash", script, *args], cwd=work, env=env, capture_output=True,
+                              text=True, timeout=900)
+
+    r = call("stage")
+    assert r.returncode == 0 and "sha256 ok" in r.stdout, r.stdout + r.stderr
+    r = call("run", "--budget", "3", "--batch", "2", "--seq-len", "16", "--samples", "2",
+             "--sample-batch", "2", "--eval-chunks", "1", "--refit-tokens", "64",
+             "--warmup-steps", "2")
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    log = json.loads((tmp_path / "out" / bf.LOG).read_text())
+    assert log["steps"] >= 1 and (tmp_path / "out" / "burst.log").is_file()
+    assert bf.check_limits(tmp_path / "out")["files"] <= bf.MAX_FILES
+    changed = bytearray((p2 / "teacher.gguf.part2").read_bytes())
+    changed[-1] ^= 1
+    (p2 / "teacher.gguf.part2").write_bytes(bytes(changed))
+    r = call("run")
+    assert r.returncode != 0 and "sha256" in r.stdout and "starting the burst" not in r.stdout
