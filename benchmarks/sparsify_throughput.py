@@ -202,8 +202,13 @@ def e2e_rows(steps: int) -> list[dict]:
     from powerinfer_jax.sparsify import distill
     from powerinfer_jax.sparsify.config import recipe
 
+    from powerinfer_jax.checkpoint.registry import cache_dir
+
     rows = []
     with tempfile.TemporaryDirectory(prefix="pij-e2e-") as tmp:
+        # a fresh cache (samples, top-k targets, compiled code) that still holds the model file
+        (Path(tmp) / "models").mkdir()
+        (Path(tmp) / "models" / MODEL).symlink_to(cache_dir() / "models" / MODEL)
         os.environ["POWERINFER_JAX_CACHE"] = tmp
         cfg = recipe("prosparse", variant="relu", teacher="cached", samples=32,
                      sample_fraction=0.25, tokens=steps * 4 * 256, lr=2e-4)
