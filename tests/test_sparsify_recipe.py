@@ -79,6 +79,39 @@ def test_prosparse_stages_rise_along_a_sine_and_hold():
     assert [l1_coefficient(lin, s) for s in (0, 4, 9)] == pytest.approx([0.02, 0.1, 0.1])
 
 
+def test_l1_controller_steers_toward_the_target_and_resumes_exactly():
+    from powerinfer_jax.sparsify.schedule import L1Controller
+
+    cfg = DistillConfig(variant="relu", tokens=200 * 4 * 256, l1_target_sparsity=0.8,
+                        l1_stages=((0.1, 0.0), (0.5, 0.05)))
+    low = L1Controller(cfg)
+    for s in range(100):
+        low.observe(s, 0.6)  # never sparse enough: the multiplier rises once the stage starts
+    assert low.start == pytest.approx(0.6) and low.multiplier > 1.5
+    assert low.coefficient(150) == pytest.approx(0.05 * low.multiplier)  # past the stages
+    high = L1Controller(cfg)
+    for s in range(100):
+        high.observe(s, 0.5 if s < 10 else 0.95)  # sparser than the path: it falls
+    assert high.multiplier < 0.7
+    seq = np.random.default_rng(0).uniform(0.5, 0.9, 150)
+    whole = L1Controller(cfg)
+    for s, v in enumerate(seq):
+        whole.observe(s, v)
+    first = L1Controller(cfg)
+    for s, v in enumerate(seq[:73]):
+        first.observe(s, v)
+    second = L1Controller(cfg, json.loads(json.dumps(first.state())))  # through a checkpoint
+    for s, v in enumerate(seq[73:], 73):
+        second.observe(s, v)
+    assert second.state() == whole.state()
+    off = L1Controller(DistillConfig(variant="relu", tokens=4 * 256 * 10, l1=0.1))
+    for s in range(10):
+        off.observe(s, 0.1)
+    assert off.multiplier == 1.0 and off.coefficient(9) == pytest.approx(0.1)
+    with pytest.raises(UserError, match="--l1-target-sparsity"):
+        DistillConfig(variant="relu", l1_target_sparsity=0.8)  # nothing to steer
+
+
 def test_recipe_presets_and_bad_values():
     cfg = recipe("prosparse", variant="relu", l1_on="act")
     assert cfg.l1_stages and cfg.fatrelu_kl_rise > 0 and cfg.l1_on == "act"  # flags win
@@ -161,10 +194,12 @@ def test_topk_cache_fills_once_and_reopens(tmp_path):
     want_ids, want_logp = teacher_fn(pool[[4, 1]])
     np.testing.assert_array_equal(ids, np.asarray(want_ids))
     np.testing.assert_allclose(logp, np.asarray(want_logp), atol=2e-3, rtol=1e-3)
-    assert c.filled == 2 and calls == [4, 2]  # rows padded to one shape per call
+    assert c.filled == 4 and calls == [4, 2]  # topped up with rows 0 and 2: one full call
     again = TopKCache(tmp_path / "c", pool, 8, teacher_fn, config.vocab_size)
-    again.get([1, 4])
-    assert calls == [4, 2] and again.filled == 2  # on disk: not computed again
+    again.get([1, 4, 0])
+    assert calls == [4, 2] and again.filled == 4  # on disk: not computed again
+    again.get([5])
+    assert calls == [4, 2, 4] and again.filled == 6  # the last rows, padded to one shape
     with pytest.raises(UserError, match="teacher cache"):
         TopKCache(tmp_path / "c", pool, 16, teacher_fn, config.vocab_size)
 
@@ -217,18 +252,21 @@ def small(**changes):
     base = dict(variant="relu", tokens=2 * 16 * 6, batch=2, seq_len=16, samples=0,
                 sample_fraction=0.0, refit_tokens=64, lr=3e-3, warmup_steps=0,
                 target_sparsity=0.7, l1_on="gate", l1_stages=((0.3, 0.0), (0.8, 0.05)),
-                fatrelu_kl_rise=0.5, fatrelu_at=0.5)
+                fatrelu_kl_rise=0.5, fatrelu_at=0.5, l1_target_sparsity=0.9)
     base.update(changes)
     return DistillConfig(**base)
 
 
 @pytest.mark.parametrize("teacher", ["online", "cached"])
 def test_pieces_by_time_budget_resume_to_the_uninterrupted_run(tiny_dir, texts, cache,
-                                                               tmp_path, teacher):
+                                                               tmp_path, teacher, monkeypatch):
     """ProSparse stages and FATReLU from the middle of the run: a run stopped by its time budget
     and continued (checkpoint, FATReLU threshold and all) ends with the weights of the run that
     went through at once; the threshold is in config.json and in the threshold mode's
     artifacts."""
+    from powerinfer_jax.sparsify.schedule import L1Controller
+
+    monkeypatch.setattr(L1Controller, "EVERY", 3)  # windows that straddle the pieces' ends
     train, valid = texts
     cfg = small(teacher=teacher, topk=16)
     kw = dict(corpus=[train], progress=False, calibrate=False, save_every=2)
@@ -249,6 +287,8 @@ def test_pieces_by_time_budget_resume_to_the_uninterrupted_run(tiny_dir, texts, 
     rec = json.loads((out / "sparsify.json").read_text())
     assert rec["fatrelu_threshold"] == gate and rec["fatrelu"]["step"] == 3
     assert json.loads((out / "config.json").read_text()).get("fatrelu_threshold") == gate
+    assert rec["l1_controller"] == whole["record"]["l1_controller"]
+    assert rec["l1_controller"]["multiplier"] != 1.0  # it steered
     assert {"step", "load", "data"} <= set(rec["timing"])
     if teacher == "cached":  # the first run filled the top-k cache; the second reused it
         assert whole["record"]["timing"]["teacher"] > 0 and "teacher" not in rec["timing"]

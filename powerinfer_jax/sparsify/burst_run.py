@@ -22,7 +22,7 @@ import optax
 from powerinfer_jax.sparsify import burst_files, scan
 from powerinfer_jax.sparsify import forward as fw
 from powerinfer_jax.sparsify.config import DistillConfig
-from powerinfer_jax.sparsify.schedule import l1_coefficient, learning_rate
+from powerinfer_jax.sparsify.schedule import L1Controller, learning_rate
 from powerinfer_jax.sparsify.train import Timer
 
 PROBE_STEPS = 5  # steps timed before the step count is fixed
@@ -112,6 +112,7 @@ class Burst:
             lr_final_fraction=a.lr_final_fraction, weight_decay=a.weight_decay, seed=a.seed,
             l1=0.0, l1_stages=a.l1_stages, l1_on=a.l1_on, fatrelu_kl_rise=a.fatrelu_kl_rise,
             fatrelu_at=a.fatrelu_at, train=a.train, compute_dtype=a.compute_dtype,
+            l1_target_sparsity=a.l1_target_sparsity,
             remat=a.remat, refit=a.refit, refit_tokens=max(a.refit_tokens, a.seq_len),
             samples=a.samples, sample_fraction=a.sample_fraction if a.samples else 0.0)
 
@@ -371,6 +372,7 @@ class Burst:
         steps = 10 ** 6  # until the probe fixes it: the schedule's first steps do not depend on it
         cfg = self.cfg(steps)
         lr = learning_rate(cfg)
+        l1 = L1Controller(cfg)
         gate, step_s, s, stopped = 0.0, None, 0, None
         probe, window_t, window_n, pending = [], time.time(), 0, []
         snapshot_at = eval_at = fatrelu_at = None
@@ -390,8 +392,8 @@ class Burst:
             try:
                 self.params, self.opt_state, m = self.step(
                     self.params, self.opt_state, self.frozen, self.t_params, self.t_frozen,
-                    jnp.asarray(data(s)), jnp.float32(lr(s)),
-                    jnp.float32(l1_coefficient(cfg, s)), jnp.float32(gate))
+                    jnp.asarray(data(s)), jnp.float32(lr(s)), jnp.float32(l1.coefficient(s)),
+                    jnp.float32(gate))
                 if s < PROBE_STEPS:
                     jax.block_until_ready(m)
             except Exception as e:  # noqa: BLE001 - only the first step's OOM is retried
@@ -405,7 +407,7 @@ class Burst:
             if s < PROBE_STEPS:
                 probe.append(time.perf_counter() - t0)
             if s % LOG_EVERY == 0:
-                pending.append((s, m, float(lr(s)), l1_coefficient(cfg, s), gate))
+                pending.append((s, m, float(lr(s)), l1.coefficient(s), gate))
             window_n += 1
             s += 1
             if s == PROBE_STEPS:
@@ -414,6 +416,7 @@ class Burst:
                 steps = max(s + 1, s + int(left / step_s))
                 cfg = self.cfg(steps)
                 lr = learning_rate(cfg)
+                l1 = L1Controller(cfg, l1.state())
                 snapshot_at = int(SNAPSHOT_AT * steps)
                 fatrelu_at = cfg.fatrelu_step if cfg.fatrelu_step < steps else None
                 eval_at = {int(steps * (i + 1) / (a.eval_points + 1))
@@ -425,10 +428,14 @@ class Burst:
                 window_t, window_n = time.time(), 0
             if pending or s == steps:  # sync every LOG_EVERY steps: the host stays close
                 self._flush(pending)
+                last = self.log["curve"][-1]
+                l1.update(last["step"], last["sparsity"])  # steers the steps dispatched next
+                last["l1_multiplier"] = l1.multiplier
                 if window_n:
                     step_s = max(step_s or 0.0, (time.time() - window_t) / window_n)
                 window_t, window_n = time.time(), 0
         self._flush(pending)
+        self.log["l1_controller"] = l1.state()
         self.timer.add("train_loop", time.time() - t_train)  # evaluations etc. included
         done = s
         if a.fatrelu_kl_rise > 0 and "fatrelu" not in self.log:

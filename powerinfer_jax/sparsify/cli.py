@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--l1-stages", type=parse_stages, default=d.l1_stages, metavar="E:C,...",
                    help="ProSparse stages: end fraction:coefficient pairs; the coefficient rises "
                         "along a sine to each (replaces --l1/--l1-warmup)")
+    g.add_argument("--l1-target-sparsity", type=float, default=d.l1_target_sparsity,
+                   help="steer the L1 coefficient (a multiplier on the schedule) toward this "
+                        "FFN sparsity (0: off)")
     g.add_argument("--l1-on", default=d.l1_on, choices=L1_ON,
                    help="penalize mean |a| (act) or the gate activation relu(gate) (gate)")
     g.add_argument("--fatrelu-kl-rise", type=float, default=d.fatrelu_kl_rise,
@@ -145,7 +148,7 @@ def config_from_args(args) -> DistillConfig:
         sample_fraction=args.sample_fraction, warmup_steps=args.warmup_steps,
         weight_decay=args.weight_decay, l1_stages=args.l1_stages, l1_on=args.l1_on,
         fatrelu_kl_rise=args.fatrelu_kl_rise, fatrelu_at=args.fatrelu_at, teacher=args.teacher,
-        topk=args.topk)
+        topk=args.topk, l1_target_sparsity=args.l1_target_sparsity)
 
 
 def parse_args(argv=None):

@@ -70,6 +70,8 @@ class DistillConfig:
       threshold t (relu(g) kept only where g > t) is the largest on a fixed grid whose KL to the
       teacher on training text is at most (1 + fatrelu_kl_rise) x that at t = 0; the remaining
       steps train with it and the exported model stores it. 0: no threshold.
+    l1_target_sparsity: steer the L1 coefficient toward this FFN sparsity (schedule.L1Controller:
+      the stages give the shape, a multiplier the strength); 0: the stages' coefficients as given.
     teacher: "online" (the teacher's forward in every step: exact KL, hidden-state MSE possible)
       or "cached" (the teacher's top-`topk` log-probabilities per position, computed once per
       sequence and kept on disk: KL over the top-k tokens and the rest's total mass).
@@ -105,6 +107,7 @@ class DistillConfig:
     fatrelu_at: float = 1.0
     teacher: str = "online"
     topk: int = 64
+    l1_target_sparsity: float = 0.0
 
     def __post_init__(self):
         check_choice("--variant", self.variant, VARIANTS)
@@ -160,6 +163,12 @@ class DistillConfig:
               "0 for the threshold variant (FATReLU thresholds a ReLU gate)", self.fatrelu_kl_rise)
         check(isinstance(self.fatrelu_at, (int, float)) and 0 <= self.fatrelu_at <= 1,
               "--fatrelu-at", "a fraction of the steps in [0, 1]", self.fatrelu_at)
+        check(isinstance(self.l1_target_sparsity, (int, float))
+              and 0 <= self.l1_target_sparsity < 1, "--l1-target-sparsity",
+              "a fraction in [0, 1) (0: off)", self.l1_target_sparsity)
+        check(not self.l1_target_sparsity or bool(self.l1_stages) or self.l1 > 0,
+              "--l1-target-sparsity", "an L1 schedule to steer (--l1-stages or --l1)",
+              self.l1_target_sparsity)
         check_choice("--teacher", self.teacher, TEACHERS)
         check(isinstance(self.topk, int) and 1 <= self.topk <= 1024, "--topk",
               "an integer in [1, 1024]", self.topk)

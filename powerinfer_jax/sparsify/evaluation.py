@@ -67,9 +67,11 @@ def perplexity(model, spec: fw.FFNSpec, chunks_nt: np.ndarray, thresholds=None,
 class CurveEvaluator:
     """Evaluates students against the teacher's dense perplexity on the same chunks (computed once)."""
 
-    def __init__(self, teacher, valid_nt: np.ndarray, calib_nt: np.ndarray, *, target: float):
+    def __init__(self, teacher, valid_nt: np.ndarray, calib_nt: np.ndarray, *, target: float,
+                 dense: dict | None = None):
+        """dense: the teacher's result on these chunks when already known (a resumed run's)."""
         self.valid_nt, self.calib_nt, self.target = valid_nt, calib_nt, target
-        self.dense = perplexity(teacher, fw.teacher_spec(teacher.config), valid_nt)
+        self.dense = dense or perplexity(teacher, fw.teacher_spec(teacher.config), valid_nt)
 
     def __call__(self, student, spec: fw.FFNSpec, gate_threshold=None) -> dict:
         thr = calibrate(student, spec, self.target, self.calib_nt)

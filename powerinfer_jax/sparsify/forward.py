@@ -213,10 +213,11 @@ def topk_kl(teacher_ids, teacher_logp, student_logits):
 
 
 def teacher_topk(teacher_logits, k: int):
-    """(ids [B, T, k] int32, log-probabilities [B, T, k] float32) of the k most likely tokens."""
-    lp = jax.nn.log_softmax(teacher_logits.astype(F32), axis=-1)
-    logp, ids = jax.lax.top_k(lp, k)
-    return ids, logp
+    """(ids [B, T, k] int32, log-probabilities [B, T, k] float32) of the k most likely tokens
+    (the top-k of the logits less their logsumexp: no [B, T, V] array of log-probabilities)."""
+    logits = teacher_logits.astype(F32)
+    top, ids = jax.lax.top_k(logits, k)
+    return ids, top - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def hidden_mse(teacher_hidden, student_hidden):

@@ -101,7 +101,8 @@ def distill(model_arg: str, cfg: DistillConfig, *, out: str | os.PathLike | None
     still export (and calibrate) the model as it is; its sparsify.json says how many of the
     planned steps it had, and a later run resumes the rest.
     record["timing"]: seconds per part of the run, summed over its pieces (load, samples,
-    refit, teacher (top-k targets), data, step, checkpoint, eval, fatrelu, export).
+    refit, setup (the step's state, the teacher's runtime model, a checkpoint's restore), teacher
+    (top-k targets), data, first_step (compiling), step, checkpoint, eval, fatrelu, export).
     """
     from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.models.transformer import from_params
@@ -109,6 +110,7 @@ def distill(model_arg: str, cfg: DistillConfig, *, out: str | os.PathLike | None
     from powerinfer_jax.sparsify import data, export, teacher as tch
     from powerinfer_jax.sparsify import forward as fw
     from powerinfer_jax.sparsify.checkpoints import TrainCheckpoints
+    from powerinfer_jax.sparsify.schedule import L1Controller
     from powerinfer_jax.sparsify.train import Distiller, Timer
 
     t_start = time.monotonic()
@@ -155,7 +157,9 @@ def distill(model_arg: str, cfg: DistillConfig, *, out: str | os.PathLike | None
     evaluator = None
     if curve is not None or eval_every:
         with timer.section("eval"):
-            evaluator = _evaluator(teacher, ckpt.tokenizer, ids, cfg, eval_text, eval_chunks)
+            evaluator = _evaluator(teacher, ckpt.tokenizer, ids, cfg, eval_text, eval_chunks,
+                                   saved.get("eval_dense"))
+        record["eval_dense"] = evaluator.dense  # a later piece of the run reuses it
     window: list[dict] = []
     distiller = None
 
@@ -186,16 +190,19 @@ def distill(model_arg: str, cfg: DistillConfig, *, out: str | os.PathLike | None
                                               fw.teacher_spec(ckpt.config),
                                               target=cfg.refit_target, ridge=cfg.refit_ridge,
                                               progress=progress)
-    distiller = Distiller(student, teacher if cfg.teacher == "online" else None, cfg)
-    distiller.timer = timer
-    batches = source if cfg.teacher == "online" else tch.cached_targets(
-        model_arg, ckpt, fingerprint, cfg, source, threads=threads, timer=timer)
+    with timer.section("setup"):
+        distiller = Distiller(student, teacher if cfg.teacher == "online" else None, cfg)
+        distiller.timer = timer
+        batches = source if cfg.teacher == "online" else tch.cached_targets(
+            model_arg, ckpt, fingerprint, cfg, source, threads=threads, timer=timer)
+        if start:
+            distiller.params, distiller.opt_state = checkpoints.restore(
+                start, distiller.params, distiller.opt_state, record)
     if start:
-        distiller.params, distiller.opt_state = checkpoints.restore(
-            start, distiller.params, distiller.opt_state, record)
         for key in ("refit", "fatrelu"):
             if key in saved:
                 record[key] = saved[key]
+        distiller.l1 = L1Controller(cfg, saved.get("l1_controller"))
         if start > (cfg.fatrelu_step if cfg.fatrelu_step is not None else cfg.steps):
             distiller.gate_threshold = float(record["fatrelu"]["threshold"])
         print(f"sparsify: resuming {ckdir} at step {start} of {cfg.steps}", file=sys.stderr)
@@ -248,7 +255,8 @@ def distill(model_arg: str, cfg: DistillConfig, *, out: str | os.PathLike | None
         record.update(model=str(model_arg), teacher_source=str(ckpt.source), steps=done,
                       planned_steps=cfg.steps, tokens_trained=done * cfg.batch * cfg.seq_len,
                       corpus_passes=source.corpus_passes(done), fatrelu_threshold=gate,
-                      wall_s=timer.total(), commit=_cli.git_commit(),
+                      wall_s=timer.total(), l1_controller=distiller.l1.state(),
+                      commit=_cli.git_commit(),
                       machine=_cli.machine_info(), threads=threads)
         export.write_hf_dir(out, _student_config(ckpt.config, hidden_act),
                             export.canonical_params(student), ckpt.tokenizer,
@@ -326,7 +334,8 @@ def fatrelu_threshold(model_dir) -> float | None:
     return None if value is None else float(value)
 
 
-def _evaluator(teacher, tokenizer, ids, cfg: DistillConfig, eval_text, eval_chunks: int):
+def _evaluator(teacher, tokenizer, ids, cfg: DistillConfig, eval_text, eval_chunks: int,
+               dense: dict | None = None):
     from powerinfer_jax.sparsify.evaluation import CurveEvaluator
     from powerinfer_jax.sparsify import data
     from powerinfer_jax.sparsity import corpus as corpus_mod
@@ -338,7 +347,9 @@ def _evaluator(teacher, tokenizer, ids, cfg: DistillConfig, eval_text, eval_chun
     valid = tokenizer.encode(path.read_text(encoding="utf-8"), add_bos=False)
     valid_nt = data.corpus_chunks(valid, EVAL_CTX)[:eval_chunks]
     calib_nt = data.corpus_chunks(ids, EVAL_CTX)[:CALIB_CHUNKS]
-    return CurveEvaluator(teacher, valid_nt, calib_nt, target=cfg.target_sparsity)
+    if dense is not None and dense.get("chunks") != len(valid_nt):
+        dense = None  # evaluated on other chunks: not this run's figure
+    return CurveEvaluator(teacher, valid_nt, calib_nt, target=cfg.target_sparsity, dense=dense)
 
 
 def append_jsonl(path, row: dict) -> None:

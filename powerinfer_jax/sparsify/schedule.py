@@ -41,3 +41,62 @@ def l1_coefficient(cfg: DistillConfig, step: int) -> float:
         return prev
     ramp = cfg.l1_warmup * cfg.steps
     return cfg.l1 if ramp <= 0 else cfg.l1 * min(1.0, (step + 1) / ramp)
+
+
+class L1Controller:
+    """The L1 coefficient of a step: the schedule's (l1_coefficient) times a multiplier that steers
+    the measured FFN sparsity toward a target (cfg.l1_target_sparsity; 0: multiplier 1 always).
+
+    How strong a given coefficient is depends on the model and the loss's scale, so a schedule
+    fixed in advance may leave the sparsity short of the target or overshoot it at a cost in KL.
+    The schedule keeps its shape (ProSparse's progressive stages) and sets the target's path:
+    target(step) = s0 + (target - s0) * c(step) / max c, from the sparsity s0 measured in the first
+    window, so the target rises as the stages do. Every EVERY steps the multiplier moves by
+    exp(GAIN * (target - mean sparsity of the window)), within [MIN, MAX]. Its state is plain
+    JSON (saved with each checkpoint): a resumed run steers exactly as an uninterrupted one."""
+
+    EVERY = 10
+    GAIN = 5.0  # 1 point of sparsity short -> x1.05 per window; 10 points -> x1.65
+    MIN, MAX = 1e-2, 1e2  # a target out of reach must not let the penalty swamp the KL
+
+    def __init__(self, cfg: DistillConfig, state: dict | None = None):
+        self.cfg = cfg
+        state = state or {}
+        self.multiplier = float(state.get("multiplier", 1.0))
+        self.start = state.get("start")
+        self.window = list(state.get("window", []))
+        self.peak = max([c for _, c in cfg.l1_stages] + [cfg.l1, 1e-30])
+
+    def state(self) -> dict:
+        return {"multiplier": self.multiplier, "start": self.start, "window": list(self.window)}
+
+    def coefficient(self, step: int) -> float:
+        return l1_coefficient(self.cfg, step) * self.multiplier
+
+    def target(self, step: int) -> float | None:
+        goal = self.cfg.l1_target_sparsity
+        if not goal or self.start is None:
+            return None
+        return self.start + (goal - self.start) * l1_coefficient(self.cfg, step) / self.peak
+
+    def observe(self, step: int, sparsity: float) -> None:
+        """The sparsity measured at `step` (steps observed in order, one call each)."""
+        if not self.cfg.l1_target_sparsity:
+            return
+        self.window.append(float(sparsity))
+        if (step + 1) % self.EVERY:
+            return
+        mean = sum(self.window) / len(self.window)
+        self.window = []
+        self.update(step, mean)
+
+    def update(self, step: int, sparsity: float) -> None:
+        """One move of the multiplier from the sparsity measured up to `step` (observe calls it
+        every EVERY steps; the GPU burst, which reads its metrics every few steps, directly)."""
+        if not self.cfg.l1_target_sparsity:
+            return
+        if self.start is None:
+            self.start = float(sparsity)
+        if l1_coefficient(self.cfg, step) > 0:
+            self.multiplier = min(self.MAX, max(self.MIN, self.multiplier * math.exp(
+                self.GAIN * (self.target(step) - sparsity))))

@@ -78,8 +78,13 @@ class TopKCache:
         return int(np.count_nonzero(self.done))
 
     def fill(self, rows, progress: bool = False) -> None:
-        """Compute and store the targets of `rows` that are not on disk yet."""
+        """Compute and store the targets of `rows` that are not on disk yet, each teacher call
+        topped up to FILL_ROWS with the next rows not yet done (a run needs them all in time;
+        a padded call would compute rows only to drop them)."""
         todo = sorted({int(r) for r in rows if not self.done[int(r)]})
+        if todo and len(todo) % FILL_ROWS:
+            more = [int(r) for r in np.flatnonzero(~np.asarray(self.done)) if int(r) not in todo]
+            todo += more[:FILL_ROWS - len(todo) % FILL_ROWS]
         groups = [todo[i:i + FILL_ROWS] for i in range(0, len(todo), FILL_ROWS)]
         if progress and groups:
             from tqdm import tqdm

@@ -24,7 +24,7 @@ from flax import nnx
 
 from powerinfer_jax.sparsify import forward as fw
 from powerinfer_jax.sparsify.config import DistillConfig
-from powerinfer_jax.sparsify.schedule import l1_coefficient, learning_rate
+from powerinfer_jax.sparsify.schedule import L1Controller, learning_rate
 
 _NORMS = ("attn_norm", "ffn_norm", "final_norm")
 
@@ -101,6 +101,7 @@ class Distiller:
         self.opt = optimizer(cfg)
         self.opt_state = self.opt.init(self.params)
         self.gate_threshold = 0.0
+        self.l1 = L1Controller(cfg)  # its state goes into the record saved with checkpoints
         self.timer = Timer()
         self._step = jax.jit(self._make_step(), donate_argnums=(0, 1))
 
@@ -145,12 +146,14 @@ class Distiller:
         if self.cfg.teacher == "cached" and not {"ids", "logp"} <= set(batch):
             raise ValueError("Distiller.step: expected the teacher's top-k ('ids', 'logp') with "
                              f"--teacher cached, got {sorted(batch)}")
+        coef = self.l1.coefficient(step)
         self.params, self.opt_state, m = self._step(
             self.params, self.opt_state, self.frozen, self.t_state,
-            {k: jnp.asarray(v) for k, v in batch.items()},
-            jnp.float32(l1_coefficient(self.cfg, step)), jnp.float32(self.gate_threshold))
+            {k: jnp.asarray(v) for k, v in batch.items()}, jnp.float32(coef),
+            jnp.float32(self.gate_threshold))
         out = {k: float(v) for k, v in m.items()}
-        out["l1_coef"] = l1_coefficient(self.cfg, step)
+        out["l1_coef"] = coef
+        self.l1.observe(step, out["sparsity"])
         return out
 
     def student(self):
@@ -194,6 +197,8 @@ class Distiller:
         timer = self.timer
 
         def save(wait: bool) -> None:
+            if record is not None:
+                record["l1_controller"] = self.l1.state()
             with timer.section("checkpoint"):
                 checkpoints.save(done, self.params, self.opt_state, record, wait=wait)
 
