@@ -5,7 +5,8 @@
                     the per-round ratios): online teacher vs cached top-k targets, bfloat16 vs
                     float32 matmuls, FFN vs FFN + norms trained
   --flags R         the cached step in a fresh process per XLA_FLAGS setting, R interleaved rounds
-  --samples N       N teacher samples of 256 through the runtime's batched Engine vs the XLA loop
+  --samples N       N teacher samples of 256 through the runtime's batched Engine vs the run's own
+                    generator (a bfloat16 XLA decode loop, nucleus within the top 64)
   --e2e STEPS       a real run (relu, ProSparse recipe, cached teacher) of STEPS steps, twice: with
                     an empty top-k cache (the first pass computes it) and with it filled; the
                     split of each run's wall time (load, samples, refit, teacher, data, step,
@@ -33,6 +34,7 @@ OUT = REPO / "benchmarks" / "sparsify_throughput.jsonl"
 MODEL = "smollm2-135m"
 TRAIN_TEXT = Path(os.environ.get("PIJ_TRAIN_TEXT", "/work/shared/data/wiki.train.txt"))
 VALID_TEXT = Path(os.environ.get("PIJ_VALID_TEXT", "/work/shared/data/wiki.valid.txt"))
+SAMPLE_SLOTS = 32  # the Engine's rows in the samples comparison
 FLAGS = ("", "--xla_cpu_use_onednn=true", "--xla_cpu_use_xnnpack=true",
          "--xla_cpu_enable_fast_math=true", "--xla_cpu_prefer_vector_width=512")
 
@@ -166,13 +168,17 @@ def flag_rows(rounds: int, steps: int = 2) -> list[dict]:
 
 
 def samples_rows(n: int) -> list[dict]:
-    """n teacher samples of 256 tokens: the runtime's batched Engine vs the XLA decode loop."""
+    """n teacher samples of 256 tokens: the runtime's batched Engine (SAMPLE_SLOTS rows, its
+    sampler sorts the vocabulary) vs the run's own generator (teacher.samples: a bfloat16 XLA
+    decode loop, SAMPLE_BATCH rows, nucleus within the top 64)."""
+    import jax.numpy as jnp
+
     from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.config import RuntimeConfig
     from powerinfer_jax.models.transformer import from_params
     from powerinfer_jax.runtime.session import build
     from powerinfer_jax.sparsify import samples as smp
-    from powerinfer_jax.sparsify.teacher import SAMPLE_SLOTS
+    from powerinfer_jax.sparsify.teacher import SAMPLE_BATCH
 
     ckpt = load_checkpoint(MODEL)
     rows = []
@@ -187,12 +193,14 @@ def samples_rows(n: int) -> list[dict]:
                  "tok_s": out.size / dt, "compiles": s.engine.compile_count,
                  "compile_s": s.engine.compile_s})
     t0 = time.perf_counter()
-    model = from_params(ckpt.config, ckpt.params, kernels="xla")
-    out = smp.generate_samples(model, ckpt.tokenizer, n=n, seq_len=256, seed=0, batch=n,
-                               progress=False)
+    model = from_params(ckpt.config, ckpt.params, kernels="xla", dtype=jnp.bfloat16)
+    out = smp.generate_samples(model, ckpt.tokenizer, n=n, seq_len=256, seed=0,
+                               batch=SAMPLE_BATCH, progress=False)
     dt = time.perf_counter() - t0
-    rows.append({**header("samples", {"n": n, "seq_len": 256, "batch": n}),
-                 "generator": "XLA decode loop (float32)", "seconds": dt, "tok_s": out.size / dt})
+    rows.append({**header("samples", {"n": n, "seq_len": 256, "batch": SAMPLE_BATCH,
+                                      "dtype": "bfloat16"}),
+                 "generator": "XLA decode loop (bfloat16), nucleus within the top 64",
+                 "seconds": dt, "tok_s": out.size / dt})
     return rows
 
 
