@@ -7,6 +7,10 @@
   --flags R         the cached step in a fresh process per XLA_FLAGS setting, R interleaved rounds
   --samples N       N teacher samples of 256 through the runtime's batched Engine vs the run's own
                     generator (a bfloat16 XLA decode loop, nucleus within the top 64)
+  --fill            the long run's top-k cache filled ahead (shared cache): teacher tokens/s
+  --piece first|resumed  one piece of a long run (BUILD.md's command) of --piece-budget seconds,
+                    each in its own process as a later session would run it: the split of the
+                    piece's wall time, its e2e tokens/s over its step tokens/s
   --e2e STEPS       a real run (relu, ProSparse recipe, cached teacher) of STEPS steps, twice: with
                     an empty top-k cache (the first pass computes it) and with it filled; the
                     split of each run's wall time (load, samples, refit, teacher, data, step,
@@ -204,6 +208,56 @@ def samples_rows(n: int) -> list[dict]:
     return rows
 
 
+def fill_rows() -> list[dict]:
+    """The whole top-k cache of the default long run (wiki.train + its 64 samples, seq 256,
+    k 64) filled ahead, in the shared cache (later runs read it)."""
+    from powerinfer_jax.sparsify.config import recipe
+    from powerinfer_jax.sparsify.run import fill_teacher_cache
+
+    cfg = recipe("prosparse", variant="relu", teacher="cached")
+    t0 = time.perf_counter()
+    res = fill_teacher_cache(MODEL, cfg, corpus=[TRAIN_TEXT], progress=False)
+    wall = time.perf_counter() - t0
+    return [{**header("fill_teacher_cache", cfg.to_dict()), **res, "wall_s": wall,
+             "teacher_tok_s": res["tokens_filled"] / res["seconds"] if res["seconds"] else None}]
+
+
+def piece_row(piece: str, tokens: int, budget: float) -> dict:
+    """One piece of a long run (the BUILD.md command's settings, `tokens` planned) in the shared
+    cache: the first (fresh output) or a resumed one, `budget` seconds; its time split."""
+    from powerinfer_jax.sparsify import distill
+    from powerinfer_jax.sparsify.config import recipe
+
+    from powerinfer_jax.sparsify.checkpoints import TrainCheckpoints
+
+    cfg = recipe("prosparse", variant="relu", teacher="cached", tokens=tokens, lr=2e-4)
+    out = Path(tempfile.gettempdir()) / "pij-e2e-piece"
+    before = {}
+    if piece != "first":  # what the earlier pieces spent, from the checkpoint's record
+        ck = TrainCheckpoints(out.with_name(out.name + ".train"))
+        if ck.latest_step():
+            before = ck.read_record(ck.latest_step())
+            before["step"] = ck.latest_step()
+        ck.close()
+    t0 = time.perf_counter()
+    res = distill(MODEL, cfg, out=out, corpus=[TRAIN_TEXT], resume=piece != "first",
+                  force=piece == "first", progress=False, calibrate=False, eval_every=50,
+                  eval_chunks=4, eval_text=VALID_TEXT, save_every=25, time_budget=budget)
+    wall = time.perf_counter() - t0
+    rec = res["record"]
+    timing = {k: v - before.get("timing", {}).get(k, 0.0) for k, v in rec["timing"].items()}
+    steady = rec["counts"]["steady_steps"] - before.get("counts", {}).get("steady_steps", 0)
+    done = res.get("stopped_at", rec.get("steps")) - before.get("step", 0)
+    n = cfg.batch * cfg.seq_len
+    step_tok_s = steady * n / timing["step"]
+    return {**header("e2e_piece", cfg.to_dict()), "piece": piece, "budget_s": budget,
+            "wall_s": wall, "steps_in_piece": done, "tokens_in_piece": done * n,
+            "timing_in_piece": timing, "step_tok_s": step_tok_s, "e2e_tok_s": done * n / wall,
+            "e2e_over_step": done * n / wall / step_tok_s,
+            "note": "wall: the whole call (load to the saved checkpoint); the top-k cache filled "
+                    "ahead (fill_teacher_cache)"}
+
+
 def e2e_rows(steps: int) -> list[dict]:
     """Two runs of `steps` steps in a fresh cache: the first fills the top-k cache, the second
     (same data, --force) reads it."""
@@ -248,6 +302,10 @@ def main(argv=None) -> None:
     p.add_argument("--flags", type=int, default=0, metavar="ROUNDS")
     p.add_argument("--samples", type=int, default=0, metavar="N")
     p.add_argument("--e2e", type=int, default=0, metavar="STEPS")
+    p.add_argument("--fill", action="store_true", help="fill the long run's top-k cache ahead")
+    p.add_argument("--piece", choices=("first", "resumed"), default=None,
+                   help="one piece of a long run (first: a fresh one), --piece-budget seconds")
+    p.add_argument("--piece-budget", type=float, default=600.0)
     p.add_argument("--one-flag", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
@@ -263,6 +321,10 @@ def main(argv=None) -> None:
         append(samples_rows(args.samples), out)
     if args.e2e:
         append(e2e_rows(args.e2e), out)
+    if args.fill:
+        append(fill_rows(), out)
+    if args.piece:
+        append([piece_row(args.piece, 1 << 20, args.piece_budget)], out)
 
 
 if __name__ == "__main__":

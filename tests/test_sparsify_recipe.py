@@ -315,3 +315,17 @@ def test_fatrelu_threshold_reaches_the_artifacts(tiny_dir, texts, cache, tmp_pat
                           need_predictor=False)
     assert arts.thresholds_gate == (gate,) * ckpt.config.n_layers
     assert arts.thresholds_contribution == (0.0,) * ckpt.config.n_layers  # oracle: plain ReLU
+
+
+def test_filled_teacher_cache_serves_the_whole_run(tiny_dir, texts, cache, tmp_path):
+    from powerinfer_jax.sparsify.run import fill_teacher_cache
+
+    train, _ = texts
+    cfg = small(teacher="cached", topk=16, samples=3, sample_fraction=0.5)
+    res = fill_teacher_cache(str(tiny_dir), cfg, corpus=[train], progress=False)
+    assert res["rows_filled"] > 3 and res["seconds"] > 0 and len(res["directories"]) == 2
+    again = fill_teacher_cache(str(tiny_dir), cfg, corpus=[train], progress=False)
+    assert again["rows_filled"] == 0
+    run = distill(str(tiny_dir), cfg, out=tmp_path / "m", corpus=[train], progress=False,
+                  calibrate=False)
+    assert "teacher" not in run["record"]["timing"]  # every target came from the cache

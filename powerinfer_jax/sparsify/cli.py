@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", nargs="+", default=None,
                    help="training text files (default: the project's wiki.train.txt)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    p.add_argument("--fill-teacher-cache", action="store_true",
+                   help="only compute the teacher's top-k targets this run would read (its "
+                        "corpus chunks and samples) into the cache, then stop")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="train at most this long in this call (setup included), then stop "
                         "saved; the same command with --resume continues")
@@ -178,8 +181,16 @@ def main(argv=None) -> None:
                          f"{args.save_every}/{args.stop_after}")
     if args.time_budget is not None and not args.time_budget > 0:
         fail("--time-budget", "a number of seconds > 0", args.time_budget)
-    from powerinfer_jax.sparsify.run import distill
+    from powerinfer_jax.sparsify.run import distill, fill_teacher_cache
 
+    if args.fill_teacher_cache:
+        res = fill_teacher_cache(args.model, cfg.replace(teacher="cached"), corpus=args.corpus,
+                                 threads=threads, progress=args.progress)
+        print(f"filled {res['rows_filled']} sequences ({res['tokens_filled']} tokens) in "
+              f"{res['seconds']:.0f} s into {', '.join(res['directories'])}")
+        if args.json:
+            _cli.print_json(res)
+        return
     res = distill(args.model, cfg, out=args.out, corpus=args.corpus, resume=args.resume,
                   force=args.force, progress=args.progress, calibrate=args.calibrate,
                   eval_every=args.eval_every, eval_chunks=args.eval_chunks,
