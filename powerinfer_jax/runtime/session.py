@@ -244,7 +244,8 @@ def _artifacts(model_arg, ckpt, m, sparsity, root, progress):
 
     need = modes.needs(sparsity)
     if need.model_file:
-        return modes.get(sparsity.mode).load(str(ckpt.source), ckpt.config)
+        return modes.get(sparsity.mode).load(sparsity.predictor_file or str(ckpt.source),
+                                             ckpt.config)
     if not need.thresholds and not need.lowrank:
         return None
     from powerinfer_jax.sparsity.artifacts import ensure_artifacts
