@@ -71,6 +71,10 @@ def add_sparsity_flags(p: argparse.ArgumentParser, *, predictor_choice: bool = T
                         "4-bit estimate, so only down rows are read at --dtype; for a Q4_1 "
                         "checkpoint these are its own gate/up weights, with 8-bit activations) "
                         "(default: %(default)s)")
+    p.add_argument("--predictors", default=None, metavar="GGUF",
+                   help="--sparsity powerinfer: read the predictors (blk.i.fc1/fc2, PowerInfer's "
+                        "form) from this GGUF, e.g. the *.powerinfer.gguf of the same model, "
+                        "instead of the model file")
     p.add_argument("--threshold", type=float, default=0.0,
                    help="oracle: a neuron is active when |a_i| > threshold (default: 0)")
     p.add_argument("--target-sparsity", type=float, default=None,
@@ -130,7 +134,8 @@ def configs_from_args(args, **runtime_fields) -> tuple[RuntimeConfig, SparsityCo
     target = args.target_sparsity
     sparsity = SparsityConfig(mode=args.sparsity, threshold=args.threshold, impl=args.impl,
                               predictor=getattr(args, "predictor", "q4"), gate_up=args.gate_up,
-                              target_sparsity=None if target is None else float(target))
+                              target_sparsity=None if target is None else float(target),
+                              predictor_file=getattr(args, "predictors", None))
     return runtime, sparsity.with_default_target()
 
 

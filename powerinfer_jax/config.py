@@ -149,6 +149,8 @@ class SparsityConfig:
     target_sparsity: float | None = None
     predictor: Literal["q4", "lowrank"] = "q4"
     gate_up: Literal["full", "q4"] = "full"
+    # mode "powerinfer": the GGUF holding the predictors (blk.i.fc1/fc2); None: the model file
+    predictor_file: str | None = None
 
     def __post_init__(self):
         _check_choice("--sparsity", self.mode, sparsity_modes())
@@ -160,6 +162,9 @@ class SparsityConfig:
                    "supplies the activations)", self.gate_up,
                    f"mode={self.mode!r}, predictor={self.predictor!r}")
         _check_choice("SparsityConfig.impl", self.impl, IMPLS)
+        _check(self.predictor_file is None or self.mode == "powerinfer", "--predictors",
+               "only with --sparsity powerinfer (PowerInfer-form predictors fc1/fc2)",
+               self.predictor_file, f"--sparsity is {self.mode!r}")
         _check(math.isfinite(self.threshold) and self.threshold >= 0, "SparsityConfig.threshold",
                "a finite float >= 0", self.threshold)
         if self.target_sparsity is not None:

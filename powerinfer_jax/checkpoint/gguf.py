@@ -172,7 +172,7 @@ def load_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> Check
 
 
 # ------------------------------------------------------------------------------------ writer
-_TOKENIZER_WRITERS = {  # tokenizer_meta key -> GGUFWriter method
+TOKENIZER_WRITERS = {  # tokenizer_meta key -> GGUFWriter method
     "model": "add_tokenizer_model", "pre": "add_tokenizer_pre", "tokens": "add_token_list",
     "merges": "add_token_merges", "scores": "add_token_scores", "token_type": "add_token_types",
     "bos_token_id": "add_bos_token_id", "eos_token_id": "add_eos_token_id",
@@ -194,7 +194,7 @@ def write_gguf(path: str | os.PathLike, config: ModelConfig, params: Mapping[str
     tensor_types: canonical name -> GGML type name (`quants.QUANTIZABLE_TYPES`, or any type
     `gguf.quants.quantize` knows, e.g. "MXFP4" to test rejection); others `default_type`. A param
     given as a `QuantTensor` (any GGML type, e.g. random K-quant blocks) is written as its blocks.
-    tokenizer_meta: keys of `_TOKENIZER_WRITERS` (e.g. {"model": "gpt2", "tokens": [...], ...}).
+    tokenizer_meta: keys of `TOKENIZER_WRITERS` (e.g. {"model": "gpt2", "tokens": [...], ...}).
     powerinfer: PowerInfer's layout and magic: `ffn_down_t` [F, D] instead of `ffn_down`, the
     untied `output.weight` its llama and falcon loaders require (a copy of the embeddings when
     tied), and "PWRI" as the first four bytes. extra_tensors: GGUF name -> array (float32,
@@ -225,10 +225,10 @@ def write_gguf(path: str | os.PathLike, config: ModelConfig, params: Mapping[str
         else:
             w.add_string(key, str(value))
     for key, value in tokenizer_meta.items():
-        if key not in _TOKENIZER_WRITERS:
-            raise ValueError(f"write_gguf tokenizer_meta: expected keys in {list(_TOKENIZER_WRITERS)}, "
+        if key not in TOKENIZER_WRITERS:
+            raise ValueError(f"write_gguf tokenizer_meta: expected keys in {list(TOKENIZER_WRITERS)}, "
                              f"got {key!r}")
-        getattr(w, _TOKENIZER_WRITERS[key])(value)
+        getattr(w, TOKENIZER_WRITERS[key])(value)
     shared_norm = layout == "falcon" and all(
         np.array_equal(params[f"layers.{i}.attn_norm.{k}"], params[f"layers.{i}.ffn_norm.{k}"])
         for i in range(config.n_layers) for k in ("scale", "bias"))
@@ -282,6 +282,17 @@ def write_gguf(path: str | os.PathLike, config: ModelConfig, params: Mapping[str
         with open(path, "r+b") as f:  # as PowerInfer's convert.py does after writing a GGUF
             f.write(PWRI_MAGIC)
     return path
+
+
+def tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """A GGUF file's tokenizer metadata as `write_gguf`'s tokenizer_meta (keys of
+    TOKENIZER_WRITERS): to write another model with the same tokenizer."""
+    out = {}
+    for key, value in read_metadata(_open(Path(path))).items():
+        short = key.removeprefix("tokenizer.ggml.").removeprefix("tokenizer.")
+        if key.startswith("tokenizer.") and short in TOKENIZER_WRITERS:
+            out[short] = value
+    return out
 
 
 def _stored_blocks(t: QuantTensor, name: str, src) -> np.ndarray:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from powerinfer_jax.models.qweights import host_blocks, interleaved
+from powerinfer_jax.models.qweights import MATVEC, QWeight, host_blocks
 
 F32 = jnp.float32
 _NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
@@ -118,31 +118,39 @@ def _param(shape, dtype, rngs: nnx.Rngs | None, scale: float | None = None, fill
 
 
 class Linear(Module):
-    """y = x @ weight.T (+ bias); weight [out, in] floats, or the file's blocks uint8 [out,
-    row_bytes] in GGUF format `qtype` (models/qweights.py), computed on by ops.qlinear."""
+    """y = x @ weight.T (+ bias); weight [out, in] floats, or a quantized matrix's blocks uint8
+    [out, row_bytes] (a models/qweights.py QWeight: `qtype`, `layout`), computed on by
+    ops.qlinear in either of its layouts (MATVEC rows interleaved by 16, or the file's ROWS)."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs | None,
                  kernels: str = "xla"):
         self.kernels = kernels
         self.d_in = d_in
-        self.qtype = None  # GGUF block format of `weight`; None: floats
+        self.qtype = None  # GGML block format of `weight`; None: floats
+        self.layout = MATVEC
+        self.interleaved = False
         self.weight = _param((d_out, d_in), dtype, rngs, scale=d_in ** -0.5)
         self.bias = _param((d_out,), F32, None) if bias else None
 
-    def load_quantized(self, blocks, qtype: str, *, interleave: bool = False) -> None:
-        """Keep `weight` as the file's blocks (uint8 [out, row_bytes] in `qtype`); interleave:
-        their rows interleaved by 16 where the format and row count allow (qweights.interleaved:
-        the layout ops.qlinear reads fastest; the qtype then names it, "Q4_0x16")."""
-        if interleave:
-            blocks, qtype = interleaved(blocks, qtype)
-        self.weight.set_value(host_blocks(blocks))  # in place: no new Param per tensor
-        self.qtype = qtype
+    def load(self, w: QWeight) -> None:
+        """Keep `weight` as the QWeight's blocks, in its layout (chosen by the build plan)."""
+        self.weight.set_value(host_blocks(w.blocks))  # in place: no new Param per tensor
+        self.qtype, self.layout, self.interleaved = w.qtype, w.layout, w.interleaved
+
+    @property
+    def qweight(self) -> QWeight:
+        return QWeight(self.weight[...], self.qtype, self.layout, self.interleaved)
+
+    @property
+    def kernel_qtype(self) -> str | None:
+        """The blocks' type name for the custom calls ("Q4_0x16" when interleaved)."""
+        return None if self.qtype is None else self.qweight.kernel_qtype
 
     def __call__(self, x):
         if self.qtype is not None:
             from powerinfer_jax import ops
 
-            y = ops.qlinear(x, self.weight[...], self.qtype, self.d_in,
+            y = ops.qlinear(x, self.weight[...], self.kernel_qtype, self.d_in,
                             impl=op_impl(self.kernels))
         else:
             y = matmul(x, self.weight[...], self.kernels)
@@ -295,7 +303,7 @@ class Attention(Module):
         if self.fuse_qkv and all(l.qtype is not None for l in lins):
             # the file's q, k, v blocks (their formats may differ) in one pool job
             q, k, v = ops.qlinear_many(x_btd, [l.weight[...] for l in lins],
-                                       [l.qtype for l in lins], self.q.d_in, biases)
+                                       [l.kernel_qtype for l in lins], self.q.d_in, biases)
         elif self.fuse_qkv and all(l.qtype is None and use_ffi(l.kernels, x_btd, l.weight[...])
                                    for l in lins):
             # q, k and v in one pool job: three small matrices cost one dispatch

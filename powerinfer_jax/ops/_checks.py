@@ -227,10 +227,14 @@ def check_qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_
         g = check_qlinear_type(gate_qtype if gate_qtype is not None else up_qtype, "gate_qtype")
         check_qweight("gate", gate, g, d, rows=f)
     base_u, base_g = quants.interleaved_base(u), quants.interleaved_base(g)
-    if base_u or base_g:  # rows interleaved by 16: every neuron's estimate
-        if not (base_u and base_g) or criterion != "oracle" or f % quants.INTERLEAVE:
-            fail("gate/up rows interleaved by 16", "both interleaved, F a multiple of 16, "
-                 "criterion 'oracle'", f"up {u}, gate {g}, F {f}, criterion {criterion!r}",
+    if base_u or base_g:  # rows interleaved by 16: every neuron's gate estimated
+        # both, or the gate alone on a relu/drelu FFN (up rows read for neurons whose gate fires)
+        pair_ok = bool(base_u) if gate is None else bool(base_g) and (
+            bool(base_u) or activation in ("relu", "drelu"))
+        if not pair_ok or criterion != "oracle" or f % quants.INTERLEAVE:
+            fail("gate/up rows interleaved by 16", "both interleaved (or the gate alone with "
+                 "relu/drelu), F a multiple of 16, criterion 'oracle'",
+                 f"up {u}, gate {g}, F {f}, criterion {criterion!r}",
                  "a selector that reads rows per neuron takes the file's rows")
     dn = check_qtype("down_qtype", down_qtype)
     check_choice("down_layout", down_layout, ("rows", "groups"))
