@@ -11,12 +11,13 @@ from flax import nnx
 from powerinfer_jax import ops
 from powerinfer_jax.ops import _ffi
 from powerinfer_jax.models.layers import Attention, cache_storage_dtype, from_cache, to_cache
+from powerinfer_jax.models.rope import Rope, base_inv_freq
 
 
-def _attention(nh, nk, h, *, rope=True, seed=0):
+def _attention(nh, nk, h, *, rope=True, seed=0, **options):
     return Attention(d_model=48, n_heads=nh, n_kv_heads=nk, head_dim=h, bias=False,
-                     use_rope=rope, rope_theta=10000.0, dtype=jnp.float32,
-                     rngs=nnx.Rngs(seed), kernels="ffi")
+                     rope=Rope(tuple(base_inv_freq(h, 10000.0).tolist())) if rope else None,
+                     dtype=jnp.float32, rngs=nnx.Rngs(seed), kernels="ffi", **options)
 
 
 def _cache(rng, s, nk, h, storage, filled):
@@ -95,16 +96,15 @@ def test_bad_input_is_a_clear_error():
     q, kv = jnp.zeros((1, 1, 32)), jnp.zeros((1, 1, 16))
     where = jnp.asarray([3, 3], jnp.int32)
     with pytest.raises(ValueError, match=r"kv_len: expected a static int in \[1, S = 16\]"):
-        ops.decode_attention(q, kv, kv, kc, kc, where, kv_len=17, rope_theta=1e4)
+        ops.decode_attention(q, kv, kv, kc, kc, where, kv_len=17)
     with pytest.raises(ValueError, match=r"v_cache: expected k_cache's dtype and shape"):
-        ops.decode_attention(q, kv, kv, kc, kc[:, :8], where, kv_len=8, rope_theta=1e4)
+        ops.decode_attention(q, kv, kv, kc, kc[:, :8], where, kv_len=8)
     with pytest.raises(ValueError, match=r"k_new shape: expected one token of NK \* H = 16"):
-        ops.decode_attention(q, kv[..., :8], kv, kc, kc, where, kv_len=8, rope_theta=1e4)
+        ops.decode_attention(q, kv[..., :8], kv, kc, kc, where, kv_len=8)
     with pytest.raises(ValueError, match=r"q shape: expected one token of NH \* H values"):
-        ops.decode_attention(q[..., :24], kv, kv, kc, kc, where, kv_len=8, rope_theta=1e4)
+        ops.decode_attention(q[..., :24], kv, kv, kc, kc, where, kv_len=8)
     # The slot is data: checked by the handler at run time.
     with pytest.raises(Exception, match=r"decode_attention: slot, position: expected "
                                         r"0 <= slot < kv_len = 8"):
         jax.block_until_ready(ops.decode_attention(q, kv, kv, kc, kc,
-                                                   jnp.asarray([8, 8], jnp.int32), kv_len=8,
-                                                   rope_theta=1e4)[0])
+                                                   jnp.asarray([8, 8], jnp.int32), kv_len=8)[0])
