@@ -12,6 +12,7 @@ BOS is added by `encode` itself (never by a post-processor), so every source beh
 """
 from __future__ import annotations
 
+import datetime
 import gc
 import json
 import re
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
 # llama.cpp token types (tokenizer.ggml.token_type)
@@ -43,6 +44,8 @@ _PRE_SPLITS = {
     "llama-bpe": (False, _LLAMA3_SPLIT),
     "qwen2": (False, _QWEN2_SPLIT),
 }
+# pre-tokenizers whose published tokenizer.json normalizes to NFC first (Qwen2/2.5/3's)
+_NFC_PRES = ("qwen2",)
 SUPPORTED_GGUF_TOKENIZERS = ("gpt2", "llama")
 
 # Used when a model ships no chat template (documented in `Tokenizer.apply_chat`).
@@ -84,24 +87,19 @@ class Tokenizer:
         return self.backend.id_to_token(int(token_id))
 
     def apply_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render `messages` ([{"role": ..., "content": ...}]) with the model's jinja chat template.
+        """Render `messages` ([{"role": ..., "content": ...}]) with the model's jinja chat template,
+        in the environment transformers' `apply_chat_template` gives templates (`_chat_env`), with
+        the special tokens it passes (bos_token, eos_token, ...).
 
         Without a template, falls back to ChatML: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per
         message, then `<|im_start|>assistant\\n` when `add_generation_prompt`.
         """
-        import jinja2.sandbox
-
-        def raise_exception(message):
-            raise ValueError(f"chat template: {message}")
-
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        template = env.from_string(self.chat_template or CHATML_TEMPLATE)
+        template = _chat_env().from_string(self.chat_template or CHATML_TEMPLATE)
         special = {name: self.id_to_token(i) if i is not None else ""
                    for name, i in (("bos_token", self.bos_id),
                                    ("eos_token", self.eos_ids[0] if self.eos_ids else None))}
-        return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                               **special)
+        return template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
+                               add_generation_prompt=add_generation_prompt, **special)
 
     # ----------------------------------------------------------------------------- builders
     @classmethod
@@ -167,6 +165,28 @@ class Tokenizer:
                    eos_ids=dict.fromkeys(int(i) for i in eos_ids),
                    add_bos=fields.get("tokenizer.ggml.add_bos_token", add_bos_default),
                    chat_template=fields.get("tokenizer.chat_template"))
+
+
+def _chat_env():
+    """A jinja2 sandbox as transformers compiles chat templates (utils/chat_template_utils.py):
+    trim_blocks, lstrip_blocks, the loop-controls extension, `raise_exception`, `strftime_now`
+    (Llama-3.2's date line) and a `tojson` that does not escape HTML."""
+    import jinja2.ext  # here, not at the top: only chat rendering needs it (start-up time)
+    import jinja2.sandbox
+
+    def raise_exception(message):
+        raise ValueError(f"chat template: {message}")
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    return env
 
 
 class StreamDecoder:
@@ -247,6 +267,8 @@ def _byte_level_bpe(tokens: list[str], merges: Iterable[str], pre: str | None) -
                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     backend.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
     backend.decoder = decoders.ByteLevel()
+    if pre in _NFC_PRES:
+        backend.normalizer = normalizers.NFC()
     return backend
 
 
