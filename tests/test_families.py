@@ -43,34 +43,11 @@ from powerinfer_jax.runtime.decode import Engine  # noqa: E402
 
 NAMES = list(fam.FAMILIES)
 T = 24  # positions compared: three sliding windows long
-QUANT = "Q4_0"
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """Every family's HF directory and torch model, its f32 GGUF (one converter process for
-    all) and its Q4_0 GGUF, or the reasons they are missing."""
-    root = tmp_path_factory.mktemp("families")
-    out = {"dirs": {}, "hf": {}, "gguf": {}, "q": {}, "why_gguf": "", "why_q": ""}
-    for name in NAMES:
-        out["dirs"][name] = root / name
-        out["hf"][name] = fam.build(name, root / name)
-    src, why = llamacpp.tree()
-    if src is None:
-        out["why_gguf"] = out["why_q"] = why
-        return out
-    llamacpp.convert([(root / n, root / f"{n}.gguf", fam.FAMILIES[n].gguf_pre, "f32")
-                      for n in NAMES])
-    out["gguf"] = {n: root / f"{n}.gguf" for n in NAMES}
-    if llamacpp.binary("llama-quantize") is None:
-        out["why_q"] = ("no llama-quantize build ($PIJ_LLAMA_CPP_BIN or <cache>/peers/"
-                        "llamacpp-cpu-native: benchmarks/build_llama_bench_cpu.sh)")
-        return out
-    for n in NAMES:
-        q = root / f"{n}.{QUANT.lower()}.gguf"
-        llamacpp.quantize(out["gguf"][n], q, QUANT)
-        out["q"][n] = q
-    return out
+def built(families_built):  # conftest.py: built once per session, shared with the sparse tests
+    return families_built
 
 
 def tokens(name: str, built) -> np.ndarray:
