@@ -7,7 +7,8 @@ builders reproduce what transformers' GGUF converter builds, so the ids agree wi
   tokenizer.ggml.model == "gpt2":  byte-level BPE from tokens + merges; the split regex picked by
                                    `tokenizer.ggml.pre` (see `_PRE_SPLITS`).
   tokenizer.ggml.model == "llama": SentencePiece-style BPE with byte fallback; merges derived from the
-                                   token scores; "\u2581" marks spaces; one space prepended to the text.
+                                   token scores; "\u2581" marks spaces; one space prepended to the text
+                                   (add_space_prefix), as sentencepiece and llama.cpp do.
 BOS is added by `encode` itself (never by a post-processor), so every source behaves the same.
 """
 from __future__ import annotations
@@ -46,6 +47,9 @@ _PRE_SPLITS = {
 }
 # pre-tokenizers whose published tokenizer.json normalizes to NFC first (Qwen2/2.5/3's)
 _NFC_PRES = ("qwen2",)
+# Llama-3's: a pre-token that is itself in the vocabulary is one token, before any merge
+# (tokenizer.json "ignore_merges": true; llama.cpp sets it for these names, and adds BOS)
+_LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe")
 SUPPORTED_GGUF_TOKENIZERS = ("gpt2", "llama")
 
 # Used when a model ships no chat template (documented in `Tokenizer.apply_chat`).
@@ -150,7 +154,7 @@ class Tokenizer:
         if kind == "gpt2":
             backend = _byte_level_bpe(tokens, fields.get("tokenizer.ggml.merges") or (),
                                       fields.get("tokenizer.ggml.pre"))
-            add_bos_default = False
+            add_bos_default = fields.get("tokenizer.ggml.pre") in _LLAMA3_PRES
         else:
             unk = fields.get("tokenizer.ggml.unknown_token_id")
             backend = _sentencepiece_bpe(tokens, fields.get("tokenizer.ggml.scores"),
@@ -257,7 +261,7 @@ def _respell_outside_alphabet(tokens: list[str]) -> list[str]:
 
 def _byte_level_bpe(tokens: list[str], merges: Iterable[str], pre: str | None) -> _Backend:
     vocab = dict(zip(_respell_outside_alphabet(tokens), range(len(tokens))))
-    backend = _bpe_backend(vocab, merges)
+    backend = _bpe_backend(vocab, merges, ignore_merges=pre in _LLAMA3_PRES)
     digits, split = _PRE_SPLITS.get(pre or "default", (False, None))
     steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
     if split is None or split == _GPT2_SPLIT:  # unknown `pre`: GPT-2's split, as transformers does
@@ -272,7 +276,8 @@ def _byte_level_bpe(tokens: list[str], merges: Iterable[str], pre: str | None) -
     return backend
 
 
-def _bpe_backend(vocab: dict[str, int], merges: Iterable[str]) -> _Backend:
+def _bpe_backend(vocab: dict[str, int], merges: Iterable[str], *, ignore_merges: bool = False
+                 ) -> _Backend:
     """A byte-level BPE backend from its vocabulary and "left right" merges (`models.BPE`).
 
     Why not a tokenizer.json text through `Tokenizer.from_str` (as before): tokenizers parses
@@ -291,7 +296,7 @@ def _bpe_backend(vocab: dict[str, int], merges: Iterable[str]) -> _Backend:
         if bad is not None:
             raise ValueError(f"{rule} {bad!r}")
         try:
-            return _Backend(models.BPE(vocab, pairs))
+            return _Backend(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
         except Exception as e:  # tokenizers raises a bare Exception naming the token
             raise ValueError(f"{rule} a list tokenizers rejects ({e})") from None
     finally:
@@ -319,11 +324,17 @@ def _scored_merges(tokens: list[str], scores: Sequence[float] | None) -> list[tu
 
 def _sentencepiece_bpe(tokens: list[str], scores, *, unk_token: str | None,
                        add_space_prefix: bool) -> _Backend:
+    """SentencePiece's BPE as its published tokenizer.json spells it: spaces are "\u2581", and
+    with add_space_prefix (Llama-2, Phi-3, Mistral; not Gemma) one is prepended to every text,
+    also to one that starts with a space, as sentencepiece and llama.cpp do (transformers 5
+    converting a tokenizer.model instead prepends only where the text does not start with one)."""
     vocab = {t: i for i, t in enumerate(tokens)}
     backend = _Backend(models.BPE(vocab=vocab, merges=_scored_merges(tokens, scores),
                                   unk_token=unk_token, fuse_unk=True, byte_fallback=True))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False)
+    steps = [normalizers.Replace(" ", "\u2581")]
+    if add_space_prefix:
+        steps.insert(0, normalizers.Prepend("\u2581"))
+    backend.normalizer = normalizers.Sequence(steps)
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_space_prefix:
         steps.append(decoders.Strip(content=" ", left=1, right=0))

@@ -113,7 +113,10 @@ def _bpe(spec: TokSpec):
             special_tokens=[(spec.bos, bos)])
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    return tok.to_str()
+    spec_json = json.loads(tok.to_str())
+    # Llama-3's tokenizer.json: a pre-token already in the vocabulary is one token
+    spec_json["model"]["ignore_merges"] = spec.split == _LLAMA3_SPLIT
+    return json.dumps(spec_json)
 
 
 @functools.cache
@@ -166,6 +169,8 @@ def save_tokenizer(d: Path, spec: TokSpec, chat_template: str) -> None:
         shutil.rmtree(src)
     fast.chat_template = chat_template
     fast.save_pretrained(d)
+    if spec.kind == "spm" and not spec.gemma:
+        _published_spm_form(d / "tokenizer.json")
     # tokenizer_config.json as published models carry it (written by transformers 4): the
     # added tokens by id, which llama.cpp's converter reads to type them in the GGUF
     spec_json = json.loads((d / "tokenizer.json").read_text(encoding="utf-8"))
@@ -176,6 +181,19 @@ def save_tokenizer(d: Path, spec: TokSpec, chat_template: str) -> None:
                                          "single_word", "special")}
         for t in spec_json["added_tokens"]}
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+def _published_spm_form(path: Path) -> None:
+    """tokenizer.json of a dummy-prefix SentencePiece model as Llama-2's, Phi-3's and Mistral's
+    are published (transformers 4): the prefix and spaces as normalizers, no pre-tokenizer.
+    transformers 5's conversion of tokenizer.model writes a Metaspace pre-tokenizer instead,
+    which prepends no "\u2581" to a text that starts with a space, unlike sentencepiece."""
+    j = json.loads(path.read_text(encoding="utf-8"))
+    j["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "\u2581"},
+        {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
+    j["pre_tokenizer"] = None
+    path.write_text(json.dumps(j, ensure_ascii=False, indent=2), encoding="utf-8")
 
 
 # ------------------------------------------------------------------------------ the families

@@ -219,6 +219,43 @@ def test_tokenizer_ids_and_chat_template_match_transformers(built, name):
         assert ref.eos_token_id in tok.eos_ids
 
 
+@pytest.mark.parametrize("name", ["gemma2", "phi3"])
+def test_sentencepiece_families_tokenize_as_sentencepiece(built, name):
+    """The SentencePiece families' ids (tokenizer.json and GGUF) are sentencepiece's own on its
+    tokenizer.model: leading spaces, byte fallback, digits."""
+    import sentencepiece
+
+    d = built["dirs"][name]
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))
+    tok = load_checkpoint(d).tokenizer
+    for text in fam.EDGE_TEXTS + [fam.wiki_sample(4000)]:
+        assert tok.encode(text, add_bos=False) == sp.encode(text), text[:60]
+
+
+LLAMA_CPP_VOCABS = ("llama-bpe", "qwen2", "phi-3", "llama-spm")
+
+
+@pytest.mark.parametrize("vocab", LLAMA_CPP_VOCABS)
+def test_published_vocabularies_give_llama_cpp_reference_ids(vocab):
+    """The real Llama-3, Qwen2, Phi-3 and Llama-2 vocabularies as GGUF metadata (llama.cpp's
+    models/ggml-vocab-*.gguf) give the ids of llama.cpp's tokenizer test files (made with each
+    model's own tokenizer: whitespace runs, emoji, CJK, digits, accents, code)."""
+    from powerinfer_jax.checkpoint.gguf import _open, read_metadata
+    from powerinfer_jax.tokenizer import Tokenizer
+
+    src, why = llamacpp.tree()
+    if src is None:
+        pytest.skip(why)
+    path = src / "models" / f"ggml-vocab-{vocab}.gguf"
+    tok = Tokenizer.from_gguf_metadata(read_metadata(_open(path)))
+    texts = path.with_name(path.name + ".inp").read_text(encoding="utf-8").split(
+        "\n__ggml_vocab_test__\n")
+    outs = path.with_name(path.name + ".out").read_text(encoding="utf-8").split("\n")
+    assert len(texts) > 40
+    for text, ids in zip(texts, outs):
+        assert tok.encode(text, add_bos=False) == [int(i) for i in ids.split()], repr(text)
+
+
 # ------------------------------------------------------------------------------ bad input
 def test_an_architecture_we_do_not_run_names_itself_and_the_list(built, tmp_path):
     d = built["dirs"]["qwen3"]
