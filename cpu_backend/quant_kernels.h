@@ -277,87 +277,6 @@ inline void LegacyDotTile(const uint8_t* const* rows, const QActView* xs, int64_
 }
 #endif
 
-#if defined(PIJ_QSIMD_AVX512)
-// K-quant chunks c and c + 1 (c even) unpacked side by side: 64 weights in the activations'
-// order. Q6_K's pair shares its sources: the low nibbles of the same 64 ql bytes (both low or
-// both high halves) and bit pairs j, j + 1 of the same 32 qh bytes, so the pair is one load and
-// shift of each where two single chunks take two of each.
-template <class F>
-inline qsimd512::I8x64 UnpackChunks2(const uint8_t* b, int c) {
-  if constexpr (F::kType == QType::kQ6_K) {
-    const int half = c / 4, j = c % 4;  // j in {0, 2}
-    const __m512i ql = _mm512_loadu_si512(b + 64 * half);
-    const __m512i low = _mm512_and_si512(_mm512_srl_epi16(ql, _mm_cvtsi32_si128(4 * (j / 2))),
-                                         _mm512_set1_epi8(0x0f));
-    const __m512i qh = _mm512_broadcast_i64x4(qsimd::Load32(b + 128 + 32 * half));
-    const __m512i by = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(2 * j)),
-                                          _mm256_set1_epi16(static_cast<int16_t>(2 * j + 2)), 1);
-    const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(qh, by), _mm512_set1_epi8(3));
-    return _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
-  } else {
-    return qsimd512::Pair(F::Unpack(b, c), F::Unpack(b, c + 1));
-  }
-}
-
-// The K-quants' DotTile on AVX-512: two chunks per 512-bit step (half the dot, convert and FMA
-// instructions; the row dots were compute bound at ~6 G weights/s per thread, 8 GB/s of Q6_K
-// on two threads, where the interleaved Q4_0 matvec read 27: a Q6_K LM head was a quarter of a
-// Qwen3-1.7B Q4_0 token's bytes and half its time). Per super-block the even chunks' products
-// sum in the low half, the odd chunks' in the high half, then the halves are added: one order
-// for every tile shape.
-template <class F, int kR, int kC, int64_t kAhead>
-inline void KDotTile512(const uint8_t* const* rows, const QActView* xs, int64_t nblocks,
-                        float* out) {
-  F32x8 acc[kR][kC], macc[kR][kC];
-  for (int r = 0; r < kR; ++r) {
-    for (int t = 0; t < kC; ++t) acc[r][t] = macc[r][t] = qsimd::Zero();
-  }
-  for (int64_t b = 0; b < nblocks; ++b) {
-    typename F::Prep p[kR];
-    const uint8_t* blk[kR];
-    for (int r = 0; r < kR; ++r) {
-      blk[r] = rows[r] + b * F::kBytes;
-      StreamPrefetch<kAhead, F::kBytes>(blk[r]);
-      F::Prepare(blk[r], p[r]);
-    }
-    __m512 part[kR][kC];
-    for (int r = 0; r < kR; ++r) {
-      for (int t = 0; t < kC; ++t) part[r][t] = _mm512_setzero_ps();
-    }
-#pragma GCC unroll 4
-    for (int c = 0; c < F::kChunks; c += 2) {
-      __m512i x[kC];
-      for (int t = 0; t < kC; ++t) x[t] = _mm512_loadu_si512(xs[t].q + b * 256 + 32 * c);
-      for (int r = 0; r < kR; ++r) {
-        const qsimd512::I8x64 u = UnpackChunks2<F>(blk[r], c);
-        const __m512 s = _mm512_insertf32x8(_mm512_castps256_ps512(F::ChunkScale(p[r], c)),
-                                            F::ChunkScale(p[r], c + 1), 1);
-        for (int t = 0; t < kC; ++t) {
-          const __m512 dot = _mm512_cvtepi32_ps(qsimd512::DotU8S8(u, x[t]));
-          part[r][t] = _mm512_fmadd_ps(dot, s, part[r][t]);
-        }
-      }
-    }
-    for (int t = 0; t < kC; ++t) {
-      const F32x8 dx = qsimd::Set1(xs[t].d[b]);
-      const float* c = xs[t].c + b * 16;
-      for (int r = 0; r < kR; ++r) {
-        const F32x8 sum = qsimd::Add(_mm512_castps512_ps256(part[r][t]),
-                                     _mm512_extractf32x8_ps(part[r][t], 1));
-        acc[r][t] = qsimd::MulAdd(sum, dx, acc[r][t]);
-        macc[r][t] = qsimd::MulAdd(p[r].m[0], qsimd::Load(c), macc[r][t]);
-        macc[r][t] = qsimd::MulAdd(p[r].m[1], qsimd::Load(c + 8), macc[r][t]);
-      }
-    }
-  }
-  for (int r = 0; r < kR; ++r) {
-    for (int t = 0; t < kC; ++t) {
-      out[r * kC + t] = qsimd::ReduceSum(acc[r][t]) + qsimd::ReduceSum(macc[r][t]);
-    }
-  }
-}
-#endif
-
 // out[r * kC + t] = row r . x_t over nblocks blocks. rows: kR pointers to a row's first block.
 // kAhead > 0: each block's bytes kAhead further on are requested as it is read (rows in order).
 template <class F, int kR, int kC, int64_t kAhead = 0>
@@ -365,9 +284,6 @@ inline void DotTile(const uint8_t* const* rows, const QActView* xs, int64_t nblo
   if constexpr (F::kChunks == 1) {
     LegacyDotTile<F, kR, kC, kAhead>(rows, xs, nblocks, out);
   } else {
-#if defined(PIJ_QSIMD_AVX512)
-    KDotTile512<F, kR, kC, kAhead>(rows, xs, nblocks, out);
-#else
     F32x8 acc[kR][kC];
     for (int r = 0; r < kR; ++r) {
       for (int t = 0; t < kC; ++t) acc[r][t] = qsimd::Zero();
@@ -416,7 +332,6 @@ inline void DotTile(const uint8_t* const* rows, const QActView* xs, int64_t nblo
         out[r * kC + t] = qsimd::ReduceSum(acc[r][t]) + qsimd::ReduceSum(macc[r][t]);
       }
     }
-#endif
   }
 }
 
