@@ -22,6 +22,7 @@ from powerinfer_jax.models.qweights import DENSE_LAYOUT, MATVEC, ROWS, FfnLayout
 from powerinfer_jax.models.layers import (F32, Attention, Linear, Module, Norm, _param,
                                          cache_storage_dtype, matmul, op_impl, resolve_kernels,
                                          shapes_only, sow)
+from powerinfer_jax.models.rope import layer_rope
 
 
 _RESIDUAL = contextvars.ContextVar("ffn_residual")
@@ -40,19 +41,26 @@ def block_residual():
 
 class Block(Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x)); with
-    config.parallel_block (Falcon): x + attn(attn_norm(x)) + ffn(ffn_norm(x)). Sows the FFN's
-    input (after ffn_norm) as "ffn_in" [B, T, D] under `capture` (profiling, predictor training);
-    the tensor ffn_norm normalized is available to the FFN's selector as `block_residual()`."""
+    config.post_norms (Gemma-2/3) each sublayer's output is normed before it joins the residual,
+    x + attn_post_norm(attn(attn_norm(x))); with config.parallel_block (Falcon):
+    x + attn(attn_norm(x)) + ffn(ffn_norm(x)). Sows the FFN's input (after ffn_norm) as "ffn_in"
+    [B, T, D] under `capture` (profiling, predictor training); the tensor ffn_norm normalized is
+    available to the FFN's selector as `block_residual()`."""
 
-    def __init__(self, c: ModelConfig, *, dtype, rngs: nnx.Rngs | None, kernels: str,
+    def __init__(self, c: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs | None, kernels: str,
                  **attention_options):
         self.parallel = c.parallel_block
-        self.attn_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps)
+        norm = dict(kind=c.norm, eps=c.norm_eps)
+        self.attn_norm = Norm(c.d_model, **norm)
         self.attn = Attention(d_model=c.d_model, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
-                              head_dim=c.head_dim, bias=c.bias, use_rope=c.positions == "rope",
-                              rope_theta=c.rope_theta, dtype=dtype, rngs=rngs, kernels=kernels,
-                              **attention_options)
-        self.ffn_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps)
+                              head_dim=c.head_dim, bias=c.bias, rope=layer_rope(c, layer),
+                              dtype=dtype, rngs=rngs, kernels=kernels, qkv_bias=c.qkv_bias,
+                              qk_norm_eps=c.norm_eps if c.qk_norm else None,
+                              scale=c.query_scale, softcap=c.attn_softcap,
+                              window=c.window(layer), **attention_options)
+        self.attn_post_norm = Norm(c.d_model, **norm) if c.post_norms else None
+        self.ffn_norm = Norm(c.d_model, **norm)
+        self.ffn_post_norm = Norm(c.d_model, **norm) if c.post_norms else None
         self.ffn = FFN(d_model=c.d_model, d_ff=c.d_ff, activation=c.activation, gated=c.gated,
                        bias=c.bias, dtype=dtype, rngs=rngs, kernels=kernels)
         # Tensor parallel (runtime/mesh.py): the mesh axis over which attention's and the FFN's
@@ -63,7 +71,7 @@ class Block(Module):
         attn_out, new_cache = self.attn(self.attn_norm(x_btd), positions_bt, cache, cache_index,
                                         kv_len)
         if not self.parallel:
-            x_btd = x_btd + self._sum_shards(attn_out)
+            x_btd = x_btd + self._post(self.attn_post_norm, self._sum_shards(attn_out))
         ffn_in = self.ffn_norm(x_btd)
         sow(self, "ffn_in", ffn_in)
         token = _RESIDUAL.set(x_btd)
@@ -73,7 +81,21 @@ class Block(Module):
             _RESIDUAL.reset(token)
         if self.parallel:  # Falcon: attention and FFN both read the block's input
             return x_btd + self._sum_shards(attn_out + ffn_out), new_cache
-        return x_btd + self._sum_shards(ffn_out), new_cache
+        return x_btd + self._post(self.ffn_post_norm, self._sum_shards(ffn_out)), new_cache
+
+    def attention_residual(self, x_btd, positions_bt):
+        """A sequential block's residual after its attention sublayer (no cache): what its
+        ffn_norm reads (sparsify/ runs the FFN itself from there)."""
+        if self.parallel:
+            fail("Block.attention_residual", "a sequential block", "a parallel one")
+        attn_out = self.attn(self.attn_norm(x_btd), positions_bt)[0]
+        return x_btd + self._post(self.attn_post_norm, self._sum_shards(attn_out))
+
+    @staticmethod
+    def _post(norm, y):
+        """A sublayer's output as it joins the residual: normed first with post_norms (after
+        the shards' partial sums are added: the norm needs the whole vector)."""
+        return y if norm is None else norm(y)
 
     def _sum_shards(self, y):
         return y if self.reduce_axis is None else jax.lax.psum(y, self.reduce_axis)
@@ -95,9 +117,9 @@ class Transformer(Module):
         self.embed_interleaved = False  # its rows interleaved by 16 (tied: it is the LM head)
         self.pos_embed = (_embedding((c.max_seq_len + c.position_offset, c.d_model), dtype, rngs)
                           if c.positions == "learned" else None)
-        self.layers = nnx.List([Block(c, dtype=dtype, rngs=rngs, kernels=kernels,
+        self.layers = nnx.List([Block(c, i, dtype=dtype, rngs=rngs, kernels=kernels,
                                       decode_attention=decode_attention, fuse_qkv=fuse_qkv)
-                                for _ in range(c.n_layers)])
+                                for i in range(c.n_layers)])
         self.final_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps)
         self.lm_head = (None if c.tie_embeddings else
                         Linear(c.d_model, c.vocab_size, bias=False, dtype=dtype, rngs=rngs,
@@ -113,6 +135,8 @@ class Transformer(Module):
         diagnostics (FFN inputs, active counts) are collected by `capture`.
         """
         x = self.embed(tokens_bt)
+        if self.config.embed_scale != 1.0:  # Gemma: sqrt(d_model)
+            x = x * self.config.embed_scale
         if self.pos_embed is not None:
             x = x + self.pos_embed[...][positions_bt + self.config.position_offset].astype(F32)
         if self.parallel is None:
@@ -146,7 +170,12 @@ class Transformer(Module):
         return QWeight(None, self.embed_qtype, MATVEC, self.embed_interleaved).kernel_qtype
 
     def logits(self, h_btd):
-        """Vocabulary logits [B, T, V] in float32."""
+        """Vocabulary logits [B, T, V] in float32 (soft-capped with config.final_softcap)."""
+        cap = self.config.final_softcap
+        y = self._head(h_btd)
+        return y if cap == 0 else cap * jnp.tanh(y / cap)
+
+    def _head(self, h_btd):
         if self.lm_head is not None:
             return self.lm_head(h_btd)
         if self.embed_qtype is not None:  # tied to a quantized embedding: its blocks

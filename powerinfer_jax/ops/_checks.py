@@ -119,8 +119,9 @@ def check_q4_sparse_ffn(x, q, dm, b_up, w_down_t, b_down, threshold, activation)
     return t
 
 
-def check_decode_attention(q, k_new, v_new, k_cache, v_cache, where, kv_len) -> None:
-    """One token per sequence: B = where.shape[0] sequences against cache rows [0, B)."""
+def check_decode_attention(q, k_new, v_new, k_cache, v_cache, where, kv_len) -> int:
+    """One token per sequence: B = where.shape[0] sequences against cache rows [0, B). Returns
+    the head dim H."""
     if np.ndim(k_cache) != 4 or jnp.result_type(k_cache) not in (jnp.float32, jnp.uint16):
         fail("k_cache", "float32 or uint16 [R, S, NK, H]",
              f"{jnp.result_type(k_cache)} {_shape(k_cache)}")
@@ -143,6 +144,7 @@ def check_decode_attention(q, k_new, v_new, k_cache, v_cache, where, kv_len) -> 
              f"NK = {nk}", _shape(q))
     if not isinstance(kv_len, (int, np.integer)) or not 1 <= int(kv_len) <= s:
         fail("kv_len", f"a static int in [1, S = {s}]", kv_len)
+    return h
 
 
 def check_qtype(what: str, qtype) -> str:

@@ -1,6 +1,6 @@
 """The training forward of teacher and student, written over the model's modules and arrays.
 
-Per block: `layer.attn_norm`, `layer.attn` (its XLA path, no cache), `layer.ffn_norm`, then the FFN
+Per block: `layer.attention_residual` (its XLA path, no cache), `layer.ffn_norm`, then the FFN
 from its arrays (`ffn.gate.weight`, `ffn.up.weight`, `ffn.down_t.weight`) with the student's
 activation and mask; at the end `model.final_norm` and the (tied or untied) vocabulary matrix. The
 models must be built with kernels="xla" (custom calls have no gradient).
@@ -124,8 +124,10 @@ def block_forward(layer, x_btd, positions_bt, spec: FFNSpec, threshold=None,
     """One pre-norm block; returns (x [B, T, D], stats [4]: fraction of zero activations, mean |a|,
     the `quantile` of |a| (0 when None): what calibration sets the layer's threshold to, and the
     gate L1)."""
-    x_btd = x_btd + layer.attn(layer.attn_norm(x_btd), positions_bt)[0]
+    x_btd = layer.attention_residual(x_btd, positions_bt)
     y, a, l1_gate = ffn_forward(layer.ffn, layer.ffn_norm(x_btd), spec, threshold, gate_threshold)
+    if layer.ffn_post_norm is not None:  # Gemma: the FFN's output normed before the residual
+        y = layer.ffn_post_norm(y)
     q = jnp.float32(0.0) if quantile is None else layer_quantile(jnp.abs(a), quantile)
     stats = jnp.stack([jnp.mean(jax.lax.stop_gradient(a) == 0.0), jnp.mean(jnp.abs(a)), q,
                        l1_gate])
@@ -160,7 +162,7 @@ def forward(model, tokens_bt, spec: FFNSpec, *, compute_dtype=F32, thresholds=No
     """
     m = cast_matrices(model, compute_dtype)
     positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-    x = m.tok_embed[...][tokens_bt].astype(F32)
+    x = m.tok_embed[...][tokens_bt].astype(F32) * m.config.embed_scale
     stats, hidden = [], []
     for i, layer in enumerate(m.layers):
         thr = None if thresholds is None else thresholds[i]
@@ -181,6 +183,8 @@ def forward(model, tokens_bt, spec: FFNSpec, *, compute_dtype=F32, thresholds=No
     w = m.tok_embed[...] if m.lm_head is None else m.lm_head.weight[...]
     w = w.astype(compute_dtype)
     logits = jnp.einsum("btd,vd->btv", h.astype(w.dtype), w, preferred_element_type=F32)
+    if m.config.final_softcap:
+        logits = m.config.final_softcap * jnp.tanh(logits / m.config.final_softcap)
     stats = jnp.stack(stats)
     aux = {"zero_frac": stats[:, 0], "l1": stats[:, 1], "quantile": stats[:, 2],
            "l1_gate": stats[:, 3]}

@@ -47,11 +47,13 @@ def activation_counts(model, chunks_nt: np.ndarray, activation: str,
     def counts(state, tokens_bt):
         m = nnx.merge(graphdef, state)
         positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        x = m.tok_embed[...][tokens_bt].astype(jnp.float32)
+        x = m.tok_embed[...][tokens_bt].astype(jnp.float32) * m.config.embed_scale
         out = []
         for layer in m.layers:
-            x = x + layer.attn(layer.attn_norm(x), positions)[0]
+            x = layer.attention_residual(x, positions)
             y, a, _ = fw.ffn_forward(layer.ffn, layer.ffn_norm(x), spec, gate_threshold=gate)
+            if layer.ffn_post_norm is not None:  # Gemma: the FFN's output normed
+                y = layer.ffn_post_norm(y)
             out.append(jnp.sum(a != 0, axis=(0, 1), dtype=jnp.int32))
             x = x + y
         return jnp.stack(out)

@@ -28,6 +28,8 @@ class ScanDefs:
     block: object  # the blocks' common nnx graph definition
     final_norm: object  # the final norm's graph definition
     scope: str
+    embed_scale: float = 1.0  # model.config's (Gemma: sqrt(d_model))
+    final_softcap: float = 0.0  # model.config's (0: none)
 
 
 def _block_filter(scope: str):
@@ -63,14 +65,16 @@ def split(model, scope: str):
     frozen = {"blocks": stack(rest), "final_norm": None if norms else norm_state,
               "embed": model.tok_embed[...],
               "lm_head": None if model.lm_head is None else model.lm_head.weight[...]}
-    return ScanDefs(block_def, norm_def, scope), params, frozen
+    c = model.config
+    defs = ScanDefs(block_def, norm_def, scope, float(c.embed_scale), float(c.final_softcap or 0.0))
+    return defs, params, frozen
 
 
 def forward(defs: ScanDefs, params, frozen, tokens_bt, spec: fw.FFNSpec, *, compute_dtype=F32,
             gate_threshold=None, remat: bool = False, collect_hidden: bool = False):
     """forward.forward's (logits [B, T, V] float32, aux) through one scan over the blocks."""
     positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-    x = frozen["embed"][tokens_bt].astype(F32)
+    x = frozen["embed"][tokens_bt].astype(F32) * defs.embed_scale
 
     def block(x_btd, states):
         layer = fw.cast_matrices(nnx.merge(defs.block, *states), compute_dtype)
@@ -85,6 +89,8 @@ def forward(defs: ScanDefs, params, frozen, tokens_bt, spec: fw.FFNSpec, *, comp
     h = nnx.merge(defs.final_norm, norm_state)(x)
     w = (frozen["embed"] if frozen["lm_head"] is None else frozen["lm_head"]).astype(compute_dtype)
     logits = jnp.einsum("btd,vd->btv", h.astype(w.dtype), w, preferred_element_type=F32)
+    if defs.final_softcap:
+        logits = defs.final_softcap * jnp.tanh(logits / defs.final_softcap)
     aux = {"zero_frac": stats[:, 0], "l1": stats[:, 1], "quantile": stats[:, 2],
            "l1_gate": stats[:, 3]}
     if collect_hidden:
