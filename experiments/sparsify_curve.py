@@ -16,7 +16,7 @@ Two kinds of rows in results/sparsify_curve.jsonl (`stage`):
   python -m experiments.sparsify_curve --train threshold:0.85 --tokens 307200 [distill flags]
   python -m experiments.sparsify_curve --final DIR [DIR ...]     # final rows for finished models
   python -m experiments.sparsify_curve --step-speed 3           # step tok/s: f32/bf16/remat
-  python -m experiments.sparsify_curve --recipe-sweep 0 0.05 0.2 --tokens 24576  # L1 strength
+  python -m experiments.sparsify_curve --recipe-sweep 0.87 --tokens 49152   # the controller
   python -m experiments.sparsify_curve --plot                    # results/sparsify_curve.png
 """
 from __future__ import annotations
@@ -229,10 +229,10 @@ def main(argv=None) -> None:
     p.add_argument("--step-speed", type=int, default=0, metavar="ROUNDS",
                    help="time one training step per setting (float32, bfloat16, remat) over "
                         "ROUNDS interleaved rounds")
-    p.add_argument("--recipe-sweep", type=float, nargs="*", default=[], metavar="L1",
-                   help="short relu runs (cached teacher, --tokens, no samples), one per final "
-                        "L1 coefficient on relu(gate) (ramped over 25-75%% of the steps), FATReLU "
-                        "at the end: the knee of sparsity vs perplexity for the recipe's stages")
+    p.add_argument("--recipe-sweep", type=float, nargs="*", default=[], metavar="SPARSITY",
+                   help="short relu runs of the prosparse recipe (cached teacher, --tokens), one "
+                        "per L1 target sparsity (0: the stages' coefficients unsteered): how the "
+                        "controller moves sparsity and perplexity at small scale")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--train-text", default=str(DATA["train"]), help="training/calibration text")
@@ -246,18 +246,19 @@ def main(argv=None) -> None:
     if args.step_speed:
         _common.append_rows(args.out, step_speed_rows(_common.DEFAULT_MODEL,
                                                       rounds=args.step_speed, threads=threads))
-    for l1 in args.recipe_sweep:
+    for target in args.recipe_sweep:
         import tempfile
 
-        from powerinfer_jax.sparsify import DistillConfig, distill
+        from powerinfer_jax.sparsify import distill
+        from powerinfer_jax.sparsify.config import recipe
 
-        cfg = DistillConfig(variant="relu", teacher="cached", tokens=args.tokens, lr=args.lr,
-                            l1_on="gate", l1_stages=((0.25, 0.0), (0.75, l1)), samples=0,
-                            sample_fraction=0.0, fatrelu_kl_rise=0.05)
+        cfg = recipe("prosparse", variant="relu", teacher="cached", tokens=args.tokens,
+                     lr=args.lr, l1_target_sparsity=target)
+        steps = cfg.steps
         with tempfile.TemporaryDirectory(prefix="pij-sweep-") as tmp:
             distill(_common.DEFAULT_MODEL, cfg, out=Path(tmp) / "m", corpus=[DATA["train"]],
-                    eval_text=DATA["valid"], curve=args.out, eval_every=0, calibrate=False,
-                    save_every=10 ** 6)
+                    eval_text=DATA["valid"], curve=args.out, eval_every=max(steps // 3, 1),
+                    calibrate=False, save_every=10 ** 6)
     if args.train:
         from powerinfer_jax.sparsify import DistillConfig, distill
 
