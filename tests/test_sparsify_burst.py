@@ -117,6 +117,7 @@ def burst_out(tiny_dir, tmp_path_factory):
     return out, data
 
 
+@pytest.mark.slow  # the burst end to end (compile, train, samples, evaluate): ~2 min on 2 cores
 def test_burst_writes_what_import_burst_rebuilds(burst_out, tiny_dir, cache, tmp_path):
     from powerinfer_jax import evaluate
     from powerinfer_jax.config import RuntimeConfig, SparsityConfig
