@@ -53,9 +53,13 @@ def _ppl(model_arg, sparsity, ids, threads):
     return res
 
 
-def final_rows(out_dir: Path, *, targets=None, threads: int) -> list[dict]:
+FINAL_MODES = ("dense", "threshold", "oracle", "predictor (q4)", "predictor (lowrank)")
+
+
+def final_rows(out_dir: Path, *, targets=None, threads: int, modes=FINAL_MODES) -> list[dict]:
     """The 'final' rows of one finished sparsify output directory, at its trained target
-    sparsity and any other calibration `targets` (artifacts built where missing)."""
+    sparsity and any other calibration `targets` (artifacts built where missing); `modes`: which
+    of FINAL_MODES (threshold: relu/drelu only)."""
     from experiments.power_law import layer_rows
     from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.config import SparsityConfig
@@ -82,8 +86,8 @@ def final_rows(out_dir: Path, *, targets=None, threads: int) -> list[dict]:
               "planned_steps": record.get("planned_steps", record["steps"]),
               "wall_s": round(record["wall_s"], 1), "train_commit": record.get("commit"),
               "eval_chunks": FINAL_CHUNKS, "eval_ctx": FINAL_CTX, "ppl_dense": dense["ppl"]}
-    rows = [_final_row(common, "dense", None, _ppl(out_dir, SparsityConfig(), ids, threads),
-                       dense, {})]
+    rows = ([_final_row(common, "dense", None, _ppl(out_dir, SparsityConfig(), ids, threads),
+                        dense, {})] if "dense" in modes else [])
     for t in targets:
         art_dir = out_dir / "sparsity" / f"target_{t:.2f}"
         meta = json.loads((art_dir / "meta.json").read_text())
@@ -92,13 +96,19 @@ def final_rows(out_dir: Path, *, targets=None, threads: int) -> list[dict]:
         at_t = {**common, "neurons_for_80pct_median": float(np.median(cover)),
                 "neurons_for_80pct_mean": float(np.mean(cover)),
                 "profiled_sparsity": float(np.mean(prof.sparsity))}
+        # relu/drelu: the model's own zeros (FATReLU's gate threshold) skipped exactly
+        exact = ([("threshold", SparsityConfig(mode="threshold", target_sparsity=t), {})]
+                 if cfg["variant"] in ("relu", "drelu") else [])
         for label, sparsity, rep in (
+                *exact,
                 ("oracle", SparsityConfig(mode="oracle", target_sparsity=t), {}),
                 ("predictor (q4)", SparsityConfig(mode="predictor", predictor="q4",
                                                   target_sparsity=t), meta.get("q4", {})),
                 ("predictor (lowrank)", SparsityConfig(mode="predictor", predictor="lowrank",
                                                        target_sparsity=t),
                  meta.get("predictor", {}))):
+            if label not in modes:
+                continue
             rows.append(_final_row(at_t, label, t, _ppl(out_dir, sparsity, ids, threads), dense,
                                    rep))
     return rows
@@ -223,6 +233,8 @@ def main(argv=None) -> None:
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--final", nargs="*", default=[], metavar="DIR",
                    help="finished sparsify output directories to evaluate")
+    p.add_argument("--final-modes", nargs="+", default=list(FINAL_MODES), choices=FINAL_MODES,
+                   metavar="MODE", help=f"which final rows (default: all of {FINAL_MODES})")
     p.add_argument("--targets", type=float, nargs="*", default=[],
                    help="also evaluate at these calibration targets (artifacts built if missing)")
     p.add_argument("--plot", action="store_true", help="only redraw the plot")
@@ -272,7 +284,8 @@ def main(argv=None) -> None:
                           calibrate=False)  # final_rows builds the artifacts it evaluates
             dirs.append(Path(res["out"]))
     for d in dirs:
-        _common.append_rows(args.out, final_rows(d, targets=args.targets, threads=threads))
+        _common.append_rows(args.out, final_rows(d, targets=args.targets, threads=threads,
+                                                   modes=args.final_modes))
     plot_curve(_common.read_rows(args.out), PNG if args.out == str(OUT) else
                Path(args.out).with_suffix(".png"))
     print(f"rows in {args.out}; plot {PNG}")
