@@ -30,6 +30,7 @@ def llm(tiny_dir):
     return pij.load(str(tiny_dir), max_batch=4, max_seq_len=96, progress=False)
 
 
+@pytest.mark.slow
 def test_generate_stream_and_ids_agree(llm):
     out = llm.generate(PROMPTS[0], max_new_tokens=12)
     assert isinstance(out, pij.Completion) and 1 <= len(out.token_ids) <= 12
@@ -39,6 +40,7 @@ def test_generate_stream_and_ids_agree(llm):
     assert llm.generate(ids, max_new_tokens=12).token_ids == out.token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dense", "oracle"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_batched_greedy_equals_single_sequences(tiny_dir, mode, dtype):
@@ -111,6 +113,7 @@ def test_one_compile_per_bucket_not_per_step(llm):
 
 
 # ------------------------------------------------------------------ a new mode in one class
+@pytest.mark.slow
 def test_a_toy_mode_is_one_selector_class_and_one_register_call(tiny_dir, tmp_path, capsys):
     """top-k: the k largest |a_i| per token. Written here, in the test, as one Selector subclass and
     one `register` call; then generate, evaluate and bench run it by name."""
@@ -173,6 +176,7 @@ def test_generate_threads_sizes_the_kernel_pool_in_dense_mode(tiny_dir, capsys, 
         os.sched_setaffinity(0, affinity)
 
 
+@pytest.mark.slow
 def test_readme_python_snippet_runs(tiny_dir):
     """The README's Python example, run as written with the tiny model in place of the default."""
     readme = (REPO / "README.md").read_text()

@@ -41,6 +41,7 @@ def test_generate_is_deterministic_for_a_seed(tiny_dir, capsys):
     assert last_json(capsys)["tokens"] == a
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", ["xla", "ffi"])
 def test_generate_kernels_agree(tiny_dir, capsys, kernels):
     generate.main(["--model", str(tiny_dir), "--prompt", "the dog", "--max-new-tokens", "8",
@@ -60,6 +61,7 @@ def test_evaluate_json(tiny_dir, tmp_path, capsys):
     assert row["tokens_scored"] == 3 * 31 and row["ppl"] > 1 and row["ffn_sparsity"] == 0.0
 
 
+@pytest.mark.slow
 def test_calibrate_then_q4_predictor_mode(tiny_dir, tmp_path, capsys):
     """calibrate writes q4 thresholds; evaluate --sparsity predictor (q4 by default) uses them and
     reports its recall against the oracle set; lowrank without trained predictors is a clear error."""
@@ -118,6 +120,7 @@ def test_evaluate_user_errors(tiny_dir, tmp_path):
         evaluate.main(["--model", str(tiny_dir), "--text", str(short)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,match", [
     (["--model", "no-such-model", "--prompt", "x"], "no-such-model"),
     (["--dtype", "float16", "--prompt", "x"], "invalid choice: 'float16'"),
@@ -130,6 +133,7 @@ def test_cli_errors_are_one_clean_line(argv, match):
     assert match in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_a_reader_closing_stdout_early_ends_the_command_quietly():
     """`python -m powerinfer_jax.generate ... | head -c 1`: the CLIs' run_main stops with 141
     (128 + SIGPIPE) and no BrokenPipeError traceback once the reader has gone."""

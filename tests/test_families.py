@@ -94,6 +94,7 @@ ABLATIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_hf_directory_logits_match_transformers(built, name):
     toks = tokens(name, built)
@@ -137,6 +138,7 @@ def _gguf_reference(built, name, path=None):
         d, gguf_file=str(path), dtype=torch.float32, **kw).eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_gguf_logits_match_transformers(built, name):
     if not built["gguf"]:
@@ -157,6 +159,7 @@ def test_gguf_logits_match_transformers(built, name):
     assert_logits_close(got, fam.hf_logits(_gguf_reference(built, name), toks))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_quantized_gguf_matches_transformers_on_the_same_file(built, name):
     if not built["q"]:
@@ -174,6 +177,7 @@ def test_quantized_gguf_matches_transformers_on_the_same_file(built, name):
     assert np.abs(blocks - want).max() < 0.1 * np.abs(want).max()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_tokens_match_transformers(built, name):
     """32 greedy steps after a 7-token prompt: 39 positions, past every sliding window, through
@@ -193,6 +197,7 @@ MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "assistant", "content": "12346."}, {"role": "user", "content": "日本語で?"}]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_tokenizer_ids_and_chat_template_match_transformers(built, name):
     from powerinfer_jax.checkpoint.gguf import _open, read_metadata
@@ -219,6 +224,7 @@ def test_tokenizer_ids_and_chat_template_match_transformers(built, name):
         assert ref.eos_token_id in tok.eos_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma2", "phi3"])
 def test_sentencepiece_families_tokenize_as_sentencepiece(built, name):
     """The SentencePiece families' ids (tokenizer.json and GGUF) are sentencepiece's own on its
@@ -257,6 +263,7 @@ def test_published_vocabularies_give_llama_cpp_reference_ids(vocab):
 
 
 # ------------------------------------------------------------------------------ bad input
+@pytest.mark.slow
 def test_an_architecture_we_do_not_run_names_itself_and_the_list(built, tmp_path):
     d = built["dirs"]["qwen3"]
     cfg = json.loads((d / "config.json").read_text())
@@ -272,6 +279,7 @@ def test_an_architecture_we_do_not_run_names_itself_and_the_list(built, tmp_path
         load_checkpoint(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rope,match", [
     ({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}, r"rope type: expected one of "
      r"\['default', 'linear', 'llama3', 'yarn'\], got 'dynamic'"),
@@ -297,6 +305,7 @@ def test_rope_scaling_config_refuses_unknown_kinds():
         RopeScaling("ntk", factor=2.0)
 
 
+@pytest.mark.slow
 def test_gguf_bad_files_name_what_is_wrong(built, tmp_path):
     """A missing tensor, a missing metadata key, an unknown RoPE scaling type and an
     architecture we do not run, each in a copy of a converter-written file."""

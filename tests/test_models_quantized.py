@@ -61,6 +61,7 @@ def _models(path):
             from_params(f.config, f.params, kernels="ffi"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("down", ["default", "q8_rows", "file_layout"])
 @pytest.mark.parametrize("which", ["legacy", "kquant"])
 def test_quantized_model_equals_its_jnp_reference(which, down, request):
@@ -166,6 +167,7 @@ def test_placement_dequantizes_and_xla_kernels_dequantize(legacy_gguf):
     assert len(xla.generate("hello", max_new_tokens=3).token_ids) >= 1
 
 
+@pytest.mark.slow
 def test_sparsity_auto_times_once_then_reuses_its_decision(legacy_gguf, tmp_path, capsys):
     """--sparsity auto on a calibrated model: dense and the q4-activations mode are timed here and
     the faster kept, with the measurements in describe(); the next build reuses the decision;

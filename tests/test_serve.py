@@ -55,6 +55,7 @@ def client(server):
 
 
 # ---------------------------------------------------------------------------- the openai client
+@pytest.mark.slow
 def test_completion_equals_llm_generate(client, ref):
     for p in PROMPTS:
         want = ref.generate(p, max_new_tokens=12)
@@ -124,6 +125,7 @@ def test_stop_strings_and_max_tokens(client, ref):
     assert one.choices[0].finish_reason in ("length", "stop")
 
 
+@pytest.mark.slow
 def test_seeded_sampling_matches_the_api_whatever_shares_the_batch(client, ref, server):
     kw = dict(temperature=0.9, top_p=0.95, seed=11)
     want = ref.generate(PROMPTS[1], max_new_tokens=16, top_k=40, **kw).text
@@ -233,6 +235,7 @@ def test_unknown_route_and_method(server):
 
 
 # ---------------------------------------------------------------------------- lifecycle
+@pytest.mark.slow
 def test_health_is_503_while_loading(spare):
     go = threading.Event()
 
@@ -277,6 +280,7 @@ def test_disconnects_free_their_slots(spare, monkeypatch):
         assert metric(srv.url, "pij_generated_tokens_total") < 2 * 100
 
 
+@pytest.mark.slow
 def test_overload_is_429_and_the_queue_drains(spare, monkeypatch):
     slow_engine(monkeypatch, spare.engine, 0.05)  # a request takes >= 2 s
     with serving(spare, slots=2, queue_size=1) as srv:
@@ -302,6 +306,7 @@ def test_overload_is_429_and_the_queue_drains(spare, monkeypatch):
         assert metric(srv.url, "pij_queue_length") == 0
 
 
+@pytest.mark.slow
 def test_shutdown_with_requests_in_flight_is_prompt(spare, monkeypatch):
     slow_engine(monkeypatch, spare.engine, 0.05)
     app_srv = serving(spare, slots=2, queue_size=4, grace_s=0.3)
@@ -379,6 +384,7 @@ def _cli(*args):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_cli_serves_and_exits_promptly_on_sigterm(tiny_dir):
     port = _free_port()
     p = _cli("--model", str(tiny_dir), "--port", str(port), "--parallel", "2", "--threads", "1",
@@ -409,6 +415,7 @@ def test_cli_serves_and_exits_promptly_on_sigterm(tiny_dir):
             p.wait()
 
 
+@pytest.mark.slow
 def test_cli_bad_model_is_one_line_and_status_2(tmp_path):
     p = _cli("--model", str(tmp_path / "missing"), "--port", str(_free_port()), "--log-level",
              "critical")

@@ -109,6 +109,7 @@ def built(tmp_path_factory):
     return model, root, fp
 
 
+@pytest.mark.slow
 def test_artifacts_round_trip(built):
     model, root, fp = built
     arts = A.load_artifacts(A.target_dir(root, 0.5), fingerprint=fp, need_predictor=True)
