@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 
+from powerinfer_jax._machine import git_commit, machine_info  # noqa: F401  (re-exported)
 from powerinfer_jax.config import (DEFAULT_CONTEXT_CAP, DEFAULT_MODEL, DEFAULT_TARGET_SPARSITY,
                                    DTYPES, GATE_UP_SOURCES, IMPLS, KERNELS, MAX_SEED, OFFLOADS,
                                    WEIGHTS,
@@ -189,25 +188,3 @@ def run_main(main) -> None:
 
 def print_json(obj) -> None:
     print(json.dumps(obj), flush=True)
-
-
-def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cpus": os.cpu_count(), "host": platform.node()}
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=5, cwd=os.path.dirname(os.path.abspath(__file__)))
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"

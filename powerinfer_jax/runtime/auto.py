@@ -38,7 +38,7 @@ def cache_key(source: str, runtime, threads: int, target: float) -> dict:
     dtype, weight format and target."""
     from importlib import metadata
 
-    from powerinfer_jax import _cli
+    from powerinfer_jax._machine import machine_info
 
     try:
         version = metadata.version("powerinfer_jax")
@@ -52,7 +52,7 @@ def cache_key(source: str, runtime, threads: int, target: float) -> dict:
         build = f"{st.st_size}-{st.st_mtime_ns}"  # a rebuilt extension times afresh
     except (ImportError, OSError):
         isa, build = "none", "none"
-    return {"model": str(source), "cpu": _cli.machine_info()["cpu"],
+    return {"model": str(source), "cpu": machine_info()["cpu"],
             "machine": platform.machine(), "isa": isa, "threads": threads,
             "dtype": runtime.dtype, "weights": runtime.weights, "kernels": runtime.kernels,
             "target": target, "version": version, "kernels_build": build}
