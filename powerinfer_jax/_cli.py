@@ -188,3 +188,17 @@ def run_main(main) -> None:
 
 def print_json(obj) -> None:
     print(json.dumps(obj), flush=True)
+
+
+def process_age() -> float:
+    """Seconds since this process started (the kernel's start time, so the interpreter's own
+    start-up and imports are included); 0.0 where /proc is not available."""
+    import time
+
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # clock ticks since boot
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - started
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0

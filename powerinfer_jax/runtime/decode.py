@@ -26,7 +26,9 @@ running block. A block dispatched past a sequence's end is discarded for that se
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
 import time
 from typing import Callable, Sequence
 
@@ -38,6 +40,7 @@ from flax import nnx
 from powerinfer_jax.config import MAX_SEED, RuntimeConfig, SamplingParams, check_decode_block
 from powerinfer_jax.errors import check, fail
 from powerinfer_jax.models.transformer import Transformer, init_cache
+from powerinfer_jax.runtime import executables
 from powerinfer_jax.runtime import sampling as smp
 
 _MIN_BUCKET = 16
@@ -46,6 +49,16 @@ _MIN_KV_BUCKET = 128  # decode compiles at most log2(max_seq_len / 128) + 1 cach
 # SmolLM2 alike (+5-6% tok/s over single steps at 1 and 2 threads, Cascade Lake, a scratch loop
 # of the jitted steps); 4 wastes fewer steps past a stop token.
 DECODE_BLOCK = RuntimeConfig.decode_block
+
+
+def describe_step(key: tuple) -> str:
+    """('decode', 2, 256, 'sample', 4) -> 'the decode step (2 sequences, cache 256, sample, 4
+    steps a call)'."""
+    if key[0] == "prefill":
+        return f"the prefill step ({key[1]} tokens, {key[2]})"
+    _, b, kv_len, kind, steps = key
+    return (f"the decode step ({b} sequence{'s' if b > 1 else ''}, cache {kv_len}, {kind}"
+            f"{f', {steps} steps a call' if steps > 1 else ''})")
 
 
 def prefill_bucket(n: int, max_len: int, minimum: int = _MIN_BUCKET) -> int:
@@ -111,7 +124,7 @@ class Engine:
     """The jitted steps of one built model over a cache of `max_batch` slots."""
 
     def __init__(self, model: Transformer, *, max_seq_len: int, max_batch: int = 1,
-                 decode_block: int = DECODE_BLOCK):
+                 decode_block: int = DECODE_BLOCK, store=None, progress: bool = False):
         c = model.config
         check(isinstance(max_seq_len, int) and 0 < max_seq_len <= c.max_seq_len, "max_seq_len",
               f"1..{c.max_seq_len} (the model's context)", max_seq_len)
@@ -124,8 +137,9 @@ class Engine:
         self.max_batch = max_batch
         self.cache_dtype = model.dtype
         self._cache_sharding = model.cache_sharding()  # None unless sharded (runtime/mesh.py)
-        self.compile_count = 0
-        self.compile_s = 0.0
+        self.compile_count = 0  # steps compiled by this engine
+        self.loaded_count = 0  # steps loaded compiled from the store (runtime/executables.py)
+        self.compile_s = 0.0  # time spent getting steps ready: compiling or loading them
         self._executables: dict = {}
         graphdef, state = nnx.split(model)
         # The weights travel as a flat list of arrays: flattening the nnx.State pytree (332
@@ -133,6 +147,12 @@ class Engine:
         # argument handling (measured: ~0.4 ms of Python per step).
         self._state, treedef = jax.tree.flatten(state)
         self._cache = None
+        # Compiled steps kept across processes (a Store of runtime/executables.py, or None):
+        # loaded when this model's structure is the one they were compiled for.
+        self.store = store
+        self.progress = progress  # a line on stderr before each compile (seconds each)
+        self._structure = None if store is None else executables.structure_digest(
+            graphdef, self._state, (max_seq_len, max_batch, str(self.cache_dtype)))
 
         def merged(leaves):
             return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
@@ -199,14 +219,34 @@ class Engine:
                             abstract)
 
     def _executable(self, key: tuple):
-        """The compiled step for one shape bucket, compiled ahead of time on first need.
+        """The compiled step for one shape bucket: loaded from the store, else compiled ahead of
+        time on first need (and stored).
 
         Explicit executables make compilation visible: it happens outside the timed region, is
-        counted (`compile_count`, `compile_s`), and a new shape can never silently recompile."""
+        counted (`compile_count`, `loaded_count`, `compile_s`), and a new shape can never silently
+        recompile."""
         exe = self._executables.get(key)
         if exe is not None:
             return exe
         t0 = time.perf_counter()
+        exe = None if self.store is None else self.store.take(key, self._structure)
+        if exe is None:
+            if self.progress:
+                print(f"powerinfer_jax: compiling {describe_step(key)} (once for this model, "
+                      "mode and shape; later runs load it compiled)", file=sys.stderr, flush=True)
+            fresh = None if self.store is None else executables.fresh_compile()
+            with fresh or contextlib.nullcontext():
+                exe = self._compile(key)
+            self.compile_count += 1
+            if fresh is not None:
+                self.store.save(key, exe, self._structure)
+        else:
+            self.loaded_count += 1
+        self._executables[key] = exe
+        self.compile_s += time.perf_counter() - t0
+        return exe
+
+    def _compile(self, key: tuple):
         i32, u32, f32 = jnp.int32, jnp.uint32, jnp.float32
 
         def arr(shape, dtype):
@@ -224,9 +264,6 @@ class Engine:
                                      arr((b,), u32), arr((b,), f32), arr((b,), i32),
                                      arr((b,), f32), kv_len=kv_len, kind=kind,
                                      steps=steps).compile()
-        self._executables[key] = exe
-        self.compile_count += 1
-        self.compile_s += time.perf_counter() - t0
         return exe
 
     def kv_bucket(self, position: int) -> int:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
+from pathlib import Path
 
 from powerinfer_jax.config import (DEFAULT_CONTEXT_CAP, DEFAULT_MODEL, ModelConfig,
                                    PlacementConfig, RuntimeConfig, SparsityConfig)
@@ -30,6 +32,9 @@ class Session:
     placement: object | None = None  # sparsity.placement.Placement applied to the model, if any
     max_batch: int = 1
     auto: dict | None = None  # --sparsity auto: what was chosen and why (runtime/auto.py)
+    store: object | None = None  # runtime.executables.Store: compiled steps kept across processes
+    progress: bool = False  # lines on stderr for long steps (compiling)
+    timings: dict = dataclasses.field(default_factory=dict)  # seconds of build's phases
     _engine: object | None = None
 
     @property
@@ -39,7 +44,8 @@ class Session:
             from powerinfer_jax.runtime.decode import Engine
 
             self._engine = Engine(self.model, max_seq_len=kv_length(self.config, self.runtime),
-                                  max_batch=self.max_batch, decode_block=self.runtime.decode_block)
+                                  max_batch=self.max_batch, decode_block=self.runtime.decode_block,
+                                  store=self.store, progress=self.progress)
         return self._engine
 
     @property
@@ -108,10 +114,7 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     With a memory budget (or on a GPU) FFN neurons are placed hot/cold (runtime/placing.py).
     checkpoint: an already loaded Checkpoint of `model` (experiments that build several variants).
     """
-    from powerinfer_jax.checkpoint import load_checkpoint
-    from powerinfer_jax.models.transformer import DOWN_GROUPS, from_params
-    from powerinfer_jax.sparsity import modes
-
+    t0 = time.perf_counter()
     threads = _size_thread_pool(runtime.threads)
     use_compilation_cache()
     if sparsity.mode == "auto":
@@ -119,10 +122,19 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
                            progress, checkpoint, threads)
     sparsity = sparsity.with_default_target()
     accel = _accelerator()
+    # before the model code is imported and the model built: the compiled steps load beside
+    store = _executable_store(model, runtime, sparsity, placement, max_batch, artifacts_root,
+                              accel)
+    t1 = time.perf_counter()
+    from powerinfer_jax.checkpoint import load_checkpoint
+    from powerinfer_jax.models.transformer import DOWN_GROUPS, from_params
+    from powerinfer_jax.sparsity import modes
+
     if checkpoint is None:
         ckpt = load_checkpoint(model, keep_quantized=_keeps_quantized(runtime, placement))
     else:
         ckpt = checkpoint
+    t2 = time.perf_counter()
     if runtime.max_seq_len is not None and runtime.max_seq_len > ckpt.config.max_seq_len:
         fail("--max-seq-len", f"at most {ckpt.config.max_seq_len} (the model's context)",
              runtime.max_seq_len)
@@ -160,10 +172,45 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
         shard_model(m, runtime.devices)
     elif accel is not None:
         _to_accelerator(m, accel)
+    t3 = time.perf_counter()
     return Session(config=ckpt.config, model=m, tokenizer=ckpt.tokenizer, runtime=runtime,
                    sparsity=sparsity, source=str(ckpt.source), model_arg=str(model),
                    threads=threads, artifacts=arts, placement=placed,
-                   max_batch=max_batch)
+                   max_batch=max_batch, store=store, progress=progress,
+                   timings={"jax_s": t1 - t0, "load_s": t2 - t1, "build_s": t3 - t2})
+
+
+def _executable_store(model, runtime, sparsity, placement, max_batch, artifacts_root, accel):
+    """The store of compiled steps for this request (runtime/executables.py), its recent steps
+    already loading in the background; None where compiled steps cannot be reused across
+    processes (an accelerator, a placement's handles, a mesh) or the cache is off."""
+    import os
+
+    import jax
+
+    from powerinfer_jax.runtime import executables
+
+    if (not executables.enabled() or accel is not None or placement.budget_bytes is not None
+            or runtime.devices is not None or len(jax.devices()) != 1):
+        return None
+    path = Path(model).expanduser()
+    if not path.exists():
+        from powerinfer_jax.checkpoint.registry import KNOWN_MODELS, model_path
+
+        if str(model) not in KNOWN_MODELS:
+            return None  # load_checkpoint says why
+        path = model_path(str(model))
+    try:
+        st = (path / "config.json" if path.is_dir() else path).stat()
+    except OSError:
+        return None  # not fetched yet: the first run compiles
+    request = {"model": str(path.resolve()), "size": st.st_size, "mtime": st.st_mtime_ns,
+               "runtime": dataclasses.asdict(runtime), "sparsity": dataclasses.asdict(sparsity),
+               "max_batch": max_batch, "artifacts": None if artifacts_root is None
+               else os.path.abspath(artifacts_root)}
+    store = executables.Store(executables.identity(request))
+    store.prefetch()
+    return store
 
 
 def _keeps_quantized(runtime: RuntimeConfig, placement: PlacementConfig) -> bool:
