@@ -76,11 +76,11 @@ def test_an_unreadable_file_is_compiled_again(tiny_dir, cache):
     assert engine.loaded_count == 2
 
 
-def test_steps_jax_found_in_its_own_cache_are_compiled_fresh_for_the_store(tiny_dir, cache,
-                                                                          monkeypatch):
+def test_steps_jax_already_holds_are_compiled_fresh_for_the_store(tiny_dir, cache, monkeypatch):
     """jaxlib 0.10 serializes an executable it loaded from its persistent cache without the
-    kernels' code (the loaded copy fails at its first call: "Function ..._fusion not found"), so
-    the store compiles its steps past that cache. Here jax's cache holds both steps first."""
+    kernels' code (the loaded copy fails at its first call: "Function ..._fusion not found"), and
+    jax's in-memory cache hands that same executable to a later compile of the module. Here both
+    caches hold the steps first; two identities then store them, and the stored steps run."""
     import jax
     from jax._src import compilation_cache
 
@@ -92,12 +92,20 @@ def test_steps_jax_found_in_its_own_cache_are_compiled_fresh_for_the_store(tiny_
     try:
         monkeypatch.setenv("POWERINFER_JAX_XLA_CACHE", "0")  # no store: jax's cache fills
         engine, tokens = _run(tiny_dir)
-        assert engine.store is None and any((cache / "jax").iterdir())
+        assert engine.store is None
+        entries = set((cache / "jax").iterdir())
+        assert entries
         monkeypatch.delenv("POWERINFER_JAX_XLA_CACHE")
-        engine, _ = _run(tiny_dir)
+        jax.clear_caches()  # a new process: jax's in-memory cache empty...
+        engine, _ = _run(tiny_dir)  # ...and its persistent cache holding both steps
         assert engine.compile_count == 2
-        engine, tokens_again = _run(tiny_dir)  # these loaded steps must run
-        assert engine.loaded_count == 2 and tokens_again == tokens
+        other, _ = _run(tiny_dir, artifacts=str(cache / "elsewhere"))  # in-memory hits now
+        assert other.compile_count == 2 and other.store.identity != engine.store.identity
+        for kw in ({}, {"artifacts": str(cache / "elsewhere")}):
+            engine, tokens_again = _run(tiny_dir, **kw)  # these loaded steps must run
+            assert engine.loaded_count == 2 and tokens_again == tokens
+        new = {p.name for p in set((cache / "jax").iterdir()) - entries}
+        assert not [n for n in new if n.startswith(("jit_prefill_", "jit_decode_"))]  # none kept
     finally:
         jax.config.update("jax_compilation_cache_dir", saved[0])
         jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])

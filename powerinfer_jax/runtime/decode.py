@@ -26,8 +26,8 @@ running block. A block dispatched past a sequence's end is discarded for that se
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import sys
 import time
 from typing import Callable, Sequence
@@ -49,6 +49,16 @@ _MIN_KV_BUCKET = 128  # decode compiles at most log2(max_seq_len / 128) + 1 cach
 # SmolLM2 alike (+5-6% tok/s over single steps at 1 and 2 threads, Cascade Lake, a scratch loop
 # of the jitted steps); 4 wastes fewer steps past a stop token.
 DECODE_BLOCK = RuntimeConfig.decode_block
+
+
+def _renamed(fn, name: str):
+    """`fn` under another name (jit names its module, and jax keys its caches, after it)."""
+    @functools.wraps(fn)
+    def renamed(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    renamed.__name__ = renamed.__qualname__ = name
+    return renamed
 
 
 def describe_step(key: tuple) -> str:
@@ -202,9 +212,11 @@ class Engine:
             _, cache, out = jax.lax.fori_loop(0, steps, body, (tokens_b, cache, out))
             return out, cache
 
-        self._prefill = jax.jit(prefill, static_argnames="kind", donate_argnames="cache")
-        self._decode = jax.jit(decode, static_argnames=("kv_len", "kind", "steps"),
-                               donate_argnames="cache")
+        self._steps = {"prefill": (prefill, dict(static_argnames="kind", donate_argnames="cache")),
+                       "decode": (decode, dict(static_argnames=("kv_len", "kind", "steps"),
+                                               donate_argnames="cache"))}
+        self._prefill = jax.jit(prefill, **self._steps["prefill"][1])
+        self._decode = jax.jit(decode, **self._steps["decode"][1])
         self._set_token = jax.jit(lambda toks, i, t: toks.at[i].set(t))
 
     # ------------------------------------------------------------------ compilation
@@ -234,19 +246,29 @@ class Engine:
             if self.progress:
                 print(f"powerinfer_jax: compiling {describe_step(key)} (once for this model, "
                       "mode and shape; later runs load it compiled)", file=sys.stderr, flush=True)
-            fresh = None if self.store is None else executables.fresh_compile()
-            with fresh or contextlib.nullcontext():
+            if self.store is None:
                 exe = self._compile(key)
-            self.compile_count += 1
-            if fresh is not None:
+            else:  # compiled, never found in jax's caches: only such a step serializes whole
+                with executables.no_cache_write():
+                    exe = self._compile(key, executables.fresh_name(key[0]))
                 self.store.save(key, exe, self._structure)
+            self.compile_count += 1
         else:
             self.loaded_count += 1
         self._executables[key] = exe
         self.compile_s += time.perf_counter() - t0
         return exe
 
-    def _compile(self, key: tuple):
+    def _jit(self, step: str, name: str | None = None):
+        """The engine's jitted `step`, or a new jit of it under `name`."""
+        if name is None:
+            return self._prefill if step == "prefill" else self._decode
+        fn, options = self._steps[step]
+        return jax.jit(_renamed(fn, name), **options)
+
+    def _compile(self, key: tuple, name: str | None = None):
+        """Lower and compile one step; under `name` (a fresh jit of the same function) when
+        given, else through the engine's jitted functions."""
         i32, u32, f32 = jnp.int32, jnp.uint32, jnp.float32
 
         def arr(shape, dtype):
@@ -255,12 +277,12 @@ class Engine:
         cache = self._abstract_cache()
         if key[0] == "prefill":
             _, t, kind = key
-            exe = self._prefill.lower(self._state, arr((1, t), i32), arr((), i32), arr((), i32),
+            exe = self._jit("prefill", name).lower(self._state, arr((1, t), i32), arr((), i32), arr((), i32),
                                       cache, arr((), u32), arr((), f32), arr((), i32),
                                       arr((), f32), kind=kind).compile()
         else:
             _, b, kv_len, kind, steps = key
-            exe = self._decode.lower(self._state, arr((b,), i32), arr((b,), i32), cache,
+            exe = self._jit("decode", name).lower(self._state, arr((b,), i32), arr((b,), i32), cache,
                                      arr((b,), u32), arr((b,), f32), arr((b,), i32),
                                      arr((b,), f32), kv_len=kv_len, kind=kind,
                                      steps=steps).compile()

@@ -23,11 +23,13 @@ per-process handles and devices). `POWERINFER_JAX_XLA_CACHE=0` turns it off with
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import json
 import os
 import pickle
+import secrets
 import shutil
 import time
 from pathlib import Path
@@ -107,16 +109,27 @@ def structure_digest(graphdef, leaves, extra) -> str:
     return h.hexdigest()
 
 
-def fresh_compile():
-    """A context in which jit compiles without jax's persistent cache, or None where this jax has
-    no such switch. A step for the store must be compiled fresh: an executable that jax loaded
-    from its own cache serializes without its kernels' code (jaxlib 0.10: loading that blob
-    fails at the first call with "Function ..._fusion not found")."""
+def fresh_name(kind: str) -> str:
+    """A step name no cache has seen. A step for the store must be compiled, not found: an
+    executable jax loaded from its persistent cache (or got from its in-memory cache after such a
+    load) serializes without its kernels' code (jaxlib 0.10: loading that blob fails at the first
+    call with "Function ..._fusion not found"). jax keys both caches on the module, whose name
+    is the function's, so a fresh name compiles fresh."""
+    return f"{kind}_{secrets.token_hex(8)}"
+
+
+@contextlib.contextmanager
+def no_cache_write():
+    """jax does not keep this compile in its persistent cache (under a fresh name it would never
+    be found again)."""
+    import jax
+
+    saved = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
     try:
-        from jax._src import config
-        return config.enable_compilation_cache(False)
-    except (ImportError, AttributeError, TypeError):
-        return None
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved)
 
 
 def _root() -> Path:
@@ -197,6 +210,8 @@ class Store:
 
         try:
             blob, in_tree, out_tree = serialize_executable.serialize(compiled)
+            if b"\x7fELF" not in blob:  # no kernels' code in it (see fresh_name): never stored
+                return
             data = pickle.dumps((FORMAT, structure, blob, in_tree, out_tree))
             self.dir.mkdir(parents=True, exist_ok=True)
             with cache.atomic_file(self.dir / (key_name(key) + _SUFFIX)) as tmp:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -222,9 +224,8 @@ def _keeps_quantized(runtime: RuntimeConfig, placement: PlacementConfig) -> bool
 
 def _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch, progress,
                 checkpoint, threads) -> Session:
-    """--sparsity auto: build dense and the sparse candidate, keep the faster on this machine."""
-    from pathlib import Path
-
+    """--sparsity auto: dense, or the sparse candidate where it is measurably faster here
+    (runtime/auto.py: estimate, interleaved timing, cached verdict)."""
     from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.config import DEFAULT_TARGET_SPARSITY
     from powerinfer_jax.runtime import auto
@@ -233,18 +234,57 @@ def _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch, 
     if checkpoint is None:
         checkpoint = load_checkpoint(model, keep_quantized=_keeps_quantized(runtime, placement))
     target = sparsity.target_sparsity or DEFAULT_TARGET_SPARSITY
+    root_arg = artifacts_root
     root = Path(default_root(model, checkpoint.source) if artifacts_root is None
                 else artifacts_root)
 
-    def one(cfg):
-        return build(model, runtime, cfg, placement=placement, artifacts_root=artifacts_root,
-                     max_batch=max_batch, progress=progress, checkpoint=checkpoint)
+    def one(cfg, artifacts_root=None):  # None: the caller's artifacts
+        return build(model, runtime, cfg, placement=placement,
+                     artifacts_root=artifacts_root or root_arg, max_batch=max_batch,
+                     progress=progress, checkpoint=checkpoint)
 
-    session, report = auto.choose(
-        one, key=auto.cache_key(checkpoint.source, runtime, threads, target), target=target,
-        cache_dir=root, progress=progress)
+    trials: list[Path] = []
+
+    def trial(dense):
+        made = _trial_artifacts(model, dense, root, target, progress)
+        trials.extend([made] if made is not None else [])
+        return made
+
+    try:
+        session, report = auto.choose(
+            one, key=auto.cache_key(checkpoint.source, runtime, threads, target),
+            target=target, cache_dir=root, progress=progress, trial=trial)
+    finally:
+        for d in trials:  # the trial thresholds served the timing only
+            shutil.rmtree(d, ignore_errors=True)
     session.auto = auto.describe(report)
     return session
+
+
+def _trial_artifacts(model_arg, dense: Session, root: Path, target: float, progress: bool):
+    """Where auto's sparse candidate finds its thresholds: None when the real artifacts exist;
+    for the default model (whose artifacts are built on first use, minutes) thresholds
+    calibrated on a few thousand tokens in a temporary directory, so that the full build happens
+    only if the candidate wins; a user's model without artifacts: None (its build then says how
+    to make them)."""
+    import tempfile
+
+    from powerinfer_jax.checkpoint.registry import KNOWN_MODELS
+    from powerinfer_jax.runtime.auto import TRIAL_TOKENS
+    from powerinfer_jax.sparsity import artifacts as A
+
+    if (A.target_dir(root, target) / "meta.json").is_file() or str(model_arg) not in KNOWN_MODELS:
+        return None
+    if progress:
+        print(f"powerinfer_jax: --sparsity auto: calibrating trial thresholds on {TRIAL_TOKENS} "
+              "tokens to time the sparse mode (its full artifacts are built only if it wins)",
+              file=sys.stderr, flush=True)
+    trial = Path(tempfile.mkdtemp(prefix="pij-auto-trial-"))
+    A.build_artifacts(dense.model, dense.tokenizer,
+                      fingerprint=A.model_fingerprint(model_arg, dense.source, dense.config),
+                      root=trial, target_sparsity=target, max_tokens=TRIAL_TOKENS, train=None,
+                      progress=progress)
+    return trial
 
 
 def use_compilation_cache() -> None:
