@@ -33,8 +33,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--alias", default=None,
                    help="the model's name in the API (default: --model as given)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="compile the decode step for every batch size before answering /health "
-                        "200 (default: on)")
+                   help="before /health answers 200, compile (or load, when an earlier start "
+                        "compiled them) the prefill step of every prompt-length bucket and the "
+                        "decode step of every batch size and cache-length bucket, greedy and "
+                        "sampled, so that no request waits for a compile (default: on)")
     p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
                    help="on SIGINT/SIGTERM, seconds running requests may take to finish before "
                         "they are cancelled (default: %(default)s)")
@@ -59,7 +61,7 @@ def main(argv=None) -> None:
 
     app = create_app(lambda: _cli.build_from_args(args, max_batch=args.parallel),
                      slots=args.parallel, model_name=args.alias, queue_size=args.queue,
-                     warmup=("greedy",) if args.warmup else ())
+                     warmup=("greedy", "sample") if args.warmup else ())
     Server(app, host=args.host, port=args.port, grace_s=args.shutdown_grace,
            log_level=args.log_level).run()
     if app.state.pij.load_error is not None:  # a bad --model: one line on stderr, status 2

@@ -288,6 +288,26 @@ class Engine:
                                      steps=steps).compile()
         return exe
 
+    def prepare(self, key: tuple) -> None:
+        """Have the step of `key` ready (loaded or compiled) before a request needs it: a
+        ("prefill", bucket, kind) or ("decode", batch bucket, cache bucket, kind, steps) key."""
+        self._executable(key)
+
+    def is_ready(self, key: tuple) -> bool:
+        return key in self._executables
+
+    @property
+    def ready_steps(self) -> int:
+        """Steps compiled or loaded so far."""
+        return len(self._executables)
+
+    def buckets(self) -> dict[str, list[int]]:
+        """Every shape bucket this engine can meet: prompt lengths, cache lengths, batch sizes."""
+        n = self.max_seq_len
+        return {"prefill": sorted({prefill_bucket(t, n) for t in range(1, n)}),
+                "kv": sorted({self.kv_bucket(p) for p in range(n)}),
+                "batch": sorted({self.batch_bucket(b) for b in range(1, self.max_batch + 1)})}
+
     def kv_bucket(self, position: int) -> int:
         return prefill_bucket(position + 1, self.max_seq_len, _MIN_KV_BUCKET)
 
