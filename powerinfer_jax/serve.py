@@ -18,10 +18,12 @@ from powerinfer_jax import _cli
 from powerinfer_jax.errors import check_positive_int, fail
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m powerinfer_jax.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    _cli.add_common_flags(p)
+    # no --json (the server prints no result) and no --decode-block (it steps one token a call)
+    _cli.add_model_flags(p, json=False, decode_block=False)
+    _cli.add_sparsity_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8080, help="(default: %(default)s)")
     p.add_argument("--parallel", type=int, default=4,
@@ -42,9 +44,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "they are cancelled (default: %(default)s)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
-    return p.parse_args(argv)
+    return p
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+@_cli.speaks_flags(build_parser)
 def main(argv=None) -> None:
     args = parse_args(argv)
     check_positive_int("--parallel", args.parallel, maximum=256)

@@ -325,11 +325,11 @@ class Engine:
             fail("prompt", "at least one token", "an empty prompt")
         if n_prompt >= self.max_seq_len:
             fail("prompt", f"fewer than {self.max_seq_len} tokens (the context length, "
-                 "--max-seq-len)", n_prompt, "shorten the prompt")
+                 "max_seq_len)", n_prompt, "shorten the prompt")
         if n_prompt + max(max_new_tokens, 1) > self.max_seq_len:
             fail("prompt", f"prompt tokens + new tokens <= {self.max_seq_len} (the context "
-                 "length, --max-seq-len)", f"{n_prompt} + {max_new_tokens}",
-                 "shorten the prompt, ask for fewer new tokens or raise --max-seq-len")
+                 "length, max_seq_len)", f"{n_prompt} + {max_new_tokens}",
+                 "shorten the prompt, ask for fewer new tokens or raise max_seq_len")
 
     def _check_request(self, r: Request) -> None:
         check(isinstance(r.max_new_tokens, int) and r.max_new_tokens >= 1, "max_new_tokens",

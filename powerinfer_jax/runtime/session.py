@@ -138,7 +138,7 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
         ckpt = checkpoint
     t2 = time.perf_counter()
     if runtime.max_seq_len is not None and runtime.max_seq_len > ckpt.config.max_seq_len:
-        fail("--max-seq-len", f"at most {ckpt.config.max_seq_len} (the model's context)",
+        fail("max_seq_len", f"at most {ckpt.config.max_seq_len} (the model's context)",
              runtime.max_seq_len)
     # With an accelerator the model is built in host memory and only what the placement keeps on
     # the device goes there: a model larger than the device's memory never lands on it whole.

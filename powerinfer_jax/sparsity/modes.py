@@ -54,7 +54,7 @@ def names() -> tuple[str, ...]:
 
 
 def get(name: str) -> Mode:
-    check_choice("--sparsity", name, names())
+    check_choice("sparsity", name, names())
     return _MODES[name]
 
 
