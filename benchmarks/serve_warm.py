@@ -50,7 +50,8 @@ def start(args, warmup: bool):
     url = f"http://127.0.0.1:{port}"
     while True:
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+            raise SystemExit(f"the server exited ({proc.returncode}): "
+                             f"{proc.stderr.read()[-2000:]}")
         try:
             r = httpx.get(url + "/health", timeout=5)
             if r.status_code == 200:
@@ -102,7 +103,8 @@ def main(argv=None) -> None:
             try:
                 if attempt == "measured":
                     for n in LENGTHS:
-                        first, second = request_s(url, args.model, n), request_s(url, args.model, n)
+                        first = request_s(url, args.model, n)
+                        second = request_s(url, args.model, n)
                         rows.append({**base, "mode": mode, "prompt_tokens": n,
                                      "first_s": first, "warm_s": second,
                                      "ratio": first / second, "within_2x": first <= 2 * second,

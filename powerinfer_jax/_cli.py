@@ -199,7 +199,8 @@ def flag_words(message: str, flags) -> str:
     head = _HEAD.match(message)
     if head and flag(head.group(1)):
         value = head.group(2)
-        message = flag(head.group(1)) + (" " + value[1:] if value else "") + message[head.end() - 1:]
+        subject = flag(head.group(1)) + (" " + value[1:] if value else "")
+        message = subject + message[head.end() - 1:]
     message = _ASSIGN.sub(lambda m: f"{flag(m.group(1))} {m.group(2)}" if flag(m.group(1))
                           else m.group(0), message)
     return _NAME.sub(lambda m: flag(m.group(1)) or m.group(1), message)
@@ -227,9 +228,11 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for `yes | head`'s
 def run_main(main) -> None:
     """Call main(); a user error (bad flag value, bad file, bad state) prints one line on stderr
     and exits with status 2, Ctrl-C exits with 130, a reader that closed stdout early (`| head`)
-    ends the command with 141, all without a traceback."""
+    ends the command with 141, all without a traceback. A command that finished exits at once
+    (`_exit_now`)."""
     try:
         main()
+        _exit_now()
     except (UserError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -247,6 +250,19 @@ def run_main(main) -> None:
         print("interrupted", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(_interrupt.EXIT_INTERRUPTED)
+
+
+def _exit_now() -> None:
+    """End a finished command without the interpreter's teardown: with jax loaded it took
+    0.7-1.0 s of a 1-3 s `generate` run here (freeing XLA's executables and client, collecting
+    every object), while nothing in it is needed: files are written and closed by then, and the
+    streams and logs are flushed here."""
+    import logging
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)
 
 
 def print_json(obj) -> None:

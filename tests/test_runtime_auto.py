@@ -1,7 +1,7 @@
-"""--sparsity auto decides on evidence (runtime/auto.py): with injected timings a tie keeps dense and
-says so, a clear win picks the sparse mode, a clear loss dense; the bytes estimate skips building
-a candidate that cannot win; a decision is cached per machine facts and reused; fresh decisions on
-noisy timings of equal modes never pick the sparse mode."""
+"""--sparsity auto decides on evidence (runtime/auto.py): with injected timings a tie keeps dense
+and says so, a clear win picks the sparse mode, a clear loss dense; the bytes estimate skips
+building a candidate that cannot win; a decision is cached per machine facts and reused; fresh
+decisions on noisy timings of equal modes never pick the sparse mode."""
 import random
 
 import numpy as np

@@ -277,16 +277,16 @@ class Engine:
         cache = self._abstract_cache()
         if key[0] == "prefill":
             _, t, kind = key
-            exe = self._jit("prefill", name).lower(self._state, arr((1, t), i32), arr((), i32), arr((), i32),
-                                      cache, arr((), u32), arr((), f32), arr((), i32),
-                                      arr((), f32), kind=kind).compile()
+            lowered = self._jit("prefill", name).lower(
+                self._state, arr((1, t), i32), arr((), i32), arr((), i32), cache, arr((), u32),
+                arr((), f32), arr((), i32), arr((), f32), kind=kind)
         else:
             _, b, kv_len, kind, steps = key
-            exe = self._jit("decode", name).lower(self._state, arr((b,), i32), arr((b,), i32), cache,
-                                     arr((b,), u32), arr((b,), f32), arr((b,), i32),
-                                     arr((b,), f32), kv_len=kv_len, kind=kind,
-                                     steps=steps).compile()
-        return exe
+            lowered = self._jit("decode", name).lower(
+                self._state, arr((b,), i32), arr((b,), i32), cache, arr((b,), u32),
+                arr((b,), f32), arr((b,), i32), arr((b,), f32), kv_len=kv_len, kind=kind,
+                steps=steps)
+        return lowered.compile()
 
     def prepare(self, key: tuple) -> None:
         """Have the step of `key` ready (loaded or compiled) before a request needs it: a
