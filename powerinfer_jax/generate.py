@@ -11,11 +11,17 @@ import sys
 from powerinfer_jax import _cli
 from powerinfer_jax.errors import UserError
 
+KV_MIN = 128  # runtime/decode.py's smallest cache bucket
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m powerinfer_jax.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _cli.add_common_flags(p)
+    for action in p._actions:
+        if "--max-seq-len" in action.option_strings:
+            action.help = ("KV cache length (default: the prompt's tokens plus --max-new-tokens, "
+                           "rounded up to a power of two >= 128)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     _cli.add_sampling_flags(p)
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
@@ -41,6 +47,8 @@ def main(argv=None) -> None:
     started = _cli.process_age()
     llm = LLM(_cli.build_from_args(args))
     ids = llm.encode(args.prompt, chat=args.chat)
+    if args.max_seq_len is None:  # a cache for this run only: allocated and zeroed faster
+        llm.session.kv_limit = kv_for(len(ids) + args.max_new_tokens)
     engine = llm.session.engine
     engine.check_prompt(len(ids), args.max_new_tokens)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -60,6 +68,13 @@ def main(argv=None) -> None:
             "first_token_s": out.first_token_s, "stop_reason": out.finish_reason,
             **llm.session.describe(), "threads": threads, "plan": llm.session.plan[0],
             "startup": startup(llm.session, started, before, out)})
+
+
+def kv_for(positions: int) -> int:
+    """KV cache positions for a one-shot run: a power of two (a step compiled for it is reused
+    by the next run of a similar length), at least the smallest cache bucket. The steps read
+    only a bucket of the cache, never its whole length: the tokens are those of a full cache."""
+    return max(KV_MIN, 1 << (positions - 1).bit_length())
 
 
 def startup(session, started: float, before: tuple[float, float], out) -> dict:

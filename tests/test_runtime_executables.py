@@ -40,7 +40,7 @@ def test_a_second_build_loads_the_steps_and_gives_the_same_tokens(tiny_dir, cach
     first, tokens = _run(tiny_dir)
     assert (first.compile_count, first.loaded_count) == (2, 0)
     files = sorted(p.name for p in first.store.dir.iterdir())
-    assert files == ["decode-1-64-greedy-4.exe", "prefill-16-greedy.exe", "used.json"]
+    assert files == ["decode-1-64-greedy-4-64.exe", "prefill-16-greedy-64.exe", "used.json"]
     again, tokens_again = _run(tiny_dir)
     assert (again.compile_count, again.loaded_count) == (0, 2)
     assert tokens_again == tokens
@@ -149,3 +149,26 @@ def test_generate_json_reports_where_start_up_went(tiny_dir, tmp_path):
               "first_token_s", "decode_s")
     assert all(second[k] >= 0 for k in phases)
     assert abs(sum(second[k] for k in phases) - second["total_s"]) < 0.05
+
+
+def test_a_cache_sized_to_the_run_gives_the_tokens_of_the_full_cache():
+    """generate sizes the KV cache to its prompt and new tokens (generate.kv_for): the steps read
+    a bucket of the cache, never its whole length, so the tokens are those of a full cache."""
+    from flax import nnx
+
+    from powerinfer_jax.config import ModelConfig, SamplingParams
+    from powerinfer_jax.generate import kv_for
+    from powerinfer_jax.models.transformer import Transformer
+    from powerinfer_jax.runtime.decode import Engine
+
+    c = ModelConfig(arch="llama", vocab_size=53, d_model=24, n_layers=2, n_heads=4, n_kv_heads=2,
+                    head_dim=6, d_ff=37, max_seq_len=512)
+    m = Transformer(c, rngs=nnx.Rngs(0))
+    prompt = [3, 17, 5, 42, 8, 11, 29]
+    assert kv_for(len(prompt) + 40) == 128 and kv_for(200) == 256 and kv_for(1) == 128
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.9, top_k=10)):
+        full = Engine(m, max_seq_len=512).generate(prompt, max_new_tokens=40, sampling=sampling,
+                                                   seed=3).tokens
+        sized = Engine(m, max_seq_len=kv_for(len(prompt) + 40)).generate(
+            prompt, max_new_tokens=40, sampling=sampling, seed=3).tokens
+        assert sized == full

@@ -241,7 +241,8 @@ class Engine:
         if exe is not None:
             return exe
         t0 = time.perf_counter()
-        exe = None if self.store is None else self.store.take(key, self._structure)
+        stored = (*key, self.max_seq_len)  # one identity's engines may size their caches apart
+        exe = None if self.store is None else self.store.take(stored, self._structure)
         if exe is None:
             if self.progress:
                 print(f"powerinfer_jax: compiling {describe_step(key)} (once for this model, "
@@ -251,7 +252,7 @@ class Engine:
             else:  # compiled, never found in jax's caches: only such a step serializes whole
                 with executables.no_cache_write():
                     exe = self._compile(key, executables.fresh_name(key[0]))
-                self.store.save(key, exe, self._structure)
+                self.store.save(stored, exe, self._structure)
             self.compile_count += 1
         else:
             self.loaded_count += 1

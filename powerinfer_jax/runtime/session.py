@@ -36,6 +36,9 @@ class Session:
     auto: dict | None = None  # --sparsity auto: what was chosen and why (runtime/auto.py)
     store: object | None = None  # runtime.executables.Store: compiled steps kept across processes
     progress: bool = False  # lines on stderr for long steps (compiling)
+    # the engine's KV cache holds at most this many positions (None: kv_length); set before the
+    # engine is made (generate sizes it to its prompt and new tokens)
+    kv_limit: int | None = None
     timings: dict = dataclasses.field(default_factory=dict)  # seconds of build's phases
     _engine: object | None = None
 
@@ -45,10 +48,16 @@ class Session:
         if self._engine is None:
             from powerinfer_jax.runtime.decode import Engine
 
-            self._engine = Engine(self.model, max_seq_len=kv_length(self.config, self.runtime),
+            self._engine = Engine(self.model, max_seq_len=self.kv_positions,
                                   max_batch=self.max_batch, decode_block=self.runtime.decode_block,
                                   store=self.store, progress=self.progress)
         return self._engine
+
+    @property
+    def kv_positions(self) -> int:
+        """Positions of the engine's KV cache per sequence."""
+        full = kv_length(self.config, self.runtime)
+        return full if self.kv_limit is None else min(full, self.kv_limit)
 
     @property
     def plan(self) -> tuple[dict, ...]:
@@ -71,7 +80,7 @@ class Session:
                 "target_sparsity": self.sparsity.target_sparsity,
                 "predictor": self.sparsity.predictor if self.sparsity.mode == "predictor" else None,
                 "gate_up": self.sparsity.gate_up if self.sparsity.mode == "predictor" else None,
-                "kernels": self.model.kernels, "max_seq_len": kv_length(self.config, self.runtime),
+                "kernels": self.model.kernels, "max_seq_len": self.kv_positions,
                 "weights": weight_formats(self.model), "auto": self.auto,
                 "placement": None if self.placement is None else self.placement.summary(),
                 "devices": self.runtime.devices, "decode_block": self.runtime.decode_block}
