@@ -216,7 +216,7 @@ def test_shapes_that_do_not_divide_are_rejected():
     freqs = [np.arange(CFG.d_ff, dtype=float)] * CFG.n_layers
     p = pl.place("hybrid", freqs, s, s.dense + 7 * s.neuron_bytes[0])  # 7 hot rows in all
     apply_placement(m, p)
-    with pytest.raises(UserError, match=r"hot/cold rows: expected multiples of --devices 4"):
+    with pytest.raises(UserError, match=r"hot/cold rows: expected multiples of devices=4"):
         mesh.shard_model(m, N)
 
 
