@@ -4,13 +4,14 @@ Starts `python -m powerinfer_jax.serve` (the default model), waits for /health 2
 start-up a user waits for), then per prompt length (one per prefill bucket) sends a request of
 that length twice, max_tokens 1, greedy, and times each (the prompt latency: the request's whole
 time, its one token included). The first request of a bucket after /health says ready must take
-at most 2x the second (issue 37's check). With --modes warm,nowarm a second server started with
---no-warmup shows what the first requests paid before (each bucket compiled on demand).
+at most 2x the second (issue 37's check). With --baseline-src the server of an older source tree
+runs the same way: what the first requests paid before (its prefill steps compiled on demand).
 
-    flock -x /tmp/pij_cpu.lock python benchmarks/serve_warm.py [--out benchmarks/serve_warm.jsonl]
+    flock -x /tmp/pij_cpu.lock python benchmarks/serve_warm.py [--baseline-src /tmp/pij_base] \
+        [--out benchmarks/serve_warm.jsonl]
 
-Every mode starts the server twice: the first start fills the caches (compiled steps), the second
-is the one measured; rows say which.
+Each server starts twice: the first start fills the caches (compiled steps), the second is the
+one measured.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -39,14 +41,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(args, warmup: bool):
+def start(args, baseline: bool):
     port = free_port()
-    argv = [sys.executable, "-m", "powerinfer_jax.serve", "--model", args.model, "--port",
-            str(port), "--parallel", str(args.parallel), "--dtype", args.dtype,
-            "--warmup" if warmup else "--no-warmup", "--log-level", "warning"]
+    argv = ["-m", "powerinfer_jax.serve", "--model", args.model, "--port", str(port),
+            "--parallel", str(args.parallel), "--dtype", args.dtype, "--log-level", "warning"]
+    env = dict(os.environ)
+    if baseline:  # another source tree, past the editable install's redirect (startup.py)
+        env["PYTHONPATH"] = os.pathsep.join([str(args.baseline_src),
+                                             sysconfig.get_paths()["purelib"]])
+        argv = [sys.executable, "-S", *argv]
+    else:
+        argv = [sys.executable, *argv]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(argv, cwd=args.baseline_src if baseline else REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     while True:
         if proc.poll() is not None:
@@ -87,7 +95,12 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--parallel", type=int, default=4)
-    p.add_argument("--modes", default="warm,nowarm")
+    p.add_argument("--baseline-src", type=Path, default=None,
+                   help="also run the server of this source tree (an older commit; see "
+                        "benchmarks/startup.py) the same way")
+    p.add_argument("--fill-only", action="store_true",
+                   help="only the first starts (fill the caches, untimed: run it outside the "
+                        "exclusive lock first)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     base = {"bench": "serve_warm", "run_id": time.strftime("%Y%m%dT%H%M%S"),
@@ -96,10 +109,9 @@ def main(argv=None) -> None:
             "config": {"model": args.model, "dtype": args.dtype, "parallel": args.parallel,
                        "max_tokens": 1, "lengths": list(LENGTHS)}}
     rows = []
-    for mode in args.modes.split(","):
-        warmup = mode == "warm"
-        for attempt in ("fills the caches", "measured"):
-            proc, url, ready_s, health = start(args, warmup)
+    for mode in ["ours"] + (["baseline"] if args.baseline_src is not None else []):
+        for attempt in ("fills the caches",) + (() if args.fill_only else ("measured",)):
+            proc, url, ready_s, health = start(args, mode == "baseline")
             try:
                 if attempt == "measured":
                     for n in LENGTHS:

@@ -123,9 +123,13 @@ def test_old_identities_are_pruned(tmp_path, monkeypatch):
     for i in range(4):
         d = tmp_path / f"id{i}"
         d.mkdir()
+        (d / "step.exe").write_bytes(b"x" * 100)
         os.utime(d, (i, i))
     executables._prune(tmp_path, keep=tmp_path / "id0")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["id0", "id2", "id3"]
+    monkeypatch.setattr(executables, "MAX_BYTES", 150)  # the newest, then over the byte cap
+    executables._prune(tmp_path, keep=tmp_path / "id0")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["id0", "id3"]
 
 
 @pytest.mark.slow

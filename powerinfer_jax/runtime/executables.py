@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 
 FORMAT = 1  # bump when the file layout changes
-MAX_IDENTITIES = 48  # identity directories kept; the least recently used go first
+MAX_IDENTITIES = 48  # identity directories kept; the least recently used go first...
+MAX_BYTES = 2 << 30  # ...and while they hold more than this (a server's ~46 steps: ~70 MB)
 _SUFFIX = ".exe"
 
 
@@ -236,12 +237,16 @@ class Store:
 
 
 def _prune(root: Path, keep: Path) -> None:
-    """Keep the MAX_IDENTITIES most recently written identity directories."""
+    """Keep the MAX_IDENTITIES most recently written identity directories, and fewer while they
+    hold more than MAX_BYTES (`keep`, the one just written, always stays)."""
     try:
         dirs = sorted((d for d in root.iterdir() if d.is_dir()),
                       key=lambda d: d.stat().st_mtime, reverse=True)
+        sizes = [sum(f.stat().st_size for f in d.iterdir()) for d in dirs]
     except OSError:
         return
-    for d in dirs[MAX_IDENTITIES:]:
-        if d != keep:
+    total = 0
+    for i, (d, size) in enumerate(zip(dirs, sizes)):
+        total += size
+        if d != keep and (i >= MAX_IDENTITIES or total > MAX_BYTES):
             shutil.rmtree(d, ignore_errors=True)
