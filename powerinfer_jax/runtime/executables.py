@@ -3,14 +3,14 @@
 jax's persistent compilation cache (`<cache>/xla`) skips XLA's compile, but finding an entry still
 traces and lowers the step (SmolLM2's prefill and decode: ~1.7 s of a 3 s `generate` run, measured
 on a 2-core EPYC). Here a compiled step is serialized as it is (`jax.experimental.
-serialize_executable`) under `<cache>/executables/<identity>/<step>.exe`, and a later process loads
-it without tracing anything. Loading runs in XLA's threads without the GIL, so `Store.prefetch`
+serialize_executable`) under `<cache>/executables/<identity>/<step>.exe` (the step's shape key and
+cache length), and a later process loads it without tracing anything. Loading runs in XLA's threads without the GIL, so `Store.prefetch`
 starts it while the model is still being built: the steps the last process with this identity
 used (`used.json`) load beside the build, on another core.
 
 Two keys keep a stale executable from running:
 - the identity (`identity()`), known before the model is built: what the caller asked for (model
-  file, configs, slots, cache length) and everything the compiled code depends on beyond the model's
+  file, configs, slots) and everything the compiled code depends on beyond the model's
   structure: this package's sources and compiled extension, jax and jaxlib, XLA_FLAGS, the CPU's
   instruction set, the threads;
 - the structure (`structure_digest()`), checked once the model exists: its module graph with every
