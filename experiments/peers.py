@@ -41,15 +41,9 @@ REFERENCE = {"Q4_1": "float32", "F32": "float32", "BF16": "bfloat16", "float32":
 
 def tokenizer_meta(path: Path) -> dict:
     """The tokenizer metadata of a GGUF file, as `write_gguf`'s tokenizer_meta."""
-    from powerinfer_jax.checkpoint.gguf import _TOKENIZER_WRITERS, _open, read_metadata
+    from powerinfer_jax.checkpoint.gguf import tokenizer_metadata
 
-    meta = read_metadata(_open(path))
-    out = {}
-    for key, value in meta.items():
-        short = key.removeprefix("tokenizer.ggml.").removeprefix("tokenizer.")
-        if key.startswith("tokenizer.") and short in _TOKENIZER_WRITERS:
-            out[short] = value
-    return out
+    return tokenizer_metadata(path)
 
 
 def peer_ggufs(model: str, ckpt) -> dict[str, Path]:

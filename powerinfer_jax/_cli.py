@@ -78,6 +78,10 @@ def add_sparsity_flags(p: argparse.ArgumentParser, *, predictor_choice: bool = T
                         "4-bit estimate, so only down rows are read at --dtype; for a Q4_1 "
                         "checkpoint these are its own gate/up weights, with 8-bit activations) "
                         "(default: %(default)s)")
+    p.add_argument("--predictors", default=None, metavar="GGUF",
+                   help="--sparsity powerinfer: read the predictors (blk.i.fc1/fc2, PowerInfer's "
+                        "form) from this GGUF, e.g. the *.powerinfer.gguf of the same model, "
+                        "instead of the model file")
     p.add_argument("--threshold", type=float, default=0.0,
                    help="oracle: a neuron is active when |a_i| > threshold (default: 0)")
     p.add_argument("--target-sparsity", type=float, default=None,
@@ -139,7 +143,8 @@ def configs_from_args(args, **runtime_fields) -> tuple[RuntimeConfig, SparsityCo
     target = args.target_sparsity
     sparsity = SparsityConfig(mode=args.sparsity, threshold=args.threshold, impl=args.impl,
                               predictor=getattr(args, "predictor", "q4"), gate_up=args.gate_up,
-                              target_sparsity=None if target is None else float(target))
+                              target_sparsity=None if target is None else float(target),
+                              predictor_file=getattr(args, "predictors", None))
     return runtime, sparsity.with_default_target()
 
 
@@ -184,6 +189,8 @@ def check_writable(path: str, what: str) -> None:
 
 _HEAD = re.compile(r"^([a-z][a-z0-9_]*)(=[^:]*)?:")
 _ASSIGN = re.compile(r"(?<![\w./-])([a-z][a-z0-9_]*)=([^\s,;)]+)")
+# parameters whose flag is not their name in kebab case
+_FLAG_NAMES = {"predictor_file": "--predictors"}
 _NAME = re.compile(r"(?<![\w./-])([a-z][a-z0-9]*(?:_[a-z0-9]+)+)(?![\w/])")
 
 
@@ -193,7 +200,7 @@ def flag_words(message: str, flags) -> str:
     (--target-sparsity), the message's subject, and every snake_case name in it, become the
     flag. "devices=4: ..." becomes "--devices 4: ..."."""
     def flag(name: str) -> str | None:
-        f = "--" + name.replace("_", "-")
+        f = _FLAG_NAMES.get(name) or "--" + name.replace("_", "-")
         return f if f in flags else None
 
     head = _HEAD.match(message)

@@ -10,7 +10,8 @@ GGUF conventions this module undoes (read) and applies (write):
   * Tied embeddings: no `output.weight` tensor.
   * PowerInfer files are GGUF v3 whose first four bytes read "PWRI"; they also hold predictor
     tensors (`blk.i.fc1/fc2`, read by checkpoint/powerinfer.py, ignored here).
-Architectures (llama, bamboo, falcon, opt) and which activation a file means: gguf_arch.py.
+Architectures (llama, bamboo, falcon, opt; qwen2, qwen3, gemma2, gemma3, phi3 as llama.cpp's
+converter writes them: gguf_families.py) and which activation a file means: gguf_arch.py.
 Tensor types read: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 (see `quants.py`): dequantized to float32, or kept as `QuantTensor` blocks (keep_quantized=True).
 """
@@ -150,11 +151,15 @@ def load_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> Check
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{source}: expected tensor 'token_embd.weight', got none")
     pos = tensors.get("position_embd.weight")
+    freqs = tensors.get("rope_freqs.weight")  # Llama-3's scaled RoPE (gguf_families.py)
     config = gguf_arch.config_from_metadata(
         meta, source, vocab_size=int(tensors["token_embd.weight"].shape[1]),  # ne = [D, V]
         tied=arch == "opt" or _tied(tensors), powerinfer=powerinfer,
         has_bias="blk.0.attn_qkv.bias" in tensors,
-        n_positions=None if pos is None else int(pos.shape[1]))
+        n_positions=None if pos is None else int(pos.shape[1]),
+        rope_freqs=None if freqs is None else _read_stored(
+            freqs, (int(np.prod(freqs.shape)),), source, keep_quantized=False),
+        tensor_names=tuple(tensors))
     layout = gguf_arch.sources(config, arch, down_t="blk.0.ffn_down_t.weight" in tensors,
                                separate_attn_norm="blk.0.attn_norm_2.weight" in tensors)
     params: dict[str, Any] = {}
@@ -172,7 +177,7 @@ def load_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> Check
 
 
 # ------------------------------------------------------------------------------------ writer
-_TOKENIZER_WRITERS = {  # tokenizer_meta key -> GGUFWriter method
+TOKENIZER_WRITERS = {  # tokenizer_meta key -> GGUFWriter method
     "model": "add_tokenizer_model", "pre": "add_tokenizer_pre", "tokens": "add_token_list",
     "merges": "add_token_merges", "scores": "add_token_scores", "token_type": "add_token_types",
     "bos_token_id": "add_bos_token_id", "eos_token_id": "add_eos_token_id",
@@ -194,7 +199,7 @@ def write_gguf(path: str | os.PathLike, config: ModelConfig, params: Mapping[str
     tensor_types: canonical name -> GGML type name (`quants.QUANTIZABLE_TYPES`, or any type
     `gguf.quants.quantize` knows, e.g. "MXFP4" to test rejection); others `default_type`. A param
     given as a `QuantTensor` (any GGML type, e.g. random K-quant blocks) is written as its blocks.
-    tokenizer_meta: keys of `_TOKENIZER_WRITERS` (e.g. {"model": "gpt2", "tokens": [...], ...}).
+    tokenizer_meta: keys of `TOKENIZER_WRITERS` (e.g. {"model": "gpt2", "tokens": [...], ...}).
     powerinfer: PowerInfer's layout and magic: `ffn_down_t` [F, D] instead of `ffn_down`, the
     untied `output.weight` its llama and falcon loaders require (a copy of the embeddings when
     tied), and "PWRI" as the first four bytes. extra_tensors: GGUF name -> array (float32,
@@ -225,10 +230,10 @@ def write_gguf(path: str | os.PathLike, config: ModelConfig, params: Mapping[str
         else:
             w.add_string(key, str(value))
     for key, value in tokenizer_meta.items():
-        if key not in _TOKENIZER_WRITERS:
-            raise ValueError(f"write_gguf tokenizer_meta: expected keys in {list(_TOKENIZER_WRITERS)}, "
+        if key not in TOKENIZER_WRITERS:
+            raise ValueError(f"write_gguf tokenizer_meta: expected keys in {list(TOKENIZER_WRITERS)}, "
                              f"got {key!r}")
-        getattr(w, _TOKENIZER_WRITERS[key])(value)
+        getattr(w, TOKENIZER_WRITERS[key])(value)
     shared_norm = layout == "falcon" and all(
         np.array_equal(params[f"layers.{i}.attn_norm.{k}"], params[f"layers.{i}.ffn_norm.{k}"])
         for i in range(config.n_layers) for k in ("scale", "bias"))
@@ -282,6 +287,17 @@ def write_gguf(path: str | os.PathLike, config: ModelConfig, params: Mapping[str
         with open(path, "r+b") as f:  # as PowerInfer's convert.py does after writing a GGUF
             f.write(PWRI_MAGIC)
     return path
+
+
+def tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """A GGUF file's tokenizer metadata as `write_gguf`'s tokenizer_meta (keys of
+    TOKENIZER_WRITERS): to write another model with the same tokenizer."""
+    out = {}
+    for key, value in read_metadata(_open(Path(path))).items():
+        short = key.removeprefix("tokenizer.ggml.").removeprefix("tokenizer.")
+        if key.startswith("tokenizer.") and short in TOKENIZER_WRITERS:
+            out[short] = value
+    return out
 
 
 def _stored_blocks(t: QuantTensor, name: str, src) -> np.ndarray:

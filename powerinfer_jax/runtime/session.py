@@ -91,12 +91,9 @@ def weight_formats(model) -> dict[str, int]:
     the file's format whatever the layout, e.g. rows interleaved for ops.qlinear)."""
     from flax import nnx
 
-    from powerinfer_jax.checkpoint.quants import interleaved_base
-
     counts: dict[str, int] = {}
 
     def count(key):
-        key = interleaved_base(key) or key
         counts[key] = counts.get(key, 0) + 1
 
     for module in (m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)):
@@ -137,8 +134,9 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     store = _executable_store(model, runtime, sparsity, placement, max_batch, artifacts_root,
                               accel)
     t1 = time.perf_counter()
+    # imported here, after the store began loading steps in the background (start-up time)
     from powerinfer_jax.checkpoint import load_checkpoint
-    from powerinfer_jax.models.transformer import DOWN_GROUPS, from_params
+    from powerinfer_jax.models.transformer import from_params
     from powerinfer_jax.sparsity import modes
 
     if checkpoint is None:
@@ -168,11 +166,11 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     with _on_host(accel):
         import jax.numpy as jnp
 
-        # a dense model keeps the file's ffn_down blocks; sparse modes read them per neuron
+        # quantized matrices arranged once for how the mode reads them (models/qweights.py)
         m = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(runtime.dtype),
                         kernels=runtime.kernels, decode_attention=runtime.decode_attention,
                         fuse_qkv=runtime.fuse_qkv,
-                        down_qtype=None if sparsity.mode == "dense" else DOWN_GROUPS)
+                        ffn_layout=modes.ffn_layout(sparsity, ckpt.config))
         arts = _artifacts(model, ckpt, m, sparsity, artifacts_root, progress)
         modes.configure(m, sparsity, arts)
         placed = _place(model, ckpt, m, runtime, sparsity, placement, artifacts_root,
@@ -340,7 +338,8 @@ def _artifacts(model_arg, ckpt, m, sparsity, root, progress):
 
     need = modes.needs(sparsity)
     if need.model_file:
-        return modes.get(sparsity.mode).load(str(ckpt.source), ckpt.config)
+        return modes.get(sparsity.mode).load(sparsity.predictor_file or str(ckpt.source),
+                                             ckpt.config)
     if not need.thresholds and not need.lowrank:
         return None
     from powerinfer_jax.sparsity.artifacts import ensure_artifacts

@@ -1,0 +1,1 @@
+"""Synthetic sparse models (random weights, prescribed firing frequencies): for speed only."""
