@@ -105,7 +105,7 @@ class LLM:
 
     def _request(self, prompt, *, max_new_tokens, temperature, top_k, top_p, seed, stop, chat,
                  on_text=None):
-        from powerinfer_jax.runtime.decode import Request
+        from powerinfer_jax.runtime.scheduler import Request
 
         ids = self.encode(prompt, chat=chat)
         text = _StopText(self.tokenizer, stop, on_text)
@@ -138,7 +138,7 @@ class LLM:
                stop: Sequence[str] = (), chat: bool = False) -> Iterator[str]:
         """The continuation of one prompt as text pieces, each yielded as soon as it is decoded
         (a stop string is never yielded, even in part)."""
-        from powerinfer_jax.runtime.decode import Scheduler
+        from powerinfer_jax.runtime.scheduler import Scheduler
 
         pieces: list[str] = []
         req, text = self._request(prompt, max_new_tokens=max_new_tokens, temperature=temperature,

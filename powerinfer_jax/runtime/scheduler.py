@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from powerinfer_jax.config import SamplingParams, check_decode_block
-
-if TYPE_CHECKING:  # the engine imports this module
-    from powerinfer_jax.runtime.decode import Engine
 
 
 @dataclasses.dataclass
@@ -82,7 +79,7 @@ class Scheduler:
     returns the ones that finished. The server drives it from one thread (block 1); `Engine.run`
     drives it for a list of requests (the engine's decode_block)."""
 
-    def __init__(self, engine: Engine, block: int = 1):
+    def __init__(self, engine, block: int = 1):  # a runtime.decode.Engine (which imports this)
         check_decode_block("Scheduler block", block)
         self.engine = engine
         self.block = block

@@ -20,7 +20,7 @@ from typing import Sequence
 from powerinfer_jax.api import _StopText
 from powerinfer_jax.config import SamplingParams
 from powerinfer_jax.errors import UserError
-from powerinfer_jax.runtime.decode import GenerationResult, Request, Scheduler
+from powerinfer_jax.runtime.scheduler import GenerationResult, Request, Scheduler
 
 log = logging.getLogger("powerinfer_jax.server")
 
