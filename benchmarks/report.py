@@ -22,6 +22,7 @@ SOURCES = ("benchmarks", "results")  # folders whose top-level *.jsonl files are
 PREFACE = Path("docs") / "measurements_preface.md"
 MAX_ROWS = 30  # rows shown per table; the rest are counted
 MAX_COLUMNS = 11
+SUMMARY_PREFIXES = ("median", "ratio_to")  # other summary keys shown after METRIC_KEYS
 
 # What a row is about, tried in order: the first key present names the experiment.
 EXPERIMENT_KEYS = ("experiment", "bench", "tag", "op")
@@ -67,9 +68,13 @@ def read_rows(path: Path) -> list[dict]:
 def flattened(row: dict) -> dict:
     """A row with its `config` dict's keys lifted beside its own (the row's own keys win)."""
     config = row.get("config")
-    if not isinstance(config, dict):
-        return row
-    return {**{k: v for k, v in config.items()}, **{k: v for k, v in row.items() if k != "config"}}
+    if isinstance(config, dict):
+        row = {**config, **{k: v for k, v in row.items() if k != "config"}}
+    for key, value in list(row.items()):  # a summary's {system: figure} dicts become columns
+        if key.startswith(SUMMARY_PREFIXES) and isinstance(value, dict) and len(value) <= 6:
+            row.update({f"{key}.{k}": v for k, v in value.items()
+                        if isinstance(v, (int, float)) and f"{key}.{k}" not in row})
+    return row
 
 
 def notes_of(rows: list[dict]) -> str:
@@ -200,7 +205,9 @@ def columns(rows: list[dict]) -> list[str]:
 
     config = [k for k in CONFIG_KEYS if any(k in r for r in rows) and varies(k)
               and all(scalar(r.get(k)) for r in rows)]
-    metrics = [k for k in METRIC_KEYS if k not in config
+    present = sorted({k for r in rows for k in r})
+    extra = [k for k in present if k.startswith(SUMMARY_PREFIXES) and k not in METRIC_KEYS]
+    metrics = [k for k in (*METRIC_KEYS, *extra) if k not in config
                and any(r.get(k) is not None and scalar(r.get(k)) for r in rows)]
     return (config + metrics)[:MAX_COLUMNS] or ["commit"]
 
