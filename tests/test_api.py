@@ -59,6 +59,7 @@ def test_batched_greedy_equals_single_sequences(tiny_dir, mode, dtype):
     assert all(len(t) == n for t, n in zip(alone, lengths))
 
 
+@pytest.mark.slow
 def test_sampled_batch_rows_keep_their_own_seed(llm):
     kw = dict(max_new_tokens=10, temperature=0.9, top_k=20, top_p=0.95)
     alone = llm.generate(PROMPTS[1], seed=5, **kw).token_ids
@@ -66,6 +67,7 @@ def test_sampled_batch_rows_keep_their_own_seed(llm):
     assert batch[1].token_ids == alone
 
 
+@pytest.mark.slow
 def test_stop_strings_end_the_text(llm):
     full = llm.generate(PROMPTS[0], max_new_tokens=16)
     if len(full.text) < 3:
@@ -105,6 +107,7 @@ def test_bad_calls_are_clear_errors(llm, call, match):
         call(llm)
 
 
+@pytest.mark.slow
 def test_one_compile_per_bucket_not_per_step(llm):
     eng = llm.session.engine
     eng.run([Request(llm.encode(p), 12) for p in PROMPTS])
@@ -169,6 +172,7 @@ def _pool_workers() -> int:
                for t in os.listdir("/proc/self/task"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads,workers", [(1, 0), (2, 1)])
 def test_generate_threads_sizes_the_kernel_pool_in_dense_mode(tiny_dir, capsys, threads,
                                                                 workers):

@@ -71,6 +71,7 @@ def test_reads_a_file_written_like_powerinfers_convert_py(tmp_path):
         np.testing.assert_array_equal(b, fc2)
 
 
+@pytest.mark.slow
 def test_reads_a_falcon_file_written_like_powerinfers_hf_converter(tmp_path):
     from test_models_families import save_hf_falcon
 

@@ -25,6 +25,7 @@ def last_json(capsys):
     return json.loads(out[-1])
 
 
+@pytest.mark.slow
 def test_generate_json_contract(tiny_dir, capsys):
     generate.main(["--model", str(tiny_dir), "--prompt", "the quick brown fox", "--max-new-tokens",
                    "6", "--json", "--threads", "1"])
@@ -33,6 +34,7 @@ def test_generate_json_contract(tiny_dir, capsys):
     assert 1 <= len(row["tokens"]) <= 6 and row["prompt_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_generate_is_deterministic_for_a_seed(tiny_dir, capsys):
     argv = ["--model", str(tiny_dir), "--prompt", "hello world", "--max-new-tokens", "8",
             "--temperature", "0.9", "--top-k", "20", "--seed", "3", "--json"]
@@ -91,6 +93,7 @@ def test_calibrate_then_q4_predictor_mode(tiny_dir, tmp_path, capsys):
             progress=False)
 
 
+@pytest.mark.slow
 def test_bench_appends_a_row(tiny_dir, tmp_path, capsys):
     out = tmp_path / "b.jsonl"
     bench.main(["--model", str(tiny_dir), "--prompt-tokens", "8", "--new-tokens", "4",

@@ -109,6 +109,7 @@ def test_hf_directory_logits_match_transformers(built, name):
         assert np.abs(np.asarray(changed(jnp.asarray(toks))) - want).max() > 100 * TOL["atol"]
 
 
+@pytest.mark.slow
 def test_gemma2_query_pre_attn_scalar_and_tied_head_from_hf(tmp_path):
     """query_pre_attn_scalar other than head_dim (Gemma-2 27B's kind; a GGUF cannot say it)."""
     hf = fam.build("gemma2", tmp_path, query_pre_attn_scalar=20)
@@ -241,6 +242,7 @@ def test_sentencepiece_families_tokenize_as_sentencepiece(built, name):
 LLAMA_CPP_VOCABS = ("llama-bpe", "qwen2", "phi-3", "llama-spm")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vocab", LLAMA_CPP_VOCABS)
 def test_published_vocabularies_give_llama_cpp_reference_ids(vocab):
     """The real Llama-3, Qwen2, Phi-3 and Llama-2 vocabularies as GGUF metadata (llama.cpp's

@@ -64,6 +64,7 @@ def test_hybrid_equals_unplaced(cfg, frac):
     np.testing.assert_allclose(np.asarray(with_mode(m, ORACLE)(TOKENS)), want["oracle"], **TOL)
 
 
+@pytest.mark.slow
 def test_hybrid_greedy_tokens_equal_unplaced():
     m, p = model_and_placement(CFG, 0.3)
     prompt = [3, 17, 5, 42, 8]
@@ -75,6 +76,7 @@ def test_hybrid_greedy_tokens_equal_unplaced():
     assert eng.compile_count == 2  # no recompilation per token with a placement
 
 
+@pytest.mark.slow
 def test_layers_mode_equals_unplaced():
     m, p = model_and_placement(CFG, 0.5, mode="layers")
     want = np.asarray(with_mode(m, ORACLE)(TOKENS))

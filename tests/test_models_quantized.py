@@ -117,6 +117,7 @@ def test_each_quantized_matmul_is_close_to_float_math(which, request):
         assert np.abs(a - b).max() < bound * np.abs(b).max(), ("ffn", which)
 
 
+@pytest.mark.slow
 def test_weights_auto_keeps_the_file_format_and_dtype_dequantizes(legacy_gguf):
     q = pij.load(str(legacy_gguf), progress=False)
     f = pij.load(str(legacy_gguf), weights="dtype", progress=False)
@@ -140,6 +141,7 @@ def test_weights_auto_keeps_the_file_format_and_dtype_dequantizes(legacy_gguf):
     assert 1 <= len(out_q.token_ids) <= 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["oracle", "threshold"])
 def test_sparse_modes_run_on_the_blocks(legacy_gguf, mode):
     from helpers_models import with_mode
@@ -151,6 +153,7 @@ def test_sparse_modes_run_on_the_blocks(legacy_gguf, mode):
     np.testing.assert_allclose(dense_like, np.asarray(quant(TOKENS)), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_batched_greedy_equals_single_on_blocks(legacy_gguf):
     llm = pij.load(str(legacy_gguf), max_batch=3, max_seq_len=64, progress=False)
     eng = llm.session.engine
@@ -159,6 +162,7 @@ def test_batched_greedy_equals_single_on_blocks(legacy_gguf):
     assert [r.tokens for r in eng.run([Request(p, 6) for p in prompts])] == alone
 
 
+@pytest.mark.slow
 def test_placement_dequantizes_and_xla_kernels_dequantize(legacy_gguf):
     placed = pij.load(str(legacy_gguf), vram_budget=1.0, progress=False)
     assert set(placed.session.describe()["weights"]) == {"float32"}

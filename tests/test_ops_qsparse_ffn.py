@@ -452,6 +452,7 @@ def test_row_coefs_bitwise_deterministic_across_thread_counts(t):
         threshold=0.0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,dn", [("groups", "Q4_0"), ("groups", "Q4_1"), ("rows", "Q4_1")])
 def test_rounded_coefs_nan_input_reaches_only_its_token(layout, dn):
     """A token whose input holds a NaN gets a non-finite y through the 8-bit coefs (down groups'

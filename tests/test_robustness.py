@@ -79,6 +79,7 @@ def assert_names_file_and_fix(err, path):
 # artifacts: incomplete, truncated, corrupt
 # ------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_saved_artifacts_round_trip_with_record(pristine, tmp_path):
     d = copy_of(pristine, tmp_path)
     assert (d / cache.DIR_RECORD).is_file() and cache.check_dir(d) is None

@@ -332,6 +332,7 @@ def test_corpus_errors(tiny_dir, tmp_path, cache):
         distill(str(tiny_dir), small(), out=tmp_path / "o", corpus=[short], progress=False)
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_checkpoint_of_another_model(tiny_dir, texts, cache, tmp_path):
     other = tmp_path / "other"
     save_hf_llama(other, seed=5)

@@ -152,6 +152,7 @@ def test_predictor_mode_matches_a_numpy_ffn():
         np.testing.assert_array_equal(np.asarray(n_active)[0], (est > thr).sum(-1))
 
 
+@pytest.mark.slow
 def test_signed_estimates_match_numpy_and_the_magnitudes():
     x, gate, up, b, q, dm = _operands(10, t=3, d=576, f=300)
     got = np.asarray(ops.q4_scores(x, q, dm, b, signed=True))
