@@ -12,6 +12,9 @@
 #                    sparse_7b_prepare.py packs (its commit in the file LLAMA_CPP_COMMIT)
 #        CONFIGURE_ONLY=1  stop after CMake's configure (a check that the tree is complete)
 #        GGML_CUDA   ON (default) or OFF: a CPU-only configure where there is no cuBLAS
+#        CPU_NATIVE=1  build the CPU backend for THIS machine's CPU only (GGML_NATIVE=ON, no
+#                    per-level variants): for a build on the GPU machine itself, where the
+#                    variants' ~10 CPU builds would only cost time
 #        JOBS        parallel compile jobs (default 2: the build machine's cores are shared)
 #        NICE        niceness of the build (default 19)
 #
@@ -118,12 +121,17 @@ else
 fi
 
 # 3. configure and build (incremental: an up-to-date build returns at once)
+if [ "${CPU_NATIVE:-0}" = 1 ]; then
+  cpu_flags=(-DGGML_NATIVE=ON -DGGML_BACKEND_DL=OFF -DGGML_CPU_ALL_VARIANTS=OFF); BUILD=$BUILD-native
+else
+  cpu_flags=(-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON)
+fi
 mkdir -p "$BUILD"
 echo "# llama.cpp $LLAMA_CPP_COMMIT (llama-cpp-python $VERSION sdist), built $(date -u +%FT%TZ)" \
   >>"$BUILD/build.log"
 ( set -x
-  cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release "${cuda_flags[@]}" \
-    -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DBUILD_SHARED_LIBS=ON \
+  cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release "${cuda_flags[@]}" "${cpu_flags[@]}" \
+    -DBUILD_SHARED_LIBS=ON \
     -DGGML_CCACHE=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF \
     -DCMAKE_BUILD_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=OFF &&
@@ -137,5 +145,6 @@ rm -f "$DEST"/*
 cp -L "${TARGETS[@]/#/$BUILD/bin/}" "$DEST/"
 cp -L "$BUILD"/bin/*.so* "$DEST/"
 printf '%s\n' "llama.cpp $LLAMA_CPP_COMMIT" "llama-cpp-python $VERSION" "cuda_arch 90" \
+  "cpu $([ "${CPU_NATIVE:-0}" = 1 ] && echo native || echo all-variants)" \
   "cublas_lib $CUBLAS_LIB" >"$DEST/BUILD_INFO"
 log "staged in $DEST ($(du -sh "$DEST" | cut -f1)): $(ls "$DEST" | tr '\n' ' ')"

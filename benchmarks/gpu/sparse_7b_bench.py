@@ -114,9 +114,9 @@ def placement_row(session, cfg) -> dict:
 
 
 def header(args, rec: dict) -> dict:
-    from powerinfer_jax import _cli
+    from powerinfer_jax import _machine
 
-    machine = _cli.machine_info()
+    machine = _machine.machine_info()
     try:
         import jax
 
@@ -125,7 +125,7 @@ def header(args, rec: dict) -> dict:
         machine["accelerator"] = f"unknown ({type(e).__name__})"
     info = Path(args.llama_bin) / "BUILD_INFO"
     return {"experiment": "gpu_sparse_7b_check", "run_id": args.run_id,
-            "commit": args.commit or _cli.git_commit(), "machine": machine,
+            "commit": args.commit or _machine.git_commit(), "machine": machine,
             "device": args.device, "dry_run": args.device != "gpu", "threads": args.threads,
             "dtype": args.dtype, "synthetic": SYNTHETIC,
             "model": {k: rec[k] for k in ("config", "sparsity", "hot_fraction", "hot_share",

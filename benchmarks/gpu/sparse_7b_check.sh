@@ -2,8 +2,8 @@
 # The one-command GPU check (issue 39 item 5), run from the repo root on a lent H100/H200 (the
 # `device` tool), inside one command's 10 minutes; stops cleanly before PIJ_CHECK_BUDGET_S.
 #   1. build    our modules with CUDA (build_and_test.sh, PIJ_BUILD_ONLY=1)
-#   2. llama    llama.cpp CUDA for sm_90 from the carried source subset (build_llama_cpp_cuda.sh),
-#               in the background while 3 and 4 run
+#   2. llama    llama.cpp CUDA for sm_90 (CPU backend native to the machine) from the carried
+#               source subset (build_llama_cpp_cuda.sh), in the background from the start, niced
 #   3. tests    the CUDA tests and compute-sanitizer memcheck (build_and_test.sh)
 #   4. generate the SYNTHETIC 90%-sparse Llama-2-7B-shaped ReLU model, BF16 GGUF + PowerInfer GGUF
 #               with predictors (python -m powerinfer_jax.synthetic), in the background from the
@@ -133,14 +133,7 @@ GEN_T0=$(now)
     --calib-tokens "$CALIB_TOKENS" --verify-tokens 0 --out "$MODEL" ) >"$LOGS/generate.log" 2>&1 &
 GEN_PID=$!
 
-# 1. our modules with CUDA
-if [ $DRY = 1 ]; then
-  record build skipped 0 "dry run: no CUDA (the venv's editable install holds the CPU module)"
-else
-  run_step build 120 env OUT="$LOGS/cuda" PIJ_BUILD_ONLY=1 bash benchmarks/gpu/build_and_test.sh
-fi
-
-# 2 (background). llama.cpp
+# 2 (background from the start, at a lower priority than our build). llama.cpp
 LLAMA_BIN=${PIJ_LLAMA_BIN:-}
 LLAMA_PID=
 if [ -n "$LLAMA_BIN" ]; then
@@ -150,17 +143,24 @@ else
   mkdir -p "$WORK/peers"
   if [ $DRY = 1 ]; then
     ( tar xJf "$CARRY/llama.cpp-src.tar.xz" -C "$WORK" &&
-      LLAMA_CPP_SRC=$WORK/llama.cpp PIJ_PEERS=$WORK/peers GGML_CUDA=OFF CONFIGURE_ONLY=1 \
+      LLAMA_CPP_SRC=$WORK/llama.cpp PIJ_PEERS=$WORK/peers GGML_CUDA=OFF CONFIGURE_ONLY=1 CPU_NATIVE=1 \
         bash benchmarks/gpu/build_llama_cpp_cuda.sh ) >"$LOGS/llama.log" 2>&1 &
     LLAMA_BIN=${PIJ_LLAMA_CPP_BIN:-${POWERINFER_JAX_CACHE:-$HOME/.cache/powerinfer_jax}/peers/llamacpp-cpu-native/bin}
   else
     ( tar xJf "$CARRY/llama.cpp-src.tar.xz" -C "$WORK" &&
       timeout --kill-after=5 $(( $(left) - 120 > 30 ? $(left) - 120 : 30 )) env LLAMA_CPP_SRC="$WORK/llama.cpp" \
-        PIJ_PEERS="$WORK/peers" JOBS="$(( $(nproc) > 4 ? $(nproc) - 2 : 2 ))" NICE=0 \
+        PIJ_PEERS="$WORK/peers" JOBS="$(( $(nproc) > 4 ? $(nproc) - 2 : 2 ))" NICE=10 CPU_NATIVE=1 \
         bash benchmarks/gpu/build_llama_cpp_cuda.sh "$WORK/llama-bin" ) >"$LOGS/llama.log" 2>&1 &
     LLAMA_BIN=$WORK/llama-bin
   fi
   LLAMA_PID=$!
+fi
+
+# 1. our modules with CUDA
+if [ $DRY = 1 ]; then
+  record build skipped 0 "dry run: no CUDA (the venv's editable install holds the CPU module)"
+else
+  run_step build 120 env OUT="$LOGS/cuda" PIJ_BUILD_ONLY=1 bash benchmarks/gpu/build_and_test.sh
 fi
 
 # 3. the CUDA tests and compute-sanitizer (the build above is up to date: ninja returns at once)
