@@ -12,7 +12,9 @@
 #               at the same VRAM, interleaved rounds (sparse_7b_bench.py)
 # Needs .gpu_carry/ (python benchmarks/gpu/sparse_7b_prepare.py, here) named in the call's carry.
 # $OUT gets at most 8 files (the tool's limit): sparse_7b.jsonl (the timing rows), steps.jsonl
-# (each step: seconds, status, why skipped), summary.txt, logs.tar.gz (every log).
+# (each step: seconds, status, why skipped), summary.txt, logs.tar.gz (every log), and
+# llama-bin.tar.xz (the llama.cpp build, when under 16 MB): copied to .gpu_carry/, the next run
+# unpacks it instead of building.
 #
 # --dry-run: the same steps on this CPU machine at a tiny shape, to prove the pipeline end to
 # end: no CUDA build, tests or sanitizer (skipped, said so); llama.cpp: the carried subset is
@@ -32,7 +34,9 @@
 #        PIJ_WORK            scratch folder (default /tmp/pij_sparse_7b; dry run: a fresh temp)
 #        PIJ_SANITIZE_TIMEOUT compute-sanitizer's limit (default 150 s)
 set -uo pipefail
-DRY=0 DRY_TMP=
+DRY=0
+DRY_TMP=''
+LLAMA_BUILT=0  # read by finish(), which can run before the llama step
 case "${1:-}" in
   --dry-run) DRY=1 ;;
   "") ;;
@@ -103,6 +107,15 @@ finish() {
     cat "$STEPS"
     [ -f "$LOGS/bench.log" ] && grep -E "hybrid / llama|^\{" "$LOGS/bench.log" | tail -12
   } >"$OUT/summary.txt"
+  # the llama.cpp build, for the next run to carry (.gpu_carry/llama-bin.tar.xz): the tool
+  # returns files up to 16 MB
+  if [ $DRY = 0 ] && [ $LLAMA_BUILT = 1 ] && [ -x "$LLAMA_BIN/llama-bench" ]; then
+    tar -C "$WORK" -cf - llama-bin | xz -T0 -6 >"$OUT/llama-bin.tar.xz"
+    if [ "$(stat -c %s "$OUT/llama-bin.tar.xz")" -gt $((16 * 1000 * 1000)) ]; then
+      say "llama-bin.tar.xz: $(du -h "$OUT/llama-bin.tar.xz" | cut -f1), over the 16 MB the tool returns: dropped"
+      rm -f "$OUT/llama-bin.tar.xz"
+    fi
+  fi
   tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
   [ -z "${DRY_TMP:-}" ] || rm -rf "$DRY_TMP"
 }
@@ -135,10 +148,23 @@ GEN_PID=$!
 
 # 2 (background from the start, at a lower priority than our build). llama.cpp
 LLAMA_BIN=${PIJ_LLAMA_BIN:-}
-LLAMA_PID=
+LLAMA_PID=''
+HOST_CPU=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2- | xargs)
+if [ -z "$LLAMA_BIN" ] && [ $DRY = 0 ] && [ -f "$CARRY/llama-bin.tar.xz" ]; then
+  # a build an earlier run sent back ($OUT/llama-bin.tar.xz), carried: minutes saved. Its CPU
+  # backend is native to the CPU it was built on: used only on the same CPU model
+  mkdir -p "$WORK" && tar xJf "$CARRY/llama-bin.tar.xz" -C "$WORK"
+  if grep -qxF "host_cpu $HOST_CPU" "$WORK/llama-bin/BUILD_INFO" 2>/dev/null; then
+    LLAMA_BIN=$WORK/llama-bin
+  else
+    say "carried llama-bin: built on $(sed -n 's/^host_cpu //p' "$WORK/llama-bin/BUILD_INFO"), this is $HOST_CPU: building"
+    rm -rf "$WORK/llama-bin"
+  fi
+fi
 if [ -n "$LLAMA_BIN" ]; then
-  record llama skipped 0 "PIJ_LLAMA_BIN=$LLAMA_BIN: a build given"
+  record llama skipped 0 "a build given: $LLAMA_BIN ($(head -1 "$LLAMA_BIN/BUILD_INFO" 2>/dev/null))"
 else
+  LLAMA_BUILT=1
   LLAMA_T0=$(now)
   mkdir -p "$WORK/peers"
   if [ $DRY = 1 ]; then
@@ -182,6 +208,7 @@ fi
 # wait for the background steps
 if [ -n "$LLAMA_PID" ]; then
   wait "$LLAMA_PID"; rc=$?
+  [ $rc = 0 ] && [ $DRY = 0 ] && echo "host_cpu $HOST_CPU" >>"$LLAMA_BIN/BUILD_INFO"
   if [ $rc = 0 ]; then record llama ok $(( $(now) - LLAMA_T0 )) \
     "$([ $DRY = 1 ] && echo "dry run: subset unpacked and configured (CPU); llama-bench: $LLAMA_BIN")"
   else record llama "failed (rc $rc)" $(( $(now) - LLAMA_T0 )) "log: logs/llama.log"; fi
