@@ -128,7 +128,9 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     if sparsity.mode == "auto":
         return _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch,
                            progress, checkpoint, threads)
-    sparsity = sparsity.with_default_target()
+    from powerinfer_jax.sparsity import modes  # start-up: the modes import the model code
+
+    sparsity = modes.with_default_target(sparsity)
     accel = _accelerator()
     # before the model code is imported and the model built: the compiled steps load beside
     store = _executable_store(model, runtime, sparsity, placement, max_batch, artifacts_root,
@@ -137,7 +139,6 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     # imported here, after the store began loading steps in the background (start-up time)
     from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.models.transformer import from_params
-    from powerinfer_jax.sparsity import modes
 
     if checkpoint is None:
         ckpt = load_checkpoint(model, keep_quantized=_keeps_quantized(runtime, placement))

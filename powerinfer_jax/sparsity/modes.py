@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from powerinfer_jax.config import DEFAULT_TARGET_SPARSITY, add_sparsity_mode
 from powerinfer_jax.errors import check_choice, fail
 from powerinfer_jax.models.qweights import (DENSE_LAYOUT, GROUPS, MATVEC, ROWS,
                                             SELECTED_LAYOUT, FfnLayout, apply_ffn_layout)
@@ -62,6 +63,7 @@ def register(name: str, mode: Mode) -> None:
     if not (isinstance(name, str) and name.isidentifier()):
         fail("sparsity mode name", "an identifier", name)
     _MODES[name] = mode
+    add_sparsity_mode(name)
 
 
 def names() -> tuple[str, ...]:
@@ -71,6 +73,14 @@ def names() -> tuple[str, ...]:
 def get(name: str) -> Mode:
     check_choice("sparsity", name, names())
     return _MODES[name]
+
+
+def with_default_target(cfg):
+    """`cfg` (a SparsityConfig) with DEFAULT_TARGET_SPARSITY when its mode needs calibrated
+    thresholds and no target was given (threshold and predictor modes; oracle runs without)."""
+    if cfg.target_sparsity is None and needs(cfg).thresholds:
+        return dataclasses.replace(cfg, target_sparsity=DEFAULT_TARGET_SPARSITY)
+    return cfg
 
 
 def needs(cfg) -> Needs:
