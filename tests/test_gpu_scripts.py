@@ -215,6 +215,7 @@ def test_llama_bench_command_and_output():
         lcn.parse_llama_bench("no json here")
 
 
+@pytest.mark.slow
 def test_dry_run_prints_budgets_and_commands(tmp_path):
     """The whole planning path on the real shapes' arithmetic, against a small stand-in file:
     --dry-run refuses a file of the wrong depth, and plans one of the right depth."""
