@@ -169,7 +169,9 @@ def test_predictor_reads_the_residual_and_decides_like_powerinfer():
     dense = _logits(model)[0]
     pip_.attach(model, pi.all_active_predictors(config))
     sparse, n = _logits(model)
-    np.testing.assert_allclose(sparse, dense, atol=1e-5, rtol=1e-5)
+    # the same sums in another order (the sparse call's per-neuron accumulation against the dense
+    # matvec's): float32 rounding, seen up to 1.4e-5 on logits of magnitude ~3 in CI
+    np.testing.assert_allclose(sparse, dense, atol=5e-5, rtol=1e-5)
     assert np.all(np.asarray(n) == config.d_ff)
 
 
