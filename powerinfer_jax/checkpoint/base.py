@@ -9,7 +9,9 @@ Canonical names (weights [out, in] like a HF Linear, FFN neuron-major):
   layers.{i}.attn_post_norm.scale, layers.{i}.ffn_post_norm.scale [D] (config.post_norms);
   layers.{i}.ffn_norm.scale/.bias [D]; layers.{i}.ffn.gate.weight [F, D] (gated only),
     ffn.up.weight [F, D], ffn.down_t.weight [F, D] (= down_proj.weight.T), ffn.up.bias [F],
-    ffn.down.bias [D].
+    ffn.down.bias [D]. MoE layers (config.n_experts): ffn.router.weight [E, D],
+    ffn.experts.{gate,up,down_t}.weight [E, F, D], a shared expert's ffn.shared.* ([F_s, D]) and
+    ffn.shared_gate.weight [1, D] (`moe_shapes`).
 `.bias` norm entries exist only for LayerNorm; attention/FFN biases only when config.bias.
 """
 from __future__ import annotations
@@ -150,6 +152,10 @@ SUPPORTED_ARCHITECTURES = ("llama (LlamaForCausalLM, MistralForCausalLM, GGUF 'l
                            "gemma3 (Gemma3ForCausalLM text-only, HF model_type 'gemma3_text', "
                            "GGUF 'gemma3')",
                            "phi3 (Phi3ForCausalLM, GGUF 'phi3')",
+                           "mixtral (MixtralForCausalLM, GGUF 'llama' with experts)",
+                           "qwen2_moe (Qwen2MoeForCausalLM, GGUF 'qwen2moe')",
+                           "qwen3_moe (Qwen3MoeForCausalLM, GGUF 'qwen3moe')",
+                           "olmoe (OlmoeForCausalLM, GGUF 'olmoe')",
                            "falcon (FalconForCausalLM, GGUF 'falcon')",
                            "opt (OPTForCausalLM, GGUF 'opt')")
 
@@ -182,6 +188,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.qk_norm:
             shapes[p + "attn.q_norm.scale"] = (c.head_dim,)
             shapes[p + "attn.k_norm.scale"] = (c.head_dim,)
+        if c.qk_norm_full:
+            shapes[p + "attn.q_norm.scale"] = (c.q_dim,)
+            shapes[p + "attn.k_norm.scale"] = (c.kv_dim,)
+        if c.n_experts:
+            shapes.update(moe_shapes(c, p))
+            continue
         if c.gated:
             shapes[p + "ffn.gate.weight"] = (f, d)
         shapes[p + "ffn.up.weight"] = (f, d)
@@ -189,6 +201,21 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.bias:
             shapes[p + "ffn.up.bias"] = (f,)
             shapes[p + "ffn.down.bias"] = (d,)
+    return shapes
+
+
+def moe_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """An MoE layer's canonical params (prefix `p`): the router [E, D], the experts stacked
+    [E, F, D] (down transposed, neuron-major as the dense FFN's), and the shared expert's
+    gate/up/down_t [F_shared, D] with its gate [1, D] when config.d_ff_shared."""
+    e, f, d = c.n_experts, c.d_ff, c.d_model
+    shapes = {p + "ffn.router.weight": (e, d)}
+    for part in ("gate", "up", "down_t"):
+        shapes[f"{p}ffn.experts.{part}.weight"] = (e, f, d)
+    if c.d_ff_shared:
+        for part in ("gate", "up", "down_t"):
+            shapes[f"{p}ffn.shared.{part}.weight"] = (c.d_ff_shared, d)
+        shapes[p + "ffn.shared_gate.weight"] = (1, d)
     return shapes
 
 

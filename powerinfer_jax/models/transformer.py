@@ -18,6 +18,7 @@ from flax import nnx
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.errors import fail
 from powerinfer_jax.models.ffn import FFN
+from powerinfer_jax.models.moe import MoE
 from powerinfer_jax.models.qweights import DENSE_LAYOUT, MATVEC, ROWS, FfnLayout, arrange
 from powerinfer_jax.models.layers import (F32, Attention, Linear, Module, Norm, _param,
                                          cache_storage_dtype, matmul, op_impl, resolve_kernels,
@@ -56,13 +57,20 @@ class Block(Module):
                               head_dim=c.head_dim, bias=c.bias, rope=layer_rope(c, layer),
                               dtype=dtype, rngs=rngs, kernels=kernels, qkv_bias=c.qkv_bias,
                               qk_norm_eps=c.norm_eps if c.qk_norm else None,
+                              qk_norm_full_eps=c.norm_eps if c.qk_norm_full else None,
                               scale=c.query_scale, softcap=c.attn_softcap,
                               window=c.window(layer), **attention_options)
         self.attn_post_norm = Norm(c.d_model, **norm) if c.post_norms else None
         self.ffn_norm = Norm(c.d_model, **norm)
         self.ffn_post_norm = Norm(c.d_model, **norm) if c.post_norms else None
-        self.ffn = FFN(d_model=c.d_model, d_ff=c.d_ff, activation=c.activation, gated=c.gated,
-                       bias=c.bias, dtype=dtype, rngs=rngs, kernels=kernels)
+        if c.n_experts:
+            self.ffn = MoE(d_model=c.d_model, d_ff=c.d_ff, n_experts=c.n_experts,
+                           n_used=c.n_experts_used, norm_topk_prob=c.norm_topk_prob,
+                           activation=c.activation, d_ff_shared=c.d_ff_shared, dtype=dtype,
+                           rngs=rngs, kernels=kernels)
+        else:
+            self.ffn = FFN(d_model=c.d_model, d_ff=c.d_ff, activation=c.activation,
+                           gated=c.gated, bias=c.bias, dtype=dtype, rngs=rngs, kernels=kernels)
         # Tensor parallel (runtime/mesh.py): the mesh axis over which attention's and the FFN's
         # outputs are partial sums (this device's heads / neurons), summed before the residual.
         self.reduce_axis = None

@@ -1,0 +1,225 @@
+"""Mixture-of-experts families against transformers (issue 35): Mixtral, Qwen3-MoE, Qwen2-MoE
+(shared expert) and OLMoE, tiny random models transformers builds here (helpers_moe.py), read
+
+  * from the HF directory,
+  * from the f32 GGUF llama.cpp's convert_hf_to_gguf.py writes from it (experts stacked as
+    ffn_{gate,up,down}_exps, the router as ffn_gate_inp, the shared expert as *_shexp),
+  * from that GGUF quantized to Q4_0 by llama-quantize (when a build is at hand), against
+    transformers reading the same Q4_0 file (Qwen-MoE: the archs transformers' GGUF loader
+    reads; Mixtral and OLMoE files it cannot read).
+
+Logits equal transformers' within the families' tolerance (test_models_families.TOL) at 24
+positions of 2 sequences; greedy decoding equals transformers' over 32 steps; a batch of
+prompts decoded together equals each decoded alone (the batch's tokens grouped by expert, a
+single token's experts gathered). Bad input: a top-k larger than the number of experts, a
+router whose shape does not match, mixed dense/MoE layers, each a one-line error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import helpers_families as fam  # noqa: E402
+import helpers_llamacpp as llamacpp  # noqa: E402
+import helpers_moe as moe  # noqa: E402
+from test_models_families import TOL  # noqa: E402
+from powerinfer_jax.checkpoint import load_checkpoint  # noqa: E402
+from powerinfer_jax.models.transformer import from_params  # noqa: E402
+from powerinfer_jax.runtime.decode import Engine, Request  # noqa: E402
+
+NAMES = list(moe.FAMILIES)
+T = 24
+pytestmark = pytest.mark.slow  # the four models and their GGUFs: ~1 min to build
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Each MoE family's HF directory and torch model, its f32 GGUF and Q4_0 GGUF (or why
+    they are missing)."""
+    root = tmp_path_factory.mktemp("moe")
+    out = {"dirs": {}, "hf": {}, "gguf": {}, "q": {}, "why_gguf": "", "why_q": ""}
+    for name in NAMES:
+        out["dirs"][name] = root / name
+        out["hf"][name] = moe.build(name, root / name)
+    src, why = llamacpp.tree()
+    if src is None:
+        out["why_gguf"] = out["why_q"] = why
+        return out
+    llamacpp.convert([(root / n, root / f"{n}.gguf", moe.FAMILIES[n].gguf_pre, "f32")
+                      for n in NAMES])
+    out["gguf"] = {n: root / f"{n}.gguf" for n in NAMES}
+    if llamacpp.binary("llama-quantize") is None:
+        out["why_q"] = "no llama-quantize build ($PIJ_LLAMA_CPP_BIN or <cache>/peers/...)"
+        return out
+    for n in NAMES:
+        out["q"][n] = root / f"{n}.q4_0.gguf"
+        llamacpp.quantize(out["gguf"][n], out["q"][n], "Q4_0")
+    return out
+
+
+def tokens(name, built, batch=2):
+    vocab = built["hf"][name].config.vocab_size
+    return np.random.default_rng(len(name)).integers(10, vocab, size=(batch, T))
+
+
+def ours(path, toks, **kwargs):
+    ck = load_checkpoint(path, **kwargs)
+    model = from_params(ck.config, ck.params)
+    return np.asarray(model(jnp.asarray(toks))), ck, model
+
+
+def assert_logits_close(got, want):
+    assert np.abs(want).max() > 1.0
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+EXPECTED = {  # what each family's config must say
+    "mixtral": dict(n_experts=6, n_experts_used=2, norm_topk_prob=True, d_ff=96),
+    "qwen3_moe": dict(n_experts=6, n_experts_used=2, norm_topk_prob=True, d_ff=96,
+                      qk_norm=True),
+    "qwen2_moe": dict(n_experts=6, n_experts_used=2, norm_topk_prob=False, d_ff=96,
+                      d_ff_shared=128, qkv_bias=True),
+    "olmoe": dict(n_experts=6, n_experts_used=2, norm_topk_prob=False, d_ff=96,
+                  qk_norm_full=True),
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hf_directory_logits_match_transformers(built, name):
+    toks = tokens(name, built)
+    got, ck, model = ours(built["dirs"][name], toks)
+    for k, v in EXPECTED[name].items():
+        assert getattr(ck.config, k) == v, k
+    want = fam.hf_logits(built["hf"][name], toks)
+    assert_logits_close(got, want)
+    # the reference execution (every expert on every token) gives the same logits
+    for layer in model.layers:
+        layer.ffn.set_execution("dense")
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(toks))), got, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gguf_logits_match_transformers(built, name):
+    if not built["gguf"]:
+        pytest.skip(built["why_gguf"])
+    toks = tokens(name, built)
+    got, ck, _ = ours(built["gguf"][name], toks)
+    want_cfg = load_checkpoint(built["dirs"][name]).config
+    assert ck.config.norm_eps == pytest.approx(want_cfg.norm_eps, rel=1e-6)
+    assert dataclasses.replace(ck.config, norm_eps=want_cfg.norm_eps) == want_cfg
+    assert_logits_close(got, fam.hf_logits(built["hf"][name], toks))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_quantized_gguf_matches_transformers_on_the_same_file(built, name):
+    if not built["q"]:
+        pytest.skip(built["why_q"])
+    path = built["q"][name]
+    cfg = transformers.AutoConfig.from_pretrained(built["dirs"][name])
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        built["dirs"][name], gguf_file=str(path), dtype=torch.float32, config=cfg).eval()
+    toks = tokens(name, built)
+    want = fam.hf_logits(ref, toks)
+    got, ck, _ = ours(path, toks)
+    assert_logits_close(got, want)
+    # the default runtime (custom calls on attention's and the head's blocks)
+    blocks, ckq, _ = ours(path, toks, keep_quantized=True)
+    assert any(type(v).__name__ == "QuantTensor" for v in ckq.params.values())
+    assert np.abs(blocks - want).max() < 0.1 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("name", ["mixtral", "olmoe"])
+def test_quantized_gguf_loads_the_same_model(built, name):
+    """Mixtral's and OLMoE's Q4_0 files (transformers reads neither): the same model within
+    Q4_0's error of the f32 file's, top-1 tokens mostly the same."""
+    if not built["q"]:
+        pytest.skip(built["why_q"])
+    toks = tokens(name, built)
+    want, _, _ = ours(built["gguf"][name], toks)
+    got, ck, _ = ours(built["q"][name], toks, keep_quantized=True)
+    assert np.abs(got - want).max() < 0.2 * np.abs(want).max()
+    assert np.mean(got.argmax(-1) == want.argmax(-1)) > 0.7
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_tokens_match_transformers(built, name):
+    hf = built["hf"][name]
+    prompt = tokens(name, built)[0, :7].tolist()
+    want = fam.hf_greedy(hf, prompt, 32)
+    ck = load_checkpoint(built["dirs"][name])
+    got = Engine(from_params(ck.config, ck.params), max_seq_len=64).generate(
+        prompt, max_new_tokens=32, stop_ids=()).tokens
+    assert got == want
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "olmoe"])
+def test_batched_decode_equals_single(built, name):
+    ck = load_checkpoint(built["dirs"][name])
+    model = from_params(ck.config, ck.params)
+    toks = tokens(name, built, batch=4)
+    prompts = [toks[i, :n].tolist() for i, n in enumerate((5, 9, 3, 7))]
+    alone = [Engine(model, max_seq_len=64).generate(p, max_new_tokens=12, stop_ids=()).tokens
+             for p in prompts]
+    together = Engine(model, max_seq_len=64, max_batch=4).run(
+        [Request(p, 12) for p in prompts])
+    assert [r.tokens for r in together] == alone
+
+
+# ------------------------------------------------------------------------------ bad input
+def _copy_dir(src, dst, **config):
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, **config}))
+    return dst
+
+
+def test_bad_moe_configs_and_shapes_are_one_line_errors(built, tmp_path):
+    d = built["dirs"]["qwen3_moe"]
+    cases = [
+        (dict(num_experts_per_tok=7), r"num_experts_per_tok: expected an integer in \[1, "
+                                      r"num_experts=6\] \(experts routed per token\), got 7"),
+        (dict(mlp_only_layers=[1]), r"mlp_only_layers / decoder_sparse_step: expected \[\] and 1"),
+        (dict(num_experts=5), r"layers.0.ffn.router.weight'?: expected shape \(5, 160\).*got "
+                              r"\(6, 160\)"),
+    ]
+    for i, (change, match) in enumerate(cases):
+        with pytest.raises(ValueError, match=match) as e:
+            load_checkpoint(_copy_dir(d, tmp_path / f"bad{i}", **change))
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"mixtral.*num_experts_per_tok: expected an integer in "
+                                         r"\[1, num_local_experts=6\]"):
+        load_checkpoint(_copy_dir(built["dirs"]["mixtral"], tmp_path / "mixtral",
+                                  num_experts_per_tok=9))
+
+
+def test_bad_moe_gguf_files_name_what_is_wrong(built, tmp_path):
+    if not built["gguf"]:
+        pytest.skip(built["why_gguf"])
+    from helpers_gguf_edit import rewrite
+
+    src = built["gguf"]["qwen3_moe"]
+    cases = [
+        (dict(set_keys={"qwen3moe.expert_used_count": 8}),
+         r"qwen3moe.expert_used_count: expected an integer in \[1, qwen3moe.expert_count=6\]"),
+        (dict(set_keys={"qwen3moe.expert_count": 4}),
+         r"tensor 'blk.0.ffn_gate_inp.weight': expected shape \(4, 160\)"),
+        (dict(drop_tensors=["blk.2.ffn_down_exps.weight"]),
+         r"expected tensor 'blk.2.ffn_down_exps.weight' \(for layers.2.ffn.experts.down_t"),
+        (dict(drop_keys=["qwen3moe.expert_count"]),
+         r"metadata key 'qwen3moe.expert_count': expected present"),
+    ]
+    for i, (edit, match) in enumerate(cases):
+        path = rewrite(src, tmp_path / f"bad{i}.gguf", **edit)
+        with pytest.raises(ValueError, match=match) as e:
+            load_checkpoint(path)
+        assert "\n" not in str(e.value)
