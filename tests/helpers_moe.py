@@ -33,7 +33,8 @@ FAMILIES = {
     "olmoe": fam.FamilySpec(
         "OlmoeConfig", "OlmoeForCausalLM",
         dict(_COMMON, num_attention_heads=5, num_key_value_heads=5, intermediate_size=96,
-             num_experts=6, norm_topk_prob=False),
+             num_experts=6, norm_topk_prob=False, rms_norm_eps=1e-5),  # OLMoE's (the
+        # converter writes 1e-5 whatever the config says)
         fam.QWEN_TOK, "Qwen-Qwen2.5-7B-Instruct", gguf_pre="qwen2"),
 }
 

@@ -187,10 +187,10 @@ def test_bad_moe_configs_and_shapes_are_one_line_errors(built, tmp_path):
     d = built["dirs"]["qwen3_moe"]
     cases = [
         (dict(num_experts_per_tok=7), r"num_experts_per_tok: expected an integer in \[1, "
-                                      r"num_experts=6\] \(experts routed per token\), got 7"),
+                                      r"num_local_experts=6\] \(experts routed per token\), got 7"),
         (dict(mlp_only_layers=[1]), r"mlp_only_layers / decoder_sparse_step: expected \[\] and 1"),
-        (dict(num_experts=5), r"layers.0.ffn.router.weight'?: expected shape \(5, 160\).*got "
-                              r"\(6, 160\)"),
+        (dict(num_local_experts=5), r"layers.0.ffn.experts.(gate|up|down_t).weight: expected "
+                                    r"experts 0..4, got missing \[\], unexpected \[5\]"),
     ]
     for i, (change, match) in enumerate(cases):
         with pytest.raises(ValueError, match=match) as e:

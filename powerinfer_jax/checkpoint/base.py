@@ -55,7 +55,8 @@ class QuantTensor:
     """A weight kept as a GGUF tensor's blocks: stored once, dequantized on demand.
 
     blocks: uint8 [rows, row_bytes], the file's bytes for the stored matrix [rows, cols] (Q/K
-      rows already un-permuted to HF order: rows permute whole, blocks with them).
+      rows already un-permuted to HF order: rows permute whole, blocks with them); stacked
+      experts (ffn_*_exps): uint8 [E, rows, row_bytes].
     qtype: the GGML type name ("Q4_K", ...). shape: the canonical param's shape.
     transposed: the canonical param is the transpose of the stored matrix (`ffn.down_t.weight`:
       GGUF stores ffn_down [D, F], blocked along F).
@@ -74,16 +75,19 @@ class QuantTensor:
 
         if not hasattr(self.blocks, "dtype"):  # jax's tree utilities unflatten with placeholders
             return
-        rows, cols = self.stored_shape
-        want = (rows, quants.row_bytes(self.qtype, cols))
+        *lead, rows, cols = self.stored_shape
+        want = (*lead, rows, quants.row_bytes(self.qtype, cols))
         if tuple(np.shape(self.blocks)) != want or np.dtype(self.blocks.dtype) != np.uint8:
             raise ValueError(f"QuantTensor blocks: expected uint8 {want} for {self.qtype} "
                              f"{self.stored_shape}, got {np.dtype(self.blocks.dtype)} "
                              f"{tuple(np.shape(self.blocks))}")
 
     @property
-    def stored_shape(self) -> tuple[int, int]:
-        return tuple(self.shape[::-1]) if self.transposed else tuple(self.shape)
+    def stored_shape(self) -> tuple[int, ...]:
+        """The file's matrix (stacked experts: [E, rows, cols]); transposed: the canonical
+        shape's last two axes swapped."""
+        s = tuple(self.shape)
+        return s[:-2] + s[:-3:-1] if self.transposed else s
 
     @property
     def nbytes(self) -> int:
@@ -94,13 +98,16 @@ class QuantTensor:
         from powerinfer_jax.checkpoint import quants
         from powerinfer_jax.ops._ffi import _pij_ext
 
-        blocks = np.ascontiguousarray(self.blocks, dtype=np.uint8)
-        rows, cols = self.stored_shape
-        values = np.empty((rows, cols), np.float32)
+        stored = self.stored_shape
+        cols = stored[-1]
+        blocks = np.ascontiguousarray(self.blocks, dtype=np.uint8).reshape(
+            -1, quants.row_bytes(self.qtype, cols))
+        values = np.empty((blocks.shape[0], cols), np.float32)
         # the kernels' unpacking: equal to quants.dequantize bit for bit (test_checkpoint_quants)
         # and ~10x faster than the gguf package's numpy; it runs at load for every down matrix
         _pij_ext.dequantize_into(blocks, quants.type_id(self.qtype), values)
-        return np.ascontiguousarray(values.T) if self.transposed else values
+        values = values.reshape(stored)
+        return np.ascontiguousarray(np.swapaxes(values, -1, -2)) if self.transposed else values
 
     def down_groups(self) -> np.ndarray:
         """ffn_down's blocks (a transposed tensor: stored [D, F]) as down groups, uint8

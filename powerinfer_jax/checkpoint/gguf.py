@@ -98,6 +98,8 @@ def _read_stored(t, expected: tuple[int, ...], source: str, keep_quantized: bool
                          f"from the metadata, got {shape}")
     data = np.asarray(t.data)
     rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
+    if keep_quantized and qtype in quants.QUANTIZED_TYPES and len(shape) == 3:  # experts
+        return QuantTensor(data.reshape(shape[:-1] + (-1,)), qtype, shape)
     if keep_quantized and qtype in quants.QUANTIZED_TYPES and len(shape) == 2:
         # the file's own pages (a read-only view of its mmap, which stays mapped while the model
         # uses it, as llama.cpp maps its files): nothing is copied where the model's arrays can
@@ -123,6 +125,10 @@ def _canonical(value, src):
         data = data.reshape(1, -1)
     if not quantized:  # transposed: the last two axes (stacked experts: [E, D, F] -> [E, F, D])
         return np.ascontiguousarray(np.swapaxes(data, -1, -2) if transposed else data)
+    if data.ndim == 3:  # stacked experts: canonical = the last two axes swapped when transposed
+        s = value.shape
+        return QuantTensor(data, value.qtype, s[:-2] + s[:-3:-1] if transposed else s,
+                           transposed)
     rows, cols = data.shape[0], value.shape[1]
     return QuantTensor(np.ascontiguousarray(data), value.qtype,
                        (cols, rows) if transposed else (rows, cols), transposed)

@@ -135,7 +135,7 @@ def load_hf(path: str | os.PathLike) -> Checkpoint:
             if name.endswith(("experts.gate_up", "experts.down_proj")):
                 params.update(hf_moe.split_fused(name, value, config))
                 continue
-            if name.endswith("ffn.down_t.weight"):
+            if name.endswith("down_t.weight"):  # an FFN's, an expert's, a shared expert's
                 value = np.ascontiguousarray(value.T)
             if expert is not None:
                 per_expert.setdefault(name, {})[expert] = value

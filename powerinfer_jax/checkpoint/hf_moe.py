@@ -53,7 +53,10 @@ QWEN2_MOE_NAMES = {**_ATTN, **{k: v for k, v in families._QWEN2_NAMES.items() if
 OLMOE_NAMES = {**_ATTN, **families._QK_NORM_NAMES, **_QWEN_MOE}
 
 
-def _experts(cfg: Mapping[str, Any], source: str, key: str) -> dict:
+def _experts(cfg: Mapping[str, Any], source: str) -> dict:
+    """n_experts (`num_local_experts` or `num_experts`: transformers 5 writes the first for
+    Qwen3-MoE, 4 the second) and n_experts_used."""
+    key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
     n = int(families._get(cfg, key, source))
     k = int(families._get(cfg, "num_experts_per_tok", source))
     if not 1 <= k <= n:
@@ -71,14 +74,14 @@ def _every_layer_moe(cfg: Mapping[str, Any], source: str) -> None:
 
 
 def _mixtral(cfg, common, source):
-    experts = _experts(cfg, source, "num_local_experts")
+    experts = _experts(cfg, source)
     base = families._llama({**cfg, "model_type": "mistral"}, common, source)
     return base.replace(**experts, norm_topk_prob=True)
 
 
 def _qwen_moe(cfg, common, source):
     _every_layer_moe(cfg, source)
-    experts = _experts(cfg, source, "num_experts")
+    experts = _experts(cfg, source)
     dense = "qwen3" if cfg.get("model_type") == "qwen3_moe" else "qwen2"
     base = families._qwen({**cfg, "model_type": dense, "intermediate_size": families._get(
         cfg, "moe_intermediate_size", source)}, common, source)
@@ -92,7 +95,7 @@ def _olmoe(cfg, common, source):
     if cfg.get("clip_qkv") is not None:
         raise ValueError(f"{source}: clip_qkv: expected null, got {cfg['clip_qkv']!r} (clipping "
                          "q/k/v is not implemented)")
-    experts = _experts(cfg, source, "num_experts")
+    experts = _experts(cfg, source)
     base = families._decoder(cfg, common, source, activation=families._activation(cfg, source),
                              qk_norm_full=True)
     return base.replace(**experts, norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))

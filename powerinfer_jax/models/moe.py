@@ -30,7 +30,8 @@ from flax import nnx
 
 from powerinfer_jax.errors import fail
 from powerinfer_jax.models.ffn import FFN
-from powerinfer_jax.models.layers import F32, Linear, Module, _param
+from powerinfer_jax.models.layers import F32, Linear, Module, _param, op_impl
+from powerinfer_jax.models.qweights import host_blocks
 from powerinfer_jax.ops.reference import gated_activate
 
 EXECUTIONS = ("routed", "dense")
@@ -40,10 +41,17 @@ _MAX_GATHER = 1 << 24
 
 
 class Stacked(Module):
-    """One stacked expert matrix: weight [E, F, D]."""
+    """One stacked expert matrix: weight [E, F, D] in floats, or a GGUF file's blocks as
+    stored (`qtype` set): gate/up uint8 [E, F, row_bytes(D)], down uint8 [E, D, row_bytes(F)]."""
 
     def __init__(self, n_experts: int, d_ff: int, d_model: int, *, dtype, rngs, scale: float):
         self.weight = _param((n_experts, d_ff, d_model), dtype, rngs, scale=scale)
+        self.qtype = None
+
+    def load(self, t) -> None:
+        """Keep a stacked QuantTensor's blocks (checkpoint.base.QuantTensor, 3-D)."""
+        self.weight.set_value(host_blocks(t.blocks))
+        self.qtype = t.qtype
 
 
 class Experts(Module):
@@ -122,7 +130,15 @@ class MoE(Module):
         lead, d = x_btd.shape[:-1], x_btd.shape[-1]
         x = x_btd.reshape(-1, d).astype(F32)  # [N, D]
         ids, weights = self.routing(x_btd)
-        if self.execution == "dense":
+        e = self.experts
+        if e.gate.qtype is not None:  # the file's blocks: one custom call, grouped by expert
+            from powerinfer_jax import ops
+
+            impl = "reference" if self.execution == "dense" else op_impl(self.kernels)
+            y = ops.moe_ffn(x, ids, weights, e.gate.weight[...], e.up.weight[...],
+                            e.down_t.weight[...], gate_qtype=e.gate.qtype, up_qtype=e.up.qtype,
+                            down_qtype=e.down_t.qtype, impl=impl)
+        elif self.execution == "dense":
             y = self._dense(x, ids, weights)
         elif x.shape[0] * self.n_used * self.experts.up.weight[0].size <= _MAX_GATHER:
             y = self._gathered(x, ids, weights)

@@ -273,6 +273,9 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
         # on blocks; elsewhere the floats
         params = {**params, **{name: t.dequantize() for name, t in blocks.items()}}
         blocks = {}
+    # stacked experts' blocks (MoE): kept as the file stores them, for ops.moe_ffn
+    expert_blocks = {name: blocks.pop(name) for name in list(blocks)
+                     if len(blocks[name].shape) == 3}
     expected = expected_shapes(config)  # the model's params (tests: equal to param_names)
     missing = sorted(set(expected) - set(params))
     extra = sorted(set(params) - set(expected))
@@ -294,12 +297,14 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
         # each placeholder Param is found by its name and given its value in place: walking the
         # whole module graph (nnx.state, then nnx.update) took ~0.06 s of SmolLM2's build
         for name in expected:
-            if name not in blocks:
+            if name not in blocks and name not in expert_blocks:
                 var = _variable(model, name)
                 var.set_value(jnp.asarray(np.asarray(params[name]),
                                           dtype=var.get_value().dtype))
         for name, t in blocks.items():
             _load_quantized(model, name, t, ffn_layout)
+        for name, t in expert_blocks.items():
+            _at(model, name.rsplit(".", 1)[0]).load(t)  # the experts' Stacked matrix
     return model
 
 
