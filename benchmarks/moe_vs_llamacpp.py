@@ -106,7 +106,7 @@ def make() -> Path:
     q4 = gguf.GGMLQuantizationType.Q4_0
 
     def add_q4(name, shape, fan_in):
-        w.add_tensor(name, _q4_0(rng, shape, fan_in), raw_shape=shape, raw_dtype=q4)
+        w.add_tensor(name, _q4_0(rng, shape, fan_in), raw_dtype=q4)  # bytes: [..., row bytes]
 
     add_q4("token_embd.weight", (c["vocab_size"], d), d)
     add_q4("output.weight", (c["vocab_size"], d), d)

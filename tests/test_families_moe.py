@@ -117,6 +117,32 @@ def test_gguf_logits_match_transformers(built, name):
     assert_logits_close(got, fam.hf_logits(built["hf"][name], toks))
 
 
+def _blocks_match_their_reference(path, toks):
+    """The runtime's default on a quantized file (attention, head and experts through the
+    custom calls on the file's blocks, int8 activations). Each layer's experts custom call,
+    on that layer's FFN inputs from the run, equals the op's jnp reference (every expert on
+    every token): per token to float rounding, except where a hidden activation sits on an
+    int8 rounding edge (the kernel's SiLU and XLA's differ in the last bit, so it can round
+    one step apart: ~1e-2 of the output's range on that token). Returns the logits."""
+    from powerinfer_jax.models.transformer import capture
+
+    ck = load_checkpoint(path, keep_quantized=True)
+    kinds = {type(v).__name__ for k, v in ck.params.items() if "experts" in k}
+    assert kinds == {"QuantTensor"}, kinds
+    model = from_params(ck.config, ck.params)
+    logits, sown = capture(lambda m, t: m(t), model, jnp.asarray(toks))
+    errs = []
+    for layer, x in zip(model.layers, sown["ffn_in"]):
+        got = np.asarray(layer.ffn(x))
+        layer.ffn.kernels = "xla"  # the experts through ops.moe_ffn's reference
+        want = np.asarray(layer.ffn(x))
+        layer.ffn.kernels = "ffi"
+        errs.append(np.abs(got - want).max(axis=-1) / np.abs(want).max())
+    errs = np.stack(errs)  # [L, B, T]
+    assert np.mean(errs < 1e-5) > 0.9 and errs.max() < 5e-2, errs
+    return np.asarray(logits)
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
 def test_quantized_gguf_matches_transformers_on_the_same_file(built, name):
     if not built["q"]:
@@ -127,25 +153,44 @@ def test_quantized_gguf_matches_transformers_on_the_same_file(built, name):
         built["dirs"][name], gguf_file=str(path), dtype=torch.float32, config=cfg).eval()
     toks = tokens(name, built)
     want = fam.hf_logits(ref, toks)
-    got, ck, _ = ours(path, toks)
+    got, ck, _ = ours(path, toks)  # the file's blocks dequantized: transformers' weights
     assert_logits_close(got, want)
-    # the default runtime (custom calls on attention's and the head's blocks)
-    blocks, ckq, _ = ours(path, toks, keep_quantized=True)
-    assert any(type(v).__name__ == "QuantTensor" for v in ckq.params.values())
-    assert np.abs(blocks - want).max() < 0.1 * np.abs(want).max()
+    # int8 activations move hidden states enough to flip a near-tied routing now and then: the
+    # blocks path is checked against its own reference, and only loosely against transformers
+    blocks = _blocks_match_their_reference(path, toks)
+    assert np.mean(blocks.argmax(-1) == want.argmax(-1)) > 0.8
 
 
 @pytest.mark.parametrize("name", ["mixtral", "olmoe"])
-def test_quantized_gguf_loads_the_same_model(built, name):
-    """Mixtral's and OLMoE's Q4_0 files (transformers reads neither): the same model within
-    Q4_0's error of the f32 file's, top-1 tokens mostly the same."""
+def test_quantized_gguf_experts_are_the_files_values(built, name):
+    """Mixtral's and OLMoE's Q4_0 files (transformers reads neither): each stacked expert
+    tensor and the router, dequantized by us, equal the gguf package's own dequantization of
+    the file's tensors (the f32 path of the same loader equals transformers: the tests above);
+    the blocks path equals its jnp reference."""
     if not built["q"]:
         pytest.skip(built["why_q"])
-    toks = tokens(name, built)
-    want, _, _ = ours(built["gguf"][name], toks)
-    got, ck, _ = ours(built["q"][name], toks, keep_quantized=True)
-    assert np.abs(got - want).max() < 0.2 * np.abs(want).max()
-    assert np.mean(got.argmax(-1) == want.argmax(-1)) > 0.7
+    import gguf
+
+    path = built["q"][name]
+    ck = load_checkpoint(path)
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    types = set()
+    for i in range(ck.config.n_layers):
+        for ours_name, file_name, swap in (("gate", "ffn_gate_exps", False),
+                                           ("up", "ffn_up_exps", False),
+                                           ("down_t", "ffn_down_exps", True)):
+            t = tensors[f"blk.{i}.{file_name}.weight"]
+            types.add(t.tensor_type.name)
+            want = gguf.quants.dequantize(t.data, t.tensor_type)
+            want = np.swapaxes(want, -1, -2) if swap else want
+            np.testing.assert_array_equal(ck.params[f"layers.{i}.ffn.experts.{ours_name}.weight"],
+                                          want)
+        router = tensors[f"blk.{i}.ffn_gate_inp.weight"]
+        np.testing.assert_array_equal(ck.params[f"layers.{i}.ffn.router.weight"],
+                                      gguf.quants.dequantize(router.data, router.tensor_type))
+    assert types & {"Q4_0", "Q8_0", "Q4_1", "Q5_0", "Q6_K", "Q4_K"}, types
+    _blocks_match_their_reference(path, tokens(name, built))
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -104,6 +104,7 @@ class MoE(Module):
     quantized = False
     placed = False
     n_cold = 0
+    backend = None  # sparsity.modes.plan reports the backend's type: "NoneType" here
 
     @property
     def n_hot(self) -> int:
@@ -114,6 +115,13 @@ class MoE(Module):
             fail("MoE FFN selector", "None (the router selects experts; neuron-level sparsity "
                  "inside experts is not implemented)", type(selector).__name__,
                  "run an MoE model with --sparsity dense")
+
+    def permute(self, order) -> None:
+        fail("MoE FFN placement", "a dense FFN (placing experts hot/cold is not implemented)",
+             "an MoE layer", "run an MoE model without --vram-budget on a CPU")
+
+    def split(self, n_hot: int, *, store: str = "auto") -> None:
+        self.permute(None)
 
     def set_execution(self, execution: str) -> None:
         if execution not in EXECUTIONS:
