@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from powerinfer_jax import ops
 from powerinfer_jax.errors import fail
 from powerinfer_jax.models.ffn import FFN
 from powerinfer_jax.models.layers import F32, Linear, Module, _param, op_impl
@@ -140,8 +141,6 @@ class MoE(Module):
         ids, weights = self.routing(x_btd)
         e = self.experts
         if e.gate.qtype is not None:  # the file's blocks: one custom call, grouped by expert
-            from powerinfer_jax import ops
-
             impl = "reference" if self.execution == "dense" else op_impl(self.kernels)
             y = ops.moe_ffn(x, ids, weights, e.gate.weight[...], e.up.weight[...],
                             e.down_t.weight[...], gate_qtype=e.gate.qtype, up_qtype=e.up.qtype,
