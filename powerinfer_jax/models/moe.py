@@ -16,7 +16,7 @@ Executions (`MoE.execution`, chosen at build, never by a string test per call):
     prefills of float experts) every expert runs on every token, each expert read once: XLA
     has no grouped execution on CPU (jax.lax.ragged_dot computes every group against every
     row there: measured by tests/test_moe.py's poisoned experts). Quantized experts run in one
-    custom call that groups the tokens by expert (ops.moe_qffn).
+    custom call that groups the tokens by expert (ops.moe_ffn; SiLU experts).
   * "dense": every expert on every token, unrouted ones weighted 0: the reference the routed
     execution is checked against (tests/test_moe.py).
 Axis letters: N tokens (B * T flattened), E experts, k routed per token, F expert neurons,
@@ -141,6 +141,9 @@ class MoE(Module):
         ids, weights = self.routing(x_btd)
         e = self.experts
         if e.gate.qtype is not None:  # the file's blocks: one custom call, grouped by expert
+            if self.activation != "silu":
+                fail("MoE quantized experts' activation", "'silu' (ops.moe_ffn's)",
+                     self.activation, "load the file with weights='dtype'")
             impl = "reference" if self.execution == "dense" else op_impl(self.kernels)
             y = ops.moe_ffn(x, ids, weights, e.gate.weight[...], e.up.weight[...],
                             e.down_t.weight[...], gate_qtype=e.gate.qtype, up_qtype=e.up.qtype,
