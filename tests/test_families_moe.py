@@ -233,6 +233,29 @@ def test_batched_decode_equals_single_on_quantized_experts(built):
     assert [r.tokens for r in together] == alone
 
 
+def test_fused_expert_tensors_read_as_per_expert_ones(built, tmp_path):
+    """transformers 5's in-memory layout (mlp.experts.gate_up_proj [E, 2F, D], down_proj
+    [E, D, F]) in a safetensors file gives the same model as the per-expert tensors."""
+    from safetensors.numpy import load_file, save_file
+
+    src = built["dirs"]["qwen3_moe"]
+    d = _copy_dir(src, tmp_path / "fused")
+    tensors = load_file(str(src / "model.safetensors"))
+    cfg = load_checkpoint(src).config
+    out = {k: v for k, v in tensors.items() if ".experts." not in k}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        get = [[tensors[f"{p}{e}.{w}_proj.weight"] for e in range(cfg.n_experts)]
+               for w in ("gate", "up", "down")]
+        out[p + "gate_up_proj"] = np.concatenate([np.stack(get[0]), np.stack(get[1])], axis=1)
+        out[p + "down_proj"] = np.stack(get[2])
+    save_file(out, str(d / "model.safetensors"))
+    toks = tokens("qwen3_moe", built)
+    want, _, _ = ours(src, toks)
+    got, _, _ = ours(d, toks)
+    np.testing.assert_array_equal(got, want)
+
+
 # ------------------------------------------------------------------------------ bad input
 def _copy_dir(src, dst, **config):
     dst.mkdir()
