@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 
 import numpy as np
 
 from powerinfer_jax import _cli
-from powerinfer_jax.errors import UserError
+from powerinfer_jax.errors import check, check_positive_int, raw
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,15 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def chunk_tokens(ids, ctx: int, max_chunks: int | None) -> np.ndarray:
     """Non-overlapping [n, ctx] chunks of the token stream (the ragged tail is dropped)."""
-    if ctx < 2:
-        raise ValueError(f"--ctx: expected an integer >= 2, got {ctx}")
+    check(isinstance(ctx, int) and ctx >= 2, "ctx", "an integer >= 2", ctx)
     n = len(ids) // ctx
     if max_chunks is not None:
-        if max_chunks < 1:
-            raise ValueError(f"--max-chunks: expected a positive integer, got {max_chunks}")
+        check_positive_int("max_chunks", max_chunks)
         n = min(n, max_chunks)
-    if n == 0:
-        raise ValueError(f"--text: expected at least --ctx={ctx} tokens, got {len(ids)}")
+    check(n > 0, "text", f"at least {ctx} tokens (one chunk of ctx={ctx})",
+          raw(f"{len(ids)} tokens"), "pass a longer text or a smaller ctx")
     return np.asarray(ids[: n * ctx], np.int32).reshape(n, ctx)
 
 
@@ -93,9 +90,8 @@ def perplexity(model, ids, *, ctx: int, max_chunks: int | None, oracle_threshold
                progress: bool = False) -> dict:
     """Perplexity of the (configured) model over non-overlapping ctx-token chunks of ids."""
     chunks = chunk_tokens(ids, ctx, max_chunks)
-    if ctx > model.config.max_seq_len:
-        raise UserError(f"--ctx: expected at most {model.config.max_seq_len} (the model's "
-                        f"context), got {ctx}")
+    check(ctx <= model.config.max_seq_len, "ctx",
+          f"at most {model.config.max_seq_len} (the model's context)", ctx)
     score = make_scorer(model, oracle_thresholds)
     total, fracs, hits = 0.0, [], 0.0
     it = chunks
@@ -117,15 +113,13 @@ def perplexity(model, ids, *, ctx: int, max_chunks: int | None, oracle_threshold
     return res
 
 
+@_cli.speaks_flags(build_parser)
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     threads = _cli.setup(args)
     from powerinfer_jax.api import LLM
 
-    if not os.path.isfile(args.text):
-        raise FileNotFoundError(f"--text: expected an existing file, got {args.text!r}")
-    with open(args.text, encoding="utf-8") as f:
-        text = f.read()
+    text = _cli.read_text_file(args.text, "--text")
     llm = LLM(_cli.build_from_args(args))
     res = llm.perplexity(text, ctx=args.ctx, max_chunks=args.max_chunks,
                          progress=args.progress and not args.json)

@@ -91,7 +91,7 @@ def test_logits_and_hooks(llm):
     (lambda m: m.generate("x", max_new_tokens=0), "max_new_tokens: expected an integer >= 1"),
     (lambda m: m.generate("x " * 200, max_new_tokens=4), "prompt: expected fewer than 96"),
     (lambda m: m.generate("x " * 40, max_new_tokens=80), r"prompt tokens \+ new tokens <= 96"),
-    (lambda m: m.generate("x", temperature=-1), "--temperature: expected"),
+    (lambda m: m.generate("x", temperature=-1), "temperature: expected"),
     (lambda m: m.generate("x", seed=2 ** 40), "seed: expected an integer in"),
     (lambda m: m.generate("x", stop=[""]), "stop: expected non-empty strings"),
     (lambda m: m.logits([10 ** 6]), "token ids: expected"),

@@ -8,6 +8,7 @@ import pytest
 
 from helpers_models import save_hf_llama
 from powerinfer_jax import bench, evaluate, generate
+from powerinfer_jax import errors as pij_errors
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,11 +111,12 @@ def test_generate_user_errors(tiny_dir, argv, match):
 
 
 def test_evaluate_user_errors(tiny_dir, tmp_path):
-    with pytest.raises(FileNotFoundError, match="--text: expected an existing file"):
+    with pytest.raises(pij_errors.UserError, match="--text: expected an existing file"):
         evaluate.main(["--model", str(tiny_dir), "--text", str(tmp_path / "missing.txt")])
     short = tmp_path / "short.txt"
     short.write_text("too short")
-    with pytest.raises(ValueError, match=r"--text: expected at least --ctx=512 tokens"):
+    with pytest.raises(pij_errors.UserError,
+                       match=r"--text: expected at least 512 tokens \(one chunk of --ctx 512\)"):
         evaluate.main(["--model", str(tiny_dir), "--text", str(short)])
 
 

@@ -37,7 +37,6 @@ LAYERS = [
 UPWARD = {
     ("config", "sparsity.modes"):
         "SparsityConfig checks its mode name against the registry of modes",
-    ("runtime.auto", "_cli"): "machine_info lives in _cli (moves down with issue 37's branch)",
     ("api", "evaluate"): "LLM.perplexity runs the evaluate command's perplexity",
 }
 

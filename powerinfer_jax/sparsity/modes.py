@@ -69,7 +69,7 @@ def names() -> tuple[str, ...]:
 
 
 def get(name: str) -> Mode:
-    check_choice("--sparsity", name, names())
+    check_choice("sparsity", name, names())
     return _MODES[name]
 
 
