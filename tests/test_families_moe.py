@@ -256,6 +256,30 @@ def test_fused_expert_tensors_read_as_per_expert_ones(built, tmp_path):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("name", ["mixtral", "olmoe"])
+def test_expert_frequencies_are_transformers_routing(built, name):
+    """Per layer, how often each expert is routed to (sparsity/expert_profile.py) equals the
+    count from transformers' own router logits on the same tokens (softmax, top-k)."""
+    from powerinfer_jax.sparsity.expert_profile import expert_counts, expert_frequency
+
+    toks = tokens(name, built)
+    ck = load_checkpoint(built["dirs"][name])
+    model = from_params(ck.config, ck.params)
+    got = expert_counts(model, [toks[:1], toks[1:]])
+    with torch.no_grad():
+        out = built["hf"][name](torch.tensor(toks), output_router_logits=True)
+    want = np.stack([np.bincount(torch.topk(torch.softmax(r.float(), -1), 2, dim=-1).indices
+                                 .numpy().ravel(), minlength=6) for r in out.router_logits])
+    np.testing.assert_array_equal(got, want)
+    freq = expert_frequency(model, [toks])
+    np.testing.assert_allclose(freq.sum(axis=1), 2.0)
+    with pytest.raises(ValueError, match=r"expert_counts model: expected a mixture-of-experts"):
+        dense = ck.config.replace(n_experts=0, n_experts_used=0, d_ff_shared=0)
+        from powerinfer_jax.checkpoint.base import expected_shapes
+        expert_counts(from_params(dense, {k: np.zeros(v, np.float32) for k, v in
+                                          expected_shapes(dense).items()}), [toks])
+
+
 # ------------------------------------------------------------------------------ bad input
 def _copy_dir(src, dst, **config):
     dst.mkdir()

@@ -31,7 +31,7 @@ from flax import nnx
 from powerinfer_jax import ops
 from powerinfer_jax.errors import fail
 from powerinfer_jax.models.ffn import FFN
-from powerinfer_jax.models.layers import F32, Linear, Module, _param, op_impl
+from powerinfer_jax.models.layers import F32, Linear, Module, _param, op_impl, sow
 from powerinfer_jax.models.qweights import host_blocks
 from powerinfer_jax.ops.reference import gated_activate
 
@@ -139,6 +139,7 @@ class MoE(Module):
         lead, d = x_btd.shape[:-1], x_btd.shape[-1]
         x = x_btd.reshape(-1, d).astype(F32)  # [N, D]
         ids, weights = self.routing(x_btd)
+        sow(self, "expert_ids", ids.reshape(lead + (self.n_used,)))  # [B, T, k] under capture
         e = self.experts
         if e.gate.qtype is not None:  # the file's blocks: one custom call, grouped by expert
             if self.activation != "silu":
