@@ -145,7 +145,9 @@ def configs_from_args(args, **runtime_fields) -> tuple[RuntimeConfig, SparsityCo
                               predictor=getattr(args, "predictor", "q4"), gate_up=args.gate_up,
                               target_sparsity=None if target is None else float(target),
                               predictor_file=getattr(args, "predictors", None))
-    return runtime, sparsity.with_default_target()
+    from powerinfer_jax.sparsity import modes  # start-up: the modes import the model code
+
+    return runtime, modes.with_default_target(sparsity)
 
 
 def placement_from_args(args) -> PlacementConfig:

@@ -160,7 +160,7 @@ class LLM:
         """Perplexity over non-overlapping ctx-token chunks (no BOS; every token but a chunk's
         first is scored) with the model's sparsity mode; also the measured FFN sparsity and, in
         predictor mode, the predictor's recall of the oracle active set."""
-        from powerinfer_jax.evaluate import perplexity
+        from powerinfer_jax.runtime.perplexity import perplexity
 
         check(isinstance(text, str), "text", "a str", shown(text))
         ids = self.tokenizer.encode(text, add_bos=False)

@@ -39,11 +39,21 @@ MAX_SEED = 2 ** 32 - 1  # seeds are folded into a 32-bit PRNG key
 MAX_DECODE_BLOCK = 64  # decode steps per executable call (RuntimeConfig.decode_block), at most
 
 
-def sparsity_modes() -> tuple[str, ...]:
-    """The registered sparsity modes (sparsity/modes.py; a new mode registers itself there)."""
-    from powerinfer_jax.sparsity import modes
+# The names a SparsityConfig accepts: the built-in modes of sparsity/modes.py, and any mode a
+# research script registers there (modes.register adds its name). Kept here so that a config is
+# checked when it is made without this layer importing the sparsity layer above it.
+_SPARSITY_MODES = ["dense", "auto", "oracle", "powerinfer", "threshold", "predictor"]
 
-    return modes.names()
+
+def sparsity_modes() -> tuple[str, ...]:
+    """The sparsity modes a SparsityConfig accepts (sparsity/modes.py defines what each does)."""
+    return tuple(_SPARSITY_MODES)
+
+
+def add_sparsity_mode(name: str) -> None:
+    """Accept `name` as a sparsity mode (called by sparsity.modes.register)."""
+    if name not in _SPARSITY_MODES:
+        _SPARSITY_MODES.append(name)
 
 
 
@@ -289,15 +299,6 @@ class SparsityConfig:
         if self.target_sparsity is not None:
             _check(isinstance(self.target_sparsity, float) and 0 < self.target_sparsity < 1,
                    "target_sparsity", "a float in (0, 1)", self.target_sparsity)
-
-    def with_default_target(self) -> "SparsityConfig":
-        """This config with DEFAULT_TARGET_SPARSITY when its mode needs calibrated thresholds
-        and no target was given (threshold and predictor modes; oracle runs without one)."""
-        from powerinfer_jax.sparsity import modes
-
-        if self.target_sparsity is None and modes.needs(self).thresholds:
-            return dataclasses.replace(self, target_sparsity=DEFAULT_TARGET_SPARSITY)
-        return self
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,7 +76,7 @@ def test_calibrate_then_q4_predictor_mode(tiny_dir, tmp_path, capsys):
     assert len(meta["thresholds_q4"]) == 2 and meta["q4"]["mean_recall"] > 0.8
     from powerinfer_jax.runtime.session import build
     from powerinfer_jax.config import RuntimeConfig, SparsityConfig
-    from powerinfer_jax.evaluate import perplexity
+    from powerinfer_jax.runtime.perplexity import perplexity
 
     s = build(str(tiny_dir), RuntimeConfig(), SparsityConfig(
         "predictor", target_sparsity=0.5), artifacts_root=root, progress=False)

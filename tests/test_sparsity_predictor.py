@@ -175,7 +175,7 @@ def test_train_rejects_too_few_tokens():
 
 
 def test_evaluate_reports_predictor_recall():
-    from powerinfer_jax.evaluate import perplexity
+    from powerinfer_jax.runtime.perplexity import perplexity
 
     cfg = tiny_llama_config(d_model=48, head_dim=12, d_ff=37 * 3)
     model = Transformer(cfg, rngs=nnx.Rngs(0))

@@ -6,7 +6,8 @@ the saving is a share of the down rows. `choose` decides in three steps, each on
 before leaves the question open:
 
 1. Estimate (`estimate`): the bytes a decoded token reads in dense mode and in the sparse candidate
-   (predictor mode, the q4 estimate as activations, at the target), from the built dense model's
+   (CANDIDATES: the oracle at the target on a quantized model, else predictor mode with the q4
+   estimates as activations), from the built dense model's
    weights: every matrix once, the embedding table only when it is also the output matrix; the
    candidate reads its gate/up estimates (4-bit) and only the active share of the down rows. Their
    ratio bounds the candidate's speed-up on a bandwidth-bound decode; below MARGIN it cannot win,
@@ -38,7 +39,10 @@ from pathlib import Path
 STEPS = 24  # decode steps per timed generation (after a warm-up generation per candidate)
 MIN_ROUNDS = 5  # interleaved rounds before a verdict may be given
 MAX_ROUNDS = 12  # rounds after which an open interval is a tie
-CANDIDATES = ("dense", "predictor_q4gu")
+# the sparse candidate: on a model kept in its file's blocks the file's own 4-bit gate/up rows give
+# every neuron's activation, so the candidate is the oracle at the target's calibrated thresholds
+# (nothing predicted); on float weights the q4 predictor's estimates serve as the activations
+CANDIDATES = ("dense", "oracle", "predictor_q4gu")
 # The candidate must be at least this much faster than dense: within a few percent the two are a
 # coin toss on a VM that drifts, and a sparse mode that is not clearly faster must not be chosen.
 MARGIN = 1.03
@@ -55,6 +59,8 @@ def candidate(label: str, target: float):
 
     if label == "dense":
         return SparsityConfig()
+    if label == "oracle":
+        return SparsityConfig(mode="oracle", target_sparsity=target)
     return SparsityConfig(mode="predictor", predictor="q4", gate_up="q4", target_sparsity=target)
 
 
@@ -143,7 +149,8 @@ def measure(sessions: dict, *, timer=None, progress: bool = False) -> dict:
     """Interleaved rounds of dense vs the candidate until the ratio's interval clears MARGIN
     either way (at least MIN_ROUNDS, at most MAX_ROUNDS). timer(session, prompt) -> tokens/s."""
     timer = timer or time_decode
-    dense, sparse = sessions["dense"], sessions["predictor_q4gu"]
+    label = next(k for k in sessions if k != "dense")
+    dense, sparse = sessions["dense"], sessions[label]
     prompt = dense.tokenizer.encode("The history of computing is a story of ideas that made "
                                     "machines faster, smaller and easier to program.",
                                     add_bos=False)
@@ -152,22 +159,22 @@ def measure(sessions: dict, *, timer=None, progress: bool = False) -> dict:
     if progress:
         print(f"powerinfer_jax: --sparsity auto: timing dense and sparse decode on this machine "
               f"({MIN_ROUNDS}-{MAX_ROUNDS} interleaved rounds)", file=sys.stderr, flush=True)
-    speeds: dict[str, list[float]] = {"dense": [], "predictor_q4gu": []}
+    speeds: dict[str, list[float]] = {"dense": [], label: []}
     ratios: list[float] = []
     while len(ratios) < MAX_ROUNDS:
-        order = [("dense", dense), ("predictor_q4gu", sparse)]
-        for label, s in order if len(ratios) % 2 == 0 else order[::-1]:
-            speeds[label].append(timer(s, prompt))
-        ratios.append(speeds["predictor_q4gu"][-1] / speeds["dense"][-1])
+        order = [("dense", dense), (label, sparse)]
+        for name, s in order if len(ratios) % 2 == 0 else order[::-1]:
+            speeds[name].append(timer(s, prompt))
+        ratios.append(speeds[label][-1] / speeds["dense"][-1])
         if len(ratios) >= MIN_ROUNDS and verdict(ratios) != "tie":
             break
     low, mid, high = interval(ratios)
     v = verdict(ratios)
-    chosen = "predictor_q4gu" if v == "win" else "dense"
+    chosen = label if v == "win" else "dense"
     what = {"win": f"at least {MARGIN:.2f}x: the sparse mode chosen",
             "loss": f"below {MARGIN:.2f}x: dense chosen",
             "tie": f"the interval straddles {MARGIN:.2f}x (a tie): dense kept"}[v]
-    why = (f"predictor_q4gu decodes at {mid:.3f}x dense here (95% interval {low:.3f}-"
+    why = (f"{label} at the target decodes at {mid:.3f}x dense here (95% interval {low:.3f}-"
            f"{high:.3f}x over {len(ratios)} interleaved rounds), {what}")
     return {"chosen": chosen, "verdict": v, "ratio": mid, "interval": [low, high],
             "rounds": len(ratios), "tok_s": {k: statistics.median(v) for k, v in speeds.items()},
@@ -183,12 +190,12 @@ def choice_file(directory, key: dict) -> Path:
 
 
 def choose(build_one, *, key: dict, target: float, cache_dir, progress: bool = True,
-           trial=None, timer=None, estimator=None):
+           trial=None, timer=None, estimator=None, sparse: str = "predictor_q4gu"):
     """(session, report). build_one(SparsityConfig, artifacts_root=None) -> Session;
     trial(dense_session) -> an artifacts root with trial thresholds for the candidate, or None
     to time it on its real artifacts (a UserError: it cannot be built here); timer and
     estimator: `time_decode` and `estimate` (tests inject them). A decision cached for the same
-    key is reused: only the chosen mode is built."""
+    key is reused: only the chosen mode is built. sparse: the candidate's label (CANDIDATES)."""
     from powerinfer_jax.errors import UserError
 
     estimator = estimator or estimate
@@ -202,23 +209,23 @@ def choose(build_one, *, key: dict, target: float, cache_dir, progress: bool = T
     base["estimate"] = est
     if est["bound"] < MARGIN:
         report = {**base, "chosen": "dense", "verdict": "estimate", "tok_s": {},
-                  "why": f"predictor_q4gu would read {est['sparse_bytes'] / 1e6:.1f} MB per "
-                         f"token against dense's {est['dense_bytes'] / 1e6:.1f} MB: at most "
+                  "why": f"{sparse} at the target would read "
+                         f"{est['sparse_bytes'] / 1e6:.1f} MB per token against dense's {est['dense_bytes'] / 1e6:.1f} MB: at most "
                          f"{est['bound']:.3f}x, below {MARGIN:.2f}x, so it was not built"}
         _write(cache_file, report)
         return dense, report
     try:
         root = None if trial is None else trial(dense)
-        sparse = build_one(candidate("predictor_q4gu", target), artifacts_root=root)
+        built = build_one(candidate(sparse, target), artifacts_root=root)
     except UserError as e:  # no calibrated artifacts for a user's model: dense, and say why
         return dense, {**base, "chosen": "dense", "verdict": "unavailable", "tok_s": {},
                        "why": f"the sparse candidate could not be built: {e}"}
-    report = {**base, **measure({"dense": dense, "predictor_q4gu": sparse}, timer=timer,
+    report = {**base, **measure({"dense": dense, sparse: built}, timer=timer,
                                 progress=progress), "trial": root is not None}
-    if report["chosen"] == "predictor_q4gu" and root is not None:
-        sparse = build_one(candidate("predictor_q4gu", target))  # its full artifacts, once
+    if report["chosen"] == sparse and root is not None:
+        built = build_one(candidate(sparse, target))  # its full artifacts, once
     _write(cache_file, report)
-    return (sparse if report["chosen"] == "predictor_q4gu" else dense), report
+    return (built if report["chosen"] == sparse else dense), report
 
 
 def _read(path):

@@ -128,7 +128,9 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     if sparsity.mode == "auto":
         return _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch,
                            progress, checkpoint, threads)
-    sparsity = sparsity.with_default_target()
+    from powerinfer_jax.sparsity import modes  # start-up: the modes import the model code
+
+    sparsity = modes.with_default_target(sparsity)
     accel = _accelerator()
     # before the model code is imported and the model built: the compiled steps load beside
     store = _executable_store(model, runtime, sparsity, placement, max_batch, artifacts_root,
@@ -137,13 +139,13 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     # imported here, after the store began loading steps in the background (start-up time)
     from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.models.transformer import from_params
-    from powerinfer_jax.sparsity import modes
 
     if checkpoint is None:
         ckpt = load_checkpoint(model, keep_quantized=_keeps_quantized(runtime, placement))
     else:
         ckpt = checkpoint
     t2 = time.perf_counter()
+    modes.check_weights(sparsity, _ffn_qtype(ckpt))
     if runtime.max_seq_len is not None and runtime.max_seq_len > ckpt.config.max_seq_len:
         fail("max_seq_len", f"at most {ckpt.config.max_seq_len} (the model's context)",
              runtime.max_seq_len)
@@ -260,12 +262,21 @@ def _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch, 
     try:
         session, report = auto.choose(
             one, key=auto.cache_key(checkpoint.source, runtime, threads, target),
-            target=target, cache_dir=root, progress=progress, trial=trial)
+            target=target, cache_dir=root, progress=progress, trial=trial,
+            sparse="oracle" if _ffn_qtype(checkpoint) else "predictor_q4gu")
     finally:
         for d in trials:  # the trial thresholds served the timing only
             shutil.rmtree(d, ignore_errors=True)
     session.auto = auto.describe(report)
     return session
+
+
+def _ffn_qtype(checkpoint) -> str | None:
+    """The block format the model keeps its FFN in (loaded with keep_quantized), None: floats."""
+    from powerinfer_jax.checkpoint.base import QuantTensor
+
+    up = checkpoint.params.get("layers.0.ffn.up.weight")
+    return up.qtype if isinstance(up, QuantTensor) else None
 
 
 def _trial_artifacts(model_arg, dense: Session, root: Path, target: float, progress: bool):
