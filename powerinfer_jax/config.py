@@ -39,11 +39,21 @@ MAX_SEED = 2 ** 32 - 1  # seeds are folded into a 32-bit PRNG key
 MAX_DECODE_BLOCK = 64  # decode steps per executable call (RuntimeConfig.decode_block), at most
 
 
-def sparsity_modes() -> tuple[str, ...]:
-    """The registered sparsity modes (sparsity/modes.py; a new mode registers itself there)."""
-    from powerinfer_jax.sparsity import modes
+# The names a SparsityConfig accepts: the built-in modes of sparsity/modes.py, and any mode a
+# research script registers there (modes.register adds its name). Kept here so that a config is
+# checked when it is made without this layer importing the sparsity layer above it.
+_SPARSITY_MODES = ["dense", "auto", "oracle", "powerinfer", "threshold", "predictor"]
 
-    return modes.names()
+
+def sparsity_modes() -> tuple[str, ...]:
+    """The sparsity modes a SparsityConfig accepts (sparsity/modes.py defines what each does)."""
+    return tuple(_SPARSITY_MODES)
+
+
+def add_sparsity_mode(name: str) -> None:
+    """Accept `name` as a sparsity mode (called by sparsity.modes.register)."""
+    if name not in _SPARSITY_MODES:
+        _SPARSITY_MODES.append(name)
 
 
 
@@ -149,6 +159,17 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()
     rope_scaling: RopeScaling | None = None  # full-attention layers' RoPE scaling
     rope_local_theta: float | None = None  # sliding-window layers' RoPE base, unscaled (Gemma-3)
+    # q/k norms over the whole projection ([N * H], [K * H]) instead of per head (OLMoE)
+    qk_norm_full: bool = False
+    # ---- mixture of experts (models/moe.py; 0 experts: a dense FFN). Each layer's FFN is
+    # n_experts gated FFNs of d_ff neurons; a router (softmax over the experts) picks
+    # n_experts_used per token, weighted by their probabilities, renormalized to sum to 1 with
+    # norm_topk_prob (Mixtral always, Qwen-MoE/OLMoE as their config says); d_ff_shared > 0:
+    # a shared expert every token runs, scaled by sigmoid(shared_gate . x) (Qwen2-MoE)
+    n_experts: int = 0
+    n_experts_used: int = 0
+    norm_topk_prob: bool = False
+    d_ff_shared: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -193,6 +214,23 @@ class ModelConfig:
             _check(len(self.rope_scaling.factors) == self.head_dim // 2,
                    "ModelConfig.rope_scaling.factors", f"{self.head_dim // 2} values (head_dim / 2)",
                    len(self.rope_scaling.factors))
+        _check(not (self.qk_norm and self.qk_norm_full), "ModelConfig.qk_norm_full",
+               "False when qk_norm (per head) is True", self.qk_norm_full)
+        for name in ("n_experts", "n_experts_used", "d_ff_shared"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                   f"ModelConfig.{name}", "an integer >= 0", v)
+        if self.n_experts:
+            _check(1 <= self.n_experts_used <= self.n_experts, "ModelConfig.n_experts_used",
+                   f"an integer in [1, n_experts={self.n_experts}] (experts routed per token)",
+                   self.n_experts_used)
+            _check(self.gated and not self.bias, "ModelConfig.n_experts",
+                   "experts only in a gated FFN without biases", self.n_experts,
+                   f"gated={self.gated}, bias={self.bias}")
+        else:
+            _check(self.n_experts_used == 0 and self.d_ff_shared == 0,
+                   "ModelConfig.n_experts_used", "0 (and d_ff_shared 0) without experts",
+                   (self.n_experts_used, self.d_ff_shared))
         _check(not (self.qkv_bias and self.bias), "ModelConfig.qkv_bias",
                "False when bias is True (bias already covers q, k and v)", self.qkv_bias)
 
@@ -244,32 +282,23 @@ class SparsityConfig:
     predictor_file: str | None = None
 
     def __post_init__(self):
-        _check_choice("--sparsity", self.mode, sparsity_modes())
-        _check_choice("SparsityConfig.predictor", self.predictor, PREDICTOR_KINDS)
-        _check_choice("SparsityConfig.gate_up", self.gate_up, GATE_UP_SOURCES)
+        _check_choice("sparsity", self.mode, sparsity_modes())
+        _check_choice("predictor", self.predictor, PREDICTOR_KINDS)
+        _check_choice("gate_up", self.gate_up, GATE_UP_SOURCES)
         if self.gate_up == "q4":
-            _check(self.mode == "predictor" and self.predictor == "q4", "SparsityConfig.gate_up",
-                   "'full' unless mode is 'predictor' with predictor 'q4' (the q4 estimate "
+            _check(self.mode == "predictor" and self.predictor == "q4", "gate_up",
+                   "'full' unless sparsity is 'predictor' with predictor 'q4' (the q4 estimate "
                    "supplies the activations)", self.gate_up,
-                   f"mode={self.mode!r}, predictor={self.predictor!r}")
-        _check_choice("SparsityConfig.impl", self.impl, IMPLS)
-        _check(self.predictor_file is None or self.mode == "powerinfer", "--predictors",
-               "only with --sparsity powerinfer (PowerInfer-form predictors fc1/fc2)",
-               self.predictor_file, f"--sparsity is {self.mode!r}")
-        _check(math.isfinite(self.threshold) and self.threshold >= 0, "SparsityConfig.threshold",
+                   f"sparsity={self.mode!r}, predictor={self.predictor!r}")
+        _check_choice("impl", self.impl, IMPLS)
+        _check(self.predictor_file is None or self.mode == "powerinfer", "predictor_file",
+               "only with sparsity 'powerinfer' (PowerInfer-form predictors fc1/fc2)",
+               self.predictor_file, f"sparsity={self.mode!r}")
+        _check(math.isfinite(self.threshold) and self.threshold >= 0, "threshold",
                "a finite float >= 0", self.threshold)
         if self.target_sparsity is not None:
             _check(isinstance(self.target_sparsity, float) and 0 < self.target_sparsity < 1,
-                   "SparsityConfig.target_sparsity", "a float in (0, 1)", self.target_sparsity)
-
-    def with_default_target(self) -> "SparsityConfig":
-        """This config with DEFAULT_TARGET_SPARSITY when its mode needs calibrated thresholds
-        and no target was given (threshold and predictor modes; oracle runs without one)."""
-        from powerinfer_jax.sparsity import modes
-
-        if self.target_sparsity is None and modes.needs(self).thresholds:
-            return dataclasses.replace(self, target_sparsity=DEFAULT_TARGET_SPARSITY)
-        return self
+                   "target_sparsity", "a float in (0, 1)", self.target_sparsity)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,11 +312,11 @@ class SamplingParams:
 
     def __post_init__(self):
         _check(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-               and self.temperature >= 0, "--temperature", "a finite float >= 0 (0 means greedy)",
+               and self.temperature >= 0, "temperature", "a finite float >= 0 (0 means greedy)",
                self.temperature)
         _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
-               and self.top_k >= 0, "--top-k", "an integer >= 0 (0 disables)", self.top_k)
-        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "--top-p",
+               and self.top_k >= 0, "top_k", "an integer >= 0 (0 disables)", self.top_k)
+        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p",
                "a float in (0, 1]", self.top_p)
 
     @property
@@ -327,21 +356,22 @@ class RuntimeConfig:
     devices: int | None = None
 
     def __post_init__(self):
-        _check_choice("--dtype", self.dtype, DTYPES)
+        _check_choice("dtype", self.dtype, DTYPES)
         if self.devices is not None:
-            _check_positive("--devices", self.devices)
-        _check_choice("--kernels", self.kernels, KERNELS)
-        _check_choice("RuntimeConfig.decode_attention", self.decode_attention, ("auto", "xla"))
-        _check_choice("--weights", self.weights, WEIGHTS)
-        check_decode_block("--decode-block", self.decode_block)
+            _check_positive("devices", self.devices)
+        _check_choice("kernels", self.kernels, KERNELS)
+        _check_choice("decode_attention", self.decode_attention, ("auto", "xla"))
+        _check_choice("weights", self.weights, WEIGHTS)
+        check_decode_block("decode_block", self.decode_block)
         if self.threads is not None:
-            _check_positive("--threads", self.threads)
+            _check_positive("threads", self.threads)
         if self.max_seq_len is not None:
-            _check_positive("--max-seq-len", self.max_seq_len)
-        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
-               "--max-new-tokens", "an integer >= 0", self.max_new_tokens)
+            _check_positive("max_seq_len", self.max_seq_len)
+        _check(isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool)
+               and self.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1",
+               self.max_new_tokens)
         self.sampling  # validates temperature, top_k, top_p
-        _check(isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED, "--seed",
+        _check(isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED, "seed",
                f"an integer in [0, {MAX_SEED}]", self.seed)
 
     @property
@@ -364,11 +394,11 @@ class PlacementConfig:
     offload: Literal["hybrid", "layers"] = "hybrid"
 
     def __post_init__(self):
-        _check_choice("--offload", self.offload, OFFLOADS)
+        _check_choice("offload", self.offload, OFFLOADS)
         if self.vram_budget_gib is not None:
             _check(isinstance(self.vram_budget_gib, (int, float))
                    and math.isfinite(self.vram_budget_gib) and self.vram_budget_gib >= 0,
-                   "--vram-budget", "a finite number of GiB >= 0", self.vram_budget_gib)
+                   "vram_budget", "a finite number of GiB >= 0", self.vram_budget_gib)
 
     @property
     def budget_bytes(self) -> int | None:

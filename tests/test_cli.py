@@ -8,6 +8,7 @@ import pytest
 
 from helpers_models import save_hf_llama
 from powerinfer_jax import bench, evaluate, generate
+from powerinfer_jax import errors as pij_errors
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,6 +25,7 @@ def last_json(capsys):
     return json.loads(out[-1])
 
 
+@pytest.mark.slow
 def test_generate_json_contract(tiny_dir, capsys):
     generate.main(["--model", str(tiny_dir), "--prompt", "the quick brown fox", "--max-new-tokens",
                    "6", "--json", "--threads", "1"])
@@ -32,6 +34,7 @@ def test_generate_json_contract(tiny_dir, capsys):
     assert 1 <= len(row["tokens"]) <= 6 and row["prompt_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_generate_is_deterministic_for_a_seed(tiny_dir, capsys):
     argv = ["--model", str(tiny_dir), "--prompt", "hello world", "--max-new-tokens", "8",
             "--temperature", "0.9", "--top-k", "20", "--seed", "3", "--json"]
@@ -41,6 +44,7 @@ def test_generate_is_deterministic_for_a_seed(tiny_dir, capsys):
     assert last_json(capsys)["tokens"] == a
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", ["xla", "ffi"])
 def test_generate_kernels_agree(tiny_dir, capsys, kernels):
     generate.main(["--model", str(tiny_dir), "--prompt", "the dog", "--max-new-tokens", "8",
@@ -60,6 +64,7 @@ def test_evaluate_json(tiny_dir, tmp_path, capsys):
     assert row["tokens_scored"] == 3 * 31 and row["ppl"] > 1 and row["ffn_sparsity"] == 0.0
 
 
+@pytest.mark.slow
 def test_calibrate_then_q4_predictor_mode(tiny_dir, tmp_path, capsys):
     """calibrate writes q4 thresholds; evaluate --sparsity predictor (q4 by default) uses them and
     reports its recall against the oracle set; lowrank without trained predictors is a clear error."""
@@ -75,7 +80,7 @@ def test_calibrate_then_q4_predictor_mode(tiny_dir, tmp_path, capsys):
     assert len(meta["thresholds_q4"]) == 2 and meta["q4"]["mean_recall"] > 0.8
     from powerinfer_jax.runtime.session import build
     from powerinfer_jax.config import RuntimeConfig, SparsityConfig
-    from powerinfer_jax.evaluate import perplexity
+    from powerinfer_jax.runtime.perplexity import perplexity
 
     s = build(str(tiny_dir), RuntimeConfig(), SparsityConfig(
         "predictor", target_sparsity=0.5), artifacts_root=root, progress=False)
@@ -88,6 +93,7 @@ def test_calibrate_then_q4_predictor_mode(tiny_dir, tmp_path, capsys):
             progress=False)
 
 
+@pytest.mark.slow
 def test_bench_appends_a_row(tiny_dir, tmp_path, capsys):
     out = tmp_path / "b.jsonl"
     bench.main(["--model", str(tiny_dir), "--prompt-tokens", "8", "--new-tokens", "4",
@@ -110,14 +116,16 @@ def test_generate_user_errors(tiny_dir, argv, match):
 
 
 def test_evaluate_user_errors(tiny_dir, tmp_path):
-    with pytest.raises(FileNotFoundError, match="--text: expected an existing file"):
+    with pytest.raises(pij_errors.UserError, match="--text: expected an existing file"):
         evaluate.main(["--model", str(tiny_dir), "--text", str(tmp_path / "missing.txt")])
     short = tmp_path / "short.txt"
     short.write_text("too short")
-    with pytest.raises(ValueError, match=r"--text: expected at least --ctx=512 tokens"):
+    with pytest.raises(pij_errors.UserError,
+                       match=r"--text: expected at least 512 tokens \(one chunk of --ctx 512\)"):
         evaluate.main(["--model", str(tiny_dir), "--text", str(short)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,match", [
     (["--model", "no-such-model", "--prompt", "x"], "no-such-model"),
     (["--dtype", "float16", "--prompt", "x"], "invalid choice: 'float16'"),
@@ -130,6 +138,7 @@ def test_cli_errors_are_one_clean_line(argv, match):
     assert match in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_a_reader_closing_stdout_early_ends_the_command_quietly():
     """`python -m powerinfer_jax.generate ... | head -c 1`: the CLIs' run_main stops with 141
     (128 + SIGPIPE) and no BrokenPipeError traceback once the reader has gone."""

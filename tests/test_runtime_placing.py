@@ -37,6 +37,7 @@ def test_no_budget_on_cpu_means_no_placement(tiny_dir):
     assert s.placement is None and not s.model.layers[0].ffn.placed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", ["hybrid", "layers"])
 def test_budget_places_and_keeps_tokens(tiny_dir, sizes, tmp_path, offload):
     want = tokens(build(str(tiny_dir), RUNTIME, ORACLE, progress=False))
@@ -53,15 +54,15 @@ def test_budget_places_and_keeps_tokens(tiny_dir, sizes, tmp_path, offload):
 
 def test_budget_below_dense_parts_is_a_clear_error(tiny_dir, sizes, tmp_path):
     cfg = PlacementConfig(vram_budget_gib=(sizes.dense - 1) / GIB)
-    with pytest.raises(ValueError, match="--vram-budget: expected at least"):
+    with pytest.raises(ValueError, match="vram_budget: expected at least"):
         build(str(tiny_dir), RUNTIME, ORACLE, placement=cfg, artifacts_root=tmp_path,
                      progress=False)
 
 
 def test_placement_config_validates():
-    with pytest.raises(ValueError, match="--offload"):
+    with pytest.raises(ValueError, match="offload"):
         PlacementConfig(offload="gpu")
-    with pytest.raises(ValueError, match="--vram-budget"):
+    with pytest.raises(ValueError, match="vram_budget"):
         PlacementConfig(vram_budget_gib=-1.0)
 
 
@@ -79,6 +80,7 @@ def test_bench_json_reports_placement(tiny_dir, sizes, capsys):
                       (p["device_bytes"] - sizes.dense) / sizes.neuron_bytes[0], atol=0.01)
 
 
+@pytest.mark.slow
 def test_accelerator_path_builds_on_the_host_then_moves_what_stays(tiny_dir, sizes, tmp_path,
                                                                  monkeypatch):
     """The GPU session path, run with the CPU standing in for the accelerator: the default budget

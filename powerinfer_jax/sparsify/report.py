@@ -65,14 +65,14 @@ def activation_counts(model, chunks_nt: np.ndarray, activation: str,
 
 
 def _ppl(model_arg, sparsity, ids, threads: int) -> dict:
-    from powerinfer_jax import evaluate
     from powerinfer_jax.config import RuntimeConfig
+    from powerinfer_jax.runtime.perplexity import perplexity
     from powerinfer_jax.runtime.session import build
 
     s = build(str(model_arg), RuntimeConfig(dtype="float32", threads=threads, weights="dtype"),
               sparsity, progress=False)
     t0 = time.perf_counter()
-    res = evaluate.perplexity(s.model, ids, ctx=FINAL_CTX, max_chunks=FINAL_CHUNKS)
+    res = perplexity(s.model, ids, ctx=FINAL_CTX, max_chunks=FINAL_CHUNKS)
     res["eval_s"] = round(time.perf_counter() - t0, 1)
     return res
 
