@@ -119,7 +119,7 @@ def burst_out(tiny_dir, tmp_path_factory):
 
 @pytest.mark.slow  # the burst end to end (compile, train, samples, evaluate): ~2 min on 2 cores
 def test_burst_writes_what_import_burst_rebuilds(burst_out, tiny_dir, cache, tmp_path):
-    from powerinfer_jax import evaluate
+    from powerinfer_jax.runtime import perplexity as evaluate
     from powerinfer_jax.config import RuntimeConfig, SparsityConfig
     from powerinfer_jax.runtime.session import build
     from powerinfer_jax.sparsify.burst_import import import_burst

@@ -131,7 +131,7 @@ def test_recipe_presets_and_bad_values():
 def test_fatrelu_is_the_runtimes_threshold_mode():
     """A relu model with FATReLU at t computes what the engine's threshold mode computes with
     every layer's gate threshold at t: same logits, same share of skipped neurons."""
-    from powerinfer_jax import evaluate
+    from powerinfer_jax.runtime import perplexity as evaluate
 
     config, params = tiny("relu")
     x = tokens(config, batch=1, seq=24, seed=3)
