@@ -204,7 +204,8 @@ def param_names(config: ModelConfig) -> list[str]:
 
 def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=F32,
                 kernels: str = "auto", down_qtype: str | None = DOWN_GROUPS,
-                quantized: bool | None = None, **options) -> Transformer:
+                quantized: bool | None = None, external: frozenset[str] = frozenset(),
+                **options) -> Transformer:
     """Build a Transformer from canonical named arrays (e.g. a loaded checkpoint).
 
     Matrices take `dtype`; norms and biases stay float32. Block-quantized tensors
@@ -218,12 +219,15 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
     XLA kernels they are dequantized to `dtype` (quantized=True keeps them: the ops' jnp
     references then compute on them, slowly; tests). Missing, unexpected or misshaped tensors are a
     ValueError naming them. kernels: see models/layers.py ("auto": the custom calls on CPU);
+    external: tensors whose rows live outside the model (an offloaded FFN's neuron store,
+    runtime/offload.py): never read here, their Params left shape-only for the caller to set.
     options: Transformer's decode_attention and fuse_qkv.
     """
     from powerinfer_jax.checkpoint.base import QuantTensor, expected_shapes
 
     kernels = resolve_kernels(kernels)
-    blocks = {name: t for name, t in params.items() if isinstance(t, QuantTensor)}
+    blocks = {name: t for name, t in params.items()
+              if isinstance(t, QuantTensor) and name not in external}
     if not (kernels == "ffi" if quantized is None else quantized):  # the custom calls compute
         # on blocks; elsewhere the floats
         params = {**params, **{name: t.dequantize() for name, t in blocks.items()}}
@@ -249,7 +253,7 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
         # each placeholder Param is found by its name and given its value in place: walking the
         # whole module graph (nnx.state, then nnx.update) took ~0.06 s of SmolLM2's build
         for name in expected:
-            if name not in blocks:
+            if name not in blocks and name not in external:
                 var = _variable(model, name)
                 var.set_value(jnp.asarray(np.asarray(params[name]),
                                           dtype=var.get_value().dtype))
