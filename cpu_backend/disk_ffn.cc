@@ -153,7 +153,7 @@ std::string DiskSparseFfn(NeuronStore& store, int64_t layer, std::span<const flo
     }
   }
   std::string error;
-  if (!store.Acquire(layer, cands, s.lease, &error)) return error;
+  if (!store.Acquire(layer, cands, num_tokens, s.lease, &error)) return error;
   const int64_t nc = static_cast<int64_t>(cands.size());
   // the compute order: resident bundles first, then the others as their reads complete
   s.order.clear();

@@ -241,8 +241,8 @@ int32_t NeuronStore::SlotFor(int64_t key, bool demand) {
   }
 }
 
-bool NeuronStore::Acquire(int64_t layer, std::span<const int32_t> ids, NeuronLease& lease,
-                          std::string* error) {
+bool NeuronStore::Acquire(int64_t layer, std::span<const int32_t> ids, int64_t tokens,
+                          NeuronLease& lease, std::string* error) {
   const BundleLayout& l = o_.layout;
   const size_t n = ids.size();
   lease.bundle.assign(n, nullptr);
@@ -250,6 +250,7 @@ bool NeuronStore::Acquire(int64_t layer, std::span<const int32_t> ids, NeuronLea
   lease.position.resize(n);
   lease.pinned.clear();
   std::lock_guard<std::mutex> lock(mutex_);
+  const NeuronStoreStats before = stats_;
   ++tick_;
   ++stats_.calls;
   stats_.requested += static_cast<int64_t>(n);
@@ -293,6 +294,17 @@ bool NeuronStore::Acquire(int64_t layer, std::span<const int32_t> ids, NeuronLea
   std::sort(want_.begin(), want_.end(),
             [](const auto& a, const auto& b) { return std::get<0>(a) < std::get<0>(b); });
   MakeJobs(layer, want_, o_.max_gap, jobs_);
+  if (tokens == 1) {
+    NeuronStoreStats::Calls& one = stats_.one_token;
+    ++one.calls;
+    one.requested += static_cast<int64_t>(n);
+    one.static_hits += stats_.static_hits - before.static_hits;
+    one.cache_hits += stats_.cache_hits - before.cache_hits;
+    one.misses += stats_.misses - before.misses;
+    for (const ReadJob& job : jobs_) {
+      for (const iovec& v : job.iov) one.demand_bytes += static_cast<int64_t>(v.iov_len);
+    }
+  }
   reader_->Submit(jobs_, /*prefetch=*/false);
   return true;
 }

@@ -79,6 +79,12 @@ struct NeuronStoreStats {
   int64_t wait_ns = 0;        // compute threads waiting for reads (disk_ffn.cc reports it)
   int64_t static_neurons = 0, cache_slots = 0, resident_bytes = 0;
   bool direct = false;
+  // The same for calls on one token (decode at batch 1): per-token figures without prefill's.
+  // demand_bytes: bytes its reads were asked for (gaps included), as the call issues them.
+  struct Calls {
+    int64_t calls = 0, requested = 0, static_hits = 0, cache_hits = 0, misses = 0;
+    int64_t demand_bytes = 0;
+  } one_token;
 };
 
 // The bundles one call uses: a pointer per requested neuron (in the order asked), and the flag to
@@ -106,7 +112,9 @@ class NeuronStore {
   }
   // ids: distinct neuron ids of `layer`, ascending. Returns false (and *error) when no slot
   // can take a missing neuron (cannot happen with the minimum cache_slots Open enforces).
-  bool Acquire(int64_t layer, std::span<const int32_t> ids, NeuronLease& lease, std::string* error);
+  // tokens: the call's token rows (statistics of one-token calls are kept apart).
+  bool Acquire(int64_t layer, std::span<const int32_t> ids, int64_t tokens, NeuronLease& lease,
+               std::string* error);
   void Release(NeuronLease& lease);
   // Starts reading the ids' bundles not yet in memory (behind every demand read), into slots
   // nobody holds; the next Acquire of them waits for the reads if they are still running.

@@ -81,6 +81,14 @@ nb::dict StatsDict(const pij::NeuronStoreStats& s) {
   d["cache_slots"] = s.cache_slots;
   d["resident_bytes"] = s.resident_bytes;
   d["direct"] = s.direct;
+  nb::dict one;
+  one["calls"] = s.one_token.calls;
+  one["requested"] = s.one_token.requested;
+  one["static_hits"] = s.one_token.static_hits;
+  one["cache_hits"] = s.one_token.cache_hits;
+  one["misses"] = s.one_token.misses;
+  one["demand_bytes"] = s.one_token.demand_bytes;
+  d["one_token"] = one;
   return d;
 }
 

@@ -12,8 +12,10 @@ Two parts are chosen once, when the model is built, and never by string tests at
     ops.sparse_ffn's criterion, the layer's threshold and the scores it compares.
   * `backend`: computes the rows. `Rows` (every row in the FFN's Params: XLA or the custom call),
     `CpuHybrid` (placed: hot rows with XLA, cold `HostRows` through the custom call on the host
-    pool, summed) or `CudaHybrid` (placed on a GPU: hot rows in CUDA kernels, cold rows in the CUDA
-    module's host store behind a handle, one custom call). `FFN.split` switches the backend.
+    pool, summed), `CudaHybrid` (placed on a GPU: hot rows in CUDA kernels, cold rows in the CUDA
+    module's host store behind a handle, one custom call) or `DiskHybrid` (--ram-budget: every row
+    in a neuron store, in memory or read from disk, behind a handle). `FFN.split` switches the
+    backend to the first two; runtime/offload.py sets DiskHybrid.
 Under models.transformer.capture the FFN records each call's active counts ("n_active" [B, T]).
 
 Dependencies point one way: this module knows only the Selector interface; sparsity/ implements it.
@@ -315,6 +317,37 @@ class CudaHybrid:
             scores_cold=None if s is None else s[:, n_hot:], threshold=float(sel.threshold),
             activation=ffn.activation, criterion=sel.criterion, cold_handle=self.handle)
         return y.reshape(lead + (d,)), count.reshape(lead)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskHybrid:
+    """An FFN whose rows live in a neuron store (runtime/offload.py, --ram-budget): the static
+    and cached neurons in memory, the others read from the model's bundle file when the active
+    set needs them, in one custom call per layer (ops._ffi.disk_ffn) that takes the store's
+    handle and this layer's index. The FFN's own weights are zero-row stubs."""
+
+    store: int
+    layer: int
+
+    def dense(self, ffn, x_btd):
+        return self._compute(ffn, x_btd, Selection("oracle", 0.0))[0]
+
+    def run(self, ffn, x_btd, selector):
+        sel = selector.select(ffn, x_btd)
+        if sel.criterion == "activations":
+            fail("FFN (neuron store) criterion", "'scores' or 'oracle'", sel.criterion,
+                 "the selector's activations come from rows the store holds")
+        return self._compute(ffn, x_btd, sel)
+
+    def _compute(self, ffn, x_btd, sel: Selection):
+        from powerinfer_jax.ops import _ffi
+
+        y, count = _ffi.disk_ffn(x_btd, sel.scores, store=self.store, layer=self.layer,
+                                 threshold=float(sel.threshold), activation=ffn.activation,
+                                 criterion=sel.criterion)
+        if ffn.down_t.bias is not None:
+            y = y + ffn.down_t.bias[...]
+        return y, count
 
 
 # ------------------------------------------------------------------------------------ the FFN
