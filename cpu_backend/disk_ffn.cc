@@ -15,6 +15,9 @@ namespace {
 constexpr int64_t kTokenChunk = 32;
 // Candidates per task of the activation pass: small, so a task rarely waits for many reads.
 constexpr int64_t kUnit = 16;
+// Candidates ahead whose gate and up rows are requested while one is computed (bundles are
+// scattered: the hardware prefetcher does not follow them), as qsparse_ffn.cc's kGateUpAhead.
+constexpr int64_t kAhead = 4;
 constexpr int64_t kCacheLine = 64;
 
 inline void PrefetchL2(const uint8_t* p, int64_t bytes) {
@@ -106,7 +109,16 @@ void AccumulateDown(const BundleLayout& l, std::span<const uint8_t* const> bundl
     const size_t n = bundles.size();
     const uint8_t* rows[qsparse::kDownGroup];
     size_t k = 0;
+    const int64_t down_bytes = l.DownBytes();
+    for (size_t j = 0; j < std::min<size_t>(n, qsparse::kDownGroup); ++j) {
+      PrefetchL2(l.Down(bundles[j]), down_bytes);
+    }
     for (; k + qsparse::kDownGroup <= n; k += qsparse::kDownGroup) {
+      // the next group's rows are requested while this one is summed (scattered rows: the
+      // hardware prefetcher does not follow them)
+      for (size_t j = k + qsparse::kDownGroup; j < std::min(n, k + 2 * qsparse::kDownGroup); ++j) {
+        PrefetchL2(l.Down(bundles[j]), down_bytes);
+      }
       for (int j = 0; j < qsparse::kDownGroup; ++j) rows[j] = l.Down(bundles[k + j]);
       qkern::AxpyRows<F, qsparse::kDownGroup>(rows, coef.data() + k, nblocks, y);
     }
@@ -197,42 +209,78 @@ std::string DiskSparseFfn(NeuronStore& store, int64_t layer, std::span<const flo
   const bool oracle = p.criterion == Criterion::kOracle;
   const int64_t units = (nc + kUnit - 1) / kUnit;
   std::atomic<bool> failed{false};
+  s.done.assign(nc, 0);
 
-  for (int64_t t0 = 0; t0 < num_tokens && !failed.load(); t0 += chunk) {
-    const int64_t ntok = std::min(chunk, num_tokens - t0);
-    // 1. every candidate's a_i, waiting per bundle for the ones still being read
-    pool.Run(0, units, [&](int64_t unit, int worker) {
-      DiskFfnScratch::Worker& w = s.workers[worker];
-      const uint8_t* bundles[kUnit];
-      int32_t ids[kUnit];
-      const int64_t lo = unit * kUnit, hi = std::min(nc, lo + kUnit);
-      int64_t waited = 0;
-      for (int64_t k = lo; k < hi; ++k) {
-        const int32_t c = s.order[k];
-        if (const std::atomic<uint32_t>* pending = s.lease.pending[c]; pending != nullptr) {
+  // a_i of the candidates at order[lo, hi) that are in memory (wait: block for the others;
+  // else skip them, they stay !done for the pieces' pass), gate/up rows requested kAhead ahead
+  auto activate = [&](const int32_t* order, int64_t n, int64_t t0, int64_t ntok, bool wait,
+                      DiskFfnScratch::Worker& w) {
+    const uint8_t* bundles[kUnit];
+    int32_t ids[kUnit], which[kUnit];
+    int64_t m = 0, waited = 0;
+    for (int64_t k = 0; k < n; ++k) {
+      const int32_t c = order[k];
+      if (s.done[c]) continue;
+      if (k + kAhead < n) PrefetchL2(s.lease.bundle[order[k + kAhead]], l.GateBytes() + l.UpBytes());
+      if (const std::atomic<uint32_t>* pending = s.lease.pending[c]; pending != nullptr) {
+        const uint32_t state = pending->load(std::memory_order_acquire);
+        if (state == kSlotLoading && !wait) continue;
+        if (state == kSlotLoading) {
           const auto w0 = std::chrono::steady_clock::now();
-          if (!NeuronStore::Wait(pending)) failed.store(true);
+          NeuronStore::Wait(pending);
           waited += std::chrono::duration_cast<std::chrono::nanoseconds>(
                         std::chrono::steady_clock::now() - w0).count();
         }
-        bundles[k - lo] = s.lease.bundle[c];
-        ids[k - lo] = cands[c];
+        if (pending->load(std::memory_order_acquire) != kSlotReady) {
+          failed.store(true);
+          continue;
+        }
       }
-      if (waited > 0) store.AddWaitNs(waited);
-      if (failed.load()) return;
-      if (hi < nc) PrefetchL2(s.lease.bundle[s.order[hi]], l.GateBytes() + l.UpBytes());
-      Activations(l, b_up, p, s, bundles, ids, hi - lo, t0, ntok, w);
-      const float* act = w.act.data();
-      for (int64_t k = lo; k < hi; ++k) {
-        std::copy_n(act + (k - lo) * ntok, ntok, s.acts.data() + s.order[k] * ntok);
+      bundles[m] = s.lease.bundle[c];
+      ids[m] = cands[c];
+      which[m++] = c;
+      if (m == kUnit || k + 1 == n) {
+        Activations(l, b_up, p, s, bundles, ids, m, t0, ntok, w);
+        for (int64_t j = 0; j < m; ++j) {
+          std::copy_n(w.act.data() + j * ntok, ntok, s.acts.data() + which[j] * ntok);
+          s.done[which[j]] = 1;
+        }
+        m = 0;
       }
+    }
+    if (m > 0) {
+      Activations(l, b_up, p, s, bundles, ids, m, t0, ntok, w);
+      for (int64_t j = 0; j < m; ++j) {
+        std::copy_n(w.act.data() + j * ntok, ntok, s.acts.data() + which[j] * ntok);
+        s.done[which[j]] = 1;
+      }
+    }
+    if (waited > 0) store.AddWaitNs(waited);
+  };
+
+  for (int64_t t0 = 0; t0 < num_tokens && !failed.load(); t0 += chunk) {
+    const int64_t ntok = std::min(chunk, num_tokens - t0);
+    if (t0 > 0) std::fill(s.done.begin(), s.done.end(), 0);
+    // 1. while the reads run: every candidate already in memory (resident first, then the
+    //    pending ones whose reads have completed, in file order), in units over the pool
+    pool.Run(0, units, [&](int64_t unit, int worker) {
+      const int64_t lo = unit * kUnit, hi = std::min(nc, lo + kUnit);
+      activate(s.order.data() + lo, hi - lo, t0, ntok, /*wait=*/false, s.workers[worker]);
     });
-    if (failed.load()) break;
-    // 2. per piece, per token: its active neurons in id order, their down rows summed
+    // 2. per piece: the rest of its candidates (waiting for their reads), then per token its
+    //    active neurons in id order, their down rows summed
     const int64_t out_size = ntok * dim;
     float* partial = s.partial_y.data();
     int32_t* counts = s.partial_count.data();
-    pool.Run(0, pieces, [&](int64_t k, int /*worker*/) {
+    pool.Run(0, pieces, [&](int64_t k, int worker) {
+      const int64_t lo = k == 0 ? 0 : s.cand_ends[k - 1], hi = s.cand_ends[k];
+      DiskFfnScratch::Worker& w = s.workers[worker];
+      w.todo.clear();
+      for (int64_t c = lo; c < hi; ++c) {
+        if (!s.done[c]) w.todo.push_back(static_cast<int32_t>(c));
+      }
+      activate(w.todo.data(), static_cast<int64_t>(w.todo.size()), t0, ntok, /*wait=*/true, w);
+      if (failed.load()) return;
       DiskFfnScratch::Piece& piece = s.pieces[k];
       if (static_cast<int64_t>(piece.active.size()) < ntok) {
         piece.active.resize(ntok);
@@ -243,7 +291,6 @@ std::string DiskSparseFfn(NeuronStore& store, int64_t layer, std::span<const flo
       int32_t* cnt = counts + k * ntok;
       std::fill_n(out, out_size, 0.0f);
       std::fill_n(cnt, ntok, 0);
-      const int64_t lo = k == 0 ? 0 : s.cand_ends[k - 1], hi = s.cand_ends[k];
       for (int64_t t = 0; t < ntok; ++t) {
         std::vector<int32_t>& active = piece.active[t];
         std::vector<float>& coef = piece.coef[t];
@@ -266,6 +313,7 @@ std::string DiskSparseFfn(NeuronStore& store, int64_t layer, std::span<const flo
         AccumulateDown(l, rows, coef, out + t * dim);
       }
     });
+    if (failed.load()) break;
     // y = (piece 0 + piece 1) + ..., in piece order: deterministic
     float* yc = y + t0 * dim;
     std::copy(partial, partial + out_size, yc);

@@ -8,11 +8,12 @@
 // kOracle (every neuron, |a_i| > threshold: the dense FFN at threshold 0, the whole layer read).
 //
 // Overlap: the store starts reading the missing bundles before the work begins; the pool then
-// computes every candidate's a_i, the resident ones first and the others in the order their
-// reads complete (file order), each waiting only for its own bundle. The down sums follow,
-// per fixed piece of neuron ids in id order with qsparse_ffn's piece partition, coefficient
-// rounding and row grouping (qsparse_common.h), and the pieces are added in piece order: y is
-// bitwise ops.qsparse_ffn's over the same rows, whatever was resident, whatever the threads.
+// computes the a_i of every candidate in memory (the resident ones, then those whose reads have
+// completed by then, in file order) without waiting. Then per fixed piece of neuron ids
+// (qsparse_ffn's partition): the piece's remaining candidates, each waiting only for its own
+// read, then its down sums in id order with qsparse_ffn's coefficient rounding and row grouping
+// (qsparse_common.h); the pieces are added in piece order. y is bitwise ops.qsparse_ffn's over
+// the same rows, whatever was resident, whatever the threads or the reads' timing.
 // Knows nothing of XLA or Python.
 #ifndef PIJ_CPU_BACKEND_DISK_FFN_H_
 #define PIJ_CPU_BACKEND_DISK_FFN_H_
@@ -44,12 +45,13 @@ struct DiskFfnScratch {
   NeuronLease lease;
   std::vector<int32_t> order;     // candidate indices: resident first, then in file order
   std::vector<float> acts;        // [candidates, chunk tokens]
+  std::vector<uint8_t> done;      // [candidates]: acts computed for this chunk
   std::vector<int64_t> cand_ends; // [pieces]
   std::vector<float> partial_y;        // [pieces, chunk tokens, D]
   std::vector<int32_t> partial_count;  // [pieces, chunk tokens]
   struct Worker {
     std::vector<float> gate, up, act;  // [unit neurons, chunk tokens], padded to whole vectors
-    std::vector<int32_t> on;
+    std::vector<int32_t> todo;  // a piece's candidates still to compute
   };
   std::vector<Worker> workers;
   struct Piece {

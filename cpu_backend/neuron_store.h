@@ -125,6 +125,10 @@ class NeuronStore {
   std::string ReadError() const { return reader_->LastError(); }
   NeuronStoreStats Stats() const;
   void ResetStats();
+  // Record every Acquire's keys (layer * F + id) from now on (the eviction policies'
+  // experiment replays them through NeuronCache); Take hands them out (and keeps recording).
+  void Trace(bool on);
+  void TakeTrace(std::vector<int64_t>& keys, std::vector<int64_t>& ends);
 
  private:
   struct Arena;
@@ -151,6 +155,8 @@ class NeuronStore {
   std::vector<std::tuple<int32_t, uint8_t*, std::atomic<uint32_t>*>> want_;  // Acquire scratch
   std::vector<ReadJob> jobs_;
   ReaderStats reader_base_;  // the reader's figures at the last ResetStats
+  bool tracing_ = false;     // under mutex_, as the trace
+  std::vector<int64_t> trace_keys_, trace_ends_;
 };
 
 // Handle -> store, as cold_store.h keeps cold rows: handles are never reused within a process.

@@ -146,6 +146,23 @@ void RegisterNeuronStore(nb::module_& m) {
         nb::arg("handle"), "Counters since the store opened or the last reset.");
   m.def("neuron_store_reset_stats", [](int64_t handle) { StoreOf(handle)->ResetStats(); },
         nb::arg("handle"));
+  m.def("neuron_store_trace", [](int64_t handle, bool on) { StoreOf(handle)->Trace(on); },
+        nb::arg("handle"), nb::arg("on"),
+        "Record (or stop recording) every call's keys (layer * F + id).");
+  m.def(
+      "neuron_store_take_trace",
+      [](int64_t handle) {
+        auto* keys = new std::vector<int64_t>();
+        auto* ends = new std::vector<int64_t>();
+        StoreOf(handle)->TakeTrace(*keys, *ends);
+        nb::capsule own_keys(keys, [](void* p) noexcept { delete static_cast<std::vector<int64_t>*>(p); });
+        nb::capsule own_ends(ends, [](void* p) noexcept { delete static_cast<std::vector<int64_t>*>(p); });
+        using Out = nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>;
+        return nb::make_tuple(Out(keys->data(), {keys->size()}, own_keys),
+                              Out(ends->data(), {ends->size()}, own_ends));
+      },
+      nb::arg("handle"),
+      "(keys, ends): the recorded calls, call c = keys[ends[c - 1]:ends[c]]; clears the record.");
   m.def(
       "neuron_store_prefetch",
       [](int64_t handle, int64_t layer, Vec1<int32_t> ids) {

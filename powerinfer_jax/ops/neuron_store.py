@@ -91,6 +91,19 @@ class NeuronStore:
         _ffi._pij_ext.neuron_store_prefetch(self.handle, int(layer),
                                             np.ascontiguousarray(ids, np.int32))
 
+    def trace(self, on: bool = True) -> None:
+        """Record every call's keys (layer * F + id) from now on (`take_trace` hands them out)."""
+        from powerinfer_jax.ops import _ffi
+
+        _ffi._pij_ext.neuron_store_trace(self.handle, bool(on))
+
+    def take_trace(self) -> list[np.ndarray]:
+        """The recorded calls (one key array each), clearing the record."""
+        from powerinfer_jax.ops import _ffi
+
+        keys, ends = _ffi._pij_ext.neuron_store_take_trace(self.handle)
+        return np.split(np.asarray(keys), np.asarray(ends)[:-1]) if len(ends) else []
+
     def close(self) -> None:
         self._finalizer()
 

@@ -55,6 +55,7 @@ DEFAULT_CACHE_SHARE = 0.25
 # heap entries, state, pins and flags
 TABLE_BYTES_PER_KEY = 17
 TABLE_BYTES_PER_SLOT = 49
+ARENA_SLACK = 3 * (2 << 20)  # the store's three arenas start and end on 2 MiB huge pages
 _TOKEN_CHUNK = 32  # disk_ffn.cc's kTokenChunk
 _PIECES = 16  # qsparse_common.h's kMaxPieces
 
@@ -247,7 +248,7 @@ def attach(model, ckpt, *, budget: int, kv_len: int, batch: int, artifacts_root,
     path, spec, order = bundles.ensure(ckpt, freqs, progress=progress)
     keys = c.n_layers * c.d_ff
     scratch = 4 * (_PIECES * _TOKEN_CHUNK * c.d_model + keys // c.n_layers * _TOKEN_CHUNK)
-    tables = TABLE_BYTES_PER_KEY * keys + scratch
+    tables = TABLE_BYTES_PER_KEY * keys + scratch + ARENA_SLACK
     need = minimum_bytes(dense, spec, tables)
     if budget < need:
         gib = 1 << 30
