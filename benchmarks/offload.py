@@ -9,15 +9,17 @@ against llama.cpp (its default mmap), on the same GGUF. Issue 36.
 The memory limit is a cgroup's. The issue asks for cgroup v2's memory.max, but on this machine
 the v2 hierarchy (/sys/fs/cgroup/unified) has no controllers enabled; the v1 memory controller
 works, so each run gets its own v1 memory cgroup (memory.limit_in_bytes = budget fraction x the
-file's size; page cache charged to it, as v2 would) and a v1 blkio cgroup (bytes the child read
-from the disk, whoever asked: the kernel's readahead of an mmap too). Only the benchmarked child
-goes in them: a wrapper shell writes its own pid into cgroup.procs, then execs the command under
-/usr/bin/time (peak RSS). The cgroups are removed afterwards. Before every run the page cache is
-dropped (`sync; echo 3 > /proc/sys/vm/drop_caches`: root).
+file's size; page cache charged to it, as v2 would). Only the benchmarked child goes in it: a
+wrapper shell writes its own pid into cgroup.procs, then execs the command under /usr/bin/time
+(peak RSS). The cgroup is removed afterwards. Before every run the page cache is dropped (`sync;
+echo 3 > /proc/sys/vm/drop_caches`: root). Bytes read from the disk: the wrapper's
+/proc/<pid>/io read_bytes, read after it exits but before it is reaped (a zombie's counters hold
+those of the children it reaped: the command's own reads, an mmap's readahead included); the v1
+blkio cgroup's throttle counters stay 0 here (no throttle rule, mq-deadline scheduler).
 
 Rows (JSONL, one per system and budget): decode tok/s, bytes read from the disk per decoded token
-(ours: the store's count of its decode reads, cross-checked with the blkio total; llama.cpp:
-the blkio total over every token it ran, load included, an upper bound), the neuron cache's hit
+(ours: the store's count of its decode reads, cross-checked with /proc's total; llama.cpp: the
+/proc total over every token it ran, load included, an upper bound), the neuron cache's hit
 rate, peak RSS (/usr/bin/time) and the cgroup's memory.max_usage_in_bytes (page cache included),
 whether the kernel OOM-killed the child. Ours gets --ram-budget = limit - --overhead-mb: the
 budget counts the model's bytes, not the process (Python, jax, XLA), whose size the unlimited
@@ -53,19 +55,16 @@ def drop_caches() -> None:
 
 
 class Cgroup:
-    """A v1 memory cgroup (with a limit) and a v1 blkio cgroup for one child, removed on exit."""
+    """A v1 memory cgroup (with a limit) for one child, removed when done."""
 
     def __init__(self, name: str, limit: int | None):
         self.mem = CGROUP / "memory" / name
-        self.blkio = CGROUP / "blkio" / name
         self.mem.mkdir()
-        self.blkio.mkdir()
         if limit is not None:
             (self.mem / "memory.limit_in_bytes").write_text(str(limit))
 
     def wrap(self, cmd: list[str]) -> list[str]:
-        procs = f"{self.mem}/cgroup.procs {self.blkio}/cgroup.procs"
-        script = (f'for f in {procs}; do echo $$ > "$f"; done; '
+        script = (f'echo $$ > {self.mem}/cgroup.procs; '
                   'exec /usr/bin/time -f "PIJ_MAXRSS_KB %M" "$@"')
         return ["sh", "-c", script, "sh", *cmd]
 
@@ -76,41 +75,50 @@ class Cgroup:
         for line in oom.splitlines():
             if line.startswith("oom_kill "):
                 out["oom_kills"] = int(line.split()[1])
-        read = 0
-        for line in (self.blkio / "blkio.throttle.io_service_bytes").read_text().splitlines():
-            parts = line.split()
-            if len(parts) == 3 and parts[1] == "Read":
-                read += int(parts[2])
-        out["disk_read_bytes"] = read
         return out
 
     def remove(self) -> None:
-        for d in (self.mem, self.blkio):
-            for _ in range(50):  # the child's exit may take a moment to leave the group
-                try:
-                    d.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+        for _ in range(50):  # the child's exit may take a moment to leave the group
+            try:
+                self.mem.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
 
 
 def run(cmd: list[str], limit: int | None, timeout: float, tag: str) -> dict:
+    import tempfile
+
     drop_caches()
     cg = Cgroup(f"pij_offload_{os.getpid()}_{tag}", limit)
-    try:
-        t0 = time.time()
-        p = subprocess.run(cg.wrap(cmd), capture_output=True, text=True, timeout=timeout,
-                           cwd=REPO)
-        wall = time.time() - t0
-        info = cg.read()
-    finally:
-        cg.remove()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        try:
+            t0 = time.time()
+            p = subprocess.Popen(cg.wrap(cmd), stdout=out, stderr=err, text=True, cwd=REPO)
+            deadline = t0 + timeout
+            while True:  # exited, not yet reaped: its /proc/<pid>/io still reads
+                info = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+                if info is not None:
+                    break
+                if time.time() > deadline:
+                    p.kill()
+                time.sleep(0.2)
+            wall = time.time() - t0
+            io = dict(line.split(": ") for line in Path(f"/proc/{p.pid}/io").read_text()
+                      .splitlines())
+            p.wait()
+            stats = cg.read()
+        finally:
+            cg.remove()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
     rss = None
-    for line in p.stderr.splitlines():
+    for line in stderr.splitlines():
         if line.startswith("PIJ_MAXRSS_KB"):
             rss = int(line.split()[1]) * 1024
-    return {"rc": p.returncode, "wall_s": wall, "peak_rss_bytes": rss, **info,
-            "stdout": p.stdout, "stderr": p.stderr}
+    return {"rc": p.returncode, "wall_s": wall, "peak_rss_bytes": rss, **stats,
+            "disk_read_bytes": int(io["read_bytes"]), "stdout": stdout, "stderr": stderr}
 
 
 def ours_cmd(a, budget: int | None, mode: str) -> list[str]:

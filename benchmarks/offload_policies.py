@@ -40,7 +40,10 @@ def trace(a):
     off = llm.session.offload
     assert off.summary["mode"] == "disk", off.summary
     store = off.store
-    ids = llm.tokenizer.encode(Path(a.text).read_text(encoding="utf-8")[:4000],
+    from powerinfer_jax.sparsity.corpus import SHARED_DATA
+
+    text = Path(a.text) if a.text else SHARED_DATA / "wiki.valid.txt"
+    ids = llm.tokenizer.encode(text.read_text(encoding="utf-8")[:4000],
                                add_bos=False)[:a.prompt_tokens]
     store.trace(True)
     llm.session.engine.generate(ids, max_new_tokens=a.tokens)
@@ -73,7 +76,7 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--predictors", required=True)
-    p.add_argument("--text", default=str(REPO.parent / "shared/data/wiki.valid.txt"))
+    p.add_argument("--text", default=None, help="prompt text (default: the corpus' wiki.valid)")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16")
@@ -82,8 +85,24 @@ def main(argv=None) -> None:
                    help="neuron memory, as fractions of all neurons")
     p.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.1, 0.25, 0.5, 0.75, 1.0])
     p.add_argument("--out", default=str(REPO / "benchmarks" / "offload_policies.jsonl"))
+    p.add_argument("--trace-file", default=None,
+                   help="an .npz to keep the trace in (replayed from it when it exists)")
     a = p.parse_args(argv)
-    calls, freqs, source, config = trace(a)
+    trace_file = Path(a.trace_file) if a.trace_file else None
+    if trace_file is not None and trace_file.exists():  # a trace recorded before: replay only
+        from powerinfer_jax.checkpoint import load_checkpoint
+        from powerinfer_jax.runtime import offload
+
+        ckpt = load_checkpoint(a.model, keep_quantized=True)
+        config = ckpt.config
+        freqs, source = offload.neuron_frequencies(ckpt, None)
+        with np.load(trace_file) as z:
+            calls = np.split(z["keys"], z["ends"][:-1])
+    else:
+        calls, freqs, source, config = trace(a)
+        if trace_file is not None:
+            ends = np.cumsum([c.size for c in calls])
+            np.savez_compressed(trace_file, keys=np.concatenate(calls), ends=ends)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=REPO).stdout.strip()
     head = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

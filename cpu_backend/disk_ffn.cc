@@ -132,7 +132,8 @@ void AccumulateDown(const BundleLayout& l, std::span<const uint8_t* const> bundl
 }  // namespace
 
 std::string DiskSparseFfn(NeuronStore& store, int64_t layer, std::span<const float* const> x_rows,
-                          std::span<const float* const> score_rows, const DiskFfnParams& p,
+                          std::span<const float* const> score_rows,
+                          std::span<const float* const> next_rows, const DiskFfnParams& p,
                           float* y, int32_t* n_active, DiskFfnScratch& s, ThreadPool& pool) {
   const BundleLayout& l = store.layout();
   const int64_t num_tokens = static_cast<int64_t>(x_rows.size());
@@ -166,6 +167,15 @@ std::string DiskSparseFfn(NeuronStore& store, int64_t layer, std::span<const flo
   }
   std::string error;
   if (!store.Acquire(layer, cands, num_tokens, s.lease, &error)) return error;
+  if (!next_rows.empty() && layer + 1 < l.num_layers) {
+    s.ahead.clear();
+    for (int64_t i = 0; i < f; ++i) {
+      bool on = false;
+      for (const float* row : next_rows) on |= SelectedByScore(row[i], p.threshold);
+      if (on) s.ahead.push_back(static_cast<int32_t>(i));
+    }
+    store.Prefetch(layer + 1, s.ahead);
+  }
   const int64_t nc = static_cast<int64_t>(cands.size());
   // the compute order: resident bundles first, then the others as their reads complete
   s.order.clear();

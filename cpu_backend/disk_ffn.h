@@ -41,6 +41,7 @@ struct DiskFfnScratch {
   QActs act32, act256;
   std::vector<QActView> gate_views, up_views;  // [T]
   std::vector<int32_t> candidates;             // neuron ids, ascending
+  std::vector<int32_t> ahead;                  // the next layer's guessed ids
   std::vector<uint8_t> marks;
   NeuronLease lease;
   std::vector<int32_t> order;     // candidate indices: resident first, then in file order
@@ -63,9 +64,13 @@ struct DiskFfnScratch {
 };
 
 // y [T, D], n_active [T]; score_rows: T rows of F floats for kScores, empty for kOracle.
+// next_rows: empty, or T rows of F floats guessing layer + 1's scores: after this layer's reads
+// are queued, the next layer's neurons scoring > threshold in any row are read ahead
+// (NeuronStore::Prefetch), so they are in flight while this layer computes.
 // Returns "" or the reason the call failed (a read error): then y is unspecified.
 std::string DiskSparseFfn(NeuronStore& store, int64_t layer, std::span<const float* const> x_rows,
-                          std::span<const float* const> score_rows, const DiskFfnParams& params,
+                          std::span<const float* const> score_rows,
+                          std::span<const float* const> next_rows, const DiskFfnParams& params,
                           float* y, int32_t* n_active, DiskFfnScratch& scratch, ThreadPool& pool);
 
 }  // namespace pij

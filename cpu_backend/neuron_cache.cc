@@ -12,6 +12,7 @@ NeuronCache::NeuronCache(int64_t num_keys, int64_t num_slots, CachePolicy policy
       key_of_(num_slots, -1),
       last_use_(num_slots, 0),
       uses_(num_slots, 0),
+      pins_(num_slots, 0),
       heap_pos_(num_slots, -1) {
   heap_.reserve(num_slots);
   free_.reserve(num_slots);
@@ -70,12 +71,28 @@ void NeuronCache::Push(int32_t slot) {
 
 int32_t NeuronCache::PopTop() {
   const int32_t top = heap_.front();
-  heap_.front() = heap_.back();
-  heap_pos_[heap_.front()] = 0;
-  heap_.pop_back();
-  heap_pos_[top] = -1;
-  if (!heap_.empty()) SiftDown(0);
+  RemoveAt(0);
   return top;
+}
+
+void NeuronCache::RemoveAt(int64_t i) {
+  const int32_t gone = heap_[i];
+  heap_pos_[gone] = -1;
+  const int32_t last = heap_.back();
+  heap_.pop_back();
+  if (i == static_cast<int64_t>(heap_.size())) return;  // it was the last entry
+  heap_[i] = last;
+  heap_pos_[last] = static_cast<int32_t>(i);
+  SiftUp(i);
+  SiftDown(heap_pos_[last]);
+}
+
+void NeuronCache::Pin(int32_t slot) {
+  if (pins_[slot]++ == 0 && heap_pos_[slot] >= 0) RemoveAt(heap_pos_[slot]);
+}
+
+void NeuronCache::Unpin(int32_t slot) {
+  if (--pins_[slot] == 0 && key_of_[slot] >= 0) Push(slot);
 }
 
 void NeuronCache::Place(int32_t slot, int64_t key, uint64_t tick) {
@@ -83,14 +100,14 @@ void NeuronCache::Place(int32_t slot, int64_t key, uint64_t tick) {
   slot_of_[key] = slot;
   last_use_[slot] = tick;
   uses_[slot] = 1;
-  Push(slot);
+  if (pins_[slot] == 0) Push(slot);
 }
 
 void NeuronCache::Touch(int32_t slot, uint64_t tick) {
   last_use_[slot] = tick;
   ++uses_[slot];
   // every key only grows (last use, uses; the prior is fixed): the slot moves down
-  SiftDown(heap_pos_[slot]);
+  if (heap_pos_[slot] >= 0) SiftDown(heap_pos_[slot]);
 }
 
 }  // namespace pij

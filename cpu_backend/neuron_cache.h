@@ -9,7 +9,10 @@
 //   kFrequency  (prior frequency, last use)        least frequent by the profile, ties LRU: the
 //               static part's order carried on into the dynamic part (PowerInfer-2's neuron
 //               cache keeps the profile's hot neurons; this is that with recency for ties)
-// A binary min-heap over occupied slots keyed by the tuple: a hit or an insert is O(log slots).
+// A binary min-heap over the occupied slots nobody pins, keyed by the tuple: a hit, an insert,
+// a pin or an unpin is O(log slots). A pinned slot (in use by a running call) is out of the heap,
+// so victims are found at its top (with the frequency policy a call's own new, rarely used
+// neurons would otherwise crowd the top and be popped and pushed back for every insert).
 // Deterministic: the same sequence of calls gives the same slots and victims.
 #ifndef PIJ_CPU_BACKEND_NEURON_CACHE_H_
 #define PIJ_CPU_BACKEND_NEURON_CACHE_H_
@@ -35,11 +38,16 @@ class NeuronCache {
   int64_t KeyOf(int32_t slot) const { return key_of_[slot]; }
   // A hit on `slot` at time `tick` (ticks never decrease).
   void Touch(int32_t slot, uint64_t tick);
-  // A slot for `key` (not cached): a free one, else the policy's victim among the slots for
-  // which keep(slot) is false (the victim's key is forgotten and returned in *evicted, else -1).
-  // Returns -1 when every occupied slot is kept.
+  // A slot for `key` (not cached): a free one, else the policy's victim among the unpinned
+  // slots for which keep(slot) is false (the victim's key is forgotten and returned in
+  // *evicted, else -1). The new slot is pinned once when `pin`. Returns -1 when every occupied
+  // slot is pinned or kept.
   template <typename Keep>
-  int32_t Insert(int64_t key, uint64_t tick, const Keep& keep, int64_t* evicted);
+  int32_t Insert(int64_t key, uint64_t tick, bool pin, const Keep& keep, int64_t* evicted);
+  // Pins count: a pinned slot is never a victim.
+  void Pin(int32_t slot);
+  void Unpin(int32_t slot);
+  bool Pinned(int32_t slot) const { return pins_[slot] > 0; }
 
  private:
   struct Rank {
@@ -51,6 +59,7 @@ class NeuronCache {
   void Place(int32_t slot, int64_t key, uint64_t tick);
   void Push(int32_t slot);
   int32_t PopTop();
+  void RemoveAt(int64_t i);
   void SiftUp(int64_t i);
   void SiftDown(int64_t i);
 
@@ -59,13 +68,15 @@ class NeuronCache {
   std::vector<int32_t> slot_of_;  // [num_keys]
   std::vector<int64_t> key_of_;   // [slots], -1: free
   std::vector<uint64_t> last_use_, uses_;
+  std::vector<int32_t> pins_;
   std::vector<int32_t> heap_, heap_pos_;  // heap of occupied slots; heap_pos_[slot] (-1: not in)
   std::vector<int32_t> free_;             // free slots, taken from the back
   std::vector<int32_t> kept_;             // scratch of Insert
 };
 
 template <typename Keep>
-int32_t NeuronCache::Insert(int64_t key, uint64_t tick, const Keep& keep, int64_t* evicted) {
+int32_t NeuronCache::Insert(int64_t key, uint64_t tick, bool pin, const Keep& keep,
+                            int64_t* evicted) {
   *evicted = -1;
   int32_t slot = -1;
   if (!free_.empty()) {
@@ -87,6 +98,7 @@ int32_t NeuronCache::Insert(int64_t key, uint64_t tick, const Keep& keep, int64_
     slot_of_[key_of_[slot]] = -1;
   }
   Place(slot, key, tick);
+  if (pin) Pin(slot);
   return slot;
 }
 

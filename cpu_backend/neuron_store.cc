@@ -15,20 +15,25 @@ namespace pij {
 // scattered, and with 4 KiB pages every neuron touched was a TLB miss or two (numpy's large
 // arrays, which the in-memory kernel reads, get huge pages the same way). A layer's matvec over
 // a static part measured 1.4x qsparse_ffn's CPU time before this.
+// Arenas under kHugeMin stay on 4 KiB pages (a huge page's rounding would be a large share).
+// runtime/offload.py's ARENA_SLACK counts the rounding: at most one huge page per arena.
 struct NeuronStore::Arena {
   static constexpr size_t kHuge = size_t{2} << 20;
+  static constexpr size_t kHugeMin = size_t{32} << 20;
   uint8_t* data = nullptr;
   void* base = nullptr;
   size_t bytes = 0, mapped = 0;
   explicit Arena(size_t n) : bytes(n) {
     if (n == 0) return;
-    mapped = n + kHuge;
+    const bool huge = n >= kHugeMin;
+    mapped = huge ? n + kHuge : n;
     base = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (base == MAP_FAILED) throw std::bad_alloc();
-    const uintptr_t at = (reinterpret_cast<uintptr_t>(base) + kHuge - 1) / kHuge * kHuge;
+    const uintptr_t at = huge ? (reinterpret_cast<uintptr_t>(base) + kHuge - 1) / kHuge * kHuge
+                              : reinterpret_cast<uintptr_t>(base);
     data = reinterpret_cast<uint8_t*>(at);
 #ifdef MADV_HUGEPAGE
-    ::madvise(data, n, MADV_HUGEPAGE);  // advice only: ignored where THP is off
+    if (huge) ::madvise(data, n, MADV_HUGEPAGE);  // advice only: ignored where THP is off
 #endif
   }
   ~Arena() {
@@ -149,7 +154,6 @@ std::unique_ptr<NeuronStore> NeuronStore::Open(NeuronStoreOptions o, std::string
              std::to_string((n_static + o.cache_slots) * l.slot_bytes) + " bytes";
     return nullptr;
   }
-  s->pins_.assign(o.cache_slots, 0);
   s->by_prefetch_.assign(o.cache_slots, 0);
   s->static_slot_.assign(keys, -1);
   // The static part: each layer's static neurons in file order, read now (coalesced, no gap
@@ -234,18 +238,18 @@ int32_t NeuronStore::SlotFor(int64_t key, bool demand) {
   for (;;) {
     int64_t evicted;
     const int32_t slot = cache_->Insert(
-        key, tick_,
-        [&](int32_t s) {
-          return pins_[s] > 0 || state_[s].load(std::memory_order_acquire) == kSlotLoading;
-        },
+        key, tick_, /*pin=*/demand,
+        [&](int32_t s) { return state_[s].load(std::memory_order_acquire) == kSlotLoading; },
         &evicted);
     if (evicted >= 0) ++stats_.evictions;
     if (slot >= 0 || !demand) return slot;
     // Every unpinned slot is being read by a prefetch: wait for one (Open's minimum of
     // cache_slots leaves a demand call enough slots once those reads end).
     int32_t loading = -1;
-    for (int32_t s = 0; s < static_cast<int32_t>(pins_.size()) && loading < 0; ++s) {
-      if (pins_[s] == 0 && state_[s].load(std::memory_order_acquire) == kSlotLoading) loading = s;
+    for (int32_t s = 0; s < static_cast<int32_t>(o_.cache_slots) && loading < 0; ++s) {
+      if (!cache_->Pinned(s) && state_[s].load(std::memory_order_acquire) == kSlotLoading) {
+        loading = s;
+      }
     }
     if (loading < 0) return -1;
     Wait(&state_[loading]);
@@ -281,15 +285,20 @@ bool NeuronStore::Acquire(int64_t layer, std::span<const int32_t> ids, int64_t t
     int32_t s = cache_->Find(key);
     if (s >= 0 && state_[s].load(std::memory_order_acquire) != kSlotFailed) {
       cache_->Touch(s, tick_);
+      cache_->Pin(s);
       ++stats_.cache_hits;
       if (by_prefetch_[s]) {
         ++stats_.prefetch_hits;
         by_prefetch_[s] = 0;
       }
     } else {
-      if (s < 0) s = SlotFor(key, /*demand=*/true);
+      if (s >= 0) {
+        cache_->Pin(s);  // a failed read's slot: read again
+      } else {
+        s = SlotFor(key, /*demand=*/true);  // pinned
+      }
       if (s < 0) {  // only with fewer slots than Open requires: undo and report
-        for (const int32_t p : lease.pinned) --pins_[p];
+        for (const int32_t p : lease.pinned) cache_->Unpin(p);
         lease.pinned.clear();
         for (auto& [pos, dst, flag] : want_) flag->store(kSlotFailed, std::memory_order_release);
         *error = "neuron store: no slot free for a missing neuron (cache_slots " +
@@ -301,7 +310,6 @@ bool NeuronStore::Acquire(int64_t layer, std::span<const int32_t> ids, int64_t t
       state_[s].store(kSlotLoading, std::memory_order_release);
       want_.emplace_back(lease.position[k], dynamic_->data + s * l.slot_bytes, &state_[s]);
     }
-    ++pins_[s];
     lease.pinned.push_back(s);
     lease.bundle[k] = dynamic_->data + s * l.slot_bytes;
     if (state_[s].load(std::memory_order_acquire) != kSlotReady) lease.pending[k] = &state_[s];
@@ -326,7 +334,7 @@ bool NeuronStore::Acquire(int64_t layer, std::span<const int32_t> ids, int64_t t
 
 void NeuronStore::Release(NeuronLease& lease) {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (const int32_t s : lease.pinned) --pins_[s];
+  for (const int32_t s : lease.pinned) cache_->Unpin(s);
   lease.pinned.clear();
 }
 

@@ -146,7 +146,6 @@ class NeuronStore {
   std::unique_ptr<Arena> static_, dynamic_, gap_;
   std::vector<int32_t> static_slot_;                   // [L * F]: -1 or a static slot
   std::unique_ptr<std::atomic<uint32_t>[]> state_;     // [cache_slots]
-  std::vector<int32_t> pins_;                          // [cache_slots]
   std::vector<uint8_t> by_prefetch_;                   // [cache_slots]: read by Prefetch, unused
   uint64_t tick_ = 0;
   mutable std::mutex mutex_;

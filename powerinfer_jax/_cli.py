@@ -99,6 +99,9 @@ def add_sparsity_flags(p: argparse.ArgumentParser, *, predictor_choice: bool = T
     p.add_argument("--neuron-cache", default="lru", choices=NEURON_CACHES,
                    help="--ram-budget: eviction policy of the neuron cache's dynamic part "
                         "(default: %(default)s)")
+    p.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
+                   help="--ram-budget with --sparsity powerinfer: read ahead the neurons the next "
+                        "layer's predictor picks on this layer's input (default: on)")
     p.add_argument("--offload", default="hybrid", choices=OFFLOADS,
                    help="what stays off the accelerator: hybrid (cold FFN neurons, by activation "
                         "frequency) or layers (whole trailing layers, llama.cpp -ngl style) "
@@ -151,7 +154,8 @@ def configs_from_args(args, **runtime_fields) -> tuple[RuntimeConfig, SparsityCo
 def placement_from_args(args) -> PlacementConfig:
     return PlacementConfig(vram_budget_gib=args.vram_budget, offload=args.offload,
                            ram_budget_gib=getattr(args, "ram_budget", None),
-                           neuron_cache=getattr(args, "neuron_cache", "lru"))
+                           neuron_cache=getattr(args, "neuron_cache", "lru"),
+                           lookahead=getattr(args, "lookahead", True))
 
 
 def build_from_args(args, *, progress: bool = True, max_batch: int = 1, **runtime_fields):

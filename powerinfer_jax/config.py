@@ -277,6 +277,7 @@ class PlacementConfig:
     ram_budget_gib: float | None = None
     neuron_cache: Literal["lru", "lfu", "frequency"] = "lru"  # the dynamic part's eviction
     cache_share: float | None = None  # of the neuron memory, dynamic (None: offload's default)
+    lookahead: bool = True  # read the next layer's guessed active set ahead (powerinfer mode)
 
     def __post_init__(self):
         _check_choice("--offload", self.offload, OFFLOADS)

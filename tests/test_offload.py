@@ -42,13 +42,14 @@ def other_model(tmp_path_factory):
     return _make(tmp_path_factory.mktemp("offload_other"), "--seed", "1")["gguf"]
 
 
-def _build(gguf, predictors, *, budget=None, mode="powerinfer", policy="lru", cache_share=None):
+def _build(gguf, predictors, *, budget=None, mode="powerinfer", policy="lru", cache_share=None,
+           lookahead=True):
     from powerinfer_jax.config import PlacementConfig, RuntimeConfig, SparsityConfig
     from powerinfer_jax.runtime import session
 
     sp = SparsityConfig(mode=mode, predictor_file=predictors if mode == "powerinfer" else None)
     place = PlacementConfig(ram_budget_gib=None if budget is None else budget / GIB,
-                            neuron_cache=policy, cache_share=cache_share)
+                            neuron_cache=policy, cache_share=cache_share, lookahead=lookahead)
     return session.build(gguf, RuntimeConfig(max_seq_len=MAX_SEQ), sp, placement=place,
                          progress=False)
 
@@ -125,6 +126,13 @@ def test_cache_policies_evict_as_documented():
     assert r["hits"] == 1
     # a call's own keys are never evicted within it: 3 keys, 2 slots -> one stays uncached
     assert simulate_cache([[0, 1, 2]], num_keys=4, slots=2, policy="lru")["uncached"] == 1
+    # a cyclic scan larger than the cache: LRU keeps nothing, the frequency policy its prior's
+    # favourites (why the store's static part and this policy exist)
+    scan = [[k] for _ in range(5) for k in range(4)]
+    prior = [0.9, 0.8, 0.1, 0.1]
+    assert simulate_cache(scan, num_keys=4, slots=2, policy="lru")["hits"] == 0
+    # (key 0 stays from the second pass on; 1 loses its slot to each newcomer: 4 hits)
+    assert simulate_cache(scan, num_keys=4, slots=2, policy="frequency", prior=prior)["hits"] == 4
 
 
 # ------------------------------------------------------------------------------------ end to end
@@ -161,14 +169,21 @@ def test_dense_mode_reads_every_neuron_and_matches(model):
     assert st["requested"] == st["calls"] * s.config.d_ff
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "frequency"])
-def test_every_policy_gives_the_same_tokens(model, policy):
+@pytest.mark.parametrize("policy,lookahead", [("lru", True), ("lfu", False),
+                                              ("frequency", True), ("lru", False)])
+def test_every_policy_gives_the_same_tokens(model, policy, lookahead):
     gguf, predictors = model
     want = _tokens(_build(gguf, predictors), 8)
-    s = _build(gguf, predictors, budget=_minimum(gguf, predictors) + (1 << 20), policy=policy)
+    s = _build(gguf, predictors, budget=_minimum(gguf, predictors) + (1 << 20), policy=policy,
+               lookahead=lookahead)
     assert s.offload.summary["mode"] == "disk"
     assert _tokens(s, 8) == want
     assert s.offload.summary["policy"] == policy
+    assert s.offload.summary["lookahead"] == lookahead
+    st = s.offload.stats()
+    # the next layer's guess is read ahead, and most of what it reads is then asked for
+    assert (st["prefetched"] > 0 and st["prefetch_hits"] > st["prefetched"] // 2) if lookahead \
+        else st["prefetched"] == 0
 
 
 def test_budget_accounting_adds_up(model):

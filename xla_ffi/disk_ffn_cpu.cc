@@ -2,9 +2,11 @@
 // rows are not operands; the store named by the `store` attribute (a handle from
 // _pij_ext.neuron_store_open) holds them in memory or reads them from its bundle file.
 // Operands: x f32 [..., D] (leading dims broadcast against y's, as qsparse_ffn's), scores
-// f32 [..., F] (criterion "scores"; empty for "oracle"). Results: y f32 [..., D], n_active s32
-// [...]. Attributes: store (s64), layer (s64), threshold (f32, finite, >= 0), activation,
-// criterion ("scores" | "oracle"). Has side effects (reads, the cache): the Python wrapper
+// f32 [..., F] (criterion "scores"; empty for "oracle"), next_scores f32 [..., F] or empty: the
+// next layer's predictor on this layer's input (a guess at its active set, read ahead: neurons
+// with a score > threshold in any row). Results: y f32 [..., D], n_active s32 [...].
+// Attributes: store (s64), layer (s64), threshold (f32, finite, >= 0), activation, criterion
+// ("scores" | "oracle"). Has side effects (reads, the cache): the Python wrapper
 // declares them so XLA never drops or merges a call.
 #include <cmath>
 #include <exception>
@@ -27,12 +29,19 @@ using Dims = ffi::Span<const int64_t>;
 
 Dims Leading(Dims dims) { return Dims(dims.begin(), dims.size() == 0 ? 0 : dims.size() - 1); }
 
-DiskFfnScratch& Scratch() {  // used under the CPU runtime's mutex only
-  static DiskFfnScratch* scratch = new DiskFfnScratch();
+struct CallScratch {
+  DiskFfnScratch ffn;
+  std::vector<int64_t> next_src;
+  std::vector<const float*> next_rows;
+};
+
+CallScratch& Scratch() {  // used under the CPU runtime's mutex only
+  static CallScratch* scratch = new CallScratch();
   return *scratch;
 }
 
-ffi::Error DiskFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer scores, ffi::Result<ffi::AnyBuffer> y,
+ffi::Error DiskFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer scores, ffi::AnyBuffer next_scores,
+                          ffi::Result<ffi::AnyBuffer> y,
                           ffi::Result<ffi::AnyBuffer> n_active, int64_t store_handle,
                           int64_t layer, float threshold, std::string_view activation,
                           std::string_view criterion) {
@@ -77,6 +86,7 @@ ffi::Error DiskFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer scores, ffi::Result<f
   try {
     CpuRuntime& rt = GetCpuRuntime();
     std::lock_guard<std::mutex> lock(rt.mutex);
+    CallScratch& cs = Scratch();
     if (!BroadcastRows(Leading(x_dims), rows_dims, rt.x_src)) {
       return InvalidArg(kOp, "x shape", "leading dims broadcastable to " + ShapeString(rows_dims),
                         ShapeString(x_dims));
@@ -91,7 +101,22 @@ ffi::Error DiskFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer scores, ffi::Result<f
                             ShapeString(rows_dims) + " (criterion scores)",
                         std::string(DtypeName(scores.element_type())) + " " + ShapeString(s_dims));
     }
+    const Dims n_dims = next_scores.dimensions();
+    const bool ahead = next_scores.element_count() != 0;
+    if (ahead && !(next_scores.element_type() == ffi::DataType::F32 && n_dims.size() > 0 &&
+                   n_dims.back() == f && BroadcastRows(Leading(n_dims), rows_dims, cs.next_src))) {
+      return InvalidArg(kOp, "next_scores",
+                        "empty or float32 [..., " + std::to_string(f) + "] broadcastable to " +
+                            ShapeString(rows_dims),
+                        std::string(DtypeName(next_scores.element_type())) + " " +
+                            ShapeString(n_dims));
+    }
     if (rows == 0) return ffi::Error::Success();
+    cs.next_rows.clear();
+    if (ahead && layer + 1 < l.num_layers) {
+      const float* np_ = static_cast<const float*>(next_scores.untyped_data());
+      for (int64_t r = 0; r < rows; ++r) cs.next_rows.push_back(np_ + cs.next_src[r] * f);
+    }
     const float* xp = static_cast<const float*>(x.untyped_data());
     rt.x_rows.resize(rows);
     for (int64_t r = 0; r < rows; ++r) rt.x_rows[r] = xp + rt.x_src[r] * dim;
@@ -102,8 +127,9 @@ ffi::Error DiskFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer scores, ffi::Result<f
       for (int64_t r = 0; r < rows; ++r) rt.score_rows[r] = sp + rt.score_src[r] * f;
     }
     const std::string error = DiskSparseFfn(
-        *store, layer, rt.x_rows, rt.score_rows, p, static_cast<float*>(y->untyped_data()),
-        static_cast<int32_t*>(n_active->untyped_data()), Scratch(), rt.pool);
+        *store, layer, rt.x_rows, rt.score_rows, cs.next_rows, p,
+        static_cast<float*>(y->untyped_data()), static_cast<int32_t*>(n_active->untyped_data()),
+        cs.ffn, rt.pool);
     if (!error.empty()) return ffi::Error::Internal(std::string(kOp) + ": " + error);
     return ffi::Error::Success();
   } catch (const std::exception& e) {  // bad_alloc growing scratch: report, never abort
@@ -118,6 +144,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijDiskFfnCpu, pij::DiskFfnCpuImpl,
                               xla::ffi::Ffi::Bind()
                                   .Arg<xla::ffi::AnyBuffer>()  // x
                                   .Arg<xla::ffi::AnyBuffer>()  // scores
+                                  .Arg<xla::ffi::AnyBuffer>()  // next_scores
                                   .Ret<xla::ffi::AnyBuffer>()  // y
                                   .Ret<xla::ffi::AnyBuffer>()  // n_active
                                   .Attr<int64_t>("store")

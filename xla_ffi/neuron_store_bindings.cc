@@ -196,7 +196,7 @@ void RegisterNeuronStore(nb::module_& m) {
         {
           nb::gil_scoped_release release;
           pij::NeuronCache cache(num_keys, slots, pol, p);
-          std::vector<uint64_t> used(slots, 0);  // the call that last used a slot: kept within it
+          std::vector<int32_t> pinned;  // a call's slots, pinned until it ends (as the store's)
           int64_t begin = 0;
           uint64_t tick = 0;
           for (size_t c = 0; c < ends.shape(0); ++c) {
@@ -207,17 +207,23 @@ void RegisterNeuronStore(nb::module_& m) {
               if (key < 0 || key >= num_keys) continue;
               int32_t s = cache.Find(key);
               if (s >= 0) {
-                cache.Touch(s, tick);
                 ++hits;
+                if (cache.Pinned(s)) continue;  // the same key twice in one call
+                cache.Touch(s, tick);
+                cache.Pin(s);
               } else {
                 int64_t evicted;
-                s = cache.Insert(key, tick, [&](int32_t x) { return used[x] == tick; }, &evicted);
+                s = cache.Insert(key, tick, /*pin=*/true, [](int32_t) { return false; },
+                                 &evicted);
                 ++misses;
                 evictions += evicted >= 0;
                 uncached += s < 0;
+                if (s < 0) continue;
               }
-              if (s >= 0) used[s] = tick;
+              pinned.push_back(s);
             }
+            for (const int32_t s : pinned) cache.Unpin(s);
+            pinned.clear();
             begin = std::max(begin, end);
           }
         }

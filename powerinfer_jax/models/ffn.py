@@ -324,7 +324,9 @@ class DiskHybrid:
     """An FFN whose rows live in a neuron store (runtime/offload.py, --ram-budget): the static
     and cached neurons in memory, the others read from the model's bundle file when the active
     set needs them, in one custom call per layer (ops._ffi.disk_ffn) that takes the store's
-    handle and this layer's index. The FFN's own weights are zero-row stubs."""
+    handle and this layer's index. The FFN's own weights are zero-row stubs. With an FFN
+    attribute `lookahead` (the next layer's predictor, set by runtime/offload.py) its output on
+    this layer's residual is a guess at the next layer's active set, read ahead."""
 
     store: int
     layer: int
@@ -342,9 +344,14 @@ class DiskHybrid:
     def _compute(self, ffn, x_btd, sel: Selection):
         from powerinfer_jax.ops import _ffi
 
+        ahead = getattr(ffn, "lookahead", None)
+        if ahead is not None:
+            from powerinfer_jax.models.transformer import block_residual
+
+            ahead = ahead(block_residual())
         y, count = _ffi.disk_ffn(x_btd, sel.scores, store=self.store, layer=self.layer,
                                  threshold=float(sel.threshold), activation=ffn.activation,
-                                 criterion=sel.criterion)
+                                 criterion=sel.criterion, next_scores=ahead)
         if ffn.down_t.bias is not None:
             y = y + ffn.down_t.bias[...]
         return y, count

@@ -55,7 +55,9 @@ DEFAULT_CACHE_SHARE = 0.25
 # heap entries, state, pins and flags
 TABLE_BYTES_PER_KEY = 17
 TABLE_BYTES_PER_SLOT = 49
-ARENA_SLACK = 3 * (2 << 20)  # the store's three arenas start and end on 2 MiB huge pages
+# the store's static and dynamic arenas, from HUGE_MIN bytes on, are on 2 MiB huge pages: at most
+# one more page each (cpu_backend/neuron_store.cc Arena)
+HUGE_PAGE, HUGE_MIN = 2 << 20, 32 << 20
 _TOKEN_CHUNK = 32  # disk_ffn.cc's kTokenChunk
 _PIECES = 16  # qsparse_common.h's kMaxPieces
 
@@ -209,6 +211,21 @@ def neuron_frequencies(ckpt, artifacts_root) -> tuple[np.ndarray | None, str]:
     return None, "none"
 
 
+def set_lookahead(model) -> bool:
+    """Give each offloaded FFN the next layer's predictor (a module shared with that layer's
+    selector, not a copy): on this layer's residual its output guesses the next layer's active
+    set, which the store reads ahead while this layer and the next one's attention compute.
+    Only where the selector is a PowerInfer predictor on the residual. Returns whether set."""
+    from powerinfer_jax.sparsity.powerinfer_predictor import PowerInferSelector
+
+    sels = [layer.ffn.selector for layer in model.layers]
+    if not all(isinstance(s, PowerInferSelector) for s in sels):
+        return False
+    for layer, nxt in zip(model.layers[:-1], sels[1:]):
+        layer.ffn.lookahead = nxt.predictor
+    return True
+
+
 def minimum_bytes(dense: int, spec, tables: int) -> int:
     """The smallest budget: the dense parts, the store's tables and scratch, and a dynamic part
     that holds one layer's neurons (a call on a layer with nothing static may need them all)."""
@@ -235,7 +252,8 @@ def split(freqs, spec, neuron_bytes: int, cache_share: float):
 
 def attach(model, ckpt, *, budget: int, kv_len: int, batch: int, artifacts_root,
            policy: str = "lru", cache_share: float = DEFAULT_CACHE_SHARE,
-           settings: StoreSettings | None = None, progress: bool = True) -> Offload:
+           lookahead: bool = True, settings: StoreSettings | None = None,
+           progress: bool = True) -> Offload:
     """Decide what is resident, make sure the bundle file exists, open the store and point every
     FFN at it (models.ffn.DiskHybrid). The model's FFNs must be stubs (`stub_ffns`)."""
     from powerinfer_jax.models.ffn import DiskHybrid
@@ -248,7 +266,8 @@ def attach(model, ckpt, *, budget: int, kv_len: int, batch: int, artifacts_root,
     path, spec, order = bundles.ensure(ckpt, freqs, progress=progress)
     keys = c.n_layers * c.d_ff
     scratch = 4 * (_PIECES * _TOKEN_CHUNK * c.d_model + keys // c.n_layers * _TOKEN_CHUNK)
-    tables = TABLE_BYTES_PER_KEY * keys + scratch + ARENA_SLACK
+    slack = 2 * HUGE_PAGE if spec.n_neurons * spec.slot_bytes >= HUGE_MIN else 0
+    tables = TABLE_BYTES_PER_KEY * keys + scratch + slack
     need = minimum_bytes(dense, spec, tables)
     if budget < need:
         gib = 1 << 30
@@ -273,6 +292,7 @@ def attach(model, ckpt, *, budget: int, kv_len: int, batch: int, artifacts_root,
     store = NeuronStore(path, spec, order, hot, slots, prior=freqs, b_up=b_up, settings=settings)
     for l, layer in enumerate(model.layers):
         layer.ffn.backend = DiskHybrid(store=store.handle, layer=l)
+    ahead = lookahead and set_lookahead(model)
     served = None
     if freqs is not None:
         served = float((np.asarray(freqs) * hot).sum() / max(float(np.sum(freqs)), 1e-30))
@@ -286,5 +306,6 @@ def attach(model, ckpt, *, budget: int, kv_len: int, batch: int, artifacts_root,
                "down_qtype": spec.down_qtype, "down_source": spec.down_source,
                "down_error": spec.down_error, "frequencies": source,
                "static_served_fraction": served, "policy": settings.policy,
+               "lookahead": ahead,
                "copied_from_file_bytes": copied}
     return Offload(store=store, summary=summary)

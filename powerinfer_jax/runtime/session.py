@@ -230,7 +230,7 @@ def _offload(model_arg, ckpt, m, runtime, placement, artifacts_root, max_batch, 
     return offload.attach(m, ckpt, budget=budget, kv_len=kv_len, batch=max_batch,
                           artifacts_root=root, policy=placement.neuron_cache,
                           cache_share=offload.DEFAULT_CACHE_SHARE if share is None else share,
-                          progress=progress)
+                          lookahead=placement.lookahead, progress=progress)
 
 
 def _keeps_quantized(runtime: RuntimeConfig, placement: PlacementConfig) -> bool:
