@@ -200,7 +200,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-seq-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--policy", default="lru")
+    p.add_argument("--policy", default="frequency")
     p.add_argument("--overhead-mb", type=float, default=None,
                    help="limit - our --ram-budget (default: measured by the reference run)")
     p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,

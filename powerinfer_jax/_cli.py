@@ -96,7 +96,7 @@ def add_sparsity_flags(p: argparse.ArgumentParser, *, predictor_choice: bool = T
                         "per token from a neuron bundle file written once next to the model "
                         "(quantized GGUF; --sparsity dense, oracle or powerinfer). A model that "
                         "fits loads as without the flag (default: no limit)")
-    p.add_argument("--neuron-cache", default="lru", choices=NEURON_CACHES,
+    p.add_argument("--neuron-cache", default="frequency", choices=NEURON_CACHES,
                    help="--ram-budget: eviction policy of the neuron cache's dynamic part "
                         "(default: %(default)s)")
     p.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
@@ -154,7 +154,7 @@ def configs_from_args(args, **runtime_fields) -> tuple[RuntimeConfig, SparsityCo
 def placement_from_args(args) -> PlacementConfig:
     return PlacementConfig(vram_budget_gib=args.vram_budget, offload=args.offload,
                            ram_budget_gib=getattr(args, "ram_budget", None),
-                           neuron_cache=getattr(args, "neuron_cache", "lru"),
+                           neuron_cache=getattr(args, "neuron_cache", "frequency"),
                            lookahead=getattr(args, "lookahead", True))
 
 

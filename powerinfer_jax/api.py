@@ -39,7 +39,7 @@ class Completion:
 def load(model: str = DEFAULT_MODEL, *, dtype: str = "float32", sparsity: str = "dense",
          target_sparsity: float | None = None, predictor: str = "q4", gate_up: str = "full",
          threshold: float = 0.0, vram_budget: float | None = None, offload: str = "hybrid",
-         ram_budget: float | None = None, neuron_cache: str = "lru",
+         ram_budget: float | None = None, neuron_cache: str = "frequency",
          predictors: str | None = None,
          threads: int | None = None, max_seq_len: int | None = None, max_batch: int = 1,
          kernels: str = "auto", weights: str = "auto", artifacts: str | None = None,

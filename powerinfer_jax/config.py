@@ -275,7 +275,7 @@ class PlacementConfig:
     # --ram-budget: host memory for the model (dense parts, KV cache, resident FFN neurons) in
     # GiB; FFN neurons beyond it are read from a neuron bundle file per token (runtime/offload.py)
     ram_budget_gib: float | None = None
-    neuron_cache: Literal["lru", "lfu", "frequency"] = "lru"  # the dynamic part's eviction
+    neuron_cache: Literal["lru", "lfu", "frequency"] = "frequency"  # the dynamic part's eviction
     cache_share: float | None = None  # of the neuron memory, dynamic (None: offload's default)
     lookahead: bool = True  # read the next layer's guessed active set ahead (powerinfer mode)
 

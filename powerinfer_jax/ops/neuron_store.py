@@ -25,7 +25,7 @@ MAX_READ_BYTES = 1 << 20
 class StoreSettings:
     """How a store reads and evicts (all measured in benchmarks/offload.py)."""
 
-    policy: str = "lru"
+    policy: str = "frequency"
     readers: int = DEFAULT_READERS
     max_gap: int = 0  # unrequested bundles one read may span between two requested ones
     max_read_bytes: int = MAX_READ_BYTES

@@ -16,7 +16,9 @@ the resident ones (cpu_backend/disk_ffn.h).
 What `--ram-budget` counts: the bytes above (exact: tensor shapes, the KV cache at --max-seq-len
 and the batch, the store's slots and tables). Not counted: the process itself (Python, jax,
 XLA's runtime and compiled programs, the tokenizer), measured in benchmarks/offload.py and given
-there as the difference between the cgroup limit and the budget. When the whole model fits
+there as the difference between the cgroup limit and the budget; an untied token embedding,
+which stays the file's pages (one row read per token: `make_anonymous`); and load-time peaks
+(the loader's copies while it builds the model), which the benchmark's cgroup measures. When the whole model fits
 (the file's tensors and the KV cache within the budget) nothing is offloaded: the model loads
 as without the flag (the fastest path), and `describe()` says so.
 
@@ -47,8 +49,13 @@ from powerinfer_jax.ops.neuron_store import NeuronStore, StoreSettings
 
 MODES = ("dense", "oracle", "powerinfer")
 # Share of the neuron budget (after the minimum cache) given to the dynamic part; the rest is
-# static. Measured on the synthetic 90% 7B model's traces (benchmarks/offload.py --policies):
-# see DESIGN note in the module docstring of benchmarks/offload.py.
+# static. Measured by replaying a 128-token decode trace of the synthetic 90% 7B model through the
+# cache (benchmarks/offload_policies.py, rows in benchmarks/offload_policies.jsonl): with the
+# "frequency" policy every share from 0 to 0.25 gives the same hit rate within 0.3 points (0.57,
+# 0.72, 0.80, 0.89 at 10, 20, 30, 50% of the neurons in memory); LRU and LFU lose up to 40
+# points at small memories, where a cache smaller than a token's 32 layers of active neurons
+# sees a cyclic scan (LRU keeps nothing of it). A quarter stays dynamic for text whose active
+# sets drift (real models; the synthetic one fires by a fixed prior).
 DEFAULT_CACHE_SHARE = 0.25
 # bytes per (layer, neuron) key and per dynamic slot of the store's tables (neuron_store.h,
 # neuron_cache.h): position, hot flag, prior, static slot, cache index; a slot's key, ranks,
@@ -151,17 +158,21 @@ def stub_ffns(model, ckpt) -> None:
         ffn.n_cold = model.config.d_ff
 
 
-def make_anonymous(model) -> int:
+def make_anonymous(model) -> tuple[int, int]:
     """Copy every model array that is a view of a file mapping (the GGUF's mmap) into memory of
-    its own, and drop the file pages from the resident set. Returns the bytes copied."""
+    its own, and drop the file pages from the resident set; except an untied token embedding:
+    each token reads one row of it, so it stays the file's pages (a page read again now and then
+    under a memory limit costs 4 KiB, holding the table would cost its whole size). Returns
+    (bytes copied, bytes left as file views)."""
     import jax
     from flax import nnx
 
     from powerinfer_jax.checkpoint.base import aligned
     from powerinfer_jax.checkpoint.gguf_file import _mappings, mapping_at, release_mapped_pages
 
+    embed = None if model.config.tie_embeddings else model.tok_embed
     maps = _mappings()
-    copied, views = 0, []
+    copied, left, views = 0, 0, []
     for _, var in nnx.iter_graph(model):
         if not isinstance(var, nnx.Variable):
             continue
@@ -172,13 +183,16 @@ def make_anonymous(model) -> int:
         m = mapping_at(host.__array_interface__["data"][0], maps)
         if m is None or m.inode == 0:
             continue
+        views.append(host)
+        if var is embed:
+            left += host.nbytes
+            continue
         own = aligned(host, copy=True)
         own.flags.writeable = False
         var.set_value(jax.device_put(own, may_alias=True))
-        views.append(host)
         copied += host.nbytes
-    release_mapped_pages(*views)
-    return copied
+    release_mapped_pages(*views)  # (the embedding's pages too: faulted back in as rows are read)
+    return copied, left
 
 
 def neuron_frequencies(ckpt, artifacts_root) -> tuple[np.ndarray | None, str]:
@@ -251,7 +265,7 @@ def split(freqs, spec, neuron_bytes: int, cache_share: float):
 
 
 def attach(model, ckpt, *, budget: int, kv_len: int, batch: int, artifacts_root,
-           policy: str = "lru", cache_share: float = DEFAULT_CACHE_SHARE,
+           policy: str = "frequency", cache_share: float = DEFAULT_CACHE_SHARE,
            lookahead: bool = True, settings: StoreSettings | None = None,
            progress: bool = True) -> Offload:
     """Decide what is resident, make sure the bundle file exists, open the store and point every
@@ -260,8 +274,8 @@ def attach(model, ckpt, *, budget: int, kv_len: int, batch: int, artifacts_root,
     from powerinfer_jax.sparsity import placement as pl
 
     c = model.config
-    copied = make_anonymous(model)
-    dense = pl.model_bytes(model, kv_len=kv_len, batch=batch).dense
+    copied, file_view = make_anonymous(model)
+    dense = pl.model_bytes(model, kv_len=kv_len, batch=batch).dense - file_view
     freqs, source = neuron_frequencies(ckpt, artifacts_root)
     path, spec, order = bundles.ensure(ckpt, freqs, progress=progress)
     keys = c.n_layers * c.d_ff
@@ -307,5 +321,5 @@ def attach(model, ckpt, *, budget: int, kv_len: int, batch: int, artifacts_root,
                "down_error": spec.down_error, "frequencies": source,
                "static_served_fraction": served, "policy": settings.policy,
                "lookahead": ahead,
-               "copied_from_file_bytes": copied}
+               "copied_from_file_bytes": copied, "file_view_bytes": file_view}
     return Offload(store=store, summary=summary)

@@ -164,6 +164,10 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
         modes.configure(m, sparsity, arts)
         offloaded = None
         if ram is not None:
+            if checkpoint is None and ram == "disk":
+                # the model holds its own copies now: the loader's (Q/K rows in RoPE order, a
+                # fifth of the dense bytes) go before the store takes its memory
+                _keep_only_ffn(ckpt)
             offloaded = _offload(model, ckpt, m, runtime, placement, artifacts_root, max_batch,
                                  ram, progress)
             placed = None
@@ -202,6 +206,16 @@ def _ram_mode(ckpt, runtime, sparsity, placement, max_batch, accel) -> str:
     return "disk"
 
 
+def _keep_only_ffn(ckpt) -> None:
+    """Drop every tensor of a checkpoint this build loaded but its FFN rows and up biases (the
+    neuron store's sources)."""
+    from powerinfer_jax.checkpoint.bundles import external_names
+
+    keep = external_names(ckpt.config)
+    for name in [n for n in ckpt.params if n not in keep and not n.endswith("ffn.up.bias")]:
+        del ckpt.params[name]
+
+
 def _offloaded_names(ckpt, ram) -> frozenset:
     from powerinfer_jax.checkpoint.bundles import external_names
 
@@ -217,7 +231,7 @@ def _offload(model_arg, ckpt, m, runtime, placement, artifacts_root, max_batch, 
     kv_len = kv_length(ckpt.config, runtime)
     budget = placement.ram_budget_bytes
     if ram == "memory":
-        copied = offload.make_anonymous(m)
+        copied, _ = offload.make_anonymous(m)
         import jax.numpy as jnp
 
         need = offload.file_bytes(ckpt) + offload.kv_bytes(
