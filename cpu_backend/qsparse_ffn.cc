@@ -117,7 +117,7 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
   float* gate = piece.gate.data();
   float* up = piece.up.data();
   const bool gated = w.gate != nullptr;
-  if (w.gate_up_interleaved) {  // one group: neurons are its 16 ids (QSparseFfn aligns blocks)
+  if (w.up_interleaved) {  // one group: neurons are its 16 ids (QSparseFfn aligns blocks)
     const int64_t group = neurons[0] / qkern::kInterleave;
     if (gated) {
       VisitQType(w.gate_type, [&]<class F>(F) {
@@ -129,11 +129,19 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
     });
   } else if (gated && ZeroBelowZero(p.activation)) {
     // relu(gate) is exactly 0 where gate <= 0, and so is a_i whatever the up row holds: read
-    // the gate rows first, then the up rows only of neurons some token's gate turns on (a ReLU
-    // model's up reads fall with its sparsity; the up values of the others are never used).
-    VisitQType(w.gate_type, [&]<class F>(F) {
-      NeuronDots<F, 1>(&w.gate, neurons, next, s.gate_views.data() + t0, ntok, w.dim, &gate);
-    });
+    // the gate rows first (a whole interleaved group, or the neurons' rows), then the up rows
+    // only of neurons some token's gate turns on (a ReLU model's up reads fall with its
+    // sparsity; the up values of the others are never used).
+    if (w.gate_interleaved) {  // one group: neurons are its 16 ids (QSparseFfn aligns blocks)
+      VisitQType(w.gate_type, [&]<class F>(F) {
+        GroupDots<F>(w.gate, neurons[0] / qkern::kInterleave, s.gate_views.data() + t0, ntok,
+                     w.dim, gate);
+      });
+    } else {
+      VisitQType(w.gate_type, [&]<class F>(F) {
+        NeuronDots<F, 1>(&w.gate, neurons, next, s.gate_views.data() + t0, ntok, w.dim, &gate);
+      });
+    }
     int32_t on_ids[kEstimateBlock];
     int64_t on_pos[kEstimateBlock];
     int64_t n_on = 0;
@@ -385,7 +393,8 @@ void QSparseFfn(const QFfnWeights& w, std::span<const float* const> x_rows,
   std::vector<int64_t>& cand_ends = s.cand_ends;
   cand_ends.resize(pieces);
   // Interleaved gate/up: pieces end at a group's end, so each estimate block is one group.
-  const int64_t align = w.down_groups || RoundsRowCoefs(w) ? 32 : w.gate_up_interleaved ? 16 : 1;
+  const int64_t align =
+      w.down_groups || RoundsRowCoefs(w) ? 32 : w.gate_interleaved || w.up_interleaved ? 16 : 1;
   for (int64_t k = 0; k < pieces; ++k) {
     const int64_t last = qsparse::PieceEnd(k, pieces, w.num_neurons, align);
     cand_ends[k] = std::lower_bound(cands.begin(), cands.end(), last) - cands.begin();

@@ -39,9 +39,12 @@ struct QFfnWeights {
   // down holds the file's own ffn_down blocks regrouped per 32 neurons (quant_kernels.h
   // AxpyGroup; a 32-weight format, F a multiple of 32): no re-quantization, the file's size.
   bool down_groups = false;
-  // gate and up rows interleaved by 16 (quant_interleaved.h; F a multiple of 16, Q4_0 / Q4_1 /
-  // Q8_0, criterion kOracle): each estimate block of 16 neurons is one group's tile.
-  bool gate_up_interleaved = false;
+  // gate (and up) rows interleaved by 16 (quant_interleaved.h; F a multiple of 16, Q4_0 / Q4_1
+  // / Q8_0, criterion kOracle): each estimate block of 16 neurons is one group's tile. Up rows
+  // may stay the file's rows under an interleaved gate when the activation is zero below a zero
+  // gate (relu, drelu): then only the neurons whose gate fires read their up row.
+  bool gate_interleaved = false;
+  bool up_interleaved = false;
   const float* b_up = nullptr;    // [F] or nullptr
   const float* b_down = nullptr;  // [D] or nullptr
   int64_t num_neurons = 0, dim = 0;

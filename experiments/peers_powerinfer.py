@@ -307,11 +307,11 @@ def child(args) -> None:
             model = from_params(ck.config, ck.params, dtype=jnp.dtype(dtype), kernels="auto")
             if mode == "predictor":  # dense: no selector
                 pp.attach(model, pi.load_predictors(path, ck.config, keep_quantized=True))
-            elif mode == "exact":
-                from powerinfer_jax.sparsity.selectors import Oracle
+            elif mode == "exact":  # the oracle at 0 (its layouts arranged by configure)
+                from powerinfer_jax.config import SparsityConfig
+                from powerinfer_jax.sparsity import modes
 
-                for layer in model.layers:
-                    layer.ffn.set_selector(Oracle(0.0))
+                modes.configure(model, SparsityConfig(mode="oracle"))
             eng = Engine(model, max_seq_len=512)
             eng.generate(ids, max_new_tokens=n_new)  # compiles every bucket
             runs = [eng.generate(ids, max_new_tokens=n_new) for _ in range(2)]

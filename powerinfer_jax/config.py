@@ -20,6 +20,9 @@ PositionScheme = Literal["rope", "learned"]
 ACTIVATIONS = ("silu", "relu", "gelu", "drelu")
 NORM_TYPES = ("rms", "layer")
 POSITION_SCHEMES = ("rope", "learned")
+# RopeScaling.kind: HF's rope_type names (transformers modeling_rope_utils), plus "factors": per
+# frequency divisors given as numbers (a GGUF's rope_freqs tensor, llama.cpp's freq_factors)
+ROPE_SCALINGS = ("linear", "llama3", "yarn", "factors")
 PREDICTOR_KINDS = ("q4", "lowrank")
 GATE_UP_SOURCES = ("full", "q4")  # SparsityConfig.gate_up
 DTYPES = ("float32", "bfloat16")
@@ -47,6 +50,50 @@ def sparsity_modes() -> tuple[str, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """How a model stretches its rotary frequencies past its training context (models/rope.py
+    turns it into per-frequency inverse wavelengths, as transformers' `ROPE_INIT_FUNCTIONS`).
+
+    kind: "linear" (every frequency / factor), "llama3" (low frequencies / factor, high ones
+    kept, a smooth ramp between: Llama-3.1+), "yarn" (ramp between interpolation and
+    extrapolation by rotations per `original_max_position`, cos/sin scaled by
+    `attention_factor`), "factors" (frequency i / factors[i]: a GGUF's `rope_freqs`).
+    Fields a kind does not use keep their defaults.
+    """
+
+    kind: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position: int = 0  # llama3, yarn
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn: None = 0.1 * ln(factor) + 1
+    truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
+    factors: tuple[float, ...] = ()  # "factors"
+
+    def __post_init__(self):
+        _check_choice("RopeScaling.kind", self.kind, ROPE_SCALINGS,
+                      "unknown scalings are refused, never ignored")
+        _check(math.isfinite(self.factor) and self.factor > 0, "RopeScaling.factor",
+               "a finite float > 0", self.factor)
+        if self.kind in ("llama3", "yarn"):
+            _check(isinstance(self.original_max_position, int) and self.original_max_position > 0,
+                   f"RopeScaling.original_max_position ({self.kind})", "a positive integer",
+                   self.original_max_position)
+        if self.kind == "llama3":
+            _check(self.high_freq_factor > self.low_freq_factor > 0,
+                   "RopeScaling.high_freq_factor", "> low_freq_factor > 0",
+                   (self.low_freq_factor, self.high_freq_factor))
+        if not isinstance(self.factors, tuple):
+            object.__setattr__(self, "factors", tuple(float(f) for f in self.factors))
+        if self.kind == "factors":
+            _check(len(self.factors) > 0 and all(math.isfinite(f) and f > 0 for f in self.factors),
+                   "RopeScaling.factors", "finite floats > 0, one per rotary frequency",
+                   self.factors[:4])
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of one decoder-only transformer; one `Transformer` serves every family.
 
@@ -60,6 +107,11 @@ class ModelConfig:
       Falcon (ReluFalcon): norm="layer", gated=False, positions="rope", bias per checkpoint,
         parallel_block=True (x + attn(attn_norm(x)) + ffn(ffn_norm(x)); a checkpoint with one
         shared norm loads it as both), multi-query/grouped KV heads, activation relu or gelu.
+      Qwen2: llama + qkv_bias. Qwen3: llama + qk_norm. Mistral: llama + layer_windows.
+      Gemma-2/3: llama with activation "gelu" (GeGLU, tanh form), embed_scale sqrt(D),
+        post_norms, query_scale, attn/final soft-caps (Gemma-2), alternating sliding-window
+        layers, qk_norm and rope_local_theta (Gemma-3); their (1 + w) norm weights arrive with
+        the 1 added by the loader. Phi-3: llama (its fused tensors are split by the loader).
     parallel_block: attention and FFN read the same block input (Falcon, GPT-J style) instead of
       the FFN reading the residual after attention.
     """
@@ -85,6 +137,19 @@ class ModelConfig:
     parallel_block: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # ---- families beyond llama (defaults: off). Norm weights are what the norm multiplies by
+    # (a Gemma checkpoint's (1 + w) arrives with the 1 added), so one RMSNorm serves every family.
+    qkv_bias: bool = False  # q, k, v projections have biases, o has none (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k, before RoPE (Qwen3, Gemma-3)
+    post_norms: bool = False  # a norm on attention's and the FFN's outputs too (Gemma-2/3)
+    embed_scale: float = 1.0  # token embeddings times this (Gemma: sqrt(d_model))
+    query_scale: float | None = None  # scores q.k times this; None: head_dim ** -0.5
+    attn_softcap: float = 0.0  # scores -> c * tanh(scores / c) before the softmax; 0: off
+    final_softcap: float = 0.0  # logits -> c * tanh(logits / c); 0: off
+    # per layer: attend to the last W positions only (W > 0) or to all (0); () = all full
+    layer_windows: tuple[int, ...] = ()
+    rope_scaling: RopeScaling | None = None  # full-attention layers' RoPE scaling
+    rope_local_theta: float | None = None  # sliding-window layers' RoPE base, unscaled (Gemma-3)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -109,6 +174,32 @@ class ModelConfig:
         for t in self.eos_token_ids:
             _check(0 <= t < self.vocab_size, "ModelConfig.eos_token_ids",
                    f"ids in [0, {self.vocab_size})", self.eos_token_ids)
+        if not isinstance(self.layer_windows, tuple):
+            object.__setattr__(self, "layer_windows", tuple(int(w) for w in self.layer_windows))
+        _check(len(self.layer_windows) in (0, self.n_layers)
+               and all(isinstance(w, int) and w >= 0 for w in self.layer_windows),
+               "ModelConfig.layer_windows", f"() or {self.n_layers} integers >= 0 (0: full "
+               "attention)", self.layer_windows)
+        for name in ("embed_scale", "attn_softcap", "final_softcap"):
+            v = getattr(self, name)
+            _check(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0,
+                   f"ModelConfig.{name}", "a finite float >= 0", v)
+        _check(self.embed_scale > 0, "ModelConfig.embed_scale", "> 0", self.embed_scale)
+        if self.query_scale is not None:
+            _check(math.isfinite(self.query_scale) and self.query_scale > 0,
+                   "ModelConfig.query_scale", "a finite float > 0 or None", self.query_scale)
+        _check(self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling),
+               "ModelConfig.rope_scaling", "a RopeScaling or None", self.rope_scaling)
+        if self.rope_scaling is not None and self.rope_scaling.kind == "factors":
+            _check(len(self.rope_scaling.factors) == self.head_dim // 2,
+                   "ModelConfig.rope_scaling.factors", f"{self.head_dim // 2} values (head_dim / 2)",
+                   len(self.rope_scaling.factors))
+        _check(not (self.qkv_bias and self.bias), "ModelConfig.qkv_bias",
+               "False when bias is True (bias already covers q, k and v)", self.qkv_bias)
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (0: full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
     def q_dim(self) -> int:

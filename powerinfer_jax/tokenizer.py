@@ -7,11 +7,13 @@ builders reproduce what transformers' GGUF converter builds, so the ids agree wi
   tokenizer.ggml.model == "gpt2":  byte-level BPE from tokens + merges; the split regex picked by
                                    `tokenizer.ggml.pre` (see `_PRE_SPLITS`).
   tokenizer.ggml.model == "llama": SentencePiece-style BPE with byte fallback; merges derived from the
-                                   token scores; "\u2581" marks spaces; one space prepended to the text.
+                                   token scores; "\u2581" marks spaces; one space prepended to the text
+                                   (add_space_prefix), as sentencepiece and llama.cpp do.
 BOS is added by `encode` itself (never by a post-processor), so every source behaves the same.
 """
 from __future__ import annotations
 
+import datetime
 import gc
 import json
 import re
@@ -21,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
 # llama.cpp token types (tokenizer.ggml.token_type)
@@ -43,6 +45,11 @@ _PRE_SPLITS = {
     "llama-bpe": (False, _LLAMA3_SPLIT),
     "qwen2": (False, _QWEN2_SPLIT),
 }
+# pre-tokenizers whose published tokenizer.json normalizes to NFC first (Qwen2/2.5/3's)
+_NFC_PRES = ("qwen2",)
+# Llama-3's: a pre-token that is itself in the vocabulary is one token, before any merge
+# (tokenizer.json "ignore_merges": true; llama.cpp sets it for these names, and adds BOS)
+_LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe")
 SUPPORTED_GGUF_TOKENIZERS = ("gpt2", "llama")
 
 # Used when a model ships no chat template (documented in `Tokenizer.apply_chat`).
@@ -84,24 +91,19 @@ class Tokenizer:
         return self.backend.id_to_token(int(token_id))
 
     def apply_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render `messages` ([{"role": ..., "content": ...}]) with the model's jinja chat template.
+        """Render `messages` ([{"role": ..., "content": ...}]) with the model's jinja chat template,
+        in the environment transformers' `apply_chat_template` gives templates (`_chat_env`), with
+        the special tokens it passes (bos_token, eos_token, ...).
 
         Without a template, falls back to ChatML: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per
         message, then `<|im_start|>assistant\\n` when `add_generation_prompt`.
         """
-        import jinja2.sandbox
-
-        def raise_exception(message):
-            raise ValueError(f"chat template: {message}")
-
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        template = env.from_string(self.chat_template or CHATML_TEMPLATE)
+        template = _chat_env().from_string(self.chat_template or CHATML_TEMPLATE)
         special = {name: self.id_to_token(i) if i is not None else ""
                    for name, i in (("bos_token", self.bos_id),
                                    ("eos_token", self.eos_ids[0] if self.eos_ids else None))}
-        return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                               **special)
+        return template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
+                               add_generation_prompt=add_generation_prompt, **special)
 
     # ----------------------------------------------------------------------------- builders
     @classmethod
@@ -152,7 +154,7 @@ class Tokenizer:
         if kind == "gpt2":
             backend = _byte_level_bpe(tokens, fields.get("tokenizer.ggml.merges") or (),
                                       fields.get("tokenizer.ggml.pre"))
-            add_bos_default = False
+            add_bos_default = fields.get("tokenizer.ggml.pre") in _LLAMA3_PRES
         else:
             unk = fields.get("tokenizer.ggml.unknown_token_id")
             backend = _sentencepiece_bpe(tokens, fields.get("tokenizer.ggml.scores"),
@@ -167,6 +169,28 @@ class Tokenizer:
                    eos_ids=dict.fromkeys(int(i) for i in eos_ids),
                    add_bos=fields.get("tokenizer.ggml.add_bos_token", add_bos_default),
                    chat_template=fields.get("tokenizer.chat_template"))
+
+
+def _chat_env():
+    """A jinja2 sandbox as transformers compiles chat templates (utils/chat_template_utils.py):
+    trim_blocks, lstrip_blocks, the loop-controls extension, `raise_exception`, `strftime_now`
+    (Llama-3.2's date line) and a `tojson` that does not escape HTML."""
+    import jinja2.ext  # here, not at the top: only chat rendering needs it (start-up time)
+    import jinja2.sandbox
+
+    def raise_exception(message):
+        raise ValueError(f"chat template: {message}")
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    return env
 
 
 class StreamDecoder:
@@ -237,7 +261,7 @@ def _respell_outside_alphabet(tokens: list[str]) -> list[str]:
 
 def _byte_level_bpe(tokens: list[str], merges: Iterable[str], pre: str | None) -> _Backend:
     vocab = dict(zip(_respell_outside_alphabet(tokens), range(len(tokens))))
-    backend = _bpe_backend(vocab, merges)
+    backend = _bpe_backend(vocab, merges, ignore_merges=pre in _LLAMA3_PRES)
     digits, split = _PRE_SPLITS.get(pre or "default", (False, None))
     steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
     if split is None or split == _GPT2_SPLIT:  # unknown `pre`: GPT-2's split, as transformers does
@@ -247,10 +271,13 @@ def _byte_level_bpe(tokens: list[str], merges: Iterable[str], pre: str | None) -
                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     backend.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
     backend.decoder = decoders.ByteLevel()
+    if pre in _NFC_PRES:
+        backend.normalizer = normalizers.NFC()
     return backend
 
 
-def _bpe_backend(vocab: dict[str, int], merges: Iterable[str]) -> _Backend:
+def _bpe_backend(vocab: dict[str, int], merges: Iterable[str], *, ignore_merges: bool = False
+                 ) -> _Backend:
     """A byte-level BPE backend from its vocabulary and "left right" merges (`models.BPE`).
 
     Why not a tokenizer.json text through `Tokenizer.from_str` (as before): tokenizers parses
@@ -269,7 +296,7 @@ def _bpe_backend(vocab: dict[str, int], merges: Iterable[str]) -> _Backend:
         if bad is not None:
             raise ValueError(f"{rule} {bad!r}")
         try:
-            return _Backend(models.BPE(vocab, pairs))
+            return _Backend(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
         except Exception as e:  # tokenizers raises a bare Exception naming the token
             raise ValueError(f"{rule} a list tokenizers rejects ({e})") from None
     finally:
@@ -297,11 +324,17 @@ def _scored_merges(tokens: list[str], scores: Sequence[float] | None) -> list[tu
 
 def _sentencepiece_bpe(tokens: list[str], scores, *, unk_token: str | None,
                        add_space_prefix: bool) -> _Backend:
+    """SentencePiece's BPE as its published tokenizer.json spells it: spaces are "\u2581", and
+    with add_space_prefix (Llama-2, Phi-3, Mistral; not Gemma) one is prepended to every text,
+    also to one that starts with a space, as sentencepiece and llama.cpp do (transformers 5
+    converting a tokenizer.model instead prepends only where the text does not start with one)."""
     vocab = {t: i for i, t in enumerate(tokens)}
     backend = _Backend(models.BPE(vocab=vocab, merges=_scored_merges(tokens, scores),
                                   unk_token=unk_token, fuse_unk=True, byte_fallback=True))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False)
+    steps = [normalizers.Replace(" ", "\u2581")]
+    if add_space_prefix:
+        steps.insert(0, normalizers.Prepend("\u2581"))
+    backend.normalizer = normalizers.Sequence(steps)
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_space_prefix:
         steps.append(decoders.Strip(content=" ", left=1, right=0))

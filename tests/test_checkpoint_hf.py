@@ -104,7 +104,8 @@ def test_opt_rejections(tmp_path, changes, pattern):
 def test_llama_rejections(tmp_path):
     save_hf_llama(tmp_path)
     _edit_config(tmp_path, hidden_act="gelu")
-    with pytest.raises(ValueError, match=r"hidden_act: expected 'silu', 'relu' or 'drelu', got 'gelu'"):
+    with pytest.raises(ValueError, match=r"hidden_act: expected one of \['silu', 'relu', "
+                       r"'drelu', 'gelu_pytorch_tanh', 'gelu_new'\], got 'gelu' \(the exact erf"):
         load_hf(tmp_path)
     _edit_config(tmp_path, hidden_act="silu", model_type="gpt2", architectures=["GPT2LMHeadModel"])
     with pytest.raises(ValueError, match=r"architecture: expected one of .*llama.*opt.*got 'GPT2LMHeadModel"):

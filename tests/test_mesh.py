@@ -186,6 +186,50 @@ def test_opt_biases_count_once():
     check_equal(ref, tp, tokens=True)
 
 
+def family_configs():
+    """CFG with each new family's features (issue 34): q/k/v biases (Qwen2); q/k norms and a
+    YaRN scaling (Qwen3); GeGLU, post-norms, embedding and query scales, both soft-caps and a
+    sliding window (Gemma-2); q/k norms, post-norms, a window with its own RoPE base and a
+    linear-scaled global RoPE, tied head (Gemma-3). Windows of 4 < the positions run."""
+    from powerinfer_jax.config import RopeScaling
+
+    gemma = dict(activation="gelu", post_norms=True, embed_scale=8.0, layer_windows=(4, 0))
+    return {
+        "qwen2": CFG.replace(qkv_bias=True),
+        "qwen3": CFG.replace(qk_norm=True, rope_scaling=RopeScaling(
+            "yarn", factor=4.0, original_max_position=16)),
+        "gemma2": CFG.replace(**gemma, query_scale=0.3, attn_softcap=5.0, final_softcap=8.0),
+        "gemma3": CFG.replace(**gemma, qk_norm=True, rope_local_theta=10.0,
+                              rope_scaling=RopeScaling("linear", factor=4.0),
+                              tie_embeddings=True),
+    }
+
+
+def random_family_params(m):
+    """q/k norms, post-norms and q/k/v biases start at 1 or 0: give each a value."""
+    rng = np.random.default_rng(11)
+    for layer in m.layers:
+        vs = [layer.attn.q.bias, layer.attn.k.bias, layer.attn.v.bias]
+        for norm in (layer.attn.q_norm, layer.attn.k_norm, layer.attn_post_norm,
+                     layer.ffn_post_norm):
+            if norm is not None:
+                vs.append(norm.scale)
+        for v in vs:
+            if v is not None:
+                v.set_value(jnp.asarray(rng.normal(1.0, 0.3, v.shape), jnp.float32))
+    return m
+
+
+@child_only
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma2", "gemma3"])
+def test_family_features_equal_one_device(family):
+    """Each shard runs its heads with the family's norms, biases, soft-caps and windows (the
+    decode custom call per shard for the tokens); the post-norms see the summed shards."""
+    ref, tp = pair(family_configs()[family], "ffi",
+                   setup=lambda m: with_mode(random_family_params(m), ORACLE))
+    check_equal(ref, tp, expect_sparse=True, tokens=True)
+
+
 @child_only
 def test_session_build_with_devices(tmp_path):
     from helpers_models import write_tiny_gguf

@@ -69,29 +69,31 @@ def test_quantized_model_equals_its_jnp_reference(which, down, request):
     down: the sparse kernel's layout by default (the file's blocks in down groups for the legacy
     file's Q4_1 down, Q8_0 neuron rows for the K-quant file's Q6_K), Q8_0 rows asked for, or the
     file's ffn_down (dense models)."""
+    from powerinfer_jax.models.qweights import (DENSE_LAYOUT, GROUPS, MATVEC, ROWS,
+                                                FfnLayout)
+
     path = request.getfixturevalue(f"{which}_gguf")
     q = load_checkpoint(path, keep_quantized=True)
-    kw = {"file_layout": {"down_qtype": None}, "q8_rows": {"down_qtype": "Q8_0"}}.get(down, {})
-    fast = from_params(q.config, q.params, kernels="ffi", **kw)
-    ref = from_params(q.config, q.params, kernels="xla", quantized=True, **kw)
+    layout = {"file_layout": DENSE_LAYOUT, "q8_rows": FfnLayout(ROWS, ROWS, ROWS, "Q8_0"),
+              "default": FfnLayout(ROWS, ROWS, GROUPS)}[down]
+    fast = from_params(q.config, q.params, kernels="ffi", ffn_layout=layout)
+    ref = from_params(q.config, q.params, kernels="xla", quantized=True, ffn_layout=layout)
     assert fast.layers[0].attn.q.qtype is not None and fast.layers[0].ffn.quantized
     stored = q.params["layers.1.ffn.down_t.weight"]
     got = ref.layers[1].ffn.down_t
     if down == "file_layout":  # interleaved by 16 for the matvec where the format has it
-        assert got.file_layout and not got.grouped
-        assert got.qtype in (stored.qtype, stored.qtype + quants.INTERLEAVED_SUFFIX)
-        assert (got.qtype != stored.qtype) == quants.can_interleave(stored.qtype,
-                                                                    stored.blocks.shape[0])
+        assert got.layout == MATVEC and got.qtype == stored.qtype
+        assert got.interleaved == quants.can_interleave(stored.qtype, stored.blocks.shape[0])
         assert got.weight.shape == stored.blocks.shape
         assert np.array_equal(
-            np.asarray(got.weight[...]) if got.qtype == stored.qtype
-            else quants.deinterleave(np.asarray(got.weight[...]), got.qtype),
+            np.asarray(got.weight[...]) if not got.interleaved
+            else quants.deinterleave(np.asarray(got.weight[...]), got.qweight.kernel_qtype),
             np.asarray(stored.blocks))
     elif down == "default" and which == "legacy":
-        assert got.grouped and got.qtype == stored.qtype == "Q4_1"
+        assert got.layout == GROUPS and got.qtype == stored.qtype == "Q4_1"
         assert got.weight.shape == (q.config.d_ff // 32, stored.blocks.size // (q.config.d_ff // 32))
     else:
-        assert got.qtype == "Q8_0" and not got.grouped  # down rows re-blocked per neuron
+        assert got.qtype == "Q8_0" and got.layout == ROWS  # down rows re-blocked per neuron
     a, b = np.asarray(fast(TOKENS)), np.asarray(ref(TOKENS))
     np.testing.assert_allclose(a, b, atol=2e-3 * np.abs(b).max(), rtol=0)
 
@@ -124,7 +126,7 @@ def test_weights_auto_keeps_the_file_format_and_dtype_dequantizes(legacy_gguf):
     # a sparse mode reads down rows per active neuron: the file's Q4_1 blocks in down groups
     w = sparse.session.describe()["weights"]
     assert (w["Q4_1"], w["Q8_0"], w["Q4_0"], w["Q5_1"]) == (8, 3, 2, 2), w
-    assert all(l.ffn.down_t.grouped for l in sparse.session.model.layers)
+    assert all(l.ffn.down_t.layout == "groups" for l in sparse.session.model.layers)
     # the two down layouts agree up to their rounding (the 8-bit activations the file's layout
     # multiplies by; the groups take a_i as floats): the bound of the op-by-op test above
     x = np.random.default_rng(1).standard_normal((1, 3, q.config.d_model)).astype(np.float32)
@@ -202,29 +204,40 @@ def test_sparsity_auto_times_once_then_reuses_its_decision(legacy_gguf, tmp_path
 
 def test_down_rows_in_the_sparse_layout_refuse_the_dense_call(legacy_gguf):
     """Neuron rows (the sparse kernel's layout) are no matvec: called as one, a one-line error
-    names the layout; the file's layout re-blocks once when a selector arrives."""
+    names the layout. Layouts are arranged once, by the build plan (from_params' ffn_layout) or,
+    for a model built for another mode, by qweights.apply_ffn_layout, the one conversion."""
     from powerinfer_jax.errors import UserError
+    from powerinfer_jax.models.qweights import (DENSE_LAYOUT, GROUPS, ROWS, FfnLayout,
+                                                apply_ffn_layout)
 
     q = load_checkpoint(legacy_gguf, keep_quantized=True)
-    sparse = from_params(q.config, q.params, kernels="ffi")  # down groups (Q4_1)
-    rows = from_params(q.config, q.params, kernels="ffi", down_qtype="Q8_0")  # neuron rows
+    groups = FfnLayout(ROWS, ROWS, GROUPS)
+    rows_layout = FfnLayout(ROWS, ROWS, ROWS, "Q8_0")
+    sparse = from_params(q.config, q.params, kernels="ffi", ffn_layout=groups)  # Q4_1 groups
+    rows = from_params(q.config, q.params, kernels="ffi", ffn_layout=rows_layout)
     a = np.ones((1, 1, q.config.d_ff), np.float32)
     with pytest.raises(UserError, match=r"DownT call: expected float rows or the file's "
-                                        r"ffn_down layout, got .*down groups in Q4_1"):
+                                        r"ffn_down layout \(matvec\), got .*down groups in Q4_1"):
         sparse.layers[0].ffn.down_t(a)
     with pytest.raises(UserError, match=r"got .*neuron rows in Q8_0"):
         rows.layers[0].ffn.down_t(a)
-    dense = from_params(q.config, q.params, kernels="ffi", down_qtype=None)
-    down = dense.layers[0].ffn.down_t
-    assert down.file_layout
-    down.to_neuron_rows()  # the file's blocks -> down groups, as loaded for a sparse mode
-    assert not down.file_layout and down.grouped and down.qtype == "Q4_1"
-    np.testing.assert_array_equal(np.asarray(down.weight[...]),
-                                  np.asarray(sparse.layers[0].ffn.down_t.weight[...]))
-    down.to_neuron_rows("Q8_0")  # groups -> rows (what permuting neurons needs)
-    assert not down.grouped and down.qtype == "Q8_0"
-    np.testing.assert_array_equal(np.asarray(down.weight[...]),
+    dense = from_params(q.config, q.params, kernels="ffi", ffn_layout=DENSE_LAYOUT)
+    ffn = dense.layers[0].ffn
+    assert ffn.layout == DENSE_LAYOUT
+    apply_ffn_layout(ffn, groups)  # the file's blocks -> down groups, gate/up -> the file's rows
+    assert ffn.layout == groups and ffn.down_t.qtype == "Q4_1"
+    for name in ("gate", "up", "down_t"):
+        np.testing.assert_array_equal(np.asarray(getattr(ffn, name).weight[...]),
+                                      np.asarray(getattr(sparse.layers[0].ffn, name).weight[...]))
+    apply_ffn_layout(ffn, rows_layout)  # groups -> rows (what permuting neurons needs)
+    assert ffn.layout == rows_layout and ffn.down_t.qtype == "Q8_0"
+    np.testing.assert_array_equal(np.asarray(ffn.down_t.weight[...]),
                                   np.asarray(rows.layers[0].ffn.down_t.weight[...]))
+    apply_ffn_layout(ffn, groups)  # rows serve a sparse plan too: kept (no second rounding)
+    assert ffn.down_t.layout == ROWS and ffn.down_t.qtype == "Q8_0"
+    with pytest.raises(UserError, match="FFN down layout: expected a layout the file's blocks "
+                                        "can be re-arranged into"):
+        apply_ffn_layout(ffn, DENSE_LAYOUT)  # Q8_0 rows hold no Q4_1 blocks any more
 
 
 def _mapped_file(address: int) -> str | None:
@@ -245,7 +258,7 @@ def test_a_loaded_files_blocks_are_in_memory_once(legacy_gguf):
     from powerinfer_jax.checkpoint.base import HOST_ALIGN
 
     q = load_checkpoint(legacy_gguf, keep_quantized=True)
-    m = from_params(q.config, q.params, kernels="ffi", down_qtype=None)
+    m = from_params(q.config, q.params, kernels="ffi")  # dense: every matrix as a matvec
     aliased = copied = 0
     for name, module in [("layers.0.ffn.up.weight", m.layers[0].ffn.up),
                          ("layers.1.ffn.up.weight", m.layers[1].ffn.up),
@@ -257,7 +270,7 @@ def test_a_loaded_files_blocks_are_in_memory_once(legacy_gguf):
         assert _mapped_file(blocks.ctypes.data) == str(legacy_gguf), name
         assert not blocks.flags.writeable, name
         weight = np.asarray(m.tok_embed[...] if module is None else module.weight[...])
-        qtype = m.embed_qtype if module is None else module.qtype
+        qtype = m.embed_kernel_qtype if module is None else module.kernel_qtype
         if quants.interleaved_base(qtype):
             np.testing.assert_array_equal(weight, quants.interleave(blocks, q.params[name].qtype))
             assert _mapped_file(weight.ctypes.data) != str(legacy_gguf), name
@@ -290,10 +303,15 @@ def test_aligned_copies_only_when_asked_or_needed():
     assert f.dtype == np.float32 and f.shape == (3, 4) and f.flags.c_contiguous
 
 
-def test_gate_up_layout_follows_the_selector(legacy_gguf):
-    """Quantized gate/up load interleaved by 16 (the dense matvecs and the quantized oracle
-    compute every neuron from it); a selector whose scores pick rows one by one turns them back
-    into the file's rows, byte for byte; the FFN's output stays the same up to float rounding."""
+def test_gate_up_layout_follows_the_plan(legacy_gguf):
+    """Quantized gate/up load interleaved by 16 for a dense plan (the matvecs); the oracle's plan
+    computes every neuron from that layout; a selector whose scores pick rows one by one needs
+    the file's rows, which the one conversion (qweights.apply_ffn_layout) gives back byte for
+    byte. Installing a selector never converts: on the wrong layout it is a one-line error. The
+    FFN's output stays the same up to float rounding."""
+    from powerinfer_jax.errors import UserError
+    from powerinfer_jax.models.qweights import (GROUPS, MATVEC, ROWS, FfnLayout,
+                                                apply_ffn_layout)
     from powerinfer_jax.sparsity.selectors import GateMagnitude, Q4Activations
 
     q = load_checkpoint(legacy_gguf, keep_quantized=True)
@@ -301,15 +319,21 @@ def test_gate_up_layout_follows_the_selector(legacy_gguf):
     ffn = m.layers[0].ffn
     stored = q.params["layers.0.ffn.up.weight"]
     assert quants.can_interleave(stored.qtype, stored.blocks.shape[0])
-    assert ffn.up.qtype == ffn.gate.qtype == stored.qtype + quants.INTERLEAVED_SUFFIX
+    assert ffn.up.interleaved and ffn.gate.interleaved and ffn.up.qtype == stored.qtype
     x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 3, q.config.d_model)),
                     jnp.float32)
     dense = np.asarray(ffn(x))
+    with pytest.raises(UserError, match="FFN layouts for selector Q4Activations: expected"):
+        ffn.set_selector(Q4Activations(None, 0.0))  # down still the dense matvec's
+    apply_ffn_layout(ffn, FfnLayout(MATVEC, MATVEC, GROUPS))
     ffn.set_selector(Q4Activations(None, 0.0))  # the oracle at 0: every neuron
-    assert ffn.up.qtype == stored.qtype + quants.INTERLEAVED_SUFFIX
+    assert ffn.up.interleaved
     oracle = np.asarray(ffn(x))
-    ffn.set_selector(GateMagnitude(0.0))  # scores: rows read per selected neuron
-    assert ffn.up.qtype == ffn.gate.qtype == stored.qtype
+    with pytest.raises(UserError, match="FFN layouts for selector GateMagnitude"):
+        ffn.set_selector(GateMagnitude(0.0))  # scores read rows one by one
+    apply_ffn_layout(ffn, FfnLayout(ROWS, ROWS, GROUPS))
+    ffn.set_selector(GateMagnitude(0.0))
+    assert not ffn.up.interleaved and not ffn.gate.interleaved
     np.testing.assert_array_equal(np.asarray(ffn.up.weight[...]), np.asarray(stored.blocks))
     scored = np.asarray(ffn(x))
     for y in (oracle, scored):
@@ -317,15 +341,16 @@ def test_gate_up_layout_follows_the_selector(legacy_gguf):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("down_qtype", [None, "groups"])
-def test_interleaved_copies_are_made_ahead_and_each_taken(tmp_path, monkeypatch, tied,
-                                                           down_qtype):
+@pytest.mark.parametrize("sparse", [False, True])
+def test_interleaved_copies_are_made_ahead_and_each_taken(tmp_path, monkeypatch, tied, sparse):
     """from_params starts every interleaved copy on the pool before it builds the modules
     (qweights.batched_load); the modules take exactly those copies (none made twice, none left
     unused: the tied embedding only when it is the LM head, ffn_down only for a dense model),
     byte for byte the layout quants.interleave spells out."""
     from powerinfer_jax.models import qweights
 
+    # a sparse plan reads gate/up rows one by one and down in groups: only attention interleaved
+    layout = qweights.FfnLayout("rows", "rows", "groups") if sparse else qweights.DENSE_LAYOUT
     path = tmp_path / "tiny.gguf"
     # 320 tokens: a multiple of 16, so a tied Q8_0 embedding takes the layout too
     write_tiny_gguf(path, tiny_llama_config(activation="relu", tie_embeddings=tied,
@@ -339,22 +364,26 @@ def test_interleaved_copies_are_made_ahead_and_each_taken(tmp_path, monkeypatch,
             loads.append(self)
 
     monkeypatch.setattr(qweights, "_Load", Recorded)
-    m = from_params(q.config, q.params, kernels="ffi", down_qtype=down_qtype)
+    m = from_params(q.config, q.params, kernels="ffi", ffn_layout=layout)
+    names = ("attn.q", "attn.k", "attn.v") + (() if sparse else ("ffn.gate", "ffn.up"))
     modules = {f"layers.{i}.{n}": getattr(getattr(m.layers[i], n.split(".")[0]),
                                           n.split(".")[1])
-               for i in range(2) for n in ("attn.q", "attn.k", "attn.v", "ffn.gate", "ffn.up")}
+               for i in range(2) for n in names}
     interleaved = 0
     for name, module in modules.items():
         stored = q.params[name + ".weight"]
         if quants.can_interleave(stored.qtype, stored.blocks.shape[0]):
-            assert module.qtype == stored.qtype + quants.INTERLEAVED_SUFFIX, name
+            assert module.interleaved and module.qtype == stored.qtype, name
             np.testing.assert_array_equal(np.asarray(module.weight[...]),
                                           quants.interleave(stored.blocks, stored.qtype))
             interleaved += 1
-    assert (m.embed_qtype == "Q8_0x16") == tied
+    if sparse:
+        assert not any(m.layers[i].ffn.up.interleaved or m.layers[i].ffn.gate.interleaved
+                       for i in range(2))
+    assert (m.embed_kernel_qtype == "Q8_0x16") == tied
     down = m.layers[0].ffn.down_t
-    assert (down.qtype == "Q4_1x16") == (down_qtype is None)
-    expected = interleaved + tied + (2 if down_qtype is None else 0)
+    assert down.interleaved == (not sparse) and down.qtype == "Q4_1"
+    expected = interleaved + tied + (0 if sparse else 2)
     assert len(loads) == 1 and loads[0].stats == {"ahead": expected, "claimed": expected}, \
         [load.stats for load in loads]
 

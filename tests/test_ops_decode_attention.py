@@ -11,12 +11,13 @@ from flax import nnx
 from powerinfer_jax import ops
 from powerinfer_jax.ops import _ffi
 from powerinfer_jax.models.layers import Attention, cache_storage_dtype, from_cache, to_cache
+from powerinfer_jax.models.rope import Rope, base_inv_freq
 
 
-def _attention(nh, nk, h, *, rope=True, seed=0):
+def _attention(nh, nk, h, *, rope=True, seed=0, **options):
     return Attention(d_model=48, n_heads=nh, n_kv_heads=nk, head_dim=h, bias=False,
-                     use_rope=rope, rope_theta=10000.0, dtype=jnp.float32,
-                     rngs=nnx.Rngs(seed), kernels="ffi")
+                     rope=Rope(tuple(base_inv_freq(h, 10000.0).tolist())) if rope else None,
+                     dtype=jnp.float32, rngs=nnx.Rngs(seed), kernels="ffi", **options)
 
 
 def _cache(rng, s, nk, h, storage, filled):
@@ -51,6 +52,68 @@ def test_matches_the_xla_path(cache_dtype, nh, nk, h, rope, position, kv_len):
     untouched = np.ones(64, bool)
     untouched[position] = False
     np.testing.assert_array_equal(np.asarray(k_f)[0, untouched], np.asarray(k_x)[0, untouched])
+
+
+FEATURES = {  # the families' attention features (models/layers.py Attention's arguments)
+    "softcap": dict(softcap=5.0),
+    "window": dict(window=7),
+    "qk_norm": dict(qk_norm_eps=1e-6),
+    "scale": dict(scale=0.11),
+    "gemma2": dict(softcap=5.0, window=7, scale=0.2),
+    "gemma3": dict(qk_norm_eps=1e-6, window=7),
+}
+
+
+def _randomize_norms(attn, seed):
+    rng = np.random.default_rng(seed)
+    for norm in (attn.q_norm, attn.k_norm):
+        if norm is not None:
+            norm.scale.set_value(jnp.asarray(rng.normal(1.0, 0.4, norm.scale.shape), jnp.float32))
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("nh,nk,h", [(4, 2, 16), (8, 2, 64), (3, 1, 32)])
+@pytest.mark.parametrize("position", [3, 40])
+def test_family_features_match_the_xla_path(feature, nh, nk, h, position):
+    """Soft-capped scores, a sliding window (position 40 sees slots 34..40 only), per-head q/k
+    RMSNorm before the rotation, a query scale, and scaled RoPE frequencies with a cos/sin
+    factor (YaRN's): the custom call equals the XLA path, grouped and per-head kernels."""
+    from powerinfer_jax.config import RopeScaling
+    from powerinfer_jax.models.rope import scaled_inv_freq
+
+    inv, factor = scaled_inv_freq(h, 10000.0, RopeScaling("yarn", factor=4.0,
+                                                          original_max_position=16))
+    attn = Attention(d_model=48, n_heads=nh, n_kv_heads=nk, head_dim=h, bias=False,
+                     rope=Rope(tuple(inv.tolist()), factor), dtype=jnp.float32,
+                     rngs=nnx.Rngs(0), kernels="ffi", **FEATURES[feature])
+    _randomize_norms(attn, 1)
+    storage = cache_storage_dtype(jnp.float32)
+    x = jnp.asarray(np.random.default_rng(position).standard_normal((1, 1, 48)), jnp.float32)
+    pos = jnp.full((1, 1), position, jnp.int32)
+    outs = {}
+    for kernels in ("xla", "ffi"):
+        attn.kernels = kernels
+        cache = (_cache(np.random.default_rng(1), 64, nk, h, storage, position),
+                 _cache(np.random.default_rng(2), 64, nk, h, storage, position))
+        step = jax.jit(lambda x, c, i: attn(x, pos, c, i, 64), donate_argnums=1)
+        outs[kernels] = step(x, cache, jnp.int32(position))
+    (y_x, (k_x, _)), (y_f, (k_f, _)) = outs["xla"], outs["ffi"]
+    np.testing.assert_allclose(np.asarray(y_f), np.asarray(y_x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(k_f), np.asarray(k_x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_window_reads_only_the_last_slots():
+    """With a window, slots before it do not change the output (they are not read)."""
+    attn = _attention(4, 2, 16, window=5)
+    storage = cache_storage_dtype(jnp.float32)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 1, 48)), jnp.float32)
+    pos = jnp.full((1, 1), 20, jnp.int32)
+    step = jax.jit(lambda x, c, i: attn(x, pos, c, i, 32))
+    a = (_cache(np.random.default_rng(1), 32, 2, 16, storage, 20),
+         _cache(np.random.default_rng(2), 32, 2, 16, storage, 20))
+    b = tuple(c.at[:, :16].set(7.0) for c in a)  # slots 0..15: outside the window 16..20
+    np.testing.assert_array_equal(np.asarray(step(x, a, jnp.int32(20))[0]),
+                                  np.asarray(step(x, b, jnp.int32(20))[0]))
 
 
 @pytest.mark.parametrize("nh,nk,h", [(9, 3, 64), (8, 2, 64), (2, 2, 128), (10, 2, 64)])
@@ -95,16 +158,23 @@ def test_bad_input_is_a_clear_error():
     q, kv = jnp.zeros((1, 1, 32)), jnp.zeros((1, 1, 16))
     where = jnp.asarray([3, 3], jnp.int32)
     with pytest.raises(ValueError, match=r"kv_len: expected a static int in \[1, S = 16\]"):
-        ops.decode_attention(q, kv, kv, kc, kc, where, kv_len=17, rope_theta=1e4)
+        ops.decode_attention(q, kv, kv, kc, kc, where, kv_len=17)
     with pytest.raises(ValueError, match=r"v_cache: expected k_cache's dtype and shape"):
-        ops.decode_attention(q, kv, kv, kc, kc[:, :8], where, kv_len=8, rope_theta=1e4)
+        ops.decode_attention(q, kv, kv, kc, kc[:, :8], where, kv_len=8)
     with pytest.raises(ValueError, match=r"k_new shape: expected one token of NK \* H = 16"):
-        ops.decode_attention(q, kv[..., :8], kv, kc, kc, where, kv_len=8, rope_theta=1e4)
+        ops.decode_attention(q, kv[..., :8], kv, kc, kc, where, kv_len=8)
+    with pytest.raises(ValueError, match=r"inv_freq shape: expected \[4\]"):
+        ops.decode_attention(q, kv, kv, kc, kc, where, kv_len=8, inv_freq=np.ones(3, np.float32))
+    with pytest.raises(ValueError, match=r"q_norm/k_norm: expected both given or both None"):
+        ops.decode_attention(q, kv, kv, kc, kc, where, kv_len=8, q_norm=np.ones(8, np.float32))
+    with pytest.raises(ValueError, match=r"softcap: expected >= 0, got -1.0"):
+        ops.decode_attention(q, kv, kv, kc, kc, where, kv_len=8, softcap=-1.0)
+    with pytest.raises(ValueError, match=r"window: expected an int >= 0"):
+        ops.decode_attention(q, kv, kv, kc, kc, where, kv_len=8, window=-2)
     with pytest.raises(ValueError, match=r"q shape: expected one token of NH \* H values"):
-        ops.decode_attention(q[..., :24], kv, kv, kc, kc, where, kv_len=8, rope_theta=1e4)
+        ops.decode_attention(q[..., :24], kv, kv, kc, kc, where, kv_len=8)
     # The slot is data: checked by the handler at run time.
     with pytest.raises(Exception, match=r"decode_attention: slot, position: expected "
                                         r"0 <= slot < kv_len = 8"):
         jax.block_until_ready(ops.decode_attention(q, kv, kv, kc, kc,
-                                                   jnp.asarray([8, 8], jnp.int32), kv_len=8,
-                                                   rope_theta=1e4)[0])
+                                                   jnp.asarray([8, 8], jnp.int32), kv_len=8)[0])

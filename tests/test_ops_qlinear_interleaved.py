@@ -171,7 +171,8 @@ def _handler_bad(x, d):
 
 
 # ------------------------------------------------- the sparse FFN's oracle on interleaved gate/up
-def _sparse_operands(gu, dn, seed, *, t, f=64, d=160, layout="groups", activation="silu"):
+def _sparse_operands(gu, dn, seed, *, t, f=64, d=160, layout="groups", activation="silu",
+                     threshold=None):
     from test_ops_qsparse_ffn import activations, gap_threshold
 
     rng = np.random.default_rng(seed)
@@ -181,7 +182,8 @@ def _sparse_operands(gu, dn, seed, *, t, f=64, d=160, layout="groups", activatio
     w["down"] = down_rows if layout == "rows" else quants.down_groups(
         quants.quantize(quants.dequantize(down_rows, dn).T.copy(), dn), dn, d, f)
     x = jnp.asarray(rng.standard_normal((t, d), dtype=np.float32))
-    thr = gap_threshold(activations(x, {**w, "gate": w["gate"]}, activation))
+    thr = threshold if threshold is not None else gap_threshold(
+        activations(x, {**w, "gate": w["gate"]}, activation))
     packed = dict(w, up=interleaved(w["up"], gu)[0], gate=interleaved(w["gate"], gu)[0],
                   up_qtype=gu + "x16", gate_qtype=gu + "x16")
     kw = dict(threshold=thr, activation=activation, criterion="oracle", down_layout=layout)
@@ -226,3 +228,31 @@ def test_sparse_interleaved_gate_up_needs_the_oracle():
         _call(x, packed, **{**kw, "criterion": "scores"}, scores=scores)
     with pytest.raises(UserError, match="interleaved by 16"):  # one of the two only
         _call(x, dict(packed, gate=rows["gate"], gate_qtype="Q4_0"), **kw)
+    with pytest.raises(UserError, match="interleaved by 16"):  # up alone: no
+        _call(x, dict(packed, gate=rows["gate"], gate_qtype="Q4_0"),
+              **{**kw, "activation": "relu"})
+    with pytest.raises(UserError, match="interleaved by 16"):  # the gate alone needs relu/drelu
+        _call(x, dict(packed, up=rows["up"], up_qtype="Q4_0"), **kw)
+
+
+@pytest.mark.parametrize("activation", ["relu", "drelu"])
+@pytest.mark.parametrize("gu,dn,layout", [("Q4_0", "Q4_0", "groups"), ("Q8_0", "Q8_0", "rows")])
+@pytest.mark.parametrize("t", [1, 4])
+def test_relu_oracle_on_interleaved_gate_and_up_rows(activation, gu, dn, layout, t):
+    """A ReLU-family FFN's exact mode: every gate from the interleaved groups, up rows read only
+    for neurons whose gate fires: the same active neurons and output as both on rows, and as
+    the reference; each token alone as in the batch."""
+    x, rows, packed, kw = _sparse_operands(gu, dn, 20 + t, t=t, layout=layout,
+                                           activation=activation, threshold=0.0)
+    mixed = dict(packed, up=rows["up"], up_qtype=gu)
+    y, n = _call(x, mixed, **kw)
+    y_rows, n_rows = _call(x, rows, **kw)
+    y_ref, n_ref = _call(x, mixed, impl="reference", **kw)
+    assert np.array_equal(np.asarray(n), np.asarray(n_rows))
+    assert np.array_equal(np.asarray(n), np.asarray(n_ref))
+    assert 0 < int(np.asarray(n).sum()) < t * 64  # some neurons off, some on
+    for want in (y_rows, y_ref):
+        want = np.asarray(want)
+        assert np.abs(np.asarray(y) - want).max() / np.abs(want).max() < RTOL
+    alone = np.concatenate([np.asarray(_call(x[i:i + 1], mixed, **kw)[0]) for i in range(t)])
+    assert np.array_equal(np.asarray(y), alone)

@@ -38,7 +38,18 @@ def _assert_same(ours, hf, texts):
 def test_tiny_gguf_matches_transformers(tmp_path, meta):
     pytest.importorskip("transformers")
     ours, hf = _ours_and_hf(_tiny_gguf(tmp_path, meta))
-    _assert_same(ours, hf, SAMPLE_TEXTS + ["hello world and the fox", " Hello  is\n!x"])
+    texts = SAMPLE_TEXTS + ["hello world and the fox", " Hello  is\n!x"]
+    if meta["model"] != "llama":
+        _assert_same(ours, hf, texts)
+        return
+    # SentencePiece's dummy prefix: sentencepiece and llama.cpp prepend "\u2581" to every text
+    # (tests/test_families.py checks both on real vocabularies); transformers 5's GGUF
+    # conversion skips it where the text starts with a space: there ours has one "\u2581" more
+    _assert_same(ours, hf, [t for t in texts if not t[0].isspace()])
+    sp = ours.token_to_id("\u2581")
+    for text in (t for t in texts if t[0].isspace()):
+        want = hf(text)["input_ids"]
+        assert ours.encode(text) == want[:1] + [sp] + want[1:], text
 
 
 def test_spm_conventions(tmp_path):

@@ -2,8 +2,11 @@
 //   q f32 [B, ..., NH * H]; k_new, v_new f32 [B, ..., NK * H];
 //   k_cache, v_cache [R, S, NK, H] float32 or uint16 (bfloat16 bits), R >= B cache rows (a batched
 //   engine's slots: sequence b uses row b), aliased to results 1 and 2;
-//   where s32 [B, 2] = per sequence (slot, position); attributes kv_len, rope_theta, use_rope;
-//   results out f32 like q, then the updated caches.
+//   where s32 [B, 2] = per sequence (slot, position);
+//   inv_freq f32 [H / 2] (the rotary frequencies; [0]: no rotation), q_norm / k_norm f32 [H]
+//   (per-head RMSNorm weights; [0]: none);
+//   attributes kv_len, rope_factor, scale (0: 1/sqrt(H)), softcap (0: off), window (0: all),
+//   norm_eps; results out f32 like q, then the updated caches.
 // One sequence runs its heads on the pool; several run one task per sequence (each sequence's
 // result is computed by one thread in a fixed order, so outputs do not depend on the split).
 #include <cstring>
@@ -24,10 +27,13 @@ constexpr std::string_view kOp = "decode_attention";
 
 ffi::Error DecodeAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
                                   ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
-                                  ffi::AnyBuffer where, ffi::Result<ffi::AnyBuffer> out,
+                                  ffi::AnyBuffer where, ffi::Buffer<ffi::F32> inv_freq,
+                                  ffi::Buffer<ffi::F32> q_norm, ffi::Buffer<ffi::F32> k_norm,
+                                  ffi::Result<ffi::AnyBuffer> out,
                                   ffi::Result<ffi::AnyBuffer> k_out,
                                   ffi::Result<ffi::AnyBuffer> v_out, int64_t kv_len,
-                                  float rope_theta, int64_t use_rope) {
+                                  float rope_factor, float scale, float softcap, int64_t window,
+                                  float norm_eps) {
   const auto c_dims = k_cache.dimensions();
   const ffi::DataType ct = k_cache.element_type();
   if ((ct != ffi::DataType::F32 && ct != ffi::DataType::U16) || c_dims.size() != 4 ||
@@ -68,8 +74,29 @@ ffi::Error DecodeAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::A
                             ShapeString(buf->dimensions()));
     }
   }
-  if (use_rope != 0 && h % 2 != 0) {
-    return InvalidArg(kOp, "head_dim", "even with rope", std::to_string(h));
+  const bool use_rope = inv_freq.element_count() != 0;
+  if (use_rope && (h % 2 != 0 || static_cast<int64_t>(inv_freq.element_count()) != h / 2)) {
+    return InvalidArg(kOp, "inv_freq", "[H / 2 = " + std::to_string(h / 2) +
+                                           "] rotary frequencies (H even), or [0]",
+                      ShapeString(inv_freq.dimensions()));
+  }
+  for (auto [name, buf] : {std::pair{"q_norm", &q_norm}, std::pair{"k_norm", &k_norm}}) {
+    if (buf->element_count() != 0 && static_cast<int64_t>(buf->element_count()) != h) {
+      return InvalidArg(kOp, name, "[H = " + std::to_string(h) + "] norm weights, or [0]",
+                        ShapeString(buf->dimensions()));
+    }
+  }
+  if (q_norm.element_count() != k_norm.element_count()) {
+    return InvalidArg(kOp, "q_norm, k_norm", "both present or both [0]",
+                      ShapeString(q_norm.dimensions()) + ", " + ShapeString(k_norm.dimensions()));
+  }
+  if (!(scale >= 0.0f) || !(softcap >= 0.0f) || window < 0 || !(norm_eps > 0.0f) ||
+      !(rope_factor > 0.0f)) {
+    return InvalidArg(kOp, "scale, softcap, window, norm_eps, rope_factor",
+                      ">= 0, >= 0, >= 0, > 0, > 0",
+                      std::to_string(scale) + ", " + std::to_string(softcap) + ", " +
+                          std::to_string(window) + ", " + std::to_string(norm_eps) + ", " +
+                          std::to_string(rope_factor));
   }
   if (kv_len < 1 || kv_len > s_len) {
     return InvalidArg(kOp, "kv_len", "in [1, S = " + std::to_string(s_len) + "]",
@@ -95,8 +122,14 @@ ffi::Error DecodeAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::A
   a.n_heads = static_cast<int64_t>(q.element_count()) / (batch * h);
   a.max_len = s_len;
   a.kv_len = kv_len;
-  a.use_rope = use_rope != 0;
-  a.rope_theta = rope_theta;
+  a.inv_freq = use_rope ? inv_freq.typed_data() : nullptr;
+  a.rope_factor = rope_factor;
+  a.scale = scale;
+  a.softcap = softcap;
+  a.window = window;
+  a.q_norm = q_norm.element_count() != 0 ? q_norm.typed_data() : nullptr;
+  a.k_norm = k_norm.element_count() != 0 ? k_norm.typed_data() : nullptr;
+  a.norm_eps = norm_eps;
   // The caches are aliased to the results; if XLA gave separate buffers, start from the inputs.
   if (k_out->untyped_data() != k_cache.untyped_data()) {
     std::memcpy(k_out->untyped_data(), k_cache.untyped_data(), k_cache.size_bytes());
@@ -152,9 +185,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijDecodeAttentionCpu, pij::DecodeAttentionCpuImpl
                                   .Arg<xla::ffi::AnyBuffer>()  // k_cache
                                   .Arg<xla::ffi::AnyBuffer>()  // v_cache
                                   .Arg<xla::ffi::AnyBuffer>()  // where
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // inv_freq
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // q_norm
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // k_norm
                                   .Ret<xla::ffi::AnyBuffer>()  // out
                                   .Ret<xla::ffi::AnyBuffer>()  // k_cache (aliased)
                                   .Ret<xla::ffi::AnyBuffer>()  // v_cache (aliased)
                                   .Attr<int64_t>("kv_len")
-                                  .Attr<float>("rope_theta")
-                                  .Attr<int64_t>("use_rope"));
+                                  .Attr<float>("rope_factor")
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("norm_eps"));

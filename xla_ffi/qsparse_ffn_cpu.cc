@@ -61,10 +61,11 @@ ffi::Error QSparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuff
   }
   const int64_t dim = x_dims.back();
   int64_t f = -1;
-  // gate and up rows interleaved by 16 (quant_interleaved.h): both or neither, criterion oracle
-  // (every neuron's estimate is computed, a group at a time)
+  // gate and up rows interleaved by 16 (quant_interleaved.h): criterion oracle (every neuron's
+  // gate is computed, a group at a time); both, or the gate alone on a relu/drelu FFN (whose
+  // up rows are read only for the neurons whose gate fires)
   constexpr int32_t kFlag = qkern::kInterleavedQTypeFlag;
-  w.gate_up_interleaved = (up_qtype & kFlag) != 0;
+  w.up_interleaved = (up_qtype & kFlag) != 0;
   if (ffi::Error e = DecodeQWeight(kOp, "up", up, up_qtype & ~kFlag, dim, f, w.up_type);
       e.failure()) {
     return e;
@@ -77,15 +78,21 @@ ffi::Error QSparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuff
     }
     w.gate = static_cast<const uint8_t*>(gate.untyped_data());
   }
-  if (w.gate_up_interleaved || (w.gate != nullptr && gate_interleaved)) {
-    const bool ok = (w.gate == nullptr || gate_interleaved) && w.gate_up_interleaved &&
-                    qkern::CanInterleave(w.up_type, f) &&
-                    (w.gate == nullptr || qkern::CanInterleave(w.gate_type, f)) &&
+  w.gate_interleaved = w.gate != nullptr && gate_interleaved;
+  if (w.up_interleaved || w.gate_interleaved) {
+    const bool relu_gate = p.activation == Activation::kRelu || p.activation == Activation::kDrelu;
+    const bool pair_ok = w.gate == nullptr ? w.up_interleaved
+                                           : w.gate_interleaved && (w.up_interleaved || relu_gate);
+    const bool ok = pair_ok && (!w.up_interleaved || qkern::CanInterleave(w.up_type, f)) &&
+                    (!w.gate_interleaved || qkern::CanInterleave(w.gate_type, f)) &&
                     p.criterion == Criterion::kOracle;
     if (!ok) {
       return InvalidArg(kOp, "gate/up rows interleaved by 16",
-                        "both interleaved, Q4_0/Q4_1/Q8_0, F a multiple of 16, criterion oracle",
-                        std::string("up ") + GetQTypeInfo(w.up_type).name + ", F " +
+                        "both interleaved (or the gate alone with relu/drelu), Q4_0/Q4_1/Q8_0, "
+                        "F a multiple of 16, criterion oracle",
+                        std::string("up ") + GetQTypeInfo(w.up_type).name +
+                            (w.up_interleaved ? " interleaved" : " rows") + ", gate " +
+                            (gate_interleaved ? "interleaved" : "rows") + ", F " +
                             std::to_string(f) + ", criterion " + std::string(criterion));
     }
   }

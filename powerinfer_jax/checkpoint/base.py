@@ -3,8 +3,10 @@
 Canonical names (weights [out, in] like a HF Linear, FFN neuron-major):
   tok_embed [V, D]; pos_embed [P, D] (learned positions); lm_head [V, D] (untied only);
   final_norm.scale/.bias [D];
-  layers.{i}.attn_norm.scale/.bias [D]; layers.{i}.attn.{q,k,v,o}.weight (+ .bias when config.bias):
-    q [N*H, D], k/v [K*H, D], o [D, N*H]; Q/K rows in HF's rotate-half RoPE layout;
+  layers.{i}.attn_norm.scale/.bias [D]; layers.{i}.attn.{q,k,v,o}.weight (+ .bias when config.bias;
+    q/k/v only with config.qkv_bias): q [N*H, D], k/v [K*H, D], o [D, N*H]; Q/K rows in HF's
+    rotate-half RoPE layout; layers.{i}.attn.{q,k}_norm.scale [H] (config.qk_norm);
+  layers.{i}.attn_post_norm.scale, layers.{i}.ffn_post_norm.scale [D] (config.post_norms);
   layers.{i}.ffn_norm.scale/.bias [D]; layers.{i}.ffn.gate.weight [F, D] (gated only),
     ffn.up.weight [F, D], ffn.down_t.weight [F, D] (= down_proj.weight.T), ffn.up.bias [F],
     ffn.down.bias [D].
@@ -142,6 +144,12 @@ class Checkpoint:
 
 SUPPORTED_ARCHITECTURES = ("llama (LlamaForCausalLM, MistralForCausalLM, GGUF 'llama')",
                            "dReLU llama (HF model_type 'bamboo', GGUF 'bamboo')",
+                           "qwen2 (Qwen2ForCausalLM, GGUF 'qwen2')",
+                           "qwen3 (Qwen3ForCausalLM, GGUF 'qwen3')",
+                           "gemma2 (Gemma2ForCausalLM, GGUF 'gemma2')",
+                           "gemma3 (Gemma3ForCausalLM text-only, HF model_type 'gemma3_text', "
+                           "GGUF 'gemma3')",
+                           "phi3 (Phi3ForCausalLM, GGUF 'phi3')",
                            "falcon (FalconForCausalLM, GGUF 'falcon')",
                            "opt (OPTForCausalLM, GGUF 'opt')")
 
@@ -160,15 +168,20 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["final_norm.bias"] = (d,)
     for i in range(c.n_layers):
         p = f"layers.{i}."
-        for norm in ("attn_norm", "ffn_norm"):
+        norms = ("attn_norm", "attn_post_norm", "ffn_norm", "ffn_post_norm") if c.post_norms \
+            else ("attn_norm", "ffn_norm")
+        for norm in norms:
             shapes[p + norm + ".scale"] = (d,)
             if layer_norm:
                 shapes[p + norm + ".bias"] = (d,)
         attn = {"q": (c.q_dim, d), "k": (c.kv_dim, d), "v": (c.kv_dim, d), "o": (d, c.q_dim)}
         for name, shape in attn.items():
             shapes[f"{p}attn.{name}.weight"] = shape
-            if c.bias:
+            if c.bias or (c.qkv_bias and name != "o"):
                 shapes[f"{p}attn.{name}.bias"] = shape[:1]
+        if c.qk_norm:
+            shapes[p + "attn.q_norm.scale"] = (c.head_dim,)
+            shapes[p + "attn.k_norm.scale"] = (c.head_dim,)
         if c.gated:
             shapes[p + "ffn.gate.weight"] = (f, d)
         shapes[p + "ffn.up.weight"] = (f, d)

@@ -10,7 +10,8 @@ GGUF conventions this module undoes (read) and applies (write):
   * Tied embeddings: no `output.weight` tensor.
   * PowerInfer files are GGUF v3 whose first four bytes read "PWRI"; they also hold predictor
     tensors (`blk.i.fc1/fc2`, read by checkpoint/powerinfer.py, ignored here).
-Architectures (llama, bamboo, falcon, opt) and which activation a file means: gguf_arch.py.
+Architectures (llama, bamboo, falcon, opt; qwen2, qwen3, gemma2, gemma3, phi3 as llama.cpp's
+converter writes them: gguf_families.py) and which activation a file means: gguf_arch.py.
 Tensor types read: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 (see `quants.py`): dequantized to float32, or kept as `QuantTensor` blocks (keep_quantized=True).
 """
@@ -150,11 +151,15 @@ def load_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> Check
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{source}: expected tensor 'token_embd.weight', got none")
     pos = tensors.get("position_embd.weight")
+    freqs = tensors.get("rope_freqs.weight")  # Llama-3's scaled RoPE (gguf_families.py)
     config = gguf_arch.config_from_metadata(
         meta, source, vocab_size=int(tensors["token_embd.weight"].shape[1]),  # ne = [D, V]
         tied=arch == "opt" or _tied(tensors), powerinfer=powerinfer,
         has_bias="blk.0.attn_qkv.bias" in tensors,
-        n_positions=None if pos is None else int(pos.shape[1]))
+        n_positions=None if pos is None else int(pos.shape[1]),
+        rope_freqs=None if freqs is None else _read_stored(
+            freqs, (int(np.prod(freqs.shape)),), source, keep_quantized=False),
+        tensor_names=tuple(tensors))
     layout = gguf_arch.sources(config, arch, down_t="blk.0.ffn_down_t.weight" in tensors,
                                separate_attn_norm="blk.0.attn_norm_2.weight" in tensors)
     params: dict[str, Any] = {}

@@ -10,6 +10,8 @@ transform between them; gguf.py reads and writes through `sources`. Architecture
           RoPE so Q/K rows are not permuted. attn_norm feeds the FFN (HF ln_mlp / the shared
           input_layernorm); attn_norm_2, when present, feeds attention (HF ln_attn).
   opt     PowerInfer's opt: biases everywhere, learned positions (2050 rows, offset 2), tied head.
+  qwen2, qwen3, gemma2, gemma3, phi3: llama.cpp's, see gguf_families.py (also the RoPE
+          scalings every llama-like arch may carry: linear, yarn, a rope_freqs tensor).
 
 Which activation a file means (its FFN's `ModelConfig.activation`), in order:
   1. our key `powerinfer_jax.ffn_activation`, which every file we write carries;
@@ -25,16 +27,20 @@ from __future__ import annotations
 
 from typing import Any, Mapping, NamedTuple
 
+from powerinfer_jax.checkpoint import gguf_families
 from powerinfer_jax.checkpoint.base import expected_shapes, unsupported_architecture
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.errors import fail
 
-ARCHITECTURES = ("llama", "bamboo", "falcon", "opt")
+ARCHITECTURES = ("llama", "bamboo", "falcon", "opt") + gguf_families.ARCHITECTURES
 ACTIVATION_KEY = "powerinfer_jax.ffn_activation"
-_DEFAULT_ACTIVATION = {"llama": "silu", "bamboo": "drelu", "falcon": "gelu", "opt": "relu"}
+_DEFAULT_ACTIVATION = {"llama": "silu", "bamboo": "drelu", "falcon": "gelu", "opt": "relu",
+                       "qwen2": "silu", "qwen3": "silu", "phi3": "silu", "gemma2": "gelu",
+                       "gemma3": "gelu"}
 _POWERINFER_ACTIVATION = {"llama": "relu", "bamboo": "drelu", "falcon": "relu", "opt": "relu"}
 _ALLOWED = {"llama": ("silu", "relu", "gelu"), "bamboo": ("drelu",), "falcon": ("relu", "gelu"),
-            "opt": ("relu",)}
+            "opt": ("relu",), "qwen2": ("silu", "relu"), "qwen3": ("silu", "relu"),
+            "phi3": ("silu", "relu"), "gemma2": ("gelu",), "gemma3": ("gelu",)}
 
 
 class Source(NamedTuple):
@@ -54,7 +60,19 @@ class Source(NamedTuple):
 
 
 def layout_arch(config: ModelConfig) -> str:
-    """The GGUF architecture a config is written as."""
+    """The GGUF architecture a config is written as (our writer: llama, bamboo, falcon, opt;
+    the other families' files are llama.cpp's convert_hf_to_gguf.py's to write)."""
+    c = config
+    extra = [n for n, on in (("qkv_bias", c.qkv_bias), ("qk_norm", c.qk_norm),
+                             ("post_norms", c.post_norms), ("embed_scale", c.embed_scale != 1),
+                             ("query_scale", c.query_scale is not None),
+                             ("soft-caps", c.attn_softcap or c.final_softcap),
+                             ("layer_windows", any(c.layer_windows)),
+                             ("rope_scaling", c.rope_scaling is not None)) if on]
+    if extra:
+        fail("write_gguf config", "a llama, dReLU llama, falcon or opt model (our writer's "
+             "layouts)", f"one with {', '.join(extra)}",
+             "convert the HF directory with llama.cpp's convert_hf_to_gguf.py")
     if config.arch == "opt":
         return "opt"
     if config.parallel_block:
@@ -66,6 +84,9 @@ def activation_for(meta: Mapping[str, Any], arch: str, powerinfer: bool, source:
     """The FFN activation a file means (module docstring, in that order)."""
     act = meta.get(ACTIVATION_KEY)
     if act is None:
+        if powerinfer and arch not in _POWERINFER_ACTIVATION:
+            fail(f"{source}: architecture", f"one of {list(_POWERINFER_ACTIVATION)} in a "
+                 "PowerInfer (PWRI) file", arch)
         return (_POWERINFER_ACTIVATION if powerinfer else _DEFAULT_ACTIVATION)[arch]
     if act not in _ALLOWED[arch]:
         fail(f"{source}: {ACTIVATION_KEY}", f"one of {list(_ALLOWED[arch])} for arch {arch!r}",
@@ -82,9 +103,12 @@ def _require(meta: Mapping[str, Any], key: str, source: str):
 
 def config_from_metadata(meta: Mapping[str, Any], source: str, *, vocab_size: int | None,
                          tied: bool, powerinfer: bool = False, has_bias: bool = False,
-                         n_positions: int | None = None) -> ModelConfig:
+                         n_positions: int | None = None, rope_freqs=None,
+                         tensor_names=()) -> ModelConfig:
     """ModelConfig from GGUF metadata. tied: no `output.weight`; has_bias: the file has attention
-    biases (Falcon); n_positions: rows of `position_embd` (OPT)."""
+    biases (Falcon); n_positions: rows of `position_embd` (OPT); rope_freqs: the values of a
+    `rope_freqs` tensor (llama-like archs' per-frequency divisors); tensor_names: every tensor
+    name of the file (what is there decides some features)."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise unsupported_architecture(arch, f"{source}: general.architecture")
@@ -102,15 +126,18 @@ def config_from_metadata(meta: Mapping[str, Any], source: str, *, vocab_size: in
         activation=activation_for(meta, arch, powerinfer, source),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos)))
+    if arch in gguf_families.ARCHITECTURES:
+        return gguf_families.config(arch, meta, source, common, tied=tied, rope_freqs=rope_freqs,
+                                    tensor_names=tensor_names)
     if arch in ("llama", "bamboo"):
         return ModelConfig(
             arch="llama", **common,
-            head_dim=int(meta.get(a + "rope.dimension_count")
-                         or meta.get(a + "attention.key_length") or d // n_heads),
+            head_dim=gguf_families.head_dim(meta, arch, d, n_heads, source),
             max_seq_len=int(_require(meta, a + "context_length", source)), gated=True,
             bias=False, norm="rms",
             norm_eps=float(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
             positions="rope", rope_theta=float(meta.get(a + "rope.freq_base", 10000.0)),
+            rope_scaling=gguf_families.rope_scaling(meta, arch, source, rope_freqs, tensor_names),
             tie_embeddings=tied)
     if arch == "falcon":
         return ModelConfig(
@@ -147,10 +174,7 @@ def model_metadata(config: ModelConfig, arch: str) -> dict[str, Any]:
     return meta
 
 
-_LLAMA = {"attn_norm.scale": "attn_norm.weight", "attn.q.weight": "attn_q.weight",
-          "attn.k.weight": "attn_k.weight", "attn.v.weight": "attn_v.weight",
-          "attn.o.weight": "attn_output.weight", "ffn_norm.scale": "ffn_norm.weight",
-          "ffn.gate.weight": "ffn_gate.weight", "ffn.up.weight": "ffn_up.weight"}
+_LLAMA = gguf_families.LLAMA_TENSORS
 _OPT = {"attn_norm.scale": "attn_norm.weight", "attn_norm.bias": "attn_norm.bias",
         "ffn_norm.scale": "ffn_norm.weight", "ffn_norm.bias": "ffn_norm.bias",
         **{f"attn.{o}.{k}": f"attn_{g}.{k}" for o, g in (("q", "q"), ("k", "k"), ("v", "v"),
@@ -190,6 +214,15 @@ def sources(config: ModelConfig, arch: str, *, down_t: bool,
             heads = {"attn.q.weight": c.n_heads, "attn.k.weight": c.n_kv_heads}.get(rest)
             out[name] = Source(blk + _LLAMA[rest], shape, "rope" if heads else "plain",
                                heads or 0)
+        elif arch in gguf_families.ARCHITECTURES:  # NEOX RoPE: rows as HF stores them
+            fused = gguf_families.fused_rows(c, rest) if arch == "phi3" else None
+            if fused:
+                gname, start, stop = fused
+                total = c.q_dim + 2 * c.kv_dim if gname == "attn_qkv.weight" else 2 * c.d_ff
+                out[name] = Source(blk + gname, (total,) + tuple(shape[1:]), "rows", start=start,
+                                   stop=stop)
+            else:
+                out[name] = Source(blk + gguf_families.TENSORS[rest], shape)
         elif arch == "opt":
             out[name] = Source(blk + _OPT[rest], shape)
         else:

@@ -33,7 +33,8 @@ from flax import nnx
 
 from powerinfer_jax.errors import fail
 from powerinfer_jax.models.layers import F32, Linear, Module, _param, op_impl, sow, use_ffi
-from powerinfer_jax.models.qweights import host_blocks, interleaved
+from powerinfer_jax.models.qweights import (GROUPS, MATVEC, ROWS, FfnLayout, QWeight,
+                                            host_blocks)
 from powerinfer_jax.ops.reference import (  # pure jnp, shared with the kernels' oracle
     activate, gated_activate)
 
@@ -75,12 +76,10 @@ class Selector(Module):
     def describe(self) -> dict:
         return {"selector": type(self).__name__}
 
-    @property
-    def every_estimate(self) -> bool:
-        """Whether on a quantized FFN it takes the sparse call's oracle, which computes every
-        neuron's gate and up (so their rows may stay interleaved for the matvec), rather than
-        scores that select rows to read one by one."""
-        return False
+    def layouts(self, ffn: "FFN") -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The quantized gate and up layouts this selector's calls can read (models/qweights.py):
+        by default ROWS, since scores select rows to read one by one."""
+        return (ROWS,), (ROWS,)
 
 
 def cuda_hybrid_available() -> bool:
@@ -99,94 +98,52 @@ class HostRows(nnx.Variable):
     """FFN rows kept in host memory: the cold part of a placed FFN."""
 
 
-DOWN_QTYPE = "Q8_0"  # the format down rows are re-blocked into per neuron where groups cannot be
-DOWN_GROUPS = "groups"  # down_qtype: the file's blocks in down groups where its format allows
-
-
 class DownT(Module):
     """The down projection stored transposed: weight [F, D] (row i is neuron i), bias [D]. On a
-    quantized file (models/qweights.py) it holds GGUF blocks in format `qtype`, in one of three
-    layouts:
-      * the file's ffn_down as stored (`file_layout`): uint8 [D, row_bytes] blocked along F, a
-        matvec for ops.qlinear with 8-bit activations, as llama.cpp computes it, its rows
-        interleaved by 16 where the format has the layout (qtype "Q4_1x16" etc.,
-        checkpoint.quants.interleave). Dense models keep it.
-      * down groups (`grouped`): the same blocks rearranged per 32 neurons, uint8
-        [F / 32, D * block bytes] (checkpoint.quants.down_groups): what the sparse kernel reads
-        in the 32-weight formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). Nothing is re-quantized, the
-        size is the file's, and a group's scales are read once for all its active neurons.
-      * neuron rows (neither): uint8 [F, row_bytes], neuron i's down row re-blocked along D in
-        another format (`DOWN_QTYPE` for the K-quants, whose super-blocks span 256 neurons):
-        the sparse kernel's other layout, and the one rows can be permuted in.
-    Installing a selector moves the file's layout to groups (or rows) (`to_neuron_rows`)."""
+    quantized file (models/qweights.py) it holds a QWeight's blocks in one of its layouts:
+      * MATVEC: the file's ffn_down as stored, uint8 [D, row_bytes] blocked along F, a matvec
+        for ops.qlinear (rows interleaved by 16 where the format has it): dense models.
+      * GROUPS: the same blocks rearranged per 32 neurons, uint8 [F / 32, D * block bytes]
+        (checkpoint.quants.down_groups): what the sparse kernel reads in the 32-weight formats.
+        Nothing is re-quantized, and a group's scales are read once for all its active neurons.
+      * ROWS: uint8 [F, row_bytes], neuron i's down row re-blocked along D (`qtype` may differ
+        from the file's): the sparse kernel's other layout, and the one rows can be permuted in.
+    The build plan chooses the layout; this module never converts it."""
 
     def __init__(self, d_ff: int, d_model: int, *, bias: bool, dtype, rngs: nnx.Rngs | None,
                  kernels: str = "xla"):
         self.qtype = None
-        self.file_layout = False
-        self.grouped = False
+        self.layout = MATVEC
+        self.interleaved = False
         self.kernels = kernels
         self.d_ff = d_ff
         self.weight = _param((d_ff, d_model), dtype, rngs, scale=d_ff ** -0.5)
         self.bias = _param((d_model,), F32, None) if bias else None
 
-    def load_quantized(self, blocks, qtype: str, *, file_layout: bool = False,
-                       grouped: bool = False, interleave: bool = True) -> None:
-        """Keep the blocks as given: down groups (`grouped`), neuron rows, or ffn_down as the
-        file stores it (`file_layout`: a matvec for ops.qlinear, in its fastest layout where the
-        format has it unless `interleave` is False: a sparse model regroups them next)."""
-        if file_layout and interleave:
-            blocks, qtype = interleaved(blocks, qtype)
-        self.weight.set_value(host_blocks(blocks))  # in place: no new Param per tensor
-        self.qtype = qtype
-        self.file_layout = file_layout
-        self.grouped = grouped
+    def load(self, w: QWeight) -> None:
+        """Keep the QWeight's blocks in its layout."""
+        self.weight.set_value(host_blocks(w.blocks))  # in place: no new Param per tensor
+        self.qtype, self.layout, self.interleaved = w.qtype, w.layout, w.interleaved
+
+    @property
+    def qweight(self) -> QWeight:
+        return QWeight(self.weight[...], self.qtype, self.layout, self.interleaved)
 
     @property
     def down_layout(self) -> str:
         """ops.qsparse_ffn's down_layout for these blocks."""
-        return "groups" if self.grouped else "rows"
-
-    def to_neuron_rows(self, qtype: str = DOWN_GROUPS) -> None:
-        """The file's ffn_down blocks (or down groups) -> down groups (`DOWN_GROUPS`, where the
-        format has them, else `DOWN_QTYPE` rows) or neuron rows re-blocked along D in `qtype`
-        (host side, outside jit; once). Rows already re-blocked stay as they are."""
-        if self.qtype is None or not (self.file_layout or self.grouped):
-            return
-        from powerinfer_jax.checkpoint import quants
-        from powerinfer_jax.checkpoint.base import QuantTensor
-        from powerinfer_jax.models.qweights import release_later
-
-        if qtype == DOWN_GROUPS and self.grouped:
-            return
-        # D: the file's rows, or a group's bytes over a block's (D blocks per group)
-        d_model = (self.weight.shape[0] if self.file_layout
-                   else self.weight.shape[1] // quants.block_size(self.qtype)[1])
-        blocks = np.asarray(self.weight[...])
-        file_qtype = quants.interleaved_base(self.qtype) or self.qtype
-        if self.grouped:  # back to the file's blocks first
-            blocks = quants.down_groups_to_file(blocks, self.qtype, d_model, self.d_ff)
-        elif file_qtype != self.qtype:  # the file's rows, interleaved for the matvec
-            blocks = quants.deinterleave(blocks, self.qtype)
-        t = QuantTensor(blocks, file_qtype, (self.d_ff, d_model), transposed=True)
-        if qtype == DOWN_GROUPS and file_qtype in quants.DOWN_GROUP_TYPES:
-            self.load_quantized(t.down_groups(), t.qtype, grouped=True)
-        else:
-            t = t.reblocked(DOWN_QTYPE if qtype == DOWN_GROUPS else qtype)
-            self.load_quantized(t.blocks, t.qtype)
-        # the file's ffn_down pages were read once to build the copy: out of the resident set
-        release_later(blocks)
+        return "groups" if self.layout == GROUPS else "rows"
 
     def __call__(self, a_btf):
-        if self.qtype is not None and self.file_layout:
+        if self.qtype is not None and self.layout == MATVEC:
             from powerinfer_jax import ops
 
-            return ops.qlinear(a_btf, self.weight[...], self.qtype, self.d_ff, _value(self.bias),
-                               impl=op_impl(self.kernels))
+            return ops.qlinear(a_btf, self.weight[...], self.qweight.kernel_qtype, self.d_ff,
+                               _value(self.bias), impl=op_impl(self.kernels))
         if self.qtype is not None:
-            fail("DownT call", "float rows or the file's ffn_down layout",
-                 f"{'down groups' if self.grouped else 'neuron rows'} in {self.qtype} (the "
-                 "sparse kernel's layout)")
+            fail("DownT call", "float rows or the file's ffn_down layout (matvec)",
+                 f"{'down groups' if self.layout == GROUPS else 'neuron rows'} in {self.qtype} "
+                 "(the sparse kernel's layout)")
         w = self.weight[...]
         y = jnp.einsum("btf,fd->btd", a_btf.astype(w.dtype), w, preferred_element_type=F32)
         return y + self.bias[...] if self.bias is not None else y
@@ -207,7 +164,7 @@ class Rows:
     fused: bool = False
 
     def dense(self, ffn, x_btd):
-        if ffn.quantized and ffn.down_t.file_layout:  # three matvecs on the file's blocks
+        if ffn.quantized and ffn.down_t.layout == MATVEC:  # three matvecs on the file's blocks
             return ffn.down_t(ffn.hot_activations(x_btd))
         if ffn.quantized or use_ffi(ffn.kernels, x_btd, ffn.up.weight[...]):
             # Every neuron through the custom call: "oracle" at threshold 0 skips only exact
@@ -225,9 +182,9 @@ class Rows:
 
         if ffn.quantized:  # on the file's blocks; "activations" are the file's own: oracle
             return ops.qsparse_ffn(
-                x_btd, ffn.up.weight[...], ffn.down_t.weight[...], up_qtype=ffn.up.qtype,
+                x_btd, ffn.up.weight[...], ffn.down_t.weight[...], up_qtype=ffn.up.kernel_qtype,
                 down_qtype=ffn.down_t.qtype, gate=_value(ffn.gate and ffn.gate.weight),
-                gate_qtype=ffn.gate and ffn.gate.qtype, b_up=_value(ffn.up.bias),
+                gate_qtype=ffn.gate and ffn.gate.kernel_qtype, b_up=_value(ffn.up.bias),
                 b_down=_value(ffn.down_t.bias),
                 scores=sel.scores if sel.criterion == "scores" else None,
                 threshold=float(sel.threshold), activation=ffn.activation,
@@ -385,10 +342,15 @@ class FFN(Module):
         """Install the layer's selector and resolve the backend for it (see the module doc)."""
         if selector is not None and not isinstance(selector, Selector):
             fail("FFN selector", "a Selector or None", type(selector).__name__)
-        if selector is not None:  # the sparse kernel reads down rows per active neuron
-            self.down_t.to_neuron_rows()
-            if not selector.every_estimate:  # and gate/up rows per selected neuron
-                self.gate_up_rows()
+        if selector is not None and self.quantized:  # the build plan arranged the weights
+            gate_ok, up_ok = selector.layouts(self)
+            layout = self.layout
+            if (self.gate is not None and layout.gate not in gate_ok) or layout.up not in up_ok \
+                    or layout.down == MATVEC:
+                fail(f"FFN layouts for selector {type(selector).__name__}",
+                     f"gate in {list(gate_ok)}, up in {list(up_ok)}, down groups or rows",
+                     f"gate {layout.gate}, up {layout.up}, down {layout.down}",
+                     "configure the model through sparsity.modes.configure (it arranges them)")
         self.selector = nnx.data(selector)
         if not self.placed:
             fused = (selector is not None and impl == "ffi" and self.kernels == "ffi"
@@ -403,17 +365,14 @@ class FFN(Module):
         """Rows kept in the file's block format (models/qweights.py), computed on as stored."""
         return self.up.qtype is not None
 
-    def gate_up_rows(self) -> None:
-        """Quantized gate/up rows interleaved by 16 (loaded so for the dense matvecs and the
-        quantized oracle, which compute every neuron) -> the file's rows, which a selector's
-        scores and a permutation read per neuron. Host side, once; rows stay as they are."""
-        from powerinfer_jax.checkpoint import quants
-
-        for lin in (self.gate, self.up):
-            base = lin is not None and lin.qtype and quants.interleaved_base(lin.qtype)
-            if base:
-                lin.load_quantized(quants.deinterleave(np.asarray(lin.weight[...]), lin.qtype),
-                                   base)
+    @property
+    def layout(self) -> FfnLayout | None:
+        """The quantized matrices' current layouts (None: float weights)."""
+        if not self.quantized:
+            return None
+        return FfnLayout(gate=self.gate.layout if self.gate is not None else MATVEC,
+                         up=self.up.layout, down=self.down_t.layout,
+                         down_qtype=self.down_t.qtype if self.down_t.layout == ROWS else None)
 
     # ---------------------------------------------------------------- placement
     @property
@@ -438,9 +397,11 @@ class FFN(Module):
         f = self.up.weight.shape[0]
         if perm.shape != (f,) or not np.array_equal(np.sort(perm), np.arange(f)):
             fail("FFN.permute order", f"a permutation of range({f})", f"shape {perm.shape}")
+        if self.quantized and (self.up.layout != ROWS or self.down_t.layout != ROWS or (
+                self.gate is not None and self.gate.layout != ROWS)):
+            fail("FFN.permute layouts", "rows (neurons move whole only as rows)",
+                 self.layout, "arrange them with models.qweights.apply_ffn_layout first")
         perm = jnp.asarray(perm, jnp.int32)
-        self.down_t.to_neuron_rows(DOWN_QTYPE)  # rows move whole only as neuron rows
-        self.gate_up_rows()
         for lin in (self.gate, self.up, self.down_t):
             if lin is not None:
                 lin.weight.set_value(lin.weight[...][perm])
@@ -521,7 +482,7 @@ class FFN(Module):
 
             # gate and up rows in one pool job (the same per-row kernel as two qlinear calls)
             g, u = ops.qlinear_many(x_btd, [self.gate.weight[...], self.up.weight[...]],
-                                    [self.gate.qtype, self.up.qtype], self.up.d_in,
+                                    [self.gate.kernel_qtype, self.up.kernel_qtype], self.up.d_in,
                                     [None, _value(self.up.bias)],
                                     impl=op_impl(self.kernels))
             return gated_activate(self.activation, g, u)

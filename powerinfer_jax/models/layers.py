@@ -25,7 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from powerinfer_jax.models.qweights import host_blocks, interleaved
+from powerinfer_jax.models.qweights import MATVEC, QWeight, host_blocks
+from powerinfer_jax.models.rope import Rope
+from powerinfer_jax.models.rope import apply as rope_apply
 
 F32 = jnp.float32
 _NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
@@ -118,31 +120,39 @@ def _param(shape, dtype, rngs: nnx.Rngs | None, scale: float | None = None, fill
 
 
 class Linear(Module):
-    """y = x @ weight.T (+ bias); weight [out, in] floats, or the file's blocks uint8 [out,
-    row_bytes] in GGUF format `qtype` (models/qweights.py), computed on by ops.qlinear."""
+    """y = x @ weight.T (+ bias); weight [out, in] floats, or a quantized matrix's blocks uint8
+    [out, row_bytes] (a models/qweights.py QWeight: `qtype`, `layout`), computed on by
+    ops.qlinear in either of its layouts (MATVEC rows interleaved by 16, or the file's ROWS)."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs | None,
                  kernels: str = "xla"):
         self.kernels = kernels
         self.d_in = d_in
-        self.qtype = None  # GGUF block format of `weight`; None: floats
+        self.qtype = None  # GGML block format of `weight`; None: floats
+        self.layout = MATVEC
+        self.interleaved = False
         self.weight = _param((d_out, d_in), dtype, rngs, scale=d_in ** -0.5)
         self.bias = _param((d_out,), F32, None) if bias else None
 
-    def load_quantized(self, blocks, qtype: str, *, interleave: bool = False) -> None:
-        """Keep `weight` as the file's blocks (uint8 [out, row_bytes] in `qtype`); interleave:
-        their rows interleaved by 16 where the format and row count allow (qweights.interleaved:
-        the layout ops.qlinear reads fastest; the qtype then names it, "Q4_0x16")."""
-        if interleave:
-            blocks, qtype = interleaved(blocks, qtype)
-        self.weight.set_value(host_blocks(blocks))  # in place: no new Param per tensor
-        self.qtype = qtype
+    def load(self, w: QWeight) -> None:
+        """Keep `weight` as the QWeight's blocks, in its layout (chosen by the build plan)."""
+        self.weight.set_value(host_blocks(w.blocks))  # in place: no new Param per tensor
+        self.qtype, self.layout, self.interleaved = w.qtype, w.layout, w.interleaved
+
+    @property
+    def qweight(self) -> QWeight:
+        return QWeight(self.weight[...], self.qtype, self.layout, self.interleaved)
+
+    @property
+    def kernel_qtype(self) -> str | None:
+        """The blocks' type name for the custom calls ("Q4_0x16" when interleaved)."""
+        return None if self.qtype is None else self.qweight.kernel_qtype
 
     def __call__(self, x):
         if self.qtype is not None:
             from powerinfer_jax import ops
 
-            y = ops.qlinear(x, self.weight[...], self.qtype, self.d_in,
+            y = ops.qlinear(x, self.weight[...], self.kernel_qtype, self.d_in,
                             impl=op_impl(self.kernels))
         else:
             y = matmul(x, self.weight[...], self.kernels)
@@ -212,36 +222,40 @@ def from_cache(c):
     return c.astype(F32)
 
 
-def rope(x_btnh, positions_bt, theta: float):
-    """Rotary embedding in HF's "rotate half" layout: pairs are (h, h + H/2)."""
-    half = x_btnh.shape[-1] // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=F32) / half)  # [H/2]
-    angles = positions_bt.astype(F32)[..., None] * inv_freq  # [B, T, H/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    x1, x2 = x_btnh[..., :half], x_btnh[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
 class Attention(Module):
-    """Multi-head attention with grouped KV heads and an optional fixed-size KV cache."""
+    """Multi-head attention with grouped KV heads and an optional fixed-size KV cache.
+
+    Per head, q and k may be RMS-normed before the rotation (`qk_norm_eps`: Qwen3, Gemma-3);
+    the rotation is `rope` (models/rope.py: any scaling; None: no rotary positions); scores are
+    q.k * `scale` (None: head_dim ** -0.5), soft-capped to c * tanh(s / c) with `softcap` > 0
+    (Gemma-2), and with `window` > 0 each query sees only the last `window` positions
+    (Mistral, Gemma's local layers). Biases: on all four projections (`bias`) or on q, k, v
+    only (`qkv_bias`: Qwen2)."""
 
     def __init__(self, *, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                 bias: bool, use_rope: bool, rope_theta: float, dtype, rngs: nnx.Rngs | None,
-                 kernels: str = "xla", decode_attention: str = "auto", fuse_qkv: bool = True):
+                 bias: bool, rope: Rope | None, dtype, rngs: nnx.Rngs | None,
+                 kernels: str = "xla", decode_attention: str = "auto", fuse_qkv: bool = True,
+                 qkv_bias: bool = False, qk_norm_eps: float | None = None,
+                 scale: float | None = None, softcap: float = 0.0, window: int = 0):
         """decode_attention: "auto" (one custom call per decode token when kernels is "ffi" on
         CPU) or "xla" (XLA's ops: the ablation). fuse_qkv: at decode with "ffi", q, k and v in
         one ops.linear_many call (False: three calls, the ablation)."""
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.use_rope, self.rope_theta = use_rope, rope_theta
+        self.rope = rope
+        self.scale = head_dim ** -0.5 if scale is None else float(scale)
+        self.softcap = float(softcap)
+        self.window = int(window)
         self.kernels = kernels
         self.decode_kernel = kernels == "ffi" and decode_attention == "auto"
         self.fuse_qkv = fuse_qkv
-        lin = dict(bias=bias, dtype=dtype, rngs=rngs, kernels=kernels)
-        self.q = Linear(d_model, n_heads * head_dim, **lin)
-        self.k = Linear(d_model, n_kv_heads * head_dim, **lin)
-        self.v = Linear(d_model, n_kv_heads * head_dim, **lin)
-        self.o = Linear(n_heads * head_dim, d_model, **lin)
+        lin = dict(dtype=dtype, rngs=rngs, kernels=kernels)
+        self.q = Linear(d_model, n_heads * head_dim, bias=bias or qkv_bias, **lin)
+        self.k = Linear(d_model, n_kv_heads * head_dim, bias=bias or qkv_bias, **lin)
+        self.v = Linear(d_model, n_kv_heads * head_dim, bias=bias or qkv_bias, **lin)
+        self.o = Linear(n_heads * head_dim, d_model, bias=bias, **lin)
+        qk_norm = qk_norm_eps is not None
+        self.q_norm = Norm(head_dim, kind="rms", eps=qk_norm_eps) if qk_norm else None
+        self.k_norm = Norm(head_dim, kind="rms", eps=qk_norm_eps) if qk_norm else None
 
     def __call__(self, x_btd, positions_bt, cache=None, cache_index=None, kv_len=None):
         """cache: None (attend within x only) or (k_rskh, v_rskh) with R >= B rows; sequence b uses
@@ -261,9 +275,11 @@ class Attention(Module):
         q = self.q(x_btd).reshape(b, t, kh * g, h)
         k = self.k(x_btd).reshape(b, t, kh, h)
         v = self.v(x_btd).reshape(b, t, kh, h)
-        if self.use_rope:
-            q = rope(q, positions_bt, self.rope_theta)
-            k = rope(k, positions_bt, self.rope_theta)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
+            q = rope_apply(q, positions_bt, self.rope)
+            k = rope_apply(k, positions_bt, self.rope)
         if cache is None:
             k_all, v_all, key_pos = k, v, positions_bt  # [B, S=T, ...]
             new_cache = None
@@ -273,18 +289,22 @@ class Attention(Module):
             k_all, v_all = k_all[:b, :kv_len], v_all[:b, :kv_len]
             # Slot s holds position s; slots past each sequence's position are masked by causality.
             key_pos = jnp.broadcast_to(jnp.arange(k_all.shape[1]), (b, k_all.shape[1]))
-        q = q.reshape(b, t, kh, g, h).astype(F32) * (h ** -0.5)
+        q = q.reshape(b, t, kh, g, h).astype(F32) * self.scale
         scores = jnp.einsum("btkgh,bskh->bkgts", q, from_cache(k_all))
-        causal = key_pos[:, None, :] <= positions_bt[:, :, None]  # [B, T, S]
-        scores = jnp.where(causal[:, None, None], scores, _NEG_INF)
+        if self.softcap > 0:
+            scores = self.softcap * jnp.tanh(scores / self.softcap)
+        visible = key_pos[:, None, :] <= positions_bt[:, :, None]  # [B, T, S]: causal
+        if self.window > 0:  # and within the window
+            visible &= key_pos[:, None, :] > positions_bt[:, :, None] - self.window
+        scores = jnp.where(visible[:, None, None], scores, _NEG_INF)
         probs = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("bkgts,bskh->btkgh", probs, from_cache(v_all))
         return self.o(out.reshape(b, t, kh * g * h)), new_cache
 
     def _decode_ffi(self, x_btd, positions_bt, cache, cache_index, kv_len):
-        """One token per sequence: rope, cache write, scores, softmax and values in one custom
-        call (the XLA path above runs them as ~20 small thunks per layer). Same result up to
-        float rounding."""
+        """One token per sequence: q/k norms, rope, cache write, scores (soft-capped, windowed),
+        softmax and values in one custom call (the XLA path above runs them as ~20 small thunks
+        per layer). Same result up to float rounding."""
         from powerinfer_jax import ops
 
         b = x_btd.shape[0]
@@ -295,16 +315,22 @@ class Attention(Module):
         if self.fuse_qkv and all(l.qtype is not None for l in lins):
             # the file's q, k, v blocks (their formats may differ) in one pool job
             q, k, v = ops.qlinear_many(x_btd, [l.weight[...] for l in lins],
-                                       [l.qtype for l in lins], self.q.d_in, biases)
+                                       [l.kernel_qtype for l in lins], self.q.d_in, biases)
         elif self.fuse_qkv and all(l.qtype is None and use_ffi(l.kernels, x_btd, l.weight[...])
                                    for l in lins):
             # q, k and v in one pool job: three small matrices cost one dispatch
             q, k, v = ops.linear_many(x_btd, [l.weight[...] for l in lins], biases)
         else:
             q, k, v = (l(x_btd) for l in lins)
+        norm = self.q_norm is not None
         out, k_cache, v_cache = ops.decode_attention(
-            q, k, v, cache[0], cache[1], where,
-            kv_len=kv_len, rope_theta=self.rope_theta, use_rope=self.use_rope)
+            q, k, v, cache[0], cache[1], where, kv_len=kv_len,
+            inv_freq=None if self.rope is None else self.rope.inv_freq_array,
+            rope_factor=1.0 if self.rope is None else self.rope.attention_factor,
+            scale=self.scale, softcap=self.softcap, window=self.window,
+            q_norm=self.q_norm.scale[...] if norm else None,
+            k_norm=self.k_norm.scale[...] if norm else None,
+            norm_eps=self.q_norm.eps if norm else 1e-6)
         return self.o(out), (k_cache, v_cache)
 
 

@@ -1,15 +1,28 @@
-"""Weights kept in a GGUF block format inside the model (issue 14: the user's file, computed on
-as it is stored).
+"""Weights kept in a GGUF block format inside the model (the user's file, computed on as it is
+stored), and the one place where their layouts are chosen and converted.
 
-A quantized matrix keeps its nnx.Param as the file's blocks, uint8 [rows, row_bytes], and its
-format and width as static module attributes (`qtype`, `d_in`); ops.qlinear and ops.qsparse_ffn
-compute on the blocks with 8-bit activations, as llama.cpp does. The token embedding is looked up
-by dequantizing only the gathered rows. checkpoint.base.QuantTensor is what the loader hands over.
+A quantized matrix is a `QWeight`: the file's blocks (uint8), their GGML format (`qtype`, the
+file's name: "Q4_0", never a renamed one) and a layout, chosen once for how the kernel that reads
+the matrix reads it:
+  MATVEC  read whole, y = W x (ops.qlinear): the rows interleaved by 16 where the format has that
+          layout (`interleaved`; quants.interleave), else the file's rows. For the FFN's down
+          projection: the file's ffn_down [D, F] (blocked along F), computed as a matvec of a.
+  ROWS    read one row at a time, a selector's neurons: the file's rows. For the down
+          projection: neuron rows [F, D] blocked along D (re-blocked, in `FfnLayout.down_qtype`).
+  GROUPS  the down projection only: the file's ffn_down blocks regrouped per 32 neurons
+          (quants.down_groups): read per active neuron, nothing re-quantized.
+The build plan picks each FFN's layouts from its sparsity mode (`FfnLayout`, sparsity/modes.py)
+before loading, `arrange` makes them from the file's tensors, and `apply_ffn_layout` is the only
+code that changes the layout of a built model (a model configured for another mode). Modules
+(models/layers.py Linear, models/ffn.py DownT) take a QWeight as it is and never convert.
+ops.qlinear and ops.qsparse_ffn compute on the blocks with 8-bit activations, as llama.cpp does.
+The token embedding is looked up by dequantizing only the gathered rows.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import threading
 
 import jax
@@ -18,6 +31,122 @@ import numpy as np
 
 F32 = jnp.float32
 _BLOCK = 32
+
+MATVEC, ROWS, GROUPS = "matvec", "rows", "groups"
+LAYOUTS = (MATVEC, ROWS, GROUPS)
+DOWN_ROWS_QTYPE = "Q8_0"  # down rows re-blocked per neuron: near-lossless, 8.5 bits a weight
+
+
+@dataclasses.dataclass(frozen=True)
+class QWeight:
+    """A matrix in a GGUF block format, arranged for the kernel that reads it (module doc)."""
+
+    blocks: object  # uint8 [rows, row_bytes] (numpy, or the model's array)
+    qtype: str  # the blocks' GGML format ("Q4_0", ...)
+    layout: str  # MATVEC | ROWS | GROUPS
+    interleaved: bool = False  # MATVEC rows interleaved by 16
+
+    @property
+    def kernel_qtype(self) -> str:
+        """The type name the custom calls take ("Q4_0x16" for interleaved rows)."""
+        from powerinfer_jax.checkpoint import quants
+
+        return self.qtype + quants.INTERLEAVED_SUFFIX if self.interleaved else self.qtype
+
+
+@dataclasses.dataclass(frozen=True)
+class FfnLayout:
+    """How one FFN's quantized matrices are arranged: gate and up MATVEC (every neuron computed:
+    dense, the oracle) or ROWS (a selector's neurons read one by one); down MATVEC (dense),
+    GROUPS or ROWS (in `down_qtype`, None: DOWN_ROWS_QTYPE)."""
+
+    gate: str = MATVEC
+    up: str = MATVEC
+    down: str = MATVEC
+    down_qtype: str | None = None
+
+    def __post_init__(self):
+        from powerinfer_jax.errors import check_choice
+
+        check_choice("FfnLayout.gate", self.gate, (MATVEC, ROWS))
+        check_choice("FfnLayout.up", self.up, (MATVEC, ROWS))
+        check_choice("FfnLayout.down", self.down, LAYOUTS)
+
+
+DENSE_LAYOUT = FfnLayout()
+# A selector's neurons: gate and up rows read one by one, down rows per active neuron.
+SELECTED_LAYOUT = FfnLayout(gate=ROWS, up=ROWS, down=GROUPS)
+
+
+def arrange(t, layout: str, *, down_qtype: str | None = None) -> QWeight:
+    """A file tensor (checkpoint.base.QuantTensor) in `layout`: the one conversion from the
+    file's blocks. ffn_down as the file stores it (t.transposed) takes MATVEC, GROUPS (where its
+    format has down groups, else ROWS) or ROWS (re-blocked per neuron in `down_qtype`); a
+    neuron-major tensor (every other matrix, PowerInfer's ffn_down_t) MATVEC or ROWS."""
+    from powerinfer_jax.checkpoint import quants
+
+    if layout not in LAYOUTS:
+        from powerinfer_jax.errors import fail
+
+        fail("weight layout", f"one of {list(LAYOUTS)}", layout)
+    if t.transposed:
+        if layout == GROUPS and t.qtype in quants.DOWN_GROUP_TYPES:
+            groups = t.down_groups()
+            release_later(t.blocks)  # the file's ffn_down pages were read once for the copy
+            return QWeight(groups, t.qtype, GROUPS)
+        if layout in (GROUPS, ROWS):
+            rows = t.reblocked(down_qtype or DOWN_ROWS_QTYPE)
+            release_later(t.blocks)  # the file's ffn_down pages were read once for the copy
+            return QWeight(rows.blocks, rows.qtype, ROWS)
+    elif layout == GROUPS:  # neuron rows already (a PowerInfer file's ffn_down_t)
+        return QWeight(t.blocks, t.qtype, ROWS)
+    if layout == MATVEC:
+        blocks, qtype = interleaved(t.blocks, t.qtype)
+        return QWeight(blocks, t.qtype, MATVEC, interleaved=qtype != t.qtype)
+    return QWeight(t.blocks, t.qtype, ROWS)
+
+
+def file_tensor(w: QWeight, shape: tuple[int, int], *, transposed: bool):
+    """The inverse of `arrange` (up to a re-blocking): the QuantTensor whose blocks `w` holds,
+    canonical `shape`; down rows come back as neuron-major rows in their own format."""
+    from powerinfer_jax.checkpoint import quants
+    from powerinfer_jax.checkpoint.base import QuantTensor
+
+    blocks = np.asarray(w.blocks)
+    if w.layout == GROUPS:
+        f, d = shape
+        return QuantTensor(quants.down_groups_to_file(blocks, w.qtype, d, f), w.qtype, shape,
+                           transposed=True)
+    if w.interleaved:
+        blocks = quants.deinterleave(blocks, w.kernel_qtype)
+    return QuantTensor(blocks, w.qtype, shape, transposed=transposed and w.layout == MATVEC)
+
+
+def apply_ffn_layout(ffn, layout: FfnLayout) -> None:
+    """Re-arrange a built FFN's quantized matrices for `layout` where they differ (host side,
+    outside jit; a model loaded for one mode and configured for another). Float weights and
+    matrices already in their layout are left alone."""
+    if ffn.up.qtype is None:
+        return
+    d_model = ffn.up.d_in
+    for lin, want in ((ffn.gate, layout.gate), (ffn.up, layout.up)):
+        if lin is not None and lin.layout != want:
+            t = file_tensor(lin.qweight, (lin.weight.shape[0], d_model), transposed=False)
+            lin.load(arrange(t, want))
+    down = ffn.down_t
+    want = layout.down
+    if down.layout == want or (want == GROUPS and down.layout == ROWS
+                               and layout.down_qtype in (None, down.qtype)):
+        return  # rows where groups were asked for: a format without down groups, or rows kept
+    if want == ROWS and down.layout == ROWS and layout.down_qtype in (None, down.qtype):
+        return
+    t = file_tensor(down.qweight, (down.d_ff, d_model), transposed=True)
+    if down.layout == ROWS and want != ROWS:
+        from powerinfer_jax.errors import fail
+
+        fail("FFN down layout", "a layout the file's blocks can be re-arranged into",
+             f"{want} from neuron rows in {down.qtype}", "load the model for this mode")
+    down.load(arrange(t, want, down_qtype=layout.down_qtype))
 
 
 def _f16(b, start: int):

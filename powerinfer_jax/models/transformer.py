@@ -17,10 +17,12 @@ from flax import nnx
 
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.errors import fail
-from powerinfer_jax.models.ffn import DOWN_GROUPS, FFN
+from powerinfer_jax.models.ffn import FFN
+from powerinfer_jax.models.qweights import DENSE_LAYOUT, MATVEC, ROWS, FfnLayout, arrange
 from powerinfer_jax.models.layers import (F32, Attention, Linear, Module, Norm, _param,
                                          cache_storage_dtype, matmul, op_impl, resolve_kernels,
                                          shapes_only, sow)
+from powerinfer_jax.models.rope import layer_rope
 
 
 _RESIDUAL = contextvars.ContextVar("ffn_residual")
@@ -39,19 +41,26 @@ def block_residual():
 
 class Block(Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x)); with
-    config.parallel_block (Falcon): x + attn(attn_norm(x)) + ffn(ffn_norm(x)). Sows the FFN's
-    input (after ffn_norm) as "ffn_in" [B, T, D] under `capture` (profiling, predictor training);
-    the tensor ffn_norm normalized is available to the FFN's selector as `block_residual()`."""
+    config.post_norms (Gemma-2/3) each sublayer's output is normed before it joins the residual,
+    x + attn_post_norm(attn(attn_norm(x))); with config.parallel_block (Falcon):
+    x + attn(attn_norm(x)) + ffn(ffn_norm(x)). Sows the FFN's input (after ffn_norm) as "ffn_in"
+    [B, T, D] under `capture` (profiling, predictor training); the tensor ffn_norm normalized is
+    available to the FFN's selector as `block_residual()`."""
 
-    def __init__(self, c: ModelConfig, *, dtype, rngs: nnx.Rngs | None, kernels: str,
+    def __init__(self, c: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs | None, kernels: str,
                  **attention_options):
         self.parallel = c.parallel_block
-        self.attn_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps)
+        norm = dict(kind=c.norm, eps=c.norm_eps)
+        self.attn_norm = Norm(c.d_model, **norm)
         self.attn = Attention(d_model=c.d_model, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
-                              head_dim=c.head_dim, bias=c.bias, use_rope=c.positions == "rope",
-                              rope_theta=c.rope_theta, dtype=dtype, rngs=rngs, kernels=kernels,
-                              **attention_options)
-        self.ffn_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps)
+                              head_dim=c.head_dim, bias=c.bias, rope=layer_rope(c, layer),
+                              dtype=dtype, rngs=rngs, kernels=kernels, qkv_bias=c.qkv_bias,
+                              qk_norm_eps=c.norm_eps if c.qk_norm else None,
+                              scale=c.query_scale, softcap=c.attn_softcap,
+                              window=c.window(layer), **attention_options)
+        self.attn_post_norm = Norm(c.d_model, **norm) if c.post_norms else None
+        self.ffn_norm = Norm(c.d_model, **norm)
+        self.ffn_post_norm = Norm(c.d_model, **norm) if c.post_norms else None
         self.ffn = FFN(d_model=c.d_model, d_ff=c.d_ff, activation=c.activation, gated=c.gated,
                        bias=c.bias, dtype=dtype, rngs=rngs, kernels=kernels)
         # Tensor parallel (runtime/mesh.py): the mesh axis over which attention's and the FFN's
@@ -62,7 +71,7 @@ class Block(Module):
         attn_out, new_cache = self.attn(self.attn_norm(x_btd), positions_bt, cache, cache_index,
                                         kv_len)
         if not self.parallel:
-            x_btd = x_btd + self._sum_shards(attn_out)
+            x_btd = x_btd + self._post(self.attn_post_norm, self._sum_shards(attn_out))
         ffn_in = self.ffn_norm(x_btd)
         sow(self, "ffn_in", ffn_in)
         token = _RESIDUAL.set(x_btd)
@@ -72,7 +81,21 @@ class Block(Module):
             _RESIDUAL.reset(token)
         if self.parallel:  # Falcon: attention and FFN both read the block's input
             return x_btd + self._sum_shards(attn_out + ffn_out), new_cache
-        return x_btd + self._sum_shards(ffn_out), new_cache
+        return x_btd + self._post(self.ffn_post_norm, self._sum_shards(ffn_out)), new_cache
+
+    def attention_residual(self, x_btd, positions_bt):
+        """A sequential block's residual after its attention sublayer (no cache): what its
+        ffn_norm reads (sparsify/ runs the FFN itself from there)."""
+        if self.parallel:
+            fail("Block.attention_residual", "a sequential block", "a parallel one")
+        attn_out = self.attn(self.attn_norm(x_btd), positions_bt)[0]
+        return x_btd + self._post(self.attn_post_norm, self._sum_shards(attn_out))
+
+    @staticmethod
+    def _post(norm, y):
+        """A sublayer's output as it joins the residual: normed first with post_norms (after
+        the shards' partial sums are added: the norm needs the whole vector)."""
+        return y if norm is None else norm(y)
 
     def _sum_shards(self, y):
         return y if self.reduce_axis is None else jax.lax.psum(y, self.reduce_axis)
@@ -90,12 +113,13 @@ class Transformer(Module):
         self.kernels = kernels
         self.dtype = jnp.dtype(dtype)
         self.tok_embed = _embedding((c.vocab_size, c.d_model), dtype, rngs)
-        self.embed_qtype = None  # GGUF block format of tok_embed (models/qweights.py), or floats
+        self.embed_qtype = None  # GGML block format of tok_embed (models/qweights.py), or floats
+        self.embed_interleaved = False  # its rows interleaved by 16 (tied: it is the LM head)
         self.pos_embed = (_embedding((c.max_seq_len + c.position_offset, c.d_model), dtype, rngs)
                           if c.positions == "learned" else None)
-        self.layers = nnx.List([Block(c, dtype=dtype, rngs=rngs, kernels=kernels,
+        self.layers = nnx.List([Block(c, i, dtype=dtype, rngs=rngs, kernels=kernels,
                                       decode_attention=decode_attention, fuse_qkv=fuse_qkv)
-                                for _ in range(c.n_layers)])
+                                for i in range(c.n_layers)])
         self.final_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps)
         self.lm_head = (None if c.tie_embeddings else
                         Linear(c.d_model, c.vocab_size, bias=False, dtype=dtype, rngs=rngs,
@@ -111,6 +135,8 @@ class Transformer(Module):
         diagnostics (FFN inputs, active counts) are collected by `capture`.
         """
         x = self.embed(tokens_bt)
+        if self.config.embed_scale != 1.0:  # Gemma: sqrt(d_model)
+            x = x * self.config.embed_scale
         if self.pos_embed is not None:
             x = x + self.pos_embed[...][positions_bt + self.config.position_offset].astype(F32)
         if self.parallel is None:
@@ -129,21 +155,34 @@ class Transformer(Module):
         dequantized)."""
         if self.embed_qtype is None:
             return self.tok_embed[...][tokens_bt].astype(F32)
-        from powerinfer_jax.checkpoint.quants import interleaved_base
         from powerinfer_jax.models.qweights import dequantize_rows, gather_rows
 
-        rows = gather_rows(self.tok_embed[...], tokens_bt, self.embed_qtype)
-        return dequantize_rows(rows, interleaved_base(self.embed_qtype) or self.embed_qtype,
-                               self.config.d_model)
+        rows = gather_rows(self.tok_embed[...], tokens_bt, self.embed_kernel_qtype)
+        return dequantize_rows(rows, self.embed_qtype, self.config.d_model)
+
+    @property
+    def embed_kernel_qtype(self) -> str | None:
+        """tok_embed's type name for the custom calls ("Q4_0x16" when interleaved)."""
+        from powerinfer_jax.models.qweights import QWeight
+
+        if self.embed_qtype is None:
+            return None
+        return QWeight(None, self.embed_qtype, MATVEC, self.embed_interleaved).kernel_qtype
 
     def logits(self, h_btd):
-        """Vocabulary logits [B, T, V] in float32."""
+        """Vocabulary logits [B, T, V] in float32 (soft-capped with config.final_softcap)."""
+        cap = self.config.final_softcap
+        y = self._head(h_btd)
+        return y if cap == 0 else cap * jnp.tanh(y / cap)
+
+    def _head(self, h_btd):
         if self.lm_head is not None:
             return self.lm_head(h_btd)
         if self.embed_qtype is not None:  # tied to a quantized embedding: its blocks
             from powerinfer_jax import ops
 
-            return ops.qlinear(h_btd, self.tok_embed[...], self.embed_qtype, self.config.d_model,
+            return ops.qlinear(h_btd, self.tok_embed[...], self.embed_kernel_qtype,
+                               self.config.d_model,
                                impl=op_impl(self.kernels))
         return matmul(h_btd, self.tok_embed[...], self.kernels)
 
@@ -203,25 +242,23 @@ def param_names(config: ModelConfig) -> list[str]:
 
 
 def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=F32,
-                kernels: str = "auto", down_qtype: str | None = DOWN_GROUPS,
+                kernels: str = "auto", ffn_layout: FfnLayout = DENSE_LAYOUT,
                 quantized: bool | None = None, external: frozenset[str] = frozenset(),
                 **options) -> Transformer:
     """Build a Transformer from canonical named arrays (e.g. a loaded checkpoint).
 
     Matrices take `dtype`; norms and biases stay float32. Block-quantized tensors
     (checkpoint.base.QuantTensor, from load_checkpoint(keep_quantized=True)) stay in the file's
-    format when the custom calls run (kernels "ffi"): matmuls compute on the blocks; the down
-    projection, stored blocked along F, is kept for the sparse kernel as `down_qtype` says:
-    "groups" (default): the file's blocks rearranged per 32 neurons (down groups) where the format
-    is a 32-weight one, else re-blocked per neuron along D in DOWN_QTYPE; a type name: re-blocked
-    in it; None: kept as the file stores it, for a dense model (a selector regroups it when
-    installed). With
-    XLA kernels they are dequantized to `dtype` (quantized=True keeps them: the ops' jnp
-    references then compute on them, slowly; tests). Missing, unexpected or misshaped tensors are a
-    ValueError naming them. kernels: see models/layers.py ("auto": the custom calls on CPU);
-    external: tensors whose rows live outside the model (an offloaded FFN's neuron store,
-    runtime/offload.py): never read here, their Params left shape-only for the caller to set.
-    options: Transformer's decode_attention and fuse_qkv.
+    format when the custom calls run (kernels "ffi"): matmuls compute on the blocks, arranged
+    once (models/qweights.py): attention, the LM head and a tied embedding for the matvec, an
+    untied embedding as the file's rows, the FFN's matrices as `ffn_layout` says (the build
+    plan: its sparsity mode's layouts, sparsity/modes.py; default: dense). With XLA kernels they
+    are dequantized to `dtype` (quantized=True keeps them: the ops' jnp references then compute
+    on them, slowly; tests). Missing, unexpected or misshaped tensors are a ValueError naming
+    them. kernels: see models/layers.py ("auto": the custom calls on CPU); external: tensors
+    whose rows live outside the model (an offloaded FFN's neuron store, runtime/offload.py):
+    never read here, their Params left shape-only for the caller to set. options:
+    Transformer's decode_attention and fuse_qkv.
     """
     from powerinfer_jax.checkpoint.base import QuantTensor, expected_shapes
 
@@ -247,7 +284,7 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
     with batched_load() as load:
         # the interleaved copies are made on the pool while Python builds the modules below
         load.interleave_ahead((t.blocks, t.qtype) for name, t in blocks.items()
-                              if _interleaves(name, t, config, down_qtype))
+                              if _layout(name, t, config, ffn_layout) == MATVEC)
         with shapes_only():
             model = Transformer(config, dtype=dtype, kernels=kernels, **options)
         # each placeholder Param is found by its name and given its value in place: walking the
@@ -258,20 +295,24 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
                 var.set_value(jnp.asarray(np.asarray(params[name]),
                                           dtype=var.get_value().dtype))
         for name, t in blocks.items():
-            _load_quantized(model, name, t, down_qtype)
+            _load_quantized(model, name, t, ffn_layout)
     return model
 
 
-def _interleaves(name: str, t, config: ModelConfig, down_qtype: str | None) -> bool:
-    """Whether `_load_quantized` puts tensor `name` in ops.qlinear's interleaved layout (where its
-    format and rows allow): every matrix read whole, the token embedding only when it is the LM
-    head too (tied), ffn_down only as the file stores it for a dense model (a sparse one regroups
-    it per neuron)."""
+def _layout(name: str, t, config: ModelConfig, ffn_layout: FfnLayout) -> str:
+    """The layout `_load_quantized` arranges tensor `name` (QuantTensor t) in: MATVEC for every
+    matrix read whole (attention, the LM head, the token embedding when it is the LM head too),
+    ROWS for an untied embedding (looked up by rows), the FFN's as `ffn_layout` says (a
+    neuron-major down projection, PowerInfer's ffn_down_t, is ROWS whatever the plan: it is no
+    matvec of the activations)."""
     if name == "tok_embed":
-        return config.tie_embeddings
+        return MATVEC if config.tie_embeddings else ROWS
     if name.endswith("ffn.down_t.weight"):
-        return t.transposed and down_qtype is None
-    return True
+        return ffn_layout.down if t.transposed else ROWS
+    for part in ("gate", "up"):
+        if name.endswith(f"ffn.{part}.weight"):
+            return getattr(ffn_layout, part)
+    return MATVEC
 
 
 def _at(model: Transformer, path: str):
@@ -288,30 +329,17 @@ def _variable(model: Transformer, name: str) -> nnx.Variable:
                else name.replace("ffn.down.bias", "ffn.down_t.bias"))
 
 
-def _load_quantized(model: Transformer, name: str, t, down_qtype: str) -> None:
-    """Put a QuantTensor's blocks into the module that owns canonical param `name`."""
-    from powerinfer_jax.models.qweights import host_blocks, interleaved
+def _load_quantized(model: Transformer, name: str, t, ffn_layout: FfnLayout) -> None:
+    """Put a QuantTensor's blocks, arranged for how they are read, into the module that owns
+    canonical param `name`."""
+    from powerinfer_jax.models.qweights import host_blocks
 
-    # Matrices take ops.qlinear's fastest layout (rows interleaved by 16) where the format has
-    # it: the attention projections, the LM head (a tied embedding too: its lookups read the
-    # layout), FFN gate/up (back to the file's rows when a selector reads them per neuron,
-    # FFN.gate_up_rows) and ffn_down as stored (DownT).
-    interleave = _interleaves(name, t, model.config, down_qtype)
+    w = arrange(t, _layout(name, t, model.config, ffn_layout), down_qtype=ffn_layout.down_qtype)
     if name == "tok_embed":
-        blocks, qtype = interleaved(t.blocks, t.qtype) if interleave else (t.blocks, t.qtype)
-        model.tok_embed.set_value(host_blocks(blocks))
-        model.embed_qtype = qtype
+        model.tok_embed.set_value(host_blocks(w.blocks))
+        model.embed_qtype, model.embed_interleaved = w.qtype, w.interleaved
         return
     if name == "lm_head":
-        model.lm_head.load_quantized(t.blocks, t.qtype, interleave=interleave)
+        model.lm_head.load(w)
         return
-    owner = _at(model, name.rsplit(".", 1)[0])  # the module whose `weight` it is
-    if t.transposed:  # ffn.down_t as the file stores it; DownT moves it to the sparse layout
-        owner.load_quantized(t.blocks, t.qtype, file_layout=True, interleave=interleave)
-        if down_qtype is not None:
-            owner.to_neuron_rows(down_qtype)
-        return
-    if isinstance(owner, Linear):
-        owner.load_quantized(t.blocks, t.qtype, interleave=interleave)
-    else:  # DownT neuron rows (a PowerInfer file's ffn_down_t): the sparse kernel's layout
-        owner.load_quantized(t.blocks, t.qtype)
+    _at(model, name.rsplit(".", 1)[0]).load(w)  # the Linear or DownT whose `weight` it is

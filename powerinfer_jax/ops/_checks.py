@@ -119,8 +119,9 @@ def check_q4_sparse_ffn(x, q, dm, b_up, w_down_t, b_down, threshold, activation)
     return t
 
 
-def check_decode_attention(q, k_new, v_new, k_cache, v_cache, where, kv_len) -> None:
-    """One token per sequence: B = where.shape[0] sequences against cache rows [0, B)."""
+def check_decode_attention(q, k_new, v_new, k_cache, v_cache, where, kv_len) -> int:
+    """One token per sequence: B = where.shape[0] sequences against cache rows [0, B). Returns
+    the head dim H."""
     if np.ndim(k_cache) != 4 or jnp.result_type(k_cache) not in (jnp.float32, jnp.uint16):
         fail("k_cache", "float32 or uint16 [R, S, NK, H]",
              f"{jnp.result_type(k_cache)} {_shape(k_cache)}")
@@ -143,6 +144,7 @@ def check_decode_attention(q, k_new, v_new, k_cache, v_cache, where, kv_len) -> 
              f"NK = {nk}", _shape(q))
     if not isinstance(kv_len, (int, np.integer)) or not 1 <= int(kv_len) <= s:
         fail("kv_len", f"a static int in [1, S = {s}]", kv_len)
+    return h
 
 
 def check_qtype(what: str, qtype) -> str:
@@ -227,10 +229,14 @@ def check_qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_
         g = check_qlinear_type(gate_qtype if gate_qtype is not None else up_qtype, "gate_qtype")
         check_qweight("gate", gate, g, d, rows=f)
     base_u, base_g = quants.interleaved_base(u), quants.interleaved_base(g)
-    if base_u or base_g:  # rows interleaved by 16: every neuron's estimate
-        if not (base_u and base_g) or criterion != "oracle" or f % quants.INTERLEAVE:
-            fail("gate/up rows interleaved by 16", "both interleaved, F a multiple of 16, "
-                 "criterion 'oracle'", f"up {u}, gate {g}, F {f}, criterion {criterion!r}",
+    if base_u or base_g:  # rows interleaved by 16: every neuron's gate estimated
+        # both, or the gate alone on a relu/drelu FFN (up rows read for neurons whose gate fires)
+        pair_ok = bool(base_u) if gate is None else bool(base_g) and (
+            bool(base_u) or activation in ("relu", "drelu"))
+        if not pair_ok or criterion != "oracle" or f % quants.INTERLEAVE:
+            fail("gate/up rows interleaved by 16", "both interleaved (or the gate alone with "
+                 "relu/drelu), F a multiple of 16, criterion 'oracle'",
+                 f"up {u}, gate {g}, F {f}, criterion {criterion!r}",
                  "a selector that reads rows per neuron takes the file's rows")
     dn = check_qtype("down_qtype", down_qtype)
     check_choice("down_layout", down_layout, ("rows", "groups"))

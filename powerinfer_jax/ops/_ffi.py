@@ -180,9 +180,10 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_up, b_
                 down_layout=down_layout)
 
 
-def decode_attention(q, k_new, v_new, k_cache, v_cache, where, *, kv_len, rope_theta,
-                     use_rope):
-    """One decode token's attention; the caches are updated in place (aliased operands)."""
+def decode_attention(q, k_new, v_new, k_cache, v_cache, where, *, kv_len, inv_freq,
+                     rope_factor, scale, softcap, window, q_norm, k_norm, norm_eps):
+    """One decode token's attention; the caches are updated in place (aliased operands).
+    inv_freq, q_norm, k_norm: float32 arrays or None (passed as [0]: absent)."""
     call = jax.ffi.ffi_call(
         DECODE_ATTENTION_TARGET,
         (jax.ShapeDtypeStruct(q.shape, jnp.float32),
@@ -191,8 +192,10 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, where, *, kv_len, rope_t
         input_output_aliases={3: 1, 4: 2})
     return call(jnp.asarray(q, jnp.float32), jnp.asarray(k_new, jnp.float32),
                 jnp.asarray(v_new, jnp.float32), k_cache, v_cache,
-                jnp.asarray(where, jnp.int32), kv_len=np.int64(kv_len),
-                rope_theta=np.float32(rope_theta), use_rope=np.int64(1 if use_rope else 0))
+                jnp.asarray(where, jnp.int32), _opt_f32(inv_freq), _opt_f32(q_norm),
+                _opt_f32(k_norm), kv_len=np.int64(kv_len), rope_factor=np.float32(rope_factor),
+                scale=np.float32(scale), softcap=np.float32(softcap), window=np.int64(window),
+                norm_eps=np.float32(norm_eps))
 
 
 HYBRID_TARGET = "pij_sparse_ffn_hybrid"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from powerinfer_jax.ops import _checks, reference
 
@@ -190,21 +191,45 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
 
 
 def decode_attention(q, k_new, v_new, k_cache, v_cache, where, *, kv_len: int,
-                     rope_theta: float, use_rope: bool = True):
+                     inv_freq=None, rope_factor: float = 1.0, scale: float | None = None,
+                     softcap: float = 0.0, window: int = 0, q_norm=None, k_norm=None,
+                     norm_eps: float = 1e-6):
     """Attention of one decode token per sequence against a fixed-size KV cache, one custom call.
 
     B sequences: q [B, ..., NH * H], k_new / v_new [B, ..., NK * H] (projections, before rope);
     k_cache / v_cache [R, S, NK, H] float32 or uint16 (bfloat16 bits, models/layers.py's cache
     storage), R >= B: sequence b reads and writes cache row b; where int32 [B, 2] = per sequence
-    (slot the new key/value go to, the token's position); [2] for one sequence. Sequence b attends to slots
-    [0, min(kv_len, position_b + 1)). Returns (out like q float32, k_cache, v_cache), the caches
-    updated in place (donate them). The reference is models/layers.py's XLA attention path.
+    (slot the new key/value go to, the token's position); [2] for one sequence. Sequence b attends
+    to slots [0, min(kv_len, position_b + 1)), with `window` > 0 only to the last `window` of
+    them (slot s holds position s). Per head, before the rotation: q and k RMS-normed with
+    weights q_norm / k_norm [H] (None: no norm; eps norm_eps). Rotation: pairs (i, i + H/2) by
+    position * inv_freq[i] ([H/2] float32, models/rope.py; None: none), cos/sin times
+    rope_factor. Scores q.k * scale (None: H ** -0.5), soft-capped to softcap * tanh(s / softcap)
+    when softcap > 0. Returns (out like q float32, k_cache, v_cache), the caches updated in place
+    (donate them). The reference is models/layers.py's XLA attention path.
     """
-    _checks.check_decode_attention(q, k_new, v_new, k_cache, v_cache, where, kv_len)
+    h = _checks.check_decode_attention(q, k_new, v_new, k_cache, v_cache, where, kv_len)
+    for name, a, n in (("inv_freq", inv_freq, h // 2), ("q_norm", q_norm, h), ("k_norm", k_norm, h)):
+        if a is not None and tuple(np.shape(a)) != (n,):
+            _checks.fail(f"{name} shape", f"[{n}]", tuple(np.shape(a)))
+    if (q_norm is None) != (k_norm is None):
+        _checks.fail("q_norm/k_norm", "both given or both None",
+                     (q_norm is not None, k_norm is not None))
+    for name, v, ok, rule in (("rope_factor", rope_factor, rope_factor > 0, "> 0"),
+                              ("softcap", softcap, softcap >= 0, ">= 0"),
+                              ("norm_eps", norm_eps, norm_eps > 0, "> 0"),
+                              ("scale", scale, scale is None or scale > 0, "> 0 or None")):
+        if not ok:
+            _checks.fail(name, rule, v)
+    if not (isinstance(window, (int, np.integer)) and window >= 0):
+        _checks.fail("window", "an int >= 0 (0: full attention)", window)
     from powerinfer_jax.ops import _ffi
     return _ffi.decode_attention(q, k_new, v_new, k_cache, v_cache, where.reshape(-1, 2),
-                                 kv_len=int(kv_len),
-                                 rope_theta=float(rope_theta), use_rope=bool(use_rope))
+                                 kv_len=int(kv_len), inv_freq=inv_freq,
+                                 rope_factor=float(rope_factor),
+                                 scale=0.0 if scale is None else float(scale),
+                                 softcap=float(softcap), window=int(window), q_norm=q_norm,
+                                 k_norm=k_norm, norm_eps=float(norm_eps))
 
 
 def set_num_threads(n: int) -> None:

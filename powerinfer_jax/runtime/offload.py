@@ -132,29 +132,29 @@ def check_mode(sparsity) -> None:
              sparsity.mode if sparsity.mode != "oracle" else "oracle --target-sparsity")
 
 
-def stub_ffns(model, ckpt) -> None:
-    """Give every FFN zero-row weights in the file's formats (the rows are the store's): the
-    modules know their formats, hold no rows, and a selector that tried to read them would
-    find none."""
-    import jax.numpy as jnp
-
+def stub_ffns(model, ckpt, layout) -> None:
+    """Give every FFN zero-row weights in the file's formats (the rows are the store's), in the
+    layouts of the build plan (`layout`, a models.qweights.FfnLayout: the mode's selector then
+    finds the layouts it reads and nothing is re-arranged; the down rows as ROWS in the file's
+    format, which every sparse layout accepts): the modules know their formats, hold no rows, and
+    a selector that tried to read them would find none."""
     from powerinfer_jax.checkpoint import quants
+    from powerinfer_jax.models.qweights import ROWS, QWeight
 
+    d = model.config.d_model
     for l, layer in enumerate(model.layers):
         ffn = layer.ffn
         names = bundles.ffn_names(model.config, l)
         for key, module in (("gate", ffn.gate), ("up", ffn.up)):
             if module is None:
                 continue
-            t = ckpt.params[names[key]]
-            module.weight.set_value(jnp.zeros((0, quants.row_bytes(t.qtype, t.shape[1])),
-                                              jnp.uint8))
-            module.qtype = t.qtype
-        down = ckpt.params[names["down"]]
-        ffn.down_t.weight.set_value(jnp.zeros((0, quants.row_bytes(down.qtype,
-                                                                   model.config.d_model)),
-                                              jnp.uint8))
-        ffn.down_t.qtype = down.qtype
+            qtype = ckpt.params[names[key]].qtype
+            module.load(QWeight(np.zeros((0, quants.row_bytes(qtype, d)), np.uint8), qtype,
+                                getattr(layout, key)))
+        qtype = ckpt.params[names["down"]].qtype
+        down = layout.down if layout.down == "matvec" else ROWS
+        ffn.down_t.load(QWeight(np.zeros((0, quants.row_bytes(qtype, d)), np.uint8), qtype,
+                                down))
         ffn.n_cold = model.config.d_ff
 
 

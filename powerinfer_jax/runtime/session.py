@@ -76,12 +76,9 @@ def weight_formats(model) -> dict[str, int]:
     the file's format whatever the layout, e.g. rows interleaved for ops.qlinear)."""
     from flax import nnx
 
-    from powerinfer_jax.checkpoint.quants import interleaved_base
-
     counts: dict[str, int] = {}
 
     def count(key):
-        key = interleaved_base(key) or key
         counts[key] = counts.get(key, 0) + 1
 
     for module in (m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)):
@@ -111,7 +108,7 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     checkpoint: an already loaded Checkpoint of `model` (experiments that build several variants).
     """
     from powerinfer_jax.checkpoint import load_checkpoint
-    from powerinfer_jax.models.transformer import DOWN_GROUPS, from_params
+    from powerinfer_jax.models.transformer import from_params
     from powerinfer_jax.sparsity import modes
 
     threads = _size_thread_pool(runtime.threads)
@@ -150,16 +147,16 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     with _on_host(accel):
         import jax.numpy as jnp
 
-        # a dense model keeps the file's ffn_down blocks; sparse modes read them per neuron
+        # quantized matrices arranged once for how the mode reads them (models/qweights.py)
+        layout = modes.ffn_layout(sparsity, ckpt.config)
         m = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(runtime.dtype),
                         kernels=runtime.kernels, decode_attention=runtime.decode_attention,
                         fuse_qkv=runtime.fuse_qkv,
-                        down_qtype=None if sparsity.mode == "dense" else DOWN_GROUPS,
-                        external=_offloaded_names(ckpt, ram))
+                        ffn_layout=layout, external=_offloaded_names(ckpt, ram))
         if ram == "disk":
             from powerinfer_jax.runtime.offload import stub_ffns
 
-            stub_ffns(m, ckpt)
+            stub_ffns(m, ckpt, layout)
         arts = _artifacts(model, ckpt, m, sparsity, artifacts_root, progress)
         modes.configure(m, sparsity, arts)
         offloaded = None

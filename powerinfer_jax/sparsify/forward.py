@@ -108,8 +108,10 @@ def block_forward(layer, x_btd, positions_bt, spec: FFNSpec, threshold=None,
                   quantile: float | None = None):
     """One pre-norm block; returns (x [B, T, D], stats [3]: fraction of zero activations, mean |a|,
     and the `quantile` of |a| (0 when None): what calibration sets the layer's threshold to)."""
-    x_btd = x_btd + layer.attn(layer.attn_norm(x_btd), positions_bt)[0]
+    x_btd = layer.attention_residual(x_btd, positions_bt)
     y, a = ffn_forward(layer.ffn, layer.ffn_norm(x_btd), spec, threshold)
+    if layer.ffn_post_norm is not None:  # Gemma: the FFN's output normed before the residual
+        y = layer.ffn_post_norm(y)
     q = jnp.float32(0.0) if quantile is None else layer_quantile(jnp.abs(a), quantile)
     stats = jnp.stack([jnp.mean(jax.lax.stop_gradient(a) == 0.0), jnp.mean(jnp.abs(a)), q])
     return x_btd + y, stats
@@ -141,7 +143,7 @@ def forward(model, tokens_bt, spec: FFNSpec, *, compute_dtype=F32, thresholds=No
     """
     m = cast_matrices(model, compute_dtype)
     positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-    x = m.tok_embed[...][tokens_bt].astype(F32)
+    x = m.tok_embed[...][tokens_bt].astype(F32) * m.config.embed_scale
     stats, hidden = [], []
     for i, layer in enumerate(m.layers):
         thr = None if thresholds is None else thresholds[i]
@@ -162,6 +164,8 @@ def forward(model, tokens_bt, spec: FFNSpec, *, compute_dtype=F32, thresholds=No
     w = m.tok_embed[...] if m.lm_head is None else m.lm_head.weight[...]
     w = w.astype(compute_dtype)
     logits = jnp.einsum("btd,vd->btv", h.astype(w.dtype), w, preferred_element_type=F32)
+    if m.config.final_softcap:
+        logits = m.config.final_softcap * jnp.tanh(logits / m.config.final_softcap)
     stats = jnp.stack(stats)
     aux = {"zero_frac": stats[:, 0], "l1": stats[:, 1], "quantile": stats[:, 2]}
     if collect_hidden:

@@ -33,7 +33,7 @@ def _attention(graphdef, state, x_btd):
     """The block's attention half: (x after attention, FFN input)."""
     layer = nnx.merge(graphdef, state)
     positions = jnp.broadcast_to(jnp.arange(x_btd.shape[1]), x_btd.shape[:2])
-    x = x_btd + layer.attn(layer.attn_norm(x_btd), positions)[0]
+    x = layer.attention_residual(x_btd, positions)
     return x, layer.ffn_norm(x)
 
 

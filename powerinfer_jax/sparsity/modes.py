@@ -15,6 +15,8 @@ import dataclasses
 from typing import Callable
 
 from powerinfer_jax.errors import check_choice, fail
+from powerinfer_jax.models.qweights import (DENSE_LAYOUT, GROUPS, MATVEC, ROWS,
+                                            SELECTED_LAYOUT, FfnLayout, apply_ffn_layout)
 
 # make(model, sparsity_config, artifacts) -> one Selector (or None: dense) per layer.
 # `artifacts` is a SparsityArtifacts when the mode needs them, else None.
@@ -30,6 +32,17 @@ class Needs:
     model_file: bool = False  # predictors stored in the model file itself (Mode.load reads them)
 
 
+SELECTED_ROWS = SELECTED_LAYOUT  # a sparse mode's default (models/qweights.py)
+
+
+def every_gate(cfg, model_config) -> FfnLayout:
+    """Modes that compute every neuron's gate (the oracle): gate read whole; up read whole too,
+    except for ReLU-family gates, where a neuron whose gate does not fire reads no up row (exact
+    zeros: relu and drelu), so up rows are read one by one."""
+    relu = model_config.activation in ("relu", "drelu") and model_config.gated
+    return FfnLayout(gate=MATVEC, up=ROWS if relu else MATVEC, down=GROUPS)
+
+
 @dataclasses.dataclass(frozen=True)
 class Mode:
     make: MakeSelectors
@@ -37,6 +50,8 @@ class Mode:
     needs: Callable[[object], Needs] = lambda cfg: Needs()
     # Needs.model_file: load(model file path, ModelConfig) -> what `make` receives as artifacts
     load: Callable[[str, object], object] | None = None
+    # layout(SparsityConfig, ModelConfig) -> FfnLayout: the build plan's FFN layouts
+    layout: Callable[[object, object], FfnLayout] = lambda cfg, mc: SELECTED_ROWS
 
 
 _MODES: dict[str, Mode] = {}
@@ -61,6 +76,12 @@ def get(name: str) -> Mode:
 def needs(cfg) -> Needs:
     """What `cfg` (a SparsityConfig) needs from the sparsity artifacts."""
     return get(cfg.mode).needs(cfg)
+
+
+def ffn_layout(cfg, model_config) -> FfnLayout:
+    """How mode `cfg.mode` reads a quantized FFN's matrices: the build plan's layouts, chosen
+    before the model is loaded (models.transformer.from_params(ffn_layout=...))."""
+    return get(cfg.mode).layout(cfg, model_config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +137,10 @@ def configure(model, cfg, artifacts=None, *, thresholds=None, predictors=None
     impl = cfg.impl
     if cfg.gate_up == "q4" and jax.default_backend() != "cpu":
         impl = "reference"  # the CUDA sparse FFN takes scores or oracle, not activations
+    layout = SELECTED_ROWS if predictors is not None else ffn_layout(cfg, model.config)
     for layer, sel in zip(model.layers, selectors):
+        if sel is not None:  # loaded for another mode: arranged once more (no-op when right)
+            apply_ffn_layout(layer.ffn, layout)
         layer.ffn.set_selector(sel, impl=impl)
     return plan(model)
 
@@ -184,13 +208,14 @@ def _auto(model, cfg, arts):
          "a sparse mode", "a direct configure() call", "use runtime.session.build")
 
 
-register("dense", Mode(_dense, "every neuron, XLA's matmuls or the custom call (the reference)"))
+register("dense", Mode(_dense, "every neuron, XLA's matmuls or the custom call (the reference)",
+                       layout=lambda cfg, mc: DENSE_LAYOUT))
 register("auto", Mode(_auto, "dense or predictor mode with the q4 activations, whichever decodes "
                              "faster on this machine (timed once at build, then cached)"))
 register("oracle", Mode(
     _oracle, "the true active set: |a_i| > --threshold (or the calibrated per-layer thresholds "
              "with --target-sparsity): the quality upper bound",
-    needs=lambda cfg: Needs(thresholds=cfg.target_sparsity is not None)))
+    needs=lambda cfg: Needs(thresholds=cfg.target_sparsity is not None), layout=every_gate))
 def _powerinfer(model, cfg, predictors):
     from powerinfer_jax.sparsity.powerinfer_predictor import selectors
 
@@ -210,6 +235,12 @@ register("powerinfer", Mode(
 register("threshold", Mode(
     _threshold, "calibrated |act(gate_i . x)| thresholds, the gate computed densely (CATS-style)",
     needs=lambda cfg: Needs(thresholds=True)))
+def _predictor_layout(cfg, model_config) -> FfnLayout:
+    # q4 on a quantized file: the file's own 4-bit rows estimate every neuron (its oracle)
+    return every_gate(cfg, model_config) if cfg.predictor == "q4" else SELECTED_ROWS
+
+
 register("predictor", Mode(
     _predictor, "a predictor chooses the active set before any FFN row is read (--predictor)",
-    needs=lambda cfg: Needs(thresholds=True, lowrank=cfg.predictor == "lowrank")))
+    needs=lambda cfg: Needs(thresholds=True, lowrank=cfg.predictor == "lowrank"),
+    layout=_predictor_layout))

@@ -50,6 +50,7 @@ class PowerInferPredictor(Module):
         disagreement with PowerInfer that rounding alone explains. Off for normal runs."""
         from powerinfer_jax.checkpoint.base import QuantTensor
         from powerinfer_jax.models.layers import Linear
+        from powerinfer_jax.models.qweights import ROWS, arrange
 
         self.threshold = float(threshold)
         self.f16_inputs = f16_inputs
@@ -62,7 +63,7 @@ class PowerInferPredictor(Module):
                 if f16_inputs:
                     fail("PowerInferPredictor f16_inputs", "float weights (quantized ones "
                          "round their inputs to 8 bits)", f"{w.qtype} blocks")
-                lin.load_quantized(w.blocks, w.qtype)
+                lin.load(arrange(w, ROWS))  # fc2's rows permute with the FFN's neurons
             else:
                 w = w.dequantize() if isinstance(w, QuantTensor) else w
                 lin.weight.set_value(jnp.asarray(w, dtype))
@@ -113,7 +114,10 @@ def selectors(model, predictors, *, f16_inputs: bool = False) -> list:
 def attach(model, predictors, *, impl: str = "ffi", f16_inputs: bool = False) -> None:
     """Give every FFN of `model` a PowerInferSelector with its layer's predictor (checked against
     the model). impl: the sparse call's implementation ("ffi" or "reference")."""
+    from powerinfer_jax.models.qweights import SELECTED_LAYOUT, apply_ffn_layout
+
     for layer, sel in zip(model.layers, selectors(model, predictors, f16_inputs=f16_inputs)):
+        apply_ffn_layout(layer.ffn, SELECTED_LAYOUT)  # rows read per predicted neuron
         layer.ffn.set_selector(sel, impl=impl)
 
 

@@ -76,7 +76,7 @@ def _float_rows(lin) -> np.ndarray:
         return np.asarray(lin.weight[...], np.float32)
     from powerinfer_jax.checkpoint import quants
 
-    return quants.dequantize(np.asarray(lin.weight[...]), lin.qtype)[:, :lin.d_in]
+    return quants.dequantize(np.asarray(lin.weight[...]), lin.kernel_qtype)[:, :lin.d_in]
 
 
 def layer_scores(model, x_lnd: np.ndarray, *, batch: int = 512) -> np.ndarray:

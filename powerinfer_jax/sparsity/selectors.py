@@ -14,6 +14,9 @@ from __future__ import annotations
 from flax import nnx
 
 from powerinfer_jax.models.ffn import Selection, Selector
+from powerinfer_jax.models.qweights import MATVEC, ROWS
+
+EVERY_NEURON = ((MATVEC, ROWS), (MATVEC, ROWS))  # the sparse call's oracle computes all gates
 
 
 class Oracle(Selector):
@@ -23,9 +26,8 @@ class Oracle(Selector):
     def select(self, ffn, x_btd) -> Selection:
         return Selection("oracle", self.threshold)
 
-    @property
-    def every_estimate(self) -> bool:
-        return True
+    def layouts(self, ffn):
+        return EVERY_NEURON
 
     def describe(self) -> dict:
         return {"selector": "oracle", "threshold": self.threshold}
@@ -88,9 +90,9 @@ class Q4Activations(Selector):
         if self.predictor is not None:
             self.predictor.permute(perm)
 
-    @property
-    def every_estimate(self) -> bool:
-        return self.predictor is None  # the quantized FFN's own activations: its oracle
+    def layouts(self, ffn):
+        # the quantized FFN's own activations are its oracle: every neuron's gate computed
+        return EVERY_NEURON if self.predictor is None else super().layouts(ffn)
 
     def describe(self) -> dict:
         return {"selector": "q4_activations", "threshold": self.threshold}

@@ -105,8 +105,7 @@ def verify(model_path: Path, powerinfer_path: Path | None, ids: np.ndarray, pres
     from powerinfer_jax.sparsity import profile
 
     ckpt = load_checkpoint(model_path, keep_quantized=True)
-    model = from_params(ckpt.config, ckpt.params, dtype=jnp.float32, kernels="auto",
-                        down_qtype=None)
+    model = from_params(ckpt.config, ckpt.params, dtype=jnp.float32, kernels="auto")
     log(f"verify: dense forward over {ids.size} held-out tokens")
     x = profile.collect_ffn_inputs(model, ids, progress=False)  # [L, N, D]
     prof = profile.profile_activations(model, x, progress=False)

@@ -41,6 +41,7 @@ from powerinfer_jax.checkpoint.base import QuantTensor
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.errors import check, fail
 from powerinfer_jax.models.layers import Attention, Norm, shapes_only
+from powerinfer_jax.models.rope import layer_rope
 from powerinfer_jax.synthetic.profile import Locality, layer_frequencies
 
 F32 = jnp.float32
@@ -158,8 +159,8 @@ class _Layer:
         with shapes_only():
             self.attn_norm = Norm(c.d_model, kind="rms", eps=c.norm_eps)
             self.attn = Attention(d_model=c.d_model, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
-                                  head_dim=c.head_dim, bias=False, use_rope=True,
-                                  rope_theta=c.rope_theta, dtype=F32, rngs=None, kernels="xla")
+                                  head_dim=c.head_dim, bias=False, rope=layer_rope(c, 0),
+                                  dtype=F32, rngs=None, kernels="xla")
             self.ffn_norm = Norm(c.d_model, kind="rms", eps=c.norm_eps)
         self.config = c
 

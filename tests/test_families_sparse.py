@@ -1,0 +1,148 @@
+"""Sparse modes on the families' tiny models (helpers_families.py; the same models
+test_families.py checks against transformers): each FFN custom call against its pure-jnp
+reference on the family's own layers (SwiGLU, GeGLU with the tanh GELU, fused Phi-3 weights
+split at load) with the family's attention features around it (q/k norms, biases, soft-caps,
+sliding windows), and the invariants: every neuron active == dense; a ReLU model's exact
+sparsity (oracle at 0) == dense; placed hot/cold == unplaced; calibrated threshold and q4
+predictor modes skip about the target share of neurons. `--sparsity auto` picks a mode on a
+family model with its calibrated artifacts. Meshes: tests/test_mesh.py (family configs)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import jax.numpy as jnp  # noqa: E402
+
+import helpers_families as fam  # noqa: E402
+from helpers_models import active_counts, with_mode  # noqa: E402
+from test_models_families import TOL  # noqa: E402
+from powerinfer_jax.checkpoint import load_checkpoint  # noqa: E402
+from powerinfer_jax.config import SparsityConfig  # noqa: E402
+from powerinfer_jax.models.transformer import from_params  # noqa: E402
+
+NAMES = list(fam.FAMILIES)
+TARGET = 0.5
+
+
+@pytest.fixture(scope="module")
+def loaded(families_built):
+    """Per family: (checkpoint, token chunks of wiki text for calibration, tokens to run)."""
+    out = {}
+    for name in NAMES:
+        ck = load_checkpoint(families_built["dirs"][name])
+        ids = ck.tokenizer.encode(fam.wiki_sample(6000), add_bos=False)
+        n = len(ids) // 32
+        out[name] = (ck, np.asarray(ids[:n * 32]).reshape(n, 32)[:8], np.asarray([ids[:24]]))
+    return out
+
+
+def _model(ck, **changes):
+    return from_params(ck.config.replace(**changes) if changes else ck.config, ck.params)
+
+
+def _run(model, toks):
+    positions = jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape)
+    h, n_active = active_counts(model, jnp.asarray(toks), positions)
+    return np.asarray(model.logits(h)), None if n_active is None else np.asarray(n_active)
+
+
+def _thresholds(model, chunks):
+    """Per-layer thresholds for TARGET from the model's own profile (sparsity/calibrate.py), for
+    the gate criterion (threshold mode) and the contribution |a| (oracle, q4 predictor)."""
+    from powerinfer_jax.sparsity import calibrate as cal
+    from powerinfer_jax.sparsity import profile as prof
+
+    x = prof.collect_ffn_inputs(model, chunks, progress=False)
+    profile = prof.profile_activations(model, x, progress=False)
+    return {c: cal.calibrate_thresholds(profile, TARGET, criterion=c) for c in cal.CRITERIA}
+
+
+MODES = {"threshold": (SparsityConfig(mode="threshold", target_sparsity=TARGET), "gate"),
+         "predictor_q4": (SparsityConfig(mode="predictor", target_sparsity=TARGET),
+                          "contribution"),
+         "predictor_q4gu": (SparsityConfig(mode="predictor", gate_up="q4",
+                                           target_sparsity=TARGET), "contribution")}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sparse_modes_on_the_family(loaded, name):
+    """Every neuron active (oracle at 0) == dense; then the calibrated threshold mode and the q4
+    predictor (selecting rows, and supplying the activations) through the custom calls equal
+    the jnp reference of the same mode and skip about the target share of neurons."""
+    ck, chunks, toks = loaded[name]
+    f = ck.config.d_ff
+    dense, _ = _run(_model(ck), toks)
+    got, n_active = _run(with_mode(_model(ck), SparsityConfig(mode="oracle", threshold=0.0)),
+                         toks)
+    # SwiGLU / GeGLU: about every neuron (tanh-GELU of a very negative gate rounds to 0)
+    assert n_active.min() >= 0.95 * f
+    np.testing.assert_allclose(got, dense, **TOL)
+    thr = _thresholds(_model(ck), chunks)
+    for mode, (cfg, criterion) in MODES.items():
+        runs = {impl: _run(with_mode(_model(ck), dataclasses.replace(cfg, impl=impl),
+                                     thresholds=thr[criterion]), toks)
+                for impl in ("ffi", "reference")}
+        (got, n_got), (want, n_want) = runs["ffi"], runs["reference"]
+        np.testing.assert_allclose(got, want, **TOL, err_msg=mode)
+        np.testing.assert_array_equal(n_got, n_want, err_msg=mode)
+        assert 0.2 < 1 - n_got.mean() / f < 0.8, mode
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma2"])
+def test_a_relu_family_model_is_exactly_sparse(loaded, name):
+    """The same weights with a ReLU gate (a relufied model): oracle at 0 skips the zeros only."""
+    ck, _, toks = loaded[name]
+    dense, _ = _run(_model(ck, activation="relu"), toks)
+    got, n_active = _run(with_mode(_model(ck, activation="relu"),
+                                   SparsityConfig(mode="oracle", threshold=0.0)), toks)
+    assert 0.2 < n_active.mean() / ck.config.d_ff < 0.8
+    np.testing.assert_allclose(got, dense, **TOL)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma3", "phi3"])
+def test_placed_hot_cold_equals_unplaced(loaded, name):
+    from powerinfer_jax.models.hybrid import apply_placement
+    from powerinfer_jax.sparsity import placement as pl
+
+    ck, _, toks = loaded[name]
+    c = ck.config
+    oracle = SparsityConfig(mode="oracle", threshold=0.05)
+    want, n_want = _run(with_mode(_model(ck), oracle), toks)
+    model = _model(ck)
+    with_mode(model, oracle)
+    sizes = pl.model_bytes(model, kv_len=64)
+    freqs = [np.random.default_rng(i).random(c.d_ff) for i in range(c.n_layers)]
+    placement = pl.place("hybrid", freqs, sizes, sizes.dense + int(0.4 * sizes.ffn))
+    assert any(0 < h < c.d_ff for h in placement.hot)
+    apply_placement(model, placement)
+    got, n_got = _run(model, toks)
+    np.testing.assert_allclose(got, want, **TOL)
+    np.testing.assert_array_equal(n_got, n_want)
+
+
+@pytest.mark.slow
+def test_auto_picks_a_mode_on_a_family_model(families_built, tmp_path, capsys):
+    """calibrate then --sparsity auto on Gemma-2 (GeGLU, soft-caps, windows): a session that
+    generates, and a recorded choice with both candidates timed."""
+    from powerinfer_jax import calibrate
+    from powerinfer_jax.config import RuntimeConfig
+    from powerinfer_jax.runtime.session import build
+
+    d = families_built["dirs"]["gemma2"]
+    text = tmp_path / "t.txt"
+    text.write_text(fam.wiki_sample(8000))
+    root = tmp_path / "arts"
+    calibrate.main(["--model", str(d), "--corpus", str(text), "--ctx", "32",
+                    "--target-sparsity", str(TARGET), "--out", str(root), "--no-progress",
+                    "--json"])
+    s = build(str(d), RuntimeConfig(), SparsityConfig(mode="auto"),
+              artifacts_root=root, progress=False)
+    info = s.describe()["auto"]
+    assert info["chosen"] in ("dense", "predictor_q4gu"), info
+    out = s.engine.generate(s.tokenizer.encode("The history of"), max_new_tokens=8)
+    assert len(out.tokens) == 8
