@@ -77,6 +77,9 @@ class Cgroup:
                 out["oom_kills"] = int(line.split()[1])
         return out
 
+    def pids(self) -> list[int]:
+        return [int(x) for x in (self.mem / "cgroup.procs").read_text().split()]
+
     def remove(self) -> None:
         for _ in range(50):  # the child's exit may take a moment to leave the group
             try:
@@ -93,15 +96,20 @@ def run(cmd: list[str], limit: int | None, timeout: float, tag: str) -> dict:
     cg = Cgroup(f"pij_offload_{os.getpid()}_{tag}", limit)
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         try:
-            t0 = time.time()
+            t0, timed_out = time.time(), False
             p = subprocess.Popen(cg.wrap(cmd), stdout=out, stderr=err, text=True, cwd=REPO)
             deadline = t0 + timeout
             while True:  # exited, not yet reaped: its /proc/<pid>/io still reads
                 info = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
                 if info is not None:
                     break
-                if time.time() > deadline:
-                    p.kill()
+                if time.time() > deadline and not timed_out:
+                    # the command itself, not /usr/bin/time: time reaps it and exits, so its
+                    # /proc counters and peak RSS still cover the run
+                    timed_out = True
+                    for pid in cg.pids():
+                        if pid != p.pid:
+                            os.kill(pid, 9)
                 time.sleep(0.2)
             wall = time.time() - t0
             io = dict(line.split(": ") for line in Path(f"/proc/{p.pid}/io").read_text()
@@ -117,7 +125,7 @@ def run(cmd: list[str], limit: int | None, timeout: float, tag: str) -> dict:
     for line in stderr.splitlines():
         if line.startswith("PIJ_MAXRSS_KB"):
             rss = int(line.split()[1]) * 1024
-    return {"rc": p.returncode, "wall_s": wall, "peak_rss_bytes": rss, **stats,
+    return {"rc": p.returncode, "wall_s": wall, "timed_out": timed_out, "peak_rss_bytes": rss, **stats,
             "disk_read_bytes": int(io["read_bytes"]), "stdout": stdout, "stderr": stderr}
 
 
@@ -148,7 +156,8 @@ def parse_ours(res: dict) -> dict:
         return {"ok": False, "error": err[-1] if err else res["stderr"][-400:]}
     row = json.loads(lines[-1])
     out = {"ok": True, "decode_tok_s": row["decode_tok_s"], "prefill_tok_s": row["prefill_tok_s"],
-           "first_token_s": row["first_token_s"], "offload": row.get("offload")}
+           "first_token_s": row["first_token_s"], "offload": row.get("offload"),
+           "tokens": row.get("tokens")}
     off = row.get("offload") or {}
     st = off.get("stats") or {}
     if st:
@@ -207,6 +216,9 @@ def main(argv=None) -> None:
                    help="first run both systems without a limit (in-memory speed; warms XLA's "
                         "compilation cache; measures our process overhead)")
     p.add_argument("--timeout", type=float, default=1500)
+    p.add_argument("--llama-timeout", type=float, default=None,
+                   help="llama.cpp's runs under a limit: killed after this many seconds (a row "
+                        "with ok false and the time it ran; default: --timeout)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "offload.jsonl"))
     p.add_argument("--tag", default="")
     a = p.parse_args(argv)
@@ -232,27 +244,33 @@ def main(argv=None) -> None:
         tag = f"{system}_{frac}"
         if system == "llamacpp":
             cmd = llama_cmd(a, default_load=default_load)
-            res = run(cmd, limit, a.timeout, tag)
+            res = run(cmd, limit, a.timeout if limit is None else a.llama_timeout or a.timeout,
+                      tag)
             parsed = parse_llama(res, a.tokens)
         else:
             mode = "powerinfer" if system == "ours" else "dense"
             cmd = ours_cmd(a, budget, mode)
             res = run(cmd, limit, a.timeout, tag)
             parsed = parse_ours(res)
-        keep = {k: res[k] for k in ("rc", "wall_s", "peak_rss_bytes", "max_usage_bytes",
+        keep = {k: res[k] for k in ("rc", "wall_s", "timed_out", "peak_rss_bytes", "max_usage_bytes",
                                     "failcnt", "oom_kills", "disk_read_bytes")}
         row = {"system": system, "budget_fraction": frac, "limit_bytes": limit,
                "ram_budget_bytes": budget, "cmd": shlex.join(cmd), **keep, **parsed}
         if system != "llamacpp" and budget is not None:
             row["overhead_bytes"] = limit - budget
+        if system == "ours" and frac is not None and parsed.get("tokens") is not None:
+            # greedy with the same prompt: the run under the limit against the in-memory one
+            row["tokens_equal_reference"] = parsed["tokens"] == reference_tokens.get(system)
         if parsed.get("bytes_read_per_token") and parsed.get("decode_tokens_counted"):
             row["disk_read_bytes_per_run_token"] = res["disk_read_bytes"] / (2 * a.tokens)
         emit(row)
         return row
 
+    reference_tokens = {}
     if a.reference:
         for system in a.systems:
             r = one(system, None, None)
+            reference_tokens[system] = r.get("tokens")
             if system == "ours" and overhead is None and r.get("ok") and r["peak_rss_bytes"]:
                 overhead = max(r["peak_rss_bytes"] - r["resident_bytes"], 0)
         if "llamacpp" in a.systems:

@@ -69,6 +69,7 @@ def bench_model(session, *, prompt_tokens: int, new_tokens: int, repeats: int) -
         "decode_tok_s_runs": [r.decode_tok_s for r in runs],
         "prompt_tokens": len(ids), "new_tokens": new_tokens, "repeats": repeats,
         "compiles": eng.compile_count,
+        "tokens": runs[-1].tokens,  # greedy: equal across runs; compared between configurations
     }
 
 
