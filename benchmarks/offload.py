@@ -12,7 +12,7 @@ works, so each run gets its own v1 memory cgroup (memory.limit_in_bytes = budget
 file's size; page cache charged to it, as v2 would). Only the benchmarked child goes in it: a
 wrapper shell writes its own pid into cgroup.procs, then execs the command under /usr/bin/time
 (peak RSS). The cgroup is removed afterwards. Before every run the page cache is dropped (`sync;
-echo 3 > /proc/sys/vm/drop_caches`: root). Bytes read from the disk: the wrapper's
+echo 1 > /proc/sys/vm/drop_caches`: root). Bytes read from the disk: the wrapper's
 /proc/<pid>/io read_bytes, read after it exits but before it is reaped (a zombie's counters hold
 those of the children it reaped: the command's own reads, an mmap's readahead included); the v1
 blkio cgroup's throttle counters stay 0 here (no throttle rule, mq-deadline scheduler).
@@ -51,7 +51,7 @@ GIB = 1 << 30
 
 def drop_caches() -> None:
     subprocess.run(["sync"], check=True)
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    Path("/proc/sys/vm/drop_caches").write_text("1\n")  # the page cache
 
 
 class Cgroup:
