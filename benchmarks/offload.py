@@ -232,7 +232,8 @@ def main(argv=None) -> None:
     overhead = None if a.overhead_mb is None else int(a.overhead_mb * (1 << 20))
 
     def emit(row):
-        row = {**base, **row}
+        # the machine's load when the row was taken (these VMs are shared: 2 cores)
+        row = {**base, **row, "loadavg_1m": os.getloadavg()[0]}
         with open(a.out, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         keys = ("system", "budget_fraction", "ok", "decode_tok_s", "bytes_read_per_token",
