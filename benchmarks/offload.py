@@ -272,7 +272,8 @@ def main(argv=None) -> None:
         for system in a.systems:
             r = one(system, None, None)
             reference_tokens[system] = r.get("tokens")
-            if system == "ours" and overhead is None and r.get("ok") and r["peak_rss_bytes"]:
+            if system == "ours" and overhead is None and r.get("ok") and r["peak_rss_bytes"] \
+                    and r.get("resident_bytes"):
                 overhead = max(r["peak_rss_bytes"] - r["resident_bytes"], 0)
         if "llamacpp" in a.systems:
             one("llamacpp", None, None, default_load=True)
