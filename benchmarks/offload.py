@@ -157,7 +157,7 @@ def parse_ours(res: dict) -> dict:
     row = json.loads(lines[-1])
     out = {"ok": True, "decode_tok_s": row["decode_tok_s"], "prefill_tok_s": row["prefill_tok_s"],
            "first_token_s": row["first_token_s"], "offload": row.get("offload"),
-           "tokens": row.get("tokens")}
+           "token_ids": row.get("tokens")}
     off = row.get("offload") or {}
     st = off.get("stats") or {}
     if st:
@@ -259,9 +259,9 @@ def main(argv=None) -> None:
                "ram_budget_bytes": budget, "cmd": shlex.join(cmd), **keep, **parsed}
         if system != "llamacpp" and budget is not None:
             row["overhead_bytes"] = limit - budget
-        if system == "ours" and frac is not None and parsed.get("tokens") is not None:
+        if system == "ours" and frac is not None and parsed.get("token_ids") is not None:
             # greedy with the same prompt: the run under the limit against the in-memory one
-            row["tokens_equal_reference"] = parsed["tokens"] == reference_tokens.get(system)
+            row["tokens_equal_reference"] = parsed["token_ids"] == reference_tokens.get(system)
         if parsed.get("bytes_read_per_token") and parsed.get("decode_tokens_counted"):
             row["disk_read_bytes_per_run_token"] = res["disk_read_bytes"] / (2 * a.tokens)
         emit(row)
@@ -271,7 +271,7 @@ def main(argv=None) -> None:
     if a.reference:
         for system in a.systems:
             r = one(system, None, None)
-            reference_tokens[system] = r.get("tokens")
+            reference_tokens[system] = r.get("token_ids")
             if system == "ours" and overhead is None and r.get("ok") and r["peak_rss_bytes"] \
                     and r.get("resident_bytes"):
                 overhead = max(r["peak_rss_bytes"] - r["resident_bytes"], 0)
