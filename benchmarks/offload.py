@@ -157,7 +157,13 @@ def parse_ours(res: dict) -> dict:
     row = json.loads(lines[-1])
     out = {"ok": True, "decode_tok_s": row["decode_tok_s"], "prefill_tok_s": row["prefill_tok_s"],
            "first_token_s": row["first_token_s"], "offload": row.get("offload"),
-           "token_ids": row.get("tokens")}
+           "token_ids": row.get("tokens"),
+           # the kernel's count of this process's disk reads over the timed generations
+           # (prompt + new tokens each), per generated token
+           "proc_read_bytes_per_token": (row["proc_read_bytes_timed"] / (row["repeats"]
+                                         * row["new_tokens"])
+                                         if row.get("proc_read_bytes_timed") is not None
+                                         else None)}
     off = row.get("offload") or {}
     st = off.get("stats") or {}
     if st:
