@@ -17,6 +17,7 @@ from powerinfer_jax.checkpoint import powerinfer as pi  # noqa: E402
 from powerinfer_jax.checkpoint.gguf import file_magic  # noqa: E402
 from powerinfer_jax.errors import UserError  # noqa: E402
 from powerinfer_jax.models.transformer import capture, from_params  # noqa: E402
+from powerinfer_jax.sparsity import placement  # noqa: E402
 from powerinfer_jax.sparsity import powerinfer_predictor as pip_  # noqa: E402
 
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, size=(2, 11))
@@ -298,7 +299,7 @@ def test_gpu_index_becomes_a_placement(tmp_path):
     assert file_magic(path) == b"PWRI"
     index = pi.load_gpu_index(path, config)
     assert [h.tolist() for h in index.hot] == [h.tolist() for h in hot]
-    p = index.placement(sizes, need)
+    p = placement.from_gpu_index(index, sizes, need)
     assert p.hot == (30, 0) and list(p.order[0][:30]) == hot[0].tolist()
     assert sorted(p.order[0]) == list(range(config.d_ff)) and p.device_bytes == need
     # applying it leaves the model's output unchanged (CPU-only hybrid)
@@ -315,14 +316,15 @@ def test_stale_gpu_index_is_rejected(tmp_path):
     sizes = _sizes(config)
     path = pi.write_gpu_index(tmp_path / "i.gpuidx", [np.arange(10)] * 2, config.d_ff, 10**6)
     with pytest.raises(UserError, match=r"i.gpuidx.*split.vram_capacity: expected <= the budget"):
-        pi.load_gpu_index(path, config).placement(sizes, 10**5)
+        placement.from_gpu_index(pi.load_gpu_index(path, config), sizes, 10**5)
     with pytest.raises(UserError, match=r"i.gpuidx.*tensors: expected 2 per layer of the model \(6\)"):
         pi.load_gpu_index(path, config.replace(n_layers=3))
     with pytest.raises(UserError, match=r"gpu_idx: expected 50 values in \{0, 1\}"):
         pi.load_gpu_index(path, config.replace(d_ff=50))
     small = pi.write_gpu_index(tmp_path / "s.gpuidx", [np.arange(10)] * 2, config.d_ff, 1000)
     with pytest.raises(UserError, match=r"s.gpuidx': GPU neurons: expected fitting the budget"):
-        pi.load_gpu_index(small, config).placement(sizes, sizes.dense + 5 * sizes.neuron_bytes[0])
+        placement.from_gpu_index(pi.load_gpu_index(small, config), sizes,
+                                  sizes.dense + 5 * sizes.neuron_bytes[0])
     other = tmp_path / "plain.gguf"
     from powerinfer_jax.checkpoint.gguf import write_gguf
 

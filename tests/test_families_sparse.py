@@ -88,9 +88,22 @@ def test_sparse_modes_on_the_family(loaded, name):
                                      thresholds=thr[criterion]), toks)
                 for impl in ("ffi", "reference")}
         (got, n_got), (want, n_want) = runs["ffi"], runs["reference"]
-        np.testing.assert_allclose(got, want, **TOL, err_msg=mode)
-        np.testing.assert_array_equal(n_got, n_want, err_msg=mode)
+        _equal_but_borderline(got, want, n_got, n_want, mode)
         assert 0.2 < 1 - n_got.mean() / f < 0.8, mode
+
+
+def _equal_but_borderline(got, want, n_got, n_want, mode):
+    """The custom call's logits and selection equal the reference's, but for a neuron whose
+    estimate is the threshold within rounding: --gate-up q4's estimate is act(gate) * up, and
+    the C++ SiLU/GELU differs from XLA's in the last bit, so such a neuron may flip (seen: one
+    neuron of one layer at one token of 24 x 8 layers). A flip at token t changes tokens >= t by
+    about one neuron's contribution; tokens before the first flip are equal at TOL."""
+    flips = np.argwhere(n_got != n_want)  # (layer, batch, token)
+    assert len(flips) <= max(1, n_got.size // 100), (mode, flips.tolist())
+    assert np.abs(n_got.astype(int) - n_want).max(initial=0) <= 1, mode
+    first = flips[:, 2].min() if len(flips) else got.shape[1]
+    np.testing.assert_allclose(got[:, :first], want[:, :first], **TOL, err_msg=mode)
+    np.testing.assert_allclose(got[:, first:], want[:, first:], rtol=0, atol=0.05, err_msg=mode)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma2"])

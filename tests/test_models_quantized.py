@@ -270,7 +270,7 @@ def test_a_loaded_files_blocks_are_in_memory_once(legacy_gguf):
         assert _mapped_file(blocks.ctypes.data) == str(legacy_gguf), name
         assert not blocks.flags.writeable, name
         weight = np.asarray(m.tok_embed[...] if module is None else module.weight[...])
-        qtype = m.embed_kernel_qtype if module is None else module.kernel_qtype
+        qtype = m.embed_kernel_qtype if module is None else module.qweight.kernel_qtype
         if quants.interleaved_base(qtype):
             np.testing.assert_array_equal(weight, quants.interleave(blocks, q.params[name].qtype))
             assert _mapped_file(weight.ctypes.data) != str(legacy_gguf), name

@@ -202,35 +202,6 @@ class GpuIndex:
     vram_capacity: int
     source: str
 
-    def placement(self, sizes, budget_bytes: int, frequency: Sequence[np.ndarray] | None = None):
-        """The index as our `sparsity.placement.Placement`: per layer its GPU neurons first (in
-        index order), then the others. sizes: `placement.model_bytes(model, ...)` of the model it
-        is applied to. A budget the index's own capacity exceeds, or a placement whose bytes
-        exceed the budget, is an error (the index was made for another budget)."""
-        from powerinfer_jax.sparsity.placement import Placement
-
-        if tuple(sizes.d_ff) != self.d_ff:
-            fail(f"{self.source}: neurons per layer", f"the model's {list(sizes.d_ff)}",
-                 list(self.d_ff), "the index belongs to another model")
-        if self.vram_capacity > budget_bytes:
-            fail(f"{self.source}: {VRAM_CAPACITY_KEY}", f"<= the budget ({budget_bytes} bytes)",
-                 self.vram_capacity, "the index was made for a larger budget: regenerate it")
-        orders = []
-        for hot, f in zip(self.hot, self.d_ff):
-            cold = np.setdiff1d(np.arange(f), hot, assume_unique=True)
-            orders.append(tuple(int(i) for i in np.concatenate([hot, cold])))
-        freqs = frequency if frequency is not None else [np.ones(f) for f in self.d_ff]
-        total = sum(float(np.sum(f)) for f in freqs)
-        served = sum(float(np.sum(np.asarray(f)[h])) for f, h in zip(freqs, self.hot))
-        p = Placement(mode="hybrid", budget_bytes=int(budget_bytes),
-                      hot=tuple(len(h) for h in self.hot), order=tuple(orders), sizes=sizes,
-                      served_fraction=served / total if total > 0 else 0.0)
-        if p.device_bytes > budget_bytes:
-            fail(f"{self.source}: GPU neurons", f"fitting the budget ({budget_bytes} bytes) with "
-                 f"the model's dense parts ({sizes.dense} bytes)", f"{p.device_bytes} bytes",
-                 "the index was made for another budget or model: regenerate it")
-        return p
-
 
 def load_gpu_index(path: str | os.PathLike, config: ModelConfig) -> GpuIndex:
     """Read and validate a `.gpuidx` against the model it is applied to."""

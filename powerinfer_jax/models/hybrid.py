@@ -9,24 +9,25 @@ remapping happens at run time.
 """
 from __future__ import annotations
 
-from powerinfer_jax.sparsity.placement import Placement
+# `placement`: a sparsity.placement.Placement (hot counts, orders, sizes), read by attribute:
+# the model layer imports nothing from the sparsity layer above it.
 
 
-def permute_model(model, placement: Placement) -> None:
+def permute_model(model, placement) -> None:
     """Reorder every layer's neurons hot-first (output unchanged)."""
     _check(model, placement)
     for layer, order in zip(model.layers, placement.order):
         layer.ffn.permute(order)
 
 
-def apply_placement(model, placement: Placement) -> None:
+def apply_placement(model, placement) -> None:
     """Permute hot-first and split each FFN at its hot count (in place)."""
     permute_model(model, placement)
     for layer, n_hot in zip(model.layers, placement.hot):
         layer.ffn.split(int(n_hot))
 
 
-def _check(model, p: Placement) -> None:
+def _check(model, p) -> None:
     c = model.config
     if p.n_layers != c.n_layers or any(f != c.d_ff for f in p.sizes.d_ff):
         raise ValueError(f"placement: expected {c.n_layers} layers of {c.d_ff} neurons (the "

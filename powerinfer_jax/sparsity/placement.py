@@ -50,6 +50,9 @@ from typing import Sequence
 
 import numpy as np
 
+from powerinfer_jax.checkpoint.powerinfer import VRAM_CAPACITY_KEY
+from powerinfer_jax.errors import fail
+
 DEFAULT_COLD_BALANCE = 2.0
 PLACEMENT_VERSION = 1  # bump when the algorithm changes: cached placements are then recomputed
 _FFN_NEURON = re.compile(r"^layers\.(\d+)\.ffn\.(gate\.weight|up\.weight|up\.bias|down_t\.weight)$")
@@ -367,3 +370,32 @@ def from_json(d: dict) -> Placement:
                      hot=tuple(int(h) for h in d["hot"]),
                      order=tuple(tuple(int(i) for i in o) for o in d["order"]), sizes=sizes,
                      served_fraction=float(d["served_fraction"]), cold_cap=d.get("cold_cap"))
+
+
+def from_gpu_index(index, sizes: ModelBytes, budget_bytes: int,
+                   frequency: Sequence[np.ndarray] | None = None) -> Placement:
+    """A PowerInfer `.gpuidx` (checkpoint.powerinfer.GpuIndex) as a Placement: per layer its GPU
+    neurons first (in index order), then the others. sizes: `model_bytes(model, ...)` of the
+    model it is applied to. A budget the index's own capacity exceeds, or a placement whose bytes
+    exceed the budget, is an error (the index was made for another budget)."""
+    if tuple(sizes.d_ff) != index.d_ff:
+        fail(f"{index.source}: neurons per layer", f"the model's {list(sizes.d_ff)}",
+             list(index.d_ff), "the index belongs to another model")
+    if index.vram_capacity > budget_bytes:
+        fail(f"{index.source}: {VRAM_CAPACITY_KEY}", f"<= the budget ({budget_bytes} bytes)",
+             index.vram_capacity, "the index was made for a larger budget: regenerate it")
+    orders = []
+    for hot, f in zip(index.hot, index.d_ff):
+        cold = np.setdiff1d(np.arange(f), hot, assume_unique=True)
+        orders.append(tuple(int(i) for i in np.concatenate([hot, cold])))
+    freqs = frequency if frequency is not None else [np.ones(f) for f in index.d_ff]
+    total = sum(float(np.sum(f)) for f in freqs)
+    served = sum(float(np.sum(np.asarray(f)[h])) for f, h in zip(freqs, index.hot))
+    p = Placement(mode="hybrid", budget_bytes=int(budget_bytes),
+                  hot=tuple(len(h) for h in index.hot), order=tuple(orders), sizes=sizes,
+                  served_fraction=served / total if total > 0 else 0.0)
+    if p.device_bytes > budget_bytes:
+        fail(f"{index.source}: GPU neurons", f"fitting the budget ({budget_bytes} bytes) with "
+             f"the model's dense parts ({sizes.dense} bytes)", f"{p.device_bytes} bytes",
+             "the index was made for another budget or model: regenerate it")
+    return p

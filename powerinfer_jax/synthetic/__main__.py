@@ -26,7 +26,8 @@ import numpy as np
 from powerinfer_jax import _cli
 from powerinfer_jax.errors import fail
 from powerinfer_jax.synthetic.build import SHAPES, Spec, build, config_for
-from powerinfer_jax.synthetic.profile import Locality, decile_errors, hot_share
+from powerinfer_jax.synthetic.profile import (Locality, decile_errors, hot_share,
+                                             layer_frequencies)
 
 FORMATS = ("gguf", "powerinfer", "hf")
 QTYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16")
@@ -56,10 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated subset of {','.join(FORMATS)}")
     p.add_argument("--hf-dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--calib-text", default=None, metavar="FILE",
+                   help="training text the frequencies are set on (default: the project's "
+                        "corpus, ../shared/data/wiki.train.txt)")
     p.add_argument("--calib-tokens", type=int, default=2048,
                    help="wiki.train tokens the frequencies are set on")
     p.add_argument("--verify-tokens", type=int, default=512,
                    help="held-out tokens the engine measures them on (0: skip)")
+    p.add_argument("--tokenizer", default=TOKENIZER_MODEL, metavar="GGUF",
+                   help="a GGUF whose tokenizer the model takes (default: the registry's "
+                        "SmolLM2, whose vocabulary llama.cpp and PowerInfer both read)")
+    p.add_argument("--verify-only", action=argparse.BooleanOptionalAction, default=False,
+                   help="measure files this command wrote before (same flags) without building")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", required=True, help="output directory")
     return p
@@ -112,7 +121,7 @@ def verify(model_path: Path, powerinfer_path: Path | None, ids: np.ndarray, pres
     measured = prof.frequency
     out = {"tokens": int(ids.size), "sparsity": float(1 - measured.mean()),
            "deciles": decile_errors(prescribed, measured),
-           "hot_share_measured": hot_share(measured.mean(axis=0), 0.25)}
+           "hot_share_measured": float(np.mean([hot_share(m, 0.25) for m in measured]))}
     out["max_decile_error"] = max(abs(d["relative_error"]) for d in out["deciles"])
     if powerinfer_path is not None:
         from powerinfer_jax.checkpoint.powerinfer import load_predictors
@@ -147,7 +156,7 @@ def main(argv=None) -> None:
     from powerinfer_jax.synthetic.write import Sinks
     from powerinfer_jax.tokenizer import Tokenizer
 
-    tok_path = Path(resolve_model(TOKENIZER_MODEL))
+    tok_path = Path(resolve_model(args.tokenizer))
     tokenizer = Tokenizer.from_gguf_metadata(read_metadata(_open(tok_path)))
     fields = dict(SHAPES[args.shape])
     fields.update({k: getattr(args, k) for k in SHAPE_FIELDS if getattr(args, k) is not None})
@@ -158,7 +167,11 @@ def main(argv=None) -> None:
     else:
         locality = Locality(args.sparsity, args.hot_fraction, args.hot_share)
     spec = Spec(config, locality, rank=args.rank, seed=args.seed, qtype=args.qtype)
-    calib = _ids(default_corpus_files()[0], tokenizer, args.calib_tokens, "--calib-tokens")
+    from powerinfer_jax.sparsity.corpus import read_corpus
+
+    calib_file = Path(args.calib_text) if args.calib_text else default_corpus_files()[0]
+    read_corpus([calib_file])  # the corpus rules: an existing, non-empty, non-validation file
+    calib = _ids(calib_file, tokenizer, args.calib_tokens, "--calib-tokens")
     held = (_ids(_eval_file(), tokenizer, args.verify_tokens, "--verify-tokens")
             if args.verify_tokens else None)
     out = Path(args.out)
@@ -171,20 +184,28 @@ def main(argv=None) -> None:
         print(f"synthetic: {msg}", file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
-    sinks = Sinks(config, args.qtype, args.rank,
-                  gguf_path=paths["gguf"] if "gguf" in formats else None,
-                  powerinfer_path=paths["powerinfer"] if "powerinfer" in formats else None,
-                  hf_dir=paths["hf"] if "hf" in formats else None, tokenizer=tokenizer,
-                  tokenizer_meta=tokenizer_metadata(tok_path), hf_dtype=args.hf_dtype,
-                  name=f"powerinfer_jax SYNTHETIC {stem} (random weights, seed {args.seed})")
     calibrated = []
-    prescribed = build(spec, calib, on_global=sinks.on_global,
-                       on_layer=lambda i, layer: (calibrated.append(layer.calibrated),
-                                                  sinks.on_layer(i, layer)),
-                       progress=log)
-    written = sinks.close()
-    build_s = time.perf_counter() - t0
-    log(f"wrote {', '.join(str(p) for p in written)} in {build_s:.0f} s")
+    if args.verify_only:  # the same flags give the same prescription (seeded)
+        for k in formats:
+            if not paths[k].exists():
+                fail("--verify-only", f"the files a build with these flags wrote", str(paths[k]),
+                     "run without --verify-only first")
+        prescribed = layer_frequencies(config.n_layers, config.d_ff, locality, args.seed)
+        build_s = None
+    else:
+        sinks = Sinks(config, args.qtype, args.rank,
+                      gguf_path=paths["gguf"] if "gguf" in formats else None,
+                      powerinfer_path=paths["powerinfer"] if "powerinfer" in formats else None,
+                      hf_dir=paths["hf"] if "hf" in formats else None, tokenizer=tokenizer,
+                      tokenizer_meta=tokenizer_metadata(tok_path), hf_dtype=args.hf_dtype,
+                      name=f"powerinfer_jax SYNTHETIC {stem} (random weights, seed {args.seed})")
+        prescribed = build(spec, calib, on_global=sinks.on_global,
+                           on_layer=lambda i, layer: (calibrated.append(layer.calibrated),
+                                                      sinks.on_layer(i, layer)),
+                           progress=log)
+        written = sinks.close()
+        build_s = round(time.perf_counter() - t0, 1)
+        log(f"wrote {', '.join(str(p) for p in written)} in {build_s:.0f} s")
     record = {"synthetic": "random weights: for speed measurements only",
               "command": "python -m powerinfer_jax.synthetic " + " ".join(
                   argv if argv is not None else sys.argv[1:]),
@@ -194,9 +215,9 @@ def main(argv=None) -> None:
                                                           "d_ff", "activation")},
               "sparsity": args.sparsity, "hot_fraction": locality.hot_fraction,
               "hot_share": locality.hot_share, "rank": args.rank, "qtype": args.qtype,
-              "seed": args.seed, "calib_tokens": int(calib.size), "build_s": round(build_s, 1),
+              "seed": args.seed, "calib_tokens": int(calib.size), "build_s": build_s,
               "files": {k: str(paths[k]) for k in formats},
-              "calibrated_sparsity": float(1 - np.mean(calibrated))}
+              "calibrated_sparsity": float(1 - np.mean(calibrated)) if calibrated else None}
     measured = np.zeros_like(prescribed)
     if held is not None and "gguf" in formats:
         check, measured = verify(paths["gguf"], paths["powerinfer"] if "powerinfer" in formats
@@ -207,7 +228,8 @@ def main(argv=None) -> None:
             + (f"; predictor recall {check['predictor']['recall']:.4f}, precision "
                f"{check['predictor']['precision']:.4f}" if "predictor" in check else ""))
     np.savez_compressed(out / "frequencies.npz", prescribed=prescribed,
-                        calibrated=np.stack(calibrated), measured=measured)
+                        calibrated=np.stack(calibrated) if calibrated else np.zeros_like(prescribed),
+                        measured=measured)
     (out / "synthetic.json").write_text(json.dumps(record, indent=1))
     print(json.dumps({k: record[k] for k in ("files", "calibrated_sparsity", "build_s")}
                      | ({"verify": {k: v for k, v in record["verify"].items() if k != "deciles"}}
