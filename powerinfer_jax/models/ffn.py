@@ -22,6 +22,8 @@ Dependencies point one way: this module knows only the Selector interface; spars
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import weakref
 from typing import NamedTuple
@@ -151,6 +153,31 @@ class DownT(Module):
 
 def _value(var):
     return None if var is None else var[...]
+
+
+_RESIDUAL = contextvars.ContextVar("ffn_residual")
+
+
+def block_residual():
+    """Inside an FFN call made by a Block: the tensor its ffn_norm normalized [B, T, D] (the
+    residual after attention; a parallel block's input). Selectors that read the residual rather
+    than the FFN input (PowerInfer's predictors: sparsity/powerinfer_predictor.py) and an
+    offloaded FFN's lookahead take it here (models.transformer re-exports it)."""
+    try:
+        return _RESIDUAL.get()
+    except LookupError:
+        fail("block_residual", "a call from inside Block.__call__ (the FFN's block provides it)",
+             "an FFN called on its own", "run the FFN through its Transformer block")
+
+
+@contextlib.contextmanager
+def residual_scope(x_btd):
+    """What `block_residual()` returns inside (the Block's FFN call)."""
+    token = _RESIDUAL.set(x_btd)
+    try:
+        yield
+    finally:
+        _RESIDUAL.reset(token)
 
 
 # ------------------------------------------------------------------------------------ backends
@@ -303,8 +330,6 @@ class DiskHybrid:
 
         ahead = getattr(ffn, "lookahead", None)
         if ahead is not None:
-            from powerinfer_jax.models.transformer import block_residual
-
             ahead = ahead(block_residual())
         y, count = _ffi.disk_ffn(x_btd, sel.scores, store=self.store, layer=self.layer,
                                  threshold=float(sel.threshold), activation=ffn.activation,

@@ -7,7 +7,6 @@ name-for-name copy (`from_params`). Two exceptions: the down projection's bias i
 """
 from __future__ import annotations
 
-import contextvars
 from typing import Mapping
 
 import jax
@@ -17,26 +16,13 @@ from flax import nnx
 
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.errors import fail
-from powerinfer_jax.models.ffn import FFN
+# block_residual: re-exported, the name the selectors read it by (sparsity/powerinfer_predictor.py)
+from powerinfer_jax.models.ffn import FFN, block_residual, residual_scope  # noqa: F401
 from powerinfer_jax.models.qweights import DENSE_LAYOUT, MATVEC, ROWS, FfnLayout, arrange
 from powerinfer_jax.models.layers import (F32, Attention, Linear, Module, Norm, _param,
                                          cache_storage_dtype, matmul, op_impl, resolve_kernels,
                                          shapes_only, sow)
 from powerinfer_jax.models.rope import layer_rope
-
-
-_RESIDUAL = contextvars.ContextVar("ffn_residual")
-
-
-def block_residual():
-    """Inside an FFN call made by a Block: the tensor its ffn_norm normalized [B, T, D] (the
-    residual after attention; a parallel block's input). Selectors that read the residual rather
-    than the FFN input (PowerInfer's predictors: sparsity/powerinfer_predictor.py) take it here."""
-    try:
-        return _RESIDUAL.get()
-    except LookupError:
-        fail("block_residual", "a call from inside Block.__call__ (the FFN's block provides it)",
-             "an FFN called on its own", "run the FFN through its Transformer block")
 
 
 class Block(Module):
@@ -74,11 +60,8 @@ class Block(Module):
             x_btd = x_btd + self._post(self.attn_post_norm, self._sum_shards(attn_out))
         ffn_in = self.ffn_norm(x_btd)
         sow(self, "ffn_in", ffn_in)
-        token = _RESIDUAL.set(x_btd)
-        try:
+        with residual_scope(x_btd):
             ffn_out = self.ffn(ffn_in)
-        finally:
-            _RESIDUAL.reset(token)
         if self.parallel:  # Falcon: attention and FFN both read the block's input
             return x_btd + self._sum_shards(attn_out + ffn_out), new_cache
         return x_btd + self._post(self.ffn_post_norm, self._sum_shards(ffn_out)), new_cache
