@@ -12,8 +12,8 @@ Per file:
   hf     transformers `AutoModelForCausalLM.from_pretrained(dir, gguf_file=name,
          torch_dtype=float32)` (transformers dequantizes the GGUF to float32 itself), scoring the
          same token ids: our tokenizer's ids of the whole file (no BOS), the same non-overlapping
-         ctx-token chunks (evaluate.chunk_tokens), the NLL of tokens 1..ctx-1 of each chunk
-         (evaluate.perplexity's definition), torch threads = --threads.
+         ctx-token chunks (runtime.perplexity.chunk_tokens), the NLL of tokens 1..ctx-1 of each chunk
+         (runtime.perplexity.perplexity's definition), torch threads = --threads.
 Each row: file, its tensor type counts (gguf package), system, weights mode, ppl, ratio to HF's
 ppl on the same file, within_1pct, commit (git rev-parse HEAD), machine, threads, dtype.
 
@@ -108,7 +108,7 @@ def hf(path: Path, ids: list[int], *, chunks: int, ctx: int, threads: int) -> di
     import torch
     from transformers import AutoModelForCausalLM
 
-    from powerinfer_jax.evaluate import chunk_tokens
+    from powerinfer_jax.runtime.perplexity import chunk_tokens
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()

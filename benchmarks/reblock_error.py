@@ -50,7 +50,7 @@ def main(argv=None) -> None:
     from powerinfer_jax import ops
     from powerinfer_jax.checkpoint import load_checkpoint, quants
     from powerinfer_jax.config import SparsityConfig
-    from powerinfer_jax.evaluate import chunk_tokens, perplexity
+    from powerinfer_jax.runtime.perplexity import chunk_tokens, perplexity
     from powerinfer_jax.models.transformer import from_params
     from powerinfer_jax.sparsity.profile import collect_ffn_inputs
 

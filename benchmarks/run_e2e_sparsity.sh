@@ -15,8 +15,8 @@ for dtype in bfloat16 float32; do
   bench --dtype "$dtype" --sparsity dense
   bench --dtype "$dtype" --sparsity oracle --target-sparsity 0.5
   for target in 0.5 0.6; do
-    bench --dtype "$dtype" --sparsity predictor --predictor q4 --target-sparsity "$target"
-    bench --dtype "$dtype" --sparsity predictor --predictor q4 --target-sparsity "$target" \
+    bench --dtype "$dtype" --sparsity predictor --predictor q4 --target-sparsity "$target" --weights dtype
+    bench --dtype "$dtype" --sparsity predictor --predictor q4 --target-sparsity "$target" --weights dtype \
       --gate-up q4
   done
   if [ "${PIJ_E2E_LOWRANK:-1}" = 1 ]; then  # trains the low-rank predictors on first use (~6 min)

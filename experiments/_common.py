@@ -182,6 +182,7 @@ def build_mode(model: str, label: str, *, dtype: str, max_seq_len: int, checkpoi
     from powerinfer_jax.config import RuntimeConfig
     from powerinfer_jax.runtime.session import build
 
+    runtime.setdefault("weights", "dtype")  # every weight at the dtype: the q4 predictor predicts
     return build(model, RuntimeConfig(dtype=dtype, max_seq_len=max_seq_len, **runtime),
                  sparsity_for(label, target), checkpoint=checkpoint, max_batch=max_batch,
                  progress=False)

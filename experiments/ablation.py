@@ -49,7 +49,9 @@ def build_step(step: str, ckpt, *, model: str, dtype: str, max_seq_len: int, bud
     from powerinfer_jax.sparsity import artifacts as A
 
     kernels = "xla" if step == "dense_xla" else "ffi"
-    runtime = RuntimeConfig(dtype=dtype, kernels=kernels, max_seq_len=max_seq_len)
+    # every weight at the dtype (on the file's blocks the q4 "predictor" would be the oracle)
+    runtime = RuntimeConfig(dtype=dtype, kernels=kernels, max_seq_len=max_seq_len,
+                            weights="dtype")
     extra = {"kernels": kernels, "sparsity": "dense"}
     if step in ("dense_xla", "dense_ffi"):
         return build(model, runtime, checkpoint=ckpt, progress=False).engine, extra

@@ -157,7 +157,8 @@ def child(args) -> None:
                     sparsity = SparsityConfig(mode="predictor", target_sparsity=TARGET_SPARSITY,
                                               predictor="q4" if mode == "q4gu" else mode,
                                               gate_up="q4" if mode == "q4gu" else "full")
-                session = build(args.model, RuntimeConfig(dtype=dtype, max_seq_len=max_len),
+                session = build(args.model, RuntimeConfig(dtype=dtype, max_seq_len=max_len,
+                                                          weights="dtype"),
                                 sparsity, checkpoint=ckpt, progress=False)
                 model, eng = session.model, session.engine
                 kv_len = eng.kv_bucket(len(ids))

@@ -47,7 +47,7 @@ def main() -> None:
 
     threads = _cli.configure_threads(args.threads)
     from powerinfer_jax.config import RuntimeConfig, SparsityConfig
-    from powerinfer_jax.evaluate import perplexity
+    from powerinfer_jax.runtime.perplexity import perplexity
     from powerinfer_jax.runtime.session import build
     from powerinfer_jax.sparsity import artifacts as A
     from powerinfer_jax.sparsity import corpus as C

@@ -8,7 +8,7 @@ Two kinds of rows in results/sparsify_curve.jsonl (`stage`):
     (powerinfer_jax.sparsify --curve): perplexity x dense and measured FFN sparsity on a few
     validation chunks, in-process, at thresholds calibrated on training text;
   final: the finished model through the project's own pipeline: artifacts from
-    sparsity/artifacts.build_artifacts, perplexity from powerinfer_jax.evaluate.perplexity on 16
+    sparsity/artifacts.build_artifacts, perplexity from powerinfer_jax.runtime.perplexity.perplexity on 16
     chunks of 512 (oracle, q4 predictor, low-rank predictor, and the dense teacher in the same
     run), locality from the profile's activation counts, predictor recall/precision/cost from the
     artifacts' held-out reports.
@@ -38,7 +38,7 @@ _DENSE_CACHE: dict = {}
 
 
 def _ppl(model_arg, sparsity, ids, threads):
-    from powerinfer_jax import evaluate
+    from powerinfer_jax.runtime import perplexity as evaluate
     from powerinfer_jax.config import RuntimeConfig
     from powerinfer_jax.runtime.session import build
 

@@ -8,12 +8,13 @@ one place a parsed command line becomes a built model.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import platform
-import subprocess
+import re
 import sys
 
+from powerinfer_jax._machine import git_commit, machine_info  # noqa: F401  (re-exported)
 from powerinfer_jax.config import (DEFAULT_CONTEXT_CAP, DEFAULT_MODEL, DEFAULT_TARGET_SPARSITY,
                                    DTYPES, GATE_UP_SOURCES, IMPLS, KERNELS, MAX_SEED,
                                    NEURON_CACHES, OFFLOADS, WEIGHTS,
@@ -22,12 +23,16 @@ from powerinfer_jax.config import (DEFAULT_CONTEXT_CAP, DEFAULT_MODEL, DEFAULT_T
 from powerinfer_jax.errors import UserError, fail
 
 
-def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """--model, --dtype, --threads, --kernels, --max-seq-len, --json: what every CLI takes."""
+def add_model_flags(p: argparse.ArgumentParser, *, json: bool = True,
+                    decode_block: bool = True) -> None:
+    """--model, --dtype, --threads, --kernels, --max-seq-len, ...: what every CLI takes (--json
+    and --decode-block where the command uses them)."""
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="registry name, .gguf file or Hugging Face directory (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=DTYPES,
-                   help="weight dtype for matmuls (default: %(default)s)")
+                   help="compute dtype: activations, the KV cache and float weights; a "
+                        "quantized GGUF's matrices keep their 4/8-bit blocks unless --weights "
+                        "dtype dequantizes them to it (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for XLA and the kernels' pool (default: all available)")
     p.add_argument("--kernels", default="auto", choices=KERNELS,
@@ -39,10 +44,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help=f"KV cache length (default: min(model context, {DEFAULT_CONTEXT_CAP}))")
-    p.add_argument("--decode-block", type=int, default=RuntimeConfig.decode_block, metavar="N",
-                   help="decode steps per executable call: the call's fixed host cost is paid "
-                        "once per N tokens (1: a call per token; the server always steps one "
-                        "token at a time) (default: %(default)s)")
+    if decode_block:
+        p.add_argument("--decode-block", type=int, default=RuntimeConfig.decode_block,
+                       metavar="N", help="decode steps per executable call: the call's fixed "
+                       "host cost is paid once per N tokens (1: a call per token) (default: "
+                       "%(default)s)")
     p.add_argument("--devices", type=int, default=None, metavar="N",
                    help="tensor parallel over the first N devices: attention heads and FFN "
                         "neurons split across them (default: one device; on a CPU, "
@@ -50,8 +56,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--artifacts", default=None, metavar="DIR",
                    help="sparsity artifacts root, as written by calibrate --out (default: next to "
                         "the model; for a registry model in its cache directory)")
-    p.add_argument("--json", action=argparse.BooleanOptionalAction, default=False,
-                   help="print one JSON object as the last line of stdout")
+    if json:
+        p.add_argument("--json", action=argparse.BooleanOptionalAction, default=False,
+                       help="print one JSON object as the last line of stdout")
 
 
 def add_sparsity_flags(p: argparse.ArgumentParser, *, predictor_choice: bool = True) -> None:
@@ -114,7 +121,9 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens to generate, an integer >= 1 (fewer when a stop token or "
+                        "--stop text comes first) (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 disables")
     p.add_argument("--top-p", type=float, default=1.0, help="1 disables")
@@ -148,7 +157,9 @@ def configs_from_args(args, **runtime_fields) -> tuple[RuntimeConfig, SparsityCo
                               predictor=getattr(args, "predictor", "q4"), gate_up=args.gate_up,
                               target_sparsity=None if target is None else float(target),
                               predictor_file=getattr(args, "predictors", None))
-    return runtime, sparsity.with_default_target()
+    from powerinfer_jax.sparsity import modes  # start-up: the modes import the model code
+
+    return runtime, modes.with_default_target(sparsity)
 
 
 def placement_from_args(args) -> PlacementConfig:
@@ -167,6 +178,20 @@ def build_from_args(args, *, progress: bool = True, max_batch: int = 1, **runtim
                  artifacts_root=args.artifacts, max_batch=max_batch, progress=progress)
 
 
+def read_text_file(path: str, what: str) -> str:
+    """The UTF-8 text of a file a flag names; a missing, unreadable or binary file is a user
+    error naming the flag and the file."""
+    if not os.path.isfile(path):
+        fail(what, "an existing file", path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        fail(what, "a UTF-8 text file", path, f"byte {e.start} is not UTF-8: a binary file?")
+    except OSError as e:
+        fail(what, "a readable file", path, e.strerror or str(e))
+
+
 def check_writable(path: str, what: str) -> None:
     """Fail before the work when an output file cannot be written (an existing directory, a
     missing parent), so a long benchmark never loses its result at the end."""
@@ -179,15 +204,59 @@ def check_writable(path: str, what: str) -> None:
         fail(what, "a writable file", path)
 
 
+_HEAD = re.compile(r"^([a-z][a-z0-9_]*)(=[^:]*)?:")
+_ASSIGN = re.compile(r"(?<![\w./-])([a-z][a-z0-9_]*)=([^\s,;)]+)")
+# parameters whose flag is not their name in kebab case
+_FLAG_NAMES = {"predictor_file": "--predictors"}
+_NAME = re.compile(r"(?<![\w./-])([a-z][a-z0-9]*(?:_[a-z0-9]+)+)(?![\w/])")
+
+
+def flag_words(message: str, flags) -> str:
+    """A user error in the command line's words: the library names a value after the Python
+    API's parameter (target_sparsity, max_seq_len); where the command has the flag
+    (--target-sparsity), the message's subject, and every snake_case name in it, become the
+    flag. "devices=4: ..." becomes "--devices 4: ..."."""
+    def flag(name: str) -> str | None:
+        f = _FLAG_NAMES.get(name) or "--" + name.replace("_", "-")
+        return f if f in flags else None
+
+    head = _HEAD.match(message)
+    if head and flag(head.group(1)):
+        value = head.group(2)
+        subject = flag(head.group(1)) + (" " + value[1:] if value else "")
+        message = subject + message[head.end() - 1:]
+    message = _ASSIGN.sub(lambda m: f"{flag(m.group(1))} {m.group(2)}" if flag(m.group(1))
+                          else m.group(0), message)
+    return _NAME.sub(lambda m: flag(m.group(1)) or m.group(1), message)
+
+
+def speaks_flags(build_parser):
+    """Decorate a CLI's main(argv): its UserErrors name the parser's flags (flag_words), whether
+    main runs from the command line or from a test."""
+    def decorate(main):
+        @functools.wraps(main)
+        def wrapped(argv=None):
+            try:
+                return main(argv)
+            except UserError as e:
+                flags = {o for a in build_parser()._actions for o in a.option_strings}
+                e.args = (flag_words(str(e), flags),) + e.args[1:]
+                raise
+        return wrapped
+    return decorate
+
+
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for `yes | head`'s writer
 
 
 def run_main(main) -> None:
     """Call main(); a user error (bad flag value, bad file, bad state) prints one line on stderr
     and exits with status 2, Ctrl-C exits with 130, a reader that closed stdout early (`| head`)
-    ends the command with 141, all without a traceback."""
+    ends the command with 141, all without a traceback. A command that finished exits at once
+    (`_exit_now`)."""
     try:
         main()
+        _exit_now()
     except (UserError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -207,27 +276,32 @@ def run_main(main) -> None:
         os._exit(_interrupt.EXIT_INTERRUPTED)
 
 
+def _exit_now() -> None:
+    """End a finished command without the interpreter's teardown: with jax loaded it took
+    0.7-1.0 s of a 1-3 s `generate` run here (freeing XLA's executables and client, collecting
+    every object), while nothing in it is needed: files are written and closed by then, and the
+    streams and logs are flushed here."""
+    import logging
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)
+
+
 def print_json(obj) -> None:
     print(json.dumps(obj), flush=True)
 
 
-def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cpus": os.cpu_count(), "host": platform.node()}
+def process_age() -> float:
+    """Seconds since this process started (the kernel's start time, so the interpreter's own
+    start-up and imports are included); 0.0 where /proc is not available."""
+    import time
 
-
-def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=5, cwd=os.path.dirname(os.path.abspath(__file__)))
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # clock ticks since boot
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - started
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0

@@ -20,7 +20,7 @@ import numpy as np
 
 from powerinfer_jax.config import (DEFAULT_MODEL, PlacementConfig, RuntimeConfig,
                                    SamplingParams, SparsityConfig)
-from powerinfer_jax.errors import check
+from powerinfer_jax.errors import check, shown
 
 
 @dataclasses.dataclass
@@ -99,14 +99,19 @@ class LLM:
         """Token ids of a prompt (text, or ids passed through); chat wraps text in the model's
         chat template as one user message."""
         if not isinstance(prompt, str):
-            return [int(t) for t in prompt]
+            ids = prompt.tolist() if isinstance(prompt, np.ndarray) else prompt
+            check(isinstance(ids, (list, tuple)) and all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids),
+                "prompt", "text, a list of token ids (integers) or, for generate, a list of "
+                "such prompts", shown(prompt))
+            return [int(t) for t in ids]
         check(bool(prompt), "prompt", "non-empty text", prompt)
         tok = self.tokenizer
         return tok.encode(tok.apply_chat([{"role": "user", "content": prompt}]) if chat else prompt)
 
     def _request(self, prompt, *, max_new_tokens, temperature, top_k, top_p, seed, stop, chat,
                  on_text=None):
-        from powerinfer_jax.runtime.decode import Request
+        from powerinfer_jax.runtime.scheduler import Request
 
         ids = self.encode(prompt, chat=chat)
         text = _StopText(self.tokenizer, stop, on_text)
@@ -139,7 +144,7 @@ class LLM:
                stop: Sequence[str] = (), chat: bool = False) -> Iterator[str]:
         """The continuation of one prompt as text pieces, each yielded as soon as it is decoded
         (a stop string is never yielded, even in part)."""
-        from powerinfer_jax.runtime.decode import Scheduler
+        from powerinfer_jax.runtime.scheduler import Scheduler
 
         pieces: list[str] = []
         req, text = self._request(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -161,8 +166,9 @@ class LLM:
         """Perplexity over non-overlapping ctx-token chunks (no BOS; every token but a chunk's
         first is scored) with the model's sparsity mode; also the measured FFN sparsity and, in
         predictor mode, the predictor's recall of the oracle active set."""
-        from powerinfer_jax.evaluate import perplexity
+        from powerinfer_jax.runtime.perplexity import perplexity
 
+        check(isinstance(text, str), "text", "a str", shown(text))
         ids = self.tokenizer.encode(text, add_bos=False)
         return perplexity(self.model, ids, ctx=ctx, max_chunks=max_chunks,
                           oracle_thresholds=self.session.oracle_thresholds, progress=progress)

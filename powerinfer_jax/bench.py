@@ -101,6 +101,7 @@ def row_header(args, threads: int, session=None) -> dict:
     return row
 
 
+@_cli.speaks_flags(build_parser)
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     threads = _cli.setup(args)

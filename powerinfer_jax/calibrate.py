@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@_cli.speaks_flags(build_parser)
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     threads = _cli.setup(args)

@@ -40,11 +40,21 @@ MAX_SEED = 2 ** 32 - 1  # seeds are folded into a 32-bit PRNG key
 MAX_DECODE_BLOCK = 64  # decode steps per executable call (RuntimeConfig.decode_block), at most
 
 
-def sparsity_modes() -> tuple[str, ...]:
-    """The registered sparsity modes (sparsity/modes.py; a new mode registers itself there)."""
-    from powerinfer_jax.sparsity import modes
+# The names a SparsityConfig accepts: the built-in modes of sparsity/modes.py, and any mode a
+# research script registers there (modes.register adds its name). Kept here so that a config is
+# checked when it is made without this layer importing the sparsity layer above it.
+_SPARSITY_MODES = ["dense", "auto", "oracle", "powerinfer", "threshold", "predictor"]
 
-    return modes.names()
+
+def sparsity_modes() -> tuple[str, ...]:
+    """The sparsity modes a SparsityConfig accepts (sparsity/modes.py defines what each does)."""
+    return tuple(_SPARSITY_MODES)
+
+
+def add_sparsity_mode(name: str) -> None:
+    """Accept `name` as a sparsity mode (called by sparsity.modes.register)."""
+    if name not in _SPARSITY_MODES:
+        _SPARSITY_MODES.append(name)
 
 
 
@@ -245,32 +255,23 @@ class SparsityConfig:
     predictor_file: str | None = None
 
     def __post_init__(self):
-        _check_choice("--sparsity", self.mode, sparsity_modes())
-        _check_choice("SparsityConfig.predictor", self.predictor, PREDICTOR_KINDS)
-        _check_choice("SparsityConfig.gate_up", self.gate_up, GATE_UP_SOURCES)
+        _check_choice("sparsity", self.mode, sparsity_modes())
+        _check_choice("predictor", self.predictor, PREDICTOR_KINDS)
+        _check_choice("gate_up", self.gate_up, GATE_UP_SOURCES)
         if self.gate_up == "q4":
-            _check(self.mode == "predictor" and self.predictor == "q4", "SparsityConfig.gate_up",
-                   "'full' unless mode is 'predictor' with predictor 'q4' (the q4 estimate "
+            _check(self.mode == "predictor" and self.predictor == "q4", "gate_up",
+                   "'full' unless sparsity is 'predictor' with predictor 'q4' (the q4 estimate "
                    "supplies the activations)", self.gate_up,
-                   f"mode={self.mode!r}, predictor={self.predictor!r}")
-        _check_choice("SparsityConfig.impl", self.impl, IMPLS)
-        _check(self.predictor_file is None or self.mode == "powerinfer", "--predictors",
-               "only with --sparsity powerinfer (PowerInfer-form predictors fc1/fc2)",
-               self.predictor_file, f"--sparsity is {self.mode!r}")
-        _check(math.isfinite(self.threshold) and self.threshold >= 0, "SparsityConfig.threshold",
+                   f"sparsity={self.mode!r}, predictor={self.predictor!r}")
+        _check_choice("impl", self.impl, IMPLS)
+        _check(self.predictor_file is None or self.mode == "powerinfer", "predictor_file",
+               "only with sparsity 'powerinfer' (PowerInfer-form predictors fc1/fc2)",
+               self.predictor_file, f"sparsity={self.mode!r}")
+        _check(math.isfinite(self.threshold) and self.threshold >= 0, "threshold",
                "a finite float >= 0", self.threshold)
         if self.target_sparsity is not None:
             _check(isinstance(self.target_sparsity, float) and 0 < self.target_sparsity < 1,
-                   "SparsityConfig.target_sparsity", "a float in (0, 1)", self.target_sparsity)
-
-    def with_default_target(self) -> "SparsityConfig":
-        """This config with DEFAULT_TARGET_SPARSITY when its mode needs calibrated thresholds
-        and no target was given (threshold and predictor modes; oracle runs without one)."""
-        from powerinfer_jax.sparsity import modes
-
-        if self.target_sparsity is None and modes.needs(self).thresholds:
-            return dataclasses.replace(self, target_sparsity=DEFAULT_TARGET_SPARSITY)
-        return self
+                   "target_sparsity", "a float in (0, 1)", self.target_sparsity)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,11 +285,11 @@ class SamplingParams:
 
     def __post_init__(self):
         _check(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-               and self.temperature >= 0, "--temperature", "a finite float >= 0 (0 means greedy)",
+               and self.temperature >= 0, "temperature", "a finite float >= 0 (0 means greedy)",
                self.temperature)
         _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
-               and self.top_k >= 0, "--top-k", "an integer >= 0 (0 disables)", self.top_k)
-        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "--top-p",
+               and self.top_k >= 0, "top_k", "an integer >= 0 (0 disables)", self.top_k)
+        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p",
                "a float in (0, 1]", self.top_p)
 
     @property
@@ -328,21 +329,22 @@ class RuntimeConfig:
     devices: int | None = None
 
     def __post_init__(self):
-        _check_choice("--dtype", self.dtype, DTYPES)
+        _check_choice("dtype", self.dtype, DTYPES)
         if self.devices is not None:
-            _check_positive("--devices", self.devices)
-        _check_choice("--kernels", self.kernels, KERNELS)
-        _check_choice("RuntimeConfig.decode_attention", self.decode_attention, ("auto", "xla"))
-        _check_choice("--weights", self.weights, WEIGHTS)
-        check_decode_block("--decode-block", self.decode_block)
+            _check_positive("devices", self.devices)
+        _check_choice("kernels", self.kernels, KERNELS)
+        _check_choice("decode_attention", self.decode_attention, ("auto", "xla"))
+        _check_choice("weights", self.weights, WEIGHTS)
+        check_decode_block("decode_block", self.decode_block)
         if self.threads is not None:
-            _check_positive("--threads", self.threads)
+            _check_positive("threads", self.threads)
         if self.max_seq_len is not None:
-            _check_positive("--max-seq-len", self.max_seq_len)
-        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
-               "--max-new-tokens", "an integer >= 0", self.max_new_tokens)
+            _check_positive("max_seq_len", self.max_seq_len)
+        _check(isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool)
+               and self.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1",
+               self.max_new_tokens)
         self.sampling  # validates temperature, top_k, top_p
-        _check(isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED, "--seed",
+        _check(isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED, "seed",
                f"an integer in [0, {MAX_SEED}]", self.seed)
 
     @property
@@ -371,14 +373,14 @@ class PlacementConfig:
     lookahead: bool = True  # read the next layer's guessed active set ahead (powerinfer mode)
 
     def __post_init__(self):
-        _check_choice("--offload", self.offload, OFFLOADS)
-        _check_choice("--neuron-cache", self.neuron_cache, NEURON_CACHES)
+        _check_choice("offload", self.offload, OFFLOADS)
+        _check_choice("neuron_cache", self.neuron_cache, NEURON_CACHES)
         if self.ram_budget_gib is not None:
             _check(isinstance(self.ram_budget_gib, (int, float))
                    and not isinstance(self.ram_budget_gib, bool)
                    and math.isfinite(self.ram_budget_gib) and self.ram_budget_gib > 0,
-                   "--ram-budget", "a finite number of GiB > 0", self.ram_budget_gib)
-            _check(self.vram_budget_gib is None, "--ram-budget", "without --vram-budget (the "
+                   "ram_budget", "a finite number of GiB > 0", self.ram_budget_gib)
+            _check(self.vram_budget_gib is None, "ram_budget", "without vram_budget (the "
                    "GPU tier of a disk-offloaded model is not built yet)", self.ram_budget_gib)
         if self.cache_share is not None:
             _check(isinstance(self.cache_share, float) and 0.0 <= self.cache_share <= 1.0,
@@ -386,7 +388,7 @@ class PlacementConfig:
         if self.vram_budget_gib is not None:
             _check(isinstance(self.vram_budget_gib, (int, float))
                    and math.isfinite(self.vram_budget_gib) and self.vram_budget_gib >= 0,
-                   "--vram-budget", "a finite number of GiB >= 0", self.vram_budget_gib)
+                   "vram_budget", "a finite number of GiB >= 0", self.vram_budget_gib)
 
     @property
     def budget_bytes(self) -> int | None:

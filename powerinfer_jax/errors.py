@@ -35,3 +35,22 @@ def check_positive_int(what: str, value, *, maximum: int | None = None) -> int:
     rule = "a positive integer" if maximum is None else f"an integer in [1, {maximum}]"
     check(ok and (maximum is None or value <= maximum), what, rule, value)
     return value
+
+
+class _Shown(str):
+    """Text shown as it is where a message would show a repr."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def raw(text: str) -> str:
+    """A message's "got" written out (`got 100 tokens`), not quoted as a repr."""
+    return _Shown(text)
+
+
+def shown(value, limit: int = 60) -> str:
+    """A value of the wrong kind for a message's "got": its type and a bounded repr
+    (`got int 123`, `got dict {'a': 1}`)."""
+    text = repr(value)
+    return _Shown(f"{type(value).__name__} {text if len(text) <= limit else text[:limit] + '...'}")

@@ -18,10 +18,12 @@ from powerinfer_jax import _cli
 from powerinfer_jax.errors import check_positive_int, fail
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m powerinfer_jax.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    _cli.add_common_flags(p)
+    # no --json (the server prints no result) and no --decode-block (it steps one token a call)
+    _cli.add_model_flags(p, json=False, decode_block=False)
+    _cli.add_sparsity_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8080, help="(default: %(default)s)")
     p.add_argument("--parallel", type=int, default=4,
@@ -33,16 +35,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--alias", default=None,
                    help="the model's name in the API (default: --model as given)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="compile the decode step for every batch size before answering /health "
-                        "200 (default: on)")
+                   help="before /health answers 200, compile (or load, when an earlier start "
+                        "compiled them) the prefill step of every prompt-length bucket and the "
+                        "decode step of every batch size and cache-length bucket, greedy and "
+                        "sampled, so that no request waits for a compile (default: on)")
     p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
                    help="on SIGINT/SIGTERM, seconds running requests may take to finish before "
                         "they are cancelled (default: %(default)s)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
-    return p.parse_args(argv)
+    return p
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+@_cli.speaks_flags(build_parser)
 def main(argv=None) -> None:
     args = parse_args(argv)
     check_positive_int("--parallel", args.parallel, maximum=256)
@@ -59,7 +68,7 @@ def main(argv=None) -> None:
 
     app = create_app(lambda: _cli.build_from_args(args, max_batch=args.parallel),
                      slots=args.parallel, model_name=args.alias, queue_size=args.queue,
-                     warmup=("greedy",) if args.warmup else ())
+                     warmup=("greedy", "sample") if args.warmup else ())
     Server(app, host=args.host, port=args.port, grace_s=args.shutdown_grace,
            log_level=args.log_level).run()
     if app.state.pij.load_error is not None:  # a bad --model: one line on stderr, status 2

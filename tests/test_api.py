@@ -11,7 +11,9 @@ import pytest
 
 import powerinfer_jax as pij
 from helpers_models import save_hf_llama
+from powerinfer_jax import config
 from powerinfer_jax.runtime.decode import Request
+from powerinfer_jax.sparsity import modes
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["the quick brown fox", "hello", "it's 2024 and we're testing tokenizers: 3.14",
@@ -91,7 +93,7 @@ def test_logits_and_hooks(llm):
     (lambda m: m.generate("x", max_new_tokens=0), "max_new_tokens: expected an integer >= 1"),
     (lambda m: m.generate("x " * 200, max_new_tokens=4), "prompt: expected fewer than 96"),
     (lambda m: m.generate("x " * 40, max_new_tokens=80), r"prompt tokens \+ new tokens <= 96"),
-    (lambda m: m.generate("x", temperature=-1), "--temperature: expected"),
+    (lambda m: m.generate("x", temperature=-1), "temperature: expected"),
     (lambda m: m.generate("x", seed=2 ** 40), "seed: expected an integer in"),
     (lambda m: m.generate("x", stop=[""]), "stop: expected non-empty strings"),
     (lambda m: m.logits([10 ** 6]), "token ids: expected"),
@@ -147,6 +149,15 @@ def test_a_toy_mode_is_one_selector_class_and_one_register_call(tiny_dir, tmp_pa
         assert row["sparsity"] == "topk" and row["decode_tok_s"] > 0
     finally:
         modes._MODES.pop("topk")
+        config._SPARSITY_MODES.remove("topk")
+
+
+def test_configs_accept_exactly_the_registered_modes():
+    """config.py keeps the mode names a SparsityConfig accepts without importing the sparsity
+    layer: they are sparsity/modes.py's registered modes, no more, no fewer."""
+    assert set(config.sparsity_modes()) == set(modes.names())
+    with pytest.raises(pij.UserError, match="topk"):
+        pij.SparsityConfig(mode="topk")
 
 
 # ------------------------------------------------------------------ threads

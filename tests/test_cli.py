@@ -8,6 +8,7 @@ import pytest
 
 from helpers_models import save_hf_llama
 from powerinfer_jax import bench, evaluate, generate
+from powerinfer_jax import errors as pij_errors
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,7 +76,7 @@ def test_calibrate_then_q4_predictor_mode(tiny_dir, tmp_path, capsys):
     assert len(meta["thresholds_q4"]) == 2 and meta["q4"]["mean_recall"] > 0.8
     from powerinfer_jax.runtime.session import build
     from powerinfer_jax.config import RuntimeConfig, SparsityConfig
-    from powerinfer_jax.evaluate import perplexity
+    from powerinfer_jax.runtime.perplexity import perplexity
 
     s = build(str(tiny_dir), RuntimeConfig(), SparsityConfig(
         "predictor", target_sparsity=0.5), artifacts_root=root, progress=False)
@@ -110,11 +111,12 @@ def test_generate_user_errors(tiny_dir, argv, match):
 
 
 def test_evaluate_user_errors(tiny_dir, tmp_path):
-    with pytest.raises(FileNotFoundError, match="--text: expected an existing file"):
+    with pytest.raises(pij_errors.UserError, match="--text: expected an existing file"):
         evaluate.main(["--model", str(tiny_dir), "--text", str(tmp_path / "missing.txt")])
     short = tmp_path / "short.txt"
     short.write_text("too short")
-    with pytest.raises(ValueError, match=r"--text: expected at least --ctx=512 tokens"):
+    with pytest.raises(pij_errors.UserError,
+                       match=r"--text: expected at least 512 tokens \(one chunk of --ctx 512\)"):
         evaluate.main(["--model", str(tiny_dir), "--text", str(short)])
 
 

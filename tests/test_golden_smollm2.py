@@ -11,7 +11,7 @@ import torch
 from powerinfer_jax.checkpoint import load_checkpoint
 from powerinfer_jax.checkpoint.registry import resolve_model
 from powerinfer_jax.config import SparsityConfig
-from powerinfer_jax.evaluate import chunk_tokens, perplexity
+from powerinfer_jax.runtime.perplexity import chunk_tokens, perplexity
 from powerinfer_jax.models.transformer import from_params
 from powerinfer_jax.runtime.decode import Engine
 from helpers_models import hf_smollm2, with_mode

@@ -34,12 +34,7 @@ LAYERS = [
 ]
 
 # (importer, imported): arrows that still run up, with the reason each is still there
-UPWARD = {
-    ("config", "sparsity.modes"):
-        "SparsityConfig checks its mode name against the registry of modes",
-    ("runtime.auto", "_cli"): "machine_info lives in _cli (moves down with issue 37's branch)",
-    ("api", "evaluate"): "LLM.perplexity runs the evaluate command's perplexity",
-}
+UPWARD: dict[tuple[str, str], str] = {}
 
 EXTENSIONS = ("_pij_ext", "_pij_cuda")  # compiled modules: no source
 

@@ -251,16 +251,16 @@ def test_session_build_with_devices(tmp_path):
 def test_shapes_that_do_not_divide_are_rejected():
     bad = CFG.replace(n_heads=6, n_kv_heads=3)
     m = Transformer(bad, rngs=nnx.Rngs(0), kernels="xla")
-    with pytest.raises(UserError, match=r"--devices 4: expected a divisor of the model's n_heads"):
+    with pytest.raises(UserError, match=r"devices=4: expected a divisor of the model's n_heads"):
         mesh.shard_model(m, N)
-    with pytest.raises(UserError, match=r"--devices: expected an integer in \[1, 4\]"):
+    with pytest.raises(UserError, match=r"devices: expected an integer in \[1, 4\]"):
         mesh.make_mesh(5)
     m = Transformer(CFG, rngs=nnx.Rngs(0), kernels="ffi")
     s = pl.model_bytes(m, kv_len=CFG.max_seq_len)
     freqs = [np.arange(CFG.d_ff, dtype=float)] * CFG.n_layers
     p = pl.place("hybrid", freqs, s, s.dense + 7 * s.neuron_bytes[0])  # 7 hot rows in all
     apply_placement(m, p)
-    with pytest.raises(UserError, match=r"hot/cold rows: expected multiples of --devices 4"):
+    with pytest.raises(UserError, match=r"hot/cold rows: expected multiples of devices=4"):
         mesh.shard_model(m, N)
 
 

@@ -116,6 +116,17 @@ def test_each_quantized_matmul_is_close_to_float_math(which, request):
         assert np.abs(a - b).max() < bound * np.abs(b).max(), ("ffn", which)
 
 
+def test_the_q4_predictor_on_kept_blocks_is_refused_by_what_it_would_do(legacy_gguf):
+    """On a model kept in its file's blocks the q4 "predictor" would compute every neuron from
+    the model's own rows: refused before any artifact is read, naming what runs it by its name."""
+    with pytest.raises(pij.UserError, match=r"sparsity='predictor' with predictor='q4'.*blocks"
+                                            r".*sparsity='oracle' with target_sparsity"):
+        pij.load(str(legacy_gguf), sparsity="predictor", target_sparsity=0.5, progress=False)
+    with pytest.raises(pij.UserError, match=r"predictor='q4'"):
+        pij.load(str(legacy_gguf), sparsity="predictor", gate_up="q4", target_sparsity=0.5,
+                 progress=False)
+
+
 def test_weights_auto_keeps_the_file_format_and_dtype_dequantizes(legacy_gguf):
     q = pij.load(str(legacy_gguf), progress=False)
     f = pij.load(str(legacy_gguf), weights="dtype", progress=False)
@@ -182,9 +193,10 @@ def test_sparsity_auto_times_once_then_reuses_its_decision(legacy_gguf, tmp_path
                     "--out", str(arts), "--no-progress"])
     first = pij.load(str(legacy_gguf), sparsity="auto", artifacts=str(arts), progress=False)
     a = first.session.describe()["auto"]
-    assert a["chosen"] in ("dense", "predictor_q4gu") and not a["cached"]
-    assert set(a["tok_s"]) == {"dense", "predictor_q4gu"} and "x dense" in a["why"]
-    assert first.session.sparsity.mode == ("dense" if a["chosen"] == "dense" else "predictor")
+    # blocks kept: the candidate is the oracle at the target (the file's own activations)
+    assert a["chosen"] in ("dense", "oracle") and not a["cached"]
+    assert set(a["tok_s"]) == {"dense", "oracle"} and "x dense" in a["why"]
+    assert first.session.sparsity.mode == a["chosen"]
     again = pij.load(str(legacy_gguf), sparsity="auto", artifacts=str(arts), progress=False)
     assert again.session.describe()["auto"]["cached"]
     assert again.session.describe()["auto"]["chosen"] == a["chosen"]
@@ -312,7 +324,7 @@ def test_gate_up_layout_follows_the_plan(legacy_gguf):
     from powerinfer_jax.errors import UserError
     from powerinfer_jax.models.qweights import (GROUPS, MATVEC, ROWS, FfnLayout,
                                                 apply_ffn_layout)
-    from powerinfer_jax.sparsity.selectors import GateMagnitude, Q4Activations
+    from powerinfer_jax.sparsity.selectors import GateMagnitude, Oracle
 
     q = load_checkpoint(legacy_gguf, keep_quantized=True)
     m = from_params(q.config, q.params, kernels="ffi")
@@ -323,10 +335,10 @@ def test_gate_up_layout_follows_the_plan(legacy_gguf):
     x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 3, q.config.d_model)),
                     jnp.float32)
     dense = np.asarray(ffn(x))
-    with pytest.raises(UserError, match="FFN layouts for selector Q4Activations: expected"):
-        ffn.set_selector(Q4Activations(None, 0.0))  # down still the dense matvec's
+    with pytest.raises(UserError, match="FFN layouts for selector Oracle: expected"):
+        ffn.set_selector(Oracle(0.0))  # down still the dense matvec's
     apply_ffn_layout(ffn, FfnLayout(MATVEC, MATVEC, GROUPS))
-    ffn.set_selector(Q4Activations(None, 0.0))  # the oracle at 0: every neuron
+    ffn.set_selector(Oracle(0.0))  # the oracle at 0: every neuron
     assert ffn.up.interleaved
     oracle = np.asarray(ffn(x))
     with pytest.raises(UserError, match="FFN layouts for selector GateMagnitude"):

@@ -136,6 +136,7 @@ def test_cache_policies_evict_as_documented():
 
 
 # ------------------------------------------------------------------------------------ end to end
+@pytest.mark.slow
 def test_tokens_equal_in_memory_at_several_budgets(model):
     gguf, predictors = model
     before = _sha256(gguf)
@@ -169,8 +170,9 @@ def test_dense_mode_reads_every_neuron_and_matches(model):
     assert st["requested"] == st["calls"] * s.config.d_ff
 
 
-@pytest.mark.parametrize("policy,lookahead", [("lru", True), ("lfu", False),
-                                              ("frequency", True), ("lru", False)])
+@pytest.mark.parametrize("policy,lookahead", [
+    ("frequency", True), ("lru", True), pytest.param("lfu", False, marks=pytest.mark.slow),
+    pytest.param("lru", False, marks=pytest.mark.slow)])
 def test_every_policy_gives_the_same_tokens(model, policy, lookahead):
     gguf, predictors = model
     want = _tokens(_build(gguf, predictors), 8)
@@ -242,6 +244,7 @@ def _bundle(gguf):
     return bundles.candidates(gguf)[0]
 
 
+@pytest.mark.slow
 def test_bundle_from_another_model_or_damaged_is_rebuilt(model, other_model, capsys):
     import shutil
 
@@ -317,6 +320,7 @@ def test_unwritable_model_dir_falls_back_to_the_cache_dir(model, tmp_path, monke
     assert str(src) in msg and "bytes needed" in msg
 
 
+@pytest.mark.slow
 def test_two_processes_building_at_once(model, tmp_path):
     """The second process waits on the build lock, then reuses the first's file."""
     import shutil
@@ -396,6 +400,7 @@ def test_store_rejects_bad_tables(model):
 
 
 # ------------------------------------------------------------------------------------ reporting
+@pytest.mark.slow
 def test_json_and_metrics_report_the_store(model, capsys):
     from prometheus_client import CollectorRegistry, generate_latest
 

@@ -172,7 +172,7 @@ def test_refit_solves_the_ridge_least_squares():
 
 def test_curve_eval_matches_the_models_oracle_mode():
     """The in-process curve evaluation scores what evaluate's oracle mode scores."""
-    from powerinfer_jax import evaluate
+    from powerinfer_jax.runtime import perplexity as evaluate
     from powerinfer_jax.sparsify.evaluation import perplexity
 
     config, params, _, student = tiny_models("silu")

@@ -109,7 +109,7 @@ def test_cold_balance_caps_the_worst_layer():
 
 def test_budget_too_small_for_dense_parts():
     s = sizes([24] * 3, [37] * 3, dense=5000)
-    with pytest.raises(ValueError, match=r"--vram-budget: expected at least 5000 bytes.*got 4999"):
+    with pytest.raises(ValueError, match=r"vram_budget: expected at least 5000 bytes.*got 4999"):
         pl.place_neurons([np.ones(37)] * 3, s, 4999)
     with pytest.raises(ValueError, match="placement budget"):
         pl.place_neurons([np.ones(37)] * 3, s, -1)

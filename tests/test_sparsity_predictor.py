@@ -175,7 +175,7 @@ def test_train_rejects_too_few_tokens():
 
 
 def test_evaluate_reports_predictor_recall():
-    from powerinfer_jax.evaluate import perplexity
+    from powerinfer_jax.runtime.perplexity import perplexity
 
     cfg = tiny_llama_config(d_model=48, head_dim=12, d_ff=37 * 3)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
@@ -198,7 +198,7 @@ def test_evaluate_reports_predictor_recall():
 
 @pytest.mark.parametrize("bad", [0.0, 1.0, 2.0])
 def test_sparsity_config_target(bad):
-    with pytest.raises(ValueError, match=r"SparsityConfig.target_sparsity: expected a float in \(0, 1\)"):
+    with pytest.raises(ValueError, match=r"target_sparsity: expected a float in \(0, 1\)"):
         SparsityConfig("threshold", target_sparsity=bad)
     assert modes.needs(SparsityConfig("threshold", target_sparsity=0.5)).thresholds
     assert not modes.needs(SparsityConfig("oracle")).thresholds

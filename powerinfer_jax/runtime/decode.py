@@ -1,4 +1,6 @@
-"""Jitted prefill and batched decode over a fixed-size KV cache, and the generation loop.
+"""Jitted prefill and batched decode over a fixed-size KV cache (the Engine); the generation
+loop's requests and scheduler are in runtime/scheduler.py, compiled steps kept across processes
+in runtime/executables.py.
 
 The engine owns a KV cache of `max_batch` slots (rows) x `max_seq_len` positions. Each sequence
 gets a slot: its prompt is prefilled into that row alone (padded to a power-of-two bucket), then
@@ -26,7 +28,8 @@ running block. A block dispatched past a sequence's end is discarded for that se
 """
 from __future__ import annotations
 
-import dataclasses
+import functools
+import sys
 import time
 from typing import Callable, Sequence
 
@@ -38,7 +41,12 @@ from flax import nnx
 from powerinfer_jax.config import MAX_SEED, RuntimeConfig, SamplingParams, check_decode_block
 from powerinfer_jax.errors import check, fail
 from powerinfer_jax.models.transformer import Transformer, init_cache
+from powerinfer_jax.runtime import executables
 from powerinfer_jax.runtime import sampling as smp
+# Requests and the scheduler are runtime/scheduler.py's; importers of this module (the server, the
+# API, experiments) find them here too
+from powerinfer_jax.runtime.scheduler import (GenerationResult, Request,  # noqa: F401
+                                              Scheduler)
 
 _MIN_BUCKET = 16
 _MIN_KV_BUCKET = 128  # decode compiles at most log2(max_seq_len / 128) + 1 cache buckets
@@ -48,70 +56,36 @@ _MIN_KV_BUCKET = 128  # decode compiles at most log2(max_seq_len / 128) + 1 cach
 DECODE_BLOCK = RuntimeConfig.decode_block
 
 
+def _renamed(fn, name: str):
+    """`fn` under another name (jit names its module, and jax keys its caches, after it)."""
+    @functools.wraps(fn)
+    def renamed(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    renamed.__name__ = renamed.__qualname__ = name
+    return renamed
+
+
+def describe_step(key: tuple) -> str:
+    """('decode', 2, 256, 'sample', 4) -> 'the decode step (2 sequences, cache 256, sample, 4
+    steps a call)'."""
+    if key[0] == "prefill":
+        return f"the prefill step ({key[1]} tokens, {key[2]})"
+    _, b, kv_len, kind, steps = key
+    return (f"the decode step ({b} sequence{'s' if b > 1 else ''}, cache {kv_len}, {kind}"
+            f"{f', {steps} steps a call' if steps > 1 else ''})")
+
+
 def prefill_bucket(n: int, max_len: int, minimum: int = _MIN_BUCKET) -> int:
     """Smallest power of two >= n (at least `minimum`), capped at the cache length."""
     return min(max(minimum, 1 << (n - 1).bit_length()), max_len)
-
-
-@dataclasses.dataclass
-class Request:
-    """One sequence to generate. on_token(token) is called for every generated id as soon as it is
-    known; returning True stops the sequence there (stop strings, a client that went away)."""
-
-    prompt_ids: Sequence[int]
-    max_new_tokens: int
-    sampling: SamplingParams = SamplingParams()
-    seed: int = 0
-    stop_ids: Sequence[int] = ()
-    on_token: Callable[[int], bool | None] | None = None
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    tokens: list[int]  # generated ids (stop token included when one was hit)
-    prompt_tokens: int
-    prefill_s: float  # wall time of the first token (prefill + sampling), compile excluded
-    decode_s: float  # wall time of the remaining tokens, compile excluded
-    stop_reason: str  # "eos" (a stop id) | "length" (max_new_tokens) | "stop" (on_token said so)
-    compile_s: float = 0.0  # compilation done by this call before timing started
-
-    @property
-    def first_token_s(self) -> float:
-        """What a user waits for the first token: compilation (when cold) plus prefill."""
-        return self.compile_s + self.prefill_s
-
-    @property
-    def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
-
-    @property
-    def decode_tok_s(self) -> float:
-        n = len(self.tokens) - 1
-        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
-
-
-@dataclasses.dataclass
-class _Live:
-    """A sequence in a slot."""
-
-    request: Request
-    slot: int
-    position: int  # position of the token the next decode step consumes
-    tokens: list[int]
-    started: float
-    first_token: object = None  # the prefill's device token, read by the next step
-    tag: object = None  # the caller's name for this sequence
-    first_at: float = 0.0
-    ended: float = 0.0
-    compile_s: float = 0.0
-    done: str | None = None
 
 
 class Engine:
     """The jitted steps of one built model over a cache of `max_batch` slots."""
 
     def __init__(self, model: Transformer, *, max_seq_len: int, max_batch: int = 1,
-                 decode_block: int = DECODE_BLOCK):
+                 decode_block: int = DECODE_BLOCK, store=None, progress: bool = False):
         c = model.config
         check(isinstance(max_seq_len, int) and 0 < max_seq_len <= c.max_seq_len, "max_seq_len",
               f"1..{c.max_seq_len} (the model's context)", max_seq_len)
@@ -124,8 +98,9 @@ class Engine:
         self.max_batch = max_batch
         self.cache_dtype = model.dtype
         self._cache_sharding = model.cache_sharding()  # None unless sharded (runtime/mesh.py)
-        self.compile_count = 0
-        self.compile_s = 0.0
+        self.compile_count = 0  # steps compiled by this engine
+        self.loaded_count = 0  # steps loaded compiled from the store (runtime/executables.py)
+        self.compile_s = 0.0  # time spent getting steps ready: compiling or loading them
         self._executables: dict = {}
         graphdef, state = nnx.split(model)
         # The weights travel as a flat list of arrays: flattening the nnx.State pytree (332
@@ -133,6 +108,12 @@ class Engine:
         # argument handling (measured: ~0.4 ms of Python per step).
         self._state, treedef = jax.tree.flatten(state)
         self._cache = None
+        # Compiled steps kept across processes (a Store of runtime/executables.py, or None):
+        # loaded when this model's structure is the one they were compiled for.
+        self.store = store
+        self.progress = progress  # a line on stderr before each compile (seconds each)
+        self._structure = None if store is None else executables.structure_digest(
+            graphdef, self._state, (max_seq_len, max_batch, str(self.cache_dtype)))
 
         def merged(leaves):
             return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
@@ -182,9 +163,11 @@ class Engine:
             _, cache, out = jax.lax.fori_loop(0, steps, body, (tokens_b, cache, out))
             return out, cache
 
-        self._prefill = jax.jit(prefill, static_argnames="kind", donate_argnames="cache")
-        self._decode = jax.jit(decode, static_argnames=("kv_len", "kind", "steps"),
-                               donate_argnames="cache")
+        self._steps = {"prefill": (prefill, dict(static_argnames="kind", donate_argnames="cache")),
+                       "decode": (decode, dict(static_argnames=("kv_len", "kind", "steps"),
+                                               donate_argnames="cache"))}
+        self._prefill = jax.jit(prefill, **self._steps["prefill"][1])
+        self._decode = jax.jit(decode, **self._steps["decode"][1])
         self._set_token = jax.jit(lambda toks, i, t: toks.at[i].set(t))
 
     # ------------------------------------------------------------------ compilation
@@ -199,14 +182,45 @@ class Engine:
                             abstract)
 
     def _executable(self, key: tuple):
-        """The compiled step for one shape bucket, compiled ahead of time on first need.
+        """The compiled step for one shape bucket: loaded from the store, else compiled ahead of
+        time on first need (and stored).
 
         Explicit executables make compilation visible: it happens outside the timed region, is
-        counted (`compile_count`, `compile_s`), and a new shape can never silently recompile."""
+        counted (`compile_count`, `loaded_count`, `compile_s`), and a new shape can never silently
+        recompile."""
         exe = self._executables.get(key)
         if exe is not None:
             return exe
         t0 = time.perf_counter()
+        stored = (*key, self.max_seq_len)  # one identity's engines may size their caches apart
+        exe = None if self.store is None else self.store.take(stored, self._structure)
+        if exe is None:
+            if self.progress:
+                print(f"powerinfer_jax: compiling {describe_step(key)} (once for this model, "
+                      "mode and shape; later runs load it compiled)", file=sys.stderr, flush=True)
+            if self.store is None:
+                exe = self._compile(key)
+            else:  # compiled, never found in jax's caches: only such a step serializes whole
+                with executables.no_cache_write():
+                    exe = self._compile(key, executables.fresh_name(key[0]))
+                self.store.save(stored, exe, self._structure)
+            self.compile_count += 1
+        else:
+            self.loaded_count += 1
+        self._executables[key] = exe
+        self.compile_s += time.perf_counter() - t0
+        return exe
+
+    def _jit(self, step: str, name: str | None = None):
+        """The engine's jitted `step`, or a new jit of it under `name`."""
+        if name is None:
+            return self._prefill if step == "prefill" else self._decode
+        fn, options = self._steps[step]
+        return jax.jit(_renamed(fn, name), **options)
+
+    def _compile(self, key: tuple, name: str | None = None):
+        """Lower and compile one step; under `name` (a fresh jit of the same function) when
+        given, else through the engine's jitted functions."""
         i32, u32, f32 = jnp.int32, jnp.uint32, jnp.float32
 
         def arr(shape, dtype):
@@ -215,19 +229,36 @@ class Engine:
         cache = self._abstract_cache()
         if key[0] == "prefill":
             _, t, kind = key
-            exe = self._prefill.lower(self._state, arr((1, t), i32), arr((), i32), arr((), i32),
-                                      cache, arr((), u32), arr((), f32), arr((), i32),
-                                      arr((), f32), kind=kind).compile()
+            lowered = self._jit("prefill", name).lower(
+                self._state, arr((1, t), i32), arr((), i32), arr((), i32), cache, arr((), u32),
+                arr((), f32), arr((), i32), arr((), f32), kind=kind)
         else:
             _, b, kv_len, kind, steps = key
-            exe = self._decode.lower(self._state, arr((b,), i32), arr((b,), i32), cache,
-                                     arr((b,), u32), arr((b,), f32), arr((b,), i32),
-                                     arr((b,), f32), kv_len=kv_len, kind=kind,
-                                     steps=steps).compile()
-        self._executables[key] = exe
-        self.compile_count += 1
-        self.compile_s += time.perf_counter() - t0
-        return exe
+            lowered = self._jit("decode", name).lower(
+                self._state, arr((b,), i32), arr((b,), i32), cache, arr((b,), u32),
+                arr((b,), f32), arr((b,), i32), arr((b,), f32), kv_len=kv_len, kind=kind,
+                steps=steps)
+        return lowered.compile()
+
+    def prepare(self, key: tuple) -> None:
+        """Have the step of `key` ready (loaded or compiled) before a request needs it: a
+        ("prefill", bucket, kind) or ("decode", batch bucket, cache bucket, kind, steps) key."""
+        self._executable(key)
+
+    def is_ready(self, key: tuple) -> bool:
+        return key in self._executables
+
+    @property
+    def ready_steps(self) -> int:
+        """Steps compiled or loaded so far."""
+        return len(self._executables)
+
+    def buckets(self) -> dict[str, list[int]]:
+        """Every shape bucket this engine can meet: prompt lengths, cache lengths, batch sizes."""
+        n = self.max_seq_len
+        return {"prefill": sorted({prefill_bucket(t, n) for t in range(1, n)}),
+                "kv": sorted({self.kv_bucket(p) for p in range(n)}),
+                "batch": sorted({self.batch_bucket(b) for b in range(1, self.max_batch + 1)})}
 
     def kv_bucket(self, position: int) -> int:
         return prefill_bucket(position + 1, self.max_seq_len, _MIN_KV_BUCKET)
@@ -246,11 +277,11 @@ class Engine:
             fail("prompt", "at least one token", "an empty prompt")
         if n_prompt >= self.max_seq_len:
             fail("prompt", f"fewer than {self.max_seq_len} tokens (the context length, "
-                 "--max-seq-len)", n_prompt, "shorten the prompt")
+                 "max_seq_len)", n_prompt, "shorten the prompt")
         if n_prompt + max(max_new_tokens, 1) > self.max_seq_len:
             fail("prompt", f"prompt tokens + new tokens <= {self.max_seq_len} (the context "
-                 "length, --max-seq-len)", f"{n_prompt} + {max_new_tokens}",
-                 "shorten the prompt, ask for fewer new tokens or raise --max-seq-len")
+                 "length, max_seq_len)", f"{n_prompt} + {max_new_tokens}",
+                 "shorten the prompt, ask for fewer new tokens or raise max_seq_len")
 
     def _check_request(self, r: Request) -> None:
         check(isinstance(r.max_new_tokens, int) and r.max_new_tokens >= 1, "max_new_tokens",
@@ -315,10 +346,13 @@ class Engine:
     def cache(self):
         """The engine's KV cache (made on first use; every step donates and replaces it)."""
         if self._cache is None:
-            self._cache = init_cache(self.config, batch=self.max_batch,
-                                     max_len=self.max_seq_len, dtype=self.cache_dtype)
             if self._cache_sharding is not None:
-                self._cache = jax.device_put(self._cache, self._cache_sharding)
+                self._cache = jax.device_put(
+                    init_cache(self.config, batch=self.max_batch, max_len=self.max_seq_len,
+                               dtype=self.cache_dtype), self._cache_sharding)
+            else:  # zeros from numpy: jnp.zeros compiled a fill first (60 ms of a CLI's 1st token)
+                self._cache = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype)),
+                                           self._abstract_cache())
         return self._cache
 
     def reset_cache(self) -> None:
@@ -351,123 +385,3 @@ class Engine:
         toks, self._cache = exe(self._state, tokens_b, positions_b.astype(np.int32),
                                 self.cache(), seeds_b.astype(np.uint32), temp, top_k, top_p)
         return toks
-
-
-_IDLE = SamplingParams()
-
-
-class Scheduler:
-    """Continuous batching over an Engine's slots: `add` a request (prefilled at once into a free
-    slot), `step` advances every live sequence by up to `block` tokens (one decode call) and
-    returns the ones that finished. The server drives it from one thread (block 1); `Engine.run`
-    drives it for a list of requests (the engine's decode_block)."""
-
-    def __init__(self, engine: Engine, block: int = 1):
-        check_decode_block("Scheduler block", block)
-        self.engine = engine
-        self.block = block
-        self.slots: list[_Live | None] = [None] * engine.max_batch
-        # (device tokens [k, b], positions, bucket, k) of a call dispatched ahead
-        self._pending = None
-
-    @property
-    def live(self) -> int:
-        return sum(s is not None for s in self.slots)
-
-    def free_slots(self) -> int:
-        return self.slots.count(None)
-
-    def add(self, r: Request, tag=None) -> int:
-        """Prefill `r` into the lowest free slot; its first token is reported by the next step."""
-        self.engine._check_request(r)
-        slot = self.slots.index(None)
-        c0 = self.engine.compile_s
-        started = time.perf_counter()
-        tok = self.engine.prefill_slot(slot, r)
-        compile_s = self.engine.compile_s - c0
-        self.slots[slot] = _Live(r, slot, len(r.prompt_ids), [], started + compile_s,
-                                 first_token=tok, tag=tag, compile_s=compile_s)
-        return slot
-
-    def cancel(self, slot: int) -> None:
-        """Free a slot now (a client went away); its sequence reports nothing more."""
-        self.slots[slot] = None
-
-    def step(self) -> list[tuple[object, GenerationResult]]:
-        """Advance every live sequence by one decode call (up to `block` tokens each): report
-        each new token (on_token), and return (tag, result) for the sequences that finished."""
-        finished = []
-        fresh = [s for s in self.slots if s is not None and not s.tokens]
-        for s in fresh:  # prompts prefilled since the last step: their first token is known now
-            self._accept(s, int(np.asarray(s.first_token)), first=True)
-        live = [s for s in self.slots if s is not None and s.done is None]
-        if live:
-            toks = self._dispatch(live, fresh)
-            host = np.asarray(toks)  # the sync: streaming and stop checks need the values
-            for row in host:  # a sequence that stops mid-block ignores the rest
-                for s in live:
-                    if s.done is None and self.slots[s.slot] is s:
-                        self._accept(s, int(row[s.slot]))
-        for i, s in enumerate(self.slots):
-            if s is not None and s.done is not None:
-                self.slots[i] = None
-                finished.append((s.tag, self._result(s)))
-        return finished
-
-    def _dispatch(self, live, fresh):
-        """The device tokens [k, b] of this call: the call dispatched ahead last time when it
-        still covers every live slot, else one dispatched now; then the next is dispatched ahead."""
-        eng = self.engine
-        b = eng.batch_bucket(max(s.slot for s in live) + 1)
-        furthest = max(s.position for s in live)
-        k = eng.block_at(furthest, self.block)
-        positions = np.zeros(b, np.int32)
-        seeds = np.zeros(b, np.uint32)
-        params = [_IDLE] * b
-        for s in live:
-            positions[s.slot] = s.position
-            seeds[s.slot] = s.request.seed
-            params[s.slot] = s.request.sampling
-        pending, self._pending = self._pending, None
-        if pending is not None and not fresh and pending[2] == b and pending[3] == k and all(
-                pending[1][s.slot] == s.position for s in live):
-            toks = pending[0]  # rows of slots that finished since are junk, never read
-        else:
-            base = np.zeros(b, np.int32)
-            for s in live:
-                base[s.slot] = s.tokens[-1]
-            toks = eng.decode_step(base, positions, seeds, params, k)
-        # The next call on this one's last device tokens, before the host reads them, when every
-        # live sequence needs tokens past this call (a sequence that stops meanwhile just wastes
-        # its row; free rows write junk at position 0, which a later prefill of the slot
-        # overwrites).
-        if all(len(s.tokens) + k < s.request.max_new_tokens for s in live):
-            nxt = positions.copy()
-            for s in live:
-                nxt[s.slot] = s.position + k
-            k2 = eng.block_at(furthest + k, self.block)
-            self._pending = (eng.decode_step(toks[-1], nxt, seeds, params, k2), nxt, b, k2)
-        return toks
-
-    def _accept(self, s: _Live, tok: int, first: bool = False) -> None:
-        now = time.perf_counter()
-        if first:
-            s.first_at = now
-        else:
-            s.position += 1
-        s.tokens.append(tok)
-        r = s.request
-        stop = r.on_token(tok) if r.on_token is not None else None
-        if tok in r.stop_ids:
-            s.done = "eos"
-        elif stop:
-            s.done = "stop"
-        elif len(s.tokens) >= r.max_new_tokens:
-            s.done = "length"
-        if s.done is not None:
-            s.ended = now
-
-    def _result(self, s: _Live) -> GenerationResult:
-        return GenerationResult(tokens=s.tokens, prompt_tokens=len(s.request.prompt_ids),
-                                prefill_s=s.first_at - s.started, decode_s=s.ended - s.first_at,
-                                stop_reason=s.done, compile_s=s.compile_s)

@@ -193,7 +193,7 @@ def make_mesh(n_devices: int) -> Mesh:
     """A 1-D mesh ("tp") over the first n_devices devices of the default backend."""
     devices = jax.devices()
     if not (isinstance(n_devices, int) and 1 <= n_devices <= len(devices)):
-        fail("--devices", f"an integer in [1, {len(devices)}] (the {jax.default_backend()} "
+        fail("devices", f"an integer in [1, {len(devices)}] (the {jax.default_backend()} "
              "devices JAX sees)", n_devices,
              "on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts "
              "makes N host devices")
@@ -205,7 +205,7 @@ def check_divisible(config, n: int) -> None:
     for what, value in (("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads),
                         ("d_ff", config.d_ff)):
         if value % n:
-            fail(f"--devices {n}", f"a divisor of the model's {what} ({value}): attention heads "
+            fail(f"devices={n}", f"a divisor of the model's {what} ({value}): attention heads "
                  "and FFN neurons are split evenly over the devices", n)
 
 
@@ -246,12 +246,12 @@ def shard_model(model, n_devices: int) -> TensorParallel:
     for i, layer in enumerate(model.layers):
         ffn = layer.ffn
         if isinstance(ffn.backend, CudaHybrid):
-            fail(f"--devices {n}", "an FFN whose cold rows are operands (CPU hybrid) or none",
+            fail(f"devices={n}", "an FFN whose cold rows are operands (CPU hybrid) or none",
                  "cold rows in the CUDA module's host store",
-                 "a GPU hybrid placement runs on one device; drop --devices or --vram-budget")
+                 "a GPU hybrid placement runs on one device; drop devices or vram_budget")
         if ffn.n_hot % n or ffn.n_cold % n:
             fail(f"layer {i} FFN hot/cold rows",
-                 f"multiples of --devices {n} (round_placement makes them so)",
+                 f"multiples of devices={n} (round_placement makes them so)",
                  f"{ffn.n_hot} hot, {ffn.n_cold} cold")
         if ffn.placed and ffn.selector is not None and n > 1:
             ffn.selector.permute(_interleave(ffn.n_hot, ffn.n_cold, n))
@@ -265,7 +265,7 @@ def shard_model(model, n_devices: int) -> TensorParallel:
         for dim, name in enumerate(spec):
             if name is not None and leaf.shape[dim] % n:
                 fail(f"tensor {'.'.join(str(x) for x in names)}",
-                     f"axis {dim} divisible by --devices {n}", tuple(leaf.shape))
+                     f"axis {dim} divisible by devices={n}", tuple(leaf.shape))
         leaves.append(jax.device_put(leaf, NamedSharding(mesh, spec)))
     nnx.update(model, jax.tree_util.tree_unflatten(treedef, leaves))
     for block in model.layers:

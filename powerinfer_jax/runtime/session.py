@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
+import sys
+import time
+from pathlib import Path
 
 from powerinfer_jax.config import (DEFAULT_CONTEXT_CAP, DEFAULT_MODEL, ModelConfig,
                                    PlacementConfig, RuntimeConfig, SparsityConfig)
@@ -31,6 +35,12 @@ class Session:
     max_batch: int = 1
     auto: dict | None = None  # --sparsity auto: what was chosen and why (runtime/auto.py)
     offload: object | None = None  # runtime.offload.Offload under --ram-budget
+    store: object | None = None  # runtime.executables.Store: compiled steps kept across processes
+    progress: bool = False  # lines on stderr for long steps (compiling)
+    # the engine's KV cache holds at most this many positions (None: kv_length); set before the
+    # engine is made (generate sizes it to its prompt and new tokens)
+    kv_limit: int | None = None
+    timings: dict = dataclasses.field(default_factory=dict)  # seconds of build's phases
     _engine: object | None = None
 
     @property
@@ -39,9 +49,16 @@ class Session:
         if self._engine is None:
             from powerinfer_jax.runtime.decode import Engine
 
-            self._engine = Engine(self.model, max_seq_len=kv_length(self.config, self.runtime),
-                                  max_batch=self.max_batch, decode_block=self.runtime.decode_block)
+            self._engine = Engine(self.model, max_seq_len=self.kv_positions,
+                                  max_batch=self.max_batch, decode_block=self.runtime.decode_block,
+                                  store=self.store, progress=self.progress)
         return self._engine
+
+    @property
+    def kv_positions(self) -> int:
+        """Positions of the engine's KV cache per sequence."""
+        full = kv_length(self.config, self.runtime)
+        return full if self.kv_limit is None else min(full, self.kv_limit)
 
     @property
     def plan(self) -> tuple[dict, ...]:
@@ -64,7 +81,7 @@ class Session:
                 "target_sparsity": self.sparsity.target_sparsity,
                 "predictor": self.sparsity.predictor if self.sparsity.mode == "predictor" else None,
                 "gate_up": self.sparsity.gate_up if self.sparsity.mode == "predictor" else None,
-                "kernels": self.model.kernels, "max_seq_len": kv_length(self.config, self.runtime),
+                "kernels": self.model.kernels, "max_seq_len": self.kv_positions,
                 "weights": weight_formats(self.model), "auto": self.auto,
                 "placement": None if self.placement is None else self.placement.summary(),
                 "devices": self.runtime.devices, "decode_block": self.runtime.decode_block,
@@ -107,23 +124,32 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     With a memory budget (or on a GPU) FFN neurons are placed hot/cold (runtime/placing.py).
     checkpoint: an already loaded Checkpoint of `model` (experiments that build several variants).
     """
-    from powerinfer_jax.checkpoint import load_checkpoint
-    from powerinfer_jax.models.transformer import from_params
-    from powerinfer_jax.sparsity import modes
-
+    t0 = time.perf_counter()
     threads = _size_thread_pool(runtime.threads)
     use_compilation_cache()
     if sparsity.mode == "auto":
         return _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch,
                            progress, checkpoint, threads)
-    sparsity = sparsity.with_default_target()
+    from powerinfer_jax.sparsity import modes  # start-up: the modes import the model code
+
+    sparsity = modes.with_default_target(sparsity)
     accel = _accelerator()
+    # before the model code is imported and the model built: the compiled steps load beside
+    store = _executable_store(model, runtime, sparsity, placement, max_batch, artifacts_root,
+                              accel)
+    t1 = time.perf_counter()
+    # imported here, after the store began loading steps in the background (start-up time)
+    from powerinfer_jax.checkpoint import load_checkpoint
+    from powerinfer_jax.models.transformer import from_params
+
     if checkpoint is None:
         ckpt = load_checkpoint(model, keep_quantized=_keeps_quantized(runtime, placement))
     else:
         ckpt = checkpoint
+    t2 = time.perf_counter()
+    modes.check_weights(sparsity, _ffn_qtype(ckpt))
     if runtime.max_seq_len is not None and runtime.max_seq_len > ckpt.config.max_seq_len:
-        fail("--max-seq-len", f"at most {ckpt.config.max_seq_len} (the model's context)",
+        fail("max_seq_len", f"at most {ckpt.config.max_seq_len} (the model's context)",
              runtime.max_seq_len)
     # --ram-budget: "disk" (FFN rows in a neuron store, runtime/offload.py), "memory" (it fits)
     ram = None if placement.ram_budget_bytes is None else _ram_mode(
@@ -177,10 +203,12 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
         shard_model(m, runtime.devices)
     elif accel is not None:
         _to_accelerator(m, accel)
+    t3 = time.perf_counter()
     return Session(config=ckpt.config, model=m, tokenizer=ckpt.tokenizer, runtime=runtime,
                    sparsity=sparsity, source=str(ckpt.source), model_arg=str(model),
                    threads=threads, artifacts=arts, placement=placed,
-                   max_batch=max_batch, offload=offloaded)
+                   max_batch=max_batch, offload=offloaded, store=store, progress=progress,
+                   timings={"jax_s": t1 - t0, "load_s": t2 - t1, "build_s": t3 - t2})
 
 
 def _ram_mode(ckpt, runtime, sparsity, placement, max_batch, accel) -> str:
@@ -244,6 +272,42 @@ def _offload(model_arg, ckpt, m, runtime, placement, artifacts_root, max_batch, 
                           lookahead=placement.lookahead, progress=progress)
 
 
+
+def _executable_store(model, runtime, sparsity, placement, max_batch, artifacts_root, accel):
+    """The store of compiled steps for this request (runtime/executables.py), its recent steps
+    already loading in the background; None where compiled steps cannot be reused across
+    processes (an accelerator, a placement's or a neuron store's handles, a mesh) or the cache
+    is off."""
+    import os
+
+    import jax
+
+    from powerinfer_jax.runtime import executables
+
+    if (not executables.enabled() or accel is not None or placement.budget_bytes is not None
+            or placement.ram_budget_bytes is not None  # the store's handle is in the steps
+            or runtime.devices is not None or len(jax.devices()) != 1):
+        return None
+    path = Path(model).expanduser()
+    if not path.exists():
+        from powerinfer_jax.checkpoint.registry import KNOWN_MODELS, model_path
+
+        if str(model) not in KNOWN_MODELS:
+            return None  # load_checkpoint says why
+        path = model_path(str(model))
+    try:
+        st = (path / "config.json" if path.is_dir() else path).stat()
+    except OSError:
+        return None  # not fetched yet: the first run compiles
+    request = {"model": str(path.resolve()), "size": st.st_size, "mtime": st.st_mtime_ns,
+               "runtime": dataclasses.asdict(runtime), "sparsity": dataclasses.asdict(sparsity),
+               "max_batch": max_batch, "artifacts": None if artifacts_root is None
+               else os.path.abspath(artifacts_root)}
+    store = executables.Store(executables.identity(request))
+    store.prefetch()
+    return store
+
+
 def _keeps_quantized(runtime: RuntimeConfig, placement: PlacementConfig) -> bool:
     """Whether a quantized file's blocks stay as they are: placement (a budget, or a GPU) moves
     float rows between memories and a mesh splits rows over devices, so those dequantize at load."""
@@ -253,9 +317,8 @@ def _keeps_quantized(runtime: RuntimeConfig, placement: PlacementConfig) -> bool
 
 def _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch, progress,
                 checkpoint, threads) -> Session:
-    """--sparsity auto: build dense and the sparse candidate, keep the faster on this machine."""
-    from pathlib import Path
-
+    """--sparsity auto: dense, or the sparse candidate where it is measurably faster here
+    (runtime/auto.py: estimate, interleaved timing, cached verdict)."""
     from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.config import DEFAULT_TARGET_SPARSITY
     from powerinfer_jax.runtime import auto
@@ -264,18 +327,66 @@ def _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch, 
     if checkpoint is None:
         checkpoint = load_checkpoint(model, keep_quantized=_keeps_quantized(runtime, placement))
     target = sparsity.target_sparsity or DEFAULT_TARGET_SPARSITY
+    root_arg = artifacts_root
     root = Path(default_root(model, checkpoint.source) if artifacts_root is None
                 else artifacts_root)
 
-    def one(cfg):
-        return build(model, runtime, cfg, placement=placement, artifacts_root=artifacts_root,
-                     max_batch=max_batch, progress=progress, checkpoint=checkpoint)
+    def one(cfg, artifacts_root=None):  # None: the caller's artifacts
+        return build(model, runtime, cfg, placement=placement,
+                     artifacts_root=artifacts_root or root_arg, max_batch=max_batch,
+                     progress=progress, checkpoint=checkpoint)
 
-    session, report = auto.choose(
-        one, key=auto.cache_key(checkpoint.source, runtime, threads, target), target=target,
-        cache_dir=root, progress=progress)
+    trials: list[Path] = []
+
+    def trial(dense):
+        made = _trial_artifacts(model, dense, root, target, progress)
+        trials.extend([made] if made is not None else [])
+        return made
+
+    try:
+        session, report = auto.choose(
+            one, key=auto.cache_key(checkpoint.source, runtime, threads, target),
+            target=target, cache_dir=root, progress=progress, trial=trial,
+            sparse="oracle" if _ffn_qtype(checkpoint) else "predictor_q4gu")
+    finally:
+        for d in trials:  # the trial thresholds served the timing only
+            shutil.rmtree(d, ignore_errors=True)
     session.auto = auto.describe(report)
     return session
+
+
+def _ffn_qtype(checkpoint) -> str | None:
+    """The block format the model keeps its FFN in (loaded with keep_quantized), None: floats."""
+    from powerinfer_jax.checkpoint.base import QuantTensor
+
+    up = checkpoint.params.get("layers.0.ffn.up.weight")
+    return up.qtype if isinstance(up, QuantTensor) else None
+
+
+def _trial_artifacts(model_arg, dense: Session, root: Path, target: float, progress: bool):
+    """Where auto's sparse candidate finds its thresholds: None when the real artifacts exist;
+    for the default model (whose artifacts are built on first use, minutes) thresholds
+    calibrated on a few thousand tokens in a temporary directory, so that the full build happens
+    only if the candidate wins; a user's model without artifacts: None (its build then says how
+    to make them)."""
+    import tempfile
+
+    from powerinfer_jax.checkpoint.registry import KNOWN_MODELS
+    from powerinfer_jax.runtime.auto import TRIAL_TOKENS
+    from powerinfer_jax.sparsity import artifacts as A
+
+    if (A.target_dir(root, target) / "meta.json").is_file() or str(model_arg) not in KNOWN_MODELS:
+        return None
+    if progress:
+        print(f"powerinfer_jax: --sparsity auto: calibrating trial thresholds on {TRIAL_TOKENS} "
+              "tokens to time the sparse mode (its full artifacts are built only if it wins)",
+              file=sys.stderr, flush=True)
+    trial = Path(tempfile.mkdtemp(prefix="pij-auto-trial-"))
+    A.build_artifacts(dense.model, dense.tokenizer,
+                      fingerprint=A.model_fingerprint(model_arg, dense.source, dense.config),
+                      root=trial, target_sparsity=target, max_tokens=TRIAL_TOKENS, train=None,
+                      progress=progress)
+    return trial
 
 
 def use_compilation_cache() -> None:

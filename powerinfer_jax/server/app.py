@@ -31,7 +31,8 @@ from starlette.requests import ClientDisconnect
 from powerinfer_jax.config import MAX_SEED
 from powerinfer_jax.server import protocol as P
 from powerinfer_jax.server.metrics import Metrics
-from powerinfer_jax.server.worker import Job, Overloaded, Unavailable, Worker, warm_up
+from powerinfer_jax.server.worker import (Job, Overloaded, Unavailable, Warmth, Worker,
+                                          warm_plan)
 
 log = logging.getLogger("powerinfer_jax.server")
 
@@ -53,6 +54,7 @@ class ServerState:
         self.max_body = max_body
         self.session = None
         self.worker: Worker | None = None
+        self.warmth: Warmth | None = None  # set once the model is built, before warming
         self.load_error: BaseException | None = None
         self.stop_server: Callable[[], None] | None = None  # set by runner.Server
         self.names: set[str] = set()
@@ -63,8 +65,9 @@ class ServerState:
         try:
             session = self.loader() if callable(self.loader) else self.loader
             engine = session.engine
-            if self.warmup:
-                warm_up(engine, self.warmup)
+            self.warmth = Warmth(engine, warm_plan(engine, self.warmup) if self.warmup else ())
+            self.metrics.watch_warmth(self.warmth)
+            self.warmth.warm()
             arg = str(session.model_arg)
             self.model_name = self.model_name or arg
             self.names = {self.model_name, arg, Path(arg).name}
@@ -93,7 +96,10 @@ class ServerState:
             if self.load_error is not None:
                 raise P.ApiError(503, f"the model failed to load: {self.load_error}",
                                  code="load_failed")
-            raise P.ApiError(503, "the model is loading; retry when GET /health answers 200",
+            warm = self.warmth
+            doing = ("loading" if warm is None else
+                     f"warming its compiled steps: {warm.ready()} of {len(warm.plan)} ready")
+            raise P.ApiError(503, f"the model is {doing}; retry when GET /health answers 200",
                              code="loading")
         return self.session
 
@@ -102,10 +108,12 @@ class ServerState:
 
 
 def create_app(loader, *, slots: int = 1, model_name: str | None = None, queue_size: int = 16,
-               warmup: tuple[str, ...] = ("greedy",), max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
+               warmup: tuple[str, ...] = ("greedy", "sample"),
+               max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
     """The server's ASGI app. loader: a built Session (runtime.session.build), or a callable
     returning one, run in a thread at start-up while /health answers 503. slots: the Session's
-    max_batch (shown before it is built). warmup: sampling kinds compiled before serving."""
+    max_batch (shown before it is built). warmup: the sampling kinds whose every prefill and
+    decode step is compiled (or loaded) before /health answers 200 (worker.warm_plan)."""
     state = ServerState(loader, slots=slots, model_name=model_name, queue_size=queue_size,
                         warmup=tuple(warmup), max_body=max_body)
 
@@ -150,7 +158,8 @@ def create_app(loader, *, slots: int = 1, model_name: str | None = None, queue_s
         w = state.worker
         state.count("/health", 200)
         return {"status": "ok", "slots_idle": w.engine.max_batch - w.busy,
-                "slots_processing": w.busy, "queued": w.waiting}
+                "slots_processing": w.busy, "queued": w.waiting,
+                "warm": state.warmth.describe()}
 
     @app.get("/metrics")
     async def metrics():

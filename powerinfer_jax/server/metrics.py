@@ -48,7 +48,23 @@ class Metrics:
         self.step_sequences = prom.Histogram(
             "pij_decode_step_sequences", "Sequences advanced together by one decode step",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.steps_planned = prom.Gauge(
+            "pij_warm_steps_planned", "Compiled steps the server warms before it answers "
+            "/health 200 (every prompt and cache bucket, per sampling kind)", registry=r)
+        self.steps_ready = prom.Gauge(
+            "pij_warm_steps_ready", "Planned compiled steps ready (loaded or compiled)",
+            registry=r)
+        self.steps_outside_plan = prom.Gauge(
+            "pij_steps_outside_plan", "Compiled steps made for shapes outside the warm plan "
+            "(a request waited for each)", registry=r)
         self.slots_total.set(slots)
+
+    def watch_warmth(self, warmth) -> None:
+        """Report a server.worker.Warmth (read when /metrics is scraped)."""
+        self.steps_planned.set_function(lambda: len(warmth.plan))
+        self.steps_ready.set_function(warmth.ready)
+        self.steps_outside_plan.set_function(
+            lambda: warmth.engine.ready_steps - warmth.ready())
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) of GET /metrics."""

@@ -20,7 +20,7 @@ from typing import Sequence
 from powerinfer_jax.api import _StopText
 from powerinfer_jax.config import SamplingParams
 from powerinfer_jax.errors import UserError
-from powerinfer_jax.runtime.decode import GenerationResult, Request, Scheduler
+from powerinfer_jax.runtime.scheduler import GenerationResult, Request, Scheduler
 
 log = logging.getLogger("powerinfer_jax.server")
 
@@ -249,16 +249,51 @@ class Worker:
         self.engine.reset_cache()  # a failed step may have consumed (donated) the cache
 
 
-def warm_up(engine, kinds: Sequence[str] = ("greedy",)) -> None:
-    """Compile the shortest prompt bucket and every batch bucket's first cache bucket before
-    serving, by running throwaway one-token prompts through a Scheduler (so the first requests do
-    not wait for compilation). kinds: "greedy" and/or "sample"."""
-    params = {"greedy": SamplingParams(), "sample": SamplingParams(temperature=1.0)}
-    buckets = sorted({engine.batch_bucket(n) for n in range(1, engine.max_batch + 1)})
-    for kind in kinds:
-        for b in buckets:
-            sched = Scheduler(engine)
-            for _ in range(b):
-                sched.add(Request([0], 2, params[kind]))
-            while sched.live:
-                sched.step()
+def warm_plan(engine, kinds: Sequence[str] = ("greedy", "sample")) -> list[tuple]:
+    """The compiled steps a server warms before it answers /health 200, for each sampling kind:
+    prefill at every prompt-length bucket, and decode (one token a call, the server's Scheduler
+    block) at every batch size and cache-length bucket, so that no request waits for a step to
+    be compiled. Decode first: every request needs the short-cache steps."""
+    b = engine.buckets()
+    decode = [("decode", n, kv, kind, 1) for kind in kinds for kv in b["kv"] for n in b["batch"]]
+    return [("prefill", t, kind) for kind in kinds for t in b["prefill"]] + decode
+
+
+class Warmth:
+    """The server's warm state: which planned steps are ready (/health and /metrics report it).
+    `warm` runs on the loading thread before the engine thread starts; any thread may read."""
+
+    def __init__(self, engine, plan: Sequence[tuple]):
+        self.engine = engine
+        self.plan = list(plan)
+        self.seconds = 0.0
+
+    def warm(self, log_every_s: float = 2.0) -> None:
+        """Ready every planned step (loaded from the store or compiled), with a log line at
+        least every `log_every_s` seconds while it takes."""
+        if not self.plan:
+            return
+        t0 = last = time.perf_counter()
+        log.info("warming %d compiled steps (every prompt and cache bucket up to %d tokens, "
+                 "%s)", len(self.plan), self.engine.max_seq_len,
+                 ", ".join(sorted({k[-1] if k[0] == "prefill" else k[3] for k in self.plan})))
+        for i, key in enumerate(self.plan):
+            self.engine.prepare(key)
+            if time.perf_counter() - last > log_every_s:
+                last = time.perf_counter()
+                log.info("warming compiled steps: %d of %d ready", i + 1, len(self.plan))
+        self.seconds = time.perf_counter() - t0
+        log.info("warm: %d compiled steps ready in %.1f s (%d loaded, %d compiled)",
+                 len(self.plan), self.seconds, self.engine.loaded_count,
+                 self.engine.compile_count)
+
+    def ready(self) -> int:
+        return sum(self.engine.is_ready(k) for k in self.plan)
+
+    def describe(self) -> dict:
+        """/health's "warm" object: planned steps, those ready, and steps compiled or loaded
+        since for shapes outside the plan."""
+        ready = self.ready()
+        return {"steps_planned": len(self.plan), "steps_ready": ready,
+                "steps_outside_plan": self.engine.ready_steps - ready,
+                "warm_s": round(self.seconds, 3)}

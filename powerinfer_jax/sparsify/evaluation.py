@@ -6,7 +6,7 @@ thresholds calibrated on the *dense* forward of the same weights over corpus (tr
 (calibrate.py: the quantile T of |a_i| per layer; ReLU variants: 0, their natural zeros), then a
 forward that keeps |a_i| > threshold, scored on non-overlapping chunks of the validation text
 (every token but the first). Float32 throughout. The final figure comes from the real pipeline
-(export, calibrate, evaluate.perplexity) on 16 chunks; these rows say how many chunks they used.
+(export, calibrate, runtime.perplexity) on 16 chunks; these rows say how many chunks they used.
 """
 from __future__ import annotations
 

@@ -30,7 +30,12 @@ THRESHOLD_KEYS = ("thresholds_contribution", "thresholds_gate", "thresholds_q4")
 
 
 class ArtifactError(errors.UserError):
-    """Sparsity artifacts that are missing, incomplete, corrupt, stale or for another model."""
+    """Sparsity artifacts that are missing, incomplete, corrupt, stale or for another model.
+    `reason`: what is wrong, without the fix (a build that rebuilds them itself says so)."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = message if reason is None else reason
 
 
 def fix_hint(directory: Path) -> str:
@@ -39,7 +44,8 @@ def fix_hint(directory: Path) -> str:
 
 
 def _fail(what: str, rule: str, got: str, directory: Path) -> "NoReturn":  # noqa: F821
-    raise ArtifactError(f"{what}: expected {rule}, got {got} ({fix_hint(directory)})")
+    reason = f"{what}: expected {rule}, got {got}"
+    raise ArtifactError(f"{reason} ({fix_hint(directory)})", reason)
 
 
 def write_dir(directory: Path, meta: dict, profile: prof.ActivationProfile,
@@ -66,9 +72,10 @@ def read_dir(directory: Path, *, fingerprint: dict, format_version: int, need_pr
     directory = Path(directory).resolve()
     meta_path = directory / "meta.json"
     if not meta_path.is_file():
-        raise ArtifactError(f"sparsity artifacts: expected {meta_path}, got no such file (build "
-                            "them with python -m powerinfer_jax.calibrate for this model and "
-                            "target; the default model builds them on its own)")
+        reason = f"sparsity artifacts: expected {meta_path}, got no such file"
+        raise ArtifactError(f"{reason} (build them with python -m powerinfer_jax.calibrate for "
+                            "this model and target; the default model builds them on its own)",
+                            reason)
     with cache.lock(directory, shared=True):
         if cache.has_dir_record(directory):
             reason = cache.check_dir(directory)
@@ -80,11 +87,12 @@ def read_dir(directory: Path, *, fingerprint: dict, format_version: int, need_pr
         stack = None
         if need_predictor:
             if not meta["has_predictor"]:
+                reason = (f"sparsity artifacts {directory}: expected trained predictors (for "
+                          "predictor lowrank), got none")
                 raise ArtifactError(
-                    f"sparsity artifacts {directory}: expected trained predictors (for "
-                    "--predictor lowrank), got none (build them with python -m "
-                    "powerinfer_jax.calibrate --sparsity predictor --predictor lowrank for this "
-                    "model and target, or run with --predictor q4)")
+                    f"{reason} (build them with python -m powerinfer_jax.calibrate --sparsity "
+                    "predictor --predictor lowrank for this model and target, or run with "
+                    "--predictor q4)", reason)
             stack = read_predictor(directory / "predictor", fingerprint["shape"])
     return meta, stack
 
@@ -188,7 +196,8 @@ def load_or_build(directory: Path, load: Callable[[], object], build: Callable[[
             return load()  # built by another process while we waited
         except ArtifactError as e:
             if directory.exists():
-                cache.note(f"rebuilding sparsity artifacts: {e}")
+                cache.note(f"the sparsity artifacts in {directory} cannot be used ({e.reason}); "
+                           "rebuilding them now")
         build()
     return load()
 

@@ -112,7 +112,7 @@ def build_for_target(model, x_lnd: np.ndarray, base: prof.ActivationProfile, tar
     if train is not None:
         report["cost"] = pred.predictor_cost(d_model=c.d_model, d_ff=c.d_ff, rank=train.rank,
                                              gated=c.gated)
-    thr_q4, q4_report = calibrate_q4(model, x_lnd, masks, target)
+    thr_q4, q4_report = calibrate_q4(model, x_lnd, masks, target, progress=progress)
     meta = {"target_sparsity": target, "thresholds_contribution": list(thr_c),
             "thresholds_gate": list(thr_g), "thresholds_q4": list(thr_q4), "predictor": report,
             "q4": q4_report, "profile": profile.summary()}
@@ -123,8 +123,8 @@ Q4_CALIBRATION_TOKENS = 8192  # quantiles of L x 8192 x F scores are stable to w
 Q4_HOLDOUT_FRACTION = 0.1
 
 
-def calibrate_q4(model, x_lnd: np.ndarray, masks: np.ndarray, target: float
-                 ) -> tuple[tuple[float, ...], dict]:
+def calibrate_q4(model, x_lnd: np.ndarray, masks: np.ndarray, target: float, *,
+                 progress: bool = False) -> tuple[tuple[float, ...], dict]:
     """Per-layer q4 thresholds for `target` on the first tokens, recall/precision/sparsity vs the
     oracle masks on the held-out last tokens (as the low-rank predictors are reported)."""
     n = x_lnd.shape[1]
@@ -132,8 +132,10 @@ def calibrate_q4(model, x_lnd: np.ndarray, masks: np.ndarray, target: float
     n_cal = min(n - n_hold, Q4_CALIBRATION_TOKENS)
     if n_cal < 1:
         raise ValueError(f"q4 calibration tokens: expected at least 2 profiled tokens, got {n}")
-    thr = q4p.calibrate_thresholds(q4p.layer_scores(model, x_lnd[:, :n_cal]), target)
-    report = q4p.quality(q4p.layer_scores(model, x_lnd[:, n - n_hold:]), thr,
+    thr = q4p.calibrate_thresholds(q4p.layer_scores(
+        model, x_lnd[:, :n_cal], progress=progress, desc="q4 predictor: thresholds"), target)
+    report = q4p.quality(q4p.layer_scores(model, x_lnd[:, n - n_hold:], progress=progress,
+                                          desc="q4 predictor: held-out recall"), thr,
                          masks[:, n - n_hold:])
     c = model.config
     report.update(calibration_tokens=n_cal, holdout_tokens=n_hold,

@@ -3,12 +3,13 @@
 Default: `<repo>/../shared/data/wiki.train.txt` when that folder exists; otherwise the same source
 (the shortened enwiki dump that the gensim wheel ships as test data) is fetched from PyPI once,
 converted to plain text and cached under `<cache>/corpus/` (through powerinfer_jax.cache: locked,
-atomic, verified on reuse). The validation file (wiki.valid.txt)
-is refused as a training corpus.
+atomic, verified on reuse). The validation text (wiki.valid.txt) is refused as a training
+corpus by its content: a copy, a renamed file, a link or a file containing a passage of it.
 """
 from __future__ import annotations
 
 import bz2
+import functools
 import re
 import tempfile
 from pathlib import Path
@@ -43,32 +44,63 @@ def default_corpus_files() -> list[Path]:
 
 
 def read_corpus(files) -> str:
-    """The concatenated text of `files` (at least one, none empty, never the validation file)."""
+    """The concatenated text of `files` (at least one, none empty, never the validation text)."""
     files = [Path(f) for f in files]
     if not files:
-        raise ValueError("--corpus: expected at least one text file, got none")
+        errors.fail("corpus", "at least one text file", "none")
     texts = []
     for f in files:
-        if f.name == VALIDATION_NAME:
-            raise ValueError(f"--corpus: expected training text, got the validation file {str(f)!r} "
-                             "(never calibrate or train on the text you evaluate on)")
         if not f.is_file():
-            raise FileNotFoundError(f"--corpus: expected an existing file, got {str(f)!r}")
-        text = f.read_text(encoding="utf-8")
+            errors.fail("corpus", "an existing file", str(f))
+        try:
+            text = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            errors.fail("corpus", "UTF-8 text files", str(f),
+                        f"byte {e.start} is not UTF-8: a binary file?")
         if not text.strip():
-            raise ValueError(f"--corpus: expected non-empty text, got an empty file {str(f)!r}")
+            errors.fail("corpus", "non-empty text", str(f), "the file is empty")
+        if f.name == VALIDATION_NAME or _holds_validation_text(f, text):
+            errors.fail("corpus", "training text", str(f), "it is or holds the validation "
+                        f"file's text ({VALIDATION_NAME}): never calibrate or train on the text "
+                        "you evaluate on")
         texts.append(text)
     return "\n\n".join(texts)
 
 
+VALIDATION_SAMPLE_CHARS = 2000  # a passage this long from the validation text gives a copy away
+
+
+def _holds_validation_text(path: Path, text: str) -> bool:
+    """Whether a corpus file is, or contains, the project's validation text: the same file (a
+    symlink or hard link), the same bytes under another name, or a passage of it (a copy
+    pasted into a larger file). Compared by content, never by name alone."""
+    valid = SHARED_DATA / VALIDATION_NAME
+    if not valid.is_file():
+        return False
+    try:
+        if path.resolve() == valid.resolve() or path.samefile(valid):
+            return True
+    except OSError:
+        pass
+    reference = _validation_text(str(valid))
+    if text == reference:
+        return True
+    middle = len(reference) // 2
+    passage = reference[middle:middle + VALIDATION_SAMPLE_CHARS]
+    return len(passage) == VALIDATION_SAMPLE_CHARS and passage in text
+
+
+@functools.lru_cache(maxsize=1)
+def _validation_text(path: str) -> str:
+    return Path(path).read_text(encoding="utf-8", errors="replace")
+
+
 def corpus_chunks(ids, ctx: int, max_tokens: int | None = None) -> np.ndarray:
     """Non-overlapping [n, ctx] chunks of the token stream, at most max_tokens tokens in all."""
-    if ctx < 2:
-        raise ValueError(f"ctx: expected an integer >= 2, got {ctx}")
+    errors.check(ctx >= 2, "ctx", "an integer >= 2", ctx)
     n = len(ids) // ctx
-    if n == 0:
-        raise ValueError(f"corpus: expected at least one context of {ctx} tokens, got {len(ids)} "
-                         "tokens (pass a longer --corpus or a smaller --ctx)")
+    errors.check(n > 0, "corpus", f"at least one context of {ctx} tokens",
+                 errors.raw(f"{len(ids)} tokens"), "pass a longer corpus or a smaller ctx")
     if max_tokens is not None:
         n = max(1, min(n, max_tokens // ctx))
     return np.asarray(ids[: n * ctx], np.int32).reshape(n, ctx)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from powerinfer_jax.config import DEFAULT_TARGET_SPARSITY, add_sparsity_mode
 from powerinfer_jax.errors import check_choice, fail
 from powerinfer_jax.models.qweights import (DENSE_LAYOUT, GROUPS, MATVEC, ROWS,
                                             SELECTED_LAYOUT, FfnLayout, apply_ffn_layout)
@@ -62,6 +63,7 @@ def register(name: str, mode: Mode) -> None:
     if not (isinstance(name, str) and name.isidentifier()):
         fail("sparsity mode name", "an identifier", name)
     _MODES[name] = mode
+    add_sparsity_mode(name)
 
 
 def names() -> tuple[str, ...]:
@@ -69,8 +71,29 @@ def names() -> tuple[str, ...]:
 
 
 def get(name: str) -> Mode:
-    check_choice("--sparsity", name, names())
+    check_choice("sparsity", name, names())
     return _MODES[name]
+
+
+def with_default_target(cfg):
+    """`cfg` (a SparsityConfig) with DEFAULT_TARGET_SPARSITY when its mode needs calibrated
+    thresholds and no target was given (threshold and predictor modes; oracle runs without)."""
+    if cfg.target_sparsity is None and needs(cfg).thresholds:
+        return dataclasses.replace(cfg, target_sparsity=DEFAULT_TARGET_SPARSITY)
+    return cfg
+
+
+def check_weights(cfg, ffn_qtype: str | None) -> None:
+    """Refuse a mode that would not do what its name says on these weights (ffn_qtype: the
+    block format the FFN is kept in, None for floats): the q4 predictor on a model kept in its
+    file's blocks would estimate each neuron from the model's own gate and up rows, i.e. compute
+    every neuron exactly and predict nothing (and --gate-up would have no choice left)."""
+    if cfg.mode == "predictor" and cfg.predictor == "q4" and ffn_qtype is not None:
+        fail("sparsity='predictor' with predictor='q4'", "a model with float weights (on one "
+             "kept in its file's blocks the q4 estimates are its own gate and up rows: every "
+             "neuron is computed and nothing is predicted)", f"an FFN in {ffn_qtype} blocks",
+             "sparsity='oracle' with target_sparsity computes exactly that, named by what it "
+             "does; predictor='lowrank' predicts before reading any row")
 
 
 def needs(cfg) -> Needs:
@@ -182,10 +205,8 @@ def _threshold(model, cfg, arts):
 def _predictor(model, cfg, arts):
     from powerinfer_jax.sparsity import selectors as S
 
-    if cfg.predictor == "q4" and model.layers[0].ffn.quantized:
-        # the file's own 4-bit gate/up rows are the estimate: exact activations of this model,
-        # against the thresholds calibrated on them (the contribution criterion)
-        return [S.Q4Activations(None, t) for t in arts.thresholds_contribution]
+    ffn = model.layers[0].ffn
+    check_weights(cfg, ffn.up.qtype if ffn.quantized else None)
     if cfg.predictor == "q4":
         from powerinfer_jax.sparsity.q4_predictor import Q4Predictor
 
@@ -236,8 +257,7 @@ register("threshold", Mode(
     _threshold, "calibrated |act(gate_i . x)| thresholds, the gate computed densely (CATS-style)",
     needs=lambda cfg: Needs(thresholds=True)))
 def _predictor_layout(cfg, model_config) -> FfnLayout:
-    # q4 on a quantized file: the file's own 4-bit rows estimate every neuron (its oracle)
-    return every_gate(cfg, model_config) if cfg.predictor == "q4" else SELECTED_ROWS
+    return SELECTED_ROWS  # rows read per predicted neuron (q4 on float weights, lowrank)
 
 
 register("predictor", Mode(

@@ -182,9 +182,9 @@ def _check_inputs(frequency, sizes: ModelBytes, budget_bytes) -> list[np.ndarray
 def _dense_error(budget: int, needed: int, what: str) -> ValueError:
     gib = 1 << 30
     return ValueError(
-        f"--vram-budget: expected at least {needed} bytes ({needed / gib:.3f} GiB) to hold {what} "
+        f"vram_budget: expected at least {needed} bytes ({needed / gib:.3f} GiB) to hold {what} "
         f"on the accelerator before any FFN neuron, got {budget} bytes ({budget / gib:.3f} GiB) "
-        f"(rule: dense parts are never offloaded; raise the budget or lower --max-seq-len)")
+        f"(rule: dense parts are never offloaded; raise the budget or lower max_seq_len)")
 
 
 def place_neurons(frequency: Sequence[np.ndarray], sizes: ModelBytes, budget_bytes: int, *,
@@ -329,7 +329,7 @@ def place(mode: str, frequency, sizes: ModelBytes, budget_bytes: int, **kwargs) 
         return place_neurons(frequency, sizes, budget_bytes, **kwargs)
     if mode == "layers":
         return place_layers(frequency, sizes, budget_bytes)
-    raise ValueError(f"--offload: expected one of ['hybrid', 'layers'], got {mode!r}")
+    raise ValueError(f"offload: expected one of ['hybrid', 'layers'], got {mode!r}")
 
 
 # ------------------------------------------------------------------------------------------------

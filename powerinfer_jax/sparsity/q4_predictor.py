@@ -79,13 +79,19 @@ def _float_rows(lin) -> np.ndarray:
     return quants.dequantize(np.asarray(lin.weight[...]), lin.kernel_qtype)[:, :lin.d_in]
 
 
-def layer_scores(model, x_lnd: np.ndarray, *, batch: int = 512) -> np.ndarray:
+def layer_scores(model, x_lnd: np.ndarray, *, batch: int = 512, progress: bool = False,
+                 desc: str = "q4 scores") -> np.ndarray:
     """[L, N, F] float32 scores of q4 predictors built from `model`'s (unplaced) FFNs on their
-    inputs x_lnd [L, N, D]."""
+    inputs x_lnd [L, N, D] (a progress bar over layers with `progress`: a layer compiles once)."""
     import jax
 
     out = []
-    for l, layer in enumerate(model.layers):
+    layers = model.layers
+    if progress:
+        from tqdm import tqdm
+
+        layers = tqdm(layers, desc=desc, unit="layer")
+    for l, layer in enumerate(layers):
         fn = jax.jit(Q4Predictor.from_ffn(layer.ffn, kernels=model.kernels).__call__)
         out.append(np.concatenate([np.asarray(fn(jnp.asarray(x_lnd[l, i:i + batch])))
                                    for i in range(0, x_lnd.shape[1], batch)], axis=0))

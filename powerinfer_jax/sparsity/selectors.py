@@ -64,35 +64,24 @@ class Scores(Selector):
 
 
 class Q4Activations(Selector):
-    """The q4 predictor's signed estimates a_i as the activations (sparsity/q4_predictor.py).
-
-    On an FFN kept in the file's 4-bit blocks (models/qweights.py) the estimate *is* the model's
-    own activation, computed from those blocks: predictor None, and the selection is exact
-    (|a_i| > threshold from the quantized rows, ops.qsparse_ffn's oracle)."""
+    """The q4 predictor's signed estimates a_i as the activations (sparsity/q4_predictor.py): a
+    float model's neurons whose 4-bit estimate clears the threshold contribute that estimate,
+    and only their down rows are read (--gate-up q4)."""
 
     def __init__(self, predictor, threshold: float):
-        self.predictor = predictor  # a Q4Predictor, or None on a quantized FFN
+        self.predictor = predictor  # a Q4Predictor
         self.threshold = float(threshold)
 
     def select(self, ffn, x_btd) -> Selection:
-        if self.predictor is None:
-            return Selection("oracle", self.threshold)
         return Selection("activations", self.threshold, self.predictor(x_btd, signed=True))
 
     def fused(self, ffn, x_btd):
-        if self.predictor is None:
-            return ffn.backend.sparse(ffn, x_btd, Selection("oracle", self.threshold))
         return self.predictor.sparse_ffn(x_btd, ffn.down_t.weight[...],
                                          None if ffn.down_t.bias is None else ffn.down_t.bias[...],
                                          threshold=self.threshold)
 
     def permute(self, perm) -> None:
-        if self.predictor is not None:
-            self.predictor.permute(perm)
-
-    def layouts(self, ffn):
-        # the quantized FFN's own activations are its oracle: every neuron's gate computed
-        return EVERY_NEURON if self.predictor is None else super().layouts(ffn)
+        self.predictor.permute(perm)
 
     def describe(self) -> dict:
         return {"selector": "q4_activations", "threshold": self.threshold}

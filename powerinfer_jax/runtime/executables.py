@@ -1,0 +1,252 @@
+"""The engine's compiled steps kept across processes, loaded in the background at start-up.
+
+jax's persistent compilation cache (`<cache>/xla`) skips XLA's compile, but finding an entry still
+traces and lowers the step (SmolLM2's prefill and decode: ~1.7 s of a 3 s `generate` run, measured
+on a 2-core EPYC). Here a compiled step is serialized as it is (`jax.experimental.
+serialize_executable`) under `<cache>/executables/<identity>/<step>.exe` (the step's shape key and
+cache length), and a later process loads it without tracing anything. Loading runs in XLA's threads without the GIL, so `Store.prefetch`
+starts it while the model is still being built: the steps the last process with this identity
+used (`used.json`) load beside the build, on another core.
+
+Two keys keep a stale executable from running:
+- the identity (`identity()`), known before the model is built: what the caller asked for (model
+  file, configs, slots) and everything the compiled code depends on beyond the model's
+  structure: this package's sources and compiled extension, jax and jaxlib, XLA_FLAGS, the CPU's
+  instruction set, the threads;
+- the structure (`structure_digest()`), checked once the model exists: its module graph with every
+  static attribute, its weights' shapes and dtypes, the cache's shape. A mismatch discards the
+  loaded step and compiles it again (and replaces the file).
+A file that does not load (truncated, from another version) is compiled again the same way. Only a
+CPU-only process with one device and no placement uses the store (placed or sharded models hold
+per-process handles and devices). `POWERINFER_JAX_XLA_CACHE=0` turns it off with jax's cache.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import pickle
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+FORMAT = 1  # bump when the file layout changes
+MAX_IDENTITIES = 48  # identity directories kept; the least recently used go first...
+MAX_BYTES = 2 << 30  # ...and while they hold more than this (a server's ~46 steps: ~70 MB)
+_SUFFIX = ".exe"
+
+
+def enabled() -> bool:
+    return os.environ.get("POWERINFER_JAX_XLA_CACHE", "1") != "0"
+
+
+def key_name(key: tuple) -> str:
+    """('decode', 1, 128, 'greedy', 4) -> 'decode-1-128-greedy-4' (a file name)."""
+    return "-".join(str(k) for k in key)
+
+
+def _key_from_name(name: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in name.split("-"))
+
+
+@functools.lru_cache(maxsize=1)
+def _code_digest() -> str:
+    """Size and mtime of every source file of this package and of its compiled extension: an
+    edited or rebuilt checkout never loads executables compiled from the old code."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    files = sorted(root.rglob("*.py"))
+    try:
+        from powerinfer_jax.ops import _ffi
+
+        files.append(Path(_ffi._pij_ext.__file__))
+    except (ImportError, AttributeError):
+        pass
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError:
+            continue
+        h.update(f"{f.relative_to(root) if f.is_relative_to(root) else f}:{st.st_size}:"
+                 f"{st.st_mtime_ns};".encode())
+    return h.hexdigest()
+
+
+def environment() -> dict:
+    """What compiled code depends on besides the model: code, libraries, flags, CPU, threads."""
+    import jax
+    import jaxlib
+
+    from powerinfer_jax._machine import cpu_features
+
+    return {"format": FORMAT, "code": _code_digest(), "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "x64": bool(jax.config.jax_enable_x64),
+            "matmul_precision": str(jax.config.jax_default_matmul_precision),
+            "cpu": cpu_features(), "threads": len(os.sched_getaffinity(0)),
+            "devices": [d.platform for d in jax.devices()]}
+
+
+def identity(request: dict) -> str:
+    """Digest of the caller's request (model file, configs, slots...) and the environment."""
+    text = json.dumps({"request": request, "environment": environment()}, sort_keys=True,
+                      default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def structure_digest(graphdef, leaves, extra) -> str:
+    """Digest of a model's structure as jit sees it: module graph with its static attributes,
+    the weights' shapes and dtypes, and `extra` (the engine's cache shape)."""
+    h = hashlib.sha256()
+    h.update(repr(getattr(graphdef, "nodes", graphdef)).encode())
+    h.update(repr(getattr(graphdef, "attributes", "")).encode())
+    for a in leaves:
+        h.update(f"{a.shape}{a.dtype};".encode())
+    h.update(repr(extra).encode())
+    return h.hexdigest()
+
+
+def fresh_name(kind: str) -> str:
+    """A step name no cache has seen. A step for the store must be compiled, not found: an
+    executable jax loaded from its persistent cache (or got from its in-memory cache after such a
+    load) serializes without its kernels' code (jaxlib 0.10: loading that blob fails at the first
+    call with "Function ..._fusion not found"). jax keys both caches on the module, whose name
+    is the function's, so a fresh name compiles fresh."""
+    return f"{kind}_{secrets.token_hex(8)}"
+
+
+@contextlib.contextmanager
+def no_cache_write():
+    """jax does not keep this compile in its persistent cache (under a fresh name it would never
+    be found again)."""
+    import jax
+
+    saved = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved)
+
+
+def _root() -> Path:
+    from powerinfer_jax.cache import cache_dir
+
+    return cache_dir() / "executables"
+
+
+class Store:
+    """The serialized executables of one identity (see the module docstring)."""
+
+    def __init__(self, ident: str, root: Path | None = None):
+        self.identity = ident
+        self.dir = (root or _root()) / ident
+        self._pending: dict[tuple, concurrent.futures.Future] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._used: list[tuple] = []
+        self.background_s = 0.0  # time the background loads took (beside the main thread)
+
+    # ------------------------------------------------------------------ reading
+    def recent_keys(self) -> list[tuple]:
+        """The steps the last process with this identity used, in the order it first used them."""
+        try:
+            names = json.loads((self.dir / "used.json").read_text())
+            return [_key_from_name(n) for n in names if isinstance(n, str)]
+        except (OSError, ValueError):
+            return []
+
+    def prefetch(self, keys=None) -> None:
+        """Start loading `keys` (default: the recent ones) in a background thread, in order."""
+        keys = [k for k in (self.recent_keys() if keys is None else keys)
+                if k not in self._pending and (self.dir / (key_name(k) + _SUFFIX)).is_file()]
+        if not keys:
+            return
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pij-exe")
+        for k in keys:
+            self._pending[k] = self._pool.submit(self._timed_read, k)
+
+    def _timed_read(self, key):
+        t0 = time.perf_counter()
+        try:
+            return self._read(key)
+        finally:
+            self.background_s += time.perf_counter() - t0
+
+    def _read(self, key):
+        """(structure digest, executable) from the file of `key`, or None."""
+        from jax.experimental import serialize_executable
+
+        try:
+            with open(self.dir / (key_name(key) + _SUFFIX), "rb") as f:
+                fmt, structure, blob, in_tree, out_tree = pickle.load(f)
+            if fmt != FORMAT:
+                return None
+            return structure, serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
+        except FileNotFoundError:
+            return None
+        except Exception:  # a truncated or foreign file: compiled again and replaced
+            return None
+
+    def take(self, key: tuple, structure: str):
+        """The executable of `key` for a model of `structure`, or None (then compile it)."""
+        fut = self._pending.pop(key, None)
+        got = fut.result() if fut is not None else self._read(key)
+        if got is None or got[0] != structure:
+            return None
+        self._note_used(key)
+        return got[1]
+
+    # ------------------------------------------------------------------ writing
+    def save(self, key: tuple, compiled, structure: str) -> None:
+        """Serialize a freshly compiled step (best effort: a step jax cannot serialize, or an
+        unwritable cache, only means the next process compiles it too)."""
+        from jax.experimental import serialize_executable
+
+        from powerinfer_jax import cache
+
+        try:
+            blob, in_tree, out_tree = serialize_executable.serialize(compiled)
+            if b"\x7fELF" not in blob:  # no kernels' code in it (see fresh_name): never stored
+                return
+            data = pickle.dumps((FORMAT, structure, blob, in_tree, out_tree))
+            self.dir.mkdir(parents=True, exist_ok=True)
+            with cache.atomic_file(self.dir / (key_name(key) + _SUFFIX)) as tmp:
+                tmp.write_bytes(data)
+        except Exception:
+            return
+        self._note_used(key)
+        _prune(self.dir.parent, keep=self.dir)
+
+    def _note_used(self, key: tuple) -> None:
+        """Remember the steps this process uses, for the next one's prefetch."""
+        from powerinfer_jax import cache
+
+        if key in self._used:
+            return
+        self._used.append(key)
+        try:
+            cache.write_text(self.dir / "used.json",
+                             json.dumps([key_name(k) for k in self._used]))
+        except OSError:
+            pass
+
+
+def _prune(root: Path, keep: Path) -> None:
+    """Keep the MAX_IDENTITIES most recently written identity directories, and fewer while they
+    hold more than MAX_BYTES (`keep`, the one just written, always stays)."""
+    try:
+        dirs = sorted((d for d in root.iterdir() if d.is_dir()),
+                      key=lambda d: d.stat().st_mtime, reverse=True)
+        sizes = [sum(f.stat().st_size for f in d.iterdir()) for d in dirs]
+    except OSError:
+        return
+    total = 0
+    for i, (d, size) in enumerate(zip(dirs, sizes)):
+        total += size
+        if d != keep and (i >= MAX_IDENTITIES or total > MAX_BYTES):
+            shutil.rmtree(d, ignore_errors=True)
