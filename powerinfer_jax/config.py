@@ -160,6 +160,17 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()
     rope_scaling: RopeScaling | None = None  # full-attention layers' RoPE scaling
     rope_local_theta: float | None = None  # sliding-window layers' RoPE base, unscaled (Gemma-3)
+    # q/k norms over the whole projection ([N * H], [K * H]) instead of per head (OLMoE)
+    qk_norm_full: bool = False
+    # ---- mixture of experts (models/moe.py; 0 experts: a dense FFN). Each layer's FFN is
+    # n_experts gated FFNs of d_ff neurons; a router (softmax over the experts) picks
+    # n_experts_used per token, weighted by their probabilities, renormalized to sum to 1 with
+    # norm_topk_prob (Mixtral always, Qwen-MoE/OLMoE as their config says); d_ff_shared > 0:
+    # a shared expert every token runs, scaled by sigmoid(shared_gate . x) (Qwen2-MoE)
+    n_experts: int = 0
+    n_experts_used: int = 0
+    norm_topk_prob: bool = False
+    d_ff_shared: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -204,6 +215,23 @@ class ModelConfig:
             _check(len(self.rope_scaling.factors) == self.head_dim // 2,
                    "ModelConfig.rope_scaling.factors", f"{self.head_dim // 2} values (head_dim / 2)",
                    len(self.rope_scaling.factors))
+        _check(not (self.qk_norm and self.qk_norm_full), "ModelConfig.qk_norm_full",
+               "False when qk_norm (per head) is True", self.qk_norm_full)
+        for name in ("n_experts", "n_experts_used", "d_ff_shared"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                   f"ModelConfig.{name}", "an integer >= 0", v)
+        if self.n_experts:
+            _check(1 <= self.n_experts_used <= self.n_experts, "ModelConfig.n_experts_used",
+                   f"an integer in [1, n_experts={self.n_experts}] (experts routed per token)",
+                   self.n_experts_used)
+            _check(self.gated and not self.bias, "ModelConfig.n_experts",
+                   "experts only in a gated FFN without biases", self.n_experts,
+                   f"gated={self.gated}, bias={self.bias}")
+        else:
+            _check(self.n_experts_used == 0 and self.d_ff_shared == 0,
+                   "ModelConfig.n_experts_used", "0 (and d_ff_shared 0) without experts",
+                   (self.n_experts_used, self.d_ff_shared))
         _check(not (self.qkv_bias and self.bias), "ModelConfig.qkv_bias",
                "False when bias is True (bias already covers q, k and v)", self.qkv_bias)
 

@@ -32,6 +32,7 @@ def llm(tiny_dir):
     return pij.load(str(tiny_dir), max_batch=4, max_seq_len=96, progress=False)
 
 
+@pytest.mark.slow
 def test_generate_stream_and_ids_agree(llm):
     out = llm.generate(PROMPTS[0], max_new_tokens=12)
     assert isinstance(out, pij.Completion) and 1 <= len(out.token_ids) <= 12
@@ -41,6 +42,7 @@ def test_generate_stream_and_ids_agree(llm):
     assert llm.generate(ids, max_new_tokens=12).token_ids == out.token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dense", "oracle"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_batched_greedy_equals_single_sequences(tiny_dir, mode, dtype):
@@ -57,6 +59,7 @@ def test_batched_greedy_equals_single_sequences(tiny_dir, mode, dtype):
     assert all(len(t) == n for t, n in zip(alone, lengths))
 
 
+@pytest.mark.slow
 def test_sampled_batch_rows_keep_their_own_seed(llm):
     kw = dict(max_new_tokens=10, temperature=0.9, top_k=20, top_p=0.95)
     alone = llm.generate(PROMPTS[1], seed=5, **kw).token_ids
@@ -64,6 +67,7 @@ def test_sampled_batch_rows_keep_their_own_seed(llm):
     assert batch[1].token_ids == alone
 
 
+@pytest.mark.slow
 def test_stop_strings_end_the_text(llm):
     full = llm.generate(PROMPTS[0], max_new_tokens=16)
     if len(full.text) < 3:
@@ -103,6 +107,7 @@ def test_bad_calls_are_clear_errors(llm, call, match):
         call(llm)
 
 
+@pytest.mark.slow
 def test_one_compile_per_bucket_not_per_step(llm):
     eng = llm.session.engine
     eng.run([Request(llm.encode(p), 12) for p in PROMPTS])
@@ -113,6 +118,7 @@ def test_one_compile_per_bucket_not_per_step(llm):
 
 
 # ------------------------------------------------------------------ a new mode in one class
+@pytest.mark.slow
 def test_a_toy_mode_is_one_selector_class_and_one_register_call(tiny_dir, tmp_path, capsys):
     """top-k: the k largest |a_i| per token. Written here, in the test, as one Selector subclass and
     one `register` call; then generate, evaluate and bench run it by name."""
@@ -166,6 +172,7 @@ def _pool_workers() -> int:
                for t in os.listdir("/proc/self/task"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads,workers", [(1, 0), (2, 1)])
 def test_generate_threads_sizes_the_kernel_pool_in_dense_mode(tiny_dir, capsys, threads,
                                                                 workers):
@@ -184,6 +191,7 @@ def test_generate_threads_sizes_the_kernel_pool_in_dense_mode(tiny_dir, capsys, 
         os.sched_setaffinity(0, affinity)
 
 
+@pytest.mark.slow
 def test_readme_python_snippet_runs(tiny_dir):
     """The README's Python example, run as written with the tiny model in place of the default."""
     readme = (REPO / "README.md").read_text()

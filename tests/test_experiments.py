@@ -149,6 +149,7 @@ def test_greedy_agreement():
     assert peers.agreement([1, 2], [1, 2, 3])["agree_prefix"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dense", "lowrank", "q4", "q4gu"])
 def test_cost_breakdown_components_on_a_tiny_model(mode):
     from flax import nnx

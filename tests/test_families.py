@@ -94,6 +94,7 @@ ABLATIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_hf_directory_logits_match_transformers(built, name):
     toks = tokens(name, built)
@@ -108,6 +109,7 @@ def test_hf_directory_logits_match_transformers(built, name):
         assert np.abs(np.asarray(changed(jnp.asarray(toks))) - want).max() > 100 * TOL["atol"]
 
 
+@pytest.mark.slow
 def test_gemma2_query_pre_attn_scalar_and_tied_head_from_hf(tmp_path):
     """query_pre_attn_scalar other than head_dim (Gemma-2 27B's kind; a GGUF cannot say it)."""
     hf = fam.build("gemma2", tmp_path, query_pre_attn_scalar=20)
@@ -137,6 +139,7 @@ def _gguf_reference(built, name, path=None):
         d, gguf_file=str(path), dtype=torch.float32, **kw).eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_gguf_logits_match_transformers(built, name):
     if not built["gguf"]:
@@ -157,6 +160,7 @@ def test_gguf_logits_match_transformers(built, name):
     assert_logits_close(got, fam.hf_logits(_gguf_reference(built, name), toks))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_quantized_gguf_matches_transformers_on_the_same_file(built, name):
     if not built["q"]:
@@ -174,6 +178,7 @@ def test_quantized_gguf_matches_transformers_on_the_same_file(built, name):
     assert np.abs(blocks - want).max() < 0.1 * np.abs(want).max()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_tokens_match_transformers(built, name):
     """32 greedy steps after a 7-token prompt: 39 positions, past every sliding window, through
@@ -193,6 +198,7 @@ MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "assistant", "content": "12346."}, {"role": "user", "content": "日本語で?"}]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_tokenizer_ids_and_chat_template_match_transformers(built, name):
     from powerinfer_jax.checkpoint.gguf import _open, read_metadata
@@ -219,6 +225,7 @@ def test_tokenizer_ids_and_chat_template_match_transformers(built, name):
         assert ref.eos_token_id in tok.eos_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma2", "phi3"])
 def test_sentencepiece_families_tokenize_as_sentencepiece(built, name):
     """The SentencePiece families' ids (tokenizer.json and GGUF) are sentencepiece's own on its
@@ -235,6 +242,7 @@ def test_sentencepiece_families_tokenize_as_sentencepiece(built, name):
 LLAMA_CPP_VOCABS = ("llama-bpe", "qwen2", "phi-3", "llama-spm")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vocab", LLAMA_CPP_VOCABS)
 def test_published_vocabularies_give_llama_cpp_reference_ids(vocab):
     """The real Llama-3, Qwen2, Phi-3 and Llama-2 vocabularies as GGUF metadata (llama.cpp's
@@ -257,6 +265,7 @@ def test_published_vocabularies_give_llama_cpp_reference_ids(vocab):
 
 
 # ------------------------------------------------------------------------------ bad input
+@pytest.mark.slow
 def test_an_architecture_we_do_not_run_names_itself_and_the_list(built, tmp_path):
     d = built["dirs"]["qwen3"]
     cfg = json.loads((d / "config.json").read_text())
@@ -272,6 +281,7 @@ def test_an_architecture_we_do_not_run_names_itself_and_the_list(built, tmp_path
         load_checkpoint(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rope,match", [
     ({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}, r"rope type: expected one of "
      r"\['default', 'linear', 'llama3', 'yarn'\], got 'dynamic'"),
@@ -297,6 +307,7 @@ def test_rope_scaling_config_refuses_unknown_kinds():
         RopeScaling("ntk", factor=2.0)
 
 
+@pytest.mark.slow
 def test_gguf_bad_files_name_what_is_wrong(built, tmp_path):
     """A missing tensor, a missing metadata key, an unknown RoPE scaling type and an
     architecture we do not run, each in a copy of a converter-written file."""

@@ -25,6 +25,8 @@ from powerinfer_jax.checkpoint import load_checkpoint  # noqa: E402
 from powerinfer_jax.config import SparsityConfig  # noqa: E402
 from powerinfer_jax.models.transformer import from_params  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every family built by llama.cpp's converter: minutes
+
 NAMES = list(fam.FAMILIES)
 TARGET = 0.5
 

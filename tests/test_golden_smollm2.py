@@ -16,6 +16,8 @@ from powerinfer_jax.models.transformer import from_params
 from powerinfer_jax.runtime.decode import Engine
 from helpers_models import hf_smollm2, with_mode
 
+pytestmark = pytest.mark.slow  # the real SmolLM2 against HF transformers: minutes on 2 cores
+
 VALID = Path(__file__).resolve().parents[2] / "shared" / "data" / "wiki.valid.txt"
 PROMPT = "The capital of France is"
 

@@ -215,6 +215,7 @@ def test_llama_bench_command_and_output():
         lcn.parse_llama_bench("no json here")
 
 
+@pytest.mark.slow
 def test_dry_run_prints_budgets_and_commands(tmp_path):
     """The whole planning path on the real shapes' arithmetic, against a small stand-in file:
     --dry-run refuses a file of the wrong depth, and plans one of the right depth."""
@@ -239,3 +240,68 @@ def test_shell_scripts_parse():
     for script in GPU.glob("*.sh"):
         r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert r.returncode == 0, f"{script.name}: {r.stderr}"
+
+
+# ------------------------------------------------------------------------ sparse_7b_check.sh
+def _cpu_llama_bench() -> Path | None:
+    from powerinfer_jax.cache import cache_dir
+
+    for d in (os.environ.get("PIJ_LLAMA_CPP_BIN"),
+              cache_dir() / "peers" / "llamacpp-cpu-native" / "bin"):
+        if d and (Path(d) / "llama-bench").is_file():
+            return Path(d)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_cpu_llama_bench() is None,
+                    reason="no CPU llama-bench ($PIJ_LLAMA_CPP_BIN or the peers' native build)")
+def test_sparse_7b_check_dry_run(tmp_path):
+    """The GPU check's whole pipeline on this CPU at a tiny shape: the carry folder is prepared
+    (llama.cpp source subset, tokenizer-only GGUF, calibration text), the subset unpacks and
+    configures, the synthetic model is generated from the carried files, and both engines are
+    timed into JSONL rows; the CUDA steps say they were skipped and why. ~2-4 min on 2 cores."""
+    import sparse_7b_prepare as prep
+    import tarfile
+
+    carry = tmp_path / "carry"
+    try:
+        prep.llama_cpp_tree()
+    except SystemExit as e:
+        pytest.skip(f"no llama.cpp tree: {e}")
+    prep.main(["--out", str(carry), "--no-wheels", "--calib-bytes", "60000"])
+    with tarfile.open(carry / "llama.cpp-src.tar.xz") as tar:
+        names = set(tar.getnames())
+    assert {"llama.cpp/CMakeLists.txt", "llama.cpp/ggml/src/ggml-cuda/CMakeLists.txt",
+            "llama.cpp/tools/llama-bench/llama-bench.cpp", "llama.cpp/LLAMA_CPP_COMMIT"} <= names
+    assert not any(n.startswith("llama.cpp/tools/ui/") for n in names)
+    assert (carry / "llama.cpp-src.tar.xz").stat().st_size < 24 * 2 ** 20
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**os.environ, "OUT": str(out), "PIJ_CARRY": str(carry), "PIJ_WORK": str(work),
+           "PIJ_LLAMA_CPP_BIN": str(_cpu_llama_bench()), "PIJ_THREADS": "1",
+           "PIJ_CALIB_TOKENS": "256", "PIJ_ROUNDS": "1", "PYTHON": sys.executable}
+    r = subprocess.run(["bash", str(GPU / "sparse_7b_check.sh"), "--dry-run"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    steps = {s["step"]: s for s in map(json.loads, (out / "steps.jsonl").read_text().splitlines())}
+    for name in ("build", "tests", "sanitizer"):
+        assert steps[name]["status"] == "skipped" and "dry run" in steps[name]["note"]
+    for name in ("llama", "generate", "bench"):
+        assert steps[name]["status"] == "ok", steps[name]
+    rows = [json.loads(l) for l in (out / "sparse_7b.jsonl").read_text().splitlines()]
+    assert {r["system"] for r in rows} == {"llama.cpp", "powerinfer_jax"}
+    for row in rows:
+        assert row["decode_tok_s"] > 0 and "error" not in row, row
+        assert row["dry_run"] is True and row["device"] == "cpu" and "synthetic" in row
+        assert row["threads"] == 1 and row["budget_ffn_fraction"] == 0.25
+        assert row["commit"] == (carry / "COMMIT").read_text().strip()
+        assert row["model"]["sparsity"] == 0.9 and row["model"]["config"]["d_model"] == 128
+    ours = next(r for r in rows if r["system"] == "powerinfer_jax")
+    assert 0 < ours["hot_fraction"] < 1  # the budget placed some neurons hot, not all
+    llama = next(r for r in rows if r["system"] == "llama.cpp")
+    assert llama["ngl"] >= 1 and llama["bytes_device"] <= llama["budget_bytes"]
+    # what comes back from the device tool: at most 8 files, every log in one archive
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "sparse_7b.jsonl",
+                                                     "steps.jsonl", "summary.txt"]
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert {"logs/generate.log", "logs/llama.log", "logs/bench.log"} <= set(tar.getnames())

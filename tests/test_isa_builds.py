@@ -47,6 +47,7 @@ def test_isa_flags_cover_the_builds_isas():
     assert "-mavxvnni" in isa_flags()["avxvnni"] and "-mavx512f" in isa_flags()["avx512"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CXX is None, reason="no C++ compiler on PATH")
 def test_every_isa_compiles():
     r = helpers_background.finish("isa_builds", timeout=900)

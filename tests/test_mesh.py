@@ -38,6 +38,7 @@ if not CHILD:  # the child's own session must not start another child
     BACKGROUND = {"test_cases_on_4_host_devices": _start_child}
 
 
+@pytest.mark.slow
 def test_cases_on_4_host_devices():
     if CHILD:
         pytest.skip("this is the child")

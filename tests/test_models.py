@@ -26,6 +26,7 @@ def our_logits(path, tokens, dtype=jnp.float32):
     return np.asarray(model(jnp.asarray(tokens))), model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", [
     dict(hidden_act="silu", tied=False, n_kv_heads=2),
     dict(hidden_act="relu", tied=False, n_kv_heads=1),
@@ -44,6 +45,7 @@ def test_opt_logits_match_hf(tmp_path):
     np.testing.assert_allclose(ours, hf_logits(tmp_path, TOKENS), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_opt_cached_decode_matches_full_forward(tmp_path):
     """Learned positions with OPT's offset must index the same rows with and without a cache."""
     save_hf_opt(tmp_path)

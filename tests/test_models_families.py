@@ -66,6 +66,7 @@ FALCONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", FALCONS.values(), ids=FALCONS.keys())
 def test_falcon_logits_match_hf(tmp_path, kw):
     hf = save_hf_falcon(tmp_path, **kw)
@@ -93,6 +94,7 @@ def test_falcon_gelu_is_the_tanh_form_within_its_error(tmp_path):
     np.testing.assert_allclose(ours, _hf_logits(hf), **TOL)
 
 
+@pytest.mark.slow
 def test_falcon_cached_decode_matches_full_forward(tmp_path):
     save_hf_falcon(tmp_path, new_decoder_architecture=True, num_kv_heads=2)
     full, _, model = _ours(tmp_path, TOKENS[:1])

@@ -34,6 +34,7 @@ def model_and_placement(cfg, frac, mode="hybrid", seed=0):
     return m, pl.place(mode, freqs, s, budget)
 
 
+@pytest.mark.slow
 def test_permutation_leaves_dense_output_unchanged():
     m, p = model_and_placement(CFG, 0.3)
     ref = np.asarray(m(TOKENS))
@@ -42,6 +43,7 @@ def test_permutation_leaves_dense_output_unchanged():
     np.testing.assert_allclose(np.asarray(m(TOKENS)), ref, **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [CFG, OPT], ids=["relu-gated", "opt-bias"])
 @pytest.mark.parametrize("frac", [0.0, 0.3, 1.0])
 def test_hybrid_equals_unplaced(cfg, frac):
@@ -62,6 +64,7 @@ def test_hybrid_equals_unplaced(cfg, frac):
     np.testing.assert_allclose(np.asarray(with_mode(m, ORACLE)(TOKENS)), want["oracle"], **TOL)
 
 
+@pytest.mark.slow
 def test_hybrid_greedy_tokens_equal_unplaced():
     m, p = model_and_placement(CFG, 0.3)
     prompt = [3, 17, 5, 42, 8]
@@ -73,6 +76,7 @@ def test_hybrid_greedy_tokens_equal_unplaced():
     assert eng.compile_count == 2  # no recompilation per token with a placement
 
 
+@pytest.mark.slow
 def test_layers_mode_equals_unplaced():
     m, p = model_and_placement(CFG, 0.5, mode="layers")
     want = np.asarray(with_mode(m, ORACLE)(TOKENS))
@@ -81,6 +85,7 @@ def test_layers_mode_equals_unplaced():
     np.testing.assert_allclose(np.asarray(m(TOKENS)), want, **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["threshold", "predictor"])
 def test_scores_modes_permute_with_the_neurons(mode):
     m, p = model_and_placement(CFG.replace(activation="silu"), 0.3)

@@ -61,6 +61,7 @@ def _models(path):
             from_params(f.config, f.params, kernels="ffi"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("down", ["default", "q8_rows", "file_layout"])
 @pytest.mark.parametrize("which", ["legacy", "kquant"])
 def test_quantized_model_equals_its_jnp_reference(which, down, request):
@@ -127,6 +128,7 @@ def test_the_q4_predictor_on_kept_blocks_is_refused_by_what_it_would_do(legacy_g
                  progress=False)
 
 
+@pytest.mark.slow
 def test_weights_auto_keeps_the_file_format_and_dtype_dequantizes(legacy_gguf):
     q = pij.load(str(legacy_gguf), progress=False)
     f = pij.load(str(legacy_gguf), weights="dtype", progress=False)
@@ -150,6 +152,7 @@ def test_weights_auto_keeps_the_file_format_and_dtype_dequantizes(legacy_gguf):
     assert 1 <= len(out_q.token_ids) <= 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["oracle", "threshold"])
 def test_sparse_modes_run_on_the_blocks(legacy_gguf, mode):
     from helpers_models import with_mode
@@ -161,6 +164,7 @@ def test_sparse_modes_run_on_the_blocks(legacy_gguf, mode):
     np.testing.assert_allclose(dense_like, np.asarray(quant(TOKENS)), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_batched_greedy_equals_single_on_blocks(legacy_gguf):
     llm = pij.load(str(legacy_gguf), max_batch=3, max_seq_len=64, progress=False)
     eng = llm.session.engine
@@ -169,6 +173,7 @@ def test_batched_greedy_equals_single_on_blocks(legacy_gguf):
     assert [r.tokens for r in eng.run([Request(p, 6) for p in prompts])] == alone
 
 
+@pytest.mark.slow
 def test_placement_dequantizes_and_xla_kernels_dequantize(legacy_gguf):
     placed = pij.load(str(legacy_gguf), vram_budget=1.0, progress=False)
     assert set(placed.session.describe()["weights"]) == {"float32"}
@@ -177,6 +182,7 @@ def test_placement_dequantizes_and_xla_kernels_dequantize(legacy_gguf):
     assert len(xla.generate("hello", max_new_tokens=3).token_ids) >= 1
 
 
+@pytest.mark.slow
 def test_sparsity_auto_times_once_then_reuses_its_decision(legacy_gguf, tmp_path, capsys):
     """--sparsity auto on a calibrated model: dense and the q4-activations mode are timed here and
     the faster kept, with the measurements in describe(); the next build reuses the decision;

@@ -27,6 +27,7 @@ def _cache(rng, s, nk, h, storage, filled):
     return to_cache(jnp.asarray(vals), storage)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("nh,nk,h,rope", [(4, 2, 16, True), (9, 3, 64, True), (2, 2, 8, False)])
 @pytest.mark.parametrize("position,kv_len", [(0, 16), (5, 16), (15, 16), (40, 64)])
@@ -71,6 +72,7 @@ def _randomize_norms(attn, seed):
             norm.scale.set_value(jnp.asarray(rng.normal(1.0, 0.4, norm.scale.shape), jnp.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("nh,nk,h", [(4, 2, 16), (8, 2, 64), (3, 1, 32)])
 @pytest.mark.parametrize("position", [3, 40])
@@ -116,6 +118,7 @@ def test_the_window_reads_only_the_last_slots():
                                   np.asarray(step(x, b, jnp.int32(20))[0]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nh,nk,h", [(9, 3, 64), (8, 2, 64), (2, 2, 128), (10, 2, 64)])
 def test_grouped_heads_and_pool_paths_match_xla_and_each_other(nh, nk, h):
     """Long enough (position 200) for the pool: KV-head tasks for groups of 1-4 with 64- or

@@ -47,6 +47,7 @@ def _call(p, impl, **kw):
                           activation="drelu", impl=impl, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("t", [1, 3, 6])  # 1: the decode path; 6: a token group and a tail
 @pytest.mark.parametrize("bias", [True, False])
@@ -83,6 +84,7 @@ def test_non_gated_drelu_is_relu():
     np.testing.assert_array_equal(np.asarray(y_d), np.asarray(y_r))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("t,d,f", [(1, 576, 300), (3, 100, 37)])
 def test_q4_estimate(t, d, f):
     """The q4 estimate's dReLU path vs the reference and numpy on the dequantized 4-bit rows

@@ -19,6 +19,7 @@ def operands(seed, *, lead=(3,), d=12, o=37, dtype=jnp.float32):
     return x, w, b
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("lead", [(1,), (5,), (2, 3), ()])
 @pytest.mark.parametrize("bias", [False, True])
@@ -31,6 +32,7 @@ def test_matches_reference(dtype, lead, bias):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("d,o", [(576, 1536), (64, 3000), (33, 1)])
 def test_larger_and_odd_shapes_use_the_pool_correctly(d, o):
     x, w, b = operands(1, lead=(4,), d=d, o=o, dtype=jnp.bfloat16)
@@ -83,6 +85,7 @@ def test_handler_validates_too():
 # linear_many: several products of one x in one call (attention's q, k, v at decode)
 # ------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("lead", [(1,), (5,), (1, 1)])
 def test_linear_many_equals_separate_linear_calls(dtype, lead):

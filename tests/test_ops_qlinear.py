@@ -36,6 +36,7 @@ def operands(qtype, seed, *, t=3, o=37, lead=None):
     return jnp.asarray(x), jnp.asarray(random_blocks(qtype, o, d, rng)), d
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("t", [1, 3, 8, 17])
 def test_matches_reference(qtype, t):
@@ -44,6 +45,7 @@ def test_matches_reference(qtype, t):
     _close(got, ops.qlinear(x, blocks, qtype, d, impl="reference"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_bias_type_ids_and_leading_dims(qtype):
     x, blocks, d = operands(qtype, 1, lead=(2, 3))
@@ -55,6 +57,7 @@ def test_bias_type_ids_and_leading_dims(qtype):
     np.testing.assert_array_equal(np.asarray(vm), np.asarray(got))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q3_K", "Q5_K"])
 def test_quantized_real_values_and_pool_split(qtype):
     """Weights that came from float values (gguf's quantizer where it has one, else random
@@ -70,6 +73,7 @@ def test_quantized_real_values_and_pool_split(qtype):
         _close(ops.qlinear(x, blocks, qtype, d), ops.qlinear(x, blocks, qtype, d, impl="reference"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q2_K"])
 @pytest.mark.parametrize("t", [1, 5])
 def test_bitwise_deterministic_across_runs_and_thread_counts(qtype, t):
@@ -96,6 +100,7 @@ def test_one_token_equals_its_row_in_a_prefill(qtype):
         np.testing.assert_array_equal(np.asarray(ops.qlinear(x[t], blocks, qtype, d)), full[t])
 
 
+@pytest.mark.slow
 def test_qlinear_many_mixed_types_equals_separate_calls():
     rng = np.random.default_rng(6)
     d = 512
@@ -113,6 +118,7 @@ def test_qlinear_many_mixed_types_equals_separate_calls():
         _close(g, r)
 
 
+@pytest.mark.slow
 def test_real_smollm2_tensor():
     """The real file's Q4_1 q projection and Q8_0 embedding rows (as a product) vs the reference."""
     from helpers_models import real_gguf_path
@@ -187,6 +193,7 @@ def test_qlinear_many_bad_input_is_a_clear_error():
         ops.qlinear_many(x, [blocks, blocks], ["Q4_1", "Q5_1"], d)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
 def test_qembedding_rows_dequantized(qtype):
     """An embedding lookup on a quantized table: the rows' values, nothing else expanded."""
@@ -204,6 +211,7 @@ def test_qembedding_rows_dequantized(qtype):
         jax.block_until_ready(ops.qembedding(jnp.asarray([1, 53]), table, qtype, d))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype,bad", [("Q4_1", np.nan), ("Q8_0", np.inf), ("Q4_K", np.nan)])
 def test_non_finite_input_reaches_the_output(qtype, bad):
     """A NaN/inf activation makes its token's outputs NaN (as a float matmul would), never a

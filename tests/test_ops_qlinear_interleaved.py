@@ -49,6 +49,7 @@ def test_layout_round_trip_and_byte_map(qtype):
     assert np.array_equal(quants.dequantize(packed, name), quants.dequantize(b, qtype))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("t", [1, 2, 5, 17])
 def test_matches_the_files_rows_and_the_reference(qtype, t):
@@ -103,6 +104,7 @@ def test_bitwise_across_thread_counts_and_many(threads):
         ops.set_num_threads(before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", TYPES)
 def test_embedding_lookup_reads_the_layout(qtype):
     rng = np.random.default_rng(7)
@@ -195,6 +197,7 @@ def _call(x, w, **kw):
     return ops.qsparse_ffn(x, w["up"], w["down"], **rest, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gu,dn,layout", [("Q4_1", "Q4_1", "groups"), ("Q4_0", "Q8_0", "rows"),
                                           ("Q8_0", "Q4_0", "groups")])
 @pytest.mark.parametrize("t", [1, 3, 6])
@@ -235,6 +238,7 @@ def test_sparse_interleaved_gate_up_needs_the_oracle():
         _call(x, dict(packed, up=rows["up"], up_qtype="Q4_0"), **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("activation", ["relu", "drelu"])
 @pytest.mark.parametrize("gu,dn,layout", [("Q4_0", "Q4_0", "groups"), ("Q8_0", "Q8_0", "rows")])
 @pytest.mark.parametrize("t", [1, 4])

@@ -73,6 +73,7 @@ def run_both(x, w, **kw):
     return got, want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gu,dn", PAIRS)
 @pytest.mark.parametrize("t", [1, 3, 8, 17])
 def test_oracle_matches_reference(gu, dn, t):
@@ -84,6 +85,7 @@ def test_oracle_matches_reference(gu, dn, t):
     assert 0 < int(np.asarray(n).min()) and int(np.asarray(n).max()) < F
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gu,dn", PAIRS[::2])
 @pytest.mark.parametrize("t", [1, 3, 17])
 def test_scores_match_reference(gu, dn, t):
@@ -94,6 +96,7 @@ def test_scores_match_reference(gu, dn, t):
     np.testing.assert_array_equal(np.asarray(n), np.asarray(n_ref))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("activation", ["silu", "relu", "gelu", "drelu"])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
@@ -105,6 +108,7 @@ def test_activations_gating_and_biases(activation, gated, bias, t):
     np.testing.assert_array_equal(np.asarray(n), np.asarray(n_ref))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gate_type,up_type", [("Q4_K", "Q6_K"), ("Q8_0", "Q4_K")])
 def test_gate_and_up_of_different_types(gate_type, up_type):
     """Separate passes (and, for Q8_0 + Q4_K, activations rounded per 32 and per 256)."""
@@ -185,6 +189,7 @@ def test_jit_vmap_and_no_neurons():
     assert np.asarray(n0).tolist() == [0, 0]
 
 
+@pytest.mark.slow
 def test_real_smollm2_layer_with_reblocked_down():
     """A real SmolLM2 FFN: the file's Q4_1 gate/up, down_t re-blocked to Q8_0 along D."""
     from helpers_models import real_gguf_path
@@ -251,6 +256,7 @@ def test_handler_validates_too():
         call(criterion="scores", scores=np.zeros((2, 5), np.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("criterion", ["oracle", "scores"])
 def test_nan_input_or_score_reaches_the_output(criterion):
     """A NaN activation (or score) counts as active, as in ops.sparse_ffn: a NaN input token gives
@@ -269,6 +275,7 @@ def test_nan_input_or_score_reaches_the_output(criterion):
     _close(y[:1], y_ref[:1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("criterion", ["oracle", "scores"])
 @pytest.mark.parametrize("gu,dn", [("Q4_1", "Q8_0"), ("Q4_K", "Q6_K")])
 def test_a_token_gets_the_same_bits_alone_and_in_a_batch(gu, dn, criterion):
@@ -287,6 +294,7 @@ def test_a_token_gets_the_same_bits_alone_and_in_a_batch(gu, dn, criterion):
         assert int(np.asarray(n1)[0]) == int(np.asarray(n)[t])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("activation", ["relu", "drelu"])
 @pytest.mark.parametrize("criterion", ["oracle", "scores"])
 @pytest.mark.parametrize("t", [1, 3])
@@ -347,6 +355,7 @@ def test_down_groups_round_trip_and_dequantize_as_the_file():
         quants.down_groups(random_blocks("Q8_0", 48, 32, rng), "Q8_0", 48, 32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dn", quants.DOWN_GROUP_TYPES)
 @pytest.mark.parametrize("t", [1, 3, 17])
 def test_down_groups_match_the_file_down(dn, t):
@@ -412,6 +421,7 @@ def test_down_groups_bad_input():
 
 
 # ------------------------------------- 4-bit neuron rows: 8-bit coefs per 32 ids (as PowerInfer)
+@pytest.mark.slow
 @pytest.mark.parametrize("dn", quants.DOWN_PAIR_TYPES)
 @pytest.mark.parametrize("t", [1, 3, 17])
 def test_row_coefs_round_per_32_neurons(dn, t):
@@ -442,6 +452,7 @@ def test_row_coefs_bitwise_deterministic_across_thread_counts(t):
         threshold=0.0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,dn", [("groups", "Q4_0"), ("groups", "Q4_1"), ("rows", "Q4_1")])
 def test_rounded_coefs_nan_input_reaches_only_its_token(layout, dn):
     """A token whose input holds a NaN gets a non-finite y through the 8-bit coefs (down groups'

@@ -68,6 +68,7 @@ def two_threads():
     ops.set_num_threads(before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
@@ -133,6 +134,7 @@ def test_scores_as_logits():
     assert_close(y, y_ref, jnp.float32)
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(t=st.integers(1, 6), d=st.integers(1, 40), f=st.integers(1, 70),
        density=st.floats(0.0, 1.0), threshold=st.floats(0.0, 0.3),
@@ -180,6 +182,7 @@ def test_leading_batch_dims_without_vmap():
     assert_close(y, y_ref, jnp.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_vmap_over_batch(dtype):
     p = make_ffn(7, t=3, lead=(4,), dtype=dtype, bias=True)

@@ -79,6 +79,7 @@ def assert_names_file_and_fix(err, path):
 # artifacts: incomplete, truncated, corrupt
 # ------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_saved_artifacts_round_trip_with_record(pristine, tmp_path):
     d = copy_of(pristine, tmp_path)
     assert (d / cache.DIR_RECORD).is_file() and cache.check_dir(d) is None
@@ -187,6 +188,7 @@ def test_ensure_artifacts_user_model_error_registry_model_rebuilds(tmp_path, mon
     assert "delete" not in err and "calibrate" not in err
 
 
+@pytest.mark.slow
 def test_racing_artifact_builds_both_succeed_once(tmp_path):
     """Two processes need the same registry model's artifacts (with an orbax predictor, which
     is where a shared build directory used to fail): one builds, the other waits and reuses."""
@@ -274,6 +276,7 @@ def _check_sane(arts, need_predictor):
 
 # orbax, handed a corrupt predictor, leaves an asyncio callback that fails after its loop closed
 # ("Event loop is closed", reported as unraisable): its noise, not a result of this test.
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @settings(max_examples=100, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -455,6 +458,7 @@ needs_sigint = pytest.mark.skipif(
     reason="SIGINT is ignored in this process (a background job); its children inherit that")
 
 
+@pytest.mark.slow
 @needs_sigint
 def test_sigint_during_load_interrupts(tmp_path):
     """jax's Python gc callback used to swallow a KeyboardInterrupt that landed in it; with a gc
@@ -517,6 +521,7 @@ def _generate(gguf, cache_root):
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_corrupt_compilation_cache_entry_recompiles(tmp_path):
     """Compiled steps under <cache>/executables (and jax's own entries under <cache>/xla)
     overwritten with garbage: the next run compiles afresh and gives the same tokens (no
@@ -537,6 +542,7 @@ def test_a_corrupt_compilation_cache_entry_recompiles(tmp_path):
     assert third["tokens"] == first["tokens"] and third["startup"]["executables"]["loaded"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["unwritable", "off", "on"])
 def test_compilation_cache_location_and_switch(tmp_path, case):
     """An unwritable cache root runs without the cache (no error); POWERINFER_JAX_XLA_CACHE=0

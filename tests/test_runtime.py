@@ -39,6 +39,7 @@ def greedy_no_cache(model, prompt, n):
     return ids[len(prompt):]
 
 
+@pytest.mark.slow
 def test_cached_generation_equals_uncached(model):
     prompt = [3, 17, 5, 42, 8]
     eng = Engine(model, max_seq_len=64)
@@ -57,6 +58,7 @@ def test_compiles_once_per_bucket_not_per_token(model):
     assert eng.compile_count == 3
 
 
+@pytest.mark.slow
 def test_bf16_model_runs_and_mostly_agrees(model):
     state = nnx.state(model)
     bf = nnx.merge(nnx.graphdef(model), jax.tree.map(
@@ -77,6 +79,7 @@ def test_sampling_is_seeded_and_respects_top_k(model):
     assert a.tokens != c.tokens  # 12 draws from >= 2 candidates: equal by chance ~never
 
 
+@pytest.mark.slow
 def test_top_k_and_top_p_keep_only_the_allowed_tokens():
     logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
     keys = jax.random.split(jax.random.key(0), 200)
@@ -112,6 +115,7 @@ def test_lookahead_step_past_a_stop_is_discarded(model):
         assert eng.generate([1, 2, 3], max_new_tokens=budget).tokens == free.tokens[:budget]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block,dtype", [(2, "float32"), (3, "float32"), (4, "float32"),
                                          (4, "bfloat16")])
 def test_a_block_of_steps_gives_the_tokens_of_single_steps(model, block, dtype):

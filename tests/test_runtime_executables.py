@@ -36,6 +36,7 @@ def _run(tiny_dir, prompt="the quick brown fox", **kw):
     return llm.session.engine, out.token_ids
 
 
+@pytest.mark.slow
 def test_a_second_build_loads_the_steps_and_gives_the_same_tokens(tiny_dir, cache):
     first, tokens = _run(tiny_dir)
     assert (first.compile_count, first.loaded_count) == (2, 0)
@@ -47,12 +48,14 @@ def test_a_second_build_loads_the_steps_and_gives_the_same_tokens(tiny_dir, cach
     assert again.store.background_s > 0  # loaded by the prefetch, beside the build
 
 
+@pytest.mark.slow
 def test_another_config_is_another_identity(tiny_dir, cache):
     a, _ = _run(tiny_dir)
     b, _ = _run(tiny_dir, dtype="bfloat16")
     assert a.store.identity != b.store.identity and b.compile_count == 2
 
 
+@pytest.mark.slow
 def test_a_step_of_another_structure_is_compiled_again(tiny_dir, cache, monkeypatch):
     """Same identity, different model structure (here: a digest that differs, as a changed
     static attribute would make it): the loaded step is discarded, compiled and replaced."""
@@ -66,6 +69,7 @@ def test_a_step_of_another_structure_is_compiled_again(tiny_dir, cache, monkeypa
     assert (engine.compile_count, engine.loaded_count) == (2, 0)  # the files were replaced
 
 
+@pytest.mark.slow
 def test_an_unreadable_file_is_compiled_again(tiny_dir, cache):
     first, tokens = _run(tiny_dir)
     for f in first.store.dir.glob("*.exe"):
@@ -76,6 +80,7 @@ def test_an_unreadable_file_is_compiled_again(tiny_dir, cache):
     assert engine.loaded_count == 2
 
 
+@pytest.mark.slow
 def test_steps_jax_already_holds_are_compiled_fresh_for_the_store(tiny_dir, cache, monkeypatch):
     """jaxlib 0.10 serializes an executable it loaded from its persistent cache without the
     kernels' code (the loaded copy fails at its first call: "Function ..._fusion not found"), and
@@ -155,6 +160,7 @@ def test_generate_json_reports_where_start_up_went(tiny_dir, tmp_path):
     assert abs(sum(second[k] for k in phases) - second["total_s"]) < 0.05
 
 
+@pytest.mark.slow
 def test_a_cache_sized_to_the_run_gives_the_tokens_of_the_full_cache():
     """generate sizes the KV cache to its prompt and new tokens (generate.kv_for): the steps read
     a bucket of the cache, never its whole length, so the tokens are those of a full cache."""

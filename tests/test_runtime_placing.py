@@ -37,6 +37,7 @@ def test_no_budget_on_cpu_means_no_placement(tiny_dir):
     assert s.placement is None and not s.model.layers[0].ffn.placed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", ["hybrid", "layers"])
 def test_budget_places_and_keeps_tokens(tiny_dir, sizes, tmp_path, offload):
     want = tokens(build(str(tiny_dir), RUNTIME, ORACLE, progress=False))
@@ -79,6 +80,7 @@ def test_bench_json_reports_placement(tiny_dir, sizes, capsys):
                       (p["device_bytes"] - sizes.dense) / sizes.neuron_bytes[0], atol=0.01)
 
 
+@pytest.mark.slow
 def test_accelerator_path_builds_on_the_host_then_moves_what_stays(tiny_dir, sizes, tmp_path,
                                                                  monkeypatch):
     """The GPU session path, run with the CPU standing in for the accelerator: the default budget

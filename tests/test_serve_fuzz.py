@@ -75,6 +75,7 @@ def check(r: httpx.Response, *, stream: bool = False) -> None:
         assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", sorted(BODIES))
 def test_random_json_bodies_never_500(server, path):
     @FUZZ

@@ -11,6 +11,8 @@ import pytest
 from helpers_models import CORPUS, save_hf_llama
 from helpers_serve import MODEL, load, metric, serving
 
+pytestmark = pytest.mark.slow  # a 32-client load test: minutes on 2 cores
+
 CLIENTS = 32
 SLOTS = 8
 

@@ -29,6 +29,7 @@ def test_the_plan_covers_every_bucket(session):
         ("decode", n, 128, kind, 1) for n in (1, 2) for kind in ("greedy", "sample"))
 
 
+@pytest.mark.slow
 def test_health_turns_200_warm_and_requests_compile_nothing(session, monkeypatch):
     """While warming /health is 503 and says how far it got; once 200, requests of every
     bucket, greedy and sampled, one and two at a time, need no step outside the plan."""

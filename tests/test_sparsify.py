@@ -83,6 +83,7 @@ def small(**changes):
 
 
 # ----------------------------------------------------------------------------------- learning
+@pytest.mark.slow
 def test_relu_student_matches_relu_teacher_to_small_kl():
     config, params, teacher, student = tiny_models("relu")
     rng = np.random.default_rng(1)
@@ -101,6 +102,7 @@ def test_relu_student_matches_relu_teacher_to_small_kl():
     assert before > 0.1 and after < 0.1 * before, (before, after)
 
 
+@pytest.mark.slow
 def test_activation_penalty_raises_relu_sparsity():
     config, _, teacher, _ = tiny_models("silu")
     tokens = jnp.asarray(batches(config, seed=9)(0))
@@ -118,6 +120,7 @@ def test_activation_penalty_raises_relu_sparsity():
     assert penalized > plain + 0.08, (plain, penalized)
 
 
+@pytest.mark.slow
 def test_threshold_student_masks_at_target_and_ste_passes_gradient():
     config, _, teacher, student = tiny_models("silu")
     spec = fw.student_spec(config, "threshold", 0.75)
@@ -138,6 +141,7 @@ def test_threshold_student_masks_at_target_and_ste_passes_gradient():
 
 
 # ------------------------------------------------------------------------------ refit, eval
+@pytest.mark.slow
 def test_refit_reduces_the_sparse_layer_error():
     from powerinfer_jax.sparsify.refit import refit_down_rows
 
@@ -187,6 +191,7 @@ def test_curve_eval_matches_the_models_oracle_mode():
 
 
 # ------------------------------------------------------------------------------ resume
+@pytest.mark.slow
 def test_interrupted_run_resumes_without_losing_steps(tmp_path):
     config, params, teacher, student = tiny_models("silu")
     cfg = small(tokens=2 * 16 * 5, refit=False)
@@ -216,6 +221,7 @@ def test_interrupted_run_resumes_without_losing_steps(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_distill_stops_and_resumes_to_the_same_model(tiny_dir, texts, cache, tmp_path):
     train, _ = texts
     cfg = small()
@@ -239,6 +245,7 @@ def test_distill_stops_and_resumes_to_the_same_model(tiny_dir, texts, cache, tmp
 
 
 # ------------------------------------------------------------------------ the exported model
+@pytest.mark.slow
 def test_distilled_directory_loads_everywhere(tiny_dir, texts, cache, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
@@ -325,6 +332,7 @@ def test_corpus_errors(tiny_dir, tmp_path, cache):
         distill(str(tiny_dir), small(), out=tmp_path / "o", corpus=[short], progress=False)
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_checkpoint_of_another_model(tiny_dir, texts, cache, tmp_path):
     other = tmp_path / "other"
     save_hf_llama(other, seed=5)

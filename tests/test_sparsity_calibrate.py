@@ -30,6 +30,7 @@ def _measured_sparsity(model, tokens, mode, thresholds):
     return 1.0 - float(n_active.mean()) / model.config.d_ff
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", [0.3, 0.5, 0.8])
 @pytest.mark.parametrize("mode,criterion", [("oracle", "contribution"), ("threshold", "gate")])
 def test_hits_target_on_held_out(tiny, target, mode, criterion):

@@ -23,6 +23,7 @@ def _planted(n, rng, u, v, c):
     return x, (x[0] @ u @ v + c > 0)[None]
 
 
+@pytest.mark.slow
 def test_planted_mapping_recall():
     rng = np.random.default_rng(0)
     d, r, f = 24, 3, 41
@@ -64,6 +65,7 @@ class _OracleScores(nnx.Module):
         return jnp.abs(activate(self.activation, g) * u) - self.t
 
 
+@pytest.mark.slow
 def test_oracle_fed_predictor_equals_oracle():
     cfg = tiny_llama_config(d_model=48, head_dim=12, d_ff=37 * 3)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
@@ -109,6 +111,7 @@ def built(tmp_path_factory):
     return model, root, fp
 
 
+@pytest.mark.slow
 def test_artifacts_round_trip(built):
     model, root, fp = built
     arts = A.load_artifacts(A.target_dir(root, 0.5), fingerprint=fp, need_predictor=True)
@@ -124,6 +127,7 @@ def test_artifacts_round_trip(built):
     assert (A.target_dir(root, 0.5) / "frequency.png").is_file()
 
 
+@pytest.mark.slow
 def test_artifacts_stale_fingerprint(built):
     _, root, fp = built
     with pytest.raises(ValueError, match="expected model fingerprint files:other.*stale"):
@@ -174,6 +178,7 @@ def test_train_rejects_too_few_tokens():
                             progress=False)
 
 
+@pytest.mark.slow
 def test_evaluate_reports_predictor_recall():
     from powerinfer_jax.runtime.perplexity import perplexity
 

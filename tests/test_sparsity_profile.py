@@ -30,6 +30,7 @@ def _numpy_activations(ffn, x_nd):
     return _silu(g) * u
 
 
+@pytest.mark.slow
 def test_collect_shapes(tiny):
     model, x = tiny
     assert x.shape == (model.config.n_layers, 120, model.config.d_model)

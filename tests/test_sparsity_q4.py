@@ -44,6 +44,7 @@ def test_q4_1_checkpoint_rows_are_reproduced_exactly():
     np.testing.assert_array_equal(np.asarray(q4.dequantize_rows(q, dm, 192)), w)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dim", [32, 64, 100, 576])
 def test_round_trip_error_is_within_half_a_step(dim):
     w = np.random.default_rng(1).standard_normal((5, dim)).astype(np.float32)
@@ -82,6 +83,7 @@ def _operands(seed, *, t=3, d=100, f=37, gated=True, bias=True):
     return x, gate if gated else None, up, b, q, dm
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("t,d,f", [(1, 576, 1536), (3, 100, 37), (5, 64, 8), (2, 33, 300)])
@@ -132,6 +134,7 @@ def _ffn_with_q4(seed, layer):
                       for w in (ffn.gate.weight, ffn.up.weight, ffn.down_t.weight))
 
 
+@pytest.mark.slow
 def test_predictor_mode_matches_a_numpy_ffn():
     """Predictor mode with the q4 predictor: y = sum over neurons whose numpy estimate clears the
     threshold of the exact a_i * down_i, computed here without the project's kernels."""
@@ -149,6 +152,7 @@ def test_predictor_mode_matches_a_numpy_ffn():
         np.testing.assert_array_equal(np.asarray(n_active)[0], (est > thr).sum(-1))
 
 
+@pytest.mark.slow
 def test_signed_estimates_match_numpy_and_the_magnitudes():
     x, gate, up, b, q, dm = _operands(10, t=3, d=576, f=300)
     got = np.asarray(ops.q4_scores(x, q, dm, b, signed=True))
@@ -235,6 +239,7 @@ def test_activations_criterion_needs_scores_and_rejects_bad_names():
             (2, 16), jnp.float32))(x, q, dm, b, activation="silu", output="sign"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("t,d,f,bias", [(1, 576, 1536, False), (5, 100, 37, True),
                                         (3, 64, 300, True), (1, 100, 300, True)])
@@ -300,6 +305,7 @@ def test_fused_q4_ffn_bad_input():
                                                  threshold=0.1, activation="silu")[0])
 
 
+@pytest.mark.slow
 def test_permuted_ffn_keeps_its_output():
     model = _tiny_model(seed=1)
     ffn = model.layers[1].ffn

@@ -21,6 +21,7 @@ def _run(out, *args):
     return json.loads((out / "synthetic.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sparsity", [0.5, 0.7, 0.8, 0.9, 0.95])
 def test_power_law_meets_its_mean_and_hot_share(sparsity):
     loc = Locality.feasible(sparsity)
@@ -60,6 +61,7 @@ def f16_model(tmp_path_factory):
     return out, record
 
 
+@pytest.mark.slow
 def test_frequencies_hold_on_held_out_text(q4_model):
     out, record = q4_model
     z = np.load(out / "frequencies.npz")
@@ -71,6 +73,7 @@ def test_frequencies_hold_on_held_out_text(q4_model):
     assert check["sparsity"] == pytest.approx(0.9, abs=0.01)
 
 
+@pytest.mark.slow
 def test_llama_and_powerinfer_files_hold_the_same_model(q4_model):
     """Down rows are exact in both Q4_0 layouts (module docstring of synthetic/build.py)."""
     from powerinfer_jax.checkpoint import load_checkpoint
@@ -84,6 +87,7 @@ def test_llama_and_powerinfer_files_hold_the_same_model(q4_model):
         np.testing.assert_array_equal(a.params[name], b.params[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_hf_directory_equals_transformers(q4_model):
     """The HF directory holds the GGUF's values: transformers' logits equal ours on the GGUF
     (weights dequantized to float32)."""
@@ -103,6 +107,7 @@ def test_hf_directory_equals_transformers(q4_model):
     np.testing.assert_allclose(np.asarray(ours), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_exact_predictor_gives_the_dense_logits(f16_model):
     """F16 weights: the low-rank predictors are exact for the gate, so predictor mode (PowerInfer
     form, read from the PowerInfer GGUF, run on the llama GGUF) equals dense; oracle too."""
@@ -122,11 +127,13 @@ def test_exact_predictor_gives_the_dense_logits(f16_model):
         np.testing.assert_allclose(logits[name], logits["dense"], atol=1e-5 * scale, err_msg=name)
 
 
+@pytest.mark.slow
 def test_q4_predictors_state_their_recall(q4_model):
     pred = q4_model[1]["verify"]["predictor"]
     assert 0.8 < pred["recall"] <= 1.0 and 0.8 < pred["precision"] <= 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,message", [
     (["--sparsity", "1.5"], "--sparsity: expected a number in (0, 1)"),
     (["--sparsity", "0.9", "--d-model", "100"], "--d-model: expected a multiple of 32"),

@@ -70,6 +70,7 @@ def real_gguf():
     return path
 
 
+@pytest.mark.slow
 def test_real_smollm2_matches_transformers(real_gguf, tmp_path):
     pytest.importorskip("transformers")
     ours, hf = _ours_and_hf(real_gguf)

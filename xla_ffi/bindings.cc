@@ -123,6 +123,7 @@ NB_MODULE(_pij_ext, m) {
     d["pij_decode_attention"] = Capsule(PijDecodeAttentionCpu);
     d["pij_qlinear"] = Capsule(PijQLinearCpu);
     d["pij_qlinear_many"] = Capsule(PijQLinearManyCpu);
+    d["pij_moe_ffn"] = Capsule(PijMoeFfnCpu);
     d["pij_qsparse_ffn"] = Capsule(PijQSparseFfnCpu);
     d["pij_qembedding"] = Capsule(PijQEmbeddingCpu);
     d["pij_disk_ffn"] = Capsule(PijDiskFfnCpu);

@@ -10,6 +10,7 @@
 
 #include "cpu_backend/q4_estimate.h"
 #include "cpu_backend/q4_ffn.h"
+#include "cpu_backend/moe_ffn.h"
 #include "cpu_backend/qlinear.h"
 #include "cpu_backend/qsparse_ffn.h"
 #include "cpu_backend/sparse_ffn.h"
@@ -27,6 +28,7 @@ struct CpuRuntime {
   Q4FfnScratch q4_ffn;         // q4_sparse_ffn
   QLinearScratch qlinear;      // qlinear, qlinear_many
   QSparseFfnScratch qsparse_ffn;
+  MoeScratch moe;              // moe_ffn
 };
 
 CpuRuntime& GetCpuRuntime();

@@ -26,14 +26,17 @@ cp "$BUILD"/_pij_ext*.so "$BUILD"/_pij_cuda*.so powerinfer_jax/
 echo "build: $(( $(date +%s) - t0 )) s"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 [ "${PIJ_BUILD_ONLY:-0}" = 1 ] && exit 0
+t0=$(date +%s)
 $PY -m pytest -q -rs -p no:cacheprovider tests/test_cuda_kernels.py tests/test_cuda_hybrid.py tests/test_cuda_session.py "$@" \
   2>&1 | tee "$OUT/pytest_cuda.log" | tail -40
 rc=${PIPESTATUS[0]}
+echo "pytest: $(( $(date +%s) - t0 )) s"
 if [ "${PIJ_SANITIZE:-1}" = 1 ]; then
   # memcheck on the hybrid handler (a few cases: every dtype, both criteria, T=1 and 3)
+  t0=$(date +%s)
   timeout "${PIJ_SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
     $PY -m pytest -q -p no:cacheprovider tests/test_cuda_hybrid.py -k "150 and (scores or oracle)" \
     >"$OUT/sanitizer.log" 2>&1
-  echo "compute-sanitizer memcheck rc=$? (log: sanitizer.log)"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.log" | tail -5
+  echo "compute-sanitizer memcheck rc=$? in $(( $(date +%s) - t0 )) s (log: sanitizer.log)"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.log" | tail -5
 fi
 exit $rc

@@ -8,6 +8,13 @@
 # Usage: bash benchmarks/gpu/build_llama_cpp_cuda.sh [DEST]
 #   env: PIJ_PEERS   where the sdist, cuBLAS and the build tree live
 #                    (default: $POWERINFER_JAX_CACHE or ~/.cache/powerinfer_jax, then /peers)
+#        LLAMA_CPP_SRC  a llama.cpp tree to build instead of the sdist's, e.g. the source subset
+#                    sparse_7b_prepare.py packs (its commit in the file LLAMA_CPP_COMMIT)
+#        CONFIGURE_ONLY=1  stop after CMake's configure (a check that the tree is complete)
+#        GGML_CUDA   ON (default) or OFF: a CPU-only configure where there is no cuBLAS
+#        CPU_NATIVE=1  build the CPU backend for THIS machine's CPU only (GGML_NATIVE=ON, no
+#                    per-level variants): for a build on the GPU machine itself, where the
+#                    variants' ~10 CPU builds would only cost time
 #        JOBS        parallel compile jobs (default 2: the build machine's cores are shared)
 #        NICE        niceness of the build (default 19)
 #
@@ -28,10 +35,11 @@
 #   (LLAMA_CURL no longer exists in this tree: it is deprecated and curl is not used.)
 # Targets: llama-bench llama-batched-bench llama-completion (llama-cli now needs the server).
 #
-# cuBLAS: ggml-cuda links libcublas (.so.13). This machine's CUDA 13.0 has no cuBLAS, so the
-# script installs the pip wheel nvidia-cublas==13.0.0.19 (CUDA 13.0's cuBLAS) under $PIJ_PEERS to
-# compile and link against; on the GPU machine the same soname comes from its own CUDA 13
-# (run_issue18.sh finds it). Exit status: 0 built, 1 failed (log: $BUILD/build.log).
+# cuBLAS: ggml-cuda links libcublas (.so.13): the CUDA toolkit's when it has one, else the one
+# a Python nvidia-cublas wheel installed (the GPU image's python3 has it), else the script installs
+# the pip wheel nvidia-cublas==13.0.0.19 (CUDA 13.0's cuBLAS) under $PIJ_PEERS (this build machine's
+# CUDA 13.0 has no cuBLAS). BUILD_INFO names the folder ("cublas_lib DIR"): put it on
+# LD_LIBRARY_PATH to run the binaries. Exit status: 0 built, 1 failed (log: $BUILD/build.log).
 set -euo pipefail
 
 VERSION=0.3.36
@@ -41,8 +49,9 @@ JOBS=${JOBS:-2}
 NICE=${NICE:-19}
 PEERS=${PIJ_PEERS:-${POWERINFER_JAX_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/powerinfer_jax}/peers}
 SRC_ROOT=$PEERS/llama-cpp-python-$VERSION
-SRC=$SRC_ROOT/vendor/llama.cpp
+SRC=${LLAMA_CPP_SRC:-$SRC_ROOT/vendor/llama.cpp}
 CUBLAS=$PEERS/nvidia-cublas-13.0
+CUDA_ON=${GGML_CUDA:-ON}
 BUILD=$PEERS/llama.cpp-cuda-sm90-${LLAMA_CPP_COMMIT:0:12}
 DEST=${1:-.peers/llama.cpp-cuda}
 TARGETS=(llama-bench llama-batched-bench llama-completion)
@@ -52,6 +61,9 @@ mkdir -p "$PEERS"
 log() { echo "[build_llama_cpp_cuda] $*" >&2; }
 
 # 1. the llama.cpp tree (reused if another helper unpacked it already)
+if [ ! -f "$SRC/CMakeLists.txt" ] && [ -n "${LLAMA_CPP_SRC:-}" ]; then
+  log "LLAMA_CPP_SRC: expected a llama.cpp tree with CMakeLists.txt, got $SRC"; exit 1
+fi
 if [ ! -f "$SRC/CMakeLists.txt" ]; then
   tmp=$(mktemp -d "$PEERS/.sdist.XXXXXX")
   log "downloading the llama-cpp-python $VERSION sdist"
@@ -59,13 +71,19 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
   tar xzf "$tmp/llama_cpp_python-$VERSION.tar.gz" -C "$tmp"
   rm -rf "$SRC_ROOT"; mv "$tmp/llama_cpp_python-$VERSION" "$SRC_ROOT"; rm -rf "$tmp"
 fi
-got=$(git -C "$SRC" rev-parse HEAD 2>/dev/null || echo unknown)
+if [ -f "$SRC/LLAMA_CPP_COMMIT" ]; then  # a packed subset: no .git
+  got=$(cat "$SRC/LLAMA_CPP_COMMIT")
+else
+  got=$(git -C "$SRC" rev-parse HEAD 2>/dev/null || echo unknown)
+fi
 if [ "$got" != "$LLAMA_CPP_COMMIT" ]; then
   log "llama.cpp tree $SRC: expected commit $LLAMA_CPP_COMMIT, got $got (remove $SRC_ROOT to re-fetch)"
   exit 1
 fi
 
 # 2. nvcc and cuBLAS
+cuda_flags=()
+if [ "$CUDA_ON" = ON ]; then
 NVCC=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 [ -x "$NVCC" ] || { log "nvcc: expected on PATH or /usr/local/cuda/bin, got none"; exit 1; }
 # nvcc may be a wrapper script (/usr/local/bin/nvcc execs the real one): ask nvcc where it lives
@@ -73,8 +91,13 @@ CUDA_ROOT=${CUDAToolkit_ROOT:-$("$NVCC" -dryrun -x cu -c /dev/null -o /dev/null 
   sed -n 's/^#\$ TOP=//p' | head -1)}
 CUDA_ROOT=$(readlink -f "$CUDA_ROOT")
 NVCC=$CUDA_ROOT/bin/nvcc
+# a Python nvidia-cublas wheel's (nvidia/cu13/... or nvidia/cublas/...), if the python has one
+py_cublas=$("$PY" -c 'import site, glob; print(next(iter(sorted(h for d in site.getsitepackages()
+  for h in glob.glob(d + "/nvidia/**/include/cublas_v2.h", recursive=True))), ""))' 2>/dev/null || true)
 if [ -f "$CUDA_ROOT/include/cublas_v2.h" ] && ls "$CUDA_ROOT"/lib64/libcublas.so* >/dev/null 2>&1; then
   CUBLAS_INC=$CUDA_ROOT/include; CUBLAS_LIB=$CUDA_ROOT/lib64
+elif [ -n "$py_cublas" ] && ls "$(dirname "$(dirname "$py_cublas")")"/lib/libcublas.so* >/dev/null 2>&1; then
+  CUBLAS_INC=$(dirname "$py_cublas"); CUBLAS_LIB=$(dirname "$CUBLAS_INC")/lib
 else
   if [ ! -f "$CUBLAS/.complete" ]; then
     log "installing $CUBLAS_WHEEL into $CUBLAS (headers and libraries to link against)"
@@ -88,24 +111,33 @@ fi
 LIB_CUBLAS=$(ls "$CUBLAS_LIB"/libcublas.so* | head -1)
 LIB_CUBLASLT=$(ls "$CUBLAS_LIB"/libcublasLt.so* | head -1)
 log "nvcc $("$NVCC" --version | tail -2 | head -1); CUDA root $CUDA_ROOT; cuBLAS $LIB_CUBLAS"
+cuda_flags=(-DCMAKE_CUDA_COMPILER="$NVCC" -DCUDAToolkit_ROOT="$CUDA_ROOT"
+  -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA_ALL_QUANTS=OFF -DGGML_CUDA_NCCL=OFF
+  -DGGML_CUDA_NO_VMM=ON
+  -DCUDA_cublas_LIBRARY="$LIB_CUBLAS" -DCUDA_cublasLt_LIBRARY="$LIB_CUBLASLT"
+  -DCMAKE_CUDA_FLAGS="-I$CUBLAS_INC" -DCMAKE_CXX_FLAGS="-I$CUBLAS_INC")
+else
+  BUILD=$BUILD-cpu-configure; CUBLAS_LIB=none; cuda_flags=(-DGGML_CUDA=OFF)
+fi
 
 # 3. configure and build (incremental: an up-to-date build returns at once)
+if [ "${CPU_NATIVE:-0}" = 1 ]; then
+  cpu_flags=(-DGGML_NATIVE=ON -DGGML_BACKEND_DL=OFF -DGGML_CPU_ALL_VARIANTS=OFF); BUILD=$BUILD-native
+else
+  cpu_flags=(-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON)
+fi
 mkdir -p "$BUILD"
 echo "# llama.cpp $LLAMA_CPP_COMMIT (llama-cpp-python $VERSION sdist), built $(date -u +%FT%TZ)" \
   >>"$BUILD/build.log"
 ( set -x
-  cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_CUDA_COMPILER="$NVCC" -DCUDAToolkit_ROOT="$CUDA_ROOT" \
-    -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA_ALL_QUANTS=OFF -DGGML_CUDA_NCCL=OFF \
-    -DGGML_CUDA_NO_VMM=ON \
-    -DCUDA_cublas_LIBRARY="$LIB_CUBLAS" -DCUDA_cublasLt_LIBRARY="$LIB_CUBLASLT" \
-    -DCMAKE_CUDA_FLAGS="-I$CUBLAS_INC" -DCMAKE_CXX_FLAGS="-I$CUBLAS_INC" \
-    -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DBUILD_SHARED_LIBS=ON \
+  cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release "${cuda_flags[@]}" "${cpu_flags[@]}" \
+    -DBUILD_SHARED_LIBS=ON \
     -DGGML_CCACHE=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF \
     -DCMAKE_BUILD_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=OFF &&
-  nice -n "$NICE" cmake --build "$BUILD" -j"$JOBS" --target "${TARGETS[@]}"
+  { [ "${CONFIGURE_ONLY:-0}" = 1 ] || nice -n "$NICE" cmake --build "$BUILD" -j"$JOBS" --target "${TARGETS[@]}"; }
 ) >>"$BUILD/build.log" 2>&1 || { tail -30 "$BUILD/build.log" >&2; log "build failed (log: $BUILD/build.log)"; exit 1; }
+if [ "${CONFIGURE_ONLY:-0}" = 1 ]; then log "configured $SRC in $BUILD (CONFIGURE_ONLY=1)"; exit 0; fi
 
 # 4. stage what the GPU machine needs: the binaries, libllama/libggml*, every backend module
 mkdir -p "$DEST"
@@ -113,5 +145,6 @@ rm -f "$DEST"/*
 cp -L "${TARGETS[@]/#/$BUILD/bin/}" "$DEST/"
 cp -L "$BUILD"/bin/*.so* "$DEST/"
 printf '%s\n' "llama.cpp $LLAMA_CPP_COMMIT" "llama-cpp-python $VERSION" "cuda_arch 90" \
-  "cublas $CUBLAS_WHEEL" >"$DEST/BUILD_INFO"
+  "cpu $([ "${CPU_NATIVE:-0}" = 1 ] && echo native || echo all-variants)" \
+  "cublas_lib $CUBLAS_LIB" >"$DEST/BUILD_INFO"
 log "staged in $DEST ($(du -sh "$DEST" | cut -f1)): $(ls "$DEST" | tr '\n' ' ')"

@@ -9,7 +9,9 @@ Canonical names (weights [out, in] like a HF Linear, FFN neuron-major):
   layers.{i}.attn_post_norm.scale, layers.{i}.ffn_post_norm.scale [D] (config.post_norms);
   layers.{i}.ffn_norm.scale/.bias [D]; layers.{i}.ffn.gate.weight [F, D] (gated only),
     ffn.up.weight [F, D], ffn.down_t.weight [F, D] (= down_proj.weight.T), ffn.up.bias [F],
-    ffn.down.bias [D].
+    ffn.down.bias [D]. MoE layers (config.n_experts): ffn.router.weight [E, D],
+    ffn.experts.{gate,up,down_t}.weight [E, F, D], a shared expert's ffn.shared.* ([F_s, D]) and
+    ffn.shared_gate.weight [1, D] (`moe_shapes`).
 `.bias` norm entries exist only for LayerNorm; attention/FFN biases only when config.bias.
 """
 from __future__ import annotations
@@ -53,7 +55,8 @@ class QuantTensor:
     """A weight kept as a GGUF tensor's blocks: stored once, dequantized on demand.
 
     blocks: uint8 [rows, row_bytes], the file's bytes for the stored matrix [rows, cols] (Q/K
-      rows already un-permuted to HF order: rows permute whole, blocks with them).
+      rows already un-permuted to HF order: rows permute whole, blocks with them); stacked
+      experts (ffn_*_exps): uint8 [E, rows, row_bytes].
     qtype: the GGML type name ("Q4_K", ...). shape: the canonical param's shape.
     transposed: the canonical param is the transpose of the stored matrix (`ffn.down_t.weight`:
       GGUF stores ffn_down [D, F], blocked along F).
@@ -72,16 +75,19 @@ class QuantTensor:
 
         if not hasattr(self.blocks, "dtype"):  # jax's tree utilities unflatten with placeholders
             return
-        rows, cols = self.stored_shape
-        want = (rows, quants.row_bytes(self.qtype, cols))
+        *lead, rows, cols = self.stored_shape
+        want = (*lead, rows, quants.row_bytes(self.qtype, cols))
         if tuple(np.shape(self.blocks)) != want or np.dtype(self.blocks.dtype) != np.uint8:
             raise ValueError(f"QuantTensor blocks: expected uint8 {want} for {self.qtype} "
                              f"{self.stored_shape}, got {np.dtype(self.blocks.dtype)} "
                              f"{tuple(np.shape(self.blocks))}")
 
     @property
-    def stored_shape(self) -> tuple[int, int]:
-        return tuple(self.shape[::-1]) if self.transposed else tuple(self.shape)
+    def stored_shape(self) -> tuple[int, ...]:
+        """The file's matrix (stacked experts: [E, rows, cols]); transposed: the canonical
+        shape's last two axes swapped."""
+        s = tuple(self.shape)
+        return s[:-2] + s[:-3:-1] if self.transposed else s
 
     @property
     def nbytes(self) -> int:
@@ -92,13 +98,16 @@ class QuantTensor:
         from powerinfer_jax.checkpoint import quants
         from powerinfer_jax.ops._ffi import _pij_ext
 
-        blocks = np.ascontiguousarray(self.blocks, dtype=np.uint8)
-        rows, cols = self.stored_shape
-        values = np.empty((rows, cols), np.float32)
+        stored = self.stored_shape
+        cols = stored[-1]
+        blocks = np.ascontiguousarray(self.blocks, dtype=np.uint8).reshape(
+            -1, quants.row_bytes(self.qtype, cols))
+        values = np.empty((blocks.shape[0], cols), np.float32)
         # the kernels' unpacking: equal to quants.dequantize bit for bit (test_checkpoint_quants)
         # and ~10x faster than the gguf package's numpy; it runs at load for every down matrix
         _pij_ext.dequantize_into(blocks, quants.type_id(self.qtype), values)
-        return np.ascontiguousarray(values.T) if self.transposed else values
+        values = values.reshape(stored)
+        return np.ascontiguousarray(np.swapaxes(values, -1, -2)) if self.transposed else values
 
     def down_groups(self) -> np.ndarray:
         """ffn_down's blocks (a transposed tensor: stored [D, F]) as down groups, uint8
@@ -150,6 +159,10 @@ SUPPORTED_ARCHITECTURES = ("llama (LlamaForCausalLM, MistralForCausalLM, GGUF 'l
                            "gemma3 (Gemma3ForCausalLM text-only, HF model_type 'gemma3_text', "
                            "GGUF 'gemma3')",
                            "phi3 (Phi3ForCausalLM, GGUF 'phi3')",
+                           "mixtral (MixtralForCausalLM, GGUF 'llama' with experts)",
+                           "qwen2_moe (Qwen2MoeForCausalLM, GGUF 'qwen2moe')",
+                           "qwen3_moe (Qwen3MoeForCausalLM, GGUF 'qwen3moe')",
+                           "olmoe (OlmoeForCausalLM, GGUF 'olmoe')",
                            "falcon (FalconForCausalLM, GGUF 'falcon')",
                            "opt (OPTForCausalLM, GGUF 'opt')")
 
@@ -182,6 +195,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.qk_norm:
             shapes[p + "attn.q_norm.scale"] = (c.head_dim,)
             shapes[p + "attn.k_norm.scale"] = (c.head_dim,)
+        if c.qk_norm_full:
+            shapes[p + "attn.q_norm.scale"] = (c.q_dim,)
+            shapes[p + "attn.k_norm.scale"] = (c.kv_dim,)
+        if c.n_experts:
+            shapes.update(moe_shapes(c, p))
+            continue
         if c.gated:
             shapes[p + "ffn.gate.weight"] = (f, d)
         shapes[p + "ffn.up.weight"] = (f, d)
@@ -189,6 +208,21 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.bias:
             shapes[p + "ffn.up.bias"] = (f,)
             shapes[p + "ffn.down.bias"] = (d,)
+    return shapes
+
+
+def moe_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """An MoE layer's canonical params (prefix `p`): the router [E, D], the experts stacked
+    [E, F, D] (down transposed, neuron-major as the dense FFN's), and the shared expert's
+    gate/up/down_t [F_shared, D] with its gate [1, D] when config.d_ff_shared."""
+    e, f, d = c.n_experts, c.d_ff, c.d_model
+    shapes = {p + "ffn.router.weight": (e, d)}
+    for part in ("gate", "up", "down_t"):
+        shapes[f"{p}ffn.experts.{part}.weight"] = (e, f, d)
+    if c.d_ff_shared:
+        for part in ("gate", "up", "down_t"):
+            shapes[f"{p}ffn.shared.{part}.weight"] = (c.d_ff_shared, d)
+        shapes[p + "ffn.shared_gate.weight"] = (1, d)
     return shapes
 
 

@@ -98,6 +98,8 @@ def _read_stored(t, expected: tuple[int, ...], source: str, keep_quantized: bool
                          f"from the metadata, got {shape}")
     data = np.asarray(t.data)
     rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
+    if keep_quantized and qtype in quants.QUANTIZED_TYPES and len(shape) == 3:  # experts
+        return QuantTensor(data.reshape(shape[:-1] + (-1,)), qtype, shape)
     if keep_quantized and qtype in quants.QUANTIZED_TYPES and len(shape) == 2:
         # the file's own pages (a read-only view of its mmap, which stays mapped while the model
         # uses it, as llama.cpp maps its files): nothing is copied where the model's arrays can
@@ -119,8 +121,14 @@ def _canonical(value, src):
     elif src.kind == "rows":
         data = data[src.start:src.stop]
     transposed = src.kind == "transposed"
-    if not quantized:
-        return np.ascontiguousarray(data.T if transposed else data)
+    if src.kind == "vector":  # a [D] tensor read as the canonical [1, D]
+        data = data.reshape(1, -1)
+    if not quantized:  # transposed: the last two axes (stacked experts: [E, D, F] -> [E, F, D])
+        return np.ascontiguousarray(np.swapaxes(data, -1, -2) if transposed else data)
+    if data.ndim == 3:  # stacked experts: canonical = the last two axes swapped when transposed
+        s = value.shape
+        return QuantTensor(data, value.qtype, s[:-2] + s[:-3:-1] if transposed else s,
+                           transposed)
     rows, cols = data.shape[0], value.shape[1]
     return QuantTensor(np.ascontiguousarray(data), value.qtype,
                        (cols, rows) if transposed else (rows, cols), transposed)
@@ -169,7 +177,10 @@ def load_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> Check
             raise ValueError(f"{source}: expected tensor {src.gguf!r} (for {name}, shape "
                              f"{expected_shapes(config)[name]}), got none")
         if src.gguf not in read:
-            read[src.gguf] = _read_stored(tensors[src.gguf], src.stored, source, keep_quantized)
+            stored = src.stored
+            if src.kind == "vector" and int(np.prod(tensors[src.gguf].shape)) == stored[-1]:
+                stored = tuple(int(n) for n in reversed(tensors[src.gguf].shape.tolist()))
+            read[src.gguf] = _read_stored(tensors[src.gguf], stored, source, keep_quantized)
         params[name] = _canonical(read[src.gguf], src)
     check_params(config, params, source)
     tokenizer = Tokenizer.from_gguf_metadata(meta)

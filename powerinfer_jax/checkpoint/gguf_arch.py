@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, NamedTuple
 
-from powerinfer_jax.checkpoint import gguf_families
+from powerinfer_jax.checkpoint import gguf_families, gguf_moe
 from powerinfer_jax.checkpoint.base import expected_shapes, unsupported_architecture
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.errors import fail
@@ -36,11 +36,13 @@ ARCHITECTURES = ("llama", "bamboo", "falcon", "opt") + gguf_families.ARCHITECTUR
 ACTIVATION_KEY = "powerinfer_jax.ffn_activation"
 _DEFAULT_ACTIVATION = {"llama": "silu", "bamboo": "drelu", "falcon": "gelu", "opt": "relu",
                        "qwen2": "silu", "qwen3": "silu", "phi3": "silu", "gemma2": "gelu",
-                       "gemma3": "gelu"}
+                       "gemma3": "gelu", "qwen2moe": "silu", "qwen3moe": "silu",
+                       "olmoe": "silu"}
 _POWERINFER_ACTIVATION = {"llama": "relu", "bamboo": "drelu", "falcon": "relu", "opt": "relu"}
 _ALLOWED = {"llama": ("silu", "relu", "gelu"), "bamboo": ("drelu",), "falcon": ("relu", "gelu"),
             "opt": ("relu",), "qwen2": ("silu", "relu"), "qwen3": ("silu", "relu"),
-            "phi3": ("silu", "relu"), "gemma2": ("gelu",), "gemma3": ("gelu",)}
+            "phi3": ("silu", "relu"), "gemma2": ("gelu",), "gemma3": ("gelu",),
+            "qwen2moe": ("silu",), "qwen3moe": ("silu",), "olmoe": ("silu",)}
 
 
 class Source(NamedTuple):
@@ -130,6 +132,7 @@ def config_from_metadata(meta: Mapping[str, Any], source: str, *, vocab_size: in
         return gguf_families.config(arch, meta, source, common, tied=tied, rope_freqs=rope_freqs,
                                     tensor_names=tensor_names)
     if arch in ("llama", "bamboo"):
+        common.update(gguf_moe.experts(meta, arch, source))  # Mixtral: a llama with experts
         return ModelConfig(
             arch="llama", **common,
             head_dim=gguf_families.head_dim(meta, arch, d, n_heads, source),
@@ -202,6 +205,11 @@ def sources(config: ModelConfig, arch: str, *, down_t: bool,
             continue
         _, i, rest = name.split(".", 2)
         blk = f"blk.{i}."
+        if rest in gguf_moe.TENSORS:
+            gname, kind = gguf_moe.TENSORS[rest]
+            stored = shape[:-2] + shape[:-3:-1] if kind == "transposed" else shape
+            out[name] = Source(blk + gname, tuple(stored), kind)
+            continue
         if rest.startswith("ffn.down"):
             stem = "ffn_down_t" if down_t else "ffn_down"
             if rest == "ffn.down.bias":

@@ -10,6 +10,8 @@ convert_hf_to_gguf.py writes them and llama.cpp reads them (src/models/<arch>.cp
   gemma3  gemma2 without the attention soft-cap, with q/k norms; sliding layers 5 of every 6
           (when `attention.sliding_window` > 0) with their own RoPE base (`rope.freq_base_swa`,
           default 10000) and no scaling; global layers the file's base and scaling
+  qwen2moe, qwen3moe, olmoe: experts (gguf_moe.py) with qwen2's, qwen3's attention, and
+          OLMoE's q/k norms over the whole projection
   phi3    fused attn_qkv ([q; k; v] rows) and ffn_up ([gate; up] rows: 2F), read as row ranges
 
 Gemma's query scale is 1/sqrt(head_dim), or 1/sqrt(D / n_heads) for the 27B models (llama.cpp
@@ -27,10 +29,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from powerinfer_jax.checkpoint import gguf_moe
 from powerinfer_jax.config import ModelConfig, RopeScaling
 from powerinfer_jax.errors import fail
 
-ARCHITECTURES = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+ARCHITECTURES = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3") + gguf_moe.ARCHITECTURES
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _SCALING_TYPES = ("none", "linear", "yarn")
 
@@ -125,10 +128,13 @@ def config(arch: str, meta: Mapping[str, Any], source: str, common: dict, *, tie
     family: dict[str, Any] = {}  # common["activation"]: gguf_arch.activation_for
     window = int(meta.get(a + "attention.sliding_window") or 0)
     windows: tuple[int, ...] = ()
-    if arch == "qwen2":
+    dense = gguf_moe.DENSE_ANALOGUE.get(arch, arch)  # an MoE arch's attention
+    if dense == "qwen2":
         family.update(qkv_bias=True)
-    elif arch == "qwen3":
+    elif dense == "qwen3":
         family.update(qk_norm=True)
+    elif arch == "olmoe":
+        family.update(qk_norm_full=True)
     elif arch == "phi3":
         if window:
             windows = (window,) * n_layers
@@ -147,6 +153,7 @@ def config(arch: str, meta: Mapping[str, Any], source: str, common: dict, *, tie
             final_softcap=float(meta.get(a + "final_logit_softcapping",
                                          30.0 if gemma2 else 0.0)),
             rope_local_theta=_local_theta(meta, a, theta, gemma2) if window else None)
+    common = {**common, **gguf_moe.experts(meta, arch, source)}
     return ModelConfig(
         arch="llama", **common, head_dim=h,
         max_seq_len=int(_require(meta, a + "context_length", source)), gated=True, bias=False,

@@ -20,10 +20,12 @@ import numpy as np
 
 from powerinfer_jax.checkpoint import hf_falcon
 from powerinfer_jax.checkpoint import hf_families as families
+from powerinfer_jax.checkpoint import hf_moe
 from powerinfer_jax.checkpoint.base import Checkpoint, check_params, unsupported_architecture
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.tokenizer import Tokenizer
 
+FAMILIES = {**families.FAMILIES, **hf_moe.FAMILIES}  # model_type -> its row
 _SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
 
 
@@ -83,7 +85,7 @@ def _weight_files(d: Path) -> list[Path]:
 # ------------------------------------------------------------------------------------ config
 def config_from_hf(cfg: Mapping[str, Any], d: Path, source: str) -> ModelConfig:
     """ModelConfig of a config.json, by its model_type's row in hf_families.FAMILIES."""
-    family = families.FAMILIES.get(cfg.get("model_type"))
+    family = FAMILIES.get(cfg.get("model_type"))
     if family is None:
         arch = (cfg.get("architectures") or [cfg.get("model_type")])[0]
         raise unsupported_architecture(arch, source, f" (model_type {cfg.get('model_type')!r})")
@@ -100,13 +102,15 @@ def _strip_prefix(name: str) -> str:
     return name
 
 
-def _canonical(hf_name: str, table: Mapping[str, str]) -> str | None:
+def _canonical(hf_name: str, table: Mapping[str, str]) -> tuple[str | None, int | None]:
+    """(canonical name, expert index or None) of an HF tensor name."""
     name = _strip_prefix(hf_name)
     if name.startswith("layers."):
         _, i, rest = name.split(".", 2)
+        rest, expert = hf_moe.expert_of(rest)
         ours = table.get("layers.{i}." + rest)
-        return ours.replace("{i}", i) if ours else None
-    return table.get(name)
+        return (ours.replace("{i}", i) if ours else None), expert
+    return table.get(name), None
 
 
 def load_hf(path: str | os.PathLike) -> Checkpoint:
@@ -120,21 +124,29 @@ def load_hf(path: str | os.PathLike) -> Checkpoint:
     except json.JSONDecodeError as e:
         raise ValueError(f"{source}: expected config.json to be JSON, got a parse error ({e})") from e
     config = config_from_hf(cfg, d, source)
-    family = families.FAMILIES[cfg["model_type"]]
+    family = FAMILIES[cfg["model_type"]]
     params: dict[str, np.ndarray] = {}
+    per_expert: dict[str, dict[int, np.ndarray]] = {}  # MoE: stacked once all are read
     for file in _weight_files(d):
         for hf_name, value in read_safetensors(file).items():
-            name = _canonical(hf_name, family.names)
+            name, expert = _canonical(hf_name, family.names)
             if name is None or (name == "lm_head" and config.tie_embeddings):
                 continue  # e.g. rotary inv_freq buffers, a duplicated tied head
-            if name.endswith("ffn.down_t.weight"):
+            if name.endswith(("experts.gate_up", "experts.down_proj")):
+                params.update(hf_moe.split_fused(name, value, config))
+                continue
+            if name.endswith("down_t.weight"):  # an FFN's, an expert's, a shared expert's
                 value = np.ascontiguousarray(value.T)
+            if expert is not None:
+                per_expert.setdefault(name, {})[expert] = value
+                continue
             if family.norm_shift and name.endswith(".scale"):  # Gemma: (1 + w) folded once
                 value = value + np.float32(family.norm_shift)
             if ".qkv." in name or ".gate_up." in name:  # fused tensors: their parts
                 params.update(family.split(name, value, cfg, config))
                 continue
             params[name] = value
+    params.update(hf_moe.stack(per_expert, config, source))
     if config.arch == "falcon":
         hf_falcon.finish(params, config)
     check_params(config, params, source)

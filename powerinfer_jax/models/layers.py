@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from powerinfer_jax.errors import fail
 from powerinfer_jax.models.qweights import MATVEC, QWeight, host_blocks
 from powerinfer_jax.models.rope import Rope
 from powerinfer_jax.models.rope import apply as rope_apply
@@ -236,7 +237,8 @@ class Attention(Module):
                  bias: bool, rope: Rope | None, dtype, rngs: nnx.Rngs | None,
                  kernels: str = "xla", decode_attention: str = "auto", fuse_qkv: bool = True,
                  qkv_bias: bool = False, qk_norm_eps: float | None = None,
-                 scale: float | None = None, softcap: float = 0.0, window: int = 0):
+                 scale: float | None = None, softcap: float = 0.0, window: int = 0,
+                 qk_norm_full_eps: float | None = None):
         """decode_attention: "auto" (one custom call per decode token when kernels is "ffi" on
         CPU) or "xla" (XLA's ops: the ablation). fuse_qkv: at decode with "ffi", q, k and v in
         one ops.linear_many call (False: three calls, the ablation)."""
@@ -256,6 +258,13 @@ class Attention(Module):
         qk_norm = qk_norm_eps is not None
         self.q_norm = Norm(head_dim, kind="rms", eps=qk_norm_eps) if qk_norm else None
         self.k_norm = Norm(head_dim, kind="rms", eps=qk_norm_eps) if qk_norm else None
+        if qk_norm_full_eps is not None:  # OLMoE: over the whole projection, before the heads
+            if qk_norm:
+                fail("Attention q/k norms", "per head or over the projection, not both",
+                     (qk_norm_eps, qk_norm_full_eps))
+            self.q_norm = Norm(n_heads * head_dim, kind="rms", eps=qk_norm_full_eps)
+            self.k_norm = Norm(n_kv_heads * head_dim, kind="rms", eps=qk_norm_full_eps)
+        self.qk_norm_full = qk_norm_full_eps is not None
 
     def __call__(self, x_btd, positions_bt, cache=None, cache_index=None, kv_len=None):
         """cache: None (attend within x only) or (k_rskh, v_rskh) with R >= B rows; sequence b uses
@@ -272,10 +281,11 @@ class Attention(Module):
         if (cache is not None and kv_len is not None and t == 1 and self.decode_kernel
                 and jax.default_backend() == "cpu"):
             return self._decode_ffi(x_btd, positions_bt, cache, cache_index, kv_len)
-        q = self.q(x_btd).reshape(b, t, kh * g, h)
-        k = self.k(x_btd).reshape(b, t, kh, h)
+        q, k = self._full_norm(self.q(x_btd), self.k(x_btd))
+        q = q.reshape(b, t, kh * g, h)
+        k = k.reshape(b, t, kh, h)
         v = self.v(x_btd).reshape(b, t, kh, h)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q = rope_apply(q, positions_bt, self.rope)
@@ -322,7 +332,8 @@ class Attention(Module):
             q, k, v = ops.linear_many(x_btd, [l.weight[...] for l in lins], biases)
         else:
             q, k, v = (l(x_btd) for l in lins)
-        norm = self.q_norm is not None
+        q, k = self._full_norm(q, k)
+        norm = self.q_norm is not None and not self.qk_norm_full
         out, k_cache, v_cache = ops.decode_attention(
             q, k, v, cache[0], cache[1], where, kv_len=kv_len,
             inv_freq=None if self.rope is None else self.rope.inv_freq_array,
@@ -332,6 +343,13 @@ class Attention(Module):
             k_norm=self.k_norm.scale[...] if norm else None,
             norm_eps=self.q_norm.eps if norm else 1e-6)
         return self.o(out), (k_cache, v_cache)
+
+    def _full_norm(self, q, k):
+        """q [.., N * H] and k [.., K * H] RMS-normed over the whole projection (OLMoE), or as
+        they are."""
+        if not self.qk_norm_full:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
 
 def _cache_write(cache_rskh, new_btkh, cache_index):

@@ -18,6 +18,7 @@ from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.errors import fail
 # block_residual: re-exported, the name the selectors read it by (sparsity/powerinfer_predictor.py)
 from powerinfer_jax.models.ffn import FFN, block_residual, residual_scope  # noqa: F401
+from powerinfer_jax.models.moe import MoE
 from powerinfer_jax.models.qweights import DENSE_LAYOUT, MATVEC, ROWS, FfnLayout, arrange
 from powerinfer_jax.models.layers import (F32, Attention, Linear, Module, Norm, _param,
                                          cache_storage_dtype, matmul, op_impl, resolve_kernels,
@@ -42,13 +43,20 @@ class Block(Module):
                               head_dim=c.head_dim, bias=c.bias, rope=layer_rope(c, layer),
                               dtype=dtype, rngs=rngs, kernels=kernels, qkv_bias=c.qkv_bias,
                               qk_norm_eps=c.norm_eps if c.qk_norm else None,
+                              qk_norm_full_eps=c.norm_eps if c.qk_norm_full else None,
                               scale=c.query_scale, softcap=c.attn_softcap,
                               window=c.window(layer), **attention_options)
         self.attn_post_norm = Norm(c.d_model, **norm) if c.post_norms else None
         self.ffn_norm = Norm(c.d_model, **norm)
         self.ffn_post_norm = Norm(c.d_model, **norm) if c.post_norms else None
-        self.ffn = FFN(d_model=c.d_model, d_ff=c.d_ff, activation=c.activation, gated=c.gated,
-                       bias=c.bias, dtype=dtype, rngs=rngs, kernels=kernels)
+        if c.n_experts:
+            self.ffn = MoE(d_model=c.d_model, d_ff=c.d_ff, n_experts=c.n_experts,
+                           n_used=c.n_experts_used, norm_topk_prob=c.norm_topk_prob,
+                           activation=c.activation, d_ff_shared=c.d_ff_shared, dtype=dtype,
+                           rngs=rngs, kernels=kernels)
+        else:
+            self.ffn = FFN(d_model=c.d_model, d_ff=c.d_ff, activation=c.activation,
+                           gated=c.gated, bias=c.bias, dtype=dtype, rngs=rngs, kernels=kernels)
         # Tensor parallel (runtime/mesh.py): the mesh axis over which attention's and the FFN's
         # outputs are partial sums (this device's heads / neurons), summed before the residual.
         self.reduce_axis = None
@@ -252,6 +260,9 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
         # on blocks; elsewhere the floats
         params = {**params, **{name: t.dequantize() for name, t in blocks.items()}}
         blocks = {}
+    # stacked experts' blocks (MoE): kept as the file stores them, for ops.moe_ffn
+    expert_blocks = {name: blocks.pop(name) for name in list(blocks)
+                     if len(blocks[name].shape) == 3}
     expected = expected_shapes(config)  # the model's params (tests: equal to param_names)
     missing = sorted(set(expected) - set(params))
     extra = sorted(set(params) - set(expected))
@@ -273,12 +284,14 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
         # each placeholder Param is found by its name and given its value in place: walking the
         # whole module graph (nnx.state, then nnx.update) took ~0.06 s of SmolLM2's build
         for name in expected:
-            if name not in blocks and name not in external:
+            if name not in blocks and name not in expert_blocks and name not in external:
                 var = _variable(model, name)
                 var.set_value(jnp.asarray(np.asarray(params[name]),
                                           dtype=var.get_value().dtype))
         for name, t in blocks.items():
             _load_quantized(model, name, t, ffn_layout)
+        for name, t in expert_blocks.items():
+            _at(model, name.rsplit(".", 1)[0]).load(t)  # the experts' Stacked matrix
     return model
 
 

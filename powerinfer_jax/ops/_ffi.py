@@ -33,6 +33,7 @@ QLINEAR_TARGET = "pij_qlinear"
 QLINEAR_MANY_TARGET = "pij_qlinear_many"
 QSPARSE_FFN_TARGET = "pij_qsparse_ffn"
 QEMBEDDING_TARGET = "pij_qembedding"
+MOE_FFN_TARGET = "pij_moe_ffn"
 
 
 def _register() -> None:
@@ -162,6 +163,15 @@ def qembedding(ids, blocks, qtype, in_features):
     out = jax.ShapeDtypeStruct(ids32.shape + (in_features,), jnp.float32)
     call = jax.ffi.ffi_call(QEMBEDDING_TARGET, out, vmap_method="expand_dims")
     return call(ids32, blocks, qtype=_qid(qtype), dim=np.int64(in_features))
+
+
+def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype):
+    x32 = jnp.asarray(x, jnp.float32)
+    out = jax.ShapeDtypeStruct(x32.shape, jnp.float32)
+    call = jax.ffi.ffi_call(MOE_FFN_TARGET, out, vmap_method="sequential")
+    return call(x32, jnp.asarray(ids, jnp.int32), jnp.asarray(weights, jnp.float32), gate, up,
+                down, gate_qtype=_qid(gate_qtype), up_qtype=_qid(up_qtype),
+                down_qtype=_qid(down_qtype))
 
 
 def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_up, b_down, scores,

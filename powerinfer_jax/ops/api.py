@@ -1,6 +1,7 @@
 """Public ops: validate once, then run the FFI kernel or its pure-jnp reference."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -140,6 +141,45 @@ def qlinear_many(x, blocks_list, qtypes, in_features: int, bs=None, *, impl="ffi
                      for w, t, b in zip(blocks_list, names, bs))
     from powerinfer_jax.ops import _ffi
     return _ffi.qlinear_many(x, blocks_list, names, bs)
+
+
+def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype, impl="ffi"):
+    """The MoE FFN on quantized experts: y[n] = sum_j weights[n, j] * down[e]^T (silu(gate[e] .
+    x_n) * (up[e] . x_n)), e = ids[n, j], as llama.cpp computes it (int8 activations).
+
+    x: float32 [N, D]; ids: int32 [N, k], each token's experts in [0, E); weights: float32
+    [N, k]; gate, up: uint8 [E, F, row_bytes(D)]; down: uint8 [E, D, row_bytes(F)] (a GGUF's
+    ffn_{gate,up,down}_exps as stored) in their GGML types. With impl "ffi" only the routed
+    experts' rows are read, the tokens grouped by expert (each expert's rows read once per
+    call); "reference" runs every expert on every token (unrouted ones weighted 0)."""
+    _checks.check_choice("impl", impl, _checks.IMPLS)
+    names = [_checks.check_qtype(w, t) for w, t in (("gate_qtype", gate_qtype),
+                                                   ("up_qtype", up_qtype),
+                                                   ("down_qtype", down_qtype))]
+    x_shape = tuple(np.shape(x))
+    if len(x_shape) != 2:
+        _checks.fail("moe_ffn x", "float32 [N, D]", x_shape)
+    n, d = x_shape
+    if len(np.shape(gate)) != 3:
+        _checks.fail("moe_ffn gate", "uint8 [E, F, row_bytes]", tuple(np.shape(gate)))
+    e, f = np.shape(gate)[:2]
+    for what, w, t, rows, cols in (("gate", gate, names[0], f, d), ("up", up, names[1], f, d),
+                                   ("down", down, names[2], d, f)):
+        if tuple(np.shape(w))[:1] != (e,):
+            _checks.fail(f"moe_ffn {what}", f"{e} experts first (as gate)", tuple(np.shape(w)))
+        _checks.check_qweight(f"moe_ffn {what}", jax.ShapeDtypeStruct(np.shape(w)[1:], jnp.result_type(w)), t, cols,
+                              rows)
+    k_shape = tuple(np.shape(ids))
+    if len(k_shape) != 2 or k_shape[0] != n or not 1 <= k_shape[1] <= e:
+        _checks.fail("moe_ffn ids", f"int32 [{n}, k] with 1 <= k <= {e} (experts)", k_shape)
+    if tuple(np.shape(weights)) != k_shape:
+        _checks.fail("moe_ffn weights", f"float32 {k_shape} (as ids)", tuple(np.shape(weights)))
+    if impl == "reference":
+        return reference.moe_ffn(x, ids, weights, gate, up, down, gate_qtype=names[0],
+                                 up_qtype=names[1], down_qtype=names[2])
+    from powerinfer_jax.ops import _ffi
+    return _ffi.moe_ffn(x, ids, weights, gate, up, down, gate_qtype=names[0],
+                        up_qtype=names[1], down_qtype=names[2])
 
 
 def qembedding(ids, blocks, qtype, in_features: int, *, impl="ffi"):

@@ -135,6 +135,22 @@ def qlinear(x, blocks, qtype: str, in_features: int, b=None):
     return y if b is None else y + jnp.asarray(b, jnp.float32)
 
 
+def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype: str, up_qtype: str,
+            down_qtype: str):
+    """Every expert on every token through qlinear (rounded activations), weighted by the
+    routing (unrouted experts 0). See ops.api.moe_ffn."""
+    x = jnp.asarray(x, jnp.float32)
+    n, d = x.shape
+    e, f = gate.shape[0], gate.shape[1]
+    w_ne = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], ids].add(weights)
+    y = jnp.zeros((n, d), jnp.float32)
+    for i in range(e):  # the reference: a loop over experts, not over neurons
+        h = gated_activate("silu", qlinear(x, gate[i], gate_qtype, d),
+                           qlinear(x, up[i], up_qtype, d))
+        y = y + w_ne[:, i:i + 1] * qlinear(h, down[i], down_qtype, f)
+    return y
+
+
 def qembedding(ids, blocks, qtype: str, in_features: int):
     """Rows ids of the table, dequantized (float32 [..., in_features]). See ops.api.qembedding."""
     ids = jnp.asarray(ids, jnp.int32)

@@ -202,6 +202,9 @@ def make_mesh(n_devices: int) -> Mesh:
 
 def check_divisible(config, n: int) -> None:
     """Heads and FFN neurons must split evenly over n devices."""
+    if config.n_experts and n > 1:
+        fail(f"--devices {n}", "1 for a mixture-of-experts model (experts split over a mesh are "
+             "not implemented)", n)
     for what, value in (("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads),
                         ("d_ff", config.d_ff)):
         if value % n:

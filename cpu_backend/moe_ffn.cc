@@ -1,0 +1,116 @@
+#include "cpu_backend/moe_ffn.h"
+
+#include <algorithm>
+
+#include "cpu_backend/pij_math.h"
+#include "cpu_backend/qlinear.h"
+
+namespace pij {
+namespace {
+
+// Rows per task at least: smaller ranges cost more in wake-ups than they save (qlinear.cc's
+// kParallelMinWeights is 32K weights: 16 rows of a 2048-wide expert).
+constexpr int64_t kMinTaskRows = 16;
+// Tasks per thread: several even out experts with unequal token counts.
+constexpr int64_t kTasksPerThread = 4;
+
+struct Task {
+  int32_t expert, which;  // which: 0 gate, 1 up (first pass) or 0 down (second pass)
+  int64_t lo, hi;
+};
+
+int64_t MinGroup(QType t) { return GetQTypeInfo(t).block == 256 ? 16 : 32; }
+
+// (expert, row range) tasks over the experts that have tokens, `passes` matrices each of
+// `rows` rows, about kTasksPerThread per thread.
+void MakeTasks(const std::vector<int32_t>& start, int64_t rows, int passes, int threads,
+               std::vector<Task>& tasks) {
+  tasks.clear();
+  int64_t active = 0;
+  for (size_t e = 0; e + 1 < start.size(); ++e) active += start[e + 1] > start[e];
+  if (active == 0) return;
+  const int64_t want = std::max<int64_t>(1, threads * kTasksPerThread);
+  const int64_t per = std::max(kMinTaskRows, rows * active * passes / want);
+  for (size_t e = 0; e + 1 < start.size(); ++e) {
+    if (start[e + 1] == start[e]) continue;
+    for (int which = 0; which < passes; ++which) {
+      for (int64_t lo = 0; lo < rows; lo += per) {
+        tasks.push_back({static_cast<int32_t>(e), which, lo, std::min(rows, lo + per)});
+      }
+    }
+  }
+}
+
+void Quantize(std::span<const float* const> rows, int64_t dim, QType t, QActs& acts,
+              std::vector<QActView>& views, ThreadPool& pool) {
+  QuantizeActs(rows, dim, GetQTypeInfo(t).block, acts, pool);
+  views.resize(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) views[i] = acts.View(i, MinGroup(t));
+}
+
+}  // namespace
+
+void MoeFfn(const MoeExperts& w, std::span<const float* const> x_rows, const int32_t* ids,
+            const float* weights, int64_t k, float* y, MoeScratch& s, ThreadPool& pool) {
+  const int64_t n = static_cast<int64_t>(x_rows.size());
+  const int64_t pairs = n * k, e_n = w.n_experts, f = w.d_ff, d = w.dim;
+  if (n == 0) return;
+  // Pairs (token, j) grouped by expert, in token order within a group (a counting sort).
+  s.start.assign(e_n + 1, 0);
+  for (int64_t p = 0; p < pairs; ++p) ++s.start[ids[p] + 1];
+  for (int64_t e = 0; e < e_n; ++e) s.start[e + 1] += s.start[e];
+  s.fill.assign(s.start.begin(), s.start.end() - 1);
+  s.order.resize(pairs);
+  s.slot.resize(pairs);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int32_t i = s.fill[ids[p]]++;
+    s.order[i] = static_cast<int32_t>(p);
+    s.slot[p] = i;
+  }
+  // Each grouped pair's token, quantized for gate's and up's blocks (the same rows once each).
+  s.rows.resize(pairs);
+  for (int64_t i = 0; i < pairs; ++i) s.rows[i] = x_rows[s.order[i] / k];
+  Quantize(s.rows, d, w.gate_t, s.x_gate, s.v_gate, pool);
+  Quantize(s.rows, d, w.up_t, s.x_up, s.v_up, pool);
+  // Gate and up rows of each routed expert for its group of tokens.
+  s.g.resize(pairs * f);
+  s.u.resize(pairs * f);
+  const int64_t rb_d_gate = QRowBytes(w.gate_t, d), rb_d_up = QRowBytes(w.up_t, d);
+  const int64_t rb_f = QRowBytes(w.down_t, f);
+  std::vector<Task> tasks;
+  MakeTasks(s.start, f, 2, pool.NumThreads(), tasks);
+  pool.Run(0, static_cast<int64_t>(tasks.size()), [&](int64_t ti, int /*worker*/) {
+    const Task& t = tasks[ti];
+    const int64_t a = s.start[t.expert], count = s.start[t.expert + 1] - a;
+    const bool gate = t.which == 0;
+    QLinearOut out{(gate ? w.gate : w.up) + t.expert * f * (gate ? rb_d_gate : rb_d_up),
+                   gate ? w.gate_t : w.up_t, nullptr, f, (gate ? s.g : s.u).data() + a * f};
+    const auto& views = gate ? s.v_gate : s.v_up;
+    QLinearRows(out, d, std::span<const QActView>(views.data() + a, count), t.lo, t.hi);
+  });
+  // h = silu(g) * u, quantized for down's blocks.
+  for (int64_t i = 0; i < pairs * f; ++i) s.g[i] = Silu(s.g[i]) * s.u[i];
+  for (int64_t i = 0; i < pairs; ++i) s.rows[i] = s.g.data() + i * f;
+  Quantize(s.rows, f, w.down_t, s.h, s.v_h, pool);
+  // Down rows of each routed expert for its group.
+  s.y.resize(pairs * d);
+  MakeTasks(s.start, d, 1, pool.NumThreads(), tasks);
+  pool.Run(0, static_cast<int64_t>(tasks.size()), [&](int64_t ti, int /*worker*/) {
+    const Task& t = tasks[ti];
+    const int64_t a = s.start[t.expert], count = s.start[t.expert + 1] - a;
+    QLinearOut out{w.down + t.expert * d * rb_f, w.down_t, nullptr, d, s.y.data() + a * d};
+    QLinearRows(out, f, std::span<const QActView>(s.v_h.data() + a, count), t.lo, t.hi);
+  });
+  // Each token's experts summed in routing order, weighted.
+  for (int64_t t = 0; t < n; ++t) {
+    float* out = y + t * d;
+    std::fill(out, out + d, 0.0f);
+    for (int64_t j = 0; j < k; ++j) {
+      const float wt = weights[t * k + j];
+      const float* part = s.y.data() + static_cast<int64_t>(s.slot[t * k + j]) * d;
+      for (int64_t c = 0; c < d; ++c) out[c] += wt * part[c];
+    }
+  }
+}
+
+}  // namespace pij

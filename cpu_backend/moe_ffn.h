@@ -1,0 +1,46 @@
+// The mixture-of-experts FFN on quantized experts (models/moe.py): per token only its k routed
+// experts' rows are read and computed, the tokens of a call grouped by expert so each expert's
+// rows are read once for all its tokens. Built from qlinear.h's row products (the file's block
+// formats, int8 activations as llama.cpp computes; AVX-512, AVX2 and portable paths there).
+// Knows nothing of XLA or Python.
+#ifndef PIJ_CPU_BACKEND_MOE_FFN_H_
+#define PIJ_CPU_BACKEND_MOE_FFN_H_
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "cpu_backend/quant_act.h"
+#include "cpu_backend/quant_formats.h"
+#include "cpu_backend/thread_pool.h"
+
+namespace pij {
+
+// A layer's experts as a GGUF file stores them: gate and up [E, F, QRowBytes(t, D)] (expert e's
+// F rows of D weights), down [E, D, QRowBytes(t, F)] (expert e's D rows of F weights).
+struct MoeExperts {
+  const uint8_t* gate;
+  const uint8_t* up;
+  const uint8_t* down;
+  QType gate_t, up_t, down_t;
+  int64_t n_experts, d_ff, dim;
+};
+
+// Reused across calls (grows, never shrinks).
+struct MoeScratch {
+  std::vector<int32_t> order, start, fill, slot;  // pairs grouped by expert; group starts [E+1]
+  std::vector<float> g, u, y;                      // [P, F], [P, F], [P, D] per (token, expert)
+  std::vector<const float*> rows;
+  QActs x_gate, x_up, h;
+  std::vector<QActView> v_gate, v_up, v_h;
+};
+
+// y[t] = sum_j weights[t, j] * down[e]^T (silu(gate[e] . x_t) * (up[e] . x_t)), e = ids[t, j],
+// j in order (a fixed sum: results do not depend on the thread count). Preconditions (checked
+// by the caller): ids in [0, E); D a multiple of gate's and up's blocks, F of down's.
+void MoeFfn(const MoeExperts& w, std::span<const float* const> x_rows, const int32_t* ids,
+            const float* weights, int64_t k, float* y, MoeScratch& s, ThreadPool& pool);
+
+}  // namespace pij
+
+#endif  // PIJ_CPU_BACKEND_MOE_FFN_H_

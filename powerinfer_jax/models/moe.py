@@ -1,0 +1,183 @@
+"""The mixture-of-experts FFN: a router picks `n_used` of `n_experts` gated FFNs per token.
+
+  p = softmax(router . x)                         [N, E]  (float32, as transformers computes)
+  top-k experts by p, weights w = p[top]          [N, k]  (/ sum w with norm_topk_prob)
+  y = sum_j w_j * ffn_{e_j}(x)  (+ sigmoid(shared_gate . x) * shared(x): Qwen2-MoE)
+  ffn_e(x) = down_t[e]^T (act(gate[e] . x) * (up[e] . x))
+
+Experts are stacked per layer: `experts.gate.weight`, `experts.up.weight`,
+`experts.down_t.weight`, each [E, F, D] (down transposed: neuron-major as the dense FFN). The
+router is an exact predictor at expert granularity: the routed execution reads only the
+routed experts' rows.
+
+Executions (`MoE.execution`, chosen at build, never by a string test per call):
+  * "routed" (default): each token's k experts' rows are gathered ([N, k, F, D]: only those
+    bytes are read) and computed, up to _MAX_GATHER gathered weights per call; past it (long
+    prefills of float experts) every expert runs on every token, each expert read once: XLA
+    has no grouped execution on CPU (jax.lax.ragged_dot computes every group against every
+    row there: measured by tests/test_moe.py's poisoned experts). Quantized experts run in one
+    custom call that groups the tokens by expert (ops.moe_ffn; SiLU experts).
+  * "dense": every expert on every token, unrouted ones weighted 0: the reference the routed
+    execution is checked against (tests/test_moe.py).
+Axis letters: N tokens (B * T flattened), E experts, k routed per token, F expert neurons,
+D model.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from powerinfer_jax import ops
+from powerinfer_jax.errors import fail
+from powerinfer_jax.models.ffn import FFN
+from powerinfer_jax.models.layers import F32, Linear, Module, _param, op_impl, sow
+from powerinfer_jax.models.qweights import host_blocks
+from powerinfer_jax.ops.reference import gated_activate
+
+EXECUTIONS = ("routed", "dense")
+# Gathered expert weights per call, at most (elements: N * k * F * D); beyond it, XLA runs
+# every expert on every token (each expert's rows read once)
+_MAX_GATHER = 1 << 24
+
+
+class Stacked(Module):
+    """One stacked expert matrix: weight [E, F, D] in floats, or a GGUF file's blocks as
+    stored (`qtype` set): gate/up uint8 [E, F, row_bytes(D)], down uint8 [E, D, row_bytes(F)]."""
+
+    def __init__(self, n_experts: int, d_ff: int, d_model: int, *, dtype, rngs, scale: float):
+        self.weight = _param((n_experts, d_ff, d_model), dtype, rngs, scale=scale)
+        self.qtype = None
+
+    def load(self, t) -> None:
+        """Keep a stacked QuantTensor's blocks (checkpoint.base.QuantTensor, 3-D)."""
+        self.weight.set_value(host_blocks(t.blocks))
+        self.qtype = t.qtype
+
+
+class Experts(Module):
+    """E gated FFNs, stacked: gate, up, down_t, each [E, F, D]."""
+
+    def __init__(self, n_experts: int, d_ff: int, d_model: int, *, dtype, rngs):
+        kw = dict(dtype=dtype, rngs=rngs)
+        self.gate = Stacked(n_experts, d_ff, d_model, scale=d_model ** -0.5, **kw)
+        self.up = Stacked(n_experts, d_ff, d_model, scale=d_model ** -0.5, **kw)
+        self.down_t = Stacked(n_experts, d_ff, d_model, scale=d_ff ** -0.5, **kw)
+
+
+def route(logits_ne, k: int, normalize: bool):
+    """(expert ids [N, k] int32, weights [N, k] float32) from router logits [N, E]: softmax
+    over the experts, the k largest (ties to the lower id, as torch.topk), renormalized to sum
+    to 1 when `normalize`."""
+    probs = jax.nn.softmax(logits_ne.astype(F32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return ids.astype(jnp.int32), weights
+
+
+class MoE(Module):
+    """An MoE layer's FFN (module docstring). Has the dense FFN's interface where the model's
+    build steps touch it (`selector`, `set_selector`, `quantized`, `placed`, hot/cold counts);
+    neuron-level sparsity modes and placement are refused by name."""
+
+    def __init__(self, *, d_model: int, d_ff: int, n_experts: int, n_used: int,
+                 norm_topk_prob: bool, activation: str, d_ff_shared: int, dtype,
+                 rngs: nnx.Rngs | None, kernels: str = "xla"):
+        if not 1 <= n_used <= n_experts:
+            fail("MoE n_used", f"an integer in [1, n_experts={n_experts}]", n_used)
+        self.n_experts, self.n_used = n_experts, n_used
+        self.normalize = bool(norm_topk_prob)
+        self.activation = activation
+        self.kernels = kernels
+        self.router = Linear(d_model, n_experts, bias=False, dtype=F32, rngs=rngs,
+                             kernels="xla")
+        self.experts = Experts(n_experts, d_ff, d_model, dtype=dtype, rngs=rngs)
+        self.shared = (FFN(d_model=d_model, d_ff=d_ff_shared, activation=activation, gated=True,
+                           bias=False, dtype=dtype, rngs=rngs, kernels=kernels)
+                       if d_ff_shared else None)
+        self.shared_gate = (Linear(d_model, 1, bias=False, dtype=F32, rngs=rngs, kernels="xla")
+                            if d_ff_shared else None)
+        self.execution = "routed"
+        self.selector = nnx.data(None)
+
+    # ------------------------------------------------------------ the build steps' interface
+    quantized = False
+    placed = False
+    n_cold = 0
+    backend = None  # sparsity.modes.plan reports the backend's type: "NoneType" here
+
+    @property
+    def n_hot(self) -> int:
+        return self.experts.up.weight.shape[1]
+
+    def set_selector(self, selector, *, impl: str = "ffi") -> None:
+        if selector is not None:
+            fail("MoE FFN selector", "None (the router selects experts; neuron-level sparsity "
+                 "inside experts is not implemented)", type(selector).__name__,
+                 "run an MoE model with --sparsity dense")
+
+    def permute(self, order) -> None:
+        fail("MoE FFN placement", "a dense FFN (placing experts hot/cold is not implemented)",
+             "an MoE layer", "run an MoE model without --vram-budget on a CPU")
+
+    def split(self, n_hot: int, *, store: str = "auto") -> None:
+        self.permute(None)
+
+    def set_execution(self, execution: str) -> None:
+        if execution not in EXECUTIONS:
+            fail("MoE execution", f"one of {list(EXECUTIONS)}", execution)
+        self.execution = execution
+
+    # ------------------------------------------------------------ the call
+    def routing(self, x_btd):
+        """(ids [N, k], weights [N, k]) of the tokens of x [B, T, D]."""
+        x = x_btd.reshape(-1, x_btd.shape[-1]).astype(F32)
+        return route(self.router(x), self.n_used, self.normalize)
+
+    def __call__(self, x_btd):
+        lead, d = x_btd.shape[:-1], x_btd.shape[-1]
+        x = x_btd.reshape(-1, d).astype(F32)  # [N, D]
+        ids, weights = self.routing(x_btd)
+        sow(self, "expert_ids", ids.reshape(lead + (self.n_used,)))  # [B, T, k] under capture
+        e = self.experts
+        if e.gate.qtype is not None:  # the file's blocks: one custom call, grouped by expert
+            if self.activation != "silu":
+                fail("MoE quantized experts' activation", "'silu' (ops.moe_ffn's)",
+                     self.activation, "load the file with weights='dtype'")
+            impl = "reference" if self.execution == "dense" else op_impl(self.kernels)
+            y = ops.moe_ffn(x, ids, weights, e.gate.weight[...], e.up.weight[...],
+                            e.down_t.weight[...], gate_qtype=e.gate.qtype, up_qtype=e.up.qtype,
+                            down_qtype=e.down_t.qtype, impl=impl)
+        elif self.execution == "dense":
+            y = self._dense(x, ids, weights)
+        elif x.shape[0] * self.n_used * self.experts.up.weight[0].size <= _MAX_GATHER:
+            y = self._gathered(x, ids, weights)
+        else:  # XLA has no routed grouping on CPU (its ragged_dot computes every expert)
+            y = self._dense(x, ids, weights)
+        if self.shared is not None:
+            scale = jax.nn.sigmoid(self.shared_gate(x))  # [N, 1]
+            y = y + scale * self.shared(x[None])[0]
+        return y.reshape(lead + (d,))
+
+    def _act(self, g, u):
+        return gated_activate(self.activation, g, u)
+
+    def _dense(self, x_nd, ids, weights):
+        """Every expert on every token; unrouted ones weighted 0 (the reference)."""
+        e = self.experts
+        w_ne = jnp.sum(jax.nn.one_hot(ids, self.n_experts, dtype=F32) * weights[..., None],
+                       axis=1)  # [N, E]
+        g = jnp.einsum("nd,efd->nef", x_nd, e.gate.weight[...], preferred_element_type=F32)
+        u = jnp.einsum("nd,efd->nef", x_nd, e.up.weight[...], preferred_element_type=F32)
+        a = self._act(g, u) * w_ne[..., None]
+        return jnp.einsum("nef,efd->nd", a, e.down_t.weight[...], preferred_element_type=F32)
+
+    def _gathered(self, x_nd, ids, weights):
+        """Each token's k experts' rows gathered and computed: [N, k, F, D] read, no more."""
+        e = self.experts
+        gate, up, down = (m.weight[...][ids] for m in (e.gate, e.up, e.down_t))
+        g = jnp.einsum("nd,nkfd->nkf", x_nd, gate, preferred_element_type=F32)
+        u = jnp.einsum("nd,nkfd->nkf", x_nd, up, preferred_element_type=F32)
+        a = self._act(g, u) * weights[..., None]
+        return jnp.einsum("nkf,nkfd->nd", a, down, preferred_element_type=F32)

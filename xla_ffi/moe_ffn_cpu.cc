@@ -1,0 +1,133 @@
+// CPU FFI handler of the MoE FFN on quantized experts (cpu_backend/moe_ffn.h):
+// x f32 [N, D]; ids s32 [N, k] (each token's experts, in [0, E)); weights f32 [N, k]; gate, up
+// uint8 [E, F, row_bytes(D)]; down uint8 [E, D, row_bytes(F)] (a GGUF file's ffn_*_exps as
+// stored); attributes gate_qtype, up_qtype, down_qtype (GGML type ids); y f32 [N, D].
+#include <exception>
+#include <mutex>
+#include <string>
+
+#include "cpu_backend/moe_ffn.h"
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_runtime.h"
+#include "xla_ffi/ffi_util.h"
+
+namespace pij {
+namespace {
+
+constexpr std::string_view kOp = "moe_ffn";
+
+// One stacked expert matrix: uint8 [E, rows, row bytes of `cols` weights in its qtype].
+ffi::Error CheckStack(std::string_view what, ffi::AnyBuffer b, int32_t qtype_id, int64_t e,
+                      int64_t rows, int64_t cols, QType& t) {
+  const std::string w(what);
+  if (!IsQType(qtype_id)) {
+    return InvalidArg(kOp, w + " qtype", "a GGML block type id (Q4_0=2 ... Q6_K=14)",
+                      std::to_string(qtype_id));
+  }
+  t = static_cast<QType>(qtype_id);
+  const QTypeInfo info = GetQTypeInfo(t);
+  if (cols % info.block != 0) {
+    return InvalidArg(kOp, w + " row length", "a multiple of the " + std::string(info.name) +
+                                                   " block (" + std::to_string(info.block) + ")",
+                      std::to_string(cols));
+  }
+  const auto dims = b.dimensions();
+  const int64_t rb = QRowBytes(t, cols);
+  if (b.element_type() != ffi::DataType::U8 || dims.size() != 3 || dims[0] != e ||
+      dims[1] != rows || dims[2] != rb) {
+    return InvalidArg(kOp, w,
+                      "uint8 [" + std::to_string(e) + ", " + std::to_string(rows) + ", " +
+                          std::to_string(rb) + "] (" + info.name + " rows of " +
+                          std::to_string(cols) + ")",
+                      std::string(DtypeName(b.element_type())) + " " + ShapeString(dims));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error MoeFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer weights,
+                         ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
+                         ffi::Result<ffi::AnyBuffer> y, int32_t gate_qtype, int32_t up_qtype,
+                         int32_t down_qtype) {
+  const auto xd = x.dimensions(), idd = ids.dimensions(), gd = gate.dimensions();
+  if (x.element_type() != ffi::DataType::F32 || xd.size() != 2) {
+    return InvalidArg(kOp, "x", "float32 [N, D]",
+                      std::string(DtypeName(x.element_type())) + " " + ShapeString(xd));
+  }
+  const int64_t n = xd[0], d = xd[1];
+  if (ids.element_type() != ffi::DataType::S32 || idd.size() != 2 || idd[0] != n ||
+      idd[1] < 1) {
+    return InvalidArg(kOp, "ids", "int32 [" + std::to_string(n) + ", k >= 1]",
+                      std::string(DtypeName(ids.element_type())) + " " + ShapeString(idd));
+  }
+  const int64_t k = idd[1];
+  if (weights.element_type() != ffi::DataType::F32 ||
+      ShapeString(weights.dimensions()) != ShapeString(idd)) {
+    return InvalidArg(kOp, "weights", "float32 " + ShapeString(idd),
+                      std::string(DtypeName(weights.element_type())) + " " +
+                          ShapeString(weights.dimensions()));
+  }
+  if (gd.size() != 3) {
+    return InvalidArg(kOp, "gate", "uint8 [E, F, row bytes]", ShapeString(gd));
+  }
+  const int64_t e = gd[0], f = gd[1];
+  MoeExperts w{};
+  if (ffi::Error err = CheckStack("gate", gate, gate_qtype, e, f, d, w.gate_t); err.failure()) {
+    return err;
+  }
+  if (ffi::Error err = CheckStack("up", up, up_qtype, e, f, d, w.up_t); err.failure()) return err;
+  if (ffi::Error err = CheckStack("down", down, down_qtype, e, d, f, w.down_t); err.failure()) {
+    return err;
+  }
+  if (k > e) {
+    return InvalidArg(kOp, "ids' k (experts per token)",
+                      "at most the number of experts (" + std::to_string(e) + ")",
+                      std::to_string(k));
+  }
+  if (y->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(y->element_count()) != n * d) {
+    return InvalidArg(kOp, "y (result)", "float32 [" + std::to_string(n) + ", " +
+                                             std::to_string(d) + "]",
+                      ShapeString(y->dimensions()));
+  }
+  const auto* id = static_cast<const int32_t*>(ids.untyped_data());
+  for (int64_t p = 0; p < n * k; ++p) {
+    if (id[p] < 0 || id[p] >= e) {
+      return InvalidArg(kOp, "ids", "experts in [0, " + std::to_string(e) + ")",
+                        std::to_string(id[p]));
+    }
+  }
+  if (n == 0 || d == 0 || f == 0) return ffi::Error::Success();
+  w.gate = static_cast<const uint8_t*>(gate.untyped_data());
+  w.up = static_cast<const uint8_t*>(up.untyped_data());
+  w.down = static_cast<const uint8_t*>(down.untyped_data());
+  w.n_experts = e;
+  w.d_ff = f;
+  w.dim = d;
+  try {
+    CpuRuntime& rt = GetCpuRuntime();
+    std::lock_guard<std::mutex> lock(rt.mutex);
+    SetContiguousRows(rt, static_cast<const float*>(x.untyped_data()), n, d);
+    MoeFfn(w, rt.x_rows, id, static_cast<const float*>(weights.untyped_data()), k,
+           static_cast<float*>(y->untyped_data()), rt.moe, rt.pool);
+    return ffi::Error::Success();
+  } catch (const std::exception& ex) {  // bad_alloc growing scratch: report, never abort
+    return ffi::Error::Internal(std::string("moe_ffn: ") + ex.what());
+  }
+}
+
+}  // namespace
+}  // namespace pij
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PijMoeFfnCpu, pij::MoeFfnCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // ids
+                                  .Arg<xla::ffi::AnyBuffer>()  // weights
+                                  .Arg<xla::ffi::AnyBuffer>()  // gate
+                                  .Arg<xla::ffi::AnyBuffer>()  // up
+                                  .Arg<xla::ffi::AnyBuffer>()  // down
+                                  .Ret<xla::ffi::AnyBuffer>()  // y
+                                  .Attr<int32_t>("gate_qtype")
+                                  .Attr<int32_t>("up_qtype")
+                                  .Attr<int32_t>("down_qtype"));
