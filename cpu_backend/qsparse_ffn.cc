@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "cpu_backend/qsparse_common.h"
 #include "cpu_backend/quant_interleaved.h"
 #include "cpu_backend/quant_kernels.h"
 #include "cpu_backend/simd.h"
@@ -10,26 +11,20 @@
 namespace pij {
 namespace {
 
-// Pieces: at least this many candidate neurons each, at most kMaxPieces (enough for the thread
-// counts decode runs at; fixed so that the partition never depends on the pool).
-constexpr int64_t kNeuronsPerPiece = 64;
-constexpr int64_t kMaxPieces = 16;
+using qsparse::kDownGroup;
+using qsparse::NumPieces;
+using qsparse::RoundCoefsPer32;
+using qsparse::ZeroBelowZero;
 // Prefill tokens per pass: the partial outputs are [pieces, chunk, D].
 constexpr int64_t kTokenChunk = 32;
 // Neurons estimated per step before their down rows are requested (as q4_ffn.cc).
 constexpr int64_t kEstimateBlock = 16;
 static_assert(kEstimateBlock == qkern::kInterleave, "an interleaved group is one estimate block");
-// Decode down rows per pass over y (as sparse_ffn_kernel.h's kDownGroup).
-constexpr int kDownGroup = 8;
 // Below this many output values the final reduction runs on the caller.
 constexpr int64_t kParallelReduceMin = 1 << 15;
 constexpr int64_t kCacheLine = 64;
 // Neurons ahead whose gate/up rows are requested while the current one's are read.
 constexpr size_t kGateUpAhead = 4;
-
-int64_t NumPieces(int64_t candidates) {
-  return std::clamp<int64_t>((candidates + kNeuronsPerPiece - 1) / kNeuronsPerPiece, 1, kMaxPieces);
-}
 
 inline void PrefetchL2(const uint8_t* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += kCacheLine) __builtin_prefetch(p + off, 0, 2);
@@ -113,11 +108,6 @@ void GroupDots(const uint8_t* mat, int64_t group, const QActView* xs, int64_t nt
       t += n;
     }
   }
-}
-
-// Whether act(g) * u is exactly 0 for every g <= 0 (ReLU-family gates: relu, drelu).
-constexpr bool ZeroBelowZero(Activation a) {
-  return a == Activation::kRelu || a == Activation::kDrelu;
 }
 
 // The neurons' a_i for tokens [t0, t0 + ntok): act [j * ntok + t].
@@ -209,22 +199,6 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
 // the dense down matvec round their input: Q4_0 / Q4_1 rows, F a multiple of 32.
 bool RoundsRowCoefs(const QFfnWeights& w) {
   return !w.down_groups && DownGroupPairs(w.down_type) && w.num_neurons % 32 == 0;
-}
-
-// coef[k] of neurons[k] (in id order) -> its 8-bit rounding per run of one group of 32 ids, as
-// QuantizeBlock rounds the group's 32 values with the others 0 (qkern::QuantizeLanes), the
-// reference's round_activations; a run holding a NaN or inf becomes NaN.
-void RoundCoefsPer32(std::span<const int32_t> neurons, std::span<float> coef) {
-  int32_t lanes[32];
-  int8_t q[32];
-  for (size_t i = 0, j; i < neurons.size(); i = j) {
-    for (j = i; j < neurons.size() && neurons[j] / 32 == neurons[i] / 32; ++j) {
-      lanes[j - i] = neurons[j] % 32;
-    }
-    int32_t q_sum;
-    const float d = qkern::QuantizeLanes(lanes, coef.data() + i, static_cast<int>(j - i), q, &q_sum);
-    for (size_t k = i; k < j; ++k) coef[k] = static_cast<float>(q[lanes[k - i]]) * d;
-  }
 }
 
 // Decode: y += sum over the listed (neuron, coef) of coef * down row, kDownGroup rows per pass.
@@ -422,7 +396,7 @@ void QSparseFfn(const QFfnWeights& w, std::span<const float* const> x_rows,
   const int64_t align =
       w.down_groups || RoundsRowCoefs(w) ? 32 : w.gate_interleaved || w.up_interleaved ? 16 : 1;
   for (int64_t k = 0; k < pieces; ++k) {
-    const int64_t last = (w.num_neurons / align) * (k + 1) / pieces * align;
+    const int64_t last = qsparse::PieceEnd(k, pieces, w.num_neurons, align);
     cand_ends[k] = std::lower_bound(cands.begin(), cands.end(), last) - cands.begin();
   }
   // Each thread takes a run of consecutive pieces (with about its share of the candidates): its

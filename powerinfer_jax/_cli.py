@@ -16,8 +16,8 @@ import sys
 
 from powerinfer_jax._machine import git_commit, machine_info  # noqa: F401  (re-exported)
 from powerinfer_jax.config import (DEFAULT_CONTEXT_CAP, DEFAULT_MODEL, DEFAULT_TARGET_SPARSITY,
-                                   DTYPES, GATE_UP_SOURCES, IMPLS, KERNELS, MAX_SEED, OFFLOADS,
-                                   WEIGHTS,
+                                   DTYPES, GATE_UP_SOURCES, IMPLS, KERNELS, MAX_SEED,
+                                   NEURON_CACHES, OFFLOADS, WEIGHTS,
                                    PREDICTOR_KINDS, PlacementConfig, RuntimeConfig,
                                    SparsityConfig, sparsity_modes)
 from powerinfer_jax.errors import UserError, fail
@@ -97,6 +97,18 @@ def add_sparsity_flags(p: argparse.ArgumentParser, *, predictor_choice: bool = T
                         "rows); default: a GPU's free memory minus a margin; on a CPU-only machine "
                         "no placement unless given (then it is the notional accelerator of the "
                         "CPU hybrid: hot rows through XLA, cold rows through the FFI pool)")
+    p.add_argument("--ram-budget", type=float, default=None, metavar="GIB",
+                   help="host memory for the model in GiB (dense parts, KV cache, resident FFN "
+                        "neurons; not the process's own runtime): FFN neurons beyond it are read "
+                        "per token from a neuron bundle file written once next to the model "
+                        "(quantized GGUF; --sparsity dense, oracle or powerinfer). A model that "
+                        "fits loads as without the flag (default: no limit)")
+    p.add_argument("--neuron-cache", default="frequency", choices=NEURON_CACHES,
+                   help="--ram-budget: eviction policy of the neuron cache's dynamic part "
+                        "(default: %(default)s)")
+    p.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
+                   help="--ram-budget with --sparsity powerinfer: read ahead the neurons the next "
+                        "layer's predictor picks on this layer's input (default: on)")
     p.add_argument("--offload", default="hybrid", choices=OFFLOADS,
                    help="what stays off the accelerator: hybrid (cold FFN neurons, by activation "
                         "frequency) or layers (whole trailing layers, llama.cpp -ngl style) "
@@ -151,7 +163,10 @@ def configs_from_args(args, **runtime_fields) -> tuple[RuntimeConfig, SparsityCo
 
 
 def placement_from_args(args) -> PlacementConfig:
-    return PlacementConfig(vram_budget_gib=args.vram_budget, offload=args.offload)
+    return PlacementConfig(vram_budget_gib=args.vram_budget, offload=args.offload,
+                           ram_budget_gib=getattr(args, "ram_budget", None),
+                           neuron_cache=getattr(args, "neuron_cache", "frequency"),
+                           lookahead=getattr(args, "lookahead", True))
 
 
 def build_from_args(args, *, progress: bool = True, max_batch: int = 1, **runtime_fields):

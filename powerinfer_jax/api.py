@@ -39,6 +39,8 @@ class Completion:
 def load(model: str = DEFAULT_MODEL, *, dtype: str = "float32", sparsity: str = "dense",
          target_sparsity: float | None = None, predictor: str = "q4", gate_up: str = "full",
          threshold: float = 0.0, vram_budget: float | None = None, offload: str = "hybrid",
+         ram_budget: float | None = None, neuron_cache: str = "frequency",
+         predictors: str | None = None,
          threads: int | None = None, max_seq_len: int | None = None, max_batch: int = 1,
          kernels: str = "auto", weights: str = "auto", artifacts: str | None = None,
          progress: bool = True, devices: int | None = None,
@@ -48,7 +50,10 @@ def load(model: str = DEFAULT_MODEL, *, dtype: str = "float32", sparsity: str = 
     dtype: compute and weight dtype ("float32" or "bfloat16"). sparsity: a registered mode
     (sparsity/modes.py: dense, oracle, threshold, predictor, ...) with its target_sparsity
     (default 0.5 where the mode needs one), predictor ("q4" or "lowrank") and gate_up ("full" or
-    "q4"). vram_budget (GiB) and offload place FFN neurons hot/cold. threads: the kernels' thread
+    "q4"); predictors: the GGUF holding PowerInfer-form predictors (sparsity "powerinfer").
+    vram_budget (GiB) and offload place FFN neurons hot/cold. ram_budget (GiB): host memory for
+    the model; FFN neurons beyond it are read from disk per token (runtime/offload.py), the
+    dynamic part of the neuron cache evicting by `neuron_cache`. threads: the kernels' thread
     pool (XLA's own pool is sized when JAX starts: pin the process first to limit it, as the CLIs
     do). max_seq_len: KV cache length per sequence; max_batch: sequences decoded together (each
     gets a cache row). weights: "auto" keeps a quantized GGUF's matrices in its block format
@@ -63,9 +68,10 @@ def load(model: str = DEFAULT_MODEL, *, dtype: str = "float32", sparsity: str = 
                             kernels=kernels, weights=weights, devices=devices,
                             decode_block=decode_block)
     sp = SparsityConfig(mode=sparsity, threshold=float(threshold), predictor=predictor,
-                        gate_up=gate_up,
+                        gate_up=gate_up, predictor_file=predictors,
                         target_sparsity=None if target_sparsity is None else float(target_sparsity))
-    place = PlacementConfig(vram_budget_gib=vram_budget, offload=offload)
+    place = PlacementConfig(vram_budget_gib=vram_budget, offload=offload,
+                            ram_budget_gib=ram_budget, neuron_cache=neuron_cache)
     return LLM(build(model, runtime, sp, placement=place, artifacts_root=artifacts,
                      max_batch=max_batch, progress=progress))
 

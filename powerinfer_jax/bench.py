@@ -61,7 +61,9 @@ def bench_model(session, *, prompt_tokens: int, new_tokens: int, repeats: int) -
         raise ValueError(f"--prompt-tokens + --new-tokens: expected at most {eng.max_seq_len} "
                          f"(--max-seq-len), got {len(ids) + new_tokens}")
     cold = eng.generate(ids, max_new_tokens=new_tokens)
+    read0 = _proc_read_bytes()
     runs = [eng.generate(ids, max_new_tokens=new_tokens) for _ in range(repeats)]
+    read1 = _proc_read_bytes()
     return {
         "prefill_tok_s": statistics.median(r.prefill_tok_s for r in runs),
         "decode_tok_s": statistics.median(r.decode_tok_s for r in runs),
@@ -69,7 +71,19 @@ def bench_model(session, *, prompt_tokens: int, new_tokens: int, repeats: int) -
         "decode_tok_s_runs": [r.decode_tok_s for r in runs],
         "prompt_tokens": len(ids), "new_tokens": new_tokens, "repeats": repeats,
         "compiles": eng.compile_count,
+        "tokens": runs[-1].tokens,  # greedy: equal across runs; compared between configurations
+        # what this process read from the disk during the timed runs (the kernel's count,
+        # /proc/self/io; None off Linux): a cross-check of a neuron store's own count
+        "proc_read_bytes_timed": None if read0 is None else read1 - read0,
     }
+
+
+def _proc_read_bytes() -> int | None:
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("read_bytes:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def row_header(args, threads: int, session=None) -> dict:

@@ -30,6 +30,7 @@ KERNELS = ("auto", "xla", "ffi")
 WEIGHTS = ("auto", "dtype")  # RuntimeConfig.weights
 IMPLS = ("ffi", "reference")
 OFFLOADS = ("hybrid", "layers")
+NEURON_CACHES = ("lru", "lfu", "frequency")  # --neuron-cache: the eviction policies
 
 # Defaults every entry point shares (CLIs, powerinfer_jax.load, experiments).
 DEFAULT_MODEL = "smollm2-135m"
@@ -392,9 +393,26 @@ class PlacementConfig:
 
     vram_budget_gib: float | None = None
     offload: Literal["hybrid", "layers"] = "hybrid"
+    # --ram-budget: host memory for the model (dense parts, KV cache, resident FFN neurons) in
+    # GiB; FFN neurons beyond it are read from a neuron bundle file per token (runtime/offload.py)
+    ram_budget_gib: float | None = None
+    neuron_cache: Literal["lru", "lfu", "frequency"] = "frequency"  # the dynamic part's eviction
+    cache_share: float | None = None  # of the neuron memory, dynamic (None: offload's default)
+    lookahead: bool = True  # read the next layer's guessed active set ahead (powerinfer mode)
 
     def __post_init__(self):
         _check_choice("offload", self.offload, OFFLOADS)
+        _check_choice("neuron_cache", self.neuron_cache, NEURON_CACHES)
+        if self.ram_budget_gib is not None:
+            _check(isinstance(self.ram_budget_gib, (int, float))
+                   and not isinstance(self.ram_budget_gib, bool)
+                   and math.isfinite(self.ram_budget_gib) and self.ram_budget_gib > 0,
+                   "ram_budget", "a finite number of GiB > 0", self.ram_budget_gib)
+            _check(self.vram_budget_gib is None, "ram_budget", "without vram_budget (the "
+                   "GPU tier of a disk-offloaded model is not built yet)", self.ram_budget_gib)
+        if self.cache_share is not None:
+            _check(isinstance(self.cache_share, float) and 0.0 <= self.cache_share <= 1.0,
+                   "PlacementConfig.cache_share", "a float in [0, 1]", self.cache_share)
         if self.vram_budget_gib is not None:
             _check(isinstance(self.vram_budget_gib, (int, float))
                    and math.isfinite(self.vram_budget_gib) and self.vram_budget_gib >= 0,
@@ -403,3 +421,7 @@ class PlacementConfig:
     @property
     def budget_bytes(self) -> int | None:
         return None if self.vram_budget_gib is None else int(self.vram_budget_gib * (1 << 30))
+
+    @property
+    def ram_budget_bytes(self) -> int | None:
+        return None if self.ram_budget_gib is None else int(self.ram_budget_gib * (1 << 30))

@@ -25,6 +25,8 @@
 
 namespace nb = nanobind;
 
+void RegisterNeuronStore(nb::module_& m);  // neuron_store_bindings.cc
+
 namespace {
 
 using Blocks = nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
@@ -124,6 +126,7 @@ NB_MODULE(_pij_ext, m) {
     d["pij_moe_ffn"] = Capsule(PijMoeFfnCpu);
     d["pij_qsparse_ffn"] = Capsule(PijQSparseFfnCpu);
     d["pij_qembedding"] = Capsule(PijQEmbeddingCpu);
+    d["pij_disk_ffn"] = Capsule(PijDiskFfnCpu);
     return d;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target(platform='cpu').");
   m.def("set_num_threads", [](int n) {
@@ -209,6 +212,7 @@ NB_MODULE(_pij_ext, m) {
     pij::QLinearInterleavedPortable(out, dim, x_rows);
   }, nb::arg("x"), nb::arg("blocks"), nb::arg("qtype"), nb::arg("y"),
         "Tests: y = x . rows of interleaved blocks through the portable loops (bitwise the vector kernels').");
+  RegisterNeuronStore(m);
   m.def("dequantize_into", [](nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> blocks,
                               int32_t qtype,
                               nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {

@@ -12,14 +12,18 @@ Two parts are chosen once, when the model is built, and never by string tests at
     ops.sparse_ffn's criterion, the layer's threshold and the scores it compares.
   * `backend`: computes the rows. `Rows` (every row in the FFN's Params: XLA or the custom call),
     `CpuHybrid` (placed: hot rows with XLA, cold `HostRows` through the custom call on the host
-    pool, summed) or `CudaHybrid` (placed on a GPU: hot rows in CUDA kernels, cold rows in the CUDA
-    module's host store behind a handle, one custom call). `FFN.split` switches the backend.
+    pool, summed), `CudaHybrid` (placed on a GPU: hot rows in CUDA kernels, cold rows in the CUDA
+    module's host store behind a handle, one custom call) or `DiskHybrid` (--ram-budget: every row
+    in a neuron store, in memory or read from disk, behind a handle). `FFN.split` switches the
+    backend to the first two; runtime/offload.py sets DiskHybrid.
 Under models.transformer.capture the FFN records each call's active counts ("n_active" [B, T]).
 
 Dependencies point one way: this module knows only the Selector interface; sparsity/ implements it.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import weakref
 from typing import NamedTuple
@@ -151,6 +155,31 @@ def _value(var):
     return None if var is None else var[...]
 
 
+_RESIDUAL = contextvars.ContextVar("ffn_residual")
+
+
+def block_residual():
+    """Inside an FFN call made by a Block: the tensor its ffn_norm normalized [B, T, D] (the
+    residual after attention; a parallel block's input). Selectors that read the residual rather
+    than the FFN input (PowerInfer's predictors: sparsity/powerinfer_predictor.py) and an
+    offloaded FFN's lookahead take it here (models.transformer re-exports it)."""
+    try:
+        return _RESIDUAL.get()
+    except LookupError:
+        fail("block_residual", "a call from inside Block.__call__ (the FFN's block provides it)",
+             "an FFN called on its own", "run the FFN through its Transformer block")
+
+
+@contextlib.contextmanager
+def residual_scope(x_btd):
+    """What `block_residual()` returns inside (the Block's FFN call)."""
+    token = _RESIDUAL.set(x_btd)
+    try:
+        yield
+    finally:
+        _RESIDUAL.reset(token)
+
+
 # ------------------------------------------------------------------------------------ backends
 @dataclasses.dataclass(frozen=True)
 class Rows:
@@ -272,6 +301,42 @@ class CudaHybrid:
             scores_cold=None if s is None else s[:, n_hot:], threshold=float(sel.threshold),
             activation=ffn.activation, criterion=sel.criterion, cold_handle=self.handle)
         return y.reshape(lead + (d,)), count.reshape(lead)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskHybrid:
+    """An FFN whose rows live in a neuron store (runtime/offload.py, --ram-budget): the static
+    and cached neurons in memory, the others read from the model's bundle file when the active
+    set needs them, in one custom call per layer (ops._ffi.disk_ffn) that takes the store's
+    handle and this layer's index. The FFN's own weights are zero-row stubs. With an FFN
+    attribute `lookahead` (the next layer's predictor, set by runtime/offload.py) its output on
+    this layer's residual is a guess at the next layer's active set, read ahead."""
+
+    store: int
+    layer: int
+
+    def dense(self, ffn, x_btd):
+        return self._compute(ffn, x_btd, Selection("oracle", 0.0))[0]
+
+    def run(self, ffn, x_btd, selector):
+        sel = selector.select(ffn, x_btd)
+        if sel.criterion == "activations":
+            fail("FFN (neuron store) criterion", "'scores' or 'oracle'", sel.criterion,
+                 "the selector's activations come from rows the store holds")
+        return self._compute(ffn, x_btd, sel)
+
+    def _compute(self, ffn, x_btd, sel: Selection):
+        from powerinfer_jax.ops import _ffi
+
+        ahead = getattr(ffn, "lookahead", None)
+        if ahead is not None:
+            ahead = ahead(block_residual())
+        y, count = _ffi.disk_ffn(x_btd, sel.scores, store=self.store, layer=self.layer,
+                                 threshold=float(sel.threshold), activation=ffn.activation,
+                                 criterion=sel.criterion, next_scores=ahead)
+        if ffn.down_t.bias is not None:
+            y = y + ffn.down_t.bias[...]
+        return y, count
 
 
 # ------------------------------------------------------------------------------------ the FFN

@@ -7,7 +7,6 @@ name-for-name copy (`from_params`). Two exceptions: the down projection's bias i
 """
 from __future__ import annotations
 
-import contextvars
 from typing import Mapping
 
 import jax
@@ -17,27 +16,14 @@ from flax import nnx
 
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.errors import fail
-from powerinfer_jax.models.ffn import FFN
+# block_residual: re-exported, the name the selectors read it by (sparsity/powerinfer_predictor.py)
+from powerinfer_jax.models.ffn import FFN, block_residual, residual_scope  # noqa: F401
 from powerinfer_jax.models.moe import MoE
 from powerinfer_jax.models.qweights import DENSE_LAYOUT, MATVEC, ROWS, FfnLayout, arrange
 from powerinfer_jax.models.layers import (F32, Attention, Linear, Module, Norm, _param,
                                          cache_storage_dtype, matmul, op_impl, resolve_kernels,
                                          shapes_only, sow)
 from powerinfer_jax.models.rope import layer_rope
-
-
-_RESIDUAL = contextvars.ContextVar("ffn_residual")
-
-
-def block_residual():
-    """Inside an FFN call made by a Block: the tensor its ffn_norm normalized [B, T, D] (the
-    residual after attention; a parallel block's input). Selectors that read the residual rather
-    than the FFN input (PowerInfer's predictors: sparsity/powerinfer_predictor.py) take it here."""
-    try:
-        return _RESIDUAL.get()
-    except LookupError:
-        fail("block_residual", "a call from inside Block.__call__ (the FFN's block provides it)",
-             "an FFN called on its own", "run the FFN through its Transformer block")
 
 
 class Block(Module):
@@ -82,11 +68,8 @@ class Block(Module):
             x_btd = x_btd + self._post(self.attn_post_norm, self._sum_shards(attn_out))
         ffn_in = self.ffn_norm(x_btd)
         sow(self, "ffn_in", ffn_in)
-        token = _RESIDUAL.set(x_btd)
-        try:
+        with residual_scope(x_btd):
             ffn_out = self.ffn(ffn_in)
-        finally:
-            _RESIDUAL.reset(token)
         if self.parallel:  # Falcon: attention and FFN both read the block's input
             return x_btd + self._sum_shards(attn_out + ffn_out), new_cache
         return x_btd + self._post(self.ffn_post_norm, self._sum_shards(ffn_out)), new_cache
@@ -251,7 +234,8 @@ def param_names(config: ModelConfig) -> list[str]:
 
 def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=F32,
                 kernels: str = "auto", ffn_layout: FfnLayout = DENSE_LAYOUT,
-                quantized: bool | None = None, **options) -> Transformer:
+                quantized: bool | None = None, external: frozenset[str] = frozenset(),
+                **options) -> Transformer:
     """Build a Transformer from canonical named arrays (e.g. a loaded checkpoint).
 
     Matrices take `dtype`; norms and biases stay float32. Block-quantized tensors
@@ -262,13 +246,16 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
     plan: its sparsity mode's layouts, sparsity/modes.py; default: dense). With XLA kernels they
     are dequantized to `dtype` (quantized=True keeps them: the ops' jnp references then compute
     on them, slowly; tests). Missing, unexpected or misshaped tensors are a ValueError naming
-    them. kernels: see models/layers.py ("auto": the custom calls on CPU); options:
+    them. kernels: see models/layers.py ("auto": the custom calls on CPU); external: tensors
+    whose rows live outside the model (an offloaded FFN's neuron store, runtime/offload.py):
+    never read here, their Params left shape-only for the caller to set. options:
     Transformer's decode_attention and fuse_qkv.
     """
     from powerinfer_jax.checkpoint.base import QuantTensor, expected_shapes
 
     kernels = resolve_kernels(kernels)
-    blocks = {name: t for name, t in params.items() if isinstance(t, QuantTensor)}
+    blocks = {name: t for name, t in params.items()
+              if isinstance(t, QuantTensor) and name not in external}
     if not (kernels == "ffi" if quantized is None else quantized):  # the custom calls compute
         # on blocks; elsewhere the floats
         params = {**params, **{name: t.dequantize() for name, t in blocks.items()}}
@@ -297,7 +284,7 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
         # each placeholder Param is found by its name and given its value in place: walking the
         # whole module graph (nnx.state, then nnx.update) took ~0.06 s of SmolLM2's build
         for name in expected:
-            if name not in blocks and name not in expert_blocks:
+            if name not in blocks and name not in expert_blocks and name not in external:
                 var = _variable(model, name)
                 var.set_value(jnp.asarray(np.asarray(params[name]),
                                           dtype=var.get_value().dtype))

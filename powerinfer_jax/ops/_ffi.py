@@ -259,3 +259,25 @@ def sparse_ffn_hybrid(x, w_up, w_down_t, *, w_gate, b_up, b_down, scores, scores
         (jax.ShapeDtypeStruct(rows + (d,), jnp.float32), jax.ShapeDtypeStruct(rows, jnp.int32)))
     return call(*operands, threshold=np.float32(threshold), activation=activation,
                 criterion=criterion, cold_handle=np.int64(cold_handle))
+
+
+DISK_FFN_TARGET = "pij_disk_ffn"
+
+
+def disk_ffn(x, scores, *, store: int, layer: int, threshold, activation, criterion,
+             next_scores=None):
+    """The sparse FFN of one layer of a neuron store (cpu_backend/disk_ffn.h): its rows are read
+    where they live (memory or the bundle file), not passed. x [..., D]; scores [..., F] for
+    criterion "scores"; next_scores [..., F]: a guess at layer + 1's scores, whose selected
+    neurons are read ahead. Returns (y [..., D] float32, n_active [...] int32). A side effect
+    for XLA (the store's cache and reads): never dropped or merged."""
+    x32 = jnp.asarray(x, jnp.float32)
+    rows = x32.shape[:-1]
+    call = jax.ffi.ffi_call(
+        DISK_FFN_TARGET,
+        (jax.ShapeDtypeStruct(rows + (x32.shape[-1],), jnp.float32),
+         jax.ShapeDtypeStruct(rows, jnp.int32)), vmap_method="expand_dims", has_side_effect=True)
+    return call(x32, _opt_f32(scores if criterion == "scores" else None), _opt_f32(next_scores),
+                store=np.int64(store),
+                layer=np.int64(layer), threshold=np.float32(threshold), activation=activation,
+                criterion=criterion)

@@ -34,6 +34,7 @@ class Session:
     placement: object | None = None  # sparsity.placement.Placement applied to the model, if any
     max_batch: int = 1
     auto: dict | None = None  # --sparsity auto: what was chosen and why (runtime/auto.py)
+    offload: object | None = None  # runtime.offload.Offload under --ram-budget
     store: object | None = None  # runtime.executables.Store: compiled steps kept across processes
     progress: bool = False  # lines on stderr for long steps (compiling)
     # the engine's KV cache holds at most this many positions (None: kv_length); set before the
@@ -83,7 +84,8 @@ class Session:
                 "kernels": self.model.kernels, "max_seq_len": self.kv_positions,
                 "weights": weight_formats(self.model), "auto": self.auto,
                 "placement": None if self.placement is None else self.placement.summary(),
-                "devices": self.runtime.devices, "decode_block": self.runtime.decode_block}
+                "devices": self.runtime.devices, "decode_block": self.runtime.decode_block,
+                "offload": None if self.offload is None else self.offload.describe()}
 
 
 def weight_formats(model) -> dict[str, int]:
@@ -149,6 +151,9 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     if runtime.max_seq_len is not None and runtime.max_seq_len > ckpt.config.max_seq_len:
         fail("max_seq_len", f"at most {ckpt.config.max_seq_len} (the model's context)",
              runtime.max_seq_len)
+    # --ram-budget: "disk" (FFN rows in a neuron store, runtime/offload.py), "memory" (it fits)
+    ram = None if placement.ram_budget_bytes is None else _ram_mode(
+        ckpt, runtime, sparsity, placement, max_batch, accel)
     # With an accelerator the model is built in host memory and only what the placement keeps on
     # the device goes there: a model larger than the device's memory never lands on it whole.
     # The default budget is read before any weight is on the device.
@@ -169,14 +174,29 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
         import jax.numpy as jnp
 
         # quantized matrices arranged once for how the mode reads them (models/qweights.py)
+        layout = modes.ffn_layout(sparsity, ckpt.config)
         m = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(runtime.dtype),
                         kernels=runtime.kernels, decode_attention=runtime.decode_attention,
                         fuse_qkv=runtime.fuse_qkv,
-                        ffn_layout=modes.ffn_layout(sparsity, ckpt.config))
+                        ffn_layout=layout, external=_offloaded_names(ckpt, ram))
+        if ram == "disk":
+            from powerinfer_jax.runtime.offload import stub_ffns
+
+            stub_ffns(m, ckpt, layout)
         arts = _artifacts(model, ckpt, m, sparsity, artifacts_root, progress)
         modes.configure(m, sparsity, arts)
-        placed = _place(model, ckpt, m, runtime, sparsity, placement, artifacts_root,
-                        default_budget, shards)
+        offloaded = None
+        if ram is not None:
+            if checkpoint is None and ram == "disk":
+                # the model holds its own copies now: the loader's (Q/K rows in RoPE order, a
+                # fifth of the dense bytes) go before the store takes its memory
+                _keep_only_ffn(ckpt)
+            offloaded = _offload(model, ckpt, m, runtime, placement, artifacts_root, max_batch,
+                                 ram, progress)
+            placed = None
+        else:
+            placed = _place(model, ckpt, m, runtime, sparsity, placement, artifacts_root,
+                            default_budget, shards)
     if runtime.devices is not None:
         from powerinfer_jax.runtime.mesh import shard_model
 
@@ -187,14 +207,77 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     return Session(config=ckpt.config, model=m, tokenizer=ckpt.tokenizer, runtime=runtime,
                    sparsity=sparsity, source=str(ckpt.source), model_arg=str(model),
                    threads=threads, artifacts=arts, placement=placed,
-                   max_batch=max_batch, store=store, progress=progress,
+                   max_batch=max_batch, offload=offloaded, store=store, progress=progress,
                    timings={"jax_s": t1 - t0, "load_s": t2 - t1, "build_s": t3 - t2})
+
+
+def _ram_mode(ckpt, runtime, sparsity, placement, max_batch, accel) -> str:
+    """--ram-budget: "memory" when the whole model fits (it then loads as without the flag),
+    else "disk" (its FFN in a neuron store); clear errors for what cannot be offloaded."""
+    import jax.numpy as jnp
+
+    from powerinfer_jax.checkpoint.bundles import check_quantized
+    from powerinfer_jax.runtime import offload
+
+    if accel is not None or runtime.devices is not None:
+        fail("--ram-budget", "a CPU-only run on one device (the GPU tier of a disk-offloaded "
+             "model is not built yet)", f"{accel or f'{runtime.devices} devices'}")
+    if offload.fits_in_memory(ckpt, placement.ram_budget_bytes,
+                              kv_len=kv_length(ckpt.config, runtime), batch=max_batch,
+                              dtype=jnp.dtype(runtime.dtype)):
+        return "memory"
+    offload.check_mode(sparsity)
+    check_quantized(ckpt)
+    return "disk"
+
+
+def _keep_only_ffn(ckpt) -> None:
+    """Drop every tensor of a checkpoint this build loaded but its FFN rows and up biases (the
+    neuron store's sources)."""
+    from powerinfer_jax.checkpoint.bundles import external_names
+
+    keep = external_names(ckpt.config)
+    for name in [n for n in ckpt.params if n not in keep and not n.endswith("ffn.up.bias")]:
+        del ckpt.params[name]
+
+
+def _offloaded_names(ckpt, ram) -> frozenset:
+    from powerinfer_jax.checkpoint.bundles import external_names
+
+    return external_names(ckpt.config) if ram == "disk" else frozenset()
+
+
+def _offload(model_arg, ckpt, m, runtime, placement, artifacts_root, max_batch, ram, progress):
+    """--ram-budget after the model is built: its arrays out of the file's pages, and (disk)
+    the FFN pointed at a neuron store."""
+    from powerinfer_jax.runtime import offload
+    from powerinfer_jax.sparsity.artifacts import artifacts_root as default_root
+
+    kv_len = kv_length(ckpt.config, runtime)
+    budget = placement.ram_budget_bytes
+    if ram == "memory":
+        copied, _ = offload.make_anonymous(m)
+        import jax.numpy as jnp
+
+        need = offload.file_bytes(ckpt) + offload.kv_bytes(
+            ckpt.config, kv_len=kv_len, batch=max_batch, dtype=jnp.dtype(runtime.dtype))
+        return offload.Offload(store=None, summary={
+            "mode": "memory", "budget_bytes": budget, "resident_bytes": need,
+            "copied_from_file_bytes": copied})
+    root = default_root(model_arg, ckpt.source) if artifacts_root is None else artifacts_root
+    share = placement.cache_share
+    return offload.attach(m, ckpt, budget=budget, kv_len=kv_len, batch=max_batch,
+                          artifacts_root=root, policy=placement.neuron_cache,
+                          cache_share=offload.DEFAULT_CACHE_SHARE if share is None else share,
+                          lookahead=placement.lookahead, progress=progress)
+
 
 
 def _executable_store(model, runtime, sparsity, placement, max_batch, artifacts_root, accel):
     """The store of compiled steps for this request (runtime/executables.py), its recent steps
     already loading in the background; None where compiled steps cannot be reused across
-    processes (an accelerator, a placement's handles, a mesh) or the cache is off."""
+    processes (an accelerator, a placement's or a neuron store's handles, a mesh) or the cache
+    is off."""
     import os
 
     import jax
@@ -202,6 +285,7 @@ def _executable_store(model, runtime, sparsity, placement, max_batch, artifacts_
     from powerinfer_jax.runtime import executables
 
     if (not executables.enabled() or accel is not None or placement.budget_bytes is not None
+            or placement.ram_budget_bytes is not None  # the store's handle is in the steps
             or runtime.devices is not None or len(jax.devices()) != 1):
         return None
     path = Path(model).expanduser()

@@ -71,6 +71,10 @@ class ServerState:
             arg = str(session.model_arg)
             self.model_name = self.model_name or arg
             self.names = {self.model_name, arg, Path(arg).name}
+            if getattr(session, "offload", None) is not None and session.offload.store:
+                from powerinfer_jax.server.offload_metrics import OffloadCollector
+
+                self.metrics.registry.register(OffloadCollector(session.offload))
             worker = Worker(engine, self.metrics, queue_size=self.queue_size)
             worker.start()
             self.metrics.slots_total.set(engine.max_batch)

@@ -1,0 +1,428 @@
+"""--ram-budget (runtime/offload.py, checkpoint/bundles.py, ops/neuron_store.py, cpu_backend/
+neuron_store.h, disk_ffn.h): a synthetic sparse model (random weights) whose FFN does not fit the
+budget runs from a neuron store and gives the in-memory run's tokens; the kernel gives
+ops.qsparse_ffn's bits; the budget is honoured as computed; bad budgets, files and directories
+are one-line errors or rebuilds. The cgroup measurements are benchmarks/offload.py's."""
+import hashlib
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from powerinfer_jax.errors import UserError
+
+# FFN large beside the dense parts (SmolLM2's vocabulary makes the embeddings ~15 MB), so budgets
+# between the minimum and the whole model exist
+SHAPE = ["--shape", "smollm2-135m", "--d-model", "256", "--n-layers", "4", "--n-heads", "4",
+         "--n-kv-heads", "2", "--head-dim", "64", "--d-ff", "4096", "--rank", "15"]
+MAX_SEQ = 64
+GIB = 1 << 30
+
+
+def _make(out, *args):
+    from powerinfer_jax.synthetic.__main__ import main
+
+    main([*SHAPE, "--sparsity", "0.9", "--calib-tokens", "2048", "--verify-tokens", "0",
+          "--formats", "gguf,powerinfer", *args, "--out", str(out)])
+    return json.loads((out / "synthetic.json").read_text())["files"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    files = _make(tmp_path_factory.mktemp("offload_model"))
+    return files["gguf"], files["powerinfer"]
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory):
+    """Another model of the same shape (another seed): its bundle file must not serve `model`."""
+    return _make(tmp_path_factory.mktemp("offload_other"), "--seed", "1")["gguf"]
+
+
+def _build(gguf, predictors, *, budget=None, mode="powerinfer", policy="lru", cache_share=None,
+           lookahead=True):
+    from powerinfer_jax.config import PlacementConfig, RuntimeConfig, SparsityConfig
+    from powerinfer_jax.runtime import session
+
+    sp = SparsityConfig(mode=mode, predictor_file=predictors if mode == "powerinfer" else None)
+    place = PlacementConfig(ram_budget_gib=None if budget is None else budget / GIB,
+                            neuron_cache=policy, cache_share=cache_share, lookahead=lookahead)
+    return session.build(gguf, RuntimeConfig(max_seq_len=MAX_SEQ), sp, placement=place,
+                         progress=False)
+
+
+def _tokens(s, n=16):
+    ids = s.tokenizer.encode("The history of computing is a story of ideas")
+    return list(s.engine.generate(ids, max_new_tokens=n).tokens)
+
+
+def _minimum(gguf, predictors) -> int:
+    with pytest.raises(UserError) as e:
+        _build(gguf, predictors, budget=1 << 20)
+    msg = str(e.value)
+    return int(msg.split("GiB (")[1].split(" bytes")[0])
+
+
+def _sha256(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+# ------------------------------------------------------------------------------------ kernel
+@pytest.mark.parametrize("hot_fraction", [0.0, 0.3, 1.0])
+def test_kernel_bitwise_equals_qsparse_ffn(model, hot_fraction):
+    """The store's layer, wherever its rows are, gives ops.qsparse_ffn's bits on the same rows
+    (down re-blocked per neuron, the "rows" layout), for decode, small batches and prefill."""
+    from powerinfer_jax.checkpoint import bundles, load_checkpoint
+    from powerinfer_jax.ops import _ffi
+    from powerinfer_jax.ops.neuron_store import NeuronStore
+
+    ck = load_checkpoint(model[0], keep_quantized=True)
+    path, spec, order = bundles.ensure(ck, progress=False)
+    assert spec.down_source == "exact" and spec.down_qtype == "Q4_0"
+    L, F, D = spec.n_layers, spec.n_neurons, spec.dim
+    rng = np.random.default_rng(int(hot_fraction * 10))
+    store = NeuronStore(path, spec, order, rng.random((L, F)) < hot_fraction, cache_slots=F)
+    for l in range(L):
+        names = bundles.ffn_names(ck.config, l)
+        gate, up, down = (ck.params[names[k]] for k in ("gate", "up", "down"))
+        rows = down.reblocked("Q4_0").blocks
+        for t in (1, 3, 40):
+            x = rng.standard_normal((t, D)).astype(np.float32)
+            scores = np.where(rng.random((t, F)) < 0.2, 1.0, -1.0).astype(np.float32)
+            for crit in ("scores", "oracle"):
+                y, n = _ffi.disk_ffn(x, scores, store=store.handle, layer=l, threshold=0.0,
+                                     activation="relu", criterion=crit)
+                want_y, want_n = _ffi.qsparse_ffn(
+                    x, up.blocks, rows, up_qtype="Q4_0", down_qtype="Q4_0", gate=gate.blocks,
+                    gate_qtype="Q4_0", b_up=None, b_down=None, scores=scores, threshold=0.0,
+                    activation="relu", criterion=crit, down_layout="rows")
+                np.testing.assert_array_equal(np.asarray(y), np.asarray(want_y))
+                np.testing.assert_array_equal(np.asarray(n), np.asarray(want_n))
+    s = store.stats()
+    assert s["static_hits"] + s["cache_hits"] + s["misses"] == s["requested"] > 0
+    if hot_fraction < 1:
+        assert s["misses"] > 0 and s["bytes_read"] >= s["misses"] * spec.slot_bytes
+    else:
+        assert s["misses"] == 0 and s["bytes_read"] == 0
+
+
+def test_cache_policies_evict_as_documented():
+    from powerinfer_jax.ops.neuron_store import simulate_cache
+
+    # 2 slots; calls [0], [1], [0], [2]: LRU evicts 1 (least recent), so a final [0] hits
+    calls = [[0], [1], [0], [2], [0]]
+    assert simulate_cache(calls, num_keys=4, slots=2, policy="lru")["hits"] == 2
+    # LFU: 0 has 2 uses, 1 has 1: [2] evicts 1; then [1] misses and evicts 2 (1 use, older
+    # than... ties by last use): 0 stays
+    r = simulate_cache([[0], [0], [1], [2], [1], [0]], num_keys=4, slots=2, policy="lfu")
+    assert r == {"hits": 2, "misses": 4, "evictions": 2, "uncached": 0}
+    # frequency: the prior decides; key 3 (prior 0.9) is never evicted for keys of prior 0.1
+    prior = [0.1, 0.1, 0.1, 0.9]
+    r = simulate_cache([[3], [0], [1], [2], [3]], num_keys=4, slots=2, policy="frequency",
+                       prior=prior)
+    assert r["hits"] == 1
+    # a call's own keys are never evicted within it: 3 keys, 2 slots -> one stays uncached
+    assert simulate_cache([[0, 1, 2]], num_keys=4, slots=2, policy="lru")["uncached"] == 1
+    # a cyclic scan larger than the cache: LRU keeps nothing, the frequency policy its prior's
+    # favourites (why the store's static part and this policy exist)
+    scan = [[k] for _ in range(5) for k in range(4)]
+    prior = [0.9, 0.8, 0.1, 0.1]
+    assert simulate_cache(scan, num_keys=4, slots=2, policy="lru")["hits"] == 0
+    # (key 0 stays from the second pass on; 1 loses its slot to each newcomer: 4 hits)
+    assert simulate_cache(scan, num_keys=4, slots=2, policy="frequency", prior=prior)["hits"] == 4
+
+
+# ------------------------------------------------------------------------------------ end to end
+@pytest.mark.slow
+def test_tokens_equal_in_memory_at_several_budgets(model):
+    gguf, predictors = model
+    before = _sha256(gguf)
+    want = _tokens(_build(gguf, predictors))
+    lo = _minimum(gguf, predictors)
+    full = _build(gguf, predictors, budget=1 << 40).offload.summary["resident_bytes"]
+    assert full > lo
+    seen_static = False
+    for budget in (lo, (lo + full) // 2, full - (1 << 20)):
+        s = _build(gguf, predictors, budget=budget)
+        summary = s.offload.summary
+        assert summary["mode"] == "disk"
+        assert summary["resident_bytes"] <= budget
+        got = _tokens(s)
+        assert got == want, budget
+        stats = s.offload.stats()
+        assert stats["misses"] > 0 and stats["per_token"]["tokens"] > 0
+        seen_static |= summary["static_neurons"] > 0
+        del s
+    assert seen_static
+    assert _sha256(gguf) == before  # nothing written to the model file
+
+
+def test_dense_mode_reads_every_neuron_and_matches(model):
+    gguf, predictors = model
+    want = _tokens(_build(gguf, predictors, mode="dense"), 8)
+    s = _build(gguf, predictors, mode="dense", budget=_minimum(gguf, predictors) + (1 << 20))
+    assert _tokens(s, 8) == want
+    st = s.offload.stats()
+    # every call asks for every neuron of its layer
+    assert st["requested"] == st["calls"] * s.config.d_ff
+
+
+@pytest.mark.parametrize("policy,lookahead", [
+    ("frequency", True), ("lru", True), pytest.param("lfu", False, marks=pytest.mark.slow),
+    pytest.param("lru", False, marks=pytest.mark.slow)])
+def test_every_policy_gives_the_same_tokens(model, policy, lookahead):
+    gguf, predictors = model
+    want = _tokens(_build(gguf, predictors), 8)
+    s = _build(gguf, predictors, budget=_minimum(gguf, predictors) + (1 << 20), policy=policy,
+               lookahead=lookahead)
+    assert s.offload.summary["mode"] == "disk"
+    assert _tokens(s, 8) == want
+    assert s.offload.summary["policy"] == policy
+    assert s.offload.summary["lookahead"] == lookahead
+    st = s.offload.stats()
+    # the next layer's guess is read ahead, and most of what it reads is then asked for
+    assert (st["prefetched"] > 0 and st["prefetch_hits"] > st["prefetched"] // 2) if lookahead \
+        else st["prefetched"] == 0
+
+
+def test_budget_accounting_adds_up(model):
+    """resident_bytes = the model's arrays (counted here from its state) + the KV cache + the
+    store's slots and tables, and it fits the budget."""
+    from flax import nnx
+
+    gguf, predictors = model
+    budget = _minimum(gguf, predictors) + (1 << 20)
+    s = _build(gguf, predictors, budget=budget)
+    summ = s.offload.summary
+    assert summ["mode"] == "disk"
+    arrays = sum(int(np.prod(v.get_value().shape)) * v.get_value().dtype.itemsize
+                 for _, v in nnx.iter_graph(s.model) if isinstance(v, nnx.Variable)
+                 and hasattr(v.get_value(), "dtype"))
+    c = s.config
+    kv = 2 * c.n_layers * MAX_SEQ * c.n_kv_heads * c.head_dim * 4  # float32 cache, batch 1
+    assert summ["dense_bytes"] == arrays + kv - summ["file_view_bytes"]
+    slots = summ["static_neurons"] + summ["cache_slots"]
+    assert summ["resident_bytes"] == summ["dense_bytes"] + summ["table_bytes"] + \
+        slots * summ["slot_bytes"]
+    assert summ["resident_bytes"] <= budget
+    assert s.offload.stats()["resident_bytes"] == slots * summ["slot_bytes"]
+    assert summ["copied_from_file_bytes"] >= 0
+
+
+def test_budget_below_the_minimum_names_it(model):
+    gguf, predictors = model
+    with pytest.raises(UserError, match=r"--ram-budget: expected at least [0-9.]+ GiB \(\d+ "
+                                        r"bytes: the dense parts"):
+        _build(gguf, predictors, budget=1 << 20)
+    lo = _minimum(gguf, predictors)
+    assert _build(gguf, predictors, budget=lo).offload.summary["mode"] == "disk"
+    with pytest.raises(UserError, match="expected at least"):
+        _build(gguf, predictors, budget=lo - 1)
+
+
+def test_a_model_that_fits_loads_in_memory(model):
+    gguf, predictors = model
+    s = _build(gguf, predictors, budget=1 << 40)
+    assert s.offload.summary["mode"] == "memory" and s.offload.store is None
+    assert s.describe()["offload"]["mode"] == "memory"
+
+
+def test_modes_that_read_rows_are_refused(model):
+    gguf, predictors = model
+    lo = _minimum(gguf, predictors)
+    with pytest.raises(UserError, match="--sparsity with --ram-budget: expected one of"):
+        _build(gguf, predictors, budget=lo, mode="threshold")
+
+
+# ------------------------------------------------------------------------------------ bundle files
+def _bundle(gguf):
+    from powerinfer_jax.checkpoint import bundles
+
+    return bundles.candidates(gguf)[0]
+
+
+@pytest.mark.slow
+def test_bundle_from_another_model_or_damaged_is_rebuilt(model, other_model, capsys):
+    import shutil
+
+    from powerinfer_jax.checkpoint import bundles, load_checkpoint
+
+    gguf = model[0]
+    ck = load_checkpoint(gguf, keep_quantized=True)
+    for p in bundles.candidates(gguf):  # an earlier test's file has its frequencies' order:
+        p.unlink(missing_ok=True)  # each rebuild below is made as this one, without them
+    path, spec, order = bundles.ensure(ck, progress=False)
+    good = open(path, "rb").read()
+    other = load_checkpoint(other_model, keep_quantized=True)
+    other_path = bundles.ensure(other, progress=False)[0]
+    cases = {
+        "another model": lambda: shutil.copyfile(other_path, path),
+        "truncated": lambda: open(path, "r+b").truncate(len(good) - 512),
+        "header": lambda: open(path, "r+b").write(b"PIJNEURB\x01\x00\x00\x00\x10\x00\x00\x00"),
+        "not a bundle file": lambda: open(path, "wb").write(b"GGUF" + bytes(100)),
+    }
+    notes = {"another model": "for another model", "truncated": "truncated",
+             "header": "header checksum mismatch", "not a bundle file": "not a neuron bundle"}
+    for name, damage in cases.items():
+        damage()
+        capsys.readouterr()
+        path2, spec2, order2 = bundles.ensure(ck, progress=False)
+        err = capsys.readouterr().err
+        assert notes[name] in err, (name, err)
+        assert path2 == path and spec2 == spec and np.array_equal(order2, order)
+        assert open(path, "rb").read() == good, name  # rebuilt to the same bytes
+    with pytest.raises(bundles.BundleError, match="truncated"):
+        open(path, "r+b").truncate(len(good) - 1)
+        bundles.read_header(path)
+    bundles.ensure(ck, progress=False)
+
+
+def test_unwritable_model_dir_falls_back_to_the_cache_dir(model, tmp_path, monkeypatch, capsys):
+    """A model directory that refuses the file (EACCES: root ignores mode bits, so the write is
+    made to fail) -> the cache directory; both refusing (a full disk) -> one-line UserError."""
+    import errno
+    import shutil
+
+    from powerinfer_jax.checkpoint import bundles, load_checkpoint
+
+    monkeypatch.setenv("POWERINFER_JAX_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "ro"
+    src.mkdir()
+    gguf = src / "m.gguf"
+    shutil.copyfile(model[0], gguf)
+    ck = load_checkpoint(str(gguf), keep_quantized=True)
+    real = bundles._write_file
+
+    def refuse_model_dir(dest, *a, **k):
+        if dest.parent == src:
+            raise PermissionError(errno.EACCES, "Permission denied", str(dest))
+        return real(dest, *a, **k)
+
+    monkeypatch.setattr(bundles, "_write_file", refuse_model_dir)
+    path, spec, _ = bundles.ensure(ck, progress=False)
+    assert path.parent == tmp_path / "cache" / "neurons"
+    assert f"cannot write the neuron bundle file in {src}" in capsys.readouterr().err
+    # nothing left in the model's directory but the build lock
+    assert sorted(p.name for p in src.iterdir()) == [".m.gguf.pij-neurons.lock", "m.gguf"]
+    path.unlink()
+
+    class Usage:
+        free = 0
+
+    monkeypatch.setattr(bundles, "_write_file", real)
+    monkeypatch.setattr(bundles.shutil, "disk_usage", lambda p: Usage())
+    with pytest.raises(UserError) as e:
+        bundles.ensure(ck, progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("--ram-budget neuron bundle file: expected a "
+                                              "writable directory with room for")
+    assert str(src) in msg and "bytes needed" in msg
+
+
+@pytest.mark.slow
+def test_two_processes_building_at_once(model, tmp_path):
+    """The second process waits on the build lock, then reuses the first's file."""
+    import shutil
+
+    from powerinfer_jax import cache
+    from powerinfer_jax.checkpoint import bundles, load_checkpoint
+
+    gguf = tmp_path / "m.gguf"
+    shutil.copyfile(model[0], gguf)
+    path = bundles.candidates(gguf)[0]
+    script = textwrap.dedent(f"""
+        from powerinfer_jax.checkpoint import bundles, load_checkpoint
+        ck = load_checkpoint({str(gguf)!r}, keep_quantized=True)
+        print(bundles.ensure(ck, progress=False)[0])
+    """)
+    with cache.lock(path):
+        child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        # the child reaches the lock while this process holds it and builds meanwhile
+        import time
+
+        deadline = time.time() + 120
+        while not any("waiting for another process" in line for line in
+                      _peek(child)) and time.time() < deadline:
+            time.sleep(0.2)
+        ck = load_checkpoint(str(gguf), keep_quantized=True)
+        got = bundles.ensure(ck, progress=False)[0]
+    out, err = child.communicate(timeout=300)
+    assert child.returncode == 0, err
+    assert out.strip() == str(got) == str(path)
+    assert "waiting for another process" in _PEEKED[id(child)] + err
+    assert "writing the neuron bundle file" not in _PEEKED[id(child)] + err  # it reused
+    bundles.read_header(path)
+
+
+_PEEKED: dict[int, str] = {}
+
+
+def _peek(child) -> list[str]:
+    """Lines the child wrote to stderr so far (non-blocking)."""
+    import os
+    import select
+
+    buf = _PEEKED.setdefault(id(child), "")
+    fd = child.stderr.fileno()
+    os.set_blocking(fd, False)
+    while select.select([fd], [], [], 0)[0]:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        buf += chunk.decode(errors="replace")
+    os.set_blocking(fd, True)
+    _PEEKED[id(child)] = buf
+    return buf.splitlines()
+
+
+def test_store_rejects_bad_tables(model):
+    from powerinfer_jax.checkpoint import bundles, load_checkpoint
+    from powerinfer_jax.ops.neuron_store import NeuronStore
+
+    ck = load_checkpoint(model[0], keep_quantized=True)
+    path, spec, order = bundles.ensure(ck, progress=False)
+    L, F = spec.n_layers, spec.n_neurons
+    cold = np.zeros((L, F), bool)
+    with pytest.raises(ValueError, match=r"cache_slots: expected at least 4096"):
+        NeuronStore(path, spec, order, cold, cache_slots=F - 1)
+    bad = np.array(order)
+    bad[0, 0] = bad[0, 1]
+    with pytest.raises(ValueError, match=r"position\[0\]: expected a permutation"):
+        NeuronStore(path, spec, bad, cold, cache_slots=F)
+    import dataclasses
+
+    longer = dataclasses.replace(spec, n_layers=L + 1)
+    with pytest.raises(ValueError, match="truncated"):
+        NeuronStore(path, longer, np.concatenate([order, order[:1]]), np.zeros((L + 1, F), bool),
+                    cache_slots=F)
+
+
+# ------------------------------------------------------------------------------------ reporting
+@pytest.mark.slow
+def test_json_and_metrics_report_the_store(model, capsys):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from powerinfer_jax import generate
+    from powerinfer_jax.server.offload_metrics import OffloadCollector
+
+    gguf, predictors = model
+    lo = _minimum(gguf, predictors)
+    generate.main(["--model", gguf, "--sparsity", "powerinfer", "--predictors", predictors,
+                   "--prompt", "Hello there", "--max-new-tokens", "6", "--max-seq-len",
+                   str(MAX_SEQ), "--ram-budget", str(lo / GIB * 1.01), "--json", "--no-stream"])
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    off = row["offload"]
+    assert off["mode"] == "disk" and 0 <= off["stats"]["hit_rate"] <= 1
+    assert off["stats"]["per_token"]["tokens"] > 0 and off["stats"]["per_token"]["bytes_read"] > 0
+    s = _build(gguf, predictors, budget=lo)
+    _tokens(s, 4)
+    reg = CollectorRegistry()
+    reg.register(OffloadCollector(s.offload))
+    text = generate_latest(reg).decode()
+    for name in ("pij_neuron_misses_total", "pij_neuron_hit_rate",
+                 "pij_neuron_read_bytes_per_token", "pij_neuron_read_bytes_total"):
+        assert name in text
