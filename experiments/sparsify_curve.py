@@ -16,6 +16,7 @@ Two kinds of rows in results/sparsify_curve.jsonl (`stage`):
   python -m experiments.sparsify_curve --train threshold:0.85 --tokens 307200 [distill flags]
   python -m experiments.sparsify_curve --final DIR [DIR ...]     # final rows for finished models
   python -m experiments.sparsify_curve --step-speed 3           # step tok/s: f32/bf16/remat
+  python -m experiments.sparsify_curve --recipe-sweep 0.87 --tokens 49152   # the controller
   python -m experiments.sparsify_curve --plot                    # results/sparsify_curve.png
 """
 from __future__ import annotations
@@ -52,9 +53,13 @@ def _ppl(model_arg, sparsity, ids, threads):
     return res
 
 
-def final_rows(out_dir: Path, *, targets=None, threads: int) -> list[dict]:
+FINAL_MODES = ("dense", "threshold", "oracle", "predictor (q4)", "predictor (lowrank)")
+
+
+def final_rows(out_dir: Path, *, targets=None, threads: int, modes=FINAL_MODES) -> list[dict]:
     """The 'final' rows of one finished sparsify output directory, at its trained target
-    sparsity and any other calibration `targets` (artifacts built where missing)."""
+    sparsity and any other calibration `targets` (artifacts built where missing); `modes`: which
+    of FINAL_MODES (threshold: relu/drelu only)."""
     from experiments.power_law import layer_rows
     from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.config import SparsityConfig
@@ -81,8 +86,8 @@ def final_rows(out_dir: Path, *, targets=None, threads: int) -> list[dict]:
               "planned_steps": record.get("planned_steps", record["steps"]),
               "wall_s": round(record["wall_s"], 1), "train_commit": record.get("commit"),
               "eval_chunks": FINAL_CHUNKS, "eval_ctx": FINAL_CTX, "ppl_dense": dense["ppl"]}
-    rows = [_final_row(common, "dense", None, _ppl(out_dir, SparsityConfig(), ids, threads),
-                       dense, {})]
+    rows = ([_final_row(common, "dense", None, _ppl(out_dir, SparsityConfig(), ids, threads),
+                        dense, {})] if "dense" in modes else [])
     for t in targets:
         art_dir = out_dir / "sparsity" / f"target_{t:.2f}"
         meta = json.loads((art_dir / "meta.json").read_text())
@@ -91,13 +96,19 @@ def final_rows(out_dir: Path, *, targets=None, threads: int) -> list[dict]:
         at_t = {**common, "neurons_for_80pct_median": float(np.median(cover)),
                 "neurons_for_80pct_mean": float(np.mean(cover)),
                 "profiled_sparsity": float(np.mean(prof.sparsity))}
+        # relu/drelu: the model's own zeros (FATReLU's gate threshold) skipped exactly
+        exact = ([("threshold", SparsityConfig(mode="threshold", target_sparsity=t), {})]
+                 if cfg["variant"] in ("relu", "drelu") else [])
         for label, sparsity, rep in (
+                *exact,
                 ("oracle", SparsityConfig(mode="oracle", target_sparsity=t), {}),
                 ("predictor (q4)", SparsityConfig(mode="predictor", predictor="q4",
                                                   target_sparsity=t), meta.get("q4", {})),
                 ("predictor (lowrank)", SparsityConfig(mode="predictor", predictor="lowrank",
                                                        target_sparsity=t),
                  meta.get("predictor", {}))):
+            if label not in modes:
+                continue
             rows.append(_final_row(at_t, label, t, _ppl(out_dir, sparsity, ids, threads), dense,
                                    rep))
     return rows
@@ -222,12 +233,18 @@ def main(argv=None) -> None:
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--final", nargs="*", default=[], metavar="DIR",
                    help="finished sparsify output directories to evaluate")
+    p.add_argument("--final-modes", nargs="+", default=list(FINAL_MODES), choices=FINAL_MODES,
+                   metavar="MODE", help=f"which final rows (default: all of {FINAL_MODES})")
     p.add_argument("--targets", type=float, nargs="*", default=[],
                    help="also evaluate at these calibration targets (artifacts built if missing)")
     p.add_argument("--plot", action="store_true", help="only redraw the plot")
     p.add_argument("--step-speed", type=int, default=0, metavar="ROUNDS",
                    help="time one training step per setting (float32, bfloat16, remat) over "
                         "ROUNDS interleaved rounds")
+    p.add_argument("--recipe-sweep", type=float, nargs="*", default=[], metavar="SPARSITY",
+                   help="short relu runs of the prosparse recipe (cached teacher, --tokens), one "
+                        "per L1 target sparsity (0: the stages' coefficients unsteered): how the "
+                        "controller moves sparsity and perplexity at small scale")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--train-text", default=str(DATA["train"]), help="training/calibration text")
@@ -241,6 +258,19 @@ def main(argv=None) -> None:
     if args.step_speed:
         _common.append_rows(args.out, step_speed_rows(_common.DEFAULT_MODEL,
                                                       rounds=args.step_speed, threads=threads))
+    for target in args.recipe_sweep:
+        import tempfile
+
+        from powerinfer_jax.sparsify import distill
+        from powerinfer_jax.sparsify.config import recipe
+
+        cfg = recipe("prosparse", variant="relu", teacher="cached", tokens=args.tokens,
+                     lr=args.lr, l1_target_sparsity=target)
+        steps = cfg.steps
+        with tempfile.TemporaryDirectory(prefix="pij-sweep-") as tmp:
+            distill(_common.DEFAULT_MODEL, cfg, out=Path(tmp) / "m", corpus=[DATA["train"]],
+                    eval_text=DATA["valid"], curve=args.out, eval_every=max(steps // 3, 1),
+                    calibrate=False, save_every=10 ** 6)
     if args.train:
         from powerinfer_jax.sparsify import DistillConfig, distill
 
@@ -254,7 +284,8 @@ def main(argv=None) -> None:
                           calibrate=False)  # final_rows builds the artifacts it evaluates
             dirs.append(Path(res["out"]))
     for d in dirs:
-        _common.append_rows(args.out, final_rows(d, targets=args.targets, threads=threads))
+        _common.append_rows(args.out, final_rows(d, targets=args.targets, threads=threads,
+                                                   modes=args.final_modes))
     plot_curve(_common.read_rows(args.out), PNG if args.out == str(OUT) else
                Path(args.out).with_suffix(".png"))
     print(f"rows in {args.out}; plot {PNG}")

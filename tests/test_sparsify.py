@@ -245,8 +245,8 @@ def test_distill_stops_and_resumes_to_the_same_model(tiny_dir, texts, cache, tmp
 
 
 # ------------------------------------------------------------------------ the exported model
-@pytest.mark.slow
-def test_distilled_directory_loads_everywhere(tiny_dir, texts, cache, tmp_path):
+@pytest.mark.slow  # distill, artifacts, transformers, generate and the final rows: ~1-2 min on 2 cores
+def test_distilled_directory_loads_everywhere(tiny_dir, texts, cache, tmp_path, monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -287,6 +287,17 @@ def test_distilled_directory_loads_everywhere(tiny_dir, texts, cache, tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(json.loads(proc.stdout.strip().splitlines()[-1])["tokens"]) == 2
+    # the final rows: the relu model's own zeros skipped exactly (threshold mode) score as dense
+    from experiments import sparsify_curve as sc
+
+    monkeypatch.setattr(sc, "FINAL_CTX", 32)
+    monkeypatch.setattr(sc, "FINAL_CHUNKS", 2)
+    monkeypatch.setitem(sc.DATA, "train", train)
+    monkeypatch.setitem(sc.DATA, "valid", valid)
+    final = sc.final_rows(out, threads=2, modes=("dense", "threshold"))
+    assert [r["mode"] for r in final] == ["dense", "threshold"]
+    assert final[1]["ffn_sparsity"] > 0.3
+    np.testing.assert_allclose(final[1]["ppl"], final[0]["ppl"], rtol=1e-4)
 
 
 # -------------------------------------------------------------------------------- bad input

@@ -214,9 +214,9 @@ class _Load:
 
     def interleave_ahead(self, tensors) -> None:
         """Start interleaving (blocks, qtype) pairs on the pool in one call that holds no GIL
-        (`_pij_ext.interleave_many`); `interleaved` hands each copy out when asked for it."""
-        from powerinfer_jax.ops import _ffi
-
+        (`_pij_ext.interleave_many`); `interleaved` hands each copy out when asked for it.
+        Without quantized tensors it imports nothing: a float model builds without the compiled
+        extension (the GPU burst, sparsify/burst.py)."""
         self.finish()  # one batch on the pool at a time
         jobs = []
         for blocks, qtype in tensors:
@@ -226,6 +226,8 @@ class _Load:
                 jobs.append(job[:3])
         if not jobs:
             return
+        from powerinfer_jax.ops import _ffi
+
         self.stats["ahead"] += len(jobs)
 
         def run():

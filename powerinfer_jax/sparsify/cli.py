@@ -1,6 +1,8 @@
 """Make a dense model sparse by self-distillation:
 `python -m powerinfer_jax.sparsify [--model NAME|PATH] [--variant threshold|relu|drelu]
-[--target-sparsity 0.85] [--tokens N] [--seed S] [--out DIR] [--resume]`.
+[--recipe prosparse] [--target-sparsity 0.85] [--tokens N] [--seed S] [--out DIR] [--resume]
+[--time-budget SECONDS]`, and `python -m powerinfer_jax.sparsify import-burst DIR` (a GPU burst's
+weights, benchmarks/gpu/train_burst.sh, made into a model and evaluated).
 
 The student is the model with a sparsity-inducing FFN (see --variant); the teacher is the dense
 model. Loss: KL on the logits (plus optional activation L1 and hidden-state MSE). Data: the
@@ -9,15 +11,27 @@ from varied prompts. Before training, each layer's down rows are refit by least 
 sparse activations. The result is a Hugging Face directory (default:
 <cache>/models/<model>-sparse-<variant>-<target>) that every CLI loads with --model DIR, with its
 sparsity artifacts in DIR/sparsity; rerunning the same command reuses it. An interrupted run
-(Ctrl-C, SIGTERM) saves its last finished step: rerun with --resume to continue.
+(Ctrl-C, SIGTERM) saves its last finished step: rerun with --resume to continue. A long run goes
+in pieces: the same command with --resume --time-budget S trains for at most S seconds per call
+(checkpoint and curve rows in the model cache, beside the output) until it is done.
 """
 from __future__ import annotations
 
 import argparse
 
 from powerinfer_jax import _cli
-from powerinfer_jax.sparsify.config import (COMPUTE_DTYPES, MASK_BY, REFIT_TARGETS, TRAIN_SCOPES,
-                                            VARIANTS, DistillConfig)
+from powerinfer_jax.errors import fail
+from powerinfer_jax.sparsify.config import (COMPUTE_DTYPES, L1_ON, MASK_BY, RECIPES, REFIT_TARGETS,
+                                            TEACHERS, TRAIN_SCOPES, VARIANTS, DistillConfig)
+
+
+def parse_stages(text: str) -> tuple:
+    """"0.1:0,0.3:0.02" -> ((0.1, 0.0), (0.3, 0.02)) (end fraction:coefficient pairs)."""
+    try:
+        return tuple(tuple(float(v) for v in pair.split(":")) for pair in text.split(",")
+                     if pair.strip())
+    except ValueError:
+        fail("--l1-stages", "comma-separated END:COEF pairs such as 0.1:0,0.3:0.02", text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="student FFN: threshold (keep the activation, zero |a_i| under the layer's "
                         "threshold for --target-sparsity, straight-through gradient), relu "
                         "(relu(gate) * up) or drelu (relu(gate) * relu(up)) (default: %(default)s)")
+    p.add_argument("--recipe", default=None, choices=tuple(RECIPES),
+                   help="preset of the loss and schedule flags (explicit flags win): prosparse "
+                        "= L1 on relu(gate) in sine-ramped stages, FATReLU at the end")
     p.add_argument("--target-sparsity", type=float, default=d.target_sparsity,
                    help="fraction of FFN neurons skipped (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=d.tokens,
@@ -48,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", nargs="+", default=None,
                    help="training text files (default: the project's wiki.train.txt)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    p.add_argument("--fill-teacher-cache", action="store_true",
+                   help="only compute the teacher's top-k targets this run would read (its "
+                        "corpus chunks and samples) into the cache, then stop")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="train at most this long in this call (setup included), then stop "
+                        "saved; the same command with --resume continues")
     g = p.add_argument_group("loss and student")
     g.add_argument("--mask-by", default=d.mask_by, choices=MASK_BY,
                    help="threshold variant: one threshold per layer (the batch's quantile, as "
@@ -57,6 +80,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--l1", type=float, default=d.l1, help="activation penalty on mean |a|")
     g.add_argument("--l1-warmup", type=float, default=d.l1_warmup,
                    help="fraction of the steps over which --l1 ramps up from 0")
+    g.add_argument("--l1-stages", type=parse_stages, default=d.l1_stages, metavar="E:C,...",
+                   help="ProSparse stages: end fraction:coefficient pairs; the coefficient rises "
+                        "along a sine to each (replaces --l1/--l1-warmup)")
+    g.add_argument("--l1-target-sparsity", type=float, default=d.l1_target_sparsity,
+                   help="steer the L1 coefficient (a multiplier on the schedule) toward this "
+                        "FFN sparsity (0: off)")
+    g.add_argument("--l1-on", default=d.l1_on, choices=L1_ON,
+                   help="penalize mean |a| (act) or the gate activation relu(gate) (gate)")
+    g.add_argument("--fatrelu-kl-rise", type=float, default=d.fatrelu_kl_rise,
+                   help="FATReLU: the largest gate threshold within this relative KL rise "
+                        "(0: none)")
+    g.add_argument("--fatrelu-at", type=float, default=d.fatrelu_at,
+                   help="fraction of the steps after which the threshold is set and trained with "
+                        "(1: after the last step)")
+    g.add_argument("--teacher", default=d.teacher, choices=TEACHERS,
+                   help="online: the teacher's forward in every step; cached: its top-k "
+                        "log-probabilities, computed once per sequence and kept on disk")
+    g.add_argument("--topk", type=int, default=d.topk, help="top-k of a cached teacher")
     g.add_argument("--hidden-mse", type=float, default=d.hidden_mse,
                    help="weight of the per-layer hidden-state MSE to the teacher")
     g.add_argument("--train", default=d.train, choices=TRAIN_SCOPES,
@@ -108,11 +149,29 @@ def config_from_args(args) -> DistillConfig:
         remat=args.remat, refit=args.refit, refit_target=args.refit_target,
         refit_tokens=args.refit_tokens, samples=args.samples,
         sample_fraction=args.sample_fraction, warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay)
+        weight_decay=args.weight_decay, l1_stages=args.l1_stages, l1_on=args.l1_on,
+        fatrelu_kl_rise=args.fatrelu_kl_rise, fatrelu_at=args.fatrelu_at, teacher=args.teacher,
+        topk=args.topk, l1_target_sparsity=args.l1_target_sparsity)
+
+
+def parse_args(argv=None):
+    """Flags with a --recipe's preset as their defaults (explicit flags win)."""
+    p = build_parser()
+    known, _ = p.parse_known_args(argv)
+    if known.recipe is not None:
+        p.set_defaults(**RECIPES[known.recipe])
+    return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
+    import sys
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["import-burst"]:
+        from powerinfer_jax.sparsify.burst_import import main as import_main
+
+        return import_main(argv[1:])
+    args = parse_args(argv)
     cfg = config_from_args(args)  # validate flags before anything heavy starts
     threads = _cli.configure_threads(args.threads)
     if args.eval_every < 0 or args.eval_chunks < 1 or args.save_every < 1 or (
@@ -120,17 +179,29 @@ def main(argv=None) -> None:
         raise ValueError(f"--eval-every/--eval-chunks/--save-every/--stop-after: expected >= 0 / "
                          f">= 1 / >= 1 / >= 0, got {args.eval_every}/{args.eval_chunks}/"
                          f"{args.save_every}/{args.stop_after}")
-    from powerinfer_jax.sparsify.run import distill
+    if args.time_budget is not None and not args.time_budget > 0:
+        fail("--time-budget", "a number of seconds > 0", args.time_budget)
+    from powerinfer_jax.sparsify.run import distill, fill_teacher_cache
 
+    if args.fill_teacher_cache:
+        res = fill_teacher_cache(args.model, cfg.replace(teacher="cached"), corpus=args.corpus,
+                                 threads=threads, progress=args.progress)
+        print(f"filled {res['rows_filled']} sequences ({res['tokens_filled']} tokens) in "
+              f"{res['seconds']:.0f} s into {', '.join(res['directories'])}")
+        if args.json:
+            _cli.print_json(res)
+        return
     res = distill(args.model, cfg, out=args.out, corpus=args.corpus, resume=args.resume,
                   force=args.force, progress=args.progress, calibrate=args.calibrate,
                   eval_every=args.eval_every, eval_chunks=args.eval_chunks,
                   eval_text=args.eval_text, curve=args.curve, save_every=args.save_every,
                   keep_checkpoints=args.keep_checkpoints, stop_after=args.stop_after,
-                  export_partial=args.export_partial)
+                  export_partial=args.export_partial, time_budget=args.time_budget,
+                  threads=threads)
     out = res["out"]
     if "stopped_at" in res:
-        print(f"stopped at step {res['stopped_at']} of {cfg.steps}; continue with --resume"
+        print(f"stopped at step {res['stopped_at']} of {cfg.steps} ({res['stopped']}); continue "
+              "with the same command and --resume"
               + (f" (exported as it is to {out})" if args.export_partial else ""))
         return
     state = "reused" if res["cached"] else "wrote"

@@ -8,10 +8,17 @@ Variants (the student's FFN; the teacher is the dense model):
     runs sparse with `--sparsity oracle|predictor --target-sparsity T`.
   relu: ReGLU, a_i = relu(gate_i.x) * (up_i.x) (ReluLLaMA, ProSparse): exact zeros.
   drelu: dReLU, a_i = relu(gate_i.x) * relu(up_i.x) (TurboSparse): exact zeros on either side.
+
+Recipes (`RECIPES`, `--recipe`): named presets of these fields. "prosparse" (ProSparse, Song et
+al. 2024, for relu/drelu): L1 on the gate activation relu(gate_i.x) with a coefficient that is 0
+for a warm-up stage, then rises along a sine quarter-wave to each stage's value in turn
+(`l1_stages`, scaled toward a sparsity target: `l1_target_sparsity`), and a FATReLU threshold
+calibrated at the end (`fatrelu_kl_rise`).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 from powerinfer_jax.errors import check, check_choice, check_positive_int
@@ -21,6 +28,18 @@ MASK_BY = ("layer", "token")  # threshold variant: one threshold per layer and b
 TRAIN_SCOPES = ("ffn", "ffn+norms", "all")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 REFIT_TARGETS = ("local", "residual")
+L1_ON = ("act", "gate")  # the penalty on mean |a_i| or on the gate activation relu(gate_i . x)
+TEACHERS = ("online", "cached")
+# ProSparse for a 135M student: a warm-up stage without L1 (the activation swap recovers), then
+# three sine ramps to the stage coefficients, the last ending at 70% of the steps so the model
+# settles under the final penalty, scaled by the controller toward 87% natural zeros (how strong a
+# coefficient is here is not known in advance: at the start the KL's gradient is ~126x the L1's);
+# FATReLU at the end, at most +5% KL to the teacher.
+RECIPES = {
+    "prosparse": dict(l1_on="gate", l1=0.0,
+                      l1_stages=((0.1, 0.0), (0.3, 0.02), (0.5, 0.05), (0.7, 0.1)),
+                      l1_target_sparsity=0.87, fatrelu_kl_rise=0.05),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +63,20 @@ class DistillConfig:
       residual stream after the layer (also undoes the error of the layers below).
     samples, sample_fraction: teacher samples from varied prompts (`samples` sequences, generated
       once and cached) and the share of every batch taken from them; the rest is corpus text.
+    l1_stages: ProSparse's schedule, ((end_fraction, coefficient), ...) with increasing ends in
+      (0, 1]: within stage i the coefficient rises from stage i-1's along a sine quarter-wave to
+      its own; after the last stage it stays there. Replaces `l1`/`l1_warmup` when given.
+    l1_on: the penalized activation: "act" (mean |a_i|) or "gate" (mean relu(gate_i . x), and
+      for drelu also relu(up_i . x): ProSparse's "intermediate outputs").
+    fatrelu_kl_rise: FATReLU (relu and drelu): after `fatrelu_at` of the steps, the gate
+      threshold t (relu(g) kept only where g > t) is the largest on a fixed grid whose KL to the
+      teacher on training text is at most (1 + fatrelu_kl_rise) x that at t = 0; the remaining
+      steps train with it and the exported model stores it. 0: no threshold.
+    l1_target_sparsity: steer the L1 coefficient toward this FFN sparsity (schedule.L1Controller:
+      the stages give the shape, a multiplier the strength); 0: the stages' coefficients as given.
+    teacher: "online" (the teacher's forward in every step: exact KL, hidden-state MSE possible)
+      or "cached" (the teacher's top-`topk` log-probabilities per position, computed once per
+      sequence and kept on disk: KL over the top-k tokens and the rest's total mass).
     """
 
     variant: str = "threshold"
@@ -70,6 +103,13 @@ class DistillConfig:
     refit_ridge: float = 1e-3
     samples: int = 64
     sample_fraction: float = 0.25
+    l1_stages: tuple = ()
+    l1_on: str = "act"
+    fatrelu_kl_rise: float = 0.0
+    fatrelu_at: float = 1.0
+    teacher: str = "online"
+    topk: int = 64
+    l1_target_sparsity: float = 0.0
 
     def __post_init__(self):
         check_choice("--variant", self.variant, VARIANTS)
@@ -107,6 +147,36 @@ class DistillConfig:
               self.sample_fraction)
         check(self.samples > 0 or self.sample_fraction == 0.0, "--sample-fraction",
               "0 when --samples is 0", self.sample_fraction)
+        try:  # lists from JSON or argparse become the hashable tuples the dataclass keeps
+            stages = tuple((float(e), float(c)) for e, c in self.l1_stages)
+        except (TypeError, ValueError):
+            stages = None
+        ok = stages is not None and all(math.isfinite(e) and math.isfinite(c) and 0 < e <= 1
+                                        and c >= 0 for e, c in stages)
+        if ok:
+            object.__setattr__(self, "l1_stages", stages)
+        check(ok and all(a[0] < b[0] for a, b in zip(stages, stages[1:])), "--l1-stages",
+              "(end fraction, coefficient) pairs with increasing ends in (0, 1] and "
+              "coefficients >= 0", self.l1_stages)
+        check_choice("--l1-on", self.l1_on, L1_ON)
+        check(isinstance(self.fatrelu_kl_rise, (int, float)) and 0 <= self.fatrelu_kl_rise < 10,
+              "--fatrelu-kl-rise", "a number in [0, 10)", self.fatrelu_kl_rise)
+        check(self.fatrelu_kl_rise == 0 or self.variant in ("relu", "drelu"), "--fatrelu-kl-rise",
+              "0 for the threshold variant (FATReLU thresholds a ReLU gate)", self.fatrelu_kl_rise)
+        check(isinstance(self.fatrelu_at, (int, float)) and 0 <= self.fatrelu_at <= 1,
+              "--fatrelu-at", "a fraction of the steps in [0, 1]", self.fatrelu_at)
+        check(isinstance(self.l1_target_sparsity, (int, float))
+              and 0 <= self.l1_target_sparsity < 1, "--l1-target-sparsity",
+              "a fraction in [0, 1) (0: off)", self.l1_target_sparsity)
+        check(not self.l1_target_sparsity or bool(self.l1_stages) or self.l1 > 0,
+              "--l1-target-sparsity", "an L1 schedule to steer (--l1-stages or --l1)",
+              self.l1_target_sparsity)
+        check_choice("--teacher", self.teacher, TEACHERS)
+        check(isinstance(self.topk, int) and 1 <= self.topk <= 1024, "--topk",
+              "an integer in [1, 1024]", self.topk)
+        check(self.teacher == "online" or self.hidden_mse == 0, "--hidden-mse",
+              "0 with --teacher cached (the cache keeps logits, not hidden states)",
+              self.hidden_mse)
 
     @property
     def steps(self) -> int:
@@ -121,6 +191,13 @@ class DistillConfig:
             if self.batch > 1 else 0
 
     @property
+    def fatrelu_step(self) -> int | None:
+        """The step from which the FATReLU threshold applies (None: no threshold)."""
+        if self.fatrelu_kl_rise == 0:
+            return None
+        return min(self.steps, int(round(self.fatrelu_at * self.steps)))
+
+    @property
     def masked(self) -> bool:
         """Whether the training forward zeroes activations under a threshold."""
         return self.variant == "threshold"
@@ -129,4 +206,13 @@ class DistillConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as JSON values (tuples as lists): what checkpoint records compare."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+
+def recipe(name: str | None, **fields) -> DistillConfig:
+    """A DistillConfig from recipe `name`'s preset (None: the plain defaults), with `fields`
+    overriding it."""
+    if name is not None:
+        check_choice("--recipe", name, tuple(RECIPES))
+    return DistillConfig(**{**(RECIPES[name] if name else {}), **fields})

@@ -59,13 +59,17 @@ class BatchSource:
     def corpus_per_batch(self) -> int:
         return self.batch - self.samples_per_batch
 
+    def indices(self, step: int) -> tuple[list[int], list[int]]:
+        """(rows of `corpus`, rows of `samples`) that make up batch `step`, in batch order."""
+        c = [_pick(len(self.corpus), step * self.corpus_per_batch + j, self.seed, 0)
+             for j in range(self.corpus_per_batch)]
+        s = [_pick(len(self.samples), step * self.samples_per_batch + j, self.seed, 1)
+             for j in range(self.samples_per_batch)]
+        return c, s
+
     def __call__(self, step: int) -> np.ndarray:
-        rows = [self.corpus[_pick(len(self.corpus), step * self.corpus_per_batch + j, self.seed, 0)]
-                for j in range(self.corpus_per_batch)]
-        rows += [self.samples[_pick(len(self.samples), step * self.samples_per_batch + j,
-                                    self.seed, 1)]
-                 for j in range(self.samples_per_batch)]
-        return np.stack(rows).astype(np.int32)
+        c, s = self.indices(step)
+        return np.concatenate([self.corpus[c], self.samples[s]]).astype(np.int32)
 
     def corpus_passes(self, steps: int) -> float:
         """How many times the run goes through the corpus in `steps` steps."""

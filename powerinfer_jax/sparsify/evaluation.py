@@ -28,8 +28,9 @@ def _quantiles(graphdef, state, tokens_bt, spec: fw.FFNSpec, target: float):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
-def _score(graphdef, state, tokens_bt, spec: fw.FFNSpec, thresholds):
-    logits, aux = fw.forward(nnx.merge(graphdef, state), tokens_bt, spec, thresholds=thresholds)
+def _score(graphdef, state, tokens_bt, spec: fw.FFNSpec, thresholds, gate_threshold):
+    logits, aux = fw.forward(nnx.merge(graphdef, state), tokens_bt, spec, thresholds=thresholds,
+                             gate_threshold=gate_threshold)
     return fw.token_nll(logits, tokens_bt), jnp.mean(aux["zero_frac"])
 
 
@@ -46,13 +47,16 @@ def calibrate(model, spec: fw.FFNSpec, target: float, calib_nt: np.ndarray) -> n
     return np.mean(qs, axis=0).astype(np.float32)
 
 
-def perplexity(model, spec: fw.FFNSpec, chunks_nt: np.ndarray, thresholds=None) -> dict:
-    """Perplexity and mean fraction of zero FFN activations over [n, ctx] chunks."""
+def perplexity(model, spec: fw.FFNSpec, chunks_nt: np.ndarray, thresholds=None,
+               gate_threshold=None) -> dict:
+    """Perplexity and mean fraction of zero FFN activations over [n, ctx] chunks (relu/drelu:
+    with FATReLU's `gate_threshold` when given)."""
     graphdef, state = nnx.split(model)
     thr = None if thresholds is None else jnp.asarray(thresholds, F32)
+    gate = None if gate_threshold is None else jnp.float32(gate_threshold)
     nll, zero = 0.0, []
     for c in chunks_nt:
-        a, z = _score(graphdef, state, jnp.asarray(c[None]), spec, thr)
+        a, z = _score(graphdef, state, jnp.asarray(c[None]), spec, thr, gate)
         nll += float(a)
         zero.append(float(z))
     scored = chunks_nt.shape[0] * (chunks_nt.shape[1] - 1)
@@ -63,13 +67,15 @@ def perplexity(model, spec: fw.FFNSpec, chunks_nt: np.ndarray, thresholds=None) 
 class CurveEvaluator:
     """Evaluates students against the teacher's dense perplexity on the same chunks (computed once)."""
 
-    def __init__(self, teacher, valid_nt: np.ndarray, calib_nt: np.ndarray, *, target: float):
+    def __init__(self, teacher, valid_nt: np.ndarray, calib_nt: np.ndarray, *, target: float,
+                 dense: dict | None = None):
+        """dense: the teacher's result on these chunks when already known (a resumed run's)."""
         self.valid_nt, self.calib_nt, self.target = valid_nt, calib_nt, target
-        self.dense = perplexity(teacher, fw.teacher_spec(teacher.config), valid_nt)
+        self.dense = dense or perplexity(teacher, fw.teacher_spec(teacher.config), valid_nt)
 
-    def __call__(self, student, spec: fw.FFNSpec) -> dict:
+    def __call__(self, student, spec: fw.FFNSpec, gate_threshold=None) -> dict:
         thr = calibrate(student, spec, self.target, self.calib_nt)
-        res = perplexity(student, spec, self.valid_nt, thr)
+        res = perplexity(student, spec, self.valid_nt, thr, gate_threshold)
         res.update(ppl_dense=self.dense["ppl"], ppl_x_dense=res["ppl"] / self.dense["ppl"],
-                   thresholds=[float(t) for t in thr])
+                   thresholds=[float(t) for t in thr], gate_threshold=gate_threshold)
         return res

@@ -60,9 +60,12 @@ def hf_state_dict(params: dict[str, np.ndarray], n_layers: int) -> dict[str, np.
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
-def hf_config(config, hidden_act: str) -> dict:
+def hf_config(config, hidden_act: str, fatrelu_threshold: float | None = None) -> dict:
+    """config.json of the model. fatrelu_threshold: FATReLU's gate threshold (sparsify/fatrelu.py),
+    a key of our own that Hugging Face loaders keep as an attribute and ignore."""
     c = config
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    extra = {} if not fatrelu_threshold else {"fatrelu_threshold": float(fatrelu_threshold)}
+    return {**extra, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "vocab_size": c.vocab_size, "hidden_size": c.d_model, "intermediate_size": c.d_ff,
             "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
             "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
@@ -89,7 +92,8 @@ def _tokenizer_files(d: Path, tokenizer, max_len: int) -> None:
 
 
 def write_hf_dir(out: str | os.PathLike, config, params: dict[str, np.ndarray], tokenizer, *,
-                 hidden_act: str, record: dict | None = None) -> Path:
+                 hidden_act: str, record: dict | None = None,
+                 fatrelu_threshold: float | None = None) -> Path:
     """Write the model to directory `out` (replacing it); returns its path."""
     from safetensors.numpy import save_file
 
@@ -102,7 +106,8 @@ def write_hf_dir(out: str | os.PathLike, config, params: dict[str, np.ndarray], 
     tmp.mkdir(parents=True)
     save_file(hf_state_dict(params, config.n_layers), str(tmp / "model.safetensors"),
               metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(hf_config(config, hidden_act), indent=1))
+    (tmp / "config.json").write_text(json.dumps(hf_config(config, hidden_act, fatrelu_threshold),
+                                                indent=1))
     gen = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
     (tmp / "generation_config.json").write_text(json.dumps(gen, indent=1))
     _tokenizer_files(tmp, tokenizer, config.max_seq_len)

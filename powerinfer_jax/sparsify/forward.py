@@ -1,6 +1,6 @@
 """The training forward of teacher and student, written over the model's modules and arrays.
 
-Per block: `layer.attn_norm`, `layer.attn` (its XLA path, no cache), `layer.ffn_norm`, then the FFN
+Per block: `layer.attention_residual` (its XLA path, no cache), `layer.ffn_norm`, then the FFN
 from its arrays (`ffn.gate.weight`, `ffn.up.weight`, `ffn.down_t.weight`) with the student's
 activation and mask; at the end `model.final_norm` and the (tied or untied) vocabulary matrix. The
 models must be built with kernels="xla" (custom calls have no gradient).
@@ -56,11 +56,24 @@ def teacher_spec(config) -> FFNSpec:
     return FFNSpec(config.activation)
 
 
-def ffn_activations(activation: str, g_btf, u_btf):
-    """a [..., F] from the gate and up projections."""
+def ffn_activations(activation: str, g_btf, u_btf, gate_threshold=None):
+    """a [..., F] from the gate and up projections. gate_threshold (relu, drelu): FATReLU, the
+    gate kept only where g > threshold (a scalar >= 0; 0 or None: plain ReLU). Its gradient is
+    FATReLU's own (1 where kept, else 0), as ReLU's is."""
+    if gate_threshold is not None and activation in ("relu", "drelu"):
+        gate = jnp.where(g_btf > gate_threshold, g_btf, 0.0)
+    else:
+        gate = activate(activation, g_btf) if activation != "drelu" else jax.nn.relu(g_btf)
     if activation == "drelu":
-        return jax.nn.relu(g_btf) * jax.nn.relu(u_btf)
-    return activate(activation, g_btf) * u_btf
+        return gate * jax.nn.relu(u_btf)
+    return gate * u_btf
+
+
+def gate_l1(activation: str, g_btf, u_btf):
+    """ProSparse's penalty on the intermediate outputs: mean relu(g) (and for drelu + mean
+    relu(u)), the activations whose zeros make the FFN sparse."""
+    out = jnp.mean(jax.nn.relu(g_btf))
+    return out + jnp.mean(jax.nn.relu(u_btf)) if activation == "drelu" else out
 
 
 def layer_quantile(abs_a, target: float):
@@ -95,25 +108,29 @@ def _proj(x_btd, w_fd):
     return jnp.einsum("btd,fd->btf", x_btd.astype(w_fd.dtype), w_fd, preferred_element_type=F32)
 
 
-def ffn_forward(ffn, x_btd, spec: FFNSpec, threshold=None):
-    """(y [B, T, D], a [B, T, F]) of one FFN module under `spec` (a: the activations used)."""
+def ffn_forward(ffn, x_btd, spec: FFNSpec, threshold=None, gate_threshold=None):
+    """(y [B, T, D], a [B, T, F], gate L1 (`gate_l1`)) of one FFN module under `spec` (a: the
+    activations used; gate_threshold: FATReLU's, see ffn_activations)."""
     g = _proj(x_btd, ffn.gate.weight[...])
     u = _proj(x_btd, ffn.up.weight[...])
-    a = mask_activations(ffn_activations(spec.activation, g, u), spec, threshold)
+    a = mask_activations(ffn_activations(spec.activation, g, u, gate_threshold), spec, threshold)
     w = ffn.down_t.weight[...]
-    return jnp.einsum("btf,fd->btd", a.astype(w.dtype), w, preferred_element_type=F32), a
+    y = jnp.einsum("btf,fd->btd", a.astype(w.dtype), w, preferred_element_type=F32)
+    return y, a, gate_l1(spec.activation, g, u)
 
 
 def block_forward(layer, x_btd, positions_bt, spec: FFNSpec, threshold=None,
-                  quantile: float | None = None):
-    """One pre-norm block; returns (x [B, T, D], stats [3]: fraction of zero activations, mean |a|,
-    and the `quantile` of |a| (0 when None): what calibration sets the layer's threshold to)."""
+                  quantile: float | None = None, gate_threshold=None):
+    """One pre-norm block; returns (x [B, T, D], stats [4]: fraction of zero activations, mean |a|,
+    the `quantile` of |a| (0 when None): what calibration sets the layer's threshold to, and the
+    gate L1)."""
     x_btd = layer.attention_residual(x_btd, positions_bt)
-    y, a = ffn_forward(layer.ffn, layer.ffn_norm(x_btd), spec, threshold)
+    y, a, l1_gate = ffn_forward(layer.ffn, layer.ffn_norm(x_btd), spec, threshold, gate_threshold)
     if layer.ffn_post_norm is not None:  # Gemma: the FFN's output normed before the residual
         y = layer.ffn_post_norm(y)
     q = jnp.float32(0.0) if quantile is None else layer_quantile(jnp.abs(a), quantile)
-    stats = jnp.stack([jnp.mean(jax.lax.stop_gradient(a) == 0.0), jnp.mean(jnp.abs(a)), q])
+    stats = jnp.stack([jnp.mean(jax.lax.stop_gradient(a) == 0.0), jnp.mean(jnp.abs(a)), q,
+                       l1_gate])
     return x_btd + y, stats
 
 
@@ -132,14 +149,16 @@ def cast_matrices(model, dtype):
 
 
 def forward(model, tokens_bt, spec: FFNSpec, *, compute_dtype=F32, thresholds=None,
-            remat: bool = False, collect_hidden: bool = False, quantile: float | None = None):
+            remat: bool = False, collect_hidden: bool = False, quantile: float | None = None,
+            gate_threshold=None):
     """Logits [B, T, V] (float32) and per-layer statistics.
 
     model: a Transformer built with kernels="xla" (float32 weights; cast here to compute_dtype).
     thresholds: fixed per-layer |a| thresholds (overrides spec's batch thresholds; no STE).
-    Returns (logits, aux) with aux["zero_frac"] [L], aux["l1"] [L], aux["quantile"] [L] (the
-    `quantile` of each layer's |a|, for calibration) and, when collect_hidden, aux["hidden"]
-    [L, B, T, D] (the residual stream after each block).
+    gate_threshold: FATReLU's gate threshold (relu, drelu; a scalar, traced or not).
+    Returns (logits, aux) with aux["zero_frac"] [L], aux["l1"] [L] (mean |a|), aux["l1_gate"]
+    [L] (`gate_l1`), aux["quantile"] [L] (the `quantile` of each layer's |a|, for calibration)
+    and, when collect_hidden, aux["hidden"] [L, B, T, D] (the residual stream after each block).
     """
     m = cast_matrices(model, compute_dtype)
     positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
@@ -152,11 +171,11 @@ def forward(model, tokens_bt, spec: FFNSpec, *, compute_dtype=F32, thresholds=No
 
             def run(st, x_btd, thr=thr, layer_def=layer_def):
                 return block_forward(nnx.merge(layer_def, st), x_btd, positions, spec, thr,
-                                     quantile)
+                                     quantile, gate_threshold)
 
             x, s = jax.checkpoint(run)(layer_state, x)
         else:
-            x, s = block_forward(layer, x, positions, spec, thr, quantile)
+            x, s = block_forward(layer, x, positions, spec, thr, quantile, gate_threshold)
         stats.append(s)
         if collect_hidden:
             hidden.append(x)
@@ -167,7 +186,8 @@ def forward(model, tokens_bt, spec: FFNSpec, *, compute_dtype=F32, thresholds=No
     if m.config.final_softcap:
         logits = m.config.final_softcap * jnp.tanh(logits / m.config.final_softcap)
     stats = jnp.stack(stats)
-    aux = {"zero_frac": stats[:, 0], "l1": stats[:, 1], "quantile": stats[:, 2]}
+    aux = {"zero_frac": stats[:, 0], "l1": stats[:, 1], "quantile": stats[:, 2],
+           "l1_gate": stats[:, 3]}
     if collect_hidden:
         aux["hidden"] = jnp.stack(hidden)
     return logits, aux
@@ -178,6 +198,30 @@ def kl_divergence(teacher_logits, student_logits):
     lp_t = jax.nn.log_softmax(teacher_logits, axis=-1)
     lp_s = jax.nn.log_softmax(student_logits, axis=-1)
     return jnp.mean(jnp.sum(jnp.exp(lp_t) * (lp_t - lp_s), axis=-1))
+
+
+def topk_kl(teacher_ids, teacher_logp, student_logits):
+    """Mean over tokens of KL(teacher || student) over k + 1 outcomes: the teacher's top-k tokens
+    (ids [B, T, k], their log-probabilities under the full softmax [B, T, k]) and "any other
+    token", whose probability is 1 - the top-k's mass under each model. Exact for the coarsened
+    distributions, so at most the full KL; equal to it when the top-k hold all the mass."""
+    lp_s = jax.nn.log_softmax(student_logits, axis=-1)
+    s_top = jnp.take_along_axis(lp_s, teacher_ids.astype(jnp.int32), axis=-1)
+    t_top = teacher_logp.astype(F32)
+    p_top = jnp.exp(t_top)
+    tiny = 1e-6  # the rest's mass is clamped here: below it both sides carry ~nothing
+    t_rest = jnp.maximum(1.0 - jnp.sum(p_top, axis=-1), tiny)
+    s_rest = jnp.maximum(-jnp.expm1(jax.nn.logsumexp(s_top, axis=-1)), tiny)
+    kl = jnp.sum(p_top * (t_top - s_top), axis=-1) + t_rest * (jnp.log(t_rest) - jnp.log(s_rest))
+    return jnp.mean(kl)
+
+
+def teacher_topk(teacher_logits, k: int):
+    """(ids [B, T, k] int32, log-probabilities [B, T, k] float32) of the k most likely tokens
+    (the top-k of the logits less their logsumexp: no [B, T, V] array of log-probabilities)."""
+    logits = teacher_logits.astype(F32)
+    top, ids = jax.lax.top_k(logits, k)
+    return ids, top - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def hidden_mse(teacher_hidden, student_hidden):
