@@ -59,6 +59,24 @@ inline void StreamPrefetch(const uint8_t* blk) {
   }
 }
 
+// Scattered rows (a selector's neurons) are no stream: the hardware prefetchers stop at each
+// row's end and a whole row requested up front (36 lines of Q4_0 at D = 4096) stalled the core
+// on its full miss buffers between two rows' arithmetic (perf: a quarter of the sparse FFN's
+// time on the prefetch loops). A tile given `ahead` (the next tile's rows, or nullptr) requests
+// their bytes at the offset it is reading, so the next rows arrive spread over this tile's
+// arithmetic instead.
+// Each line is requested once: by the piece of the row that holds the line's first byte.
+template <int64_t kBytes>
+inline void CompanionPrefetch(const uint8_t* const* ahead, int r, int64_t offset) {
+  if (ahead == nullptr) return;
+  const uint8_t* p = ahead[r] + offset;
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p);
+  if (offset == 0) __builtin_prefetch(p, 0, 2);
+  for (uintptr_t line = (first + 63) & ~uintptr_t{63}; line < first + kBytes; line += 64) {
+    __builtin_prefetch(p + (line - first), 0, 2);
+  }
+}
+
 // The legacy formats' dot, one arithmetic for every tile shape and ISA:
 //   acc_h += float(dot_b) * (s_b * d_b)   (8 lanes, h = b % 2: even and odd blocks apart)
 //   min_h  = fma(m_b, c_b, min_h)          (h = b % 2)
@@ -106,7 +124,7 @@ inline __m512i Dot2(qsimd512::I8x64 w, qsimd512::I8x64 x) {
 
 template <class F, int kR, int kC, int64_t kAhead>
 inline void LegacyDotTile(const uint8_t* const* rows, const QActView* xs, int64_t nblocks,
-                          float* out) {
+                          float* out, const uint8_t* const* ahead) {
   __m512 acc[kR][kC];
   __m128 mins[kR][kC];  // lanes 1 and 3: min_0 and min_1 (lanes 0 and 2 unused)
   for (int r = 0; r < kR; ++r) {
@@ -126,6 +144,7 @@ inline void LegacyDotTile(const uint8_t* const* rows, const QActView* xs, int64_
     for (int r = 0; r < kR; ++r) {
       const uint8_t* blk = rows[r] + b * F::kBytes;
       StreamPrefetch<kAhead, 2 * F::kBytes>(blk);
+      CompanionPrefetch<2 * F::kBytes>(ahead, r, b * F::kBytes);
       const qsimd512::I8x64 u = Unpack2<F>(blk, blk + F::kBytes);
       const __m128 sm = ScaleMin2<F>(blk, blk + F::kBytes);
       for (int t = 0; t < kC; ++t) {
@@ -139,6 +158,7 @@ inline void LegacyDotTile(const uint8_t* const* rows, const QActView* xs, int64_
   if (b < nblocks) {  // an odd count: the last block is even, in the low lanes only
     for (int r = 0; r < kR; ++r) {
       const uint8_t* blk = rows[r] + b * F::kBytes;
+      CompanionPrefetch<F::kBytes>(ahead, r, b * F::kBytes);
       const qsimd512::I8x64 u = _mm512_zextsi256_si512(F::Unpack(blk, 0));
       const __m128 sm = ScaleMin2<F>(blk, blk);
       for (int t = 0; t < kC; ++t) {
@@ -173,7 +193,7 @@ inline void LegacyDotTile(const uint8_t* const* rows, const QActView* xs, int64_
 // Every product, FMA and sum is the portable path's (the #else below), so the bits are too.
 template <class F, int kR, int kC, int64_t kAhead>
 inline void LegacyDotTile(const uint8_t* const* rows, const QActView* xs, int64_t nblocks,
-                          float* out) {
+                          float* out, const uint8_t* const* ahead) {
   F32x8 acc[2][kR][kC];
   __m128 mins[kR][kC];  // lanes 1 and 3: min_0 and min_1 (lanes 0 and 2 unused)
   for (int r = 0; r < kR; ++r) {
@@ -191,6 +211,7 @@ inline void LegacyDotTile(const uint8_t* const* rows, const QActView* xs, int64_
     for (int r = 0; r < kR; ++r) {
       const uint8_t* blk = rows[r] + b * F::kBytes;
       StreamPrefetch<kAhead, 2 * F::kBytes>(blk);
+      CompanionPrefetch<2 * F::kBytes>(ahead, r, b * F::kBytes);
       const I8x32 u0 = F::Unpack(blk, 0);
       const I8x32 u1 = F::Unpack(blk + F::kBytes, 0);
       const __m128 sm = ScaleMin2<F>(blk, blk + F::kBytes);
@@ -208,6 +229,7 @@ inline void LegacyDotTile(const uint8_t* const* rows, const QActView* xs, int64_
   if (b < nblocks) {  // an odd count: the last block is even
     for (int r = 0; r < kR; ++r) {
       const uint8_t* blk = rows[r] + b * F::kBytes;
+      CompanionPrefetch<F::kBytes>(ahead, r, b * F::kBytes);
       typename F::Prep p;
       F::Prepare(blk, p);
       const I8x32 u = F::Unpack(blk, 0);
@@ -237,7 +259,7 @@ inline void LegacyDotTile(const uint8_t* const* rows, const QActView* xs, int64_
 #else
 template <class F, int kR, int kC, int64_t kAhead>
 inline void LegacyDotTile(const uint8_t* const* rows, const QActView* xs, int64_t nblocks,
-                          float* out) {
+                          float* out, const uint8_t* const* ahead) {
   F32x8 acc[2][kR][kC];
   float mins[2][kR][kC] = {};
   for (int h = 0; h < 2; ++h) {
@@ -249,6 +271,7 @@ inline void LegacyDotTile(const uint8_t* const* rows, const QActView* xs, int64_
     for (int r = 0; r < kR; ++r) {
       const uint8_t* blk = rows[r] + b * F::kBytes;
       StreamPrefetch<kAhead, F::kBytes>(blk);
+      CompanionPrefetch<F::kBytes>(ahead, r, b * F::kBytes);
       typename F::Prep p;
       F::Prepare(blk, p);
       const I8x32 u = F::Unpack(blk, 0);
@@ -279,10 +302,12 @@ inline void LegacyDotTile(const uint8_t* const* rows, const QActView* xs, int64_
 
 // out[r * kC + t] = row r . x_t over nblocks blocks. rows: kR pointers to a row's first block.
 // kAhead > 0: each block's bytes kAhead further on are requested as it is read (rows in order).
+// ahead: kR other rows (the next tile's), requested at the offset being read (CompanionPrefetch).
 template <class F, int kR, int kC, int64_t kAhead = 0>
-inline void DotTile(const uint8_t* const* rows, const QActView* xs, int64_t nblocks, float* out) {
+inline void DotTile(const uint8_t* const* rows, const QActView* xs, int64_t nblocks, float* out,
+                    const uint8_t* const* ahead = nullptr) {
   if constexpr (F::kChunks == 1) {
-    LegacyDotTile<F, kR, kC, kAhead>(rows, xs, nblocks, out);
+    LegacyDotTile<F, kR, kC, kAhead>(rows, xs, nblocks, out, ahead);
   } else {
     F32x8 acc[kR][kC];
     for (int r = 0; r < kR; ++r) {
@@ -300,6 +325,7 @@ inline void DotTile(const uint8_t* const* rows, const QActView* xs, int64_t nblo
       for (int r = 0; r < kR; ++r) {
         blk[r] = rows[r] + b * F::kBytes;
         StreamPrefetch<kAhead, F::kBytes>(blk[r]);
+        CompanionPrefetch<F::kBytes>(ahead, r, b * F::kBytes);
         F::Prepare(blk[r], p[r]);
       }
       F32x8 part[kR][kC];
@@ -374,13 +400,16 @@ inline I8x32 UnpackForParts(const uint8_t* blk, int c) {
 // y[0, D) += sum_k coef[k] * dequant(rows[k]) for kN rows, in one pass over y: y is loaded and
 // stored once per chunk for all kN rows. Per element the rows' products are added in row order,
 // then their minimums' sum.
+// ahead: kN rows summed next (or nullptr), requested at the offset being read (CompanionPrefetch).
 template <class F, int kN>
-inline void AxpyRows(const uint8_t* const* rows, const float* coef, int64_t nblocks, float* y) {
+inline void AxpyRows(const uint8_t* const* rows, const float* coef, int64_t nblocks, float* y,
+                     const uint8_t* const* ahead = nullptr) {
   constexpr int kHalves = F::kBlock / 16;
   for (int64_t b = 0; b < nblocks; ++b) {
     float cs[kN][kHalves];  // coef * s per row and half
     float msum[kHalves] = {};
     for (int k = 0; k < kN; ++k) {
+      CompanionPrefetch<F::kBytes>(ahead, k, b * F::kBytes);
       typename F::Prep p;
       F::Prepare(rows[k] + b * F::kBytes, p);
       float s[16], m[16];
