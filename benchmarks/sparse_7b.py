@@ -130,13 +130,16 @@ def run_ours_prefill(files: dict, threads: int, n: int, dtype: str) -> tuple[flo
 def wall_and_peak_rss(cmd: list) -> tuple[float, int]:
     """A child's wall time (s) and peak resident set (bytes, its own rusage from wait4): a
     load-and-one-token run, so the time is the load's and the peak the model's footprint."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{' '.join(cmd)}: exit {os.waitstatus_to_exitcode(status)}: "
-                           f"{proc.stderr.read().decode(errors='replace')[-2000:]}")
+    with tempfile.TemporaryFile() as err:  # a file, not a pipe: nobody reads it while it runs
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        if os.waitstatus_to_exitcode(status) != 0:
+            err.seek(0)
+            raise RuntimeError(f"{' '.join(cmd)}: exit {os.waitstatus_to_exitcode(status)}: "
+                               f"{err.read().decode(errors='replace')[-2000:]}")
     return wall, int(usage.ru_maxrss) * 1024
 
 
