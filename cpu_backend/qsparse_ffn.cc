@@ -43,7 +43,7 @@ inline void PrefetchL2(const uint8_t* p, int64_t bytes) {
 // pieces handed out one by one (2 threads, Cascade Lake, min of ~350 interleaved runs over the
 // 30 layers). Scattered neurons (the hardware prefetcher does not follow gaps): at decode the
 // next pair's rows (in `neurons`, then in `next`) are requested as this pair's are read
-// (qkern::CompanionPrefetch; with the changes below, one synthetic 7B layer at ~10% active, 2
+// (qkern::CompanionPrefetch; with the down rows' prefetch below, one synthetic 7B layer at ~10% active, 2
 // threads, rotating over 32 layers: median 0.85 -> 0.76 ms with Q4_0 down rows and 0.85 -> 0.83
 // ms with down groups, 5 paired rounds); in token tiles the rows
 // of the neuron kGateUpAhead places further are requested whole first.
@@ -146,14 +146,12 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
     VisitQType(w.up_type, [&]<class F>(F) {
       GroupDots<F>(w.up, group, s.up_views.data() + t0, ntok, w.dim, up);
     });
-  } else if (gated && ZeroBelowZero(p.activation) &&
-             (p.criterion == Criterion::kOracle || w.gate_type != w.up_type)) {
+  } else if (gated && ZeroBelowZero(p.activation)) {
     // relu(gate) is exactly 0 where gate <= 0, and so is a_i whatever the up row holds: read
     // the gate rows first (a whole interleaved group, or the neurons' rows), then the up rows
     // only of neurons some token's gate turns on (a ReLU model's up reads fall with its
-    // sparsity; the up values of the others are never used). Not for a predictor's scores:
-    // its candidates nearly all fire (its precision), so there the gate and up rows are read
-    // in one pass below, twice the rows in flight (part of the change measured above).
+    // sparsity; the up values of the others are never used, nor read: a poisoned row stays
+    // unread, tests/test_ops_qsparse_ffn.py).
     if (w.gate_interleaved) {  // one group: neurons are its 16 ids (QSparseFfn aligns blocks)
       VisitQType(w.gate_type, [&]<class F>(F) {
         GroupDots<F>(w.gate, neurons[0] / qkern::kInterleave, s.gate_views.data() + t0, ntok,

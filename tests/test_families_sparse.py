@@ -99,13 +99,15 @@ def _equal_but_borderline(got, want, n_got, n_want, mode):
     estimate is the threshold within rounding: --gate-up q4's estimate is act(gate) * up, and
     the C++ SiLU/GELU differs from XLA's in the last bit, so such a neuron may flip (seen: one
     neuron of one layer at one token of 24 x 8 layers). A flip at token t changes tokens >= t by
-    about one neuron's contribution; tokens before the first flip are equal at TOL."""
+    about one neuron's contribution."""
     flips = np.argwhere(n_got != n_want)  # (layer, batch, token)
     assert len(flips) <= max(1, n_got.size // 100), (mode, flips.tolist())
     assert np.abs(n_got.astype(int) - n_want).max(initial=0) <= 1, mode
-    first = flips[:, 2].min() if len(flips) else got.shape[1]
-    np.testing.assert_allclose(got[:, :first], want[:, :first], **TOL, err_msg=mode)
-    np.testing.assert_allclose(got[:, first:], want[:, first:], rtol=0, atol=0.05, err_msg=mode)
+    # a flip may also be a swap (one neuron in, another out: the counts agree) and it moves every
+    # later token a little (they attend to the flipped one), so the logits are held to one
+    # neuron's contribution everywhere and to a small mean difference
+    np.testing.assert_allclose(got, want, rtol=0, atol=0.05, err_msg=mode)
+    assert np.abs(got - want).mean() < 2e-3, (mode, float(np.abs(got - want).mean()))
 
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma2"])
