@@ -141,16 +141,7 @@ std::string DiskSparseFfn(NeuronStore& store, int64_t layer, std::span<const flo
   if (num_tokens == 0) return "";
   const int64_t up_block = GetQTypeInfo(l.up_type).block;
   const int64_t gate_block = l.gated ? GetQTypeInfo(l.gate_type).block : up_block;
-  QActs& up_acts = up_block == 256 ? s.act256 : s.act32;
-  QActs& gate_acts = gate_block == 256 ? s.act256 : s.act32;
-  QuantizeActs(x_rows, dim, up_block, up_acts, pool);
-  if (gate_block != up_block) QuantizeActs(x_rows, dim, gate_block, gate_acts, pool);
-  s.up_views.resize(num_tokens);
-  s.gate_views.resize(num_tokens);
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    s.up_views[t] = up_acts.View(t, up_block == 256 ? 16 : 32);
-    s.gate_views[t] = gate_acts.View(t, gate_block == 256 ? 16 : 32);
-  }
+  qsparse::QuantizeTokens(x_rows, dim, up_block, gate_block, s, pool);
   // candidates: every neuron (oracle), or those some token's score selects
   std::vector<int32_t>& cands = s.candidates;
   cands.clear();

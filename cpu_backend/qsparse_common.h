@@ -11,6 +11,7 @@
 #include <span>
 
 #include "cpu_backend/pij_math.h"
+#include "cpu_backend/quant_act.h"
 #include "cpu_backend/quant_kernels.h"
 
 namespace pij::qsparse {
@@ -50,6 +51,25 @@ inline void RoundCoefsPer32(std::span<const int32_t> neurons, std::span<float> c
     int32_t q_sum;
     const float d = qkern::QuantizeLanes(lanes, coef.data() + i, static_cast<int>(j - i), q, &q_sum);
     for (size_t k = i; k < j; ++k) coef[k] = static_cast<float>(q[lanes[k - i]]) * d;
+  }
+}
+
+// The tokens quantized once for each block size the up and gate formats need (up_block,
+// gate_block: 32 or 256), and per token a view of each: both kernels' scratch (act32, act256,
+// up_views, gate_views).
+template <class Scratch>
+void QuantizeTokens(std::span<const float* const> x_rows, int64_t dim, int64_t up_block,
+                    int64_t gate_block, Scratch& s, ThreadPool& pool) {
+  QActs& up_acts = up_block == 256 ? s.act256 : s.act32;
+  QActs& gate_acts = gate_block == 256 ? s.act256 : s.act32;
+  QuantizeActs(x_rows, dim, up_block, up_acts, pool);
+  if (gate_block != up_block) QuantizeActs(x_rows, dim, gate_block, gate_acts, pool);
+  const size_t num_tokens = x_rows.size();
+  s.up_views.resize(num_tokens);
+  s.gate_views.resize(num_tokens);
+  for (size_t t = 0; t < num_tokens; ++t) {
+    s.up_views[t] = up_acts.View(static_cast<int64_t>(t), up_block == 256 ? 16 : 32);
+    s.gate_views[t] = gate_acts.View(static_cast<int64_t>(t), gate_block == 256 ? 16 : 32);
   }
 }
 

@@ -47,15 +47,8 @@ ffi::Error DiskFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer scores, ffi::AnyBuffe
                           std::string_view criterion) {
   DiskFfnParams p;
   if (ffi::Error e = ParseActivation(kOp, activation, p.activation); e.failure()) return e;
-  if (criterion == "scores") {
-    p.criterion = Criterion::kScores;
-  } else if (criterion == "oracle") {
-    p.criterion = Criterion::kOracle;
-  } else {
-    return InvalidArg(kOp, "criterion", "one of scores, oracle", criterion);
-  }
-  if (!std::isfinite(threshold) || threshold < 0.0f) {
-    return InvalidArg(kOp, "threshold", "a finite number >= 0", std::to_string(threshold));
+  if (ffi::Error e = ParseSelection(kOp, criterion, threshold, false, p.criterion); e.failure()) {
+    return e;
   }
   p.threshold = threshold;
   const std::shared_ptr<NeuronStore> store = NeuronStores().Get(store_handle);

@@ -1,5 +1,7 @@
 #include "xla_ffi/ffi_util.h"
 
+#include <cmath>
+
 namespace pij {
 
 std::string ShapeString(ffi::Span<const int64_t> dims) {
@@ -87,6 +89,26 @@ ffi::Error ParseActivation(std::string_view op, std::string_view name, Activatio
     out = Activation::kDrelu;
   } else {
     return InvalidArg(op, "activation", "one of silu, relu, gelu, drelu", name);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ParseSelection(std::string_view op, std::string_view name, float threshold,
+                          bool with_activations, Criterion& criterion) {
+  if (name == "scores") {
+    criterion = Criterion::kScores;
+  } else if (name == "oracle") {
+    criterion = Criterion::kOracle;
+  } else if (with_activations && name == "activations") {
+    criterion = Criterion::kActivations;
+  } else {
+    return InvalidArg(op, "criterion",
+                      with_activations ? "one of scores, oracle, activations"
+                                       : "one of scores, oracle",
+                      name);
+  }
+  if (!std::isfinite(threshold) || threshold < 0.0f) {
+    return InvalidArg(op, "threshold", "a finite number >= 0", std::to_string(threshold));
   }
   return ffi::Error::Success();
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cpu_backend/pij_math.h"
+#include "cpu_backend/sparse_ffn.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace pij {
@@ -24,6 +25,13 @@ ffi::Error InvalidArg(std::string_view op, std::string_view what, std::string_vi
 
 // The "activation" attribute ("silu" | "relu" | "gelu" | "drelu") into `out`, or an InvalidArg error.
 ffi::Error ParseActivation(std::string_view op, std::string_view name, Activation& out);
+
+// The sparse calls' selection attributes: "criterion" ("scores" | "oracle", and "activations"
+// where `with_activations`) into `criterion`, and a finite `threshold` >= 0 (negative ones are
+// rejected for every criterion, as SparsityConfig does: for "oracle" |a| > negative would mark
+// everything active; predictor logits can be shifted instead), or an InvalidArg error.
+ffi::Error ParseSelection(std::string_view op, std::string_view name, float threshold,
+                          bool with_activations, Criterion& criterion);
 
 // True if dims[0 .. dims.size() - keep) are all 1 (extra leading dims added by vmap).
 bool LeadingOnes(ffi::Span<const int64_t> dims, size_t keep);

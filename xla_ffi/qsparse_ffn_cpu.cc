@@ -43,15 +43,8 @@ ffi::Error QSparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuff
   QFfnWeights w;
   QSparseFfnParams p;
   if (ffi::Error e = ParseActivation(kOp, activation, p.activation); e.failure()) return e;
-  if (criterion == "scores") {
-    p.criterion = Criterion::kScores;
-  } else if (criterion == "oracle") {
-    p.criterion = Criterion::kOracle;
-  } else {
-    return InvalidArg(kOp, "criterion", "one of scores, oracle", criterion);
-  }
-  if (!std::isfinite(threshold) || threshold < 0.0f) {
-    return InvalidArg(kOp, "threshold", "a finite number >= 0", std::to_string(threshold));
+  if (ffi::Error e = ParseSelection(kOp, criterion, threshold, false, p.criterion); e.failure()) {
+    return e;
   }
   p.threshold = threshold;
   const Dims x_dims = x.dimensions();

@@ -68,19 +68,9 @@ ffi::Error DecodeSparseFfn(ffi::AnyBuffer x, ffi::AnyBuffer w_gate, ffi::AnyBuff
   if (ffi::Error err = ParseActivation(kOp, activation, p.activation); err.failure()) {
     return err;
   }
-  if (criterion == "scores") {
-    p.criterion = Criterion::kScores;
-  } else if (criterion == "oracle") {
-    p.criterion = Criterion::kOracle;
-  } else if (criterion == "activations") {
-    p.criterion = Criterion::kActivations;
-  } else {
-    return InvalidArg(kOp, "criterion", "one of scores, oracle, activations", criterion);
-  }
-  // Negative thresholds are rejected for both criteria (as SparsityConfig does): for "oracle"
-  // |a| > negative would mark everything active; predictor logits can be shifted instead.
-  if (!std::isfinite(threshold) || threshold < 0.0f) {
-    return InvalidArg(kOp, "threshold", "a finite number >= 0", std::to_string(threshold));
+  if (ffi::Error err = ParseSelection(kOp, criterion, threshold, true, p.criterion);
+      err.failure()) {
+    return err;
   }
   p.threshold = threshold;
 
