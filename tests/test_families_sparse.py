@@ -95,17 +95,21 @@ def test_sparse_modes_on_the_family(loaded, name):
 
 
 def _equal_but_borderline(got, want, n_got, n_want, mode):
-    """The custom call's logits and selection equal the reference's, but for a neuron whose
-    estimate is the threshold within rounding: --gate-up q4's estimate is act(gate) * up, and
-    the C++ SiLU/GELU differs from XLA's in the last bit, so such a neuron may flip (seen: one
-    neuron of one layer at one token of 24 x 8 layers). A flip at token t changes tokens >= t by
-    about one neuron's contribution."""
-    flips = np.argwhere(n_got != n_want)  # (layer, batch, token)
-    assert len(flips) <= max(1, n_got.size // 100), (mode, flips.tolist())
-    assert np.abs(n_got.astype(int) - n_want).max(initial=0) <= 1, mode
-    # a flip may also be a swap (one neuron in, another out: the counts agree) and it moves every
-    # later token a little (they attend to the flipped one), so the logits are held to one
-    # neuron's contribution everywhere and to a small mean difference
+    """The custom call's logits and selection equal the reference's, but for neurons whose
+    estimate is the threshold within rounding: --gate-up q4's estimate is act(gate) * up, and the
+    C++ SiLU/GELU (a polynomial e^x, simd.h) differs from XLA's by a few ulps, so such a neuron
+    may flip. A flip at token t moves every later token and layer by about one neuron's
+    contribution, which can flip another borderline neuron there (seen in CI: two at one layer
+    and token; one neuron of one layer at one token of 24 x 8 layers). The exact selection on
+    identical inputs is the op tests' (test_sparsity_q4.py, test_ops_qsparse_ffn.py); here a
+    mode's wiring is wrong if more than 1% of its (layer, token) counts move, or the logits
+    move by more than a neuron's contribution."""
+    diff = np.abs(n_got.astype(int) - n_want)
+    budget = max(2, n_got.size // 100)
+    assert np.count_nonzero(diff) <= budget and diff.sum() <= budget, (
+        mode, np.argwhere(diff).tolist(), diff[diff > 0].tolist())
+    # a flip may also be a swap (one neuron in, another out: the counts agree), so the logits
+    # are held to one neuron's contribution everywhere and to a small mean difference
     np.testing.assert_allclose(got, want, rtol=0, atol=0.05, err_msg=mode)
     assert np.abs(got - want).mean() < 2e-3, (mode, float(np.abs(got - want).mean()))
 
