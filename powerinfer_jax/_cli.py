@@ -14,6 +14,7 @@ import os
 import re
 import sys
 
+from powerinfer_jax import _interrupt
 from powerinfer_jax._machine import git_commit, machine_info  # noqa: F401  (re-exported)
 from powerinfer_jax.config import (DEFAULT_CONTEXT_CAP, DEFAULT_MODEL, DEFAULT_TARGET_SPARSITY,
                                    DTYPES, GATE_UP_SOURCES, IMPLS, KERNELS, MAX_SEED,
@@ -21,6 +22,7 @@ from powerinfer_jax.config import (DEFAULT_CONTEXT_CAP, DEFAULT_MODEL, DEFAULT_T
                                    PREDICTOR_KINDS, PlacementConfig, RuntimeConfig,
                                    SparsityConfig, sparsity_modes)
 from powerinfer_jax.errors import UserError, fail
+from powerinfer_jax.runtime.session import build
 
 
 def add_model_flags(p: argparse.ArgumentParser, *, json: bool = True,
@@ -157,7 +159,7 @@ def configs_from_args(args, **runtime_fields) -> tuple[RuntimeConfig, SparsityCo
                               predictor=getattr(args, "predictor", "q4"), gate_up=args.gate_up,
                               target_sparsity=None if target is None else float(target),
                               predictor_file=getattr(args, "predictors", None))
-    from powerinfer_jax.sparsity import modes  # start-up: the modes import the model code
+    from powerinfer_jax.sparsity import modes  # lazy: start-up (modes import the model code)
 
     return runtime, modes.with_default_target(sparsity)
 
@@ -171,8 +173,6 @@ def placement_from_args(args) -> PlacementConfig:
 
 def build_from_args(args, *, progress: bool = True, max_batch: int = 1, **runtime_fields):
     """The parsed command line -> a built model (runtime.session.build)."""
-    from powerinfer_jax.runtime.session import build
-
     runtime, sparsity = configs_from_args(args, **runtime_fields)
     return build(args.model, runtime, sparsity, placement=placement_from_args(args),
                  artifacts_root=args.artifacts, max_batch=max_batch, progress=progress)
@@ -269,8 +269,6 @@ def run_main(main) -> None:
         # The exception has unwound every finally block and context manager (temp files gone,
         # cache locks released); the interpreter's own teardown is skipped: after an interrupt
         # mid-compile jaxlib's teardown segfaulted (exit -11 instead of 130, seen in CI).
-        from powerinfer_jax import _interrupt
-
         print("interrupted", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(_interrupt.EXIT_INTERRUPTED)

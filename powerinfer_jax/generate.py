@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from powerinfer_jax import _cli
+from powerinfer_jax.api import LLM
 from powerinfer_jax.errors import UserError
 
 KV_MIN = 128  # runtime/decode.py's smallest cache bucket
@@ -37,7 +38,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     threads = _cli.setup(args)
-    from powerinfer_jax.api import LLM
 
     if not args.prompt:
         raise UserError("--prompt: expected non-empty text, got ''")
