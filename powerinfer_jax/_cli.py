@@ -19,9 +19,9 @@ from powerinfer_jax._machine import git_commit, machine_info  # noqa: F401  (re-
 from powerinfer_jax.config import (DEFAULT_CONTEXT_CAP, DEFAULT_MODEL, DEFAULT_TARGET_SPARSITY,
                                    DTYPES, GATE_UP_SOURCES, IMPLS, KERNELS, MAX_SEED,
                                    NEURON_CACHES, OFFLOADS, WEIGHTS,
-                                   PREDICTOR_KINDS, PlacementConfig, RuntimeConfig,
+                                   PREDICTOR_KINDS, PlacementConfig, RuntimeConfig, SamplingParams,
                                    SparsityConfig, sparsity_modes)
-from powerinfer_jax.errors import UserError, fail
+from powerinfer_jax.errors import UserError, check, fail
 from powerinfer_jax.runtime.session import build
 
 
@@ -130,6 +130,13 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 disables")
     p.add_argument("--top-p", type=float, default=1.0, help="1 disables")
     p.add_argument("--seed", type=int, default=0, help=f"in [0, {MAX_SEED}]")
+
+
+def check_sampling_flags(args) -> None:
+    """add_sampling_flags' errors before the model loads (the engine checks each request again)."""
+    check(args.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1", args.max_new_tokens)
+    SamplingParams(args.temperature, args.top_k, args.top_p)  # checks its fields
+    check(0 <= args.seed <= MAX_SEED, "seed", f"an integer in [0, {MAX_SEED}]", args.seed)
 
 
 def configure_threads(threads: int | None) -> int:

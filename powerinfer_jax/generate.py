@@ -42,8 +42,8 @@ def main(argv=None) -> None:
     if not args.prompt:
         raise UserError("--prompt: expected non-empty text, got ''")
     # flag errors (sampling, seed) before the model loads
-    _cli.configs_from_args(args, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    _cli.check_sampling_flags(args)
+    _cli.configs_from_args(args)
     started = _cli.process_age()
     llm = LLM(_cli.build_from_args(args))
     ids = llm.encode(args.prompt, chat=args.chat)
