@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from powerinfer_jax import ops
+
 _BANDWIDTH_BYTES = 256 << 20
 # Timed calls cycle through copies of the weights totalling at least this much, several times the
 # last-level cache (32 MiB here): in a model, each layer's rows come from DRAM, not from a cache
@@ -52,7 +54,7 @@ def _median_us(fn, arg_sets, *, repeats: int) -> float:
 def read_bandwidth_gbs(repeats: int = 5, nbytes: int = _BANDWIDTH_BYTES) -> float:
     """The machine's read bandwidth (GB/s) over `nbytes` with the kernel thread pool's current
     thread count."""
-    from powerinfer_jax.ops import _ffi
+    from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
     data = np.ones(nbytes // 4, np.float32)
     _ffi._pij_ext.stream_sum(data)
@@ -66,8 +68,6 @@ def read_bandwidth_gbs(repeats: int = 5, nbytes: int = _BANDWIDTH_BYTES) -> floa
 
 def bench_sparse_ffn(*, d: int, f: int, t: int, active: float, dtype: str, gated: bool,
                      repeats: int) -> dict:
-    from powerinfer_jax import ops
-
     if not 0.0 < active <= 1.0:
         raise ValueError(f"--active: expected a fraction in (0, 1], got {active}")
     for name, v in (("--d", d), ("--f", f), ("--t", t)):

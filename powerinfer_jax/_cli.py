@@ -14,13 +14,15 @@ import os
 import re
 import sys
 
+from powerinfer_jax import _interrupt
 from powerinfer_jax._machine import git_commit, machine_info  # noqa: F401  (re-exported)
 from powerinfer_jax.config import (DEFAULT_CONTEXT_CAP, DEFAULT_MODEL, DEFAULT_TARGET_SPARSITY,
                                    DTYPES, GATE_UP_SOURCES, IMPLS, KERNELS, MAX_SEED,
                                    NEURON_CACHES, OFFLOADS, WEIGHTS,
-                                   PREDICTOR_KINDS, PlacementConfig, RuntimeConfig,
+                                   PREDICTOR_KINDS, PlacementConfig, RuntimeConfig, SamplingParams,
                                    SparsityConfig, sparsity_modes)
-from powerinfer_jax.errors import UserError, fail
+from powerinfer_jax.errors import UserError, check, fail
+from powerinfer_jax.runtime.session import build
 
 
 def add_model_flags(p: argparse.ArgumentParser, *, json: bool = True,
@@ -130,6 +132,13 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help=f"in [0, {MAX_SEED}]")
 
 
+def check_sampling_flags(args) -> None:
+    """add_sampling_flags' errors before the model loads (the engine checks each request again)."""
+    check(args.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1", args.max_new_tokens)
+    SamplingParams(args.temperature, args.top_k, args.top_p)  # checks its fields
+    check(0 <= args.seed <= MAX_SEED, "seed", f"an integer in [0, {MAX_SEED}]", args.seed)
+
+
 def configure_threads(threads: int | None) -> int:
     """Pin the process to `threads` CPUs (before XLA starts) and return the thread count in use."""
     available = sorted(os.sched_getaffinity(0))
@@ -157,7 +166,7 @@ def configs_from_args(args, **runtime_fields) -> tuple[RuntimeConfig, SparsityCo
                               predictor=getattr(args, "predictor", "q4"), gate_up=args.gate_up,
                               target_sparsity=None if target is None else float(target),
                               predictor_file=getattr(args, "predictors", None))
-    from powerinfer_jax.sparsity import modes  # start-up: the modes import the model code
+    from powerinfer_jax.sparsity import modes  # lazy: start-up (modes import the model code)
 
     return runtime, modes.with_default_target(sparsity)
 
@@ -171,8 +180,6 @@ def placement_from_args(args) -> PlacementConfig:
 
 def build_from_args(args, *, progress: bool = True, max_batch: int = 1, **runtime_fields):
     """The parsed command line -> a built model (runtime.session.build)."""
-    from powerinfer_jax.runtime.session import build
-
     runtime, sparsity = configs_from_args(args, **runtime_fields)
     return build(args.model, runtime, sparsity, placement=placement_from_args(args),
                  artifacts_root=args.artifacts, max_batch=max_batch, progress=progress)
@@ -269,8 +276,6 @@ def run_main(main) -> None:
         # The exception has unwound every finally block and context manager (temp files gone,
         # cache locks released); the interpreter's own teardown is skipped: after an interrupt
         # mid-compile jaxlib's teardown segfaulted (exit -11 instead of 130, seen in CI).
-        from powerinfer_jax import _interrupt
-
         print("interrupted", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(_interrupt.EXIT_INTERRUPTED)

@@ -21,6 +21,7 @@ import numpy as np
 from powerinfer_jax.config import (DEFAULT_MODEL, PlacementConfig, RuntimeConfig,
                                    SamplingParams, SparsityConfig)
 from powerinfer_jax.errors import check, shown
+from powerinfer_jax.runtime.session import build
 
 
 @dataclasses.dataclass
@@ -62,8 +63,6 @@ def load(model: str = DEFAULT_MODEL, *, dtype: str = "float32", sparsity: str = 
     devices (attention heads and FFN neurons split, runtime/mesh.py); None: one device.
     decode_block: decode steps per executable call (generate and stream; runtime/decode.py).
     """
-    from powerinfer_jax.runtime.session import build
-
     runtime = RuntimeConfig(dtype=dtype, threads=threads, max_seq_len=max_seq_len,
                             kernels=kernels, weights=weights, devices=devices,
                             decode_block=decode_block)
@@ -111,7 +110,7 @@ class LLM:
 
     def _request(self, prompt, *, max_new_tokens, temperature, top_k, top_p, seed, stop, chat,
                  on_text=None):
-        from powerinfer_jax.runtime.scheduler import Request
+        from powerinfer_jax.runtime.scheduler import Request  # lazy: start-up
 
         ids = self.encode(prompt, chat=chat)
         text = _StopText(self.tokenizer, stop, on_text)
@@ -144,7 +143,7 @@ class LLM:
                stop: Sequence[str] = (), chat: bool = False) -> Iterator[str]:
         """The continuation of one prompt as text pieces, each yielded as soon as it is decoded
         (a stop string is never yielded, even in part)."""
-        from powerinfer_jax.runtime.scheduler import Scheduler
+        from powerinfer_jax.runtime.scheduler import Scheduler  # lazy: start-up
 
         pieces: list[str] = []
         req, text = self._request(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -166,7 +165,7 @@ class LLM:
         """Perplexity over non-overlapping ctx-token chunks (no BOS; every token but a chunk's
         first is scored) with the model's sparsity mode; also the measured FFN sparsity and, in
         predictor mode, the predictor's recall of the oracle active set."""
-        from powerinfer_jax.runtime.perplexity import perplexity
+        from powerinfer_jax.runtime.perplexity import perplexity  # lazy: start-up
 
         check(isinstance(text, str), "text", "a str", shown(text))
         ids = self.tokenizer.encode(text, add_bos=False)
@@ -205,8 +204,8 @@ class LLM:
                 max_tokens: int = 32768, progress: bool = False):
         """Activation statistics of the dense model over a corpus (default: the project's wiki
         training text): sparsity.profile.ActivationProfile (frequencies, histograms)."""
-        from powerinfer_jax.sparsity import corpus as corpus_mod
-        from powerinfer_jax.sparsity import profile as prof
+        from powerinfer_jax.sparsity import corpus as corpus_mod  # lazy: start-up
+        from powerinfer_jax.sparsity import profile as prof  # lazy: start-up
 
         files = corpus_mod.default_corpus_files() if corpus_files is None else list(corpus_files)
         ids = self.tokenizer.encode(corpus_mod.read_corpus(files), add_bos=False)
@@ -222,8 +221,8 @@ class LLM:
         into `out` (default: the model's artifact directory, where load(..., sparsity=...) finds
         them; else pass load(..., artifacts=out)). Returns SparsityArtifacts (meta["root"]: the
         directory used)."""
-        from powerinfer_jax.sparsity import artifacts as A
-        from powerinfer_jax.sparsity.predictor import TrainConfig
+        from powerinfer_jax.sparsity import artifacts as A  # lazy: start-up
+        from powerinfer_jax.sparsity.predictor import TrainConfig  # lazy: start-up
 
         s = self.session
         check(s.sparsity.mode == "dense" and s.placement is None, "calibrate",
@@ -249,7 +248,7 @@ class LLM:
         import jax.numpy as jnp
         from flax import nnx
 
-        from powerinfer_jax.models.transformer import capture
+        from powerinfer_jax.models.transformer import capture  # lazy: start-up
 
         ids = np.asarray(token_ids, np.int32)
         v = self.config.vocab_size
@@ -274,7 +273,7 @@ class _StopText:
     `on_text` as soon as no stop string can still begin inside them."""
 
     def __init__(self, tokenizer, stop: Sequence[str], on_text=None):
-        from powerinfer_jax.tokenizer import StreamDecoder
+        from powerinfer_jax.tokenizer import StreamDecoder  # lazy: start-up
 
         if isinstance(stop, str):
             stop = [stop]

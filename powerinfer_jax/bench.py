@@ -109,7 +109,7 @@ def main(argv=None) -> None:
         _cli.check_writable(args.out, "--out")
     session = None
     if args.op == "sparse_ffn":
-        from powerinfer_jax._bench_ops import bench_sparse_ffn
+        from powerinfer_jax._bench_ops import bench_sparse_ffn  # lazy: start-up (bench CLI)
 
         res = {"bench": "op", "op": "sparse_ffn",
                **bench_sparse_ffn(d=args.d, f=args.f, t=args.t, active=args.active,

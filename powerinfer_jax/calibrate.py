@@ -14,14 +14,17 @@ from __future__ import annotations
 import argparse
 
 from powerinfer_jax import _cli
+from powerinfer_jax.api import LLM
+from powerinfer_jax.config import DEFAULT_TARGET_SPARSITY
+from powerinfer_jax.errors import check
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m powerinfer_jax.calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    from powerinfer_jax.config import DEFAULT_TARGET_SPARSITY
+    # lazy: start-up (calibrate CLI)
     from powerinfer_jax.sparsity.artifacts import DEFAULT_CTX, DEFAULT_MAX_TOKENS
-    from powerinfer_jax.sparsity.predictor import TrainConfig
+    from powerinfer_jax.sparsity.predictor import TrainConfig  # lazy: start-up (calibrate CLI)
 
     t = TrainConfig()
     _cli.add_model_flags(p)
@@ -47,12 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     threads = _cli.setup(args)
-    from powerinfer_jax.api import LLM
-    from powerinfer_jax.errors import check
-    from powerinfer_jax.sparsity import modes
-    from powerinfer_jax.sparsity.artifacts import target_dir
+    from powerinfer_jax.sparsity import modes  # lazy: start-up (calibrate CLI)
+    from powerinfer_jax.sparsity.artifacts import target_dir  # lazy: start-up (calibrate CLI)
+    # lazy: start-up (calibrate CLI)
     from powerinfer_jax.sparsity.calibrate import check_target_sparsity
-    from powerinfer_jax.sparsity.predictor import TrainConfig
+    from powerinfer_jax.sparsity.predictor import TrainConfig  # lazy: start-up (calibrate CLI)
 
     target = check_target_sparsity(args.target_sparsity)
     check(args.ctx >= 2, "--ctx", "an integer >= 2", args.ctx)

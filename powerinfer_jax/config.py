@@ -348,11 +348,6 @@ class RuntimeConfig:
     # "auto": a quantized file's matrices stay in its block format and are computed on as stored
     # (the custom calls on CPU; models/qweights.py); "dtype": dequantized to `dtype` at load
     weights: str = "auto"
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
     # tensor parallel over the first `devices` devices (runtime/mesh.py); None: one device
     devices: int | None = None
 
@@ -368,16 +363,6 @@ class RuntimeConfig:
             _check_positive("threads", self.threads)
         if self.max_seq_len is not None:
             _check_positive("max_seq_len", self.max_seq_len)
-        _check(isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool)
-               and self.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1",
-               self.max_new_tokens)
-        self.sampling  # validates temperature, top_k, top_p
-        _check(isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED, "seed",
-               f"an integer in [0, {MAX_SEED}]", self.seed)
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from powerinfer_jax import _cli
+from powerinfer_jax.api import LLM
 from powerinfer_jax.errors import UserError
 
 KV_MIN = 128  # runtime/decode.py's smallest cache bucket
@@ -37,13 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     threads = _cli.setup(args)
-    from powerinfer_jax.api import LLM
 
     if not args.prompt:
         raise UserError("--prompt: expected non-empty text, got ''")
     # flag errors (sampling, seed) before the model loads
-    _cli.configs_from_args(args, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    _cli.check_sampling_flags(args)
+    _cli.configs_from_args(args)
     started = _cli.process_age()
     llm = LLM(_cli.build_from_args(args))
     ids = llm.encode(args.prompt, chat=args.chat)

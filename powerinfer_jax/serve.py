@@ -64,7 +64,7 @@ def main(argv=None) -> None:
     _cli.setup(args)  # pin --threads before anything starts XLA
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
 
-    from powerinfer_jax.server import Server, create_app
+    from powerinfer_jax.server import Server, create_app  # lazy: start-up (serve CLI)
 
     app = create_app(lambda: _cli.build_from_args(args, max_batch=args.parallel),
                      slots=args.parallel, model_name=args.alias, queue_size=args.queue,

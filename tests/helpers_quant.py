@@ -1,10 +1,10 @@
 """Test helpers for GGML block formats: an independent per-element decoder written from llama.cpp's
-reference dequantize_row_* (ggml-quants.c), and `quants.random_blocks` (valid random blocks)."""
+reference dequantize_row_* (ggml-quants.c), and `random_blocks` (valid random blocks)."""
 from __future__ import annotations
 
 import numpy as np
 
-from powerinfer_jax.checkpoint.quants import random_blocks  # noqa: F401  (re-exported for tests)
+from powerinfer_jax.checkpoint.quants import F16_FIELDS, block_size
 
 
 def _f16(b, off):
@@ -100,3 +100,21 @@ def decode_block(qtype: str, b: np.ndarray) -> np.ndarray:
                 y[128 * n + l + 96] = d * S[is_ + 6] * q4
         return np.array(y, np.float64)
     raise ValueError(qtype)
+
+
+_RANGE = {"Q4_0": 8, "Q4_1": 15, "Q5_0": 16, "Q5_1": 31, "Q8_0": 127, "Q2_K": 45, "Q3_K": 128,
+          "Q4_K": 945, "Q5_K": 1953, "Q6_K": 4096}
+
+
+def random_blocks(qtype: str, rows: int, cols: int, rng, scale: float = 0.1) -> np.ndarray:
+    """Valid random blocks for tests (any type, K-quants included, which nothing
+    here can quantize): uint8 [rows, row_bytes] of random quants and packed scales with finite
+    f16 fields, weights within about +-scale."""
+    block, nbytes = block_size(qtype)
+    nb = cols // block
+    b = rng.integers(0, 256, size=(rows, nb, nbytes), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        v = (rng.uniform(0.2, 1.0, size=(rows, nb)) * scale / _RANGE[qtype]
+             * rng.choice([-1, 1], size=(rows, nb)))
+        b[..., off:off + 2] = v.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
+    return b.reshape(rows, nb * nbytes)

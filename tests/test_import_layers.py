@@ -6,6 +6,11 @@ arrow); no circles among modules. Read from the source with `ast`, nothing impor
 
 UPWARD lists the arrows that still run up, each with why; the contract is that no new one appears
 and that a listed one that is gone is taken off the list (the test says so).
+
+Imports sit at module top. A function-local import of a project module says why it is local with a
+`# lazy: <why>` comment on its line or the line above: an optional dependency (the C++ extension,
+CUDA, torch), start-up time (`import powerinfer_jax` and the CLIs import no jax; gguf only for
+GGUF files), or a cycle.
 """
 from __future__ import annotations
 
@@ -50,7 +55,7 @@ def modules(root: Path = ROOT) -> dict[str, Path | None]:
 
 def graph(root: Path = ROOT):
     """{importer: {imported: lazy}} over the package's modules (lazy: only inside functions),
-    and the number of function-local imports of project modules per module."""
+    and the function-local imports of project modules per module: [(line, says why)]."""
     mods = modules(root)
 
     def resolve(name: str) -> str | None:
@@ -59,11 +64,12 @@ def graph(root: Path = ROOT):
         return name or None
 
     edges: dict[str, dict[str, bool]] = collections.defaultdict(dict)
-    lazy_count: collections.Counter = collections.Counter()
+    lazy: dict[str, list[tuple[int, bool]]] = collections.defaultdict(list)
     for mod, path in mods.items():
         if path is None:
             continue
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        lines = path.read_text(encoding="utf-8").splitlines()
 
         def visit(node, in_function: bool):
             for ch in ast.iter_child_nodes(node):
@@ -81,13 +87,15 @@ def graph(root: Path = ROOT):
                     visit(ch, inner)
                     continue
                 ours = [t for t in targets if t == PKG or t.startswith(PKG + ".")]
-                lazy_count[mod] += bool(ours) and in_function
+                if ours and in_function:
+                    said = any("# lazy:" in ln for ln in lines[ch.lineno - 2:ch.end_lineno])
+                    lazy[mod].append((ch.lineno, said))
                 for t in ours:
                     r = resolve(t)
                     if r and r != mod:
                         edges[mod][r] = edges[mod].get(r, True) and in_function
-        visit(ast.parse(path.read_text(encoding="utf-8")), False)
-    return edges, lazy_count
+        visit(ast.parse("\n".join(lines)), False)
+    return edges, lazy
 
 
 def layer(mod: str) -> int:
@@ -173,9 +181,19 @@ def test_no_circles_outside_the_listed_upward_imports():
     assert circles(kept) == []
 
 
+def test_every_function_local_import_says_why():
+    _, lazy = graph()
+    silent = [f"{mod}:{line}" for mod, found in sorted(lazy.items()) for line, said in found
+              if not said]
+    assert not silent, ("function-local imports of project modules without a `# lazy: <why>` "
+                        f"comment (move them to the module's top, or say why not): {silent}")
+
+
 if __name__ == "__main__":
     e, lazy = graph(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT)
-    print(f"function-local imports of project modules: {sum(lazy.values())}")
+    n = sum(len(v) for v in lazy.values())
+    silent = sum(not said for v in lazy.values() for _, said in v)
+    print(f"function-local imports of project modules: {n} ({silent} without a `# lazy:` why)")
     for (a, b), lz in sorted(upward(e).items()):
         print(f"upward: {a} -> {b}{' (in a function)' if lz else ''}")
     for c in circles(e):

@@ -7,6 +7,7 @@ import pytest
 
 import powerinfer_jax as pij
 from helpers_models import tiny_llama_config, write_tiny_gguf
+from helpers_quant import random_blocks
 from powerinfer_jax.checkpoint import load_checkpoint, quants
 from powerinfer_jax.models.transformer import from_params
 from powerinfer_jax.runtime.decode import Request
@@ -29,7 +30,7 @@ def legacy_gguf(tmp_path_factory):
 def kquant_gguf(tmp_path_factory):
     """A Q4_K_M-like file (Q4_K with Q6_K attn_v and ffn_down). K-quants need rows of whole
     256-value blocks: D = 256, F = 512. Nothing here quantizes Q6_K, so those tensors are valid
-    random blocks (checkpoint.quants.random_blocks)."""
+    random blocks (helpers_quant.random_blocks)."""
     from helpers_models import gpt2_tokenizer_meta, random_params
     from powerinfer_jax.checkpoint import quants
     from powerinfer_jax.checkpoint.base import QuantTensor
@@ -44,10 +45,10 @@ def kquant_gguf(tmp_path_factory):
                   "ffn.up.weight"):
             types[f"layers.{i}.{n}"] = "Q4_K"
         v = f"layers.{i}.attn.v.weight"
-        params[v] = QuantTensor(quants.random_blocks("Q6_K", cfg.kv_dim, cfg.d_model, rng),
+        params[v] = QuantTensor(random_blocks("Q6_K", cfg.kv_dim, cfg.d_model, rng),
                                 "Q6_K", (cfg.kv_dim, cfg.d_model))
         down = f"layers.{i}.ffn.down_t.weight"  # stored [D, F], blocked along F
-        params[down] = QuantTensor(quants.random_blocks("Q6_K", cfg.d_model, cfg.d_ff, rng),
+        params[down] = QuantTensor(random_blocks("Q6_K", cfg.d_model, cfg.d_ff, rng),
                                    "Q6_K", (cfg.d_ff, cfg.d_model), transposed=True)
     path = tmp_path_factory.mktemp("k") / "tiny.Q4_K_M.gguf"
     write_gguf(path, cfg, params, gpt2_tokenizer_meta(), types)

@@ -71,7 +71,7 @@ class QuantTensor:
     transposed: bool = False
 
     def __post_init__(self):
-        from powerinfer_jax.checkpoint import quants
+        from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
         if not hasattr(self.blocks, "dtype"):  # jax's tree utilities unflatten with placeholders
             return
@@ -95,8 +95,8 @@ class QuantTensor:
 
     def dequantize(self) -> np.ndarray:
         """The canonical param as float32."""
-        from powerinfer_jax.checkpoint import quants
-        from powerinfer_jax.ops._ffi import _pij_ext
+        from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
+        from powerinfer_jax.ops._ffi import _pij_ext  # lazy: optional C++ extension
 
         stored = self.stored_shape
         cols = stored[-1]
@@ -112,7 +112,7 @@ class QuantTensor:
     def down_groups(self) -> np.ndarray:
         """ffn_down's blocks (a transposed tensor: stored [D, F]) as down groups, uint8
         [F / 32, D * block bytes] (checkpoint.quants.down_groups): rearranged, not re-quantized."""
-        from powerinfer_jax.checkpoint import quants
+        from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
         if not self.transposed:
             raise ValueError(f"QuantTensor.down_groups: expected ffn_down as stored (transposed), "
@@ -124,7 +124,7 @@ class QuantTensor:
         """The canonical matrix's rows re-quantized in `qtype` (dequantize, then quantize each
         canonical row): down_t [F, D] blocked along D, one neuron's down row per block row.
         Adds `qtype`'s rounding error on top of the file's (measured in benchmarks/)."""
-        from powerinfer_jax.checkpoint import quants
+        from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
         blocks = quants.quantize(self.dequantize(), qtype)
         return QuantTensor(blocks, qtype, tuple(self.shape), transposed=False)

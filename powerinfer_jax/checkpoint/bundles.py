@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from powerinfer_jax import cache
+from powerinfer_jax.checkpoint.base import QuantTensor
 from powerinfer_jax.errors import UserError, fail
 
 MAGIC = b"PIJNEURB"
@@ -85,7 +86,7 @@ class BundleSpec:
 
     @property
     def row_bytes(self) -> tuple[int, int, int]:
-        from powerinfer_jax.checkpoint import quants
+        from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
         gate = quants.row_bytes(self.gate_qtype, self.dim) if self.gated else 0
         return gate, quants.row_bytes(self.up_qtype, self.dim), quants.row_bytes(self.down_qtype,
@@ -131,8 +132,6 @@ def model_fingerprint(path) -> str:
 def check_quantized(ckpt) -> None:
     """A UserError unless every FFN matrix is a GGUF block-format tensor (the store's kernel
     computes on blocks; float checkpoints are not offloaded)."""
-    from powerinfer_jax.checkpoint.base import QuantTensor
-
     c = ckpt.config
     for l in range(c.n_layers):
         for role, name in ffn_names(c, l).items():
@@ -149,7 +148,7 @@ def plan(ckpt, fingerprint: str, *, decide_down: bool = True) -> BundleSpec:
     The down format is the file's own where re-blocking is exact on layer 0 (every layer is
     checked again while writing) or the rows already are per neuron, else DOWN_FALLBACK
     (decide_down False: the file's own, unchecked; enough to compare with an existing file)."""
-    from powerinfer_jax.checkpoint import quants
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     check_quantized(ckpt)
     c = ckpt.config
@@ -169,7 +168,7 @@ def plan(ckpt, fingerprint: str, *, decide_down: bool = True) -> BundleSpec:
 
 def _spec(c, fingerprint, gate_qtype, up_qtype, down_qtype, source, error=0.0,
           order_sha256="") -> BundleSpec:
-    from powerinfer_jax.checkpoint import quants
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     bundle = ((quants.row_bytes(gate_qtype, c.d_model) if c.gated else 0)
               + quants.row_bytes(up_qtype, c.d_model) + quants.row_bytes(down_qtype, c.d_model))
@@ -186,7 +185,7 @@ def _spec(c, fingerprint, gate_qtype, up_qtype, down_qtype, source, error=0.0,
 
 def _exact(down, qtype: str) -> bool:
     """Whether layer 0's down rows survive re-blocking along D in `qtype` bit for bit."""
-    from powerinfer_jax.checkpoint import quants
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     values = down.dequantize()
     for lo in range(0, values.shape[0], _CHUNK):
@@ -262,7 +261,7 @@ class _NotExact(Exception):
 def _write(fh, ckpt, spec: BundleSpec, order: np.ndarray, progress: bool) -> BundleSpec:
     """Write the order table and every bundle to the open file `fh` (at their offsets); returns
     the spec with the measured down error. _NotExact when an "exact" down stops being exact."""
-    from powerinfer_jax.checkpoint import quants
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     c = ckpt.config
     gate_b, up_b, down_b = spec.row_bytes

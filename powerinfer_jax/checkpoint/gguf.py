@@ -28,7 +28,9 @@ from powerinfer_jax.checkpoint.gguf_file import GGUFFile, GGUFFormatError
 from powerinfer_jax.checkpoint.base import (Checkpoint, QuantTensor, check_params,
                                             expected_shapes, rope_permute, rope_unpermute,
                                             unsupported_architecture)
+from powerinfer_jax.checkpoint.registry import is_registry_file
 from powerinfer_jax.config import ModelConfig
+from powerinfer_jax.errors import UserError
 from powerinfer_jax.tokenizer import Tokenizer
 
 SUPPORTED_GGUF_ARCHITECTURES = gguf_arch.ARCHITECTURES
@@ -45,9 +47,6 @@ def _open(path: Path) -> GGUFFile:
     """The parsed header of `path` (`gguf_file.GGUFFile`), or a UserError naming the file, what
     is wrong and the fix: fetch it again for a registry model's cached file, replace or
     re-convert a user's own file."""
-    from powerinfer_jax.checkpoint.registry import is_registry_file
-    from powerinfer_jax.errors import UserError
-
     if not path.is_file():
         raise UserError(f"GGUF file: expected an existing file, got {str(path)!r}")
     if is_registry_file(path):

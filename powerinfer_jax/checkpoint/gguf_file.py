@@ -56,7 +56,7 @@ def _compiled_strings():
     """The compiled extension's string-array reader (`_pij_ext.gguf_strings`, loaded as every
     use of the extension is, through ops._ffi), or None on a checkout where it is not built."""
     try:
-        from powerinfer_jax.ops._ffi import _pij_ext
+        from powerinfer_jax.ops._ffi import _pij_ext  # lazy: optional C++ extension
     except ImportError:
         return None
     return _pij_ext.gguf_strings

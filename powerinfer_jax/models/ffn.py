@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from powerinfer_jax import ops
 from powerinfer_jax.errors import fail
 from powerinfer_jax.models.layers import F32, Linear, Module, _param, op_impl, sow, use_ffi
 from powerinfer_jax.models.qweights import (GROUPS, MATVEC, ROWS, FfnLayout, QWeight,
@@ -90,7 +91,7 @@ def cuda_hybrid_available() -> bool:
     if jax.default_backend() != "gpu":
         return False
     try:
-        from powerinfer_jax.ops import _ffi
+        from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
     except ImportError:
         return False
     return _ffi._pij_cuda is not None
@@ -138,8 +139,6 @@ class DownT(Module):
 
     def __call__(self, a_btf):
         if self.qtype is not None and self.layout == MATVEC:
-            from powerinfer_jax import ops
-
             return ops.qlinear(a_btf, self.weight[...], self.qweight.kernel_qtype, self.d_ff,
                                _value(self.bias), impl=op_impl(self.kernels))
         if self.qtype is not None:
@@ -205,8 +204,6 @@ class Rows:
         return self.sparse(ffn, x_btd, selector.select(ffn, x_btd))
 
     def sparse(self, ffn, x_btd, sel: Selection, impl: str | None = None):
-        from powerinfer_jax import ops
-
         if ffn.quantized:  # on the file's blocks; "activations" are the file's own: oracle
             return ops.qsparse_ffn(
                 x_btd, ffn.up.weight[...], ffn.down_t.weight[...], up_qtype=ffn.up.kernel_qtype,
@@ -239,8 +236,6 @@ class CpuHybrid:
         return self._compute(ffn, x_btd, selector.select(ffn, x_btd), dense=False)
 
     def _compute(self, ffn, x_btd, sel: Selection, *, dense: bool):
-        from powerinfer_jax import ops
-
         n_hot, c = ffn.n_hot, ffn.cold
         y = jnp.zeros(x_btd.shape[:-1] + (ffn.down_t.weight.shape[1],), F32)
         count = jnp.zeros(x_btd.shape[:-1], jnp.int32)
@@ -288,7 +283,7 @@ class CudaHybrid:
         return self._compute(ffn, x_btd, sel)
 
     def _compute(self, ffn, x_btd, sel: Selection):
-        from powerinfer_jax.ops import _ffi
+        from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
         lead, d = x_btd.shape[:-1], x_btd.shape[-1]
         x = x_btd.reshape(-1, d)
@@ -326,7 +321,7 @@ class DiskHybrid:
         return self._compute(ffn, x_btd, sel)
 
     def _compute(self, ffn, x_btd, sel: Selection):
-        from powerinfer_jax.ops import _ffi
+        from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
         ahead = getattr(ffn, "lookahead", None)
         if ahead is not None:
@@ -471,7 +466,7 @@ class FFN(Module):
         self.backend = CpuHybrid(impl=impl)
 
     def _split_to_cuda_store(self, n_hot: int) -> None:
-        from powerinfer_jax.ops import _ffi
+        from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
         def rows(var):
             return None if var is None else np.asarray(jax.device_get(var[...][n_hot:]))
@@ -503,7 +498,6 @@ class FFN(Module):
         if self.quantized:
             if self.gate is None:
                 return activate(self.activation, self.up(x_btd))
-            from powerinfer_jax import ops
 
             # gate and up rows in one pool job (the same per-row kernel as two qlinear calls)
             g, u = ops.qlinear_many(x_btd, [self.gate.weight[...], self.up.weight[...]],

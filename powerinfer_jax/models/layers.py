@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from powerinfer_jax import ops
 from powerinfer_jax.errors import fail
 from powerinfer_jax.models.qweights import MATVEC, QWeight, host_blocks
 from powerinfer_jax.models.rope import Rope
@@ -45,7 +46,7 @@ def resolve_kernels(kernels: str) -> str:
     if jax.default_backend() != "cpu":
         return "xla"
     try:
-        from powerinfer_jax.ops import _ffi  # noqa: F401  (builds and registers the targets)
+        from powerinfer_jax.ops import _ffi  # noqa: F401  # lazy: optional C++ extension
     except ImportError:
         return "xla"
     return "ffi"
@@ -66,8 +67,6 @@ def op_impl(kernels: str) -> str:
 def matmul(x, w_od, kernels: str = "xla"):
     """x [..., I] times a weight stored [O, I] -> [..., O], float32 accumulation."""
     if use_ffi(kernels, x, w_od):
-        from powerinfer_jax import ops
-
         return ops.linear(x, w_od)
     return jnp.einsum("...i,oi->...o", x.astype(w_od.dtype), w_od, preferred_element_type=F32)
 
@@ -151,8 +150,6 @@ class Linear(Module):
 
     def __call__(self, x):
         if self.qtype is not None:
-            from powerinfer_jax import ops
-
             y = ops.qlinear(x, self.weight[...], self.kernel_qtype, self.d_in,
                             impl=op_impl(self.kernels))
         else:
@@ -315,8 +312,6 @@ class Attention(Module):
         """One token per sequence: q/k norms, rope, cache write, scores (soft-capped, windowed),
         softmax and values in one custom call (the XLA path above runs them as ~20 small thunks
         per layer). Same result up to float rounding."""
-        from powerinfer_jax import ops
-
         b = x_btd.shape[0]
         slots = jnp.broadcast_to(jnp.asarray(cache_index, jnp.int32).reshape(-1), (b,))
         where = jnp.stack([slots, positions_bt.reshape(b).astype(jnp.int32)], axis=1)  # [B, 2]

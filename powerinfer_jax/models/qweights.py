@@ -29,6 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from powerinfer_jax.checkpoint.base import QuantTensor, aligned, aligned_empty
+from powerinfer_jax.errors import check_choice, fail
+from powerinfer_jax.ops.reference import dequantize_blocks
+
 F32 = jnp.float32
 _BLOCK = 32
 
@@ -49,7 +53,7 @@ class QWeight:
     @property
     def kernel_qtype(self) -> str:
         """The type name the custom calls take ("Q4_0x16" for interleaved rows)."""
-        from powerinfer_jax.checkpoint import quants
+        from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
         return self.qtype + quants.INTERLEAVED_SUFFIX if self.interleaved else self.qtype
 
@@ -66,8 +70,6 @@ class FfnLayout:
     down_qtype: str | None = None
 
     def __post_init__(self):
-        from powerinfer_jax.errors import check_choice
-
         check_choice("FfnLayout.gate", self.gate, (MATVEC, ROWS))
         check_choice("FfnLayout.up", self.up, (MATVEC, ROWS))
         check_choice("FfnLayout.down", self.down, LAYOUTS)
@@ -83,11 +85,9 @@ def arrange(t, layout: str, *, down_qtype: str | None = None) -> QWeight:
     file's blocks. ffn_down as the file stores it (t.transposed) takes MATVEC, GROUPS (where its
     format has down groups, else ROWS) or ROWS (re-blocked per neuron in `down_qtype`); a
     neuron-major tensor (every other matrix, PowerInfer's ffn_down_t) MATVEC or ROWS."""
-    from powerinfer_jax.checkpoint import quants
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     if layout not in LAYOUTS:
-        from powerinfer_jax.errors import fail
-
         fail("weight layout", f"one of {list(LAYOUTS)}", layout)
     if t.transposed:
         if layout == GROUPS and t.qtype in quants.DOWN_GROUP_TYPES:
@@ -109,8 +109,7 @@ def arrange(t, layout: str, *, down_qtype: str | None = None) -> QWeight:
 def file_tensor(w: QWeight, shape: tuple[int, int], *, transposed: bool):
     """The inverse of `arrange` (up to a re-blocking): the QuantTensor whose blocks `w` holds,
     canonical `shape`; down rows come back as neuron-major rows in their own format."""
-    from powerinfer_jax.checkpoint import quants
-    from powerinfer_jax.checkpoint.base import QuantTensor
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     blocks = np.asarray(w.blocks)
     if w.layout == GROUPS:
@@ -142,8 +141,6 @@ def apply_ffn_layout(ffn, layout: FfnLayout) -> None:
         return
     t = file_tensor(down.qweight, (down.d_ff, d_model), transposed=True)
     if down.layout == ROWS and want != ROWS:
-        from powerinfer_jax.errors import fail
-
         fail("FFN down layout", "a layout the file's blocks can be re-arranged into",
              f"{want} from neuron rows in {down.qtype}", "load the model for this mode")
     down.load(arrange(t, want, down_qtype=layout.down_qtype))
@@ -183,7 +180,6 @@ def dequantize_rows(blocks, qtype: str, dim: int):
         nbytes, fn = _JNP[qtype]
         b = blocks.reshape(blocks.shape[:-1] + (blocks.shape[-1] // nbytes, nbytes))
         return fn(b).reshape(blocks.shape[:-1] + (-1,))[..., :dim]
-    from powerinfer_jax.ops.reference import dequantize_blocks
 
     flat = blocks.reshape(-1, blocks.shape[-1])
     return dequantize_blocks(flat, qtype, dim).reshape(blocks.shape[:-1] + (dim,))
@@ -194,8 +190,6 @@ def host_blocks(blocks) -> jax.Array:
     aligned host array as it is instead of copying it, so a loaded file's bytes are in memory
     once, not twice (SmolLM2's Q4_1: ~0.05 s less load and ~98 MB less resident). The numpy
     array is made read-only: the model's weights now live in it."""
-    from powerinfer_jax.checkpoint.base import aligned
-
     host = aligned(np.asarray(blocks, np.uint8))
     host.flags.writeable = False
     return jax.device_put(host, may_alias=True)
@@ -226,7 +220,7 @@ class _Load:
                 jobs.append(job[:3])
         if not jobs:
             return
-        from powerinfer_jax.ops import _ffi
+        from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
         self.stats["ahead"] += len(jobs)
 
@@ -268,6 +262,7 @@ def batched_load():
     within it `interleaved` takes those copies and keeps the file rows it read, dropping their
     pages from the resident set once at the end (one read of the process's mappings for a whole
     model; the arrays stay alive until then, so their mappings do too)."""
+    # lazy: start-up (gguf only for GGUF files)
     from powerinfer_jax.checkpoint.gguf_file import release_mapped_pages
 
     load = _Load()
@@ -285,6 +280,7 @@ def batched_load():
 def release_later(array) -> None:
     """Drop a file view's pages from the resident set (gguf_file.release_mapped_pages): now, or
     at the end of the enclosing `batched_load`."""
+    # lazy: start-up (gguf only for GGUF files)
     from powerinfer_jax.checkpoint.gguf_file import release_mapped_pages
 
     load = _LOAD.get()
@@ -306,7 +302,7 @@ def interleaved(blocks, qtype: str):
     job = _interleave_job(blocks, qtype)
     if job is None:
         return blocks, qtype
-    from powerinfer_jax.ops import _ffi
+    from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
     _ffi._pij_ext.interleave_into(*job[:3])
     release_later(blocks)  # the file's rows were read once to build the copy
@@ -316,8 +312,7 @@ def interleaved(blocks, qtype: str):
 def _interleave_job(blocks, qtype: str):
     """(file rows, type id, empty copy, the copy's qtype) for `_pij_ext.interleave_into`, or None
     where the format or row count has no interleaved layout."""
-    from powerinfer_jax.checkpoint import quants
-    from powerinfer_jax.checkpoint.base import aligned_empty
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     b = np.asarray(blocks)
     if not quants.can_interleave(qtype, b.shape[0]):
@@ -330,7 +325,7 @@ def _interleave_job(blocks, qtype: str):
 def gather_rows(table, ids, qtype: str):
     """Rows `ids` of a block table uint8 [O, row_bytes] -> uint8 [..., row_bytes] in the file's
     layout (a table interleaved by 16 gives each id's group, then its lane's bytes)."""
-    from powerinfer_jax.checkpoint import quants
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     base = quants.interleaved_base(qtype)
     if base is None:

@@ -14,12 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from powerinfer_jax import ops
+from powerinfer_jax.checkpoint.base import QuantTensor, expected_shapes
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.errors import fail
 # block_residual: re-exported, the name the selectors read it by (sparsity/powerinfer_predictor.py)
 from powerinfer_jax.models.ffn import FFN, block_residual, residual_scope  # noqa: F401
 from powerinfer_jax.models.moe import MoE
-from powerinfer_jax.models.qweights import DENSE_LAYOUT, MATVEC, ROWS, FfnLayout, arrange
+from powerinfer_jax.models.qweights import (DENSE_LAYOUT, FfnLayout, MATVEC, QWeight, ROWS,
+                                            arrange, batched_load, dequantize_rows, gather_rows,
+                                            host_blocks)
 from powerinfer_jax.models.layers import (F32, Attention, Linear, Module, Norm, _param,
                                          cache_storage_dtype, matmul, op_impl, resolve_kernels,
                                          shapes_only, sow)
@@ -146,7 +150,6 @@ class Transformer(Module):
         dequantized)."""
         if self.embed_qtype is None:
             return self.tok_embed[...][tokens_bt].astype(F32)
-        from powerinfer_jax.models.qweights import dequantize_rows, gather_rows
 
         rows = gather_rows(self.tok_embed[...], tokens_bt, self.embed_kernel_qtype)
         return dequantize_rows(rows, self.embed_qtype, self.config.d_model)
@@ -154,8 +157,6 @@ class Transformer(Module):
     @property
     def embed_kernel_qtype(self) -> str | None:
         """tok_embed's type name for the custom calls ("Q4_0x16" when interleaved)."""
-        from powerinfer_jax.models.qweights import QWeight
-
         if self.embed_qtype is None:
             return None
         return QWeight(None, self.embed_qtype, MATVEC, self.embed_interleaved).kernel_qtype
@@ -170,7 +171,6 @@ class Transformer(Module):
         if self.lm_head is not None:
             return self.lm_head(h_btd)
         if self.embed_qtype is not None:  # tied to a quantized embedding: its blocks
-            from powerinfer_jax import ops
 
             return ops.qlinear(h_btd, self.tok_embed[...], self.embed_kernel_qtype,
                                self.config.d_model,
@@ -251,8 +251,6 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
     never read here, their Params left shape-only for the caller to set. options:
     Transformer's decode_attention and fuse_qkv.
     """
-    from powerinfer_jax.checkpoint.base import QuantTensor, expected_shapes
-
     kernels = resolve_kernels(kernels)
     blocks = {name: t for name, t in params.items()
               if isinstance(t, QuantTensor) and name not in external}
@@ -273,7 +271,6 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
         got = tuple(params[name].shape)
         if got != shape:
             raise ValueError(f"tensor {name}: expected shape {shape}, got {got}")
-    from powerinfer_jax.models.qweights import batched_load
 
     with batched_load() as load:
         # the interleaved copies are made on the pool while Python builds the modules below
@@ -328,8 +325,6 @@ def _variable(model: Transformer, name: str) -> nnx.Variable:
 def _load_quantized(model: Transformer, name: str, t, ffn_layout: FfnLayout) -> None:
     """Put a QuantTensor's blocks, arranged for how they are read, into the module that owns
     canonical param `name`."""
-    from powerinfer_jax.models.qweights import host_blocks
-
     w = arrange(t, _layout(name, t, model.config, ffn_layout), down_qtype=ffn_layout.down_qtype)
     if name == "tok_embed":
         model.tok_embed.set_value(host_blocks(w.blocks))

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from powerinfer_jax.errors import check_choice, fail  # noqa: F401  (the ops' validators)
+from powerinfer_jax.ops.q4 import PAIR_BYTES, num_pairs
 
 ACTIVATIONS = ("silu", "relu", "gelu", "drelu")
 CRITERIA = ("scores", "oracle", "activations")
@@ -87,8 +88,6 @@ def check_linear(x, w, b) -> None:
 
 
 def check_q4_scores(x, q, dm, b_up, activation) -> None:
-    from powerinfer_jax.ops.q4 import PAIR_BYTES, num_pairs
-
     check_choice("activation", activation, ACTIVATIONS)
     if np.ndim(x) < 1 or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
         fail("x", "a floating array [..., D]", f"{jnp.result_type(x)} {_shape(x)}")
@@ -149,7 +148,7 @@ def check_decode_attention(q, k_new, v_new, k_cache, v_cache, where, kv_len) -> 
 
 def check_qtype(what: str, qtype) -> str:
     """A block-quantized GGML type, by name ("Q4_K") or id (12) -> its name."""
-    from powerinfer_jax.checkpoint import quants
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     if isinstance(qtype, (int, np.integer)) and not isinstance(qtype, bool):
         by_id = {quants.type_id(n): n for n in quants.QUANTIZED_TYPES}
@@ -165,7 +164,7 @@ def check_qtype(what: str, qtype) -> str:
 def check_qlinear_type(qtype, what: str = "qtype") -> str:
     """ops.qlinear's formats: the block types, or the file's rows interleaved by 16
     ("Q4_0x16", checkpoint.quants.interleave) -> the name."""
-    from powerinfer_jax.checkpoint import quants
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     if isinstance(qtype, str) and qtype in quants.INTERLEAVED_TYPES:
         return qtype
@@ -174,7 +173,7 @@ def check_qlinear_type(qtype, what: str = "qtype") -> str:
 
 def check_qweight(what: str, blocks, qtype: str, in_features: int, rows: int | None = None) -> int:
     """blocks: uint8 [R, row_bytes] for rows of in_features values in qtype; returns R."""
-    from powerinfer_jax.checkpoint import quants
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     block, nbytes = quants.block_size(qtype)
     if in_features <= 0 or in_features % block:
@@ -198,7 +197,7 @@ def check_qlinear(x, blocks, qtype, in_features, b) -> tuple[str, int]:
         fail("x", "a floating array [..., D]", f"{jnp.result_type(x)} {_shape(x)}")
     if not isinstance(in_features, (int, np.integer)) or _shape(x)[-1] != in_features:
         fail("in_features", f"x's last dim ({_shape(x)[-1]}), a static int", in_features)
-    from powerinfer_jax.checkpoint import quants
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     name = check_qlinear_type(qtype)
     o = check_qweight("blocks", blocks, name, int(in_features))
@@ -214,7 +213,7 @@ def check_qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_
                       down_layout="rows") -> tuple[float, str, str, str]:
     """Validates the quantized sparse FFN's operands; returns (threshold, gate, up and down type
     names; gate's is up's when absent)."""
-    from powerinfer_jax.checkpoint import quants
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     check_choice("activation", activation, ACTIVATIONS)
     check_choice("criterion", criterion, ("scores", "oracle"))

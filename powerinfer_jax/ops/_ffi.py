@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from powerinfer_jax import errors
+
 try:
     from powerinfer_jax import _pij_ext
 except ImportError as e:  # pragma: no cover - exercised only on unbuilt checkouts
@@ -56,8 +58,6 @@ def max_threads() -> int:
 
 def set_num_threads(n: int) -> None:
     """Threads used by the CPU kernels (the calling thread counts as one)."""
-    from powerinfer_jax import errors
-
     errors.check_positive_int("set_num_threads: n", n, maximum=max_threads())
     _pij_ext.set_num_threads(n)
 
@@ -133,7 +133,7 @@ def q4_sparse_ffn(x, q, dm, w_down_t, b_up, b_down, *, threshold, activation):
 
 
 def _qid(qtype: str) -> np.int32:
-    from powerinfer_jax.checkpoint import quants
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     return np.int32(quants.type_id(qtype))
 

@@ -30,7 +30,7 @@ def sparse_ffn(x, w_up, w_down_t, *, w_gate=None, b_up=None, b_down=None, scores
                   activation=activation, criterion=criterion)
     if impl == "reference":
         return reference.sparse_ffn(x, w_up, w_down_t, **kwargs)
-    from powerinfer_jax.ops import _ffi  # the extension is only needed here
+    from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
     return _ffi.sparse_ffn(x, w_up, w_down_t, **kwargs)
 
 
@@ -44,7 +44,7 @@ def linear(x, w, b=None, *, impl="ffi"):
     _checks.check_linear(x, w, b)
     if impl == "reference":
         return reference.linear(x, w, b)
-    from powerinfer_jax.ops import _ffi
+    from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
     return _ffi.linear(x, w, b)
 
 
@@ -65,7 +65,7 @@ def linear_many(x, ws, bs=None, *, impl="ffi"):
         _checks.fail("ws dtype", "one dtype for every weight", dtypes)
     if impl == "reference":
         return tuple(reference.linear(x, w, b) for w, b in zip(ws, bs))
-    from powerinfer_jax.ops import _ffi
+    from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
     return _ffi.linear_many(x, ws, bs)
 
 
@@ -82,7 +82,7 @@ def q4_scores(x, q, dm, b_up=None, *, activation="silu", signed=False, impl="ffi
     _checks.check_q4_scores(x, q, dm, b_up, activation)
     if impl == "reference":
         return reference.q4_scores(x, q, dm, b_up, activation=activation, signed=bool(signed))
-    from powerinfer_jax.ops import _ffi
+    from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
     return _ffi.q4_scores(x, q, dm, b_up, activation=activation, signed=bool(signed))
 
 
@@ -101,7 +101,7 @@ def q4_sparse_ffn(x, q, dm, w_down_t, b_up=None, b_down=None, *, threshold, acti
     if impl == "reference":
         return reference.q4_sparse_ffn(x, q, dm, w_down_t, b_up, b_down, threshold=t,
                                        activation=activation)
-    from powerinfer_jax.ops import _ffi
+    from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
     return _ffi.q4_sparse_ffn(x, q, dm, w_down_t, b_up, b_down, threshold=t, activation=activation)
 
 
@@ -120,7 +120,7 @@ def qlinear(x, blocks, qtype, in_features: int, b=None, *, impl="ffi"):
     name, _ = _checks.check_qlinear(x, blocks, qtype, in_features, b)
     if impl == "reference":
         return reference.qlinear(x, blocks, name, int(in_features), b)
-    from powerinfer_jax.ops import _ffi
+    from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
     return _ffi.qlinear(x, blocks, name, b)
 
 
@@ -139,7 +139,7 @@ def qlinear_many(x, blocks_list, qtypes, in_features: int, bs=None, *, impl="ffi
     if impl == "reference":
         return tuple(reference.qlinear(x, w, t, int(in_features), b)
                      for w, t, b in zip(blocks_list, names, bs))
-    from powerinfer_jax.ops import _ffi
+    from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
     return _ffi.qlinear_many(x, blocks_list, names, bs)
 
 
@@ -177,7 +177,7 @@ def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype
     if impl == "reference":
         return reference.moe_ffn(x, ids, weights, gate, up, down, gate_qtype=names[0],
                                  up_qtype=names[1], down_qtype=names[2])
-    from powerinfer_jax.ops import _ffi
+    from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
     return _ffi.moe_ffn(x, ids, weights, gate, up, down, gate_qtype=names[0],
                         up_qtype=names[1], down_qtype=names[2])
 
@@ -194,7 +194,7 @@ def qembedding(ids, blocks, qtype, in_features: int, *, impl="ffi"):
         _checks.fail("ids", "an integer array", jnp.result_type(ids))
     if impl == "reference":
         return reference.qembedding(ids, blocks, name, int(in_features))
-    from powerinfer_jax.ops import _ffi
+    from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
     return _ffi.qembedding(ids, blocks, name, int(in_features))
 
 
@@ -226,7 +226,7 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
                   down_layout=down_layout)
     if impl == "reference":
         return reference.qsparse_ffn(x, up, down, **kwargs)
-    from powerinfer_jax.ops import _ffi
+    from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
     return _ffi.qsparse_ffn(x, up, down, **kwargs)
 
 
@@ -263,7 +263,7 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, where, *, kv_len: int,
             _checks.fail(name, rule, v)
     if not (isinstance(window, (int, np.integer)) and window >= 0):
         _checks.fail("window", "an int >= 0 (0: full attention)", window)
-    from powerinfer_jax.ops import _ffi
+    from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
     return _ffi.decode_attention(q, k_new, v_new, k_cache, v_cache, where.reshape(-1, 2),
                                  kv_len=int(kv_len), inv_freq=inv_freq,
                                  rope_factor=float(rope_factor),
@@ -274,5 +274,5 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, where, *, kv_len: int,
 
 def set_num_threads(n: int) -> None:
     """Threads used by the CPU kernels (the calling thread counts as one)."""
-    from powerinfer_jax.ops import _ffi
+    from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
     _ffi.set_num_threads(n)

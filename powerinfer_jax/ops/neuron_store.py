@@ -48,8 +48,8 @@ class NeuronStore:
 
     def __init__(self, path, spec, order, hot, cache_slots: int, *, prior=None, b_up=None,
                  settings: StoreSettings = StoreSettings()):
-        from powerinfer_jax.checkpoint import quants
-        from powerinfer_jax.ops import _ffi
+        from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
+        from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
         L, F = spec.n_layers, spec.n_neurons
         order = np.asarray(order, np.int32).reshape(L, F)
@@ -76,30 +76,30 @@ class NeuronStore:
 
     def stats(self) -> dict:
         """The C++ counters (requests, hits, misses, bytes read, waits) since open or reset."""
-        from powerinfer_jax.ops import _ffi
+        from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
         return dict(_ffi._pij_ext.neuron_store_stats(self.handle))
 
     def reset_stats(self) -> None:
-        from powerinfer_jax.ops import _ffi
+        from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
         _ffi._pij_ext.neuron_store_reset_stats(self.handle)
 
     def prefetch(self, layer: int, ids) -> None:
-        from powerinfer_jax.ops import _ffi
+        from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
         _ffi._pij_ext.neuron_store_prefetch(self.handle, int(layer),
                                             np.ascontiguousarray(ids, np.int32))
 
     def trace(self, on: bool = True) -> None:
         """Record every call's keys (layer * F + id) from now on (`take_trace` hands them out)."""
-        from powerinfer_jax.ops import _ffi
+        from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
         _ffi._pij_ext.neuron_store_trace(self.handle, bool(on))
 
     def take_trace(self) -> list[np.ndarray]:
         """The recorded calls (one key array each), clearing the record."""
-        from powerinfer_jax.ops import _ffi
+        from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
         keys, ends = _ffi._pij_ext.neuron_store_take_trace(self.handle)
         return np.split(np.asarray(keys), np.asarray(ends)[:-1]) if len(ends) else []
@@ -111,7 +111,7 @@ class NeuronStore:
 def simulate_cache(keys_per_call, *, num_keys: int, slots: int, policy: str, prior=None) -> dict:
     """Replay calls (each an array of keys layer * F + id) through the store's cache alone:
     {hits, misses, evictions, uncached}. The eviction policies' experiment."""
-    from powerinfer_jax.ops import _ffi
+    from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
     check_choice("neuron cache policy", policy, POLICIES)
     calls = [np.asarray(k, np.int64).ravel() for k in keys_per_call]

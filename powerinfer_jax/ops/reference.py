@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from powerinfer_jax.ops import q4
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -77,8 +79,6 @@ def linear(x, w, b=None):
 def q4_scores(x, q, dm, b_up=None, *, activation="silu", signed=False):
     """The q4 predictor's estimates |a| (or a if signed) [..., T, F] float32. See
     ops.api.q4_scores."""
-    from powerinfer_jax.ops import q4
-
     x = jnp.asarray(x, jnp.float32)
     w_fgd = q4.dequantize_rows(q, dm, x.shape[-1])
     proj = jnp.einsum("...d,fgd->...fg", q4.quantize_q8(x), w_fgd, precision=_HIGHEST)
@@ -114,7 +114,7 @@ def round_activations(x, block: int):
 def dequantize_blocks(blocks, qtype: str, in_features: int):
     """uint8 [R, row_bytes] GGML blocks -> float32 [R, in_features], with the gguf package's
     dequantizer (a host callback, so it also works on traced arrays under jit)."""
-    from powerinfer_jax.checkpoint import quants
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     rows = blocks.shape[0]
     out = jax.ShapeDtypeStruct((rows, in_features), jnp.float32)
@@ -122,7 +122,7 @@ def dequantize_blocks(blocks, qtype: str, in_features: int):
 
 
 def _qblock(qtype: str) -> int:
-    from powerinfer_jax.checkpoint import quants
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     return quants.block_size(qtype)[0]
 
@@ -163,7 +163,7 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
                 down_layout="rows"):
     """The quantized sparse FFN, from dequantized weights and rounded activations. See
     ops.api.qsparse_ffn."""
-    from powerinfer_jax.checkpoint import quants
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     d = x.shape[-1]
     up_tf = qlinear(x, up, up_qtype, d, b_up)

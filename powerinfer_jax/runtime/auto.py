@@ -36,6 +36,11 @@ import sys
 import time
 from pathlib import Path
 
+from powerinfer_jax import cache
+from powerinfer_jax._machine import cpu_features, machine_info
+from powerinfer_jax.config import SparsityConfig
+from powerinfer_jax.errors import UserError
+
 STEPS = 24  # decode steps per timed generation (after a warm-up generation per candidate)
 MIN_ROUNDS = 5  # interleaved rounds before a verdict may be given
 MAX_ROUNDS = 12  # rounds after which an open interval is a tie
@@ -55,8 +60,6 @@ _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 
 
 
 def candidate(label: str, target: float):
-    from powerinfer_jax.config import SparsityConfig
-
     if label == "dense":
         return SparsityConfig()
     if label == "oracle":
@@ -69,14 +72,12 @@ def cache_key(source: str, runtime, threads: int, target: float) -> dict:
     dtype, weight format and target."""
     from importlib import metadata
 
-    from powerinfer_jax._machine import cpu_features, machine_info
-
     try:
         version = metadata.version("powerinfer_jax")
     except metadata.PackageNotFoundError:  # run from a source tree
         version = "source"
     try:
-        from powerinfer_jax.ops import _ffi
+        from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
         isa = _ffi.simd_name()
         st = os.stat(_ffi._pij_ext.__file__)
@@ -196,8 +197,6 @@ def choose(build_one, *, key: dict, target: float, cache_dir, progress: bool = T
     to time it on its real artifacts (a UserError: it cannot be built here); timer and
     estimator: `time_decode` and `estimate` (tests inject them). A decision cached for the same
     key is reused: only the chosen mode is built. sparse: the candidate's label (CANDIDATES)."""
-    from powerinfer_jax.errors import UserError
-
     estimator = estimator or estimate
     cache_file = choice_file(cache_dir, key)
     cached = _read(cache_file)
@@ -240,8 +239,6 @@ def _read(path):
 
 
 def _write(path, report: dict) -> None:
-    from powerinfer_jax import cache
-
     try:
         cache.write_text(path, json.dumps(report, indent=1))
     except OSError as e:  # an unwritable cache only costs the next build a re-measure

@@ -34,6 +34,10 @@ import shutil
 import time
 from pathlib import Path
 
+from powerinfer_jax import cache
+from powerinfer_jax._machine import cpu_features
+from powerinfer_jax.cache import cache_dir
+
 FORMAT = 1  # bump when the file layout changes
 MAX_IDENTITIES = 48  # identity directories kept; the least recently used go first...
 MAX_BYTES = 2 << 30  # ...and while they hold more than this (a server's ~46 steps: ~70 MB)
@@ -61,7 +65,7 @@ def _code_digest() -> str:
     h = hashlib.sha256()
     files = sorted(root.rglob("*.py"))
     try:
-        from powerinfer_jax.ops import _ffi
+        from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
         files.append(Path(_ffi._pij_ext.__file__))
     except (ImportError, AttributeError):
@@ -80,8 +84,6 @@ def environment() -> dict:
     """What compiled code depends on besides the model: code, libraries, flags, CPU, threads."""
     import jax
     import jaxlib
-
-    from powerinfer_jax._machine import cpu_features
 
     return {"format": FORMAT, "code": _code_digest(), "jax": jax.__version__,
             "jaxlib": jaxlib.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -134,8 +136,6 @@ def no_cache_write():
 
 
 def _root() -> Path:
-    from powerinfer_jax.cache import cache_dir
-
     return cache_dir() / "executables"
 
 
@@ -207,8 +207,6 @@ class Store:
         unwritable cache, only means the next process compiles it too)."""
         from jax.experimental import serialize_executable
 
-        from powerinfer_jax import cache
-
         try:
             blob, in_tree, out_tree = serialize_executable.serialize(compiled)
             if b"\x7fELF" not in blob:  # no kernels' code in it (see fresh_name): never stored
@@ -224,8 +222,6 @@ class Store:
 
     def _note_used(self, key: tuple) -> None:
         """Remember the steps this process uses, for the next one's prefetch."""
-        from powerinfer_jax import cache
-
         if key in self._used:
             return
         self._used.append(key)

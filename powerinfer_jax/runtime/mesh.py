@@ -40,7 +40,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from powerinfer_jax.errors import fail
-from powerinfer_jax.models.layers import Module
+from powerinfer_jax.models.ffn import CudaHybrid
+from powerinfer_jax.models.layers import Module, sow
 
 AXIS = "tp"
 _AXIS_LETTERS = set("btsdfnkghvr")  # models/layers.py's axis legend
@@ -66,8 +67,6 @@ class TensorParallel:
         """run(layers, x, positions, cache, cache_index, kv_len) inside shard_map, each device
         on its shard. Diagnostics sown under `capture` are passed out and sown on `layers`:
         per-shard integer counts (n_active) are summed over the shards."""
-        from powerinfer_jax.models.layers import sow
-
         # One split per layer: the state of an nnx.List under capture mixes int and str keys,
         # which jax's pytree flattening cannot sort.
         parts = []  # per layer: (graphdef, treedef, number of leaves)
@@ -239,8 +238,6 @@ def _interleave(n_hot: int, n_cold: int, n: int) -> np.ndarray:
 def shard_model(model, n_devices: int) -> TensorParallel:
     """Shard a built (and placed, if it is) Transformer over the first n_devices devices, in
     place; its layers then run tensor-parallel. Returns the model's TensorParallel."""
-    from powerinfer_jax.models.ffn import CudaHybrid
-
     if getattr(model, "parallel", None) is not None:
         fail("shard_model", "a model not sharded yet", f"one on {model.parallel.size} devices")
     mesh = make_mesh(n_devices)

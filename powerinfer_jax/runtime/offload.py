@@ -44,8 +44,13 @@ from pathlib import Path
 import numpy as np
 
 from powerinfer_jax.checkpoint import bundles
+from powerinfer_jax.checkpoint.base import QuantTensor, aligned
 from powerinfer_jax.errors import fail
+from powerinfer_jax.models.ffn import DiskHybrid
+from powerinfer_jax.models.qweights import QWeight, ROWS
 from powerinfer_jax.ops.neuron_store import NeuronStore, StoreSettings
+from powerinfer_jax.sparsity.powerinfer_predictor import PowerInferSelector
+from powerinfer_jax.sparsity.profile import ActivationProfile
 
 MODES = ("dense", "oracle", "powerinfer")
 # Share of the neuron budget (after the minimum cache) given to the dynamic part; the rest is
@@ -106,8 +111,6 @@ class Offload:
 
 def file_bytes(ckpt) -> int:
     """The bytes of the checkpoint's tensors (as stored in the file)."""
-    from powerinfer_jax.checkpoint.base import QuantTensor
-
     return sum(t.nbytes if isinstance(t, QuantTensor) else np.asarray(t).nbytes
                for t in ckpt.params.values())
 
@@ -138,8 +141,7 @@ def stub_ffns(model, ckpt, layout) -> None:
     finds the layouts it reads and nothing is re-arranged; the down rows as ROWS in the file's
     format, which every sparse layout accepts): the modules know their formats, hold no rows, and
     a selector that tried to read them would find none."""
-    from powerinfer_jax.checkpoint import quants
-    from powerinfer_jax.models.qweights import ROWS, QWeight
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     d = model.config.d_model
     for l, layer in enumerate(model.layers):
@@ -167,7 +169,7 @@ def make_anonymous(model) -> tuple[int, int]:
     import jax
     from flax import nnx
 
-    from powerinfer_jax.checkpoint.base import aligned
+    # lazy: start-up (gguf only for GGUF files)
     from powerinfer_jax.checkpoint.gguf_file import _mappings, mapping_at, release_mapped_pages
 
     embed = None if model.config.tie_embeddings else model.tok_embed
@@ -200,8 +202,6 @@ def neuron_frequencies(ckpt, artifacts_root) -> tuple[np.ndarray | None, str]:
     c = ckpt.config
     shape = (c.n_layers, c.d_ff)
     if artifacts_root is not None:
-        from powerinfer_jax.sparsity.profile import ActivationProfile
-
         for path in sorted(Path(artifacts_root).glob("target_*/profile.npz")):
             try:
                 freq = ActivationProfile.load(path).frequency
@@ -230,8 +230,6 @@ def set_lookahead(model) -> bool:
     selector, not a copy): on this layer's residual its output guesses the next layer's active
     set, which the store reads ahead while this layer and the next one's attention compute.
     Only where the selector is a PowerInfer predictor on the residual. Returns whether set."""
-    from powerinfer_jax.sparsity.powerinfer_predictor import PowerInferSelector
-
     sels = [layer.ffn.selector for layer in model.layers]
     if not all(isinstance(s, PowerInferSelector) for s in sels):
         return False
@@ -270,8 +268,7 @@ def attach(model, ckpt, *, budget: int, kv_len: int, batch: int, artifacts_root,
            progress: bool = True) -> Offload:
     """Decide what is resident, make sure the bundle file exists, open the store and point every
     FFN at it (models.ffn.DiskHybrid). The model's FFNs must be stubs (`stub_ffns`)."""
-    from powerinfer_jax.models.ffn import DiskHybrid
-    from powerinfer_jax.sparsity import placement as pl
+    from powerinfer_jax.sparsity import placement as pl  # lazy: start-up (gguf only for GGUF files)
 
     c = model.config
     copied, file_view = make_anonymous(model)

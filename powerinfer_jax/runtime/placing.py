@@ -12,7 +12,11 @@ from pathlib import Path
 import numpy as np
 
 from powerinfer_jax.config import PlacementConfig
+from powerinfer_jax.models.hybrid import apply_placement
+from powerinfer_jax.runtime.mesh import round_placement
 from powerinfer_jax.sparsity import placement as pl
+from powerinfer_jax.sparsity.placement_cache import load_or_place
+from powerinfer_jax.sparsity.profile import ActivationProfile
 
 # Headroom left free on a GPU by the default budget: XLA's temporaries (prefill activations,
 # attention scores, the custom calls' scratch) and allocator fragmentation are not in the tensor
@@ -38,8 +42,6 @@ def load_frequencies(artifacts_dir: Path | None, n_layers: int, d_ff: int
                      ) -> tuple[list[np.ndarray], str]:
     """Per-layer activation frequencies from <artifacts_dir>/profile.npz; uniform (with a note on
     stderr) when there are none: the placement is then by index, not by activity."""
-    from powerinfer_jax.sparsity.profile import ActivationProfile
-
     path = None if artifacts_dir is None else Path(artifacts_dir) / "profile.npz"
     if path is not None and path.is_file():
         freq = ActivationProfile.load(path).frequency
@@ -59,9 +61,6 @@ def place_model(model, cfg: PlacementConfig, *, kv_len: int, model_fingerprint,
     default_budget: the budget without --vram-budget (read before the model was loaded, as the
     session does); None: default_budget_bytes() now. shards: the mesh's devices (--devices):
     hot counts are rounded down to multiples of it (runtime/mesh.py `round_placement`)."""
-    from powerinfer_jax.models.hybrid import apply_placement
-    from powerinfer_jax.sparsity.placement_cache import load_or_place
-
     budget = cfg.budget_bytes if cfg.budget_bytes is not None else (
         default_budget if default_budget is not None else default_budget_bytes())
     if budget is None:
@@ -76,8 +75,6 @@ def place_model(model, cfg: PlacementConfig, *, kv_len: int, model_fingerprint,
                        cold_balance=pl.DEFAULT_COLD_BALANCE)
     p, _ = load_or_place(cache_dir, key, lambda: pl.place(cfg.offload, freqs, sizes, budget))
     if shards > 1:
-        from powerinfer_jax.runtime.mesh import round_placement
-
         p = round_placement(p, shards, freqs)
     apply_placement(model, p)
     return p

@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from powerinfer_jax.config import (DEFAULT_CONTEXT_CAP, DEFAULT_MODEL, ModelConfig,
-                                   PlacementConfig, RuntimeConfig, SparsityConfig)
+from powerinfer_jax.config import (DEFAULT_CONTEXT_CAP, DEFAULT_MODEL, DEFAULT_TARGET_SPARSITY,
+                                   ModelConfig, PlacementConfig, RuntimeConfig, SparsityConfig)
 from powerinfer_jax.errors import fail
 
 
@@ -47,7 +47,7 @@ class Session:
     def engine(self):
         """The model's decode engine (runtime/decode.py), made on first use."""
         if self._engine is None:
-            from powerinfer_jax.runtime.decode import Engine
+            from powerinfer_jax.runtime.decode import Engine  # lazy: start-up
 
             self._engine = Engine(self.model, max_seq_len=self.kv_positions,
                                   max_batch=self.max_batch, decode_block=self.runtime.decode_block,
@@ -63,7 +63,7 @@ class Session:
     @property
     def plan(self) -> tuple[dict, ...]:
         """Per layer: selector, threshold, backend, hot/cold rows (sparsity.modes.plan)."""
-        from powerinfer_jax.sparsity import modes
+        from powerinfer_jax.sparsity import modes  # lazy: start-up
 
         return modes.plan(self.model)
 
@@ -130,7 +130,7 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     if sparsity.mode == "auto":
         return _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch,
                            progress, checkpoint, threads)
-    from powerinfer_jax.sparsity import modes  # start-up: the modes import the model code
+    from powerinfer_jax.sparsity import modes  # lazy: start-up (modes import the model code)
 
     sparsity = modes.with_default_target(sparsity)
     accel = _accelerator()
@@ -139,8 +139,8 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
                               accel)
     t1 = time.perf_counter()
     # imported here, after the store began loading steps in the background (start-up time)
-    from powerinfer_jax.checkpoint import load_checkpoint
-    from powerinfer_jax.models.transformer import from_params
+    from powerinfer_jax.checkpoint import load_checkpoint  # lazy: start-up
+    from powerinfer_jax.models.transformer import from_params  # lazy: start-up
 
     if checkpoint is None:
         ckpt = load_checkpoint(model, keep_quantized=_keeps_quantized(runtime, placement))
@@ -160,13 +160,14 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     default_budget = None
     shards = runtime.devices or 1
     if runtime.devices is not None:
-        from powerinfer_jax.runtime.mesh import check_divisible, make_mesh
+        from powerinfer_jax.runtime.mesh import check_divisible, make_mesh  # lazy: start-up
 
         make_mesh(shards)  # fail on a bad device count before loading anything heavy
         check_divisible(ckpt.config, shards)
     # A mesh spreads the model over its devices: no default GPU placement (--vram-budget still
     # places, per mesh: hot rows split over the devices, cold rows on the host).
     if accel is not None and placement.budget_bytes is None and runtime.devices is None:
+        # lazy: start-up (gguf only for GGUF files)
         from powerinfer_jax.runtime.placing import default_budget_bytes
 
         default_budget = default_budget_bytes()
@@ -180,7 +181,7 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
                         fuse_qkv=runtime.fuse_qkv,
                         ffn_layout=layout, external=_offloaded_names(ckpt, ram))
         if ram == "disk":
-            from powerinfer_jax.runtime.offload import stub_ffns
+            from powerinfer_jax.runtime.offload import stub_ffns  # lazy: start-up
 
             stub_ffns(m, ckpt, layout)
         arts = _artifacts(model, ckpt, m, sparsity, artifacts_root, progress)
@@ -198,7 +199,7 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
             placed = _place(model, ckpt, m, runtime, sparsity, placement, artifacts_root,
                             default_budget, shards)
     if runtime.devices is not None:
-        from powerinfer_jax.runtime.mesh import shard_model
+        from powerinfer_jax.runtime.mesh import shard_model  # lazy: start-up
 
         shard_model(m, runtime.devices)
     elif accel is not None:
@@ -216,8 +217,8 @@ def _ram_mode(ckpt, runtime, sparsity, placement, max_batch, accel) -> str:
     else "disk" (its FFN in a neuron store); clear errors for what cannot be offloaded."""
     import jax.numpy as jnp
 
-    from powerinfer_jax.checkpoint.bundles import check_quantized
-    from powerinfer_jax.runtime import offload
+    from powerinfer_jax.checkpoint.bundles import check_quantized  # lazy: start-up
+    from powerinfer_jax.runtime import offload  # lazy: start-up
 
     if accel is not None or runtime.devices is not None:
         fail("--ram-budget", "a CPU-only run on one device (the GPU tier of a disk-offloaded "
@@ -234,7 +235,7 @@ def _ram_mode(ckpt, runtime, sparsity, placement, max_batch, accel) -> str:
 def _keep_only_ffn(ckpt) -> None:
     """Drop every tensor of a checkpoint this build loaded but its FFN rows and up biases (the
     neuron store's sources)."""
-    from powerinfer_jax.checkpoint.bundles import external_names
+    from powerinfer_jax.checkpoint.bundles import external_names  # lazy: start-up
 
     keep = external_names(ckpt.config)
     for name in [n for n in ckpt.params if n not in keep and not n.endswith("ffn.up.bias")]:
@@ -242,7 +243,7 @@ def _keep_only_ffn(ckpt) -> None:
 
 
 def _offloaded_names(ckpt, ram) -> frozenset:
-    from powerinfer_jax.checkpoint.bundles import external_names
+    from powerinfer_jax.checkpoint.bundles import external_names  # lazy: start-up
 
     return external_names(ckpt.config) if ram == "disk" else frozenset()
 
@@ -250,8 +251,8 @@ def _offloaded_names(ckpt, ram) -> frozenset:
 def _offload(model_arg, ckpt, m, runtime, placement, artifacts_root, max_batch, ram, progress):
     """--ram-budget after the model is built: its arrays out of the file's pages, and (disk)
     the FFN pointed at a neuron store."""
-    from powerinfer_jax.runtime import offload
-    from powerinfer_jax.sparsity.artifacts import artifacts_root as default_root
+    from powerinfer_jax.runtime import offload  # lazy: start-up
+    from powerinfer_jax.sparsity.artifacts import artifacts_root as default_root  # lazy: start-up
 
     kv_len = kv_length(ckpt.config, runtime)
     budget = placement.ram_budget_bytes
@@ -282,7 +283,7 @@ def _executable_store(model, runtime, sparsity, placement, max_batch, artifacts_
 
     import jax
 
-    from powerinfer_jax.runtime import executables
+    from powerinfer_jax.runtime import executables  # lazy: start-up
 
     if (not executables.enabled() or accel is not None or placement.budget_bytes is not None
             or placement.ram_budget_bytes is not None  # the store's handle is in the steps
@@ -290,7 +291,7 @@ def _executable_store(model, runtime, sparsity, placement, max_batch, artifacts_
         return None
     path = Path(model).expanduser()
     if not path.exists():
-        from powerinfer_jax.checkpoint.registry import KNOWN_MODELS, model_path
+        from powerinfer_jax.checkpoint.registry import KNOWN_MODELS, model_path  # lazy: start-up
 
         if str(model) not in KNOWN_MODELS:
             return None  # load_checkpoint says why
@@ -319,10 +320,9 @@ def _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch, 
                 checkpoint, threads) -> Session:
     """--sparsity auto: dense, or the sparse candidate where it is measurably faster here
     (runtime/auto.py: estimate, interleaved timing, cached verdict)."""
-    from powerinfer_jax.checkpoint import load_checkpoint
-    from powerinfer_jax.config import DEFAULT_TARGET_SPARSITY
-    from powerinfer_jax.runtime import auto
-    from powerinfer_jax.sparsity.artifacts import artifacts_root as default_root
+    from powerinfer_jax.checkpoint import load_checkpoint  # lazy: start-up
+    from powerinfer_jax.runtime import auto  # lazy: start-up
+    from powerinfer_jax.sparsity.artifacts import artifacts_root as default_root  # lazy: start-up
 
     if checkpoint is None:
         checkpoint = load_checkpoint(model, keep_quantized=_keeps_quantized(runtime, placement))
@@ -357,7 +357,7 @@ def _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch, 
 
 def _ffn_qtype(checkpoint) -> str | None:
     """The block format the model keeps its FFN in (loaded with keep_quantized), None: floats."""
-    from powerinfer_jax.checkpoint.base import QuantTensor
+    from powerinfer_jax.checkpoint.base import QuantTensor  # lazy: start-up
 
     up = checkpoint.params.get("layers.0.ffn.up.weight")
     return up.qtype if isinstance(up, QuantTensor) else None
@@ -371,9 +371,9 @@ def _trial_artifacts(model_arg, dense: Session, root: Path, target: float, progr
     to make them)."""
     import tempfile
 
-    from powerinfer_jax.checkpoint.registry import KNOWN_MODELS
-    from powerinfer_jax.runtime.auto import TRIAL_TOKENS
-    from powerinfer_jax.sparsity import artifacts as A
+    from powerinfer_jax.checkpoint.registry import KNOWN_MODELS  # lazy: start-up
+    from powerinfer_jax.runtime.auto import TRIAL_TOKENS  # lazy: start-up
+    from powerinfer_jax.sparsity import artifacts as A  # lazy: start-up
 
     if (A.target_dir(root, target) / "meta.json").is_file() or str(model_arg) not in KNOWN_MODELS:
         return None
@@ -399,7 +399,7 @@ def use_compilation_cache() -> None:
 
     import jax
 
-    from powerinfer_jax.cache import cache_dir
+    from powerinfer_jax.cache import cache_dir  # lazy: start-up
 
     if os.environ.get("POWERINFER_JAX_XLA_CACHE", "1") == "0" or \
             jax.config.jax_compilation_cache_dir:
@@ -420,7 +420,7 @@ def _size_thread_pool(threads: int | None) -> int:
 
     n = threads or len(os.sched_getaffinity(0))
     try:
-        from powerinfer_jax import ops
+        from powerinfer_jax import ops  # lazy: start-up
 
         ops.set_num_threads(n)
     except ImportError:  # an unbuilt checkout runs the jnp references only
@@ -429,7 +429,7 @@ def _size_thread_pool(threads: int | None) -> int:
 
 
 def _artifacts(model_arg, ckpt, m, sparsity, root, progress):
-    from powerinfer_jax.sparsity import modes
+    from powerinfer_jax.sparsity import modes  # lazy: start-up
 
     need = modes.needs(sparsity)
     if need.model_file:
@@ -437,7 +437,7 @@ def _artifacts(model_arg, ckpt, m, sparsity, root, progress):
                                              ckpt.config)
     if not need.thresholds and not need.lowrank:
         return None
-    from powerinfer_jax.sparsity.artifacts import ensure_artifacts
+    from powerinfer_jax.sparsity.artifacts import ensure_artifacts  # lazy: start-up
 
     return ensure_artifacts(model_arg, ckpt.source, m, ckpt.tokenizer, sparsity.target_sparsity,
                             need_predictor=need.lowrank, root=root, progress=progress)
@@ -470,10 +470,10 @@ def _place(model_arg, ckpt, m, runtime, sparsity, placement, artifacts_root, def
            shards=1):
     if placement.budget_bytes is None and default_budget is None:
         return None  # CPU-only without --vram-budget: every FFN row runs on the FFI pool
-    from powerinfer_jax.config import DEFAULT_TARGET_SPARSITY
+    # lazy: start-up (gguf only for GGUF files)
     from powerinfer_jax.runtime.placing import place_model
-    from powerinfer_jax.sparsity.artifacts import artifacts_root as default_root
-    from powerinfer_jax.sparsity.artifacts import model_fingerprint, target_dir
+    from powerinfer_jax.sparsity.artifacts import artifacts_root as default_root  # lazy: start-up
+    from powerinfer_jax.sparsity.artifacts import model_fingerprint, target_dir  # lazy: start-up
 
     root = default_root(model_arg, ckpt.source) if artifacts_root is None else artifacts_root
     target = sparsity.target_sparsity or DEFAULT_TARGET_SPARSITY

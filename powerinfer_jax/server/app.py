@@ -28,9 +28,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from powerinfer_jax.config import MAX_SEED
+from powerinfer_jax.config import MAX_SEED, SamplingParams
 from powerinfer_jax.server import protocol as P
 from powerinfer_jax.server.metrics import Metrics
+from powerinfer_jax.server.offload_metrics import OffloadCollector
 from powerinfer_jax.server.worker import (Job, Overloaded, Unavailable, Warmth, Worker,
                                           warm_plan)
 
@@ -72,8 +73,6 @@ class ServerState:
             self.model_name = self.model_name or arg
             self.names = {self.model_name, arg, Path(arg).name}
             if getattr(session, "offload", None) is not None and session.offload.store:
-                from powerinfer_jax.server.offload_metrics import OffloadCollector
-
                 self.metrics.registry.register(OffloadCollector(session.offload))
             worker = Worker(engine, self.metrics, queue_size=self.queue_size)
             worker.start()
@@ -388,6 +387,4 @@ def _max_tokens(engine, req, n_prompt: int, chat: bool) -> int:
 
 
 def _sampling_params(s: P.Sampling):
-    from powerinfer_jax.config import SamplingParams
-
     return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)

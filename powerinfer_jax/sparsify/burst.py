@@ -49,12 +49,12 @@ from pathlib import Path
 
 import numpy as np
 
+from powerinfer_jax.sparsify.cli import parse_stages
+
 DEFAULT_STAGES = "0.15:0,0.35:0.01,0.55:0.03,0.75:0.06"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from powerinfer_jax.sparsify.cli import parse_stages
-
     p = argparse.ArgumentParser(prog="python -m powerinfer_jax.sparsify.burst",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,7 +104,7 @@ def main(argv=None) -> None:
     stop_wall = started + args.deadline
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from powerinfer_jax.sparsify.burst_run import Burst
+    from powerinfer_jax.sparsify.burst_run import Burst  # lazy: start-up (gguf only for GGUF files)
 
     burst = Burst(args, started=started, stop_wall=stop_wall)
     try:

@@ -15,19 +15,23 @@ import hashlib
 import json
 from pathlib import Path
 
+from powerinfer_jax import _cli
+from powerinfer_jax.checkpoint import load_checkpoint
+from powerinfer_jax.checkpoint.registry import KNOWN_MODELS, cache_dir
 from powerinfer_jax.errors import fail
+from powerinfer_jax.sparsify.report import final_rows
+from powerinfer_jax.sparsify.run import _student_config, append_jsonl, build_artifacts, curve_path
+from powerinfer_jax.sparsity import corpus as corpus_mod
 
 
 def default_out(model_arg: str, log_path: Path, variant: str) -> Path:
-    from powerinfer_jax.checkpoint.registry import KNOWN_MODELS, cache_dir
-
     name = str(model_arg) if str(model_arg) in KNOWN_MODELS else Path(model_arg).stem
     tag = hashlib.sha256(log_path.read_bytes()).hexdigest()[:8]
     return cache_dir() / "models" / f"{name}-burst-{variant}-{tag}"
 
 
 def teacher_sha256(model_arg: str, source: Path) -> str:
-    from powerinfer_jax.checkpoint.registry import KNOWN_MODELS
+    # lazy: start-up (gguf only for GGUF files)
     from powerinfer_jax.sparsify.burst_files import digest
 
     if str(model_arg) in KNOWN_MODELS:
@@ -39,9 +43,8 @@ def import_burst(directory, *, model_arg: str, out=None, target: float = 0.85, c
                  predictors: bool = False, progress: bool = True) -> tuple[Path, dict]:
     """Rebuild the burst's student from the teacher and write it (with its artifacts) to `out`;
     returns (out, the burst's log)."""
-    from powerinfer_jax.checkpoint import load_checkpoint
+    # lazy: start-up (gguf only for GGUF files)
     from powerinfer_jax.sparsify import burst_files, export
-    from powerinfer_jax.sparsify.run import _student_config, build_artifacts
 
     directory = Path(directory)
     log_path = directory / burst_files.LOG
@@ -73,8 +76,6 @@ def import_burst(directory, *, model_arg: str, out=None, target: float = 0.85, c
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from powerinfer_jax import _cli
-
     p = argparse.ArgumentParser(prog="python -m powerinfer_jax.sparsify import-burst",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -98,11 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
-    from powerinfer_jax import _cli
-    from powerinfer_jax.sparsify.report import final_rows
-    from powerinfer_jax.sparsify.run import append_jsonl, curve_path
-    from powerinfer_jax.sparsity import corpus as corpus_mod
-
     args = build_parser().parse_args(argv)
     threads = _cli.configure_threads(args.threads)
     corpus = args.corpus or [str(f) for f in corpus_mod.default_corpus_files()]

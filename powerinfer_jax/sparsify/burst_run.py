@@ -19,9 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from powerinfer_jax.sparsify import burst_files, scan
+from powerinfer_jax.checkpoint import load_checkpoint
+from powerinfer_jax.models.transformer import from_params
+from powerinfer_jax.sparsify import burst_files, samples as smp, scan
 from powerinfer_jax.sparsify import forward as fw
 from powerinfer_jax.sparsify.config import DistillConfig
+from powerinfer_jax.sparsify.export import canonical_params
+from powerinfer_jax.sparsify.fatrelu import pick_threshold, scan_grid
+from powerinfer_jax.sparsify.refit import refit_down_rows
+from powerinfer_jax.sparsify.run import check_teacher
 from powerinfer_jax.sparsify.schedule import L1Controller, learning_rate
 from powerinfer_jax.sparsify.train import Timer
 
@@ -118,9 +124,6 @@ class Burst:
 
     # ----------------------------------------------------------------------------- stages
     def load(self):
-        from powerinfer_jax.checkpoint import load_checkpoint
-        from powerinfer_jax.sparsify.run import check_teacher
-
         a = self.args
         with self.timer.section("load"):
             self.ckpt = load_checkpoint(a.teacher)
@@ -140,8 +143,6 @@ class Burst:
         self.note(f"loaded {a.teacher} on {dev.device_kind}; {self.train_ids.size} train tokens")
 
     def models(self):
-        from powerinfer_jax.models.transformer import from_params
-
         c, p = self.ckpt.config, self.ckpt.params
         with self.timer.section("load"):
             self.teacher = from_params(c, p, kernels="xla")
@@ -149,8 +150,6 @@ class Burst:
         self.spec = fw.FFNSpec(self.args.variant)
         a = self.args
         if a.refit:
-            from powerinfer_jax.sparsify.refit import refit_down_rows
-
             n = max(1, a.refit_tokens // a.seq_len)
             chunks = self.train_ids[:(len(self.train_ids) // a.seq_len) * a.seq_len]
             chunks = chunks.reshape(-1, a.seq_len)
@@ -163,8 +162,6 @@ class Burst:
                       f"{np.mean(rep['after']):.3f}")
 
     def samples(self) -> np.ndarray:
-        from powerinfer_jax.sparsify import samples as smp
-
         a = self.args
         if not a.samples:
             return np.zeros((0, a.seq_len), np.int32)
@@ -312,8 +309,6 @@ class Burst:
         return res
 
     def calibrate_fatrelu(self, step: int) -> float:
-        from powerinfer_jax.sparsify.fatrelu import pick_threshold, scan_grid
-
         a = self.args
         with self.timer.section("fatrelu"):
             n = len(self.train_ids) // a.seq_len
@@ -334,8 +329,6 @@ class Burst:
 
     def student_params(self) -> dict:
         """The student's canonical float32 params as trained so far."""
-        from powerinfer_jax.sparsify.export import canonical_params
-
         scan.update(self.student, self.s_defs, self.params)
         return canonical_params(self.student)
 
@@ -473,8 +466,6 @@ class Burst:
     def evaluate_rebuilt(self, gate: float) -> None:
         """The student as import-burst rebuilds it from the written files (teacher + Q4_0
         delta), evaluated the same way."""
-        from powerinfer_jax.models.transformer import from_params
-
         params, _ = burst_files.read(self.out, self.ckpt.params, self.ckpt.config.n_layers)
         model = from_params(self.ckpt.config, params, kernels="xla")
         _, p, f = scan.split(model, self.args.train)

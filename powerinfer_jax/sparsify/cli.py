@@ -23,6 +23,7 @@ from powerinfer_jax import _cli
 from powerinfer_jax.errors import fail
 from powerinfer_jax.sparsify.config import (COMPUTE_DTYPES, L1_ON, MASK_BY, RECIPES, REFIT_TARGETS,
                                             TEACHERS, TRAIN_SCOPES, VARIANTS, DistillConfig)
+from powerinfer_jax.sparsify.run import distill, fill_teacher_cache
 
 
 def parse_stages(text: str) -> tuple:
@@ -168,6 +169,7 @@ def main(argv=None) -> None:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["import-burst"]:
+        # lazy: start-up (sparsify CLI)
         from powerinfer_jax.sparsify.burst_import import main as import_main
 
         return import_main(argv[1:])
@@ -181,7 +183,6 @@ def main(argv=None) -> None:
                          f"{args.save_every}/{args.stop_after}")
     if args.time_budget is not None and not args.time_budget > 0:
         fail("--time-budget", "a number of seconds > 0", args.time_budget)
-    from powerinfer_jax.sparsify.run import distill, fill_teacher_cache
 
     if args.fill_teacher_cache:
         res = fill_teacher_cache(args.model, cfg.replace(teacher="cached"), corpus=args.corpus,

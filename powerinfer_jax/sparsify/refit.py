@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from powerinfer_jax.models.layers import F32
-from powerinfer_jax.sparsify.forward import FFNSpec, ffn_activations, layer_quantile
+from powerinfer_jax.sparsify.forward import FFNSpec, block_forward, ffn_activations, layer_quantile
 from powerinfer_jax.sparsify.forward import mask_activations, _proj
 
 BATCH_SEQUENCES = 8  # sequences per jitted call
@@ -105,8 +105,6 @@ def refit_down_rows(student, teacher, tokens_nt: np.ndarray, student_spec: FFNSp
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _teacher_block(graphdef, state, x_btd, spec: FFNSpec):
-    from powerinfer_jax.sparsify.forward import block_forward
-
     layer = nnx.merge(graphdef, state)
     positions = jnp.broadcast_to(jnp.arange(x_btd.shape[1]), x_btd.shape[:2])
     return block_forward(layer, x_btd, positions, spec)[0]

@@ -19,7 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from powerinfer_jax import _cli
+from powerinfer_jax.checkpoint import load_checkpoint
+from powerinfer_jax.config import RuntimeConfig, SparsityConfig
+from powerinfer_jax.models.transformer import from_params
+from powerinfer_jax.runtime.perplexity import perplexity
+from powerinfer_jax.runtime.session import build
 from powerinfer_jax.sparsify import forward as fw
+from powerinfer_jax.sparsify.run import fatrelu_threshold
 
 COVERAGE = 0.8  # the power law's share of activations (experiments/power_law.py)
 FINAL_CTX, FINAL_CHUNKS = 512, 16
@@ -65,10 +72,6 @@ def activation_counts(model, chunks_nt: np.ndarray, activation: str,
 
 
 def _ppl(model_arg, sparsity, ids, threads: int) -> dict:
-    from powerinfer_jax.config import RuntimeConfig
-    from powerinfer_jax.runtime.perplexity import perplexity
-    from powerinfer_jax.runtime.session import build
-
     s = build(str(model_arg), RuntimeConfig(dtype="float32", threads=threads, weights="dtype"),
               sparsity, progress=False)
     t0 = time.perf_counter()
@@ -81,12 +84,6 @@ def final_rows(out_dir: Path, teacher_arg: str, *, target: float, train_text, va
                threads: int | None = None, extra: dict | None = None) -> list[dict]:
     """Rows (dicts) of the final evaluation of `out_dir` (its sparsity artifacts for `target`
     must exist when it stores a FATReLU threshold: threshold mode reads them)."""
-    from powerinfer_jax import _cli
-    from powerinfer_jax.checkpoint import load_checkpoint
-    from powerinfer_jax.config import SparsityConfig
-    from powerinfer_jax.models.transformer import from_params
-    from powerinfer_jax.sparsify.run import fatrelu_threshold
-
     threads = threads or len(os.sched_getaffinity(0))
     ckpt = load_checkpoint(out_dir)
     ids = ckpt.tokenizer.encode(Path(valid_text).read_text(encoding="utf-8"), add_bos=False)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from powerinfer_jax import _cli
 from powerinfer_jax.errors import check, fail
 from powerinfer_jax.sparsify.config import DistillConfig
 
@@ -30,6 +31,7 @@ FATRELU_CHUNKS = 4  # training chunks FATReLU's threshold is calibrated on
 
 
 def default_out(model_arg: str, cfg: DistillConfig) -> Path:
+    # lazy: start-up (sparsify CLI)
     from powerinfer_jax.checkpoint.registry import KNOWN_MODELS, cache_dir
 
     name = str(model_arg) if str(model_arg) in KNOWN_MODELS else Path(model_arg).stem
@@ -56,8 +58,6 @@ def _finished(out: Path, fingerprint: dict, cfg: DistillConfig) -> dict | None:
 
 def _curve_row(cfg: DistillConfig, model_arg: str, res: dict, *, tokens: int, step: int,
                record: dict, stage: str, train: dict | None) -> dict:
-    from powerinfer_jax import _cli
-
     timing = record.get("timing", {})
     steady = record.get("counts", {}).get("steady_steps", 0)
     step_tok_s = steady * cfg.batch * cfg.seq_len / timing["step"] if timing.get("step") else None
@@ -104,14 +104,16 @@ def distill(model_arg: str, cfg: DistillConfig, *, out: str | os.PathLike | None
     refit, setup (the step's state, the teacher's runtime model, a checkpoint's restore), teacher
     (top-k targets), data, first_step (compiling), step, checkpoint, eval, fatrelu, export).
     """
-    from powerinfer_jax.checkpoint import load_checkpoint
-    from powerinfer_jax.models.transformer import from_params
-    from powerinfer_jax.sparsity.artifacts import model_fingerprint
+    from powerinfer_jax.checkpoint import load_checkpoint  # lazy: start-up (sparsify CLI)
+    from powerinfer_jax.models.transformer import from_params  # lazy: start-up (sparsify CLI)
+    from powerinfer_jax.sparsity.artifacts import model_fingerprint  # lazy: start-up (sparsify CLI)
+    # lazy: start-up (sparsify CLI)
     from powerinfer_jax.sparsify import data, export, teacher as tch
-    from powerinfer_jax.sparsify import forward as fw
+    from powerinfer_jax.sparsify import forward as fw  # lazy: start-up (sparsify CLI)
+    # lazy: start-up (sparsify CLI)
     from powerinfer_jax.sparsify.checkpoints import TrainCheckpoints
-    from powerinfer_jax.sparsify.schedule import L1Controller
-    from powerinfer_jax.sparsify.train import Distiller, Timer
+    from powerinfer_jax.sparsify.schedule import L1Controller  # lazy: start-up (sparsify CLI)
+    from powerinfer_jax.sparsify.train import Distiller, Timer  # lazy: start-up (sparsify CLI)
 
     t_start = time.monotonic()
     deadline = None if time_budget is None else t_start + time_budget
@@ -181,7 +183,7 @@ def distill(model_arg: str, cfg: DistillConfig, *, out: str | os.PathLike | None
     if start == 0:
         point(0, "baseline", student)  # the untrained student: the teacher's weights, sparse
     if start == 0 and cfg.refit:
-        from powerinfer_jax.sparsify.refit import refit_down_rows
+        from powerinfer_jax.sparsify.refit import refit_down_rows  # lazy: start-up (sparsify CLI)
 
         with timer.section("refit"):
             n = max(1, cfg.refit_tokens // cfg.seq_len)
@@ -214,6 +216,7 @@ def distill(model_arg: str, cfg: DistillConfig, *, out: str | os.PathLike | None
             calibrate_fatrelu(step)
 
     def calibrate_fatrelu(step: int) -> None:
+        # lazy: start-up (sparsify CLI)
         from powerinfer_jax.sparsify.fatrelu import calibrate_threshold
 
         pick = np.random.default_rng([cfg.seed, 4]).permutation(len(chunks))[:FATRELU_CHUNKS]
@@ -246,7 +249,6 @@ def distill(model_arg: str, cfg: DistillConfig, *, out: str | os.PathLike | None
                     "stopped": run["stopped"] or "stop_after"}
     else:
         point(cfg.steps, "end")
-    from powerinfer_jax import _cli
 
     with timer.section("export"):
         student = distiller.student()
@@ -278,10 +280,10 @@ def fill_teacher_cache(model_arg: str, cfg: DistillConfig, *, corpus=None, threa
     and the samples' (generating the samples first if they are not cached). A run fills them on
     demand anyway; filled ahead (one ~15-minute piece for wiki.train on 2 cores), every run on
     the same text and teacher starts at the cached step's speed. Returns the rows and seconds."""
-    from powerinfer_jax.checkpoint import load_checkpoint
-    from powerinfer_jax.sparsity.artifacts import model_fingerprint
-    from powerinfer_jax.sparsify import data, teacher as tch
-    from powerinfer_jax.sparsify.train import Timer
+    from powerinfer_jax.checkpoint import load_checkpoint  # lazy: start-up (sparsify CLI)
+    from powerinfer_jax.sparsity.artifacts import model_fingerprint  # lazy: start-up (sparsify CLI)
+    from powerinfer_jax.sparsify import data, teacher as tch  # lazy: start-up (sparsify CLI)
+    from powerinfer_jax.sparsify.train import Timer  # lazy: start-up (sparsify CLI)
 
     threads = threads or len(os.sched_getaffinity(0))
     timer = Timer()
@@ -321,13 +323,14 @@ def build_artifacts(out: Path, target, *, corpus=None, progress: bool = True, tr
     train: the low-rank predictors' TrainConfig (default: calibrate's); predictors=False builds
     the thresholds and profile only (minutes less). A model with a FATReLU threshold gets it as
     every layer's gate threshold (threshold mode runs FATReLU)."""
-    from powerinfer_jax.checkpoint import load_checkpoint
-    from powerinfer_jax.models.transformer import from_params
-    from powerinfer_jax.sparsity import artifacts as arts
-    from powerinfer_jax.sparsity import corpus as corpus_mod
-    from powerinfer_jax.sparsity import profile as prof
+    from powerinfer_jax.checkpoint import load_checkpoint  # lazy: start-up (sparsify CLI)
+    from powerinfer_jax.models.transformer import from_params  # lazy: start-up (sparsify CLI)
+    from powerinfer_jax.sparsity import artifacts as arts  # lazy: start-up (sparsify CLI)
+    from powerinfer_jax.sparsity import corpus as corpus_mod  # lazy: start-up (sparsify CLI)
+    from powerinfer_jax.sparsity import profile as prof  # lazy: start-up (sparsify CLI)
+    # lazy: start-up (sparsify CLI)
     from powerinfer_jax.sparsity.calibrate import check_target_sparsity
-    from powerinfer_jax.sparsity.predictor import TrainConfig
+    from powerinfer_jax.sparsity.predictor import TrainConfig  # lazy: start-up (sparsify CLI)
 
     targets = [check_target_sparsity(t) for t in (target if isinstance(target, (list, tuple))
                                                   else [target])]
@@ -368,9 +371,9 @@ def fatrelu_threshold(model_dir) -> float | None:
 
 def _evaluator(teacher, tokenizer, ids, cfg: DistillConfig, eval_text, eval_chunks: int,
                dense: dict | None = None):
-    from powerinfer_jax.sparsify.evaluation import CurveEvaluator
-    from powerinfer_jax.sparsify import data
-    from powerinfer_jax.sparsity import corpus as corpus_mod
+    from powerinfer_jax.sparsify.evaluation import CurveEvaluator  # lazy: start-up (sparsify CLI)
+    from powerinfer_jax.sparsify import data  # lazy: start-up (sparsify CLI)
+    from powerinfer_jax.sparsity import corpus as corpus_mod  # lazy: start-up (sparsify CLI)
 
     path = Path(eval_text) if eval_text is not None else (
         corpus_mod.SHARED_DATA / corpus_mod.VALIDATION_NAME)

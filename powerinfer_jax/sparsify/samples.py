@@ -19,7 +19,10 @@ import json
 
 import numpy as np
 
+from powerinfer_jax.config import SamplingParams
 from powerinfer_jax.errors import check_positive_int, fail
+from powerinfer_jax.models.transformer import init_cache
+from powerinfer_jax.runtime.decode import Request
 
 # Instructions (sent through the model's chat template) and plain openings (continued as text).
 CHAT_PROMPTS = (
@@ -105,9 +108,6 @@ def generate_samples_engine(engine, tokenizer, *, n: int, seq_len: int, seed: in
     last turn is cut at seq_len). Requests go in waves sized from the turns seen so far, so few
     are generated past what the rows need. Every request has its own seed: the rows do not
     depend on how requests share decode steps."""
-    from powerinfer_jax.config import SamplingParams
-    from powerinfer_jax.runtime.decode import Request
-
     check_positive_int("samples", n)
     if seq_len < 2:
         fail("--seq-len", "at least 2 (a prompt token and a sampled one)", seq_len)
@@ -168,8 +168,6 @@ def generate_samples(model, tokenizer, *, n: int, seq_len: int, seed: int, batch
     import jax
     import jax.numpy as jnp
     from flax import nnx
-
-    from powerinfer_jax.models.transformer import init_cache
 
     graphdef, state = nnx.split(model)
 

@@ -21,6 +21,7 @@ from flax import nnx
 
 from powerinfer_jax.models.layers import F32
 from powerinfer_jax.sparsify import forward as fw
+from powerinfer_jax.sparsify.train import trainable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +34,6 @@ class ScanDefs:
 
 
 def _block_filter(scope: str):
-    from powerinfer_jax.sparsify.train import trainable
-
     return trainable(scope)
 
 

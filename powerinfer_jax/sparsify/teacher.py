@@ -11,6 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
+from powerinfer_jax.checkpoint.registry import cache_dir
+from powerinfer_jax.config import RuntimeConfig
+from powerinfer_jax.models.transformer import from_params
+from powerinfer_jax.runtime.session import build
+from powerinfer_jax.sparsify import forward as fw, samples as smp, teacher_cache as tc
 from powerinfer_jax.sparsify.config import DistillConfig
 
 SAMPLE_BATCH = 64  # rows decoding together while teacher samples are generated
@@ -18,7 +23,7 @@ SAMPLE_BATCH = 64  # rows decoding together while teacher samples are generated
 
 def _has_extension() -> bool:
     try:
-        from powerinfer_jax.ops import _ffi  # noqa: F401  (the compiled kernels)
+        from powerinfer_jax.ops import _ffi  # noqa: F401  # lazy: optional C++ extension
     except ImportError:
         return False
     return True
@@ -39,10 +44,6 @@ def samples(model_arg, ckpt, fingerprint: dict, cfg: DistillConfig, progress: bo
     time (243 tok/s on 2 cores, against 32 for the runtime's Engine and 51 for the same loop
     before its top-64 nucleus: benchmarks/sparsify_throughput.jsonl, kind "samples")."""
     import jax.numpy as jnp
-
-    from powerinfer_jax.checkpoint.registry import cache_dir
-    from powerinfer_jax.models.transformer import from_params
-    from powerinfer_jax.sparsify import samples as smp
 
     if cfg.samples == 0:
         return np.zeros((0, cfg.seq_len), np.int32)
@@ -73,12 +74,7 @@ def topk_fn(model_arg, ckpt, cfg: DistillConfig, threads: int):
     import jax
     from flax import nnx
 
-    from powerinfer_jax.sparsify import forward as fw
-
     if fast_runtime():
-        from powerinfer_jax.config import RuntimeConfig
-        from powerinfer_jax.runtime.session import build
-
         model = build(str(model_arg), RuntimeConfig(dtype="bfloat16", threads=threads,
                                                     max_seq_len=cfg.seq_len),
                       progress=False).model
@@ -87,8 +83,6 @@ def topk_fn(model_arg, ckpt, cfg: DistillConfig, threads: int):
         def logits(m, tokens_bt):
             return m(tokens_bt)
     else:
-        from powerinfer_jax.models.transformer import from_params
-
         model = from_params(ckpt.config, ckpt.params, kernels="xla")
         spec = fw.teacher_spec(ckpt.config)
         tag = "xla-bf16"
@@ -114,9 +108,6 @@ def cached_targets(model_arg, ckpt, fingerprint: dict, cfg: DistillConfig, sourc
                    threads: int, timer=None):
     """A teacher_cache.CachedTargets over `source` (data.BatchSource), its caches under
     <cache>/sparsify/teacher-<key>/ (one for the corpus chunks, one for the samples)."""
-    from powerinfer_jax.checkpoint.registry import cache_dir
-    from powerinfer_jax.sparsify import teacher_cache as tc
-
     fn, tag = topk_fn(model_arg, ckpt, cfg, threads)
     root = cache_dir() / "sparsify"
     vocab = ckpt.config.vocab_size

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from powerinfer_jax.checkpoint.registry import KNOWN_MODELS, cache_dir
 from powerinfer_jax.errors import UserError
 from powerinfer_jax.sparsity import artifact_files as files
 from powerinfer_jax.sparsity import calibrate as cal
@@ -36,8 +37,6 @@ DEFAULT_MAX_TOKENS = 32768  # profiled tokens; FFN inputs are kept in memory: L 
 def model_fingerprint(model_arg: str, source: str | Path, config) -> dict:
     """Identity of a model: registry sha256, or size + sha256 of both ends of each weight file,
     plus the FFN shape the artifacts depend on."""
-    from powerinfer_jax.checkpoint.registry import KNOWN_MODELS
-
     if str(model_arg) in KNOWN_MODELS:
         ident = f"registry:{model_arg}:{KNOWN_MODELS[str(model_arg)].sha256}"
     else:
@@ -63,8 +62,6 @@ def model_shape(config) -> dict:
 def artifacts_root(model_arg: str, source: str | Path) -> Path:
     """<cache>/models/<name>/sparsity for a registry name, <dir>/sparsity for an HF directory,
     <file dir>/<stem>.sparsity for a GGUF file."""
-    from powerinfer_jax.checkpoint.registry import KNOWN_MODELS, cache_dir
-
     if str(model_arg) in KNOWN_MODELS:
         return cache_dir() / "models" / str(model_arg) / "sparsity"
     path = Path(source)
@@ -195,8 +192,6 @@ def ensure_artifacts(model_arg: str, source, model, tokenizer, target_sparsity: 
     """Load the artifacts for (model, target); for a registry model build on first use exactly
     what is needed: thresholds and the profile, and the low-rank predictors only when
     `need_predictor` (training them takes minutes and only --predictor lowrank uses them)."""
-    from powerinfer_jax.checkpoint.registry import KNOWN_MODELS
-
     fp = model_fingerprint(model_arg, source, model.config)
     root = artifacts_root(model_arg, source) if root is None else Path(root)
     directory = target_dir(root, target_sparsity)

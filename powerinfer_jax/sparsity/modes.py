@@ -16,8 +16,14 @@ from typing import Callable
 
 from powerinfer_jax.config import DEFAULT_TARGET_SPARSITY, add_sparsity_mode
 from powerinfer_jax.errors import check_choice, fail
+from powerinfer_jax.models.ffn import Selector
 from powerinfer_jax.models.qweights import (DENSE_LAYOUT, GROUPS, MATVEC, ROWS,
                                             SELECTED_LAYOUT, FfnLayout, apply_ffn_layout)
+from powerinfer_jax.sparsity import selectors as S
+from powerinfer_jax.sparsity.artifacts import check_predictor_shape, model_shape
+from powerinfer_jax.sparsity.powerinfer_predictor import selectors
+from powerinfer_jax.sparsity.q4_predictor import Q4Predictor
+from powerinfer_jax.sparsity.selectors import GateMagnitude, Oracle, Scores
 
 # make(model, sparsity_config, artifacts) -> one Selector (or None: dense) per layer.
 # `artifacts` is a SparsityArtifacts when the mode needs them, else None.
@@ -132,8 +138,6 @@ def configure(model, cfg, artifacts=None, *, thresholds=None, predictors=None
       another tool such as PowerInfer's): active where predictor(x) > the layer's threshold
       (`thresholds`, else cfg.threshold).
     """
-    from powerinfer_jax.models.ffn import Selector
-
     n = model.config.n_layers
     if thresholds is not None:
         thresholds = tuple(float(t) for t in thresholds)
@@ -141,8 +145,6 @@ def configure(model, cfg, artifacts=None, *, thresholds=None, predictors=None
             fail("thresholds", f"one per layer ({n})", len(thresholds))
         artifacts = Thresholds(thresholds)
     if predictors is not None:
-        from powerinfer_jax.sparsity.selectors import Scores
-
         if len(predictors) != n:
             fail("predictors", f"one per layer ({n})", len(predictors))
         thr = thresholds or (cfg.threshold,) * n
@@ -189,27 +191,19 @@ def _dense(model, cfg, arts):
 
 
 def _oracle(model, cfg, arts):
-    from powerinfer_jax.sparsity.selectors import Oracle
-
     if arts is None:  # a scalar threshold (0: every non-zero activation)
         return [Oracle(cfg.threshold) for _ in model.layers]
     return _per_layer(Oracle, arts.thresholds_contribution)
 
 
 def _threshold(model, cfg, arts):
-    from powerinfer_jax.sparsity.selectors import GateMagnitude
-
     return _per_layer(GateMagnitude, arts.thresholds_gate)
 
 
 def _predictor(model, cfg, arts):
-    from powerinfer_jax.sparsity import selectors as S
-
     ffn = model.layers[0].ffn
     check_weights(cfg, ffn.up.qtype if ffn.quantized else None)
     if cfg.predictor == "q4":
-        from powerinfer_jax.sparsity.q4_predictor import Q4Predictor
-
         preds = [Q4Predictor.from_ffn(l.ffn, kernels=model.kernels) for l in model.layers]
         if cfg.gate_up == "q4":
             return [S.Q4Activations(p, t) for p, t in zip(preds, arts.thresholds_q4)]
@@ -217,7 +211,6 @@ def _predictor(model, cfg, arts):
     if getattr(arts, "predictors", None) is None:
         fail("predictor lowrank", "trained low-rank predictors in the artifacts", None,
              "build them with python -m powerinfer_jax.calibrate --predictor")
-    from powerinfer_jax.sparsity.artifacts import check_predictor_shape, model_shape
 
     check_predictor_shape(arts.predictors, model_shape(model.config))
     return [S.Scores(arts.predictors.layer(l, dtype=model.dtype, kernels=model.kernels), 0.0)
@@ -238,12 +231,11 @@ register("oracle", Mode(
              "with --target-sparsity): the quality upper bound",
     needs=lambda cfg: Needs(thresholds=cfg.target_sparsity is not None), layout=every_gate))
 def _powerinfer(model, cfg, predictors):
-    from powerinfer_jax.sparsity.powerinfer_predictor import selectors
-
     return selectors(model, predictors)
 
 
 def _powerinfer_load(source, config):
+    # lazy: start-up (gguf only for GGUF files)
     from powerinfer_jax.checkpoint.powerinfer import load_predictors
 
     return load_predictors(source, config, keep_quantized=True)  # selectors() decides the form

@@ -35,6 +35,8 @@ from powerinfer_jax.models.ffn import Selection, Selector
 from powerinfer_jax.models.layers import Linear, Module
 from powerinfer_jax.models.qweights import (MATVEC, SELECTED_LAYOUT, apply_ffn_layout, arrange,
                                            file_tensor)
+from powerinfer_jax.models.transformer import block_residual
+from powerinfer_jax.sparsity.predictor import mask_quality, weighted_bce
 
 F32 = jnp.float32
 
@@ -98,8 +100,6 @@ class PowerInferSelector(Selector):
         self.predictor = predictor
 
     def select(self, ffn, x_btd) -> Selection:
-        from powerinfer_jax.models.transformer import block_residual
-
         return Selection("scores", 0.0, self.predictor(block_residual()))
 
     def permute(self, perm) -> None:
@@ -151,8 +151,6 @@ def train(x_lnd: np.ndarray, mask_lnf: np.ndarray, *, rank: int = 64, steps: int
     with sparsity/predictor.py's weighted BCE; "active" is output >= 0 (no threshold to tune:
     PowerInfer's one threshold is global and, on the residual, not scale-free). Returns the
     stack and its quality on the last 10% of tokens (held out)."""
-    from powerinfer_jax.sparsity.predictor import mask_quality, weighted_bce
-
     n_layers, n, d = x_lnd.shape
     n_hold = max(1, n // 10)
     n_train = n - n_hold
@@ -190,6 +188,7 @@ def train(x_lnd: np.ndarray, mask_lnf: np.ndarray, *, rank: int = 64, steps: int
 def to_powerinfer(stack: BiasFreeStack, config, params):
     """The stack (trained on FFN inputs) as PowerInfer predictors on the residual: fc1 columns
     scaled by each layer's ffn_norm scale (module docstring). RMSNorm models only."""
+    # lazy: start-up (gguf only for GGUF files)
     from powerinfer_jax.checkpoint.powerinfer import PowerInferPredictors
 
     if config.norm != "rms":
@@ -207,6 +206,7 @@ def from_predictor_stack(stack, config, params):
     """Our low-rank PredictorStack as PowerInfer predictors, where it can be: only with every bias
     zero (PowerInfer's fc1/fc2 have none, and our trained stacks keep their decision threshold in
     the output bias) and an RMSNorm model. Otherwise a UserError saying why."""
+    # lazy: start-up (gguf only for GGUF files)
     from powerinfer_jax.checkpoint.powerinfer import PowerInferPredictors
 
     arrays = stack.arrays()

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from powerinfer_jax.models.layers import Module
+from powerinfer_jax.models.layers import Module, matmul
 
 F32 = jnp.float32
 
@@ -39,8 +39,6 @@ class Predictor(Module):
         self.b_out_f = nnx.Param(jnp.zeros((d_ff,), F32))
 
     def __call__(self, x_btd):
-        from powerinfer_jax.models.layers import matmul
-
         h = jax.nn.relu(matmul(x_btd, self.w_in_rd[...], self.kernels) + self.b_in_r[...])
         return matmul(h, self.w_out_fr[...], self.kernels) + self.b_out_f[...]
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from powerinfer_jax.models.transformer import capture
 from powerinfer_jax.ops.reference import activate, gated_activate
 from powerinfer_jax.models.layers import matmul
 
@@ -84,8 +85,6 @@ class ActivationProfile:
 
 def collect_ffn_inputs(model, chunks_nt: np.ndarray, *, progress: bool = True) -> np.ndarray:
     """Run the dense model over [n, T] token chunks; returns every layer's FFN input [L, n*T, D]."""
-    from powerinfer_jax.models.transformer import capture
-
     graphdef, state = nnx.split(model)
 
     @jax.jit

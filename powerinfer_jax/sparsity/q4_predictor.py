@@ -16,8 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from powerinfer_jax import ops
 from powerinfer_jax.models.layers import Module, op_impl
 from powerinfer_jax.ops import q4
+from powerinfer_jax.sparsity.predictor import COST_BYTES_PER_PARAM, mask_quality
 
 class Q4Rows(nnx.Variable):
     """Packed 4-bit rows (not trained, not a checkpoint parameter)."""
@@ -44,8 +46,6 @@ class Q4Predictor(Module):
 
     def __call__(self, x_btd, *, signed: bool = False):
         """Estimated |a_i| [..., F] (a_i with signed=True: the gate_up="q4" coefficients)."""
-        from powerinfer_jax import ops
-
         return ops.q4_scores(x_btd, self.q[...], self.dm[...],
                              None if self.b_up is None else self.b_up[...],
                              activation=self.activation, signed=signed,
@@ -54,8 +54,6 @@ class Q4Predictor(Module):
     def sparse_ffn(self, x_btd, w_down_t, b_down, *, threshold: float):
         """The q4 FFN (SparsityConfig.gate_up == "q4"): these estimates as the activations, in one
         custom call (ops.q4_sparse_ffn). Returns (y, n_active)."""
-        from powerinfer_jax import ops
-
         return ops.q4_sparse_ffn(x_btd, self.q[...], self.dm[...], w_down_t,
                                  None if self.b_up is None else self.b_up[...], b_down,
                                  threshold=threshold, activation=self.activation, impl="ffi")
@@ -74,7 +72,7 @@ def _float_rows(lin) -> np.ndarray:
     """A Linear's weight [out, in] as float32 (the file's blocks dequantized when quantized)."""
     if lin.qtype is None:
         return np.asarray(lin.weight[...], np.float32)
-    from powerinfer_jax.checkpoint import quants
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     return quants.dequantize(np.asarray(lin.weight[...]), lin.kernel_qtype)[:, :lin.d_in]
 
@@ -105,16 +103,12 @@ def calibrate_thresholds(scores_lnf: np.ndarray, target: float) -> np.ndarray:
 
 def quality(scores_lnf: np.ndarray, thresholds: np.ndarray, mask_lnf: np.ndarray) -> dict:
     """Per-layer recall, precision and predicted sparsity of scores > threshold vs the true mask."""
-    from powerinfer_jax.sparsity.predictor import mask_quality
-
     return mask_quality(scores_lnf > np.asarray(thresholds)[:, None, None], mask_lnf)
 
 
 def cost(*, d_model: int, d_ff: int, gated: bool) -> dict:
     """Bytes and multiply-adds per token of one layer's q4 predictor vs its dense FFN (at
     predictor.COST_BYTES_PER_PARAM, like every predictor's report)."""
-    from powerinfer_jax.sparsity.predictor import COST_BYTES_PER_PARAM
-
     g = 2 if gated else 1
     p = q4.num_pairs(d_model)
     pred_bytes = d_ff * g * (p * q4.PAIR_BYTES + 4 * p * 2)

@@ -23,11 +23,20 @@ from pathlib import Path
 
 import numpy as np
 
-from powerinfer_jax import _cli
+from powerinfer_jax import _cli, ops
+from powerinfer_jax.checkpoint import load_checkpoint, resolve_model
+from powerinfer_jax.checkpoint.gguf import _open, read_metadata, tokenizer_metadata
+from powerinfer_jax.checkpoint.powerinfer import load_predictors
 from powerinfer_jax.errors import fail
+from powerinfer_jax.models.transformer import from_params
+from powerinfer_jax.sparsity import profile
+from powerinfer_jax.sparsity.corpus import (SHARED_DATA, VALIDATION_NAME, default_corpus_files,
+                                            read_corpus)
 from powerinfer_jax.synthetic.build import SHAPES, Spec, build, config_for
 from powerinfer_jax.synthetic.profile import (Locality, decile_errors, hot_share,
                                              layer_frequencies)
+from powerinfer_jax.synthetic.write import Sinks
+from powerinfer_jax.tokenizer import Tokenizer
 
 FORMATS = ("gguf", "powerinfer", "hf")
 QTYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16")
@@ -93,8 +102,6 @@ def _ids(text_path: Path, tokenizer, n: int, what: str) -> np.ndarray:
 
 
 def _eval_file() -> Path:
-    from powerinfer_jax.sparsity.corpus import SHARED_DATA, VALIDATION_NAME
-
     path = SHARED_DATA / VALIDATION_NAME
     if not path.is_file():
         fail("--verify-tokens", "0 without the held-out text", str(path),
@@ -109,10 +116,6 @@ def verify(model_path: Path, powerinfer_path: Path | None, ids: np.ndarray, pres
     its predictors' recall and precision against the true active sets."""
     import jax.numpy as jnp
 
-    from powerinfer_jax.checkpoint import load_checkpoint
-    from powerinfer_jax.models.transformer import from_params
-    from powerinfer_jax.sparsity import profile
-
     ckpt = load_checkpoint(model_path, keep_quantized=True)
     model = from_params(ckpt.config, ckpt.params, dtype=jnp.float32, kernels="auto")
     log(f"verify: dense forward over {ids.size} held-out tokens")
@@ -124,8 +127,6 @@ def verify(model_path: Path, powerinfer_path: Path | None, ids: np.ndarray, pres
            "hot_share_measured": float(np.mean([hot_share(m, 0.25) for m in measured]))}
     out["max_decile_error"] = max(abs(d["relative_error"]) for d in out["deciles"])
     if powerinfer_path is not None:
-        from powerinfer_jax.checkpoint.powerinfer import load_predictors
-
         preds = load_predictors(powerinfer_path, ckpt.config)
         masks = profile.active_masks(model, x, np.zeros(ckpt.config.n_layers), progress=False)
         tp = fn = fp = 0
@@ -147,14 +148,7 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     formats = _formats(args.formats)
     if args.threads:
-        from powerinfer_jax import ops
-
         ops.set_num_threads(args.threads)
-    from powerinfer_jax.checkpoint import resolve_model
-    from powerinfer_jax.checkpoint.gguf import _open, read_metadata, tokenizer_metadata
-    from powerinfer_jax.sparsity.corpus import default_corpus_files
-    from powerinfer_jax.synthetic.write import Sinks
-    from powerinfer_jax.tokenizer import Tokenizer
 
     tok_path = Path(resolve_model(args.tokenizer))
     tokenizer = Tokenizer.from_gguf_metadata(read_metadata(_open(tok_path)))
@@ -167,7 +161,6 @@ def main(argv=None) -> None:
     else:
         locality = Locality(args.sparsity, args.hot_fraction, args.hot_share)
     spec = Spec(config, locality, rank=args.rank, seed=args.seed, qtype=args.qtype)
-    from powerinfer_jax.sparsity.corpus import read_corpus
 
     calib_file = Path(args.calib_text) if args.calib_text else default_corpus_files()[0]
     read_corpus([calib_file])  # the corpus rules: an existing, non-empty, non-validation file

@@ -42,6 +42,7 @@ from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.errors import check, fail
 from powerinfer_jax.models.layers import Attention, Norm, shapes_only
 from powerinfer_jax.models.rope import layer_rope
+from powerinfer_jax.ops.reference import gated_activate
 from powerinfer_jax.synthetic.profile import Locality, layer_frequencies
 
 F32 = jnp.float32
@@ -177,8 +178,6 @@ class _Layer:
 
 
 def _ffn_act(activation: str, g, u):
-    from powerinfer_jax.ops.reference import gated_activate
-
     return gated_activate(activation, g, u)
 
 
