@@ -11,6 +11,13 @@ def _starter(item):
     return hooks.get(getattr(item, "originalname", item.name))
 
 
+def pytest_configure(config):
+    """The folder the run's background jobs share: made here by the controlling process (the
+    xdist controller, or a run without workers) before any worker starts; workers inherit it."""
+    if not hasattr(config, "workerinput"):
+        helpers_background.make_root()
+
+
 def pytest_collection_modifyitems(session, config, items):
     """Background tests go last, so their commands have the whole suite's time to finish."""
     items.sort(key=lambda item: _starter(item) is not None)  # stable: order kept otherwise
@@ -21,7 +28,7 @@ def pytest_collection_finish(session):
         start()
 
 
-def pytest_sessionfinish(session, exitstatus):
+def pytest_unconfigure(config):
     helpers_background.stop_all()
 
 

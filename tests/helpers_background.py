@@ -1,73 +1,120 @@
-"""Slow subprocess tests started at collection time, on the machine's idle core.
+"""Slow subprocess tests started at collection time, beside the foreground tests.
 
-Most of the suite keeps one core busy (one test at a time, mostly single-threaded XLA work), so
-a test whose body is one long subprocess (the CUDA build, the mesh cases on 4 host devices) can
-run beside it. conftest.py starts every collected test module's `BACKGROUND` commands when
-collection ends, niced, and runs those tests last; the test then waits for its command with
-`finish(key)`. Run alone (`pytest tests/test_mesh.py`), the command starts at collection too and
-the test simply waits for it.
+Most of the suite is single-threaded XLA work, so a test whose body is one long subprocess (the
+CUDA build, the mesh cases on 4 host devices) can run beside it. conftest.py starts every
+collected test module's `BACKGROUND` commands when collection ends, niced, and runs those tests
+last; the test then waits for its command with `finish(key)`. Run alone (`pytest
+tests/test_mesh.py`), the command starts at collection too and the test simply waits for it.
+
+With pytest-xdist (the README's `-n 2`) every worker collects every test, but only one may run a
+given background test, and which one is decided later. So a job lives in a folder shared by the
+run's processes (`$PIJ_BG_DIR`, made by the controlling process in conftest.py): the first worker
+to create `<key>/` starts the command, whose exit status lands in `<key>/rc`; whichever worker
+runs the test waits for that file, and may kill the command's process group on a timeout. The
+worker that started a job waits for it at its session's end (another worker may be reading it);
+the controlling process removes the folder last.
 """
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 NICE = 10  # below the foreground tests, so their figures move as little as possible
+ENV = "PIJ_BG_DIR"
+_OWNED: dict[str, subprocess.Popen] = {}  # the jobs this process started
+_MADE_ROOT: Path | None = None
 
 
-@dataclass
-class Job:
-    proc: subprocess.Popen
-    workdir: Path
-    started: float = field(default_factory=time.monotonic)
+def make_root() -> None:
+    """In the controlling process (or a run without workers): a fresh folder for the run's jobs,
+    named in the environment that the workers inherit."""
+    global _MADE_ROOT
+    _MADE_ROOT = Path(tempfile.mkdtemp(prefix="pij-bg-"))
+    os.environ[ENV] = str(_MADE_ROOT)
 
 
-_JOBS: dict[str, Job] = {}
-
-
-def start(key: str, argv: list[str], *, env: dict | None = None, cwd=None) -> None:
-    """Start `argv` (once per key) with stdout and stderr in files, niced. "{workdir}" in an
-    argument becomes the job's own temporary directory (removed at the session's end)."""
-    if key in _JOBS:
-        return
-    workdir = Path(tempfile.mkdtemp(prefix=f"pij-bg-{key}-"))
-    argv = [a.replace("{workdir}", str(workdir)) for a in argv]
-    with open(workdir / "stdout", "w") as out, open(workdir / "stderr", "w") as err:
-        # `nice` the command, not preexec_fn=os.nice: a preexec_fn forces a fork of this
-        # multithreaded (jax) process, which jax warns may deadlock
-        proc = subprocess.Popen(["nice", "-n", str(NICE), *argv], stdout=out, stderr=err,
-                                env=env, cwd=cwd)
-    _JOBS[key] = Job(proc, workdir)
+def _root() -> Path:
+    if ENV not in os.environ:
+        make_root()
+    return Path(os.environ[ENV])
 
 
 def workdir(key: str) -> Path:
-    return _JOBS[key].workdir
+    """The job's folder: its stdout, stderr, rc, and the command's own files."""
+    return _root() / key
+
+
+def start(key: str, argv: list[str], *, env: dict | None = None, cwd=None) -> None:
+    """Start `argv` once per key and run (whatever the worker), with stdout and stderr in files,
+    niced. "{workdir}" in an argument becomes the job's folder."""
+    job = workdir(key)
+    try:
+        job.mkdir()
+    except FileExistsError:  # another worker (or an earlier call) started it
+        return
+    argv = [a.replace("{workdir}", str(job)) for a in argv]
+    # the exit status goes to a file any worker can read: `sh` runs the command and writes it
+    script = 'nice -n "$0" "$@"; echo $? > "$PIJ_BG_JOB/rc.tmp" && mv "$PIJ_BG_JOB/rc.tmp" "$PIJ_BG_JOB/rc"'
+    with open(job / "stdout", "w") as out, open(job / "stderr", "w") as err:
+        # `nice` in the shell, not preexec_fn=os.nice: a preexec_fn forces a fork of this
+        # multithreaded (jax) process, which jax warns may deadlock. Its own session: a timeout
+        # kills the whole group from whichever worker waits
+        proc = subprocess.Popen(["sh", "-c", script, str(NICE), *argv], stdout=out, stderr=err,
+                                env={**(os.environ if env is None else env), "PIJ_BG_JOB": str(job)},
+                                cwd=cwd, start_new_session=True)
+    (job / "pid").write_text(str(proc.pid))
+    (job / "started").write_text(repr(time.time()))
+    _OWNED[key] = proc
 
 
 def finish(key: str, timeout: float) -> subprocess.CompletedProcess:
     """Wait (at most `timeout` s from the job's start) for the job; its status and output."""
-    job = _JOBS[key]
-    left = max(1.0, timeout - (time.monotonic() - job.started))
+    job = workdir(key)
+    for _ in range(600):  # a worker that just made the folder is writing the start time
+        if (job / "started").exists():
+            break
+        time.sleep(0.1)
+    deadline = float((job / "started").read_text()) + timeout
+    while not (job / "rc").exists():
+        if time.time() > deadline:
+            _kill(job)
+            raise subprocess.TimeoutExpired(key, timeout)
+        proc = _OWNED.get(key)
+        if proc is not None:
+            try:
+                proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+        else:
+            time.sleep(1.0)
+    rc = int((job / "rc").read_text().strip() or "1")
+    return subprocess.CompletedProcess(key, rc, (job / "stdout").read_text(errors="replace"),
+                                       (job / "stderr").read_text(errors="replace"))
+
+
+def _kill(job: Path) -> None:
     try:
-        job.proc.wait(timeout=left)
-    except subprocess.TimeoutExpired:
-        job.proc.kill()
-        job.proc.wait()
-        raise
-    return subprocess.CompletedProcess(job.proc.args, job.proc.returncode,
-                                       (job.workdir / "stdout").read_text(errors="replace"),
-                                       (job.workdir / "stderr").read_text(errors="replace"))
+        os.killpg(int((job / "pid").read_text()), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass  # already gone
 
 
 def stop_all() -> None:
-    """Kill what is still running and remove every job's files (the session's end)."""
-    for job in _JOBS.values():
-        if job.proc.poll() is None:
-            job.proc.kill()
-            job.proc.wait()
-        shutil.rmtree(job.workdir, ignore_errors=True)
-    _JOBS.clear()
+    """A session's end. In a worker: nothing (a job it started may be another worker's to read,
+    and runs on by itself). In the process that made the folder (the xdist controller, which
+    ends after its workers, or a run without workers): kill every job still running, remove the
+    folder."""
+    global _MADE_ROOT
+    _OWNED.clear()
+    if _MADE_ROOT is None:
+        return
+    for job in _MADE_ROOT.iterdir():
+        if (job / "pid").exists() and not (job / "rc").exists():
+            _kill(job)
+    shutil.rmtree(_MADE_ROOT, ignore_errors=True)
+    _MADE_ROOT = None
