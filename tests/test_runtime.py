@@ -176,9 +176,6 @@ def test_prefill_bucket():
 
 @pytest.mark.parametrize("field,value,match", [
     ("dtype", "float16", r"dtype: expected one of \['float32', 'bfloat16'\], got 'float16'"),
-    ("temperature", -1.0, "temperature: expected a finite float >= 0"),
-    ("max_new_tokens", 0, "max_new_tokens: expected an integer >= 1, got 0"),
-    ("top_p", 0.0, r"top_p: expected a float in \(0, 1\]"),
     ("threads", 0, "threads: expected a positive integer, got 0"),
     ("decode_block", 0, r"decode_block: expected an integer in \[1, 64\], got 0"),
     ("decode_block", 2.0, r"decode_block: expected an integer in \[1, 64\], got 2\.0"),
@@ -186,6 +183,19 @@ def test_prefill_bucket():
 def test_runtime_config_rejects_bad_values(field, value, match):
     with pytest.raises(ValueError, match=match):
         RuntimeConfig(**{field: value})
+
+
+@pytest.mark.parametrize("fields,match", [
+    ((-1.0, 0, 1.0), "temperature: expected a finite float >= 0"),
+    ((float("nan"), 0, 1.0), "temperature: expected a finite float >= 0"),
+    ((0.7, 0, 0.0), r"top_p: expected a float in \(0, 1\]"),
+])
+def test_sampling_params_reject_bad_values(fields, match):
+    """Sampling is per request (SamplingParams; RuntimeConfig holds no sampling fields)."""
+    from powerinfer_jax.config import SamplingParams
+
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(*fields)
 
 
 def test_model_config_rejects_bad_head_split():
