@@ -154,10 +154,26 @@ def test_lock_serializes_processes_and_the_second_reuses(tmp_path):
 
 
 def test_lock_is_reentrant_in_process(tmp_path):
+    """Nested requests in one process neither deadlock nor drop the outer lock: another process
+    cannot take it until the outermost one is released."""
+    import fcntl
+
+    def other_process_can_lock() -> bool:
+        with open(cache.lock_path(tmp_path / "x"), "a+") as f:  # another open file: flock's view
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return True
+
     with cache.lock(tmp_path / "x"):
         with cache.lock(tmp_path / "x", shared=True):
             with cache.lock(tmp_path / "x"):
-                pass
+                assert not other_process_can_lock()
+            assert not other_process_can_lock()  # the inner release kept the outer lock
+        assert not other_process_can_lock()
+    assert other_process_can_lock()
 
 
 # ------------------------------------------------------------------------------------------------

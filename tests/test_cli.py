@@ -1,5 +1,6 @@
 """The CLIs end to end on a tiny model saved to disk: JSON contract, flags, and clean user errors."""
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -99,7 +100,10 @@ def test_bench_appends_a_row(tiny_dir, tmp_path, capsys):
     bench.main(["--model", str(tiny_dir), "--prompt-tokens", "8", "--new-tokens", "4",
                 "--repeats", "1", "--out", str(out)])
     row = json.loads(out.read_text().splitlines()[-1])
-    assert row["bench"] == "model" and row["decode_tok_s"] > 0
+    assert row["bench"] == "model" and row["new_tokens"] == 4 and len(row["tokens"]) == 4
+    # the median of the timed runs, each a finite positive rate
+    assert row["decode_tok_s"] == statistics.median(row["decode_tok_s_runs"]), row
+    assert all(0 < v < float("inf") for v in row["decode_tok_s_runs"]), row
     assert {"commit", "machine", "threads", "dtype", "model"} <= set(row)
 
 

@@ -288,7 +288,9 @@ def test_peers_plot_skips_the_head_to_head_summary(tmp_path):
                      sparsity="interleaved", status="ok", rounds=5, llama_cpp_bf16_tok_s=90.0,
                      modes={}))
     path = plots.plot_peers(rows, tmp_path / "peers.png")
-    assert path.stat().st_size > 0
+    png = path.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n", png[:16]  # a whole PNG: signature ... IEND chunk
+    assert png[-12:-4] == b"\x00\x00\x00\x00IEND", png[-12:]
 
 
 def test_powerinfer_peer_exports_are_named_by_their_model(tmp_path):

@@ -85,7 +85,9 @@ def test_our_loader_reads_the_same_model(tiny_gguf):
                                   value("blk.1.ffn_down.weight", (64, 96)).T)
     np.testing.assert_array_equal(ck.params["layers.2.attn.q.weight"],
                                   rope_unpermute(value("blk.2.attn_q.weight", (64, 64)), 4))
-    assert ck.tokenizer.encode("\u2581w7") is not None
+    ids = ck.tokenizer.encode("\u2581w7", add_bos=False)
+    assert ids and all(0 <= i < c.vocab_size for i in ids), ids
+    assert "w7" in ck.tokenizer.decode(ids), (ids, ck.tokenizer.decode(ids))
 
 
 def _llama_cpp_bin() -> Path | None:
