@@ -10,6 +10,7 @@ import pytest
 
 from powerinfer_jax import ops
 from powerinfer_jax.ops import q4, reference
+from powerinfer_jax.ops.qblocks import round_activations
 
 D, F = 12, 37
 TOL = dict(rtol=2e-5, atol=2e-5)
@@ -88,7 +89,7 @@ def test_non_gated_drelu_is_relu():
 @pytest.mark.parametrize("t,d,f", [(1, 576, 300), (3, 100, 37)])
 def test_q4_estimate(t, d, f):
     """The q4 estimate's dReLU path vs the reference and numpy on the dequantized 4-bit rows
-    with Q8 activations (numpy quantizes x by hand)."""
+    with Q8 activations (the one Python rounding, qblocks.round_activations)."""
     p = _operands(20 + t, t=t, d=d, f=f)
     qq, dm = q4.quantize_rows(np.stack([p["gate"], p["up"]], 1))
     got = np.asarray(jax.jit(lambda x: ops.q4_scores(x, qq, dm, p["b_up"], activation="drelu",
@@ -96,7 +97,7 @@ def test_q4_estimate(t, d, f):
     ref = np.asarray(ops.q4_scores(p["x"], qq, dm, p["b_up"], activation="drelu", signed=True,
                                    impl="reference"))
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
-    xq = np.asarray(q4.quantize_q8(jnp.asarray(p["x"])), np.float64)
+    xq = np.asarray(round_activations(jnp.asarray(p["x"]), 32), np.float64)
     w = np.asarray(q4.dequantize_rows(qq, dm, d), np.float64)  # [F, 2, D]
     a = np.maximum(xq @ w[:, 0].T, 0) * np.maximum(xq @ w[:, 1].T + p["b_up"], 0)
     np.testing.assert_allclose(got, a, rtol=1e-4, atol=1e-5)

@@ -31,9 +31,7 @@ import numpy as np
 
 from powerinfer_jax.checkpoint.base import QuantTensor, aligned, aligned_empty
 from powerinfer_jax.errors import check_choice, fail
-from powerinfer_jax.ops.reference import dequantize_blocks
 
-F32 = jnp.float32
 _BLOCK = 32
 
 MATVEC, ROWS, GROUPS = "matvec", "rows", "groups"
@@ -144,45 +142,6 @@ def apply_ffn_layout(ffn, layout: FfnLayout) -> None:
         fail("FFN down layout", "a layout the file's blocks can be re-arranged into",
              f"{want} from neuron rows in {down.qtype}", "load the model for this mode")
     down.load(arrange(t, want, down_qtype=layout.down_qtype))
-
-
-def _f16(b, start: int):
-    """The little-endian f16 at byte `start` of every block [..., nb, bytes] -> float32 [..., nb]."""
-    bits = b[..., start].astype(jnp.uint16) | (b[..., start + 1].astype(jnp.uint16) << 8)
-    return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(F32)
-
-
-def _nibbles(q):
-    """uint8 [..., 16] -> float32 [..., 32]: the 16 low nibbles, then the 16 high ones."""
-    return jnp.concatenate([q & 0x0F, q >> 4], axis=-1).astype(F32)
-
-
-def _q8_0(b):
-    return _f16(b, 0)[..., None] * jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(F32)
-
-
-def _q4_0(b):
-    return _f16(b, 0)[..., None] * (_nibbles(b[..., 2:]) - 8.0)
-
-
-def _q4_1(b):
-    return _f16(b, 0)[..., None] * _nibbles(b[..., 4:]) + _f16(b, 2)[..., None]
-
-
-# format -> (bytes per 32-value block, jnp dequantizer of [..., n_blocks, bytes])
-_JNP = {"Q8_0": (34, _q8_0), "Q4_0": (18, _q4_0), "Q4_1": (20, _q4_1)}
-
-
-def dequantize_rows(blocks, qtype: str, dim: int):
-    """uint8 [..., row_bytes] rows in `qtype` -> float32 [..., dim]: in jnp for the common
-    embedding formats, else through the gguf package's dequantizer on the host (any format)."""
-    if qtype in _JNP:
-        nbytes, fn = _JNP[qtype]
-        b = blocks.reshape(blocks.shape[:-1] + (blocks.shape[-1] // nbytes, nbytes))
-        return fn(b).reshape(blocks.shape[:-1] + (-1,))[..., :dim]
-
-    flat = blocks.reshape(-1, blocks.shape[-1])
-    return dequantize_blocks(flat, qtype, dim).reshape(blocks.shape[:-1] + (dim,))
 
 
 def host_blocks(blocks) -> jax.Array:

@@ -22,12 +22,12 @@ from powerinfer_jax.errors import fail
 from powerinfer_jax.models.ffn import FFN, block_residual, residual_scope  # noqa: F401
 from powerinfer_jax.models.moe import MoE
 from powerinfer_jax.models.qweights import (DENSE_LAYOUT, FfnLayout, MATVEC, QWeight, ROWS,
-                                            arrange, batched_load, dequantize_rows, gather_rows,
-                                            host_blocks)
+                                            arrange, batched_load, gather_rows, host_blocks)
 from powerinfer_jax.models.layers import (F32, Attention, Linear, Module, Norm, _param,
                                          cache_storage_dtype, matmul, op_impl, resolve_kernels,
                                          shapes_only, sow)
 from powerinfer_jax.models.rope import layer_rope
+from powerinfer_jax.ops.qblocks import dequantize_rows
 
 
 class Block(Module):

@@ -111,7 +111,7 @@ def qlinear(x, blocks, qtype, in_features: int, b=None, *, impl="ffi"):
     blocks: uint8 [O, row_bytes], the file's rows of W [O, in_features] (e.g. a `QuantTensor`'s
     `.blocks`) in `qtype`: a GGML block type name (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
     Q4_K, Q5_K, Q6_K) or its id. x: [..., D], D == in_features (a multiple of the type's block:
-    32, or 256 for K-quants), rounded to int8 per block (`reference.round_activations`; Q8_0-style
+    32, or 256 for K-quants), rounded to int8 per block (`qblocks.round_activations`; Q8_0-style
     for the legacy types, Q8_K-style for the K-quants) for integer dot products. b: [O].
     Returns y [..., O] float32. Decode (one token) streams each row once; prefill reads a block
     of rows once per 64 tokens.

@@ -5,12 +5,14 @@ has an fp16 scale d and minimum m (weight = m + d * q, q in 0..15: llama.cpp's Q
 row that came from a Q4_1 checkpoint is reproduced exactly). Packed per row:
   q  uint8 [P * 32]: byte j of pair p = weight 64p + j (low nibble) | weight 64p + 32 + j (high);
   dm float16 [4P]: the 2P scales, then the 2P minimums.
-Activations are quantized per 32-block to int8 with a float32 scale (Q8): `quantize_q8`.
+Activations are quantized per 32-block to int8 with a float32 scale (Q8): qblocks.round_activations.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+
+from powerinfer_jax.ops.qblocks import q4_1_values
 
 BLOCK = 32
 PAIR_BYTES = 32
@@ -50,18 +52,4 @@ def dequantize_rows(q, dm, dim: int):
     dm = jnp.asarray(dm).astype(jnp.float32)
     scale = dm[..., :2 * p].reshape(lead + (p, 2, 1))
     minimum = dm[..., 2 * p:].reshape(lead + (p, 2, 1))
-    return (minimum + scale * nibbles).reshape(lead + (2 * p * BLOCK,))[..., :dim]
-
-
-def quantize_q8(x):
-    """x [..., D] float32 -> its Q8 rounding (float32 [..., D]): per 32-block scale amax / 127,
-    values round-half-even(x / scale) * scale, as the kernel quantizes activations."""
-    x = jnp.asarray(x, jnp.float32)
-    d = x.shape[-1]
-    nb = -(-d // BLOCK)
-    xb = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, nb * BLOCK - d)]).reshape(
-        x.shape[:-1] + (nb, BLOCK))
-    scale = jnp.max(jnp.abs(xb), axis=-1, keepdims=True) / 127.0
-    inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
-    xq = jnp.clip(jnp.round(xb * inv), -127, 127) * scale
-    return xq.reshape(x.shape[:-1] + (nb * BLOCK,))[..., :d]
+    return q4_1_values(nibbles, scale, minimum).reshape(lead + (2 * p * BLOCK,))[..., :dim]

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from powerinfer_jax.ops import q4
+from powerinfer_jax.ops.qblocks import dequantize_rows, round_activations
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -81,7 +82,8 @@ def q4_scores(x, q, dm, b_up=None, *, activation="silu", signed=False):
     ops.api.q4_scores."""
     x = jnp.asarray(x, jnp.float32)
     w_fgd = q4.dequantize_rows(q, dm, x.shape[-1])
-    proj = jnp.einsum("...d,fgd->...fg", q4.quantize_q8(x), w_fgd, precision=_HIGHEST)
+    xq = round_activations(x, q4.BLOCK)
+    proj = jnp.einsum("...d,fgd->...fg", xq, w_fgd, precision=_HIGHEST)
     b = 0.0 if b_up is None else jnp.asarray(b_up, jnp.float32)
     if w_fgd.shape[1] == 2:
         a = gated_activate(activation, proj[..., 0], proj[..., 1] + b)
@@ -97,30 +99,6 @@ def q4_sparse_ffn(x, q, dm, w_down_t, b_up=None, b_down=None, *, threshold, acti
                       criterion="activations")
 
 
-def round_activations(x, block: int):
-    """x [..., D] float32 -> its int8 rounding as the quantized kernels compute (float32): per
-    block of `block` values (32: legacy formats, 256: K-quants) scale = max|x| / 127 and
-    round-half-even(x * (1 / scale)) * scale, in [-127, 127] * scale (cpu_backend/quant_act.h)."""
-    x = jnp.asarray(x, jnp.float32)
-    d = x.shape[-1]
-    xb = x.reshape(x.shape[:-1] + (d // block, block))
-    scale = jnp.max(jnp.abs(xb), axis=-1, keepdims=True) / 127.0
-    # a block holding a NaN or an infinity rounds to NaN (the kernels' NaN scale)
-    scale = jnp.where(jnp.all(jnp.isfinite(xb), axis=-1, keepdims=True), scale, jnp.nan)
-    inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
-    return (jnp.clip(jnp.round(xb * inv), -127, 127) * scale).reshape(x.shape)
-
-
-def dequantize_blocks(blocks, qtype: str, in_features: int):
-    """uint8 [R, row_bytes] GGML blocks -> float32 [R, in_features], with the gguf package's
-    dequantizer (a host callback, so it also works on traced arrays under jit)."""
-    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
-
-    rows = blocks.shape[0]
-    out = jax.ShapeDtypeStruct((rows, in_features), jnp.float32)
-    return jax.pure_callback(lambda b: quants.dequantize(np.asarray(b), qtype), out, blocks)
-
-
 def _qblock(qtype: str) -> int:
     from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
@@ -129,7 +107,7 @@ def _qblock(qtype: str) -> int:
 
 def qlinear(x, blocks, qtype: str, in_features: int, b=None):
     """y = round_activations(x) @ dequant(blocks).T (+ b), float32. See ops.api.qlinear."""
-    w = dequantize_blocks(blocks, qtype, in_features)
+    w = dequantize_rows(blocks, qtype, in_features)
     xq = round_activations(x, _qblock(qtype))
     y = jnp.einsum("...D,OD->...O", xq, w, precision=_HIGHEST)
     return y if b is None else y + jnp.asarray(b, jnp.float32)
@@ -155,7 +133,7 @@ def qembedding(ids, blocks, qtype: str, in_features: int):
     """Rows ids of the table, dequantized (float32 [..., in_features]). See ops.api.qembedding."""
     ids = jnp.asarray(ids, jnp.int32)
     rows = jnp.take(jnp.asarray(blocks), ids.reshape(-1), axis=0)
-    return dequantize_blocks(rows, qtype, in_features).reshape(ids.shape + (in_features,))
+    return dequantize_rows(rows, qtype, in_features).reshape(ids.shape + (in_features,))
 
 
 def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None, b_up=None,
@@ -176,17 +154,16 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
         mask_tf = ~(jnp.asarray(scores, jnp.float32) <= threshold)
     else:
         mask_tf = ~(jnp.abs(act_tf) <= threshold)
-    if down_layout == "groups":  # back to the file's ffn_down [D, F], dequantized, transposed
+    if down_layout == "groups":  # back to the file's ffn_down [D, F] blocks, dequantized, as [F, D]
         f = down.shape[0] * 32
 
-        def dequantize_groups(g):
-            return quants.dequantize(quants.down_groups_to_file(np.asarray(g), down_qtype, d, f),
-                                     down_qtype).T.copy()
+        def file_blocks(g):
+            return quants.down_groups_to_file(np.asarray(g), down_qtype, d, f)
 
-        w_down = jax.pure_callback(dequantize_groups, jax.ShapeDtypeStruct((f, d), jnp.float32),
-                                   down)
+        file_ds = jax.ShapeDtypeStruct((d, quants.row_bytes(down_qtype, f)), jnp.uint8)
+        w_down = dequantize_rows(jax.pure_callback(file_blocks, file_ds, down), down_qtype, f).T
     else:
-        w_down = dequantize_blocks(down, down_qtype, d)
+        w_down = dequantize_rows(down, down_qtype, d)
     coef_tf = jnp.where(mask_tf, act_tf, 0.0)
     if down_qtype in quants.DOWN_PAIR_TYPES and (down_layout == "groups" or down.shape[0] % 32 == 0):
         # 8-bit coefs per 32 neurons (AxpyPairs; 4-bit rows as PowerInfer's Q4_0 axpy)
