@@ -20,11 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from powerinfer_jax._machine import git_commit, machine_info
+from powerinfer_jax.cache import cache_dir
 
-from powerinfer_jax._machine import git_commit, machine_info  # noqa: E402
-from powerinfer_jax.cache import cache_dir  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def main(argv=None) -> None:

@@ -6,19 +6,16 @@ engine's guarantee), then times; a mismatch is recorded as a "mismatch" row and 
 One JSONL row per (dtype, mode, B) with the config, commit, machine and threads, appended to
 benchmarks/batch_decode.jsonl.
 
-  python benchmarks/batch_decode.py [--dtypes bfloat16] [--batches 1 4 16] [--threads 2]
+  python -m benchmarks.batch_decode [--dtypes bfloat16] [--batches 1 4 16] [--threads 2]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 TEXT = ("The history of computing is a story of ideas that made machines faster, smaller and "
         "easier to program. Early engineers built circuits by hand, and every new design taught "

@@ -13,7 +13,7 @@ the tied embedding is the lm_head's matrix, the lookup reads one row more), the 
 systems. effective_gbs = bytes x tok/s: the share of the bandwidth each system turns into
 tokens; the rest is compute and per-token fixed cost.
 
-    python benchmarks/decode_bandwidth.py [--threads 1 2] [--rounds 3] [--out FILE]
+    python -m benchmarks.decode_bandwidth [--threads 1 2] [--rounds 3] [--out FILE]
 """
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import q4_vs_llamacpp as q4  # same provenance helpers and llama-bench build
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-import q4_vs_llamacpp as q4  # noqa: E402  (same provenance helpers and llama-bench build)
 
 
 def file_tensor_bytes(path: Path) -> int:

@@ -13,18 +13,15 @@ predictor_q4gu_qkv3 (predictor_q4gu with q, k, v as three linear calls instead o
 ops.linear_many call: that call's ablation); dense_block1 and predictor_q4gu_block1 (one decode
 step per executable call instead of RuntimeConfig.decode_block: the decode block's ablation).
 
-  python benchmarks/e2e_ab.py [--dtypes bfloat16 float32] [--threads 2] [--rounds 5]
+  python -m benchmarks.e2e_ab [--dtypes bfloat16 float32] [--threads 2] [--rounds 5]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 MODES = ("dense", "predictor", "predictor_q4gu", "dense_xla_attention", "predictor_q4gu_qkv3",
          "dense_block1", "predictor_q4gu_block1")

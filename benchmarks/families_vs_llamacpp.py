@@ -8,8 +8,8 @@ decode speed; the converter pads the vocabulary to the config's), converted to F
 own convert_hf_to_gguf.py and quantized to Q4_0 by its llama-quantize (which, as for any user,
 picks its own types for the embedding/output tensor).
 
-    python benchmarks/families_vs_llamacpp.py --make            # the files, once (~10 GB work dir)
-    flock -x /tmp/pij_cpu.lock python benchmarks/families_vs_llamacpp.py --rounds 3
+    python -m benchmarks.families_vs_llamacpp --make            # the files, once (~10 GB work dir)
+    flock -x /tmp/pij_cpu.lock python -m benchmarks.families_vs_llamacpp --rounds 3
 
 Per round, per shape, back to back in fresh processes: llama.cpp's llama-bench (tg: -p 0) on the
 file, then our `python -m powerinfer_jax.bench` (dense, bfloat16 compute on the file's blocks)
@@ -30,12 +30,14 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.q4_vs_llamacpp import git_commit, llama_bench, machine
+
 REPO = Path(__file__).resolve().parents[1]
+# tests/ is not a package: its helpers (the converter runner, the tokenizer builders) import
+# each other as top-level modules, as pytest runs them
 sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 import helpers_llamacpp as llamacpp  # noqa: E402  (tests/: the converter runner and finder)
-from q4_vs_llamacpp import git_commit, llama_bench, machine  # noqa: E402
 
 WORK = llamacpp.cache_root() / "bench_families"
 # Public config values of the real models (their config.json on the Hugging Face hub).
@@ -96,7 +98,6 @@ def fam_pre(shape: str) -> str | None:
 def decode_bytes(gguf: Path) -> int:
     """Bytes of the tensors one decode step reads: every 2-D tensor (matrices; the tied
     embedding matrix once, as the LM head) but the embedding lookup's single row."""
-    sys.path.insert(0, str(REPO))
     from powerinfer_jax.checkpoint.gguf_file import GGUFFile
 
     r = GGUFFile(gguf)
@@ -142,7 +143,6 @@ def main(argv=None) -> int:
         return 0
     if not Path(args.llama_bench).is_file():
         ap.error("--llama-bench: no llama-bench (benchmarks/build_llama_bench_cpu.sh)")
-    sys.path.insert(0, str(REPO))
     from experiments._common import append_rows, run_id
 
     base = {"bench": "families_vs_llamacpp", "run_id": run_id(), "commit": git_commit(),

@@ -8,8 +8,8 @@ random experts: no power law), norms ones. Its tokenizer is a small byte-level B
 (tests/helpers_moe.py's, converted by llama.cpp's converter) padded with unused tokens to
 OLMoE's 50304, so the embedding and LM head have the real shape.
 
-    python benchmarks/moe_vs_llamacpp.py --make
-    flock -x /tmp/pij_cpu.lock python benchmarks/moe_vs_llamacpp.py --rounds 3
+    python -m benchmarks.moe_vs_llamacpp --make
+    flock -x /tmp/pij_cpu.lock python -m benchmarks.moe_vs_llamacpp --rounds 3
 
 Per round, back to back in fresh processes: llama-bench (tg, -p 0) on the file, then our
 `python -m powerinfer_jax.bench` (dense, the experts' blocks through ops.moe_ffn) on the same
@@ -30,12 +30,14 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.q4_vs_llamacpp import git_commit, llama_bench, machine
+
 REPO = Path(__file__).resolve().parents[1]
+# tests/ is not a package: its helpers (the converter runner, the tokenizer builders) import
+# each other as top-level modules, as pytest runs them
 sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 import helpers_llamacpp as llamacpp  # noqa: E402
-from q4_vs_llamacpp import git_commit, llama_bench, machine  # noqa: E402
 
 WORK = llamacpp.cache_root() / "bench_moe"
 # allenai/OLMoE-1B-7B-0924's public config.json
@@ -133,7 +135,6 @@ def make() -> Path:
 def decode_bytes(path: Path) -> int:
     """Bytes one decode step reads: every tensor but the embedding (its row aside) and the
     unrouted experts (k of E per layer)."""
-    sys.path.insert(0, str(REPO))
     from powerinfer_jax.checkpoint.gguf_file import GGUFFile
 
     k, e = OLMOE["num_experts_per_tok"], OLMOE["num_experts"]
@@ -173,7 +174,6 @@ def main(argv=None) -> int:
         return 0
     if not Path(args.llama_bench).is_file():
         ap.error("--llama-bench: no llama-bench (benchmarks/build_llama_bench_cpu.sh)")
-    sys.path.insert(0, str(REPO))
     from experiments._common import append_rows, run_id
 
     base = {"bench": "moe_vs_llamacpp", "run_id": run_id(), "commit": git_commit(),

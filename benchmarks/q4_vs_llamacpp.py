@@ -9,9 +9,9 @@ summary rows give their median over rounds, next to the median tokens/s.
 
     bash benchmarks/build_llama_bench_cpu.sh LLAMA_CPP_SRC          # both llama-bench builds
     # our AVX2 build in its own venv: BUILD.md "Building for a named instruction set (PIJ_ISA)"
-    nice python benchmarks/q4_vs_llamacpp.py --avx2-python ../venv-avx2/bin/python \
+    nice python -m benchmarks.q4_vs_llamacpp --avx2-python ../venv-avx2/bin/python \
         [--rounds 5] [--configs dense_bf16,...] [--out benchmarks/q4_vs_llamacpp.jsonl]
-    python benchmarks/q4_vs_llamacpp.py --load-only      # load time and resident memory only
+    python -m benchmarks.q4_vs_llamacpp --load-only      # load time and resident memory only
 
 Before the timed rounds the script waits (up to --wait-pytest s) for running pytest processes to
 end, SIGSTOPs a running `powerinfer_jax.sparsify` training (SIGCONT always follows, on any exit)
@@ -285,7 +285,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "q4_vs_llamacpp.jsonl"))
     args = ap.parse_args(argv)
 
-    sys.path.insert(0, str(REPO))
     from experiments._common import append_rows, run_id
     from experiments.peers import peer_ggufs
 

@@ -165,7 +165,6 @@ def main(argv=None) -> None:
                         "commits) instead of running transformers again; the row says so")
     args = p.parse_args(argv)
 
-    sys.path.insert(0, str(REPO))
     from powerinfer_jax import _cli
 
     files = args.files or default_files()

@@ -19,9 +19,9 @@ One JSONL row per (round, system, concurrency), then summary rows (medians over 
 scaling C vs 1 and of ours / llama.cpp), appended to benchmarks/serve_load.jsonl; a table on
 stdout. Build llama-server with benchmarks/build_llama_server.sh.
 
-  python benchmarks/serve_load.py --llama-server ../llama_cpp_build/build-0.3.36/bin/llama-server
-  python benchmarks/serve_load.py --no-llama    # ours only
-  python benchmarks/serve_load.py --engine-only # the engine's batched decode, no HTTP
+  python -m benchmarks.serve_load --llama-server ../llama_cpp_build/build-0.3.36/bin/llama-server
+  python -m benchmarks.serve_load --no-llama    # ours only
+  python -m benchmarks.serve_load --engine-only # the engine's batched decode, no HTTP
 """
 from __future__ import annotations
 
@@ -38,8 +38,6 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 OURS, LLAMA = "powerinfer_jax", "llama.cpp"
 

@@ -27,10 +27,9 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from powerinfer_jax._machine import git_commit, machine_info
 
-from powerinfer_jax._machine import git_commit, machine_info  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 LENGTHS = (8, 24, 48, 100, 200, 400, 1000, 2000)  # prompt tokens: buckets 16 .. 2048
 

@@ -27,10 +27,9 @@ import sysconfig
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from powerinfer_jax._machine import git_commit, machine_info
 
-from powerinfer_jax._machine import git_commit, machine_info  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 LLAMA_BIN = Path.home() / ".cache/powerinfer_jax/peers/llamacpp-cpu-native/bin/llama-simple"
 

@@ -2,7 +2,7 @@
 GPU (hybrid) decodes faster than keeping whole layers there (--offload layers), and the gain grows
 with how skewed the activation frequencies are.
 
-The GPU part of run_all: runs benchmarks/gpu/hybrid_decode.py (synthetic weights, active neurons
+The GPU part of run_all: runs benchmarks.gpu.hybrid_decode (synthetic weights, active neurons
 sampled from SmolLM2's profiled frequencies; see its docstring) when a GPU and the PIJ_CUDA=ON
 build are present. Elsewhere it writes one row with status "not available" and the reason, so the
 report says why the section has no new rows. Rows measured by hand on a GPU machine are kept in
@@ -13,7 +13,6 @@ benchmarks/gpu_hybrid.jsonl; the report reads both files.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 
 from experiments import _common
@@ -48,11 +47,9 @@ def main(argv=None) -> None:
         _common.append_rows(args.out, [{**row, "status": "not available", "reason": reason}])
         print(f"gpu_hybrid: not available ({reason})")
         return
-    path = _common.REPO / "benchmarks" / "gpu" / "hybrid_decode.py"
-    spec = importlib.util.spec_from_file_location("hybrid_decode", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.main([*(QUICK if args.quick else FULL), "--out", args.out])
+    from benchmarks.gpu import hybrid_decode  # lazy: jax, flax and the GPU build, only here
+
+    hybrid_decode.main([*(QUICK if args.quick else FULL), "--out", args.out])
 
 
 if __name__ == "__main__":

@@ -1,10 +1,9 @@
 """Plot results/quality_vs_sparsity.jsonl: perplexity vs measured FFN sparsity per mode, and print
-a markdown table. `python experiments/plot_quality_vs_sparsity.py [--jsonl F] [--out PNG]`."""
+a markdown table. `python -m experiments.plot_quality_vs_sparsity [--jsonl F] [--out PNG]`."""
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -15,7 +14,6 @@ def main() -> None:
     p.add_argument("--jsonl", default=str(REPO / "results" / "quality_vs_sparsity.jsonl"))
     p.add_argument("--out", default=str(REPO / "results" / "quality_vs_sparsity.png"))
     args = p.parse_args()
-    sys.path.insert(0, str(REPO))
     from experiments._common import mode_label
 
     rows = [json.loads(line) for line in open(args.jsonl) if line.strip()]

@@ -3,7 +3,7 @@
   python -m experiments.plots [--results results]
 
 Writes <results>/<experiment>.png for power_law, ablation, peers, cost_breakdown and
-prompt_length; quality_vs_sparsity's figure is experiments/plot_quality_vs_sparsity.py's.
+prompt_length; quality_vs_sparsity's figure is experiments.plot_quality_vs_sparsity's.
 """
 from __future__ import annotations
 

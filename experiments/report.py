@@ -39,7 +39,7 @@ def latest_run(rows: list[dict]) -> list[dict]:
 
 def latest_per_mode(rows: list[dict]) -> list[dict]:
     """Quality rows: the last row of each (mode, target), so a run that adds a mode extends the
-    sweep instead of hiding it (as experiments/plot_quality_vs_sparsity.py plots them)."""
+    sweep instead of hiding it (as experiments.plot_quality_vs_sparsity plots them)."""
     latest = {}
     for r in rows:
         latest[(_common.mode_label(r), r.get("target_sparsity"))] = r

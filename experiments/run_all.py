@@ -138,8 +138,7 @@ def make_figures_and_report(quick: bool) -> None:
     out_dir = results_dir(quick)
     quality = out_dir / "quality_vs_sparsity.jsonl"
     if quality.is_file():
-        subprocess.run([sys.executable, str(_common.REPO / "experiments" /
-                                            "plot_quality_vs_sparsity.py"), "--jsonl",
+        subprocess.run([sys.executable, "-m", "experiments.plot_quality_vs_sparsity", "--jsonl",
                         str(quality), "--out", str(out_dir / "quality_vs_sparsity.png")],
                        cwd=_common.REPO, stdout=subprocess.DEVNULL)
     for path in plots.make_all(out_dir):

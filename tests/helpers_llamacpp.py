@@ -128,6 +128,7 @@ def _main(argv: list[str]) -> None:
     import runpy
 
     src = argv[0]
+    # llama.cpp's converter and its gguf-py are a source tree, not installed: run them from it
     sys.path.insert(0, src + "/gguf-py")
     sys.path.insert(0, src)
     import conversion.base as base  # noqa: E402  (the tree's own package)

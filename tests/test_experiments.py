@@ -3,17 +3,14 @@ and the pieces of the experiments that run on a tiny model."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from experiments import _common, cost_breakdown, peers, power_law, report, run_all
 
-from experiments import _common, cost_breakdown, peers, power_law, report, run_all  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 MACHINE = {"cpu": "Test CPU", "cpus": 2, "host": "ci"}
 

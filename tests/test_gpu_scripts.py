@@ -16,13 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks.gpu import llama_cpp_ngl as lcn, synthetic
+from helpers_models import tiny_llama_config
+
 REPO = Path(__file__).resolve().parents[1]
 GPU = REPO / "benchmarks" / "gpu"
-sys.path.insert(0, str(GPU))
-
-import llama_cpp_ngl as lcn  # noqa: E402
-import synthetic  # noqa: E402
-from helpers_models import tiny_llama_config  # noqa: E402
 
 CFG = tiny_llama_config(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96,
                         max_seq_len=128)
@@ -221,15 +219,15 @@ def test_llama_bench_command_and_output():
 def test_dry_run_prints_budgets_and_commands(tmp_path):
     """The whole planning path on the real shapes' arithmetic, against a small stand-in file:
     --dry-run refuses a file of the wrong depth, and plans one of the right depth."""
-    r = subprocess.run([sys.executable, str(GPU / "llama_cpp_ngl.py"), "--llama-bin", "/x",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu.llama_cpp_ngl", "--llama-bin", "/x",
                         "--gguf", str(tmp_path / "missing.gguf"), "--dry-run"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode != 0 and "expected an existing --gguf" in r.stderr
     path = tmp_path / "deep.gguf"
     synthetic.write_gguf(path, CFG.replace(n_layers=32, vocab_size=300), dtype="bf16")
-    r = subprocess.run([sys.executable, str(GPU / "llama_cpp_ngl.py"), "--llama-bin", "/x",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu.llama_cpp_ngl", "--llama-bin", "/x",
                         "--gguf", str(path), "--budgets", "0.1", "1.0", "--dry-run"],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     plans = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{")]
     assert [p["budget_ffn_fraction"] for p in plans] == [0.1, 1.0]
@@ -263,7 +261,7 @@ def test_sparse_7b_check_dry_run(tmp_path):
     (llama.cpp source subset, tokenizer-only GGUF, calibration text), the subset unpacks and
     configures, the synthetic model is generated from the carried files, and both engines are
     timed into JSONL rows; the CUDA steps say they were skipped and why. ~2-4 min on 2 cores."""
-    import sparse_7b_prepare as prep
+    from benchmarks.gpu import sparse_7b_prepare as prep
     import tarfile
 
     carry = tmp_path / "carry"

@@ -194,8 +194,7 @@ def test_racing_artifact_builds_both_succeed_once(tmp_path):
     is where a shared build directory used to fail): one builds, the other waits and reuses."""
     log = tmp_path / "builds.log"
     code = textwrap.dedent(f"""
-        import sys, time
-        sys.path.insert(0, {str(__file__.rsplit('/', 1)[0])!r})
+        import time
         from test_robustness import make_artifacts, CONFIG
         from types import SimpleNamespace
         from powerinfer_jax.checkpoint import registry
@@ -216,8 +215,10 @@ def test_racing_artifact_builds_both_succeed_once(tmp_path):
         print(arts.predictors.shape)
     """)
     env = {**__import__("os").environ, "POWERINFER_JAX_CACHE": str(tmp_path / "cache")}
+    # run in tests/ (`python -c` imports from its working directory): test_robustness imports
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+                              stderr=subprocess.PIPE, text=True, env=env,
+                              cwd=__file__.rsplit("/", 1)[0]) for _ in range(2)]
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     assert [o[0].strip() for o in outs] == [str((L, D, R, F))] * 2

@@ -357,8 +357,6 @@ def test_resume_refuses_a_checkpoint_of_another_model(tiny_dir, texts, cache, tm
 
 
 def test_curve_plot_from_rows(tmp_path):
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
     from experiments.sparsify_curve import plot_curve
 
     cfg = small().to_dict()

@@ -192,11 +192,10 @@ def test_train_burst_script_stages_joins_checks_and_runs(tmp_path):
     import sys
     from pathlib import Path
 
+    from benchmarks.gpu import synthetic
     from helpers_models import tiny_llama_config
 
     repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo / "benchmarks" / "gpu"))
-    import synthetic
 
     cfg = tiny_llama_config(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                             d_ff=96, max_seq_len=128)

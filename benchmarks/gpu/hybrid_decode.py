@@ -30,9 +30,9 @@ Overlap (--overlap): one hybrid FFN layer of the model at one budget, timed as i
 hot part active (cold mask empty) and with only its cold part active (hot mask empty). GPU and host
 work overlap when the full call takes less than the sum of the two parts.
 
-  python benchmarks/gpu/hybrid_decode.py --shapes llama2-7b --budgets 0.1 0.25 0.5 1.0 \
+  python -m benchmarks.gpu.hybrid_decode --shapes llama2-7b --budgets 0.1 0.25 0.5 1.0 \
       --out benchmarks/gpu_hybrid.jsonl --commit $(git rev-parse --short HEAD)
-  python benchmarks/gpu/hybrid_decode.py --profile path/to/target_0.50/profile.npz ...
+  python -m benchmarks.gpu.hybrid_decode --profile path/to/target_0.50/profile.npz ...
 """
 from __future__ import annotations
 
@@ -47,18 +47,15 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks.gpu import synthetic
+from powerinfer_jax.config import ModelConfig, SparsityConfig
+
 REPO = Path(__file__).resolve().parents[2]
-for _p in (str(REPO), str(Path(__file__).resolve().parent)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-import synthetic  # noqa: E402
-from powerinfer_jax.config import ModelConfig, SparsityConfig  # noqa: E402
 
 SHAPES = synthetic.SHAPES
 MODES = ("all_gpu", "all_gpu_dense", "hybrid", "layers", "layers_dense")

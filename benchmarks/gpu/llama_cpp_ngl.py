@@ -22,7 +22,7 @@ Host threads: llama-bench -t N and our pool's N. Decode: llama-bench -d P -n G (
 P-token context) against our G new tokens after a P-token prompt. Rows go to --out, one per
 measurement, with the exact llama-bench command line.
 
-  python benchmarks/gpu/llama_cpp_ngl.py --llama-bin .peers/llama.cpp-cuda \
+  python -m benchmarks.gpu.llama_cpp_ngl --llama-bin .peers/llama.cpp-cuda \
       --gguf /tmp/llama2-7b.bf16.gguf --budgets 0.1 0.25 --threads 12 --out benchmarks/gpu_hybrid.jsonl
 """
 from __future__ import annotations
@@ -39,13 +39,9 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-for p in (str(REPO), str(HERE)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+from benchmarks.gpu import synthetic
 
-import synthetic  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 KV_ITEM_BYTES = 2  # llama.cpp's default KV cache type: f16
 _LAYER = re.compile(r"^blk\.(\d+)\.")
@@ -299,7 +295,7 @@ def main(argv=None) -> None:
 
 
 def run_rounds(args, cfg, plan) -> None:
-    import hybrid_decode
+    from benchmarks.gpu import hybrid_decode  # lazy: jax and flax, only for the rounds
 
     freq_src, label = synthetic.load_profile(args.profile)
     freq = synthetic.frequencies(freq_src, cfg)

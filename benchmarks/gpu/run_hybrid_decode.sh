@@ -7,6 +7,6 @@ OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 commit=$1; shift
 PIJ_BUILD_ONLY=1 bash benchmarks/gpu/build_and_test.sh >/dev/null || exit 1
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-python3 benchmarks/gpu/hybrid_decode.py --commit "$commit" --out "$OUT/gpu_hybrid.jsonl" "$@" \
+python3 -m benchmarks.gpu.hybrid_decode --commit "$commit" --out "$OUT/gpu_hybrid.jsonl" "$@" \
   2>"$OUT/stderr.log"
 rc=$?; tail -5 "$OUT/stderr.log"; exit $rc

@@ -20,7 +20,7 @@ before a round that would not finish, with a row saying so.
 With --device cpu (sparse_7b_check.sh --dry-run) the same path runs on a CPU: our budget places
 hot rows on the CPU hybrid's notional accelerator and llama-bench is a CPU build: no GPU figure.
 
-    python benchmarks/gpu/sparse_7b_bench.py --model-dir DIR --llama-bin BIN --budget 0.25 \
+    python -m benchmarks.gpu.sparse_7b_bench --model-dir DIR --llama-bin BIN --budget 0.25 \
         --threads 16 --out $OUT/sparse_7b.jsonl --commit ABC
 """
 from __future__ import annotations
@@ -35,13 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-for _p in (str(REPO), str(HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import llama_cpp_ngl as lcn  # noqa: E402
+from benchmarks.gpu import llama_cpp_ngl as lcn
 
 SYNTHETIC = ("random weights whose ReLU FFN neurons fire with prescribed frequencies on text "
              "(python -m powerinfer_jax.synthetic); speed only")

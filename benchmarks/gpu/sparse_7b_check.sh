@@ -10,7 +10,7 @@
 #               start: tokenizer and calibration text from .gpu_carry/, few calibration tokens
 #   5. bench    our hybrid with the model's predictors at a 25% VRAM budget against llama.cpp -ngl
 #               at the same VRAM, interleaved rounds (sparse_7b_bench.py)
-# Needs .gpu_carry/ (python benchmarks/gpu/sparse_7b_prepare.py, here) named in the call's carry.
+# Needs .gpu_carry/ (python -m benchmarks.gpu.sparse_7b_prepare, here) named in the call's carry.
 # $OUT gets at most 8 files (the tool's limit): sparse_7b.jsonl (the timing rows), steps.jsonl
 # (each step: seconds, status, why skipped), summary.txt, logs.tar.gz (every log), and
 # llama-bin.tar.xz (the llama.cpp build, when under 16 MB): copied to .gpu_carry/, the next run
@@ -123,7 +123,7 @@ trap finish EXIT
 
 say "commit $COMMIT, dry run $DRY, $THREADS threads, budget ${BUDGET_S} s, work $WORK"
 for f in tokenizer.gguf calib.txt; do
-  [ -f "$CARRY/$f" ] || { say "$CARRY/$f: expected (python benchmarks/gpu/sparse_7b_prepare.py, then carry $CARRY), got none"; exit 1; }
+  [ -f "$CARRY/$f" ] || { say "$CARRY/$f: expected (python -m benchmarks.gpu.sparse_7b_prepare, then carry $CARRY), got none"; exit 1; }
 done
 
 # 0. wheels the GPU image lacks (gguf)
@@ -224,7 +224,7 @@ else
   CUBLAS_LIB=$(sed -n 's/^cublas_lib //p' "$LLAMA_BIN/BUILD_INFO" 2>/dev/null)
   [ -n "$CUBLAS_LIB" ] && [ "$CUBLAS_LIB" != none ] &&
     export LD_LIBRARY_PATH=$CUBLAS_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  run_step bench 60 $PY benchmarks/gpu/sparse_7b_bench.py --model-dir "$MODEL" \
+  run_step bench 60 $PY -m benchmarks.gpu.sparse_7b_bench --model-dir "$MODEL" \
     --llama-bin "$LLAMA_BIN" --budget 0.25 --device $DEVICE --threads "$THREADS" \
     --rounds "$ROUNDS" --deadline $((DEADLINE - 10)) --commit "$COMMIT" \
     --out "$OUT/sparse_7b.jsonl"

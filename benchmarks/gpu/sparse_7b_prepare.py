@@ -16,7 +16,7 @@ enough for the `device` tool's `carry` (64 MiB with the working tree):
   COMMIT                this checkout's commit (+ "-dirty" when the tree has changes): the
                         device copy has no .git
 
-    python benchmarks/gpu/sparse_7b_prepare.py [--out .gpu_carry] [--no-wheels]
+    python -m benchmarks.gpu.sparse_7b_prepare [--out .gpu_carry] [--no-wheels]
 """
 from __future__ import annotations
 
@@ -31,8 +31,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 LLAMA_CPP_VERSION = "0.3.36"
 LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"  # build_llama_cpp_cuda.sh's

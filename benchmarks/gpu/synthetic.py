@@ -12,7 +12,7 @@ No checkpoint can reach the GPU machine, so the benchmarks run real shapes with 
                    llama.cpp's side of the comparison; llama.cpp's speed does not depend on the
                    weights' values
 
-    python benchmarks/gpu/synthetic.py --shapes llama2-7b --dtype bf16 --out /tmp/llama2-7b.gguf
+    python -m benchmarks.gpu.synthetic --shapes llama2-7b --dtype bf16 --out /tmp/llama2-7b.gguf
 """
 from __future__ import annotations
 
@@ -25,11 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from powerinfer_jax.config import ModelConfig
 
-from powerinfer_jax.config import ModelConfig  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 SHAPES = {
     "smollm2-135m": ModelConfig(arch="llama", vocab_size=49152, d_model=576, n_layers=30,
