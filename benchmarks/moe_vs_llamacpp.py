@@ -33,8 +33,7 @@ import numpy as np
 from benchmarks.q4_vs_llamacpp import git_commit, llama_bench, machine
 
 REPO = Path(__file__).resolve().parents[1]
-# tests/ is not a package: its helpers (the converter runner, the tokenizer builders) import
-# each other as top-level modules, as pytest runs them
+# tests/ is no package: its helpers import each other as top-level modules, as under pytest
 sys.path.insert(0, str(REPO / "tests"))
 
 import helpers_llamacpp as llamacpp  # noqa: E402
