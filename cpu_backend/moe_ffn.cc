@@ -30,7 +30,8 @@ void MakeTasks(const std::vector<int32_t>& start, int64_t rows, int passes, int 
   for (size_t e = 0; e + 1 < start.size(); ++e) active += start[e + 1] > start[e];
   if (active == 0) return;
   const int64_t want = std::max<int64_t>(1, threads * kTasksPerThread);
-  const int64_t per = std::max(kMinTaskRows, rows * active * passes / want);
+  // a multiple of 16 rows: an interleaved matrix's tasks start and end on its groups
+  const int64_t per = (std::max(kMinTaskRows, rows * active * passes / want) + 15) / 16 * 16;
   for (size_t e = 0; e + 1 < start.size(); ++e) {
     if (start[e + 1] == start[e]) continue;
     for (int which = 0; which < passes; ++which) {
@@ -84,7 +85,8 @@ void MoeFfn(const MoeExperts& w, std::span<const float* const> x_rows, const int
     const int64_t a = s.start[t.expert], count = s.start[t.expert + 1] - a;
     const bool gate = t.which == 0;
     QLinearOut out{(gate ? w.gate : w.up) + t.expert * f * (gate ? rb_d_gate : rb_d_up),
-                   gate ? w.gate_t : w.up_t, nullptr, f, (gate ? s.g : s.u).data() + a * f};
+                   gate ? w.gate_t : w.up_t, nullptr, f, (gate ? s.g : s.u).data() + a * f,
+                   gate ? w.gate_il : w.up_il};
     const auto& views = gate ? s.v_gate : s.v_up;
     QLinearRows(out, d, std::span<const QActView>(views.data() + a, count), t.lo, t.hi);
   });
@@ -98,7 +100,8 @@ void MoeFfn(const MoeExperts& w, std::span<const float* const> x_rows, const int
   pool.Run(0, static_cast<int64_t>(tasks.size()), [&](int64_t ti, int /*worker*/) {
     const Task& t = tasks[ti];
     const int64_t a = s.start[t.expert], count = s.start[t.expert + 1] - a;
-    QLinearOut out{w.down + t.expert * d * rb_f, w.down_t, nullptr, d, s.y.data() + a * d};
+    QLinearOut out{w.down + t.expert * d * rb_f, w.down_t, nullptr, d, s.y.data() + a * d,
+                   w.down_il};
     QLinearRows(out, f, std::span<const QActView>(s.v_h.data() + a, count), t.lo, t.hi);
   });
   // Each token's experts summed in routing order, weighted.

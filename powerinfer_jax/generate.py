@@ -51,6 +51,7 @@ def main(argv=None) -> None:
         llm.session.kv_limit = kv_for(len(ids) + args.max_new_tokens)
     engine = llm.session.engine
     engine.check_prompt(len(ids), args.max_new_tokens)
+    _cli.resume_collector()  # start-up is over (run_main paused the collector)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
               top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
 
@@ -100,4 +101,4 @@ def startup(session, started: float, before: tuple[float, float], out) -> dict:
 
 
 if __name__ == "__main__":
-    _cli.run_main(main)
+    _cli.run_main(main, pause_collector=True)

@@ -158,3 +158,43 @@ def test_a_reader_closing_stdout_early_ends_the_command_quietly():
     err = p.stderr.read().decode()
     assert p.wait(timeout=60) == 141, err
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_a_paused_collector_runs_again_after_start_up():
+    """run_main(pause_collector=True): the cycle collector is off while main starts, and
+    resume_collector turns it back on with start-up's objects frozen (gc.freeze); a second
+    resume changes nothing. Without a pause (a test calling main() itself) resume does nothing:
+    the process's collector and its frozen set stay as they were."""
+    code = ("import gc, sys; from powerinfer_jax import _cli\n"
+            "def main():\n"
+            "    before = gc.isenabled()\n"
+            "    _cli.resume_collector(); frozen = gc.get_freeze_count()\n"
+            "    _cli.resume_collector()\n"
+            "    print(before, gc.isenabled(), frozen > 0, gc.get_freeze_count() == frozen)\n"
+            "_cli.run_main(main, pause_collector=True)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "True", "True", "True"]
+    import gc
+
+    from powerinfer_jax import _cli
+
+    enabled, frozen = gc.isenabled(), gc.get_freeze_count()
+    _cli.resume_collector()
+    assert (gc.isenabled(), gc.get_freeze_count()) == (enabled, frozen)
+
+
+@pytest.mark.slow
+def test_generate_as_a_command_gives_the_tokens_of_main(tiny_dir, capsys):
+    """`python -m powerinfer_jax.generate` (collector paused through start-up, then frozen) and
+    generate.main() in this process (collector as it is): the same tokens, greedy and sampled."""
+    for extra in ([], ["--temperature", "0.8", "--top-k", "20", "--seed", "5"]):
+        argv = ["--model", str(tiny_dir), "--prompt", "the quick brown fox", "--max-new-tokens",
+                "7", "--json", "--no-stream", "--threads", "1", *extra]
+        r = subprocess.run([sys.executable, "-m", "powerinfer_jax.generate", *argv],
+                           capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert r.returncode == 0, r.stderr
+        generate.main(argv)
+        assert json.loads(r.stdout.strip().splitlines()[-1])["tokens"] == \
+            last_json(capsys)["tokens"]

@@ -48,6 +48,36 @@ def test_matches_the_dense_reference(gate_t, down_t, n):
     _close(got, ops.moe_ffn(x, ids, w, gate, up, down, impl="reference", **kw))
 
 
+def _interleave_experts(stack, qtype):
+    """Each expert's rows interleaved by 16 (the layout models/moe.py loads experts in)."""
+    a = np.asarray(stack)
+    return jnp.asarray(np.stack([quants.interleave(m, qtype) for m in a]))
+
+
+@pytest.mark.parametrize("gate_t,down_t", [("Q4_0", "Q4_0"), ("Q8_0", "Q4_1")])
+@pytest.mark.parametrize("n", [1, 5])
+def test_interleaved_experts_match_the_file_rows_and_the_reference(gate_t, down_t, n):
+    """Experts whose rows are interleaved by 16 ("Q4_0x16": the matvec layout) give the file
+    rows' result up to the summation order, and the reference's (which de-interleaves); one
+    thread and two give the same bits."""
+    x, ids, w, gate, up, down = operands(gate_t, down_t, n, seed=10 + n, d=128, f=96)
+    rows_kw = dict(gate_qtype=gate_t, up_qtype=gate_t, down_qtype=down_t)
+    il_kw = {k: v + quants.INTERLEAVED_SUFFIX for k, v in rows_kw.items()}
+    il = [_interleave_experts(gate, gate_t), _interleave_experts(up, gate_t),
+          _interleave_experts(down, down_t)]
+    assert not np.array_equal(np.asarray(il[0]), np.asarray(gate))  # rearranged bytes
+    got = np.asarray(ops.moe_ffn(x, ids, w, *il, **il_kw))
+    _close(got, ops.moe_ffn(x, ids, w, gate, up, down, **rows_kw))
+    _close(got, ops.moe_ffn(x, ids, w, *il, impl="reference", **il_kw))
+    threads = _ffi.get_num_threads()
+    try:
+        ops.set_num_threads(1)
+        one = np.asarray(ops.moe_ffn(x, ids, w, *il, **il_kw))
+    finally:
+        ops.set_num_threads(threads)
+    np.testing.assert_array_equal(one, got)
+
+
 def test_unrouted_experts_are_not_read_and_threads_do_not_change_bits():
     """Experts no token routes to, filled with NaN scales, leave the result finite (their rows
     are never read); the reference, which reads every expert, turns NaN. One thread and two give

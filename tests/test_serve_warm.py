@@ -41,6 +41,7 @@ def test_health_turns_200_warm_and_requests_compile_nothing(session, monkeypatch
         return real(self, *a, **kw)
 
     monkeypatch.setattr(Warmth, "warm", held_warm)
+    session.engine.reset_cache()  # as a fresh server's: made by the warm-up, checked below
     with serving(lambda: session, slots=2, warmup=("greedy", "sample"),
                  wait_ready=False) as srv:
         wait_for(lambda: "warming" in httpx.get(srv.url + "/health").text, 60, "warming")
@@ -51,6 +52,9 @@ def test_health_turns_200_warm_and_requests_compile_nothing(session, monkeypatch
         warm = health(srv.url)["warm"]
         assert warm["steps_planned"] == warm["steps_ready"] == 12
         assert metric(srv.url, "pij_warm_steps_ready") == 12
+        # the KV cache is made before /health says 200, not by the first request
+        assert session.engine._cache is not None
+        cache_before = session.engine._cache
         bodies = [{"model": MODEL, "prompt": [5] * n, "max_tokens": 3, "temperature": t}
                   for n in (3, 20, 40, 100) for t in (0, 1.0)]  # prompt buckets 16 .. 128
 
@@ -58,6 +62,7 @@ def test_health_turns_200_warm_and_requests_compile_nothing(session, monkeypatch
             r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
 
+        assert session.engine._cache is cache_before  # nothing replaced it while idle
         for body in bodies:
             post(body)
         pair = [threading.Thread(target=post, args=(b,)) for b in bodies[:2]]

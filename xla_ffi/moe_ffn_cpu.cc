@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cpu_backend/moe_ffn.h"
+#include "cpu_backend/quant_interleaved.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/cpu_handlers.h"
 #include "xla_ffi/cpu_runtime.h"
@@ -17,16 +18,25 @@ namespace {
 
 constexpr std::string_view kOp = "moe_ffn";
 
-// One stacked expert matrix: uint8 [E, rows, row bytes of `cols` weights in its qtype].
+// One stacked expert matrix: uint8 [E, rows, row bytes of `cols` weights in its qtype], each
+// expert's rows as the file stores them or interleaved by 16 (the type id's
+// kInterleavedQTypeFlag, quant_interleaved.h).
 ffi::Error CheckStack(std::string_view what, ffi::AnyBuffer b, int32_t qtype_id, int64_t e,
-                      int64_t rows, int64_t cols, QType& t) {
+                      int64_t rows, int64_t cols, QType& t, bool& interleaved) {
   const std::string w(what);
+  interleaved = (qtype_id & qkern::kInterleavedQTypeFlag) != 0;
+  qtype_id &= ~qkern::kInterleavedQTypeFlag;
   if (!IsQType(qtype_id)) {
     return InvalidArg(kOp, w + " qtype", "a GGML block type id (Q4_0=2 ... Q6_K=14)",
                       std::to_string(qtype_id));
   }
   t = static_cast<QType>(qtype_id);
   const QTypeInfo info = GetQTypeInfo(t);
+  if (interleaved && !qkern::CanInterleave(t, rows)) {
+    return InvalidArg(kOp, w + " (each expert's rows interleaved by 16)",
+                      "Q4_0, Q4_1 or Q8_0 with a multiple of 16 rows",
+                      std::string(info.name) + " with " + std::to_string(rows) + " rows");
+  }
   if (cols % info.block != 0) {
     return InvalidArg(kOp, w + " row length", "a multiple of the " + std::string(info.name) +
                                                    " block (" + std::to_string(info.block) + ")",
@@ -72,11 +82,11 @@ ffi::Error MoeFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer we
   }
   const int64_t e = gd[0], f = gd[1];
   MoeExperts w{};
-  if (ffi::Error err = CheckStack("gate", gate, gate_qtype, e, f, d, w.gate_t); err.failure()) {
+  if (ffi::Error err = CheckStack("gate", gate, gate_qtype, e, f, d, w.gate_t, w.gate_il); err.failure()) {
     return err;
   }
-  if (ffi::Error err = CheckStack("up", up, up_qtype, e, f, d, w.up_t); err.failure()) return err;
-  if (ffi::Error err = CheckStack("down", down, down_qtype, e, d, f, w.down_t); err.failure()) {
+  if (ffi::Error err = CheckStack("up", up, up_qtype, e, f, d, w.up_t, w.up_il); err.failure()) return err;
+  if (ffi::Error err = CheckStack("down", down, down_qtype, e, d, f, w.down_t, w.down_il); err.failure()) {
     return err;
   }
   if (k > e) {

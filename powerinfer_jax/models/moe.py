@@ -32,7 +32,7 @@ from powerinfer_jax import ops
 from powerinfer_jax.errors import fail
 from powerinfer_jax.models.ffn import FFN
 from powerinfer_jax.models.layers import F32, Linear, Module, _param, op_impl, sow
-from powerinfer_jax.models.qweights import host_blocks
+from powerinfer_jax.models.qweights import host_blocks, interleaved
 from powerinfer_jax.ops.reference import gated_activate
 
 EXECUTIONS = ("routed", "dense")
@@ -50,9 +50,16 @@ class Stacked(Module):
         self.qtype = None
 
     def load(self, t) -> None:
-        """Keep a stacked QuantTensor's blocks (checkpoint.base.QuantTensor, 3-D)."""
-        self.weight.set_value(host_blocks(t.blocks))
-        self.qtype = t.qtype
+        """Keep a stacked QuantTensor's blocks (checkpoint.base.QuantTensor, 3-D), each expert's
+        rows interleaved by 16 where the format and row count allow (qweights.interleaved: the
+        matvec layout, ~3x the file rows' speed at one token; the type becomes e.g. "Q4_0x16")."""
+        blocks, qtype = t.blocks, t.qtype
+        e, rows = blocks.shape[:2]
+        if rows % 16 == 0:  # groups of 16 rows never span two experts
+            flat, qtype = interleaved(blocks.reshape(e * rows, blocks.shape[2]), qtype)
+            blocks = flat.reshape(blocks.shape)
+        self.weight.set_value(host_blocks(blocks))
+        self.qtype = qtype
 
 
 class Experts(Module):

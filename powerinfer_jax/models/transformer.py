@@ -210,13 +210,13 @@ def _embedding(shape, dtype, rngs):
     return _param(shape, dtype, rngs, scale=0.02)
 
 
-def init_cache(config: ModelConfig, *, batch: int, max_len: int, dtype):
+def init_cache(config: ModelConfig, *, batch: int, max_len: int, dtype, zeros=jnp.zeros):
     """A zeroed KV cache for a model of `dtype`: per layer (k, v), each [B, S, K, H], stored as
-    `cache_storage_dtype(dtype)` (bfloat16 as raw uint16 bits, see models/layers.py)."""
+    `cache_storage_dtype(dtype)` (bfloat16 as raw uint16 bits, see models/layers.py).
+    `zeros(shape, dtype)` makes each array (the engine's: numpy zeros put on the device)."""
     shape = (batch, max_len, config.n_kv_heads, config.head_dim)
     storage = cache_storage_dtype(dtype)
-    return [(jnp.zeros(shape, storage), jnp.zeros(shape, storage))
-            for _ in range(config.n_layers)]
+    return [(zeros(shape, storage), zeros(shape, storage)) for _ in range(config.n_layers)]
 
 
 def _param_name(path) -> str:

@@ -149,13 +149,14 @@ def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype
 
     x: float32 [N, D]; ids: int32 [N, k], each token's experts in [0, E); weights: float32
     [N, k]; gate, up: uint8 [E, F, row_bytes(D)]; down: uint8 [E, D, row_bytes(F)] (a GGUF's
-    ffn_{gate,up,down}_exps as stored) in their GGML types. With impl "ffi" only the routed
-    experts' rows are read, the tokens grouped by expert (each expert's rows read once per
-    call); "reference" runs every expert on every token (unrouted ones weighted 0)."""
+    ffn_{gate,up,down}_exps as stored) in their GGML types, or with each expert's rows
+    interleaved by 16 (a "Q4_0x16" type name, as ops.qlinear takes). With impl "ffi" only the
+    routed experts' rows are read, the tokens grouped by expert (each expert's rows read once
+    per call); "reference" runs every expert on every token (unrouted ones weighted 0)."""
     _checks.check_choice("impl", impl, _checks.IMPLS)
-    names = [_checks.check_qtype(w, t) for w, t in (("gate_qtype", gate_qtype),
-                                                   ("up_qtype", up_qtype),
-                                                   ("down_qtype", down_qtype))]
+    names = [_checks.check_qlinear_type(t, w) for w, t in (("gate_qtype", gate_qtype),
+                                                          ("up_qtype", up_qtype),
+                                                          ("down_qtype", down_qtype))]
     x_shape = tuple(np.shape(x))
     if len(x_shape) != 2:
         _checks.fail("moe_ffn x", "float32 [N, D]", x_shape)

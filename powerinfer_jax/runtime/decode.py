@@ -152,7 +152,7 @@ class Engine:
                 for i in range(steps):
                     tokens_b, cache = step(i, tokens_b, cache)
                     out.append(tokens_b)
-                return jnp.stack(out), cache
+                return jnp.stack(out), tokens_b, cache
 
             def body(i, carry):
                 toks, cache, out = carry
@@ -160,8 +160,8 @@ class Engine:
                 return toks, cache, out.at[i].set(toks)
 
             out = jnp.zeros((steps,) + tokens_b.shape, jnp.int32)
-            _, cache, out = jax.lax.fori_loop(0, steps, body, (tokens_b, cache, out))
-            return out, cache
+            last, cache, out = jax.lax.fori_loop(0, steps, body, (tokens_b, cache, out))
+            return out, last, cache
 
         self._steps = {"prefill": (prefill, dict(static_argnames="kind", donate_argnames="cache")),
                        "decode": (decode, dict(static_argnames=("kv_len", "kind", "steps"),
@@ -350,9 +350,11 @@ class Engine:
                 self._cache = jax.device_put(
                     init_cache(self.config, batch=self.max_batch, max_len=self.max_seq_len,
                                dtype=self.cache_dtype), self._cache_sharding)
-            else:  # zeros from numpy: jnp.zeros compiled a fill first (60 ms of a CLI's 1st token)
-                self._cache = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype)),
-                                           self._abstract_cache())
+            else:  # zeros from numpy: jnp.zeros compiled a fill first (60 ms of a CLI's 1st
+                # token), and no shapes traced first (jax.eval_shape: 5-9 ms on the main thread)
+                self._cache = init_cache(
+                    self.config, batch=self.max_batch, max_len=self.max_seq_len,
+                    dtype=self.cache_dtype, zeros=lambda s, d: jax.device_put(np.zeros(s, d)))
         return self._cache
 
     def reset_cache(self) -> None:
@@ -376,12 +378,16 @@ class Engine:
     def decode_step(self, tokens_b, positions_b: np.ndarray, seeds_b: np.ndarray, params,
                     steps: int = 1):
         """`steps` decode steps over slots [0, b): tokens_b [b] (device or host), positions [b]
-        (of each slot's first step); returns the next tokens [steps, b] (on the device)."""
+        (of each slot's first step); returns the next tokens [steps, b] and their last row [b]
+        (both on the device). The last row is the step's own output, so a call dispatched on it
+        before the host reads the tokens indexes nothing eagerly: `toks[-1]` was a dynamic_slice
+        and a squeeze, each traced, lowered and looked up in jax's cache on the main thread
+        (~50-60 ms of a short CLI run, most of it the first lowering's imports)."""
         b = positions_b.shape[0]
         kind = smp.sampling_kind(params)
         kv_len = self.kv_bucket(int(positions_b.max()) + steps - 1)
         exe = self._executable(("decode", b, kv_len, kind, steps))
         temp, top_k, top_p = smp.rows(params)
-        toks, self._cache = exe(self._state, tokens_b, positions_b.astype(np.int32),
-                                self.cache(), seeds_b.astype(np.uint32), temp, top_k, top_p)
-        return toks
+        toks, last, self._cache = exe(self._state, tokens_b, positions_b.astype(np.int32),
+                                      self.cache(), seeds_b.astype(np.uint32), temp, top_k, top_p)
+        return toks, last

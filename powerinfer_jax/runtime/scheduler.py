@@ -148,12 +148,12 @@ class Scheduler:
         pending, self._pending = self._pending, None
         if pending is not None and not fresh and pending[2] == b and pending[3] == k and all(
                 pending[1][s.slot] == s.position for s in live):
-            toks = pending[0]  # rows of slots that finished since are junk, never read
+            toks, last = pending[0]  # rows of slots that finished since are junk, never read
         else:
             base = np.zeros(b, np.int32)
             for s in live:
                 base[s.slot] = s.tokens[-1]
-            toks = eng.decode_step(base, positions, seeds, params, k)
+            toks, last = eng.decode_step(base, positions, seeds, params, k)
         # The next call on this one's last device tokens, before the host reads them, when every
         # live sequence needs tokens past this call (a sequence that stops meanwhile just wastes
         # its row; free rows write junk at position 0, which a later prefill of the slot
@@ -163,7 +163,7 @@ class Scheduler:
             for s in live:
                 nxt[s.slot] = s.position + k
             k2 = eng.block_at(furthest + k, self.block)
-            self._pending = (eng.decode_step(toks[-1], nxt, seeds, params, k2), nxt, b, k2)
+            self._pending = (eng.decode_step(last, nxt, seeds, params, k2), nxt, b, k2)
         return toks
 
     def _accept(self, s: _Live, tok: int, first: bool = False) -> None:
