@@ -12,6 +12,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from powerinfer_jax.checkpoint.gguf_file import GGUFFile
 from powerinfer_jax.errors import UserError
 
 # FFN large beside the dense parts (SmolLM2's vocabulary makes the embeddings ~15 MB), so budgets
@@ -59,11 +60,18 @@ def _tokens(s, n=16):
     return list(s.engine.generate(ids, max_new_tokens=n).tokens)
 
 
-def _minimum(gguf, predictors) -> int:
+def _needs(build) -> int:
+    """The bytes a budget error names ("at least X GiB (N bytes ...")."""
     with pytest.raises(UserError) as e:
-        _build(gguf, predictors, budget=1 << 20)
-    msg = str(e.value)
-    return int(msg.split("GiB (")[1].split(" bytes")[0])
+        build()
+    return int(str(e.value).split("GiB (")[1].split(" bytes")[0])
+
+
+def _minimum(gguf, predictors) -> int:
+    """The smallest budget: the header's resident tensors first (checked before loading), then
+    the full minimum the built model names."""
+    resident = _needs(lambda: _build(gguf, predictors, budget=1 << 20))
+    return _needs(lambda: _build(gguf, predictors, budget=resident))
 
 
 def _sha256(path) -> str:
@@ -212,11 +220,22 @@ def test_budget_accounting_adds_up(model):
     assert summ["copied_from_file_bytes"] >= 0
 
 
-def test_budget_below_the_minimum_names_it(model):
+def test_budget_below_the_minimum_names_it(model, monkeypatch):
+    """Below the tensors that stay in memory: refused from the file's header before anything
+    loads; between that and the full minimum: refused once built, naming the minimum."""
+    import powerinfer_jax.checkpoint as checkpoint
+
     gguf, predictors = model
+    resident = sum(t.n_bytes for t in GGUFFile(gguf).tensors
+                   if t.name.rsplit(".", 2)[-2] not in ("ffn_gate", "ffn_up", "ffn_down"))
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("loaded"))
+        with pytest.raises(UserError, match=r"--ram-budget: expected at least [0-9.]+ GiB "
+                                            rf"\({resident} bytes of tensors that stay in memory"):
+            _build(gguf, predictors, budget=resident - 1)
     with pytest.raises(UserError, match=r"--ram-budget: expected at least [0-9.]+ GiB \(\d+ "
                                         r"bytes: the dense parts"):
-        _build(gguf, predictors, budget=1 << 20)
+        _build(gguf, predictors, budget=resident)
     lo = _minimum(gguf, predictors)
     assert _build(gguf, predictors, budget=lo).offload.summary["mode"] == "disk"
     with pytest.raises(UserError, match="expected at least"):

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -113,6 +114,32 @@ def file_bytes(ckpt) -> int:
     """The bytes of the checkpoint's tensors (as stored in the file)."""
     return sum(t.nbytes if isinstance(t, QuantTensor) else np.asarray(t).nbytes
                for t in ckpt.params.values())
+
+
+# a GGUF's FFN matrices of a dense layer: the only tensors a neuron store keeps on disk
+_GGUF_FFN = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.weight")
+
+
+def check_budget_from_header(model, budget: int) -> None:
+    """Before anything is loaded: a UserError when `budget` cannot hold the tensors that stay in
+    memory whatever the mode (every tensor of a GGUF file but its FFN matrices: attention,
+    embeddings, output, norms), read from the file's header. The full minimum (the KV cache, the
+    store's tables, one layer's neurons) is checked once the model is built (`attach`); this one
+    stops a hopeless budget before the loader's own copies take the memory it does not have.
+    Registry names and HF directories are checked after loading only."""
+    from powerinfer_jax.checkpoint.gguf_file import GGUFFile  # lazy: start-up
+
+    path = Path(str(model))
+    if path.suffix != ".gguf" or not path.is_file():
+        return
+    tensors = GGUFFile(path).tensors
+    resident = sum(t.n_bytes for t in tensors if not _GGUF_FFN.fullmatch(t.name))
+    if budget < resident:
+        gib = 1 << 30
+        fail("--ram-budget", f"at least {resident / gib:.3f} GiB ({resident} bytes of tensors "
+             f"that stay in memory: every tensor of {path.name} but its FFN matrices, from its "
+             "header; the KV cache and the neuron store come on top)", f"{budget / gib:.3f} GiB",
+             "raise the budget")
 
 
 def kv_bytes(config, *, kv_len: int, batch: int, dtype) -> int:

@@ -143,6 +143,10 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     from powerinfer_jax.models.transformer import from_params  # lazy: start-up
 
     if checkpoint is None:
+        if placement.ram_budget_bytes is not None:
+            from powerinfer_jax.runtime import offload  # lazy: start-up
+
+            offload.check_budget_from_header(model, placement.ram_budget_bytes)
         ckpt = load_checkpoint(model, keep_quantized=_keeps_quantized(runtime, placement))
     else:
         ckpt = checkpoint
