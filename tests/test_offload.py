@@ -242,6 +242,22 @@ def test_budget_below_the_minimum_names_it(model, monkeypatch):
         _build(gguf, predictors, budget=lo - 1)
 
 
+def test_header_check_counts_powerinfer_down_rows_as_ffn(model):
+    """A PowerInfer GGUF stores the down projection as ffn_down_t [F, D]: an FFN matrix the store
+    keeps on disk like llama.cpp's ffn_down, so the header's minimum leaves it out (counted as
+    resident it would refuse budgets the store serves)."""
+    from powerinfer_jax.runtime.offload import check_budget_from_header
+
+    _, predictors = model
+    tensors = GGUFFile(predictors).tensors
+    assert any(t.name.endswith("ffn_down_t.weight") for t in tensors)
+    ffn = ("ffn_gate", "ffn_up", "ffn_down", "ffn_down_t")
+    resident = sum(t.n_bytes for t in tensors if t.name.rsplit(".", 2)[-2] not in ffn)
+    check_budget_from_header(predictors, resident)  # enough: no error
+    with pytest.raises(UserError, match=rf"\({resident} bytes of tensors that stay in memory"):
+        check_budget_from_header(predictors, resident - 1)
+
+
 def test_a_model_that_fits_loads_in_memory(model):
     gguf, predictors = model
     s = _build(gguf, predictors, budget=1 << 40)

@@ -116,8 +116,9 @@ def file_bytes(ckpt) -> int:
                for t in ckpt.params.values())
 
 
-# a GGUF's FFN matrices of a dense layer: the only tensors a neuron store keeps on disk
-_GGUF_FFN = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.weight")
+# a GGUF's FFN matrices of a dense layer (llama.cpp's ffn_down [D, F] or PowerInfer's ffn_down_t
+# [F, D], gguf_arch.sources): the only tensors a neuron store keeps on disk
+_GGUF_FFN = re.compile(r"blk\.\d+\.ffn_(gate|up|down|down_t)\.weight")
 
 
 def check_budget_from_header(model, budget: int) -> None:
