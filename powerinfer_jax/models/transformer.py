@@ -171,7 +171,6 @@ class Transformer(Module):
         if self.lm_head is not None:
             return self.lm_head(h_btd)
         if self.embed_qtype is not None:  # tied to a quantized embedding: its blocks
-
             return ops.qlinear(h_btd, self.tok_embed[...], self.embed_kernel_qtype,
                                self.config.d_model,
                                impl=op_impl(self.kernels))
