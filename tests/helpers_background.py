@@ -10,9 +10,9 @@ With pytest-xdist (the README's `-n 2`) every worker collects every test, but on
 given background test, and which one is decided later. So a job lives in a folder shared by the
 run's processes (`$PIJ_BG_DIR`, made by the controlling process in conftest.py): the first worker
 to create `<key>/` starts the command, whose exit status lands in `<key>/rc`; whichever worker
-runs the test waits for that file, and may kill the command's process group on a timeout. The
-worker that started a job waits for it at its session's end (another worker may be reading it);
-the controlling process removes the folder last.
+runs the test waits for that file, and kills the command's process group on a timeout. A job
+runs in its own session and outlives the worker that started it (another worker may be waiting
+for it); the controlling process, which ends last, kills what still runs and removes the folder.
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from pathlib import Path
 
 NICE = 10  # below the foreground tests, so their figures move as little as possible
 ENV = "PIJ_BG_DIR"
-_OWNED: dict[str, subprocess.Popen] = {}  # the jobs this process started
 _MADE_ROOT: Path | None = None
 
 
@@ -59,17 +58,17 @@ def start(key: str, argv: list[str], *, env: dict | None = None, cwd=None) -> No
         return
     argv = [a.replace("{workdir}", str(job)) for a in argv]
     # the exit status goes to a file any worker can read: `sh` runs the command and writes it
-    script = 'nice -n "$0" "$@"; echo $? > "$PIJ_BG_JOB/rc.tmp" && mv "$PIJ_BG_JOB/rc.tmp" "$PIJ_BG_JOB/rc"'
+    script = ('nice -n "$0" "$@"; echo $? > "$PIJ_BG_JOB/rc.tmp" && '
+              'mv "$PIJ_BG_JOB/rc.tmp" "$PIJ_BG_JOB/rc"')
     with open(job / "stdout", "w") as out, open(job / "stderr", "w") as err:
         # `nice` in the shell, not preexec_fn=os.nice: a preexec_fn forces a fork of this
         # multithreaded (jax) process, which jax warns may deadlock. Its own session: a timeout
         # kills the whole group from whichever worker waits
+        env = {**(os.environ if env is None else env), "PIJ_BG_JOB": str(job)}
         proc = subprocess.Popen(["sh", "-c", script, str(NICE), *argv], stdout=out, stderr=err,
-                                env={**(os.environ if env is None else env), "PIJ_BG_JOB": str(job)},
-                                cwd=cwd, start_new_session=True)
+                                env=env, cwd=cwd, start_new_session=True)
     (job / "pid").write_text(str(proc.pid))
     (job / "started").write_text(repr(time.time()))
-    _OWNED[key] = proc
 
 
 def finish(key: str, timeout: float) -> subprocess.CompletedProcess:
@@ -84,14 +83,7 @@ def finish(key: str, timeout: float) -> subprocess.CompletedProcess:
         if time.time() > deadline:
             _kill(job)
             raise subprocess.TimeoutExpired(key, timeout)
-        proc = _OWNED.get(key)
-        if proc is not None:
-            try:
-                proc.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                pass
-        else:
-            time.sleep(1.0)
+        time.sleep(1.0)
     rc = int((job / "rc").read_text().strip() or "1")
     return subprocess.CompletedProcess(key, rc, (job / "stdout").read_text(errors="replace"),
                                        (job / "stderr").read_text(errors="replace"))
@@ -110,7 +102,6 @@ def stop_all() -> None:
     ends after its workers, or a run without workers): kill every job still running, remove the
     folder."""
     global _MADE_ROOT
-    _OWNED.clear()
     if _MADE_ROOT is None:
         return
     for job in _MADE_ROOT.iterdir():
