@@ -43,9 +43,9 @@ inline void PrefetchL2(const uint8_t* p, int64_t bytes) {
 // pieces handed out one by one (2 threads, Cascade Lake, min of ~350 interleaved runs over the
 // 30 layers). Scattered neurons (the hardware prefetcher does not follow gaps): at decode the
 // next pair's rows (in `neurons`, then in `next`) are requested as this pair's are read
-// (qkern::CompanionPrefetch; with the down rows' prefetch below, one synthetic 7B layer at ~10% active, 2
-// threads, rotating over 32 layers: median 0.85 -> 0.76 ms with Q4_0 down rows and 0.85 -> 0.83
-// ms with down groups, 5 paired rounds); in token tiles the rows
+// (qkern::CompanionPrefetch; with the down rows' prefetch below, one synthetic 7B layer at ~10%
+// active, 2 threads, rotating over 32 layers: median 0.85 -> 0.76 ms with Q4_0 down rows and
+// 0.85 -> 0.83 ms with down groups, 5 paired rounds); in token tiles the rows
 // of the neuron kGateUpAhead places further are requested whole first.
 template <class F, int kRows>
 void NeuronDots(const uint8_t* const* mats, std::span<const int32_t> neurons,

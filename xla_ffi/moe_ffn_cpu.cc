@@ -82,11 +82,15 @@ ffi::Error MoeFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer we
   }
   const int64_t e = gd[0], f = gd[1];
   MoeExperts w{};
-  if (ffi::Error err = CheckStack("gate", gate, gate_qtype, e, f, d, w.gate_t, w.gate_il); err.failure()) {
+  if (ffi::Error err = CheckStack("gate", gate, gate_qtype, e, f, d, w.gate_t, w.gate_il);
+      err.failure()) {
     return err;
   }
-  if (ffi::Error err = CheckStack("up", up, up_qtype, e, f, d, w.up_t, w.up_il); err.failure()) return err;
-  if (ffi::Error err = CheckStack("down", down, down_qtype, e, d, f, w.down_t, w.down_il); err.failure()) {
+  if (ffi::Error err = CheckStack("up", up, up_qtype, e, f, d, w.up_t, w.up_il); err.failure()) {
+    return err;
+  }
+  if (ffi::Error err = CheckStack("down", down, down_qtype, e, d, f, w.down_t, w.down_il);
+      err.failure()) {
     return err;
   }
   if (k > e) {
