@@ -258,6 +258,16 @@ def test_header_check_counts_powerinfer_down_rows_as_ffn(model):
         check_budget_from_header(predictors, resident - 1)
 
 
+def test_a_corrupt_file_under_a_budget_is_the_loaders_one_line_error(model, tmp_path):
+    """The header check reads the file as the loader does: a damaged GGUF is a UserError that
+    names the file, not a parser's traceback."""
+    gguf, predictors = model
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(40))
+    with pytest.raises(UserError, match=r"bad\.gguf"):
+        _build(str(bad), predictors, budget=1 << 30)
+
+
 def test_a_model_that_fits_loads_in_memory(model):
     gguf, predictors = model
     s = _build(gguf, predictors, budget=1 << 40)

@@ -128,12 +128,13 @@ def check_budget_from_header(model, budget: int) -> None:
     store's tables, one layer's neurons) is checked once the model is built (`attach`); this one
     stops a hopeless budget before the loader's own copies take the memory it does not have.
     Registry names and HF directories are checked after loading only."""
-    from powerinfer_jax.checkpoint.gguf_file import GGUFFile  # lazy: start-up
+    # lazy: start-up (gguf only for GGUF files)
+    from powerinfer_jax.checkpoint.gguf import _open  # the loader's: a bad file named, with a fix
 
     path = Path(str(model))
     if path.suffix != ".gguf" or not path.is_file():
         return
-    tensors = GGUFFile(path).tensors
+    tensors = _open(path).tensors
     resident = sum(t.n_bytes for t in tensors if not _GGUF_FFN.fullmatch(t.name))
     if budget < resident:
         gib = 1 << 30
