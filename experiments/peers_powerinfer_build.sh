@@ -22,7 +22,15 @@ if [[ ! -d "$dir/src" ]]; then
   # leave out any blob that is absent; `main` needs none of them.
   mapfile -t absent < <(git --git-dir="$gitdir" ls-tree -r "$commit" | awk '$2 == "blob" {print $3" "$4}' \
     | while read -r sha path; do git --git-dir="$gitdir" cat-file -e "$sha" 2>/dev/null || echo ":(exclude)$path"; done)
-  git --git-dir="$gitdir" archive "$commit" -- . "${absent[@]}" | tar -x -C "$dir/src"
+  # (git archive does not honour exclude pathspecs for blobs it cannot read: archive a tree
+  # written from a temporary index without them instead)
+  index=$(mktemp); trap 'rm -f "$index"' EXIT
+  GIT_INDEX_FILE=$index git --git-dir="$gitdir" read-tree "$commit"
+  for path in "${absent[@]}"; do
+    GIT_INDEX_FILE=$index git --git-dir="$gitdir" rm -q --cached -- "${path#:(exclude)}"
+  done
+  tree=$(GIT_INDEX_FILE=$index git --git-dir="$gitdir" write-tree)
+  git --git-dir="$gitdir" archive "$tree" | tar -x -C "$dir/src"
   echo "$commit" > "$dir/COMMIT"
   # LLAMA_NATIVE: -march=native, as our own build (the binary runs on the machine that built it).
   nice -n 10 cmake -S "$dir/src" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_NATIVE=ON \
