@@ -54,14 +54,15 @@ def _run(model, toks):
 
 
 def _thresholds(model, chunks):
-    """Per-layer thresholds for TARGET from the model's own profile (sparsity/calibrate.py), for
+    """Per-layer thresholds for TARGET from the model's own profile (sparsity/thresholds.py), for
     the gate criterion (threshold mode) and the contribution |a| (oracle, q4 predictor)."""
-    from powerinfer_jax.sparsity import calibrate as cal
     from powerinfer_jax.sparsity import profile as prof
+    from powerinfer_jax.sparsity import thresholds
 
     x = prof.collect_ffn_inputs(model, chunks, progress=False)
     profile = prof.profile_activations(model, x, progress=False)
-    return {c: cal.calibrate_thresholds(profile, TARGET, criterion=c) for c in cal.CRITERIA}
+    return {c: thresholds.calibrate_thresholds(profile, TARGET, criterion=c)
+            for c in thresholds.CRITERIA}
 
 
 MODES = {"threshold": (SparsityConfig(mode="threshold", target_sparsity=TARGET), "gate"),

@@ -18,7 +18,7 @@ from powerinfer_jax.models.transformer import Transformer, from_params
 from powerinfer_jax.sparsify import DistillConfig, distill, scan
 from powerinfer_jax.sparsify import forward as fw
 from powerinfer_jax.sparsify.checkpoints import TrainCheckpoints
-from powerinfer_jax.sparsify.config import recipe
+from powerinfer_jax.sparsify.recipe import recipe
 from powerinfer_jax.sparsify.export import canonical_params
 from powerinfer_jax.sparsify.fatrelu import pick_threshold, scan_grid
 from powerinfer_jax.sparsify.schedule import l1_coefficient
