@@ -181,3 +181,14 @@ def test_bad_input_is_a_clear_error():
                                         r"0 <= slot < kv_len = 8"):
         jax.block_until_ready(ops.decode_attention(q, kv, kv, kc, kc,
                                                    jnp.asarray([8, 8], jnp.int32), kv_len=8)[0])
+    # The optional vectors, checked again by the handler called without the Python layer.
+    raw = dict(kv_len=8, inv_freq=None, rope_factor=1.0, scale=0.0, softcap=0.0, window=0,
+               q_norm=None, k_norm=None, norm_eps=1e-6)
+    for change, msg in ((dict(inv_freq=np.ones(3)), r"inv_freq: expected float32 \[4\] or absent"),
+                        (dict(q_norm=np.ones(7), k_norm=np.ones(8)),
+                         r"q_norm: expected float32 \[8\] or absent"),
+                        (dict(q_norm=np.ones(8)), r"q_norm, k_norm: expected both present or "
+                                                  r"both absent")):
+        with pytest.raises(Exception, match="decode_attention: " + msg):
+            jax.block_until_ready(_ffi.decode_attention(q, kv, kv, kc, kc, where.reshape(1, 2),
+                                                        **{**raw, **change})[0])

@@ -76,6 +76,10 @@ def test_handler_validates_too():
         jax.block_until_ready(_ffi.linear(x, jnp.zeros((37, 11)), None))
     with pytest.raises(Exception, match=r"linear: bias: expected float32 \[37\] or absent"):
         jax.block_until_ready(_ffi.linear(x, w, jnp.zeros((5,))))
+    # a scalar bias has no last dim to compare: the same clean error, not a read out of bounds
+    with pytest.raises(Exception, match=r"linear: bias: expected float32 \[37\] or absent "
+                                        r"\(zero-size\), got float32 \[\]"):
+        jax.block_until_ready(_ffi.linear(x, w, jnp.ones(())))
 
 
 # ------------------------------------------------------------------------------------------------

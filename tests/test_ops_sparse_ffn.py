@@ -250,10 +250,10 @@ def test_bad_inputs_raise_value_error(change, what):
         ops.sparse_ffn(x, w_up, w_down_t, **args)
 
 
-def _raw_call(x, w_up, w_down_t, *, w_gate=None, scores=None, threshold=0.5,
-              activation="silu", criterion="scores"):
+def _raw_call(x, w_up, w_down_t, *, w_gate=None, b_up=None, b_down=None, scores=None,
+              threshold=0.5, activation="silu", criterion="scores"):
     """Straight to the FFI handler, skipping Python validation: the C++ checks must hold alone."""
-    return _ffi.sparse_ffn(x, w_up, w_down_t, w_gate=w_gate, b_up=None, b_down=None,
+    return _ffi.sparse_ffn(x, w_up, w_down_t, w_gate=w_gate, b_up=b_up, b_down=b_down,
                            scores=scores, threshold=threshold, activation=activation,
                            criterion=criterion)
 
@@ -269,6 +269,9 @@ BAD_FFI_INPUTS = [
     (dict(w_up=jnp.ones((F, D), jnp.int8), w_down_t=jnp.ones((F, D), jnp.int8), w_gate=None),
      "w_up dtype"),
     (dict(w_up=jnp.ones((2, F, D)), w_down_t=jnp.ones((2, F, D)), w_gate=None), "w_up shape"),
+    (dict(b_up=jnp.ones(F + 1)), "b_up"),
+    (dict(b_down=jnp.ones((2, D))), "b_down"),  # a leading dim that is not vmap's size 1
+    (dict(b_down=jnp.ones(())), "b_down"),  # rank 0: no last dim to compare
 ]
 
 

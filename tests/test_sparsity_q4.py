@@ -297,6 +297,10 @@ def test_fused_q4_ffn_bad_input():
     with pytest.raises(Exception, match=r"q4_sparse_ffn: threshold: expected a finite number"):
         jax.block_until_ready(_ffi.q4_sparse_ffn(x, q, dm, down, b, None, threshold=-1.0,
                                                  activation="silu")[0])
+    with pytest.raises(Exception,
+                       match=r"q4_sparse_ffn: b_down: expected float32 \[64\] or absent"):
+        jax.block_until_ready(_ffi.q4_sparse_ffn(x, q, dm, down, b, np.zeros(3), threshold=0.1,
+                                                 activation="silu")[0])
     with pytest.raises(Exception, match=r"q4_sparse_ffn: q: expected uint8"):
         jax.block_until_ready(_ffi.q4_sparse_ffn(x, q[:, :, :16], dm, down, b, None,
                                                  threshold=0.1, activation="silu")[0])
