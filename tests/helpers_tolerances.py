@@ -36,9 +36,10 @@ TOL: dict[str, Tol] = {
     "float16": Tol(2e-5, 2e-5, _KERNEL),
     # -- the same float32 math, grouped or ordered differently
     "regrouped": Tol(1e-5, 1e-5, "the same float32 operations in another grouping: cached vs "
-                     "uncached decode, a permuted or placed model vs the original, the scanned vs "
-                     "the unrolled forward, one predictor layer vs the stacked call, routed vs "
-                     "dense experts, the attention custom call vs XLA's"),
+                     "uncached decode, a permuted or placed model (hot and cold rows in two "
+                     "calls) vs the original, the scanned vs the unrolled forward, one predictor "
+                     "layer vs the stacked call, routed vs dense experts, the attention custom "
+                     "call vs XLA's"),
     "ffn_vs_float64": Tol(1e-5, 2e-5, "one block's output against a float64 numpy FFN over the "
                           "predicted neurons: float32 rounding of D-long sums"),
     "sparse_vs_dense_logits": Tol(1e-5, 5e-5, "all-active predictors vs the dense model: the "

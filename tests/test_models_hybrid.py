@@ -40,7 +40,7 @@ def test_permutation_leaves_dense_output_unchanged():
     ref = np.asarray(m(TOKENS))
     permute_model(m, p)
     assert not all(o == tuple(range(37)) for o in p.order)
-    assert_close(m(TOKENS), ref)
+    assert_close(m(TOKENS), ref, "regrouped")
 
 
 @pytest.mark.slow
@@ -59,8 +59,8 @@ def test_hybrid_equals_unplaced(cfg, frac):
     for layer, h in zip(m.layers, p.hot):
         ffn = layer.ffn
         assert ffn.n_hot == h and ffn.cold["up"][...].shape[0] == 37 - h
-    assert_close(with_mode(m, SparsityConfig())(TOKENS), want["dense"])
-    assert_close(with_mode(m, ORACLE)(TOKENS), want["oracle"])
+    assert_close(with_mode(m, SparsityConfig())(TOKENS), want["dense"], "regrouped")
+    assert_close(with_mode(m, ORACLE)(TOKENS), want["oracle"], "regrouped")
 
 
 @pytest.mark.slow
@@ -81,7 +81,7 @@ def test_layers_mode_equals_unplaced():
     want = np.asarray(with_mode(m, ORACLE)(TOKENS))
     apply_placement(m, p)
     assert set(p.hot) <= {0, 37} and p.hot[0] >= p.hot[-1]
-    assert_close(m(TOKENS), want)
+    assert_close(m(TOKENS), want, "regrouped")
 
 
 @pytest.mark.slow
@@ -97,7 +97,7 @@ def test_scores_modes_permute_with_the_neurons(mode):
     positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
     _, n_want = active_counts(m, TOKENS, positions)
     apply_placement(m, p)
-    assert_close(m(TOKENS), want)
+    assert_close(m(TOKENS), want, "regrouped")
     _, n_got = active_counts(m, TOKENS, positions)
     np.testing.assert_array_equal(np.asarray(n_got), np.asarray(n_want))
 

@@ -29,7 +29,7 @@ def test_matches_reference(dtype, lead, bias):
     got = jax.jit(lambda x, w, b: ops.linear(x, w, b))(x, w, b)
     want = ops.linear(x, w, b, impl="reference")
     assert got.shape == lead + (37,) and got.dtype == jnp.float32
-    assert_close(got, want)
+    assert_close(got, want, dtype)
 
 
 @pytest.mark.slow
