@@ -211,7 +211,7 @@ def samples_rows(n: int) -> list[dict]:
 def fill_rows() -> list[dict]:
     """The whole top-k cache of the default long run (wiki.train + its 64 samples, seq 256,
     k 64) filled ahead, in the shared cache (later runs read it)."""
-    from powerinfer_jax.sparsify.config import recipe
+    from powerinfer_jax.sparsify.recipe import recipe
     from powerinfer_jax.sparsify.run import fill_teacher_cache
 
     cfg = recipe("prosparse", variant="relu", teacher="cached")
@@ -226,7 +226,7 @@ def piece_row(piece: str, tokens: int, budget: float) -> dict:
     """One piece of a long run (the BUILD.md command's settings, `tokens` planned) in the shared
     cache: the first (fresh output) or a resumed one, `budget` seconds; its time split."""
     from powerinfer_jax.sparsify import distill
-    from powerinfer_jax.sparsify.config import recipe
+    from powerinfer_jax.sparsify.recipe import recipe
 
     from powerinfer_jax.sparsify.checkpoints import TrainCheckpoints
 
@@ -262,7 +262,7 @@ def e2e_rows(steps: int) -> list[dict]:
     """Two runs of `steps` steps in a fresh cache: the first fills the top-k cache, the second
     (same data, --force) reads it."""
     from powerinfer_jax.sparsify import distill
-    from powerinfer_jax.sparsify.config import recipe
+    from powerinfer_jax.sparsify.recipe import recipe
 
     from powerinfer_jax.checkpoint.registry import cache_dir
 

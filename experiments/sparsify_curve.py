@@ -262,7 +262,7 @@ def main(argv=None) -> None:
         import tempfile
 
         from powerinfer_jax.sparsify import distill
-        from powerinfer_jax.sparsify.config import recipe
+        from powerinfer_jax.sparsify.recipe import recipe
 
         cfg = recipe("prosparse", variant="relu", teacher="cached", tokens=args.tokens,
                      lr=args.lr, l1_target_sparsity=target)

@@ -52,9 +52,9 @@ def main(argv=None) -> None:
     threads = _cli.setup(args)
     from powerinfer_jax.sparsity import modes  # lazy: start-up (calibrate CLI)
     from powerinfer_jax.sparsity.artifacts import target_dir  # lazy: start-up (calibrate CLI)
-    # lazy: start-up (calibrate CLI)
-    from powerinfer_jax.sparsity.calibrate import check_target_sparsity
     from powerinfer_jax.sparsity.predictor import TrainConfig  # lazy: start-up (calibrate CLI)
+    # lazy: start-up (calibrate CLI)
+    from powerinfer_jax.sparsity.thresholds import check_target_sparsity
 
     target = check_target_sparsity(args.target_sparsity)
     check(args.ctx >= 2, "--ctx", "an integer >= 2", args.ctx)

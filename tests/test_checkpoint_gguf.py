@@ -6,6 +6,7 @@ import pytest
 from gguf import GGMLQuantizationType, quants as ref
 
 from helpers_models import gpt2_tokenizer_meta, random_params, tiny_llama_config, write_tiny_gguf
+from helpers_tolerances import assert_close
 from powerinfer_jax.checkpoint import QuantTensor, load_checkpoint
 from powerinfer_jax.checkpoint.base import rope_permute, rope_unpermute
 from powerinfer_jax.checkpoint.gguf import load_gguf, write_gguf
@@ -103,8 +104,7 @@ def test_rope_permutation_maps_conventions():
     for pos in (0, 1, 7):
         ours = _rope_halves((w_hf @ x).reshape(n_heads, h), pos)
         theirs = _rope_interleaved((rope_permute(w_hf, n_heads) @ x).reshape(n_heads, h), pos)
-        np.testing.assert_allclose(rope_permute(ours.reshape(-1, 1), n_heads).ravel(),
-                                   theirs.ravel(), rtol=1e-12, atol=1e-12)
+        assert_close(rope_permute(ours.reshape(-1, 1), n_heads).ravel(), theirs.ravel(), "float64")
 
 
 def test_tied_embeddings(tmp_path):
@@ -145,7 +145,7 @@ def test_matches_transformers_gguf_loader(tiny, tmp_path):
     for hf_name, value in state.items():
         name = _hf_to_canonical(hf_name)
         ours = ck.params[name].T if name.endswith("down_t.weight") else ck.params[name]
-        np.testing.assert_allclose(ours, value, rtol=1e-6, atol=1e-6, err_msg=hf_name)
+        assert_close(ours, value, "loaded_weights", err_msg=hf_name)
 
 
 # ------------------------------------------------------------------------------- bad input

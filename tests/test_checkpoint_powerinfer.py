@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 from helpers_models import VOCAB, gpt2_tokenizer_meta, random_params, save_hf_llama, \
     tiny_llama_config  # noqa: E402
 from helpers_powerinfer import convert_falcon, convert_llama  # noqa: E402
+from helpers_tolerances import assert_close  # noqa: E402
 from powerinfer_jax.checkpoint import load_checkpoint  # noqa: E402
 from powerinfer_jax.checkpoint import powerinfer as pi  # noqa: E402
 from powerinfer_jax.checkpoint.gguf import file_magic  # noqa: E402
@@ -63,7 +64,7 @@ def test_reads_a_file_written_like_powerinfers_convert_py(tmp_path):
     ck = load_checkpoint(path)
     assert ck.config.activation == "relu" and not ck.config.tie_embeddings
     model = from_params(ck.config, ck.params)
-    np.testing.assert_allclose(_logits(model)[0], _hf_logits(hf), atol=5e-5, rtol=1e-4)
+    assert_close(_logits(model)[0], _hf_logits(hf), "family_logits")
     got = pi.load_predictors(path, ck.config)
     assert got.threshold == 0.25
     for (fc1, fc2), a, b in zip(preds, got.fc1, got.fc2):
@@ -86,7 +87,7 @@ def test_reads_a_falcon_file_written_like_powerinfers_hf_converter(tmp_path):
     c = ck.config
     assert (c.arch, c.activation, c.n_kv_heads, c.parallel_block) == ("falcon", "relu", 2, True)
     model = from_params(c, ck.params)
-    np.testing.assert_allclose(_logits(model)[0], _hf_logits(hf), atol=5e-5, rtol=1e-4)
+    assert_close(_logits(model)[0], _hf_logits(hf), "family_logits")
     assert pi.load_predictors(path, c).threshold == 0.0
 
 
@@ -132,7 +133,7 @@ def test_round_trip_keeps_logits_and_predictor_outputs(tmp_path, kind):
 
     built = pij.load(str(path), sparsity="powerinfer", progress=False).model
     lc, nc = _logits(built)
-    np.testing.assert_allclose(lc, lb, atol=1e-5, rtol=1e-5)
+    assert_close(lc, lb, "regrouped")
     np.testing.assert_array_equal(np.asarray(nc), np.asarray(nb))
 
 
@@ -161,7 +162,7 @@ def test_predictor_reads_the_residual_and_decides_like_powerinfer():
                                                     block.ffn.up.weight[...],
                                                     block.ffn.down_t.weight[...]))
     a = np.where(keep, np.maximum(h @ g.T, 0) * (h @ u.T), 0)
-    np.testing.assert_allclose(np.asarray(out)[0], r + a @ dn, atol=2e-5, rtol=1e-5)
+    assert_close(np.asarray(out)[0], r + a @ dn, "ffn_vs_float64")
     assert 0 < keep.mean() < 1
     # all-active predictors: predictor mode is the dense model
     for layer in model.layers:
@@ -169,9 +170,7 @@ def test_predictor_reads_the_residual_and_decides_like_powerinfer():
     dense = _logits(model)[0]
     pip_.attach(model, pi.all_active_predictors(config))
     sparse, n = _logits(model)
-    # the same sums in another order (the sparse call's per-neuron accumulation against the dense
-    # matvec's): float32 rounding, seen up to 1.4e-5 on logits of magnitude ~3 in CI
-    np.testing.assert_allclose(sparse, dense, atol=5e-5, rtol=1e-5)
+    assert_close(sparse, dense, "sparse_vs_dense_logits")
     assert np.all(np.asarray(n) == config.d_ff)
 
 
@@ -215,7 +214,7 @@ def test_low_rank_stack_exports_only_without_biases():
     ours = np.asarray(stack(jnp.asarray(np.stack([x] * config.n_layers))))
     scale = params["layers.1.ffn_norm.scale"]
     theirs = np.maximum((x / scale) @ out.fc1[1].T, 0) @ out.fc2[1].T
-    np.testing.assert_allclose(theirs, ours[1], rtol=1e-4, atol=1e-4)
+    assert_close(theirs, ours[1], "other_path")
     stack.b_out_lf.set_value(stack.b_out_lf[...] - 0.5)  # a folded decision threshold
     with pytest.raises(UserError, match=r"biases: expected all zero.*max \|b\| = 0.5"):
         pip_.from_predictor_stack(stack, config, params)
@@ -315,7 +314,7 @@ def test_gpu_index_becomes_a_placement(tmp_path):
     model = from_params(config, random_params(config))
     want = _logits(model)[0]
     apply_placement(model, p)
-    np.testing.assert_allclose(_logits(model)[0], want, atol=1e-5, rtol=1e-5)
+    assert_close(_logits(model)[0], want, "regrouped")
 
 
 def test_stale_gpu_index_is_rejected(tmp_path):
@@ -375,7 +374,7 @@ def test_quantized_file_keeps_its_predictor_blocks(tmp_path, kind):
     want = reference.qlinear(jax_relu(reference.qlinear(r, kept.fc1[0].blocks, "Q4_0", d)),
                              kept.fc2[0].blocks, "Q4_0", rank)
     got = np.asarray(pred.raw(r))
-    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(got).max())
+    assert_close(got, want, "q4_predictor")
     perm = np.random.default_rng(3).permutation(config.d_ff)
     pred.permute(perm)
     np.testing.assert_array_equal(np.asarray(pred.raw(r)), got[..., perm])

@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType, quants as ref
 
 from helpers_models import gpt2_tokenizer_meta, random_params, tiny_llama_config
 from helpers_quant import decode_block, random_blocks
+from helpers_tolerances import assert_close
 from powerinfer_jax.checkpoint import QuantTensor, load_checkpoint, quants
 from powerinfer_jax.checkpoint.gguf import write_gguf
 
@@ -30,7 +31,7 @@ def test_dequantize_matches_element_by_element_decoder(qtype):
     assert got.dtype == np.float32 and got.shape == (3, cols)
     want = np.stack([np.concatenate([decode_block(qtype, row[k * nbytes:(k + 1) * nbytes])
                                      for k in range(2)]) for row in blocks])
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert_close(got, want, "dequantize")
     kernel = np.zeros((3, cols), np.float32)
     _ffi._pij_ext.dequantize_into(blocks, quants.type_id(qtype), kernel)
     np.testing.assert_array_equal(kernel, got)
@@ -61,7 +62,7 @@ def test_q4_k_quantizer():
     got = ref.dequantize(packed, GGMLQuantizationType.Q4_K)
     spec = np.stack([np.concatenate([decode_block("Q4_K", r[k * 144:(k + 1) * 144])
                                      for k in range(2)]) for r in packed])
-    np.testing.assert_allclose(got, spec, rtol=1e-6, atol=1e-7)
+    assert_close(got, spec, "dequantize")
     step = (x.reshape(4, 16, 32).max(-1) - np.minimum(x.reshape(4, 16, 32).min(-1), 0)) / 15
     err = np.abs(got - x).reshape(4, 16, 32).max(-1)
     assert np.all(err <= 0.6 * step + 0.02 * np.abs(x).max())  # half a step + 6-bit scale rounding
@@ -185,7 +186,7 @@ def test_every_type_matches_transformers_gguf_loader(every_type, tmp_path):
     for hf_name, value in state.items():
         name = _hf_to_canonical(hf_name)
         ours = ck.params[name].T if name.endswith("down_t.weight") else ck.params[name]
-        np.testing.assert_allclose(ours, value, rtol=1e-6, atol=1e-6, err_msg=hf_name)
+        assert_close(ours, value, "loaded_weights", err_msg=hf_name)
 
 
 def test_keep_quantized_memory_is_the_file_size(every_type):

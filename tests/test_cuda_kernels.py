@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from helpers_cuda import cuda_device, needs_cuda
+from helpers_tolerances import assert_close
 from powerinfer_jax import ops
 
 
@@ -38,5 +39,5 @@ def test_cuda_matches_reference(dtype, gated, t, criterion, d):
     got_y, got_n = jax.jit(lambda x, u, dn, g, s: ops.sparse_ffn(
         x, u, dn, **{**args, "w_gate": g, "scores": s}))(
         put(x), put(w_up), put(w_down_t), put(args["w_gate"]), put(args.get("scores")))
-    np.testing.assert_allclose(np.asarray(got_y), np.asarray(want_y), rtol=1e-4, atol=1e-4)
+    assert_close(got_y, want_y, "other_path")
     np.testing.assert_array_equal(np.asarray(got_n), np.asarray(want_n))

@@ -8,10 +8,10 @@ each a tiny random model transformers builds here (helpers_families.py), read
     the reference is transformers reading the same Q4_0 file (its own dequantization) into
     the model the directory's config.json describes.
 
-Logits equal transformers' within the one tolerance (test_models_families.TOL) at 24 positions,
-past every sliding window (8); greedy decoding equals transformers' generate over 32 steps; each
-family's distinguishing feature is shown to matter (dropping it moves the logits far outside
-the tolerance), so a loader that ignored it would fail. A Mistral GGUF carries no sliding
+Logits equal transformers' within the one tolerance of family logits (helpers_tolerances.py) at 24
+positions, past every sliding window (8); greedy decoding equals transformers' generate over 32
+steps; each family's distinguishing feature is shown to matter (dropping it moves the logits far
+outside the tolerance), so a loader that ignored it would fail. A Mistral GGUF carries no sliding
 window (the converter drops it and llama.cpp runs Mistral without one): from the GGUF we equal
 transformers with the window off. Tokenizers (tokenizer.json and GGUF metadata) give
 AutoTokenizer's ids on wiki text and on emoji, CJK, digit and whitespace runs, and the chat
@@ -34,7 +34,7 @@ pytest.importorskip("sentencepiece")
 
 import helpers_families as fam  # noqa: E402
 import helpers_llamacpp as llamacpp  # noqa: E402
-from test_models_families import TOL  # noqa: E402  (the one tolerance of family logits)
+from helpers_tolerances import TOL, assert_close  # noqa: E402
 from powerinfer_jax.checkpoint import load_checkpoint  # noqa: E402
 from powerinfer_jax.checkpoint.base import expected_shapes  # noqa: E402
 from powerinfer_jax.models.rope import layer_rope  # noqa: E402
@@ -63,7 +63,7 @@ def ours(path, toks, **kwargs):
 
 def assert_logits_close(got, want):
     assert np.abs(want).max() > 1.0  # randomized weights: logits far from zero
-    np.testing.assert_allclose(got, want, **TOL)
+    assert_close(got, want, "family_logits")
 
 
 def _features(c) -> dict:
@@ -106,7 +106,8 @@ def test_hf_directory_logits_match_transformers(built, name):
         config = ck.config.replace(**ABLATIONS[name])
         changed = from_params(config, {k: v for k, v in ck.params.items()
                                        if k in expected_shapes(config)})
-        assert np.abs(np.asarray(changed(jnp.asarray(toks))) - want).max() > 100 * TOL["atol"]
+        moved = np.abs(np.asarray(changed(jnp.asarray(toks))) - want).max()
+        assert moved > 100 * TOL["family_logits"].atol
 
 
 @pytest.mark.slow
@@ -155,7 +156,7 @@ def test_gguf_logits_match_transformers(built, name):
                                rope_scaling=want_cfg.rope_scaling) == want_cfg
     for i in range(want_cfg.n_layers):
         a, b = layer_rope(ck.config, i), layer_rope(want_cfg, i)
-        np.testing.assert_allclose(a.inv_freq, b.inv_freq, rtol=1e-6)
+        assert_close(a.inv_freq, b.inv_freq, "ulps")
         assert a.attention_factor == b.attention_factor
     assert_logits_close(got, fam.hf_logits(_gguf_reference(built, name), toks))
 

@@ -8,8 +8,8 @@
     transformers reading the same Q4_0 file (Qwen-MoE: the archs transformers' GGUF loader
     reads; Mixtral and OLMoE files it cannot read).
 
-Logits equal transformers' within the families' tolerance (test_models_families.TOL) at 24
-positions of 2 sequences; greedy decoding equals transformers' over 32 steps; a batch of
+Logits equal transformers' within the families' tolerance (family_logits, helpers_tolerances.py)
+at 24 positions of 2 sequences; greedy decoding equals transformers' over 32 steps; a batch of
 prompts decoded together equals each decoded alone (the batch's tokens grouped by expert, a
 single token's experts gathered). Bad input: a top-k larger than the number of experts, a
 router whose shape does not match, mixed dense/MoE layers, each a one-line error.
@@ -29,7 +29,7 @@ transformers = pytest.importorskip("transformers")
 import helpers_families as fam  # noqa: E402
 import helpers_llamacpp as llamacpp  # noqa: E402
 import helpers_moe as moe  # noqa: E402
-from test_models_families import TOL  # noqa: E402
+from helpers_tolerances import assert_close  # noqa: E402
 from powerinfer_jax.checkpoint import load_checkpoint  # noqa: E402
 from powerinfer_jax.models.transformer import from_params  # noqa: E402
 from powerinfer_jax.runtime.decode import Engine, Request  # noqa: E402
@@ -77,7 +77,7 @@ def ours(path, toks, **kwargs):
 
 def assert_logits_close(got, want):
     assert np.abs(want).max() > 1.0
-    np.testing.assert_allclose(got, want, **TOL)
+    assert_close(got, want, "family_logits")
 
 
 EXPECTED = {  # what each family's config must say
@@ -102,7 +102,7 @@ def test_hf_directory_logits_match_transformers(built, name):
     # the reference execution (every expert on every token) gives the same logits
     for layer in model.layers:
         layer.ffn.set_execution("dense")
-    np.testing.assert_allclose(np.asarray(model(jnp.asarray(toks))), got, rtol=1e-5, atol=1e-4)
+    assert_close(model(jnp.asarray(toks)), got, "moe_dense_execution")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -272,7 +272,7 @@ def test_expert_frequencies_are_transformers_routing(built, name):
                                  .numpy().ravel(), minlength=6) for r in out.router_logits])
     np.testing.assert_array_equal(got, want)
     freq = expert_frequency(model, [toks])
-    np.testing.assert_allclose(freq.sum(axis=1), 2.0)
+    assert_close(freq.sum(axis=1), 2.0, "float_equal")
     with pytest.raises(ValueError, match=r"expert_counts model: expected a mixture-of-experts"):
         dense = ck.config.replace(n_experts=0, n_experts_used=0, d_ff_shared=0)
         from powerinfer_jax.checkpoint.base import expected_shapes

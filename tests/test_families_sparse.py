@@ -20,7 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import helpers_families as fam  # noqa: E402
 from helpers_models import active_counts, with_mode  # noqa: E402
-from test_models_families import TOL  # noqa: E402
+from helpers_tolerances import assert_close  # noqa: E402
 from powerinfer_jax.checkpoint import load_checkpoint  # noqa: E402
 from powerinfer_jax.config import SparsityConfig  # noqa: E402
 from powerinfer_jax.models.transformer import from_params  # noqa: E402
@@ -54,14 +54,15 @@ def _run(model, toks):
 
 
 def _thresholds(model, chunks):
-    """Per-layer thresholds for TARGET from the model's own profile (sparsity/calibrate.py), for
+    """Per-layer thresholds for TARGET from the model's own profile (sparsity/thresholds.py), for
     the gate criterion (threshold mode) and the contribution |a| (oracle, q4 predictor)."""
-    from powerinfer_jax.sparsity import calibrate as cal
     from powerinfer_jax.sparsity import profile as prof
+    from powerinfer_jax.sparsity import thresholds
 
     x = prof.collect_ffn_inputs(model, chunks, progress=False)
     profile = prof.profile_activations(model, x, progress=False)
-    return {c: cal.calibrate_thresholds(profile, TARGET, criterion=c) for c in cal.CRITERIA}
+    return {c: thresholds.calibrate_thresholds(profile, TARGET, criterion=c)
+            for c in thresholds.CRITERIA}
 
 
 MODES = {"threshold": (SparsityConfig(mode="threshold", target_sparsity=TARGET), "gate"),
@@ -83,7 +84,7 @@ def test_sparse_modes_on_the_family(loaded, name):
                          toks)
     # SwiGLU / GeGLU: about every neuron (tanh-GELU of a very negative gate rounds to 0)
     assert n_active.min() >= 0.95 * f
-    np.testing.assert_allclose(got, dense, **TOL)
+    assert_close(got, dense, "family_logits")
     thr = _thresholds(_model(ck), chunks)
     for mode, (cfg, criterion) in MODES.items():
         runs = {impl: _run(with_mode(_model(ck), dataclasses.replace(cfg, impl=impl),
@@ -110,7 +111,7 @@ def _equal_but_borderline(got, want, n_got, n_want, mode):
         mode, np.argwhere(diff).tolist(), diff[diff > 0].tolist())
     # a flip may also be a swap (one neuron in, another out: the counts agree), so the logits
     # are held to one neuron's contribution everywhere and to a small mean difference
-    np.testing.assert_allclose(got, want, rtol=0, atol=0.05, err_msg=mode)
+    assert_close(got, want, "one_neuron", err_msg=mode)
     assert np.abs(got - want).mean() < 2e-3, (mode, float(np.abs(got - want).mean()))
 
 
@@ -122,7 +123,7 @@ def test_a_relu_family_model_is_exactly_sparse(loaded, name):
     got, n_active = _run(with_mode(_model(ck, activation="relu"),
                                    SparsityConfig(mode="oracle", threshold=0.0)), toks)
     assert 0.2 < n_active.mean() / ck.config.d_ff < 0.8
-    np.testing.assert_allclose(got, dense, **TOL)
+    assert_close(got, dense, "family_logits")
 
 
 @pytest.mark.parametrize("name", ["qwen2", "gemma3", "phi3"])
@@ -142,7 +143,7 @@ def test_placed_hot_cold_equals_unplaced(loaded, name):
     assert any(0 < h < c.d_ff for h in placement.hot)
     apply_placement(model, placement)
     got, n_got = _run(model, toks)
-    np.testing.assert_allclose(got, want, **TOL)
+    assert_close(got, want, "family_logits")
     np.testing.assert_array_equal(n_got, n_want)
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from benchmarks.gpu import llama_cpp_ngl as lcn, synthetic
 from helpers_models import tiny_llama_config
+from helpers_tolerances import assert_close
 
 REPO = Path(__file__).resolve().parents[1]
 GPU = REPO / "benchmarks" / "gpu"
@@ -126,9 +127,9 @@ def test_profiles_load_from_every_format(tmp_path):
     counts = np.random.default_rng(0).integers(0, 50, size=(4, 24))
     np.savez(tmp_path / "profile.npz", counts=counts, n_tokens=50, thresholds=np.zeros(4))
     got, _ = synthetic.load_profile(str(tmp_path / "profile.npz"))
-    np.testing.assert_allclose(got, counts / 50)
+    assert_close(got, counts / 50, "float_equal")
     np.savez(tmp_path / "f.npz", frequency=counts / 100)
-    np.testing.assert_allclose(synthetic.load_profile(str(tmp_path / "f.npz"))[0], counts / 100)
+    assert_close(synthetic.load_profile(str(tmp_path / "f.npz"))[0], counts / 100, "float_equal")
     for bad, msg in ((str(tmp_path / "f.npz") + ":nope", "expected a key in"),
                      ("0.33", "expected a key in"), (str(tmp_path / "none.npz"), "expected")):
         with pytest.raises(SystemExit, match=msg):
@@ -147,7 +148,7 @@ def test_frequencies_map_a_profile_onto_other_shapes():
                                   src)
     for l, s in ((0, 0), (31, 29)):  # first and last layers keep their source's distribution
         q = np.linspace(0.05, 0.95, 10)
-        np.testing.assert_allclose(np.quantile(out[l], q), np.quantile(src[s], q), atol=0.02)
+        assert_close(np.quantile(out[l], q), np.quantile(src[s], q), "quantiles")
     assert not np.all(np.diff(out[5]) <= 0)  # neurons in a random order, not sorted
     np.testing.assert_array_equal(out, synthetic.frequencies(src, seven))  # seeded
 

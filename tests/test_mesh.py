@@ -54,6 +54,7 @@ if CHILD:
     from flax import nnx
 
     from helpers_models import q4_selector, tiny_llama_config, with_mode
+    from helpers_tolerances import assert_close
     from powerinfer_jax.config import SparsityConfig
     from powerinfer_jax.errors import UserError
     from powerinfer_jax.models.hybrid import apply_placement
@@ -69,7 +70,6 @@ if CHILD:
                       position_offset=2, activation="relu", tie_embeddings=True)
     TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, size=(2, 9)))
     PROMPT = [5, 17, 42, 7, 99, 3]
-    TOL = {"float32": dict(atol=3e-5, rtol=3e-5), "bfloat16": dict(atol=2e-3, rtol=2e-3)}
     ORACLE = SparsityConfig(mode="oracle", threshold=0.3)
 
 
@@ -109,7 +109,7 @@ def forward(m):
 
 def check_equal(ref, tp, dtype="float32", *, expect_sparse=False, tokens=False):
     (want, n_want), (got, n_got) = forward(ref), forward(tp)
-    np.testing.assert_allclose(got, want, **TOL[dtype])
+    assert_close(got, want, f"sharded_{dtype}")
     if n_want is not None:
         np.testing.assert_array_equal(n_got, n_want)
         if expect_sparse:
@@ -243,7 +243,7 @@ def test_session_build_with_devices(tmp_path):
     tp = build(str(path), RuntimeConfig(devices=N), progress=False)
     assert tp.model.parallel.size == N and tp.describe()["devices"] == N
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
-    np.testing.assert_allclose(forward(tp.model)[0], forward(one.model)[0], **TOL["float32"])
+    assert_close(forward(tp.model)[0], forward(one.model)[0], "sharded_float32")
     assert (tp.engine.generate(ids, max_new_tokens=6).tokens
             == one.engine.generate(ids, max_new_tokens=6).tokens)
 

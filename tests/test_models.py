@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers_models import VOCAB, save_hf_llama, save_hf_opt, tiny_llama_config, write_tiny_gguf
+from helpers_tolerances import assert_close
 from powerinfer_jax.checkpoint import load_checkpoint
 from powerinfer_jax.models.transformer import from_params, init_cache, param_names
 
@@ -36,13 +37,13 @@ def our_logits(path, tokens, dtype=jnp.float32):
 def test_llama_family_logits_match_hf(tmp_path, variant):
     save_hf_llama(tmp_path, **variant)
     ours, _ = our_logits(tmp_path, TOKENS)
-    np.testing.assert_allclose(ours, hf_logits(tmp_path, TOKENS), atol=2e-5, rtol=1e-4)
+    assert_close(ours, hf_logits(tmp_path, TOKENS), "hf_logits")
 
 
 def test_opt_logits_match_hf(tmp_path):
     save_hf_opt(tmp_path)
     ours, _ = our_logits(tmp_path, TOKENS)
-    np.testing.assert_allclose(ours, hf_logits(tmp_path, TOKENS), atol=2e-5, rtol=1e-4)
+    assert_close(ours, hf_logits(tmp_path, TOKENS), "hf_logits")
 
 
 @pytest.mark.slow
@@ -56,8 +57,7 @@ def test_opt_cached_decode_matches_full_forward(tmp_path):
     for t in range(6, TOKENS.shape[1]):
         h, cache = model.hidden(jnp.asarray(TOKENS[:1, t:t + 1]), jnp.full((1, 1), t), cache, t)
         steps.append(model.logits(h))
-    np.testing.assert_allclose(np.concatenate([np.asarray(s) for s in steps], 1), full,
-                               atol=1e-5, rtol=1e-5)
+    assert_close(np.concatenate([np.asarray(s) for s in steps], 1), full, "regrouped")
 
 
 @pytest.mark.parametrize("tensor_types", [None, "mixed"])
@@ -72,7 +72,7 @@ def test_gguf_logits_match_hf_gguf_loader(tmp_path, tensor_types):
     write_tiny_gguf(path, tensor_types=types)
     ours, _ = our_logits(path, TOKENS)
     theirs = hf_logits(tmp_path, TOKENS, gguf_file=path.name)
-    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+    assert_close(ours, theirs, "other_path")
 
 
 def test_bfloat16_weights_stay_close_to_float32(tmp_path):
@@ -81,7 +81,7 @@ def test_bfloat16_weights_stay_close_to_float32(tmp_path):
     bf16, model = our_logits(tmp_path, TOKENS, dtype=jnp.bfloat16)
     assert model.layers[0].attn.q.weight[...].dtype == jnp.bfloat16
     assert np.mean(np.argmax(f32, -1) == np.argmax(bf16, -1)) > 0.9
-    np.testing.assert_allclose(bf16, f32, atol=0.1)
+    assert_close(bf16, f32, "bf16_weights")
 
 
 @pytest.mark.parametrize("changes", [
@@ -137,7 +137,7 @@ def test_norm_gives_a_row_the_same_bits_whatever_the_batch(kind, d):
     ref = (x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5)
            if kind == "rms" else (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True)
                                                       + 1e-5))
-    np.testing.assert_allclose(together, ref, rtol=2e-6, atol=2e-6)
+    assert_close(together, ref, "norms")
 
 
 def test_shapes_only_builds_what_eval_shape_builds():

@@ -12,12 +12,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from helpers_models import VOCAB, _save, gpt2_tokenizer_meta, save_hf_llama  # noqa: E402
+from helpers_tolerances import TOL, assert_close  # noqa: E402
 from powerinfer_jax.checkpoint import load_checkpoint  # noqa: E402
 from powerinfer_jax.checkpoint.gguf import load_gguf, write_gguf  # noqa: E402
 from powerinfer_jax.models.transformer import from_params, init_cache  # noqa: E402
 
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, size=(2, 11))
-TOL = dict(atol=5e-5, rtol=1e-4)
 
 
 def _randomize(model, seed=0):
@@ -78,7 +78,7 @@ def test_falcon_logits_match_hf(tmp_path, kw):
                             else kw.get("num_kv_heads", 4))
     ref = _hf_logits(hf)
     assert np.abs(ref).max() > 1.0  # randomized weights: logits far from zero
-    np.testing.assert_allclose(ours, ref, **TOL)
+    assert_close(ours, ref, "family_logits")
 
 
 def test_falcon_gelu_is_the_tanh_form_within_its_error(tmp_path):
@@ -88,10 +88,10 @@ def test_falcon_gelu_is_the_tanh_form_within_its_error(tmp_path):
         ours, ck, _ = _ours(tmp_path)
     assert ck.config.activation == "gelu"
     ref = _hf_logits(hf)
-    np.testing.assert_allclose(ours, ref, atol=0.05 * np.abs(ref).max())
+    assert_close(ours, ref, "gelu_tanh")
     for layer in hf.transformer.h:  # the same model with HF's tanh GELU: our formula exactly
         layer.mlp.act = torch.nn.GELU(approximate="tanh")
-    np.testing.assert_allclose(ours, _hf_logits(hf), **TOL)
+    assert_close(ours, _hf_logits(hf), "family_logits")
 
 
 @pytest.mark.slow
@@ -104,8 +104,7 @@ def test_falcon_cached_decode_matches_full_forward(tmp_path):
     for t in range(5, TOKENS.shape[1]):
         h, cache = model.hidden(jnp.asarray(TOKENS[:1, t:t + 1]), jnp.full((1, 1), t), cache, t)
         steps.append(model.logits(h))
-    np.testing.assert_allclose(np.concatenate([np.asarray(s) for s in steps], 1), full,
-                               atol=1e-4, rtol=1e-4)
+    assert_close(np.concatenate([np.asarray(s) for s in steps], 1), full, "other_path")
 
 
 def test_falcon_rejections(tmp_path):
@@ -143,10 +142,10 @@ def test_drelu_bamboo_matches_patched_hf_llama(tmp_path):
     ours, ck, _ = _ours(tmp_path)
     assert ck.config.activation == "drelu"
     ref = _hf_logits(hf)
-    np.testing.assert_allclose(ours, ref, **TOL)
+    assert_close(ours, ref, "family_logits")
     # and it is not ReGLU: the same weights with relu(gate) * up differ
     relu, _, _ = _ours_with(ck, activation="relu")
-    assert np.abs(relu - ref).max() > 100 * TOL["atol"]
+    assert np.abs(relu - ref).max() > 100 * TOL["family_logits"].atol
 
 
 def _ours_with(ck, **changes):
@@ -269,4 +268,4 @@ def test_falcon_gguf_matches_transformers_gguf_loader(tmp_path):
     for layer in hf.transformer.h:
         layer.mlp.act = torch.nn.ReLU()
     ours, _, _ = _ours(path)
-    np.testing.assert_allclose(ours, _hf_logits(hf), atol=1e-4, rtol=1e-4)
+    assert_close(ours, _hf_logits(hf), "other_path")

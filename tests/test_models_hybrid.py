@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers_tolerances import assert_close
 from powerinfer_jax.config import ModelConfig, SparsityConfig
 from powerinfer_jax.models.hybrid import apply_placement, permute_model
 from powerinfer_jax.models.transformer import Transformer
@@ -22,7 +23,6 @@ CFG = ModelConfig(arch="llama", vocab_size=53, d_model=12, n_layers=3, n_heads=2
 OPT = CFG.replace(arch="opt", gated=False, bias=True, norm="layer", positions="learned",
                   position_offset=2)
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 53, size=(2, 7)))
-TOL = dict(atol=2e-5, rtol=2e-5)
 ORACLE = SparsityConfig(mode="oracle", threshold=0.0)
 
 
@@ -40,7 +40,7 @@ def test_permutation_leaves_dense_output_unchanged():
     ref = np.asarray(m(TOKENS))
     permute_model(m, p)
     assert not all(o == tuple(range(37)) for o in p.order)
-    np.testing.assert_allclose(np.asarray(m(TOKENS)), ref, **TOL)
+    assert_close(m(TOKENS), ref, "regrouped")
 
 
 @pytest.mark.slow
@@ -59,9 +59,8 @@ def test_hybrid_equals_unplaced(cfg, frac):
     for layer, h in zip(m.layers, p.hot):
         ffn = layer.ffn
         assert ffn.n_hot == h and ffn.cold["up"][...].shape[0] == 37 - h
-    np.testing.assert_allclose(np.asarray(with_mode(m, SparsityConfig())(TOKENS)), want["dense"],
-                               **TOL)
-    np.testing.assert_allclose(np.asarray(with_mode(m, ORACLE)(TOKENS)), want["oracle"], **TOL)
+    assert_close(with_mode(m, SparsityConfig())(TOKENS), want["dense"], "regrouped")
+    assert_close(with_mode(m, ORACLE)(TOKENS), want["oracle"], "regrouped")
 
 
 @pytest.mark.slow
@@ -82,7 +81,7 @@ def test_layers_mode_equals_unplaced():
     want = np.asarray(with_mode(m, ORACLE)(TOKENS))
     apply_placement(m, p)
     assert set(p.hot) <= {0, 37} and p.hot[0] >= p.hot[-1]
-    np.testing.assert_allclose(np.asarray(m(TOKENS)), want, **TOL)
+    assert_close(m(TOKENS), want, "regrouped")
 
 
 @pytest.mark.slow
@@ -98,7 +97,7 @@ def test_scores_modes_permute_with_the_neurons(mode):
     positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
     _, n_want = active_counts(m, TOKENS, positions)
     apply_placement(m, p)
-    np.testing.assert_allclose(np.asarray(m(TOKENS)), want, **TOL)
+    assert_close(m(TOKENS), want, "regrouped")
     _, n_got = active_counts(m, TOKENS, positions)
     np.testing.assert_array_equal(np.asarray(n_got), np.asarray(n_want))
 

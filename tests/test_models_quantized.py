@@ -8,6 +8,7 @@ import pytest
 import powerinfer_jax as pij
 from helpers_models import tiny_llama_config, write_tiny_gguf
 from helpers_quant import random_blocks
+from helpers_tolerances import assert_close
 from powerinfer_jax.checkpoint import load_checkpoint, quants
 from powerinfer_jax.models.transformer import from_params
 from powerinfer_jax.runtime.decode import Request
@@ -97,7 +98,7 @@ def test_quantized_model_equals_its_jnp_reference(which, down, request):
     else:
         assert got.qtype == "Q8_0" and got.layout == ROWS  # down rows re-blocked per neuron
     a, b = np.asarray(fast(TOKENS)), np.asarray(ref(TOKENS))
-    np.testing.assert_allclose(a, b, atol=2e-3 * np.abs(b).max(), rtol=0)
+    assert_close(a, b, "quantized_model")
 
 
 @pytest.mark.parametrize("which", ["legacy", "kquant"])
@@ -162,7 +163,7 @@ def test_sparse_modes_run_on_the_blocks(legacy_gguf, mode):
     with_mode(quant, pij.SparsityConfig(mode=mode), thresholds=(0.0,) * 2)
     dense_like = np.asarray(quant(TOKENS))  # threshold 0: every non-zero activation
     with_mode(quant, pij.SparsityConfig())
-    np.testing.assert_allclose(dense_like, np.asarray(quant(TOKENS)), atol=1e-4, rtol=1e-4)
+    assert_close(dense_like, quant(TOKENS), "other_path")
 
 
 @pytest.mark.slow
@@ -356,7 +357,7 @@ def test_gate_up_layout_follows_the_plan(legacy_gguf):
     np.testing.assert_array_equal(np.asarray(ffn.up.weight[...]), np.asarray(stored.blocks))
     scored = np.asarray(ffn(x))
     for y in (oracle, scored):
-        np.testing.assert_allclose(y, dense, atol=1e-4 * np.abs(dense).max(), rtol=0)
+        assert_close(y, dense, "quantized_layouts")
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers_tolerances import assert_close
 from powerinfer_jax import ops
 from powerinfer_jax.ops import q4, reference
 from powerinfer_jax.ops.qblocks import round_activations
 
 D, F = 12, 37
-TOL = dict(rtol=2e-5, atol=2e-5)
 
 
 def _operands(seed, *, t, d=D, f=F, dtype=jnp.float32, bias=True):
@@ -57,8 +57,8 @@ def test_sparse_ffn_oracle_is_the_dense_drelu_ffn(dtype, t, bias):
     y, n = _call(p, "ffi", criterion="oracle", threshold=0.0)
     y_ref, n_ref = _call(p, "reference", criterion="oracle", threshold=0.0)
     y_np, a = _numpy_drelu(p)
-    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), **TOL)
-    np.testing.assert_allclose(np.asarray(y), y_np, **TOL)
+    assert_close(y, y_ref)
+    assert_close(y, y_np)
     # a neuron is active only when gate AND up are positive: dReLU's sparsity is their overlap
     np.testing.assert_array_equal(np.asarray(n), (a > 0).sum(-1))
     np.testing.assert_array_equal(np.asarray(n), np.asarray(n_ref))
@@ -71,8 +71,8 @@ def test_sparse_ffn_scores_criterion(t):
     y, n = _call(p, "ffi", scores=jnp.asarray(p["mask"]), threshold=0.5)
     y_ref, _ = _call(p, "reference", scores=jnp.asarray(p["mask"]), threshold=0.5)
     y_np, _ = _numpy_drelu(p, keep=p["mask"] > 0.5)
-    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), **TOL)
-    np.testing.assert_allclose(np.asarray(y), y_np, **TOL)
+    assert_close(y, y_ref)
+    assert_close(y, y_np)
     np.testing.assert_array_equal(np.asarray(n), (p["mask"] > 0.5).sum(-1))
 
 
@@ -96,11 +96,11 @@ def test_q4_estimate(t, d, f):
                                                      signed=True))(p["x"]))
     ref = np.asarray(ops.q4_scores(p["x"], qq, dm, p["b_up"], activation="drelu", signed=True,
                                    impl="reference"))
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    assert_close(got, ref, "dot_products")
     xq = np.asarray(round_activations(jnp.asarray(p["x"]), 32), np.float64)
     w = np.asarray(q4.dequantize_rows(qq, dm, d), np.float64)  # [F, 2, D]
     a = np.maximum(xq @ w[:, 0].T, 0) * np.maximum(xq @ w[:, 1].T + p["b_up"], 0)
-    np.testing.assert_allclose(got, a, rtol=1e-4, atol=1e-5)
+    assert_close(got, a, "dot_products")
     assert np.all(got >= 0)
 
 
@@ -118,11 +118,10 @@ def test_placed_ffn_matches_unplaced():
     want = np.asarray(ffn(x))  # dense, XLA
     g, u, dn = (np.asarray(m.weight[...], np.float64) for m in (ffn.gate, ffn.up, ffn.down_t))
     xn = p["x"].astype(np.float64)
-    np.testing.assert_allclose(want[0], (np.maximum(xn @ g.T, 0) * np.maximum(xn @ u.T, 0)) @ dn,
-                               **TOL)
+    assert_close(want[0], (np.maximum(xn @ g.T, 0) * np.maximum(xn @ u.T, 0)) @ dn)
     ffn.set_selector(Oracle(0.0))
     ffn.split(F // 3, store="operands")
     got, sown = nnx.capture(lambda f, v: f(v), nnx.Intermediate)(ffn, x)
-    np.testing.assert_allclose(np.asarray(got), want, **TOL)
+    assert_close(got, want)
     n = [v.get_value()[-1] for path, v in nnx.to_flat_state(sown) if path[-1] == "n_active"][0]
     assert 0 < np.asarray(n).max() < F

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from helpers_quant import random_blocks
+from helpers_tolerances import assert_close
 from powerinfer_jax import ops
 from powerinfer_jax.checkpoint import quants
 from powerinfer_jax.errors import UserError
@@ -13,7 +14,6 @@ from powerinfer_jax.models.qweights import gather_rows, interleaved
 from powerinfer_jax.ops import _ffi
 
 TYPES = list(quants.INTERLEAVE_TYPES)
-RTOL = 5e-6  # as test_ops_qlinear: only the summation order differs from the reference
 
 
 def _operands(qtype, seed, *, t, o=48, d=160):
@@ -59,8 +59,7 @@ def test_matches_the_files_rows_and_the_reference(qtype, t):
     got = np.asarray(ops.qlinear(x, packed, name, d, bias))
     for want in (ops.qlinear(x, b, qtype, d, bias),
                  ops.qlinear(x, packed, name, d, bias, impl="reference")):
-        want = np.asarray(want)
-        assert np.abs(got - want).max() / np.abs(want).max() < RTOL
+        assert_close(got, want, "quantized")
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -212,8 +211,7 @@ def test_sparse_oracle_on_interleaved_gate_up(gu, dn, layout, t):
     assert np.array_equal(np.asarray(n), np.asarray(n_rows))
     assert np.array_equal(np.asarray(n), np.asarray(n_ref))
     for want in (y_rows, y_ref):
-        want = np.asarray(want)
-        assert np.abs(np.asarray(y) - want).max() / np.abs(want).max() < RTOL
+        assert_close(y, want, "quantized")
     alone = np.concatenate([np.asarray(_call(x[i:i + 1], packed, **kw)[0]) for i in range(t)])
     assert np.array_equal(np.asarray(y), alone)
     before = _ffi.get_num_threads()
@@ -256,7 +254,6 @@ def test_relu_oracle_on_interleaved_gate_and_up_rows(activation, gu, dn, layout,
     assert np.array_equal(np.asarray(n), np.asarray(n_ref))
     assert 0 < int(np.asarray(n).sum()) < t * 64  # some neurons off, some on
     for want in (y_rows, y_ref):
-        want = np.asarray(want)
-        assert np.abs(np.asarray(y) - want).max() / np.abs(want).max() < RTOL
+        assert_close(y, want, "quantized")
     alone = np.concatenate([np.asarray(_call(x[i:i + 1], mixed, **kw)[0]) for i in range(t)])
     assert np.array_equal(np.asarray(y), alone)

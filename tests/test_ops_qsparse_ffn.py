@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from helpers_quant import random_blocks
+from helpers_tolerances import assert_close
 from powerinfer_jax import ops
 from powerinfer_jax.checkpoint import quants
 from powerinfer_jax.ops import _ffi, reference
 
-RTOL = 5e-6  # as test_ops_qlinear: same weights, same rounded activations, other sum order
 F = 37
 # (gate/up type, down type): every format appears on both sides.
 PAIRS = [("Q4_0", "Q8_0"), ("Q4_1", "Q4_1"), ("Q5_0", "Q5_1"), ("Q5_1", "Q4_0"),
@@ -25,9 +25,7 @@ def _dim(*qtypes):
 def _close(got, want):
     got, want = np.asarray(got), np.asarray(want)
     assert got.shape == want.shape and got.dtype == np.float32
-    scale = max(float(np.abs(want).max()), 1e-30)
-    err = float(np.abs(got - want).max()) / scale
-    assert err < RTOL, f"max error {err:.3g} of max |y| {scale:.3g}"
+    assert_close(got, want, "quantized")
 
 
 def ffn(gu, dn, seed, *, t, gated=True, bias=False, f=F, gate_type=None):

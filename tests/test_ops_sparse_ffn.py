@@ -8,22 +8,12 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from helpers_tolerances import assert_close
 from powerinfer_jax import ops
 from powerinfer_jax.ops import _ffi, reference
 
 WEIGHT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
-# One tolerance table. Both sides widen the same stored weights to float32 and accumulate in
-# float32, so the only differences are summation order and exp/tanh implementations.
-TOL = {
-    jnp.float32: dict(rtol=2e-5, atol=2e-5),
-    jnp.bfloat16: dict(rtol=2e-5, atol=2e-5),
-    jnp.float16: dict(rtol=2e-5, atol=2e-5),
-}
 D, F = 12, 37  # unequal, prime-ish: catches transposed axes and vector tails
-
-
-def assert_close(actual, expected, dtype):
-    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), **TOL[dtype])
 
 
 def make_ffn(seed, *, t=3, d=D, f=F, dtype=jnp.float32, gated=True, bias=False, lead=()):
@@ -260,10 +250,10 @@ def test_bad_inputs_raise_value_error(change, what):
         ops.sparse_ffn(x, w_up, w_down_t, **args)
 
 
-def _raw_call(x, w_up, w_down_t, *, w_gate=None, scores=None, threshold=0.5,
-              activation="silu", criterion="scores"):
+def _raw_call(x, w_up, w_down_t, *, w_gate=None, b_up=None, b_down=None, scores=None,
+              threshold=0.5, activation="silu", criterion="scores"):
     """Straight to the FFI handler, skipping Python validation: the C++ checks must hold alone."""
-    return _ffi.sparse_ffn(x, w_up, w_down_t, w_gate=w_gate, b_up=None, b_down=None,
+    return _ffi.sparse_ffn(x, w_up, w_down_t, w_gate=w_gate, b_up=b_up, b_down=b_down,
                            scores=scores, threshold=threshold, activation=activation,
                            criterion=criterion)
 
@@ -279,6 +269,9 @@ BAD_FFI_INPUTS = [
     (dict(w_up=jnp.ones((F, D), jnp.int8), w_down_t=jnp.ones((F, D), jnp.int8), w_gate=None),
      "w_up dtype"),
     (dict(w_up=jnp.ones((2, F, D)), w_down_t=jnp.ones((2, F, D)), w_gate=None), "w_up shape"),
+    (dict(b_up=jnp.ones(F + 1)), "b_up"),
+    (dict(b_down=jnp.ones((2, D))), "b_down"),  # a leading dim that is not vmap's size 1
+    (dict(b_down=jnp.ones(())), "b_down"),  # rank 0: no last dim to compare
 ]
 
 
@@ -303,7 +296,7 @@ def test_deterministic_across_runs(two_threads):
         np.testing.assert_array_equal(np.asarray(y).view(np.uint32), first_y.view(np.uint32))
         np.testing.assert_array_equal(n, first_n)
     y_ref, _ = call(p, "reference", scores=scores, threshold=0.2)
-    np.testing.assert_allclose(first_y, y_ref, rtol=1e-4, atol=1e-4)
+    assert_close(first_y, y_ref, "other_path")
 
 
 def test_thread_counts_agree():

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers_tolerances import assert_close
 from powerinfer_jax.config import ModelConfig, RuntimeConfig
 from powerinfer_jax.models.transformer import Transformer
 from powerinfer_jax.runtime.decode import Engine, prefill_bucket
@@ -66,7 +67,7 @@ def test_bf16_model_runs_and_mostly_agrees(model):
     tokens = jnp.asarray([[3, 17, 5, 42, 8, 9]])
     a, b = model(tokens), bf(tokens)
     assert b.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=0.05, rtol=0.05)
+    assert_close(a, b, "bf16_model")
 
 
 def test_sampling_is_seeded_and_respects_top_k(model):

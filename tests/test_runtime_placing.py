@@ -1,10 +1,10 @@
 """--vram-budget / --offload through the session and the CLIs on a tiny model saved to disk."""
 import json
 
-import numpy as np
 import pytest
 
 from helpers_models import save_hf_llama
+from helpers_tolerances import assert_close
 from powerinfer_jax import bench
 from powerinfer_jax.config import PlacementConfig, RuntimeConfig, SparsityConfig
 from powerinfer_jax.runtime.session import build
@@ -76,8 +76,8 @@ def test_bench_json_reports_placement(tiny_dir, sizes, capsys):
     assert p["mode"] == "hybrid" and len(p["hot_fraction"]) == 2
     assert p["device_bytes"] + p["host_bytes"] == sizes.total
     assert p["device_bytes"] <= int(budget * GIB)
-    assert np.isclose(sum(h * 96 for h in p["hot_fraction"]),
-                      (p["device_bytes"] - sizes.dense) / sizes.neuron_bytes[0], atol=0.01)
+    assert_close(sum(h * 96 for h in p["hot_fraction"]),
+                 (p["device_bytes"] - sizes.dense) / sizes.neuron_bytes[0], "hot_bytes")
 
 
 @pytest.mark.slow

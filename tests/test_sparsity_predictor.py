@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from helpers_models import active_counts, tiny_llama_config, with_mode
+from helpers_tolerances import assert_close
 from powerinfer_jax.config import SparsityConfig
 from powerinfer_jax.errors import UserError
 from powerinfer_jax.models.ffn import activate
@@ -80,7 +81,7 @@ def test_oracle_fed_predictor_equals_oracle():
     assert 0 < int(n_o.sum()) < n_o.size * cfg.d_ff
     diff = np.abs(np.asarray(n_p) - np.asarray(n_o))
     assert diff.max() <= 1 and diff.mean() < 0.05  # f32 ties at the threshold only
-    np.testing.assert_allclose(np.asarray(h_p), np.asarray(h_o), atol=2e-3)
+    assert_close(h_p, h_o, "predictor_ties")
 
 
 def test_predictor_mode_without_predictor_is_an_error():
@@ -221,4 +222,4 @@ def test_inference_layer_matches_the_training_stack(kernels):
     want = stack(x)
     for l in range(3):
         got = stack.layer(l, kernels=kernels)(x[l])
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want[l]), rtol=1e-5, atol=1e-5)
+        assert_close(got, want[l], "regrouped")

@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from helpers_models import ffn_run, q4_selector, tiny_llama_config
+from helpers_tolerances import assert_close
 from powerinfer_jax import ops
 from powerinfer_jax.checkpoint.quants import dequantize
 from powerinfer_jax.config import SparsityConfig
@@ -93,9 +94,9 @@ def test_kernel_matches_reference_and_numpy(gated, bias, t, d, f):
     got = np.asarray(jax.jit(lambda x: ops.q4_scores(x, q, dm, b, activation=act))(x))
     ref = np.asarray(ops.q4_scores(x, q, dm, b, activation=act, impl="reference"))
     assert got.shape == (t, f) and got.dtype == np.float32
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    assert_close(got, ref, "dot_products")
     if gated:  # the numpy twin knows only silu
-        np.testing.assert_allclose(got, _numpy_scores(x, gate, up, b), rtol=1e-4, atol=1e-5)
+        assert_close(got, _numpy_scores(x, gate, up, b), "dot_products")
 
 
 def test_vmap_and_thread_count_do_not_change_scores():
@@ -148,7 +149,7 @@ def test_predictor_mode_matches_a_numpy_ffn():
     for impl in ("ffi", "reference"):
         ffn.set_selector(sel, impl=impl)
         y, n_active = ffn_run(ffn, jnp.asarray(x))
-        np.testing.assert_allclose(np.asarray(y)[0], want, rtol=1e-4, atol=1e-4)
+        assert_close(np.asarray(y)[0], want, "other_path")
         np.testing.assert_array_equal(np.asarray(n_active)[0], (est > thr).sum(-1))
 
 
@@ -156,11 +157,8 @@ def test_predictor_mode_matches_a_numpy_ffn():
 def test_signed_estimates_match_numpy_and_the_magnitudes():
     x, gate, up, b, q, dm = _operands(10, t=3, d=576, f=300)
     got = np.asarray(ops.q4_scores(x, q, dm, b, signed=True))
-    np.testing.assert_allclose(got, _numpy_scores(x, gate, up, b, signed=True), rtol=1e-4,
-                               atol=1e-5)
-    np.testing.assert_allclose(np.asarray(ops.q4_scores(x, q, dm, b, signed=True,
-                                                        impl="reference")), got, rtol=1e-4,
-                               atol=1e-5)
+    assert_close(got, _numpy_scores(x, gate, up, b, signed=True), "dot_products")
+    assert_close(ops.q4_scores(x, q, dm, b, signed=True, impl="reference"), got, "dot_products")
     np.testing.assert_array_equal(np.abs(got), np.asarray(ops.q4_scores(x, q, dm, b)))
     assert (got < 0).any() and (got > 0).any()
 
@@ -183,7 +181,7 @@ def test_gate_up_q4_mode_matches_a_numpy_ffn(placed):
     for impl in ("ffi", "reference"):
         ffn.set_selector(sel, impl=impl)
         y, n_active = ffn_run(ffn, jnp.asarray(x))
-        np.testing.assert_allclose(np.asarray(y)[0], want, rtol=1e-4, atol=1e-4)
+        assert_close(np.asarray(y)[0], want, "other_path")
         np.testing.assert_array_equal(np.asarray(n_active)[0], (np.abs(est) > thr).sum(-1))
 
 
@@ -203,8 +201,7 @@ def test_gate_up_q4_is_close_to_full_rows_on_a_q4_1_checkpoint():
     ffn.set_selector(q4_selector(ffn, thr, gate_up="q4"))
     est, n_est = ffn_run(ffn, x)
     np.testing.assert_array_equal(np.asarray(n_est), np.asarray(n_full))
-    scale = float(np.max(np.abs(np.asarray(full))))
-    np.testing.assert_allclose(np.asarray(est), np.asarray(full), atol=0.02 * scale)
+    assert_close(est, full, "q4_estimate")
     assert not np.array_equal(np.asarray(est), np.asarray(full))  # the estimate really is used
 
 
@@ -262,8 +259,8 @@ def test_fused_q4_ffn_matches_the_two_call_path_and_numpy(dtype, t, d, f, bias):
     np.testing.assert_array_equal(np.asarray(n), np.asarray(n2))
     np.testing.assert_array_equal(np.asarray(n), np.asarray(nr))
     for got in (y2, yr):
-        np.testing.assert_allclose(np.asarray(y), np.asarray(got), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
+        assert_close(y, got, "regrouped")
+    assert_close(y, want, "other_path")
 
 
 def test_fused_q4_ffn_is_deterministic_and_vmaps():
@@ -277,7 +274,7 @@ def test_fused_q4_ffn_is_deterministic_and_vmaps():
     ops.set_num_threads(2)
     for ys in runs.values():  # bitwise identical for a given thread count
         np.testing.assert_array_equal(ys[0], ys[1])
-    np.testing.assert_allclose(runs[1][0], runs[2][0], rtol=1e-4, atol=1e-5)
+    assert_close(runs[1][0], runs[2][0], "dot_products")
     yv, nv = jax.vmap(lambda xi: ops.q4_sparse_ffn(xi, q, dm, down, b, threshold=0.01))(
         x.reshape(2, 2, 576))
     np.testing.assert_array_equal(np.asarray(yv).reshape(4, 576), runs[2][0])
@@ -300,6 +297,10 @@ def test_fused_q4_ffn_bad_input():
     with pytest.raises(Exception, match=r"q4_sparse_ffn: threshold: expected a finite number"):
         jax.block_until_ready(_ffi.q4_sparse_ffn(x, q, dm, down, b, None, threshold=-1.0,
                                                  activation="silu")[0])
+    with pytest.raises(Exception,
+                       match=r"q4_sparse_ffn: b_down: expected float32 \[64\] or absent"):
+        jax.block_until_ready(_ffi.q4_sparse_ffn(x, q, dm, down, b, np.zeros(3), threshold=0.1,
+                                                 activation="silu")[0])
     with pytest.raises(Exception, match=r"q4_sparse_ffn: q: expected uint8"):
         jax.block_until_ready(_ffi.q4_sparse_ffn(x, q[:, :, :16], dm, down, b, None,
                                                  threshold=0.1, activation="silu")[0])
@@ -313,7 +314,7 @@ def test_permuted_ffn_keeps_its_output():
     ffn.set_selector(q4_selector(ffn, 0.05))
     before = np.asarray(ffn(x))
     ffn.permute(np.random.default_rng(5).permutation(96))
-    np.testing.assert_allclose(np.asarray(ffn(x)), before, rtol=1e-5, atol=1e-5)
+    assert_close(ffn(x), before, "regrouped")
 
 
 def test_calibrated_thresholds_hit_the_target_on_held_out_tokens():

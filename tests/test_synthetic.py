@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers_tolerances import assert_close
 from powerinfer_jax.errors import UserError
 from powerinfer_jax.synthetic.profile import Locality, decile_errors, hot_share, power_law
 
@@ -109,7 +110,7 @@ def test_hf_directory_equals_transformers(q4_model):
         want = hf(torch.tensor(ids)).logits.numpy()
     ours = session.build(record["files"]["gguf"], RuntimeConfig(weights="dtype"),
                          progress=False).model(np.asarray(ids))
-    np.testing.assert_allclose(np.asarray(ours), want, rtol=1e-4, atol=1e-4)
+    assert_close(ours, want, "other_path")
 
 
 @pytest.mark.slow
@@ -127,9 +128,8 @@ def test_exact_predictor_gives_the_dense_logits(f16_model):
                                                   predictor_file=record["files"]["powerinfer"]))):
         s = session.build(record["files"]["gguf"], RuntimeConfig(), sp, progress=False)
         logits[name] = np.asarray(s.model(ids))
-    scale = np.abs(logits["dense"]).max()
     for name in ("oracle", "predictor"):
-        np.testing.assert_allclose(logits[name], logits["dense"], atol=1e-5 * scale, err_msg=name)
+        assert_close(logits[name], logits["dense"], "sparse_model_logits", err_msg=name)
 
 
 @pytest.mark.slow

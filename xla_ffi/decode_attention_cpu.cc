@@ -74,20 +74,25 @@ ffi::Error DecodeAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::A
                             ShapeString(buf->dimensions()));
     }
   }
-  const bool use_rope = inv_freq.element_count() != 0;
-  if (use_rope && (h % 2 != 0 || static_cast<int64_t>(inv_freq.element_count()) != h / 2)) {
-    return InvalidArg(kOp, "inv_freq", "[H / 2 = " + std::to_string(h / 2) +
-                                           "] rotary frequencies (H even), or [0]",
-                      ShapeString(inv_freq.dimensions()));
+  if (inv_freq.element_count() != 0 && h % 2 != 0) {  // rope rotates pairs (i, i + H/2)
+    return InvalidArg(kOp, "inv_freq", "absent for an odd head dim H",
+                      "frequencies for H = " + std::to_string(h));
   }
-  for (auto [name, buf] : {std::pair{"q_norm", &q_norm}, std::pair{"k_norm", &k_norm}}) {
-    if (buf->element_count() != 0 && static_cast<int64_t>(buf->element_count()) != h) {
-      return InvalidArg(kOp, name, "[H = " + std::to_string(h) + "] norm weights, or [0]",
-                        ShapeString(buf->dimensions()));
-    }
+  const float* inv_freq_data = nullptr;
+  const float* q_norm_data = nullptr;
+  const float* k_norm_data = nullptr;
+  if (ffi::Error e = DecodeOptionalF32(kOp, "inv_freq", inv_freq, h / 2, inv_freq_data);
+      e.failure()) {
+    return e;
   }
-  if (q_norm.element_count() != k_norm.element_count()) {
-    return InvalidArg(kOp, "q_norm, k_norm", "both present or both [0]",
+  if (ffi::Error e = DecodeOptionalF32(kOp, "q_norm", q_norm, h, q_norm_data); e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = DecodeOptionalF32(kOp, "k_norm", k_norm, h, k_norm_data); e.failure()) {
+    return e;
+  }
+  if ((q_norm_data == nullptr) != (k_norm_data == nullptr)) {
+    return InvalidArg(kOp, "q_norm, k_norm", "both present or both absent",
                       ShapeString(q_norm.dimensions()) + ", " + ShapeString(k_norm.dimensions()));
   }
   if (!(scale >= 0.0f) || !(softcap >= 0.0f) || window < 0 || !(norm_eps > 0.0f) ||
@@ -122,13 +127,13 @@ ffi::Error DecodeAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::A
   a.n_heads = static_cast<int64_t>(q.element_count()) / (batch * h);
   a.max_len = s_len;
   a.kv_len = kv_len;
-  a.inv_freq = use_rope ? inv_freq.typed_data() : nullptr;
+  a.inv_freq = inv_freq_data;
   a.rope_factor = rope_factor;
   a.scale = scale;
   a.softcap = softcap;
   a.window = window;
-  a.q_norm = q_norm.element_count() != 0 ? q_norm.typed_data() : nullptr;
-  a.k_norm = k_norm.element_count() != 0 ? k_norm.typed_data() : nullptr;
+  a.q_norm = q_norm_data;
+  a.k_norm = k_norm_data;
   a.norm_eps = norm_eps;
   // The caches are aliased to the results; if XLA gave separate buffers, start from the inputs.
   if (k_out->untyped_data() != k_cache.untyped_data()) {

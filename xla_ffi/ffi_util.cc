@@ -44,6 +44,36 @@ bool LeadingOnes(ffi::Span<const int64_t> dims, size_t keep) {
   return true;
 }
 
+namespace {
+
+ffi::Error OptionalF32(std::string_view op, std::string_view what, ffi::DataType type,
+                       ffi::Span<const int64_t> dims, size_t count, const void* data, int64_t n,
+                       const float*& out) {
+  out = nullptr;
+  if (count == 0) return ffi::Error::Success();
+  if (type != ffi::DataType::F32 || dims.size() == 0 || dims.back() != n ||
+      !LeadingOnes(dims, 1)) {
+    return InvalidArg(op, what, "float32 [" + std::to_string(n) + "] or absent (zero-size)",
+                      std::string(DtypeName(type)) + " " + ShapeString(dims));
+  }
+  out = static_cast<const float*>(data);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error DecodeOptionalF32(std::string_view op, std::string_view what, ffi::AnyBuffer b,
+                             int64_t n, const float*& out) {
+  return OptionalF32(op, what, b.element_type(), b.dimensions(), b.element_count(),
+                     b.untyped_data(), n, out);
+}
+
+ffi::Error DecodeOptionalF32(std::string_view op, std::string_view what,
+                             ffi::Buffer<ffi::F32> b, int64_t n, const float*& out) {
+  return OptionalF32(op, what, b.element_type(), b.dimensions(), b.element_count(),
+                     b.untyped_data(), n, out);
+}
+
 bool BroadcastRows(ffi::Span<const int64_t> in_dims, ffi::Span<const int64_t> out_dims,
                    std::vector<int64_t>& src) {
   const size_t rank = out_dims.size();

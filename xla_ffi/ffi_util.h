@@ -36,6 +36,16 @@ ffi::Error ParseSelection(std::string_view op, std::string_view name, float thre
 // True if dims[0 .. dims.size() - keep) are all 1 (extra leading dims added by vmap).
 bool LeadingOnes(ffi::Span<const int64_t> dims, size_t keep);
 
+// An optional float32 vector operand (a bias, norm weights, rotary frequencies): [n], with any
+// leading size-1 dims (vmap's expand_dims), or zero-size when absent (then out = nullptr). Every
+// adapter decodes its optional vectors here, so all accept the same shapes and report
+// "<op>: <what>: expected float32 [n] or absent (zero-size), got <dtype> <shape>".
+ffi::Error DecodeOptionalF32(std::string_view op, std::string_view what, ffi::AnyBuffer b,
+                             int64_t n, const float*& out);
+// The same for an operand XLA already typed as float32.
+ffi::Error DecodeOptionalF32(std::string_view op, std::string_view what,
+                             ffi::Buffer<ffi::F32> b, int64_t n, const float*& out);
+
 // The weight dtypes the CPU kernels read: float32, bfloat16, float16.
 bool IsWeightType(ffi::DataType t);
 

@@ -44,15 +44,8 @@ ffi::Error CheckProduct(const std::string& which, int64_t dim, int64_t rows, ffi
     return InvalidArg(kOp, which + "w dtype", "float32, bfloat16 or float16", DtypeName(w_type));
   }
   out_dim = w_dims[w_dims.size() - 2];
-  b = nullptr;
-  if (bias.element_count() != 0) {
-    const auto b_dims = bias.dimensions();
-    if (bias.element_type() != ffi::DataType::F32 || b_dims.back() != out_dim ||
-        !LeadingOnes(b_dims, 1)) {
-      return InvalidArg(kOp, which + "bias", "float32 [" + std::to_string(out_dim) + "] or absent",
-                        std::string(DtypeName(bias.element_type())) + " " + ShapeString(b_dims));
-    }
-    b = static_cast<const float*>(bias.untyped_data());
+  if (ffi::Error e = DecodeOptionalF32(kOp, which + "bias", bias, out_dim, b); e.failure()) {
+    return e;
   }
   if (y.element_type() != ffi::DataType::F32 ||
       static_cast<int64_t>(y.element_count()) != rows * out_dim) {

@@ -51,16 +51,7 @@ ffi::Error DecodeQ4(std::string_view op, ffi::AnyBuffer x, ffi::AnyBuffer q, ffi
                                     ", " + std::to_string(4 * pairs) + "]",
                       std::string(DtypeName(dm.element_type())) + " " + ShapeString(dm_dims));
   }
-  args.b_up = nullptr;
-  if (b_up.element_count() != 0) {
-    const auto b_dims = b_up.dimensions();
-    if (b_up.element_type() != ffi::DataType::F32 || b_dims.back() != f ||
-        !LeadingOnes(b_dims, 1)) {
-      return InvalidArg(op, "b_up", "float32 [" + std::to_string(f) + "] or absent",
-                        std::string(DtypeName(b_up.element_type())) + " " + ShapeString(b_dims));
-    }
-    args.b_up = static_cast<const float*>(b_up.untyped_data());
-  }
+  if (ffi::Error e = DecodeOptionalF32(op, "b_up", b_up, f, args.b_up); e.failure()) return e;
   rows = dim == 0 ? 0 : static_cast<int64_t>(x.element_count()) / dim;
   args.q = static_cast<const uint8_t*>(q.untyped_data());
   args.dm = static_cast<const F16*>(dm.untyped_data());
@@ -126,16 +117,7 @@ ffi::Error Q4SparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::AnyBuffer
                       std::string(DtypeName(wt)) + " " + ShapeString(w_dims));
   }
   const float* bd = nullptr;
-  if (b_down.element_count() != 0) {
-    const auto b_dims = b_down.dimensions();
-    if (b_down.element_type() != ffi::DataType::F32 || b_dims.back() != d ||
-        !LeadingOnes(b_dims, 1)) {
-      return InvalidArg(kFfnOp, "b_down", "float32 [" + std::to_string(d) + "] or absent",
-                        std::string(DtypeName(b_down.element_type())) + " " +
-                            ShapeString(b_dims));
-    }
-    bd = static_cast<const float*>(b_down.untyped_data());
-  }
+  if (ffi::Error e = DecodeOptionalF32(kFfnOp, "b_down", b_down, d, bd); e.failure()) return e;
   if (y->element_type() != ffi::DataType::F32 ||
       static_cast<int64_t>(y->element_count()) != rows * d ||
       n_active->element_type() != ffi::DataType::S32 ||

@@ -39,18 +39,4 @@ ffi::Error DecodeQWeight(std::string_view op, std::string_view what, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
-ffi::Error DecodeOptionalF32(std::string_view op, std::string_view what, ffi::AnyBuffer b,
-                             int64_t n, const float*& out) {
-  out = nullptr;
-  if (b.element_count() == 0) return ffi::Error::Success();
-  const auto dims = b.dimensions();
-  if (b.element_type() != ffi::DataType::F32 || dims.size() == 0 || dims.back() != n ||
-      !LeadingOnes(dims, 1)) {
-    return InvalidArg(op, what, "float32 [" + std::to_string(n) + "] or absent",
-                      std::string(DtypeName(b.element_type())) + " " + ShapeString(dims));
-  }
-  out = static_cast<const float*>(b.untyped_data());
-  return ffi::Error::Success();
-}
-
 }  // namespace pij

@@ -17,10 +17,6 @@ namespace ffi = xla::ffi;
 ffi::Error DecodeQWeight(std::string_view op, std::string_view what, ffi::AnyBuffer blocks,
                          int32_t qtype_id, int64_t dim, int64_t& rows, QType& qtype);
 
-// An optional float32 [1.., n]; zero-size means absent (out = nullptr).
-ffi::Error DecodeOptionalF32(std::string_view op, std::string_view what, ffi::AnyBuffer b,
-                             int64_t n, const float*& out);
-
 }  // namespace pij
 
 #endif  // PIJ_XLA_FFI_QUANT_ARGS_H_

@@ -38,23 +38,6 @@ ffi::Error CheckWeight(std::string_view name, ffi::AnyBuffer w, ffi::DataType ty
   return ffi::Error::Success();
 }
 
-// An optional float32 vector of length n with leading size-1 dims; empty means absent.
-ffi::Error CheckBias(std::string_view name, ffi::AnyBuffer b, int64_t n, const float*& out) {
-  out = nullptr;
-  if (b.element_count() == 0) return ffi::Error::Success();
-  if (b.element_type() != ffi::DataType::F32) {
-    return InvalidArg(kOp, std::string(name) + " dtype", "float32", DtypeName(b.element_type()));
-  }
-  const Dims dims = b.dimensions();
-  if (dims.size() == 0 || dims.back() != n || !LeadingOnes(dims, 1)) {
-    return InvalidArg(kOp, std::string(name) + " shape",
-                      "[..1, " + std::to_string(n) + "] (or empty when absent)",
-                      ShapeString(dims));
-  }
-  out = static_cast<const float*>(b.untyped_data());
-  return ffi::Error::Success();
-}
-
 }  // namespace
 
 ffi::Error DecodeSparseFfn(ffi::AnyBuffer x, ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up,
@@ -124,8 +107,10 @@ ffi::Error DecodeSparseFfn(ffi::AnyBuffer x, ffi::AnyBuffer w_gate, ffi::AnyBuff
   if (f > INT32_MAX) {
     return InvalidArg(kOp, "F (neurons)", "< 2^31", std::to_string(f));
   }
-  if (ffi::Error e = CheckBias("b_up", b_up, f, call.b_up); e.failure()) return e;
-  if (ffi::Error e = CheckBias("b_down", b_down, d, call.b_down); e.failure()) return e;
+  if (ffi::Error e = DecodeOptionalF32(kOp, "b_up", b_up, f, call.b_up); e.failure()) return e;
+  if (ffi::Error e = DecodeOptionalF32(kOp, "b_down", b_down, d, call.b_down); e.failure()) {
+    return e;
+  }
 
   // Scores.
   call.scores = nullptr;

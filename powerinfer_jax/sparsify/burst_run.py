@@ -23,7 +23,7 @@ from powerinfer_jax.checkpoint import load_checkpoint
 from powerinfer_jax.models.transformer import from_params
 from powerinfer_jax.sparsify import burst_files, samples as smp, scan
 from powerinfer_jax.sparsify import forward as fw
-from powerinfer_jax.sparsify.config import DistillConfig
+from powerinfer_jax.sparsify.recipe import DistillConfig
 from powerinfer_jax.sparsify.export import canonical_params
 from powerinfer_jax.sparsify.fatrelu import pick_threshold, scan_grid
 from powerinfer_jax.sparsify.refit import refit_down_rows

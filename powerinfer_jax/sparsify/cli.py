@@ -21,7 +21,7 @@ import argparse
 
 from powerinfer_jax import _cli
 from powerinfer_jax.errors import fail
-from powerinfer_jax.sparsify.config import (COMPUTE_DTYPES, L1_ON, MASK_BY, RECIPES, REFIT_TARGETS,
+from powerinfer_jax.sparsify.recipe import (COMPUTE_DTYPES, L1_ON, MASK_BY, RECIPES, REFIT_TARGETS,
                                             TEACHERS, TRAIN_SCOPES, VARIANTS, DistillConfig)
 from powerinfer_jax.sparsify.run import distill, fill_teacher_cache
 

@@ -3,8 +3,8 @@ as the evaluation CLI would measure them, in-process and on fewer chunks.
 
 Mirrors `python -m powerinfer_jax.evaluate --sparsity oracle --target-sparsity T`: per-layer
 thresholds calibrated on the *dense* forward of the same weights over corpus (training) text
-(calibrate.py: the quantile T of |a_i| per layer; ReLU variants: 0, their natural zeros), then a
-forward that keeps |a_i| > threshold, scored on non-overlapping chunks of the validation text
+(sparsity/thresholds.py: the quantile T of |a_i| per layer; ReLU variants: 0, their natural zeros),
+then a forward that keeps |a_i| > threshold, scored on non-overlapping chunks of the validation text
 (every token but the first). Float32 throughout. The final figure comes from the real pipeline
 (export, calibrate, runtime.perplexity) on 16 chunks; these rows say how many chunks they used.
 """

@@ -22,7 +22,7 @@ import numpy as np
 
 from powerinfer_jax import _cli
 from powerinfer_jax.errors import check, fail
-from powerinfer_jax.sparsify.config import DistillConfig
+from powerinfer_jax.sparsify.recipe import DistillConfig
 
 EVAL_CTX = 512
 CALIB_CHUNKS = 2  # corpus chunks of EVAL_CTX tokens the curve's thresholds are calibrated on
@@ -328,9 +328,9 @@ def build_artifacts(out: Path, target, *, corpus=None, progress: bool = True, tr
     from powerinfer_jax.sparsity import artifacts as arts  # lazy: start-up (sparsify CLI)
     from powerinfer_jax.sparsity import corpus as corpus_mod  # lazy: start-up (sparsify CLI)
     from powerinfer_jax.sparsity import profile as prof  # lazy: start-up (sparsify CLI)
-    # lazy: start-up (sparsify CLI)
-    from powerinfer_jax.sparsity.calibrate import check_target_sparsity
     from powerinfer_jax.sparsity.predictor import TrainConfig  # lazy: start-up (sparsify CLI)
+    # lazy: start-up (sparsify CLI)
+    from powerinfer_jax.sparsity.thresholds import check_target_sparsity
 
     targets = [check_target_sparsity(t) for t in (target if isinstance(target, (list, tuple))
                                                   else [target])]

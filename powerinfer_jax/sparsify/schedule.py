@@ -9,7 +9,7 @@ import math
 
 import optax
 
-from powerinfer_jax.sparsify.config import DistillConfig
+from powerinfer_jax.sparsify.recipe import DistillConfig
 
 
 def learning_rate(cfg: DistillConfig):

@@ -16,7 +16,7 @@ from powerinfer_jax.config import RuntimeConfig
 from powerinfer_jax.models.transformer import from_params
 from powerinfer_jax.runtime.session import build
 from powerinfer_jax.sparsify import forward as fw, samples as smp, teacher_cache as tc
-from powerinfer_jax.sparsify.config import DistillConfig
+from powerinfer_jax.sparsify.recipe import DistillConfig
 
 SAMPLE_BATCH = 64  # rows decoding together while teacher samples are generated
 

@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 
 from powerinfer_jax.sparsify import forward as fw
-from powerinfer_jax.sparsify.config import DistillConfig
+from powerinfer_jax.sparsify.recipe import DistillConfig
 from powerinfer_jax.sparsify.schedule import L1Controller, learning_rate
 
 _NORMS = ("attn_norm", "ffn_norm", "final_norm")

@@ -22,11 +22,11 @@ import numpy as np
 from powerinfer_jax.checkpoint.registry import KNOWN_MODELS, cache_dir
 from powerinfer_jax.errors import UserError
 from powerinfer_jax.sparsity import artifact_files as files
-from powerinfer_jax.sparsity import calibrate as cal
 from powerinfer_jax.sparsity import corpus as corpus_mod
 from powerinfer_jax.sparsity import predictor as pred
 from powerinfer_jax.sparsity import q4_predictor as q4p
 from powerinfer_jax.sparsity import profile as prof
+from powerinfer_jax.sparsity import thresholds
 
 FORMAT_VERSION = 2  # 2: q4 predictor thresholds
 HASH_WINDOW = 4 << 20  # bytes hashed at each end of a weight file (header + tail) for the fingerprint
@@ -69,7 +69,7 @@ def artifacts_root(model_arg: str, source: str | Path) -> Path:
 
 
 def target_dir(root: Path, target_sparsity: float) -> Path:
-    return Path(root) / f"target_{cal.check_target_sparsity(target_sparsity):.2f}"
+    return Path(root) / f"target_{thresholds.check_target_sparsity(target_sparsity):.2f}"
 
 
 @dataclasses.dataclass
@@ -98,8 +98,8 @@ def build_for_target(model, x_lnd: np.ndarray, base: prof.ActivationProfile, tar
                      train: pred.TrainConfig | None = pred.TrainConfig(), progress: bool = True
                      ) -> tuple[SparsityArtifacts, prof.ActivationProfile]:
     """Calibrate thresholds from `base` histograms and train predictors on x_lnd's active masks."""
-    thr_c = cal.calibrate_thresholds(base, target, criterion="contribution")
-    thr_g = cal.calibrate_thresholds(base, target, criterion="gate")
+    thr_c = thresholds.calibrate_thresholds(base, target, criterion="contribution")
+    thr_g = thresholds.calibrate_thresholds(base, target, criterion="gate")
     masks = prof.active_masks(model, x_lnd, thr_c, progress=progress)
     profile = dataclasses.replace(base, thresholds=np.asarray(thr_c),
                                   counts=masks.sum(axis=1, dtype=np.int64))
@@ -145,7 +145,7 @@ def build_artifacts(model, tokenizer, *, fingerprint: dict, root: Path, target_s
                     train: pred.TrainConfig | None = pred.TrainConfig(), progress: bool = True
                     ) -> SparsityArtifacts:
     """Profile the model on the corpus, calibrate, train predictors and save into root/target_*."""
-    target = cal.check_target_sparsity(target_sparsity)
+    target = thresholds.check_target_sparsity(target_sparsity)
     files = corpus_mod.default_corpus_files() if corpus_files is None else list(corpus_files)
     ids = tokenizer.encode(corpus_mod.read_corpus(files), add_bos=False)
     chunks = corpus_mod.corpus_chunks(ids, min(ctx, model.config.max_seq_len), max_tokens)

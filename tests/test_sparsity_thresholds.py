@@ -7,7 +7,7 @@ from flax import nnx
 from helpers_models import active_counts, tiny_llama_config, with_mode
 from powerinfer_jax.config import SparsityConfig
 from powerinfer_jax.models.transformer import Transformer
-from powerinfer_jax.sparsity import calibrate as C
+from powerinfer_jax.sparsity import thresholds as C
 from powerinfer_jax.sparsity import profile as P
 
 

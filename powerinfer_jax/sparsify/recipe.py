@@ -1,5 +1,6 @@
-"""`DistillConfig`: one sparsification run (student variant, loss, data, optimizer), frozen and
-validated like every config of the project (errors "<what>: expected <rule>, got <value>").
+"""A sparsification recipe: `DistillConfig`, what one run does (student variant, loss, data,
+optimizer), frozen and validated like every config of the project (errors "<what>: expected
+<rule>, got <value>"), and `RECIPES`, its named presets.
 
 Variants (the student's FFN; the teacher is the dense model):
   threshold: the model's own activation a_i = act(gate_i.x) * (up_i.x); neurons with |a_i| under

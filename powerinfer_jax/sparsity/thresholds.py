@@ -1,4 +1,5 @@
-"""Per-layer thresholds for a target FFN sparsity, from the profiled magnitude histograms.
+"""Per-layer thresholds for a target FFN sparsity, from the profiled magnitude histograms (the
+calibration step of `python -m powerinfer_jax.calibrate`, which builds every artifact).
 
 Criteria (what a threshold is compared with):
   "contribution": |a_i| = |act(gate_i.x) * (up_i.x)|, the oracle mode's criterion. Skipping the
