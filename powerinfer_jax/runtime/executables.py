@@ -13,8 +13,9 @@ Two keys keep a stale executable from running:
   file, configs, slots) and everything the compiled code depends on beyond the model's
   structure: this package's sources and compiled extension, jax and jaxlib, XLA_FLAGS, the CPU's
   instruction set, the threads;
-- the structure (`structure_digest()`), checked once the model exists: its module graph with every
-  static attribute, its weights' shapes and dtypes, the cache's shape. A mismatch discards the
+- the structure (`structure_digest()`), checked once the model exists (or its snapshot is read):
+  its module graph with every static attribute, its weights' shapes and dtypes, the cache's
+  shape. A mismatch discards the
   loaded step and compiles it again (and replaces the file).
 A file that does not load (truncated, from another version) is compiled again the same way. Only a
 CPU-only process with one device and no placement uses the store (placed or sharded models hold
@@ -38,7 +39,7 @@ from powerinfer_jax import cache
 from powerinfer_jax._machine import cpu_features
 from powerinfer_jax.cache import cache_dir
 
-FORMAT = 1  # bump when the file layout changes
+FORMAT = 2  # bump when the file layout or the structure digest changes
 MAX_IDENTITIES = 48  # identity directories kept; the least recently used go first...
 MAX_BYTES = 2 << 30  # ...and while they hold more than this (a server's ~46 steps: ~70 MB)
 _SUFFIX = ".exe"
@@ -100,16 +101,21 @@ def identity(request: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def structure_digest(graphdef, leaves, extra) -> str:
-    """Digest of a model's structure as jit sees it: module graph with its static attributes,
-    the weights' shapes and dtypes, and `extra` (the engine's cache shape)."""
+def model_digest(graphdef, leaves) -> str:
+    """Digest of a model as jit sees it: its module graph with the static attributes, and the
+    weights' shapes and dtypes (a model snapshot keeps it: runtime/snapshot.py)."""
     h = hashlib.sha256()
     h.update(repr(getattr(graphdef, "nodes", graphdef)).encode())
     h.update(repr(getattr(graphdef, "attributes", "")).encode())
     for a in leaves:
         h.update(f"{a.shape}{a.dtype};".encode())
-    h.update(repr(extra).encode())
     return h.hexdigest()
+
+
+def structure_digest(model: str, extra) -> str:
+    """Digest of what a step is compiled for: the model's (`model_digest`) and `extra` (the
+    engine's cache shape)."""
+    return hashlib.sha256(f"{model};{extra!r}".encode()).hexdigest()
 
 
 def fresh_name(kind: str) -> str:
@@ -191,6 +197,10 @@ class Store:
             return None
         except Exception:  # a truncated or foreign file: compiled again and replaced
             return None
+
+    def is_loading(self, key: tuple) -> bool:
+        """Whether `key` was prefetched and not taken yet."""
+        return key in self._pending
 
     def take(self, key: tuple, structure: str):
         """The executable of `key` for a model of `structure`, or None (then compile it)."""
