@@ -59,6 +59,12 @@ def test_a_second_build_runs_from_the_snapshot_with_the_same_tokens(gguf, cache)
     assert (s.engine.compile_count, s.engine.loaded_count) == (0, 2)
     assert s.describe() == first.session.describe() and s.plan == first.session.plan
     assert s.config == first.session.config and s.source == first.session.source
+    text = "Hello, world! <s> 12345 the quick brown fox"  # the tokenizer made again, not loaded
+    assert s.tokenizer is not first.session.tokenizer
+    assert s.tokenizer.encode(text) == first.session.tokenizer.encode(text)
+    assert (s.tokenizer.eos_ids, s.tokenizer.bos_id, s.tokenizer.chat_template) == (
+        first.session.tokenizer.eos_ids, first.session.tokenizer.bos_id,
+        first.session.tokenizer.chat_template)
     # the weights are the built model's, array for array
     built = first.session.engine._state
     assert len(s.engine._state) == len(built)
