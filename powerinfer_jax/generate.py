@@ -81,9 +81,10 @@ def kv_for(positions: int) -> int:
 def startup(session, started: float, before: tuple[float, float], out) -> dict:
     """Where this process's time went, in seconds from its start: import (the interpreter, the
     CLI, argparse), jax (import, the kernels' registration, XLA's client), load (the model code's
-    import, the checkpoint and tokenizer), build (modules, layouts, sparsity), executables (the
-    main thread's wait for the compiled steps: loaded in the background, or compiled), first
-    token (prefill), decode (the other tokens and their text). Process exit is not in it."""
+    import, the checkpoint and tokenizer; from a model snapshot: reading it), build (modules,
+    layouts, sparsity; 0 from a snapshot), executables (the main thread's waits for the compiled
+    steps: loaded in the background, or compiled), first token (prefill), decode (the other
+    tokens and their text). Process exit is not in it."""
     engine = session.engine
     t = session.timings
     waited = engine.compile_s - before[1]

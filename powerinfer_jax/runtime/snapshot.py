@@ -28,6 +28,8 @@ from typing import Callable
 import numpy as np
 
 from powerinfer_jax import cache, errors
+from powerinfer_jax.runtime import executables
+from powerinfer_jax.tokenizer import Tokenizer
 
 FORMAT = 1  # bump when the file layout changes
 FILE = "model.snapshot"
@@ -65,8 +67,6 @@ def save(directory: Path, model, tokenizer, report: dict) -> None:
     next process builds the model too)."""
     import jax
     from flax import nnx
-
-    from powerinfer_jax.runtime import executables
 
     graphdef, state = nnx.split(model)
     leaves = jax.tree.leaves(state)
@@ -111,6 +111,7 @@ def _tokenizer_recipe(source: str, tokenizer) -> tuple:
     built tokenizer, which parses its JSON, took 0.13 s); else the tokenizer itself."""
     path = Path(source)
     if path.is_file():
+        # lazy: start-up (the GGUF reader, for the writer only)
         from powerinfer_jax.checkpoint.gguf import _open, read_metadata
 
         meta = read_metadata(_open(path))
@@ -121,8 +122,6 @@ def _tokenizer_recipe(source: str, tokenizer) -> tuple:
 def _tokenizer(recipe: tuple):
     kind, value = recipe
     if kind == "gguf":
-        from powerinfer_jax.tokenizer import Tokenizer
-
         return Tokenizer.from_gguf_metadata(value)
     if kind != "tokenizer":
         raise ValueError(f"tokenizer: expected a gguf or tokenizer recipe, got {kind!r}")
