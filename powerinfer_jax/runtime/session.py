@@ -81,13 +81,14 @@ class Session:
     @property
     def plan(self) -> tuple[dict, ...]:
         """Per layer: selector, threshold, backend, hot/cold rows (sparsity.modes.plan)."""
-        return self._report()["plan"]
+        return self._report("plan")
 
-    def _report(self) -> dict:
-        """What describe and plan say of the model: the snapshot's record until it is built."""
+    def _report(self, key: str):
+        """What describe and plan say of the model (model_report's `key`): the snapshot's
+        record until the model is built."""
         if self._model is None and self.snapshot is not None:
-            return self.snapshot.report
-        return model_report(self._model)
+            return self.snapshot.report[key]
+        return model_report(self.model, key)[key]
 
     @property
     def oracle_thresholds(self) -> tuple[float, ...] | None:
@@ -103,19 +104,21 @@ class Session:
                 "target_sparsity": self.sparsity.target_sparsity,
                 "predictor": self.sparsity.predictor if self.sparsity.mode == "predictor" else None,
                 "gate_up": self.sparsity.gate_up if self.sparsity.mode == "predictor" else None,
-                "kernels": self._report()["kernels"], "max_seq_len": self.kv_positions,
-                "weights": self._report()["weights"], "auto": self.auto,
+                "kernels": self._report("kernels"), "max_seq_len": self.kv_positions,
+                "weights": self._report("weights"), "auto": self.auto,
                 "placement": None if self.placement is None else self.placement.summary(),
                 "devices": self.runtime.devices, "decode_block": self.runtime.decode_block,
                 "offload": None if self.offload is None else self.offload.describe()}
 
 
-def model_report(model) -> dict:
-    """What a session reports of its built model (kept in its snapshot)."""
+def model_report(model, *keys: str) -> dict:
+    """What a session reports of its built model (kept in its snapshot): `keys` of kernels,
+    weights and plan (all without keys)."""
     from powerinfer_jax.sparsity import modes  # lazy: start-up
 
-    return {"kernels": model.kernels, "weights": weight_formats(model),
-            "plan": modes.plan(model)}
+    makers = {"kernels": lambda: model.kernels, "weights": lambda: weight_formats(model),
+              "plan": lambda: modes.plan(model)}
+    return {k: makers[k]() for k in keys or makers}
 
 
 def weight_formats(model) -> dict[str, int]:
