@@ -1,12 +1,14 @@
 """A built model kept across processes, so that a warm start neither builds it nor imports the
-model code (flax and the modules: ~0.4 s of a 1.7 s `generate` on a 2-core EPYC, beside ~0.15 s
-of building, mostly interleaving the quantized rows).
+model code: flax and the model's modules (~0.3 s) and the build (~0.2 s, mostly interleaving the
+quantized rows) were a third of a 1.7 s `generate` on a shared 2-core VM.
 
 The snapshot is one file in the executables store's directory (runtime/executables.py: keyed by
 the model file's identity, the configs, this package's code, jax and the machine), next to the
 steps compiled for that model: a header (the model's config, digest and what `--json` reports of
 it, the tokenizer, and where each weight lies) and then every array the engine's steps take, in
-their order, each 64-byte aligned, so XLA's CPU client uses the file's pages as they are (no copy).
+their order, each 64-byte aligned, so XLA's CPU client uses the file's pages as they are (no copy;
+as with a GGUF's own pages, a file truncated in place under a running model faults, where a
+replaced one, renamed over it as this module writes, does not).
 It is written once after a build that had none, atomically, with a record of its contents
 (powerinfer_jax.cache: size, mtime, sampled and full sha256); a read that does not check out
 (truncated, edited, another format or library version) is refused with a line on stderr and the
