@@ -231,7 +231,7 @@ class Engine:
             if self.store is None:
                 exe = self._compile(key)
             else:  # compiled, never found in jax's caches: only such a step serializes whole
-                with executables.no_cache_write():
+                with executables.compiling_for_store():
                     exe = self._compile(key, executables.fresh_name(key[0]))
                 self.store.save(stored, exe, self._structure)
             self.compile_count += 1

@@ -128,17 +128,22 @@ def fresh_name(kind: str) -> str:
 
 
 @contextlib.contextmanager
-def no_cache_write():
-    """jax does not keep this compile in its persistent cache (under a fresh name it would never
-    be found again)."""
+def compiling_for_store():
+    """A compile whose executable goes to the store: jax does not keep it in its persistent cache
+    (under a fresh name it would never be found again), and the HLO's source locations hold the
+    user's frame, not the whole Python traceback (metadata only: SmolLM2's decode step 1.24 ->
+    1.01 MB, loaded in 0.12 s instead of 0.15; the same code and tokens)."""
     import jax
 
-    saved = jax.config.jax_persistent_cache_min_compile_time_secs
+    saved = (jax.config.jax_persistent_cache_min_compile_time_secs,
+             jax.config.jax_include_full_tracebacks_in_locations)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+    jax.config.update("jax_include_full_tracebacks_in_locations", False)
     try:
         yield
     finally:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[0])
+        jax.config.update("jax_include_full_tracebacks_in_locations", saved[1])
 
 
 def _root() -> Path:
