@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import powerinfer_jax as pij
-from helpers_models import write_tiny_gguf
+from helpers_models import spm_tokenizer_meta, write_tiny_gguf
 from powerinfer_jax.runtime import snapshot
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,6 +71,22 @@ def test_a_second_build_runs_from_the_snapshot_with_the_same_tokens(gguf, cache)
     for a, b in zip(s.engine._state, built):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_sentencepiece_vocabulary_is_made_again_from_its_recipe(cache, tmp_path):
+    """A llama-type (SentencePiece) GGUF vocabulary: the snapshot keeps its scored merges, and
+    the tokenizer it makes encodes and decodes as the built one."""
+    path = tmp_path / "spm.gguf"
+    write_tiny_gguf(path, tensor_types=TYPES, tokenizer_meta=spm_tokenizer_meta())
+    built = _load(path).session.tokenizer
+    again = _load(path).session
+    assert again.snapshot is not None
+    for text in ["Hello world, and the fox!", " hello", "is a\n\tthing x"]:
+        ids = built.encode(text)
+        assert again.tokenizer.encode(text) == ids and again.tokenizer.decode(ids) == \
+            built.decode(ids)
+    assert (again.tokenizer.bos_id, again.tokenizer.eos_ids, again.tokenizer.add_bos) == (
+        built.bos_id, built.eos_ids, built.add_bos)
 
 
 def test_a_step_to_compile_builds_the_model(gguf, cache):

@@ -21,6 +21,7 @@ step must be compiled, and anything else that reads `Session.model` does the sam
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import pickle
 import struct
@@ -31,7 +32,7 @@ import numpy as np
 
 from powerinfer_jax import cache, errors
 from powerinfer_jax.runtime import executables
-from powerinfer_jax.tokenizer import Tokenizer
+from powerinfer_jax.tokenizer import Tokenizer, gguf_recipe
 
 FORMAT = 1  # bump when the file layout changes
 FILE = "model.snapshot"
@@ -108,23 +109,23 @@ def save(directory: Path, model, tokenizer, report: dict) -> None:
 
 
 def _tokenizer_recipe(source: str, tokenizer) -> tuple:
-    """How a snapshot makes its tokenizer again: from a GGUF's tokenizer metadata, the lists
-    `Tokenizer.from_gguf_metadata` builds it from (SmolLM2's: 0.05 s, where unpickling the
-    built tokenizer, which parses its JSON, took 0.13 s); else the tokenizer itself."""
+    """How a snapshot makes its tokenizer again: a GGUF's, from the plain values its metadata
+    turns into (tokenizer.gguf_recipe: the vocabulary, merge pairs, special tokens), so only the
+    tokenizers objects are made (SmolLM2's: ~0.04 s, where unpickling the built tokenizer, which
+    parses its JSON, took 0.13 s); else the tokenizer itself."""
     path = Path(source)
     if path.is_file():
         # lazy: start-up (the GGUF reader, for the writer only)
         from powerinfer_jax.checkpoint.gguf import _open, read_metadata
 
-        meta = read_metadata(_open(path))
-        return ("gguf", {k: v for k, v in meta.items() if k.startswith("tokenizer.")})
+        return ("gguf", gguf_recipe(read_metadata(_open(path))))
     return ("tokenizer", tokenizer)
 
 
 def _tokenizer(recipe: tuple):
     kind, value = recipe
     if kind == "gguf":
-        return Tokenizer.from_gguf_metadata(value)
+        return Tokenizer.from_recipe(value)
     if kind != "tokenizer":
         raise ValueError(f"tokenizer: expected a gguf or tokenizer recipe, got {kind!r}")
     return value
@@ -155,7 +156,14 @@ def _read(dest: Path) -> Snapshot:
         magic, n = _HEAD.unpack(f.read(_HEAD.size))
         if magic != _MAGIC:
             raise ValueError(f"expected the magic {_MAGIC!r}, got {magic!r}")
-        meta = pickle.loads(f.read(n))
+        # the collector paused over the tokenizer's ~50k merge pairs (tokenizer._merge_pairs)
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            meta = pickle.loads(f.read(n))
+        finally:
+            if enabled:
+                gc.enable()
     if {k: meta.get(k) for k in _versions()} != _versions():
         raise ValueError(f"written by another version: {[meta.get(k) for k in _versions()]}")
     start = _HEAD.size + n
