@@ -84,7 +84,8 @@ def startup(session, started: float, before: tuple[float, float], out) -> dict:
     import, the checkpoint and tokenizer; from a model snapshot: reading it), build (modules,
     layouts, sparsity; 0 from a snapshot), executables (the main thread's waits for the compiled
     steps: loaded in the background, or compiled), first token (prefill), decode (the other
-    tokens and their text). Process exit is not in it."""
+    tokens and their text). Process exit is not in it. model: "snapshot" where the run started
+    from the model's snapshot (runtime/snapshot.py), else "built"."""
     engine = session.engine
     t = session.timings
     waited = engine.compile_s - before[1]
@@ -97,7 +98,8 @@ def startup(session, started: float, before: tuple[float, float], out) -> dict:
            "executables_s": waited, "first_token_s": first, "decode_s": generated - first,
            "total_s": _cli.process_age(),
            "executables": {"loaded": engine.loaded_count, "compiled": engine.compile_count,
-                           "background_s": getattr(engine.store, "background_s", 0.0)}}
+                           "background_s": getattr(engine.store, "background_s", 0.0)},
+           "model": "snapshot" if session.snapshot is not None else "built"}
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 

@@ -200,5 +200,6 @@ def test_generate_from_a_snapshot_imports_no_model_code(gguf, tmp_path):
         heavy.append([l for l in out.stderr.splitlines() if l.startswith("HEAVY")][0])
     assert "flax" in heavy[0] and heavy[1] == "HEAVY []"
     assert rows[1]["startup"]["build_s"] == 0.0
+    assert (rows[0]["startup"]["model"], rows[1]["startup"]["model"]) == ("built", "snapshot")
     for key in ("tokens", "text", "weights", "plan", "kernels", "source"):
         assert rows[0][key] == rows[1][key], key
