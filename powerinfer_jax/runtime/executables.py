@@ -15,8 +15,7 @@ Two keys keep a stale executable from running:
   instruction set, the threads;
 - the structure (`structure_digest()`), checked once the model exists (or its snapshot is read):
   its module graph with every static attribute, its weights' shapes and dtypes, the cache's
-  shape. A mismatch discards the
-  loaded step and compiles it again (and replaces the file).
+  shape. A mismatch discards the loaded step and compiles it again (and replaces the file).
 A file that does not load (truncated, from another version) is compiled again the same way. Only a
 CPU-only process with one device and no placement uses the store (placed or sharded models hold
 per-process handles and devices). `POWERINFER_JAX_XLA_CACHE=0` turns it off with jax's cache.
