@@ -81,9 +81,11 @@ def kv_for(positions: int) -> int:
 def startup(session, started: float, before: tuple[float, float], out) -> dict:
     """Where this process's time went, in seconds from its start: import (the interpreter, the
     CLI, argparse), jax (import, the kernels' registration, XLA's client), load (the model code's
-    import, the checkpoint and tokenizer), build (modules, layouts, sparsity), executables (the
-    main thread's wait for the compiled steps: loaded in the background, or compiled), first
-    token (prefill), decode (the other tokens and their text). Process exit is not in it."""
+    import, the checkpoint and tokenizer; from a model snapshot: reading it), build (modules,
+    layouts, sparsity; 0 from a snapshot), executables (the main thread's waits for the compiled
+    steps: loaded in the background, or compiled), first token (prefill), decode (the other
+    tokens and their text). Process exit is not in it. model: "snapshot" where the run started
+    from the model's snapshot (runtime/snapshot.py), else "built"."""
     engine = session.engine
     t = session.timings
     waited = engine.compile_s - before[1]
@@ -96,7 +98,8 @@ def startup(session, started: float, before: tuple[float, float], out) -> dict:
            "executables_s": waited, "first_token_s": first, "decode_s": generated - first,
            "total_s": _cli.process_age(),
            "executables": {"loaded": engine.loaded_count, "compiled": engine.compile_count,
-                           "background_s": getattr(engine.store, "background_s", 0.0)}}
+                           "background_s": getattr(engine.store, "background_s", 0.0)},
+           "model": "snapshot" if session.snapshot is not None else "built"}
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 

@@ -143,32 +143,57 @@ class Tokenizer:
     def from_gguf_metadata(cls, fields: Mapping[str, Any]) -> "Tokenizer":
         """Build from GGUF metadata: a mapping of key -> plain python value (`tokenizer.ggml.*`,
         `tokenizer.chat_template`), as `checkpoint.gguf.read_metadata` returns."""
-        kind = fields.get("tokenizer.ggml.model")
-        if kind not in SUPPORTED_GGUF_TOKENIZERS:
-            raise ValueError(f"tokenizer.ggml.model: expected one of {list(SUPPORTED_GGUF_TOKENIZERS)}, "
-                             f"got {kind!r} (this GGUF's vocabulary type is not supported)")
-        tokens = list(fields.get("tokenizer.ggml.tokens") or ())
-        if not tokens:
-            raise ValueError("tokenizer.ggml.tokens: expected a non-empty token list, got none")
-        types = list(fields.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
-        if kind == "gpt2":
-            backend = _byte_level_bpe(tokens, fields.get("tokenizer.ggml.merges") or (),
-                                      fields.get("tokenizer.ggml.pre"))
-            add_bos_default = fields.get("tokenizer.ggml.pre") in _LLAMA3_PRES
+        return cls.from_recipe(gguf_recipe(fields))
+
+    @classmethod
+    def from_recipe(cls, recipe: Mapping[str, Any]) -> "Tokenizer":
+        """Build from `gguf_recipe`'s plain values (a model snapshot keeps them: rebuilding
+        from them skips the Python half of the build, runtime/snapshot.py)."""
+        tokens = recipe["tokens"]
+        if recipe["kind"] == "gpt2":
+            backend = _byte_level_bpe(tokens, recipe["pairs"], recipe["pre"])
         else:
-            unk = fields.get("tokenizer.ggml.unknown_token_id")
-            backend = _sentencepiece_bpe(tokens, fields.get("tokenizer.ggml.scores"),
-                                         unk_token=tokens[unk] if unk is not None else None,
-                                         add_space_prefix=fields.get("tokenizer.ggml.add_space_prefix",
-                                                                     True))
-            add_bos_default = True  # llama.cpp adds BOS to a SentencePiece vocabulary by default
-        _add_special_tokens(backend, tokens, types, byte_level=kind == "gpt2")
-        eos_ids = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                       "tokenizer.ggml.eom_token_id") if fields.get(k) is not None]
-        return cls(backend, bos_id=fields.get("tokenizer.ggml.bos_token_id"),
-                   eos_ids=dict.fromkeys(int(i) for i in eos_ids),
-                   add_bos=fields.get("tokenizer.ggml.add_bos_token", add_bos_default),
-                   chat_template=fields.get("tokenizer.chat_template"))
+            backend = _sentencepiece_bpe(tokens, recipe["pairs"], unk_token=recipe["unk_token"],
+                                         add_space_prefix=recipe["add_space_prefix"])
+        _add_special_tokens(backend, recipe["control"], recipe["user"])
+        return cls(backend, bos_id=recipe["bos_id"], eos_ids=recipe["eos_ids"],
+                   add_bos=recipe["add_bos"], chat_template=recipe["chat_template"])
+
+
+def gguf_recipe(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The Python half of `Tokenizer.from_gguf_metadata`: the GGUF's tokenizer metadata checked
+    and turned into the plain values the tokenizers objects are made from (the vocabulary as BPE
+    spells it, the merges as (left, right) pairs, the special tokens), picklable."""
+    kind = fields.get("tokenizer.ggml.model")
+    if kind not in SUPPORTED_GGUF_TOKENIZERS:
+        raise ValueError(f"tokenizer.ggml.model: expected one of "
+                         f"{list(SUPPORTED_GGUF_TOKENIZERS)}, got {kind!r} (this GGUF's "
+                         "vocabulary type is not supported)")
+    tokens = list(fields.get("tokenizer.ggml.tokens") or ())
+    if not tokens:
+        raise ValueError("tokenizer.ggml.tokens: expected a non-empty token list, got none")
+    types = list(fields.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
+    pre = fields.get("tokenizer.ggml.pre")
+    control, user = _special_tokens(tokens, types, byte_level=kind == "gpt2")
+    recipe = {"kind": kind, "pre": pre, "control": control, "user": user}
+    if kind == "gpt2":
+        recipe.update(tokens=_respell_outside_alphabet(tokens),
+                      pairs=_merge_pairs(fields.get("tokenizer.ggml.merges") or ()),
+                      add_bos=fields.get("tokenizer.ggml.add_bos_token", pre in _LLAMA3_PRES))
+    else:
+        unk = fields.get("tokenizer.ggml.unknown_token_id")
+        scores = fields.get("tokenizer.ggml.scores")
+        recipe.update(tokens=tokens, pairs=_scored_merges(tokens, scores),
+                      unk_token=tokens[unk] if unk is not None else None,
+                      add_space_prefix=fields.get("tokenizer.ggml.add_space_prefix", True),
+                      # llama.cpp adds BOS to a SentencePiece vocabulary by default
+                      add_bos=fields.get("tokenizer.ggml.add_bos_token", True))
+    eos_ids = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                   "tokenizer.ggml.eom_token_id") if fields.get(k) is not None]
+    recipe.update(bos_id=fields.get("tokenizer.ggml.bos_token_id"),
+                  eos_ids=list(dict.fromkeys(int(i) for i in eos_ids)),
+                  chat_template=fields.get("tokenizer.chat_template"))
+    return recipe
 
 
 def _chat_env():
@@ -259,9 +284,11 @@ def _respell_outside_alphabet(tokens: list[str]) -> list[str]:
     return tokens
 
 
-def _byte_level_bpe(tokens: list[str], merges: Iterable[str], pre: str | None) -> _Backend:
-    vocab = dict(zip(_respell_outside_alphabet(tokens), range(len(tokens))))
-    backend = _bpe_backend(vocab, merges, ignore_merges=pre in _LLAMA3_PRES)
+def _byte_level_bpe(tokens: list[str], pairs: list[tuple[str, str]], pre: str | None
+                    ) -> _Backend:
+    """tokens: the vocabulary as BPE spells it (`_respell_outside_alphabet`)."""
+    vocab = dict(zip(tokens, range(len(tokens))))
+    backend = _bpe_backend(vocab, pairs, ignore_merges=pre in _LLAMA3_PRES)
     digits, split = _PRE_SPLITS.get(pre or "default", (False, None))
     steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
     if split is None or split == _GPT2_SPLIT:  # unknown `pre`: GPT-2's split, as transformers does
@@ -276,33 +303,39 @@ def _byte_level_bpe(tokens: list[str], merges: Iterable[str], pre: str | None) -
     return backend
 
 
-def _bpe_backend(vocab: dict[str, int], merges: Iterable[str], *, ignore_merges: bool = False
-                 ) -> _Backend:
-    """A byte-level BPE backend from its vocabulary and "left right" merges (`models.BPE`).
+_MERGES_RULE = "tokenizer.ggml.merges: expected \"left right\" pairs of vocabulary tokens, got"
 
-    Why not a tokenizer.json text through `Tokenizer.from_str` (as before): tokenizers parses
-    that into a generic JSON tree first, one BTreeMap insert per vocabulary entry, 0.09 s of
-    SmolLM2's 0.13 s tokenizer build on a 2-core Xeon against 0.045 s for the dict and pairs
-    here. The ~50k (left, right) tuples are made with the cycle collector paused: in a fresh
-    process after jax's imports that many tracked allocations set off ~60 collections over
-    jax's heap, a full one among them (counted with gc.get_stats), and every tuple is freed as
-    soon as BPE has read it, so the pause leaves nothing for the collector."""
-    rule = "tokenizer.ggml.merges: expected \"left right\" pairs of vocabulary tokens, got"
+
+def _merge_pairs(merges: Iterable[str]) -> list[tuple[str, str]]:
+    """"left right" merges -> (left, right) pairs. The ~50k tuples are made with the cycle
+    collector paused: in a fresh process after jax's imports that many tracked allocations set
+    off ~60 collections over jax's heap, a full one among them (counted with gc.get_stats), and
+    they hold no cycles."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         pairs = [tuple(m.split(" ")) for m in merges]
-        bad = next((" ".join(p) for p in pairs if len(p) != 2), None)
-        if bad is not None:
-            raise ValueError(f"{rule} {bad!r}")
-        try:
-            return _Backend(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
-        except Exception as e:  # tokenizers raises a bare Exception naming the token
-            raise ValueError(f"{rule} a list tokenizers rejects ({e})") from None
     finally:
-        pairs = None
         if enabled:
             gc.enable()
+    bad = next((" ".join(p) for p in pairs if len(p) != 2), None)
+    if bad is not None:
+        raise ValueError(f"{_MERGES_RULE} {bad!r}")
+    return pairs
+
+
+def _bpe_backend(vocab: dict[str, int], pairs: list[tuple[str, str]], *,
+                 ignore_merges: bool = False) -> _Backend:
+    """A byte-level BPE backend from its vocabulary and merge pairs (`models.BPE`).
+
+    Why not a tokenizer.json text through `Tokenizer.from_str` (as before): tokenizers parses
+    that into a generic JSON tree first, one BTreeMap insert per vocabulary entry, 0.09 s of
+    SmolLM2's 0.13 s tokenizer build on a 2-core Xeon against 0.045 s for the dict and pairs
+    here."""
+    try:
+        return _Backend(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
+    except Exception as e:  # tokenizers raises a bare Exception naming the token
+        raise ValueError(f"{_MERGES_RULE} a list tokenizers rejects ({e})") from None
 
 
 def _scored_merges(tokens: list[str], scores: Sequence[float] | None) -> list[tuple[str, str]]:
@@ -322,15 +355,16 @@ def _scored_merges(tokens: list[str], scores: Sequence[float] | None) -> list[tu
     return [(l, r) for _, _, _, l, r in ranked]
 
 
-def _sentencepiece_bpe(tokens: list[str], scores, *, unk_token: str | None,
-                       add_space_prefix: bool) -> _Backend:
+def _sentencepiece_bpe(tokens: list[str], pairs: list[tuple[str, str]], *,
+                       unk_token: str | None, add_space_prefix: bool) -> _Backend:
     """SentencePiece's BPE as its published tokenizer.json spells it: spaces are "\u2581", and
     with add_space_prefix (Llama-2, Phi-3, Mistral; not Gemma) one is prepended to every text,
     also to one that starts with a space, as sentencepiece and llama.cpp do (transformers 5
-    converting a tokenizer.model instead prepends only where the text does not start with one)."""
+    converting a tokenizer.model instead prepends only where the text does not start with one).
+    pairs: `_scored_merges`."""
     vocab = {t: i for i, t in enumerate(tokens)}
-    backend = _Backend(models.BPE(vocab=vocab, merges=_scored_merges(tokens, scores),
-                                  unk_token=unk_token, fuse_unk=True, byte_fallback=True))
+    backend = _Backend(models.BPE(vocab=vocab, merges=pairs, unk_token=unk_token, fuse_unk=True,
+                                  byte_fallback=True))
     steps = [normalizers.Replace(" ", "\u2581")]
     if add_space_prefix:
         steps.insert(0, normalizers.Prepend("\u2581"))
@@ -342,18 +376,23 @@ def _sentencepiece_bpe(tokens: list[str], scores, *, unk_token: str | None,
     return backend
 
 
-def _add_special_tokens(backend: _Backend, tokens: list[str], types: list[int], *, byte_level: bool):
-    """Control tokens become special (never split, skippable on decode); user-defined ones are
-    matched whole. In a byte-level vocabulary a control token outside the byte alphabet is a
-    llama.cpp mislabel and is left alone (as transformers does)."""
+def _special_tokens(tokens: list[str], types: list[int], *, byte_level: bool
+                    ) -> tuple[list[str], list[str]]:
+    """(control, user-defined) tokens: control tokens become special (never split, skippable on
+    decode); user-defined ones are matched whole. In a byte-level vocabulary a control token
+    outside the byte alphabet is a llama.cpp mislabel and is left alone (as transformers does)."""
     alphabet = set(_bytes_to_unicode().values()) if byte_level else None
     kinds = np.asarray(types[:len(tokens)])  # one vectorised pass over ~50k-150k tokens
-    control = [AddedToken(tokens[i], normalized=False, special=True)
-               for i in np.flatnonzero(kinds == _CONTROL).tolist()
+    control = [tokens[i] for i in np.flatnonzero(kinds == _CONTROL).tolist()
                if alphabet is None or set(tokens[i]) <= alphabet]
+    user = [tokens[i] for i in np.flatnonzero(kinds == _USER_DEFINED).tolist()]
+    return control, user
+
+
+def _add_special_tokens(backend: _Backend, control: list[str], user: list[str]) -> None:
+    """`_special_tokens`' lists into the backend."""
     if control:
-        backend.add_special_tokens(control)
-    user = [AddedToken(tokens[i], normalized=False, special=False)
-            for i in np.flatnonzero(kinds == _USER_DEFINED).tolist()]
+        backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                    for t in control])
     if user:
-        backend.add_tokens(user)
+        backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])

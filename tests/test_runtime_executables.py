@@ -41,9 +41,12 @@ def test_a_second_build_loads_the_steps_and_gives_the_same_tokens(tiny_dir, cach
     first, tokens = _run(tiny_dir)
     assert (first.compile_count, first.loaded_count) == (2, 0)
     files = sorted(p.name for p in first.store.dir.iterdir())
-    assert files == ["decode-1-64-greedy-4-64.exe", "prefill-16-greedy-64.exe", "used.json"]
+    assert files == [".model.snapshot.lock", ".model.snapshot.record.json",
+                     "decode-1-64-greedy-4-64.exe", "model.snapshot", "prefill-16-greedy-64.exe",
+                     "used.json"]
     again, tokens_again = _run(tiny_dir)
     assert (again.compile_count, again.loaded_count) == (0, 2)
+    assert again._snapshot is not None  # the model's snapshot, the model never built
     assert tokens_again == tokens
     assert again.store.background_s > 0  # loaded by the prefetch, beside the build
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 
 from powerinfer_jax.checkpoint.base import Checkpoint
-from powerinfer_jax.checkpoint.hf import load_hf
 from powerinfer_jax.checkpoint.registry import resolve_model
 
 
@@ -16,6 +15,8 @@ def load_checkpoint(name_or_path: str | os.PathLike, *, keep_quantized: bool = F
     blocks kept once (`.dequantize()` gives the float32 param) for the quantized kernels."""
     path = resolve_model(name_or_path)
     if path.is_dir():
+        from powerinfer_jax.checkpoint.hf import load_hf  # lazy: start-up (HF directories only)
+
         return load_hf(path)
     # lazy: start-up (gguf only for GGUF files)
     from powerinfer_jax.checkpoint.gguf import load_gguf

@@ -27,6 +27,7 @@ from flax import nnx
 
 from powerinfer_jax import ops
 from powerinfer_jax.errors import fail
+from powerinfer_jax.models.kv_cache import cache_storage_dtype
 from powerinfer_jax.models.qweights import MATVEC, QWeight, host_blocks
 from powerinfer_jax.models.rope import Rope
 from powerinfer_jax.models.rope import apply as rope_apply
@@ -197,14 +198,6 @@ class Norm(Module):
         mean = row_mean(x)
         var = row_mean(jnp.square(x - mean))
         return (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
-
-
-def cache_storage_dtype(dtype):
-    """KV cache element type for a model dtype. bfloat16 is stored as its raw bits (uint16):
-    XLA's CPU backend widens bf16 ops to f32, which turns the in-place cache update into a copy of
-    the whole cache every step (measured 111 us vs 8 us for a 3 MB cache); bit patterns keep the
-    update in place and the read widens exactly with an integer shift."""
-    return jnp.uint16 if jnp.dtype(dtype) == jnp.bfloat16 else F32
 
 
 def to_cache(x, storage):

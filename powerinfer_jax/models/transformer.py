@@ -20,12 +20,12 @@ from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.errors import fail
 # block_residual: re-exported, the name the selectors read it by (sparsity/powerinfer_predictor.py)
 from powerinfer_jax.models.ffn import FFN, block_residual, residual_scope  # noqa: F401
+from powerinfer_jax.models.kv_cache import init_cache  # noqa: F401  (re-exported)
 from powerinfer_jax.models.moe import MoE
 from powerinfer_jax.models.qweights import (DENSE_LAYOUT, FfnLayout, MATVEC, QWeight, ROWS,
                                             arrange, batched_load, gather_rows, host_blocks)
-from powerinfer_jax.models.layers import (F32, Attention, Linear, Module, Norm, _param,
-                                         cache_storage_dtype, matmul, op_impl, resolve_kernels,
-                                         shapes_only, sow)
+from powerinfer_jax.models.layers import (F32, Attention, Linear, Module, Norm, _param, matmul,
+                                         op_impl, resolve_kernels, shapes_only, sow)
 from powerinfer_jax.models.rope import layer_rope
 from powerinfer_jax.ops.qblocks import dequantize_rows
 
@@ -207,15 +207,6 @@ def capture(fn, model, *args):
 
 def _embedding(shape, dtype, rngs):
     return _param(shape, dtype, rngs, scale=0.02)
-
-
-def init_cache(config: ModelConfig, *, batch: int, max_len: int, dtype, zeros=jnp.zeros):
-    """A zeroed KV cache for a model of `dtype`: per layer (k, v), each [B, S, K, H], stored as
-    `cache_storage_dtype(dtype)` (bfloat16 as raw uint16 bits, see models/layers.py).
-    `zeros(shape, dtype)` makes each array (the engine's: numpy zeros put on the device)."""
-    shape = (batch, max_len, config.n_kv_heads, config.head_dim)
-    storage = cache_storage_dtype(dtype)
-    return [(zeros(shape, storage), zeros(shape, storage)) for _ in range(config.n_layers)]
 
 
 def _param_name(path) -> str:

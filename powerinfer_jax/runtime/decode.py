@@ -36,11 +36,10 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from powerinfer_jax.config import MAX_SEED, RuntimeConfig, SamplingParams, check_decode_block
 from powerinfer_jax.errors import check, fail
-from powerinfer_jax.models.transformer import Transformer, init_cache
+from powerinfer_jax.models.kv_cache import init_cache
 from powerinfer_jax.runtime import executables
 from powerinfer_jax.runtime import sampling as smp
 # Requests and the scheduler are runtime/scheduler.py's; importers of this module (the server, the
@@ -82,9 +81,13 @@ def prefill_bucket(n: int, max_len: int, minimum: int = _MIN_BUCKET) -> int:
 
 
 class Engine:
-    """The jitted steps of one built model over a cache of `max_batch` slots."""
+    """The jitted steps of one built model over a cache of `max_batch` slots.
 
-    def __init__(self, model: Transformer, *, max_seq_len: int, max_batch: int = 1,
+    `model`: a models.transformer.Transformer, or a model snapshot (runtime/snapshot.py: its
+    weights as the flat list the steps take, its digest, and `thaw()`, which builds the model).
+    A snapshot's steps come from the store; the model is built only if one must be compiled."""
+
+    def __init__(self, model, *, max_seq_len: int, max_batch: int = 1,
                  decode_block: int = DECODE_BLOCK, store=None, progress: bool = False):
         c = model.config
         check(isinstance(max_seq_len, int) and 0 < max_seq_len <= c.max_seq_len, "max_seq_len",
@@ -102,18 +105,35 @@ class Engine:
         self.loaded_count = 0  # steps loaded compiled from the store (runtime/executables.py)
         self.compile_s = 0.0  # time spent getting steps ready: compiling or loading them
         self._executables: dict = {}
-        graphdef, state = nnx.split(model)
-        # The weights travel as a flat list of arrays: flattening the nnx.State pytree (332
-        # Variables for SmolLM2) on every call cost more per decode step than the jit's own
-        # argument handling (measured: ~0.4 ms of Python per step).
-        self._state, treedef = jax.tree.flatten(state)
         self._cache = None
         # Compiled steps kept across processes (a Store of runtime/executables.py, or None):
         # loaded when this model's structure is the one they were compiled for.
         self.store = store
         self.progress = progress  # a line on stderr before each compile (seconds each)
-        self._structure = None if store is None else executables.structure_digest(
-            graphdef, self._state, (max_seq_len, max_batch, str(self.cache_dtype)))
+        self._snapshot = model if hasattr(model, "thaw") else None
+        self._steps = None  # the jitted steps, made from the model when first compiled
+        if self._snapshot is None:
+            self._bind(model)
+        else:
+            self._state = list(model.leaves)
+            self._set_structure(model.digest)
+
+    def _set_structure(self, model_digest: str | None) -> None:
+        """What the store's steps must have been compiled for (None: no store)."""
+        self._structure = None if model_digest is None else executables.structure_digest(
+            model_digest, (self.max_seq_len, self.max_batch, str(self.cache_dtype)))
+
+    def _bind(self, model) -> None:
+        """Take the weights and the jitted steps from a built model."""
+        from flax import nnx  # lazy: start-up (a snapshot's steps need no model)
+
+        graphdef, state = nnx.split(model)
+        # The weights travel as a flat list of arrays: flattening the nnx.State pytree (332
+        # Variables for SmolLM2) on every call cost more per decode step than the jit's own
+        # argument handling (measured: ~0.4 ms of Python per step).
+        self._state, treedef = jax.tree.flatten(state)
+        self._set_structure(None if self.store is None else
+                            executables.model_digest(graphdef, self._state))
 
         def merged(leaves):
             return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
@@ -168,7 +188,15 @@ class Engine:
                                                donate_argnames="cache"))}
         self._prefill = jax.jit(prefill, **self._steps["prefill"][1])
         self._decode = jax.jit(decode, **self._steps["decode"][1])
-        self._set_token = jax.jit(lambda toks, i, t: toks.at[i].set(t))
+
+    def _thaw(self) -> None:
+        """A snapshot's engine about to compile: build the model and take its weights and steps.
+        Steps loaded for the snapshot's digest stay only if the built model has the same one."""
+        before = self._structure
+        self._bind(self._snapshot.thaw())
+        self._snapshot = None
+        if self._structure != before:
+            self._executables.clear()
 
     # ------------------------------------------------------------------ compilation
     def _abstract_cache(self):
@@ -195,13 +223,15 @@ class Engine:
         stored = (*key, self.max_seq_len)  # one identity's engines may size their caches apart
         exe = None if self.store is None else self.store.take(stored, self._structure)
         if exe is None:
+            if self._snapshot is not None:
+                self._thaw()
             if self.progress:
                 print(f"powerinfer_jax: compiling {describe_step(key)} (once for this model, "
                       "mode and shape; later runs load it compiled)", file=sys.stderr, flush=True)
             if self.store is None:
                 exe = self._compile(key)
             else:  # compiled, never found in jax's caches: only such a step serializes whole
-                with executables.no_cache_write():
+                with executables.compiling_for_store():
                     exe = self._compile(key, executables.fresh_name(key[0]))
                 self.store.save(stored, exe, self._structure)
             self.compile_count += 1
@@ -328,7 +358,10 @@ class Engine:
 
     def _warm(self, requests: Sequence[Request]) -> None:
         """Compile what a single request will need before its timing starts (a batch compiles
-        its buckets as they come: which ones depends on how sequences overlap)."""
+        its buckets as they come: which ones depends on how sequences overlap). A step the store
+        is still loading in the background is left to it: the prefill runs meanwhile, and the
+        first call that needs the step waits for it (the Scheduler keeps that wait out of the
+        decode time)."""
         if len(requests) != 1:
             return
         r = requests[0]
@@ -338,9 +371,16 @@ class Engine:
         position, made = n, 1  # the Scheduler's calls when no stop token comes first
         while made < r.max_new_tokens:
             steps = self.block_at(position, self.decode_block)
-            self._executable(("decode", 1, self.kv_bucket(position + steps - 1), kind, steps))
+            key = ("decode", 1, self.kv_bucket(position + steps - 1), kind, steps)
+            if not self._loading(key):
+                self._executable(key)
             position += steps
             made += steps
+
+    def _loading(self, key: tuple) -> bool:
+        """Whether the store is loading the step of `key` in the background right now."""
+        return (self.store is not None and key not in self._executables
+                and self.store.is_loading((*key, self.max_seq_len)))
 
     # ------------------------------------------------------------------ low-level steps
     def cache(self):

@@ -67,6 +67,7 @@ class _Live:
     first_at: float = 0.0
     ended: float = 0.0
     compile_s: float = 0.0
+    waited_s: float = 0.0  # decode calls' wait for their steps (compiled or loaded)
     done: str | None = None
 
 
@@ -146,6 +147,7 @@ class Scheduler:
             seeds[s.slot] = s.request.seed
             params[s.slot] = s.request.sampling
         pending, self._pending = self._pending, None
+        c0 = eng.compile_s  # a step got ready here: its wait is not decode time
         if pending is not None and not fresh and pending[2] == b and pending[3] == k and all(
                 pending[1][s.slot] == s.position for s in live):
             toks, last = pending[0]  # rows of slots that finished since are junk, never read
@@ -164,6 +166,8 @@ class Scheduler:
                 nxt[s.slot] = s.position + k
             k2 = eng.block_at(furthest + k, self.block)
             self._pending = (eng.decode_step(last, nxt, seeds, params, k2), nxt, b, k2)
+        for s in live:
+            s.waited_s += eng.compile_s - c0
         return toks
 
     def _accept(self, s: _Live, tok: int, first: bool = False) -> None:
@@ -186,5 +190,6 @@ class Scheduler:
 
     def _result(self, s: _Live) -> GenerationResult:
         return GenerationResult(tokens=s.tokens, prompt_tokens=len(s.request.prompt_ids),
-                                prefill_s=s.first_at - s.started, decode_s=s.ended - s.first_at,
+                                prefill_s=s.first_at - s.started,
+                                decode_s=s.ended - s.first_at - s.waited_s,
                                 stop_reason=s.done, compile_s=s.compile_s)

@@ -12,6 +12,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from powerinfer_jax.config import (DEFAULT_CONTEXT_CAP, DEFAULT_MODEL, DEFAULT_TARGET_SPARSITY,
                                    ModelConfig, PlacementConfig, RuntimeConfig, SparsityConfig)
@@ -23,7 +24,9 @@ class Session:
     """A built model: everything a caller needs to run, measure and report it."""
 
     config: ModelConfig
-    model: object  # models.transformer.Transformer, configured and placed
+    # models.transformer.Transformer, configured and placed; None until `model` is first read
+    # where the session started from a snapshot (runtime/snapshot.py)
+    _model: object
     tokenizer: object  # powerinfer_jax.tokenizer.Tokenizer
     runtime: RuntimeConfig
     sparsity: SparsityConfig  # with the default target filled in where the mode needs one
@@ -41,15 +44,30 @@ class Session:
     # engine is made (generate sizes it to its prompt and new tokens)
     kv_limit: int | None = None
     timings: dict = dataclasses.field(default_factory=dict)  # seconds of build's phases
+    # the model's snapshot this session started from (runtime/snapshot.py), and what builds the
+    # model when something needs it (a step to compile, the API's model-level calls)
+    snapshot: object | None = None
+    _build_model: Callable[[], object] | None = None
     _engine: object | None = None
 
     @property
+    def model(self):
+        """The built model (models.transformer.Transformer); a session that started from a
+        snapshot builds it here, on first use."""
+        if self._model is None:
+            self._model = self._build_model()
+        return self._model
+
+    @property
     def engine(self):
-        """The model's decode engine (runtime/decode.py), made on first use."""
+        """The model's decode engine (runtime/decode.py), made on first use; from a snapshot,
+        over the snapshot's weights (the model is built only if a step must be compiled)."""
         if self._engine is None:
             from powerinfer_jax.runtime.decode import Engine  # lazy: start-up
 
-            self._engine = Engine(self.model, max_seq_len=self.kv_positions,
+            frozen = self._model is None and self.snapshot is not None
+            self._engine = Engine(self.snapshot if frozen else self.model,
+                                  max_seq_len=self.kv_positions,
                                   max_batch=self.max_batch, decode_block=self.runtime.decode_block,
                                   store=self.store, progress=self.progress)
         return self._engine
@@ -63,9 +81,14 @@ class Session:
     @property
     def plan(self) -> tuple[dict, ...]:
         """Per layer: selector, threshold, backend, hot/cold rows (sparsity.modes.plan)."""
-        from powerinfer_jax.sparsity import modes  # lazy: start-up
+        return self._report("plan")
 
-        return modes.plan(self.model)
+    def _report(self, key: str):
+        """What describe and plan say of the model (model_report's `key`): the snapshot's
+        record until the model is built."""
+        if self._model is None and self.snapshot is not None:
+            return self.snapshot.report[key]
+        return model_report(self.model, key)[key]
 
     @property
     def oracle_thresholds(self) -> tuple[float, ...] | None:
@@ -81,11 +104,21 @@ class Session:
                 "target_sparsity": self.sparsity.target_sparsity,
                 "predictor": self.sparsity.predictor if self.sparsity.mode == "predictor" else None,
                 "gate_up": self.sparsity.gate_up if self.sparsity.mode == "predictor" else None,
-                "kernels": self.model.kernels, "max_seq_len": self.kv_positions,
-                "weights": weight_formats(self.model), "auto": self.auto,
+                "kernels": self._report("kernels"), "max_seq_len": self.kv_positions,
+                "weights": self._report("weights"), "auto": self.auto,
                 "placement": None if self.placement is None else self.placement.summary(),
                 "devices": self.runtime.devices, "decode_block": self.runtime.decode_block,
                 "offload": None if self.offload is None else self.offload.describe()}
+
+
+def model_report(model, *keys: str) -> dict:
+    """What a session reports of its built model (kept in its snapshot): `keys` of kernels,
+    weights and plan (all without keys)."""
+    from powerinfer_jax.sparsity import modes  # lazy: start-up
+
+    makers = {"kernels": lambda: model.kernels, "weights": lambda: weight_formats(model),
+              "plan": lambda: modes.plan(model)}
+    return {k: makers[k]() for k in keys or makers}
 
 
 def weight_formats(model) -> dict[str, int]:
@@ -138,9 +171,64 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     store = _executable_store(model, runtime, sparsity, placement, max_batch, artifacts_root,
                               accel)
     t1 = time.perf_counter()
+    args = (model, runtime, sparsity, placement, artifacts_root, max_batch, progress, threads,
+            store, accel)
+    kept = store is not None and checkpoint is None and _keeps_snapshot(sparsity)
+    if kept:
+        from powerinfer_jax.runtime import snapshot  # lazy: start-up
+
+        snap = snapshot.load(store.dir)
+        if snap is not None:
+            return _from_snapshot(snap, *args, timings={
+                "jax_s": t1 - t0, "load_s": time.perf_counter() - t1, "build_s": 0.0})
+    session = _build(*args, checkpoint, times=(t0, t1))
+    if kept:
+        snapshot.save(store.dir, session.model, session.tokenizer,
+                      {**model_report(session.model), "source": session.source})
+    return session
+
+
+def _keeps_snapshot(sparsity: SparsityConfig) -> bool:
+    """Whether a model of this mode is kept as a snapshot (runtime/snapshot.py): a built-in
+    mode that needs no sparsity artifacts (they could change under the snapshot's key)."""
+    from powerinfer_jax.sparsity import modes  # lazy: start-up
+
+    return modes.is_builtin(sparsity.mode) and modes.needs(sparsity) == modes.Needs()
+
+
+def _from_snapshot(snap, model, runtime, sparsity, placement, artifacts_root, max_batch,
+                   progress, threads, store, accel, timings) -> Session:
+    """A session over a snapshot's weights, which builds the model only if asked for it."""
+    _check_context(runtime, snap.config)
+
+    def build_model():
+        return _build(model, runtime, sparsity, placement, artifacts_root, max_batch, progress,
+                      threads, store, accel, None).model
+
+    session = Session(config=snap.config, _model=None, tokenizer=snap.tokenizer,
+                      runtime=runtime, sparsity=sparsity, source=snap.report["source"],
+                      model_arg=str(model), threads=threads, max_batch=max_batch, store=store,
+                      progress=progress, timings=timings, snapshot=snap,
+                      _build_model=build_model)
+    snap.thaw = lambda: session.model
+    return session
+
+
+def _check_context(runtime: RuntimeConfig, config: ModelConfig) -> None:
+    if runtime.max_seq_len is not None and runtime.max_seq_len > config.max_seq_len:
+        fail("max_seq_len", f"at most {config.max_seq_len} (the model's context)",
+             runtime.max_seq_len)
+
+
+def _build(model, runtime, sparsity, placement, artifacts_root, max_batch, progress, threads,
+           store, accel, checkpoint, times=None) -> Session:
+    """build's model: checkpoint, modules, layouts, sparsity, placement (times: build's start
+    and the end of its preparations, for the session's timings)."""
+    t0, t1 = times or (time.perf_counter(),) * 2
     # imported here, after the store began loading steps in the background (start-up time)
     from powerinfer_jax.checkpoint import load_checkpoint  # lazy: start-up
     from powerinfer_jax.models.transformer import from_params  # lazy: start-up
+    from powerinfer_jax.sparsity import modes  # lazy: start-up
 
     if checkpoint is None:
         if placement.ram_budget_bytes is not None:
@@ -152,9 +240,7 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
         ckpt = checkpoint
     t2 = time.perf_counter()
     modes.check_weights(sparsity, _ffn_qtype(ckpt))
-    if runtime.max_seq_len is not None and runtime.max_seq_len > ckpt.config.max_seq_len:
-        fail("max_seq_len", f"at most {ckpt.config.max_seq_len} (the model's context)",
-             runtime.max_seq_len)
+    _check_context(runtime, ckpt.config)
     # --ram-budget: "disk" (FFN rows in a neuron store, runtime/offload.py), "memory" (it fits)
     ram = None if placement.ram_budget_bytes is None else _ram_mode(
         ckpt, runtime, sparsity, placement, max_batch, accel)
@@ -209,7 +295,7 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     elif accel is not None:
         _to_accelerator(m, accel)
     t3 = time.perf_counter()
-    return Session(config=ckpt.config, model=m, tokenizer=ckpt.tokenizer, runtime=runtime,
+    return Session(config=ckpt.config, _model=m, tokenizer=ckpt.tokenizer, runtime=runtime,
                    sparsity=sparsity, source=str(ckpt.source), model_arg=str(model),
                    threads=threads, artifacts=arts, placement=placed,
                    max_batch=max_batch, offload=offloaded, store=store, progress=progress,

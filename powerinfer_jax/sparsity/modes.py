@@ -16,15 +16,10 @@ from typing import Callable
 
 from powerinfer_jax.config import DEFAULT_TARGET_SPARSITY, add_sparsity_mode
 from powerinfer_jax.errors import check_choice, fail
-from powerinfer_jax.models.ffn import Selector
-from powerinfer_jax.models.qweights import (DENSE_LAYOUT, GROUPS, MATVEC, ROWS,
-                                            SELECTED_LAYOUT, FfnLayout, apply_ffn_layout)
-from powerinfer_jax.sparsity import selectors as S
-from powerinfer_jax.sparsity.artifacts import check_predictor_shape, model_shape
-from powerinfer_jax.sparsity.powerinfer_predictor import selectors
-from powerinfer_jax.sparsity.q4_predictor import Q4Predictor
-from powerinfer_jax.sparsity.selectors import GateMagnitude, Oracle, Scores
 
+# The layouts, the selectors and the model code are imported where a mode is made, not here: the
+# CLIs read the registry before jax is imported, and a run that starts from a model snapshot
+# (runtime/snapshot.py) builds no model.
 # make(model, sparsity_config, artifacts) -> one Selector (or None: dense) per layer.
 # `artifacts` is a SparsityArtifacts when the mode needs them, else None.
 MakeSelectors = Callable[[object, object, object], list]
@@ -39,7 +34,15 @@ class Needs:
     model_file: bool = False  # predictors stored in the model file itself (Mode.load reads them)
 
 
-SELECTED_ROWS = SELECTED_LAYOUT  # a sparse mode's default (models/qweights.py)
+def _qweights():
+    from powerinfer_jax.models import qweights  # lazy: start-up (jax, the checkpoint code)
+
+    return qweights
+
+
+def selected_rows(cfg=None, model_config=None) -> FfnLayout:
+    """A sparse mode's default layout: a selector's neurons (models/qweights.py)."""
+    return _qweights().SELECTED_LAYOUT
 
 
 def every_gate(cfg, model_config) -> FfnLayout:
@@ -47,7 +50,8 @@ def every_gate(cfg, model_config) -> FfnLayout:
     except for ReLU-family gates, where a neuron whose gate does not fire reads no up row (exact
     zeros: relu and drelu), so up rows are read one by one."""
     relu = model_config.activation in ("relu", "drelu") and model_config.gated
-    return FfnLayout(gate=MATVEC, up=ROWS if relu else MATVEC, down=GROUPS)
+    q = _qweights()
+    return q.FfnLayout(gate=q.MATVEC, up=q.ROWS if relu else q.MATVEC, down=q.GROUPS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +62,7 @@ class Mode:
     # Needs.model_file: load(model file path, ModelConfig) -> what `make` receives as artifacts
     load: Callable[[str, object], object] | None = None
     # layout(SparsityConfig, ModelConfig) -> FfnLayout: the build plan's FFN layouts
-    layout: Callable[[object, object], FfnLayout] = lambda cfg, mc: SELECTED_ROWS
+    layout: Callable[[object, object], FfnLayout] = selected_rows
 
 
 _MODES: dict[str, Mode] = {}
@@ -70,6 +74,11 @@ def register(name: str, mode: Mode) -> None:
         fail("sparsity mode name", "an identifier", name)
     _MODES[name] = mode
     add_sparsity_mode(name)
+
+
+def is_builtin(name: str) -> bool:
+    """Whether mode `name` is this module's own (not added or replaced by `register` since)."""
+    return name in _BUILTIN and _MODES.get(name) is _BUILTIN[name]
 
 
 def names() -> tuple[str, ...]:
@@ -144,6 +153,9 @@ def configure(model, cfg, artifacts=None, *, thresholds=None, predictors=None
         if len(thresholds) != n:
             fail("thresholds", f"one per layer ({n})", len(thresholds))
         artifacts = Thresholds(thresholds)
+    from powerinfer_jax.models.ffn import Selector  # lazy: start-up
+    from powerinfer_jax.sparsity.selectors import Scores  # lazy: start-up
+
     if predictors is not None:
         if len(predictors) != n:
             fail("predictors", f"one per layer ({n})", len(predictors))
@@ -162,10 +174,10 @@ def configure(model, cfg, artifacts=None, *, thresholds=None, predictors=None
     impl = cfg.impl
     if cfg.gate_up == "q4" and jax.default_backend() != "cpu":
         impl = "reference"  # the CUDA sparse FFN takes scores or oracle, not activations
-    layout = SELECTED_ROWS if predictors is not None else ffn_layout(cfg, model.config)
+    layout = selected_rows() if predictors is not None else ffn_layout(cfg, model.config)
     for layer, sel in zip(model.layers, selectors):
         if sel is not None:  # loaded for another mode: arranged once more (no-op when right)
-            apply_ffn_layout(layer.ffn, layout)
+            _qweights().apply_ffn_layout(layer.ffn, layout)
         layer.ffn.set_selector(sel, impl=impl)
     return plan(model)
 
@@ -191,16 +203,24 @@ def _dense(model, cfg, arts):
 
 
 def _oracle(model, cfg, arts):
+    from powerinfer_jax.sparsity.selectors import Oracle  # lazy: start-up
+
     if arts is None:  # a scalar threshold (0: every non-zero activation)
         return [Oracle(cfg.threshold) for _ in model.layers]
     return _per_layer(Oracle, arts.thresholds_contribution)
 
 
 def _threshold(model, cfg, arts):
+    from powerinfer_jax.sparsity.selectors import GateMagnitude  # lazy: start-up
+
     return _per_layer(GateMagnitude, arts.thresholds_gate)
 
 
 def _predictor(model, cfg, arts):
+    from powerinfer_jax.sparsity import selectors as S  # lazy: start-up
+    from powerinfer_jax.sparsity.artifacts import check_predictor_shape, model_shape  # lazy
+    from powerinfer_jax.sparsity.q4_predictor import Q4Predictor  # lazy: start-up
+
     ffn = model.layers[0].ffn
     check_weights(cfg, ffn.up.qtype if ffn.quantized else None)
     if cfg.predictor == "q4":
@@ -223,7 +243,7 @@ def _auto(model, cfg, arts):
 
 
 register("dense", Mode(_dense, "every neuron, XLA's matmuls or the custom call (the reference)",
-                       layout=lambda cfg, mc: DENSE_LAYOUT))
+                       layout=lambda cfg, mc: _qweights().DENSE_LAYOUT))
 register("auto", Mode(_auto, "dense or predictor mode with the q4 activations, whichever decodes "
                              "faster on this machine (timed once at build, then cached)"))
 register("oracle", Mode(
@@ -231,6 +251,8 @@ register("oracle", Mode(
              "with --target-sparsity): the quality upper bound",
     needs=lambda cfg: Needs(thresholds=cfg.target_sparsity is not None), layout=every_gate))
 def _powerinfer(model, cfg, predictors):
+    from powerinfer_jax.sparsity.powerinfer_predictor import selectors  # lazy: start-up
+
     return selectors(model, predictors)
 
 
@@ -249,10 +271,12 @@ register("threshold", Mode(
     _threshold, "calibrated |act(gate_i . x)| thresholds, the gate computed densely (CATS-style)",
     needs=lambda cfg: Needs(thresholds=True)))
 def _predictor_layout(cfg, model_config) -> FfnLayout:
-    return SELECTED_ROWS  # rows read per predicted neuron (q4 on float weights, lowrank)
+    return selected_rows()  # rows read per predicted neuron (q4 on float weights, lowrank)
 
 
 register("predictor", Mode(
     _predictor, "a predictor chooses the active set before any FFN row is read (--predictor)",
     needs=lambda cfg: Needs(thresholds=True, lowrank=cfg.predictor == "lowrank"),
     layout=_predictor_layout))
+
+_BUILTIN = dict(_MODES)  # the modes above, as registered here
