@@ -163,6 +163,15 @@ def test_a_replaced_mode_never_runs_from_the_snapshot(gguf, cache, monkeypatch):
     assert _load(gguf).session.snapshot is None
 
 
+def test_a_model_over_the_size_cap_keeps_no_snapshot(gguf, cache, monkeypatch):
+    """A snapshot is a second copy of the weights on disk: a model larger than
+    snapshot.MAX_BYTES (a 7B file) is built every time instead."""
+    monkeypatch.setattr(snapshot, "MAX_BYTES", 1024)
+    llm = _load(gguf)
+    assert not _file(llm).exists()
+    assert _load(gguf).session.snapshot is None
+
+
 def test_only_modes_without_artifacts_keep_a_snapshot(gguf, cache):
     llm = _load(gguf, sparsity="oracle")  # no target: thresholds from the config, kept
     assert _file(llm).is_file()

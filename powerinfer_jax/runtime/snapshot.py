@@ -39,6 +39,10 @@ FILE = "model.snapshot"
 _MAGIC = b"PIJSNAP\0"
 _HEAD = struct.Struct("<8sQ")  # magic, header bytes
 ALIGN = 64  # XLA's CPU client keeps a 64-byte aligned host array as it is (no copy)
+# Larger models are not kept: a snapshot is a second copy of the weights on disk (a 7B Q4_0:
+# 3.8 GB written and hashed after the build), beyond what the executables store keeps
+# (executables.MAX_BYTES), and their start-up is the file's read, not the build.
+MAX_BYTES = executables.MAX_BYTES // 4
 
 
 @dataclasses.dataclass
@@ -67,12 +71,14 @@ def _versions() -> dict:
 
 def save(directory: Path, model, tokenizer, report: dict) -> None:
     """Write `model`'s snapshot into `directory` (best effort: an unwritable cache only means the
-    next process builds the model too)."""
+    next process builds the model too); nothing for a model over MAX_BYTES."""
     import jax
     from flax import nnx
 
     graphdef, state = nnx.split(model)
     leaves = jax.tree.leaves(state)
+    if sum(a.nbytes for a in leaves) > MAX_BYTES:
+        return
     index, offset = [], 0
     for a in leaves:
         offset += -offset % ALIGN
