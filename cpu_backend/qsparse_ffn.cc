@@ -146,6 +146,24 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
     VisitQType(w.up_type, [&]<class F>(F) {
       GroupDots<F>(w.up, group, s.up_views.data() + t0, ntok, w.dim, up);
     });
+  } else if (gated && ZeroBelowZero(p.activation) && p.criterion == Criterion::kScores &&
+             !w.gate_interleaved && w.gate_type == w.up_type) {
+    // Predicted neurons mostly fire (a predictor's precision: 0.9 on the synthetic 7B), so the
+    // up rows the gate-first pass below would skip are few, and reading a neuron's gate and up
+    // rows in one tile keeps twice the rows in flight: one 7B layer at ~10% active, 2 threads,
+    // 0.75 -> 0.69 ms (8 interleaved rounds, /proc/cpuinfo: Xeon with AMX). a_i is the same: the
+    // up value of a neuron whose gate no token turns on is zeroed, never used (a poisoned
+    // row is read but its NaN is dropped).
+    VisitQType(w.up_type, [&]<class F>(F) {
+      const uint8_t* mats[2] = {w.gate, w.up};
+      float* outs[2] = {gate, up};
+      NeuronDots<F, 2>(mats, neurons, next, s.up_views.data() + t0, ntok, w.dim, outs);
+    });
+    for (size_t j = 0; j < neurons.size(); ++j) {
+      bool on = false;
+      for (int64_t t = 0; t < ntok; ++t) on |= !(gate[j * ntok + t] <= 0.0f);  // NaN: on
+      if (!on) std::fill_n(up + j * ntok, ntok, 0.0f);
+    }
   } else if (gated && ZeroBelowZero(p.activation)) {
     // relu(gate) is exactly 0 where gate <= 0, and so is a_i whatever the up row holds: read
     // the gate rows first (a whole interleaved group, or the neurons' rows), then the up rows

@@ -298,9 +298,11 @@ def test_a_token_gets_the_same_bits_alone_and_in_a_batch(gu, dn, criterion):
 @pytest.mark.parametrize("t", [1, 3])
 def test_relu_gate_off_rows_are_never_read(activation, criterion, t):
     """ReLU-family gates: where no token's gate is positive, a_i is exactly 0 whatever the up row
-    holds, so neither its up row nor (selected by scores or not) its down row is read. Those rows
-    are poisoned with NaN scales here: the output still equals the reference on clean rows, and
-    the counts still count every selected neuron."""
+    holds, so its down row (selected by scores or not) is never read and its up value never
+    reaches the output (the oracle reads no such up row; selected by scores, the up row is read
+    with the gate's, in one tile, and its value dropped). Those rows are poisoned with NaN scales
+    here: the output still equals the reference on clean rows, and the counts still count every
+    selected neuron."""
     x, w, rng = ffn("Q4_0", "Q4_0", 40 + t, t=t, f=64)
     d = x.shape[-1]
     gate = np.asarray(reference.qlinear(x, w["gate"], "Q4_0", d))  # [T, F]
