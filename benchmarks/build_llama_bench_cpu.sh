@@ -10,7 +10,7 @@
 # peers run: <cache>/peers/llama-cpp-python-0.3.36/vendor/llama.cpp).
 # OUT_ROOT: default ${POWERINFER_JAX_CACHE:-~/.cache/powerinfer_jax}/peers; the builds go to
 # OUT_ROOT/llamacpp-cpu-native and OUT_ROOT/llamacpp-cpu-avx2 (binaries in bin/).
-# ISAS="native avx2" (default) picks which builds; JOBS=2, NICE=5. Static libraries, no curl,
+# ISAS="native avx2" (default) picks which builds (also native-noamx: no AMX); JOBS=2, NICE=5. Static libraries, no curl,
 # no CUDA. Prints the two llama-bench paths on its last lines.
 set -euo pipefail
 
@@ -29,10 +29,15 @@ COMMON=(-DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=OFF -DLLAMA_CURL=OFF -DBUILD_SHAR
 for isa in ${ISAS}; do
   case "${isa}" in
     native) FLAGS=(-DGGML_NATIVE=ON) ;;
+    # the machine's instruction set without AMX: on a Xeon with AMX in a VM the native build's
+    # AMX path stopped llama-bench's prefill with SIGSEGV (decode, batch 1, ran); ours uses no
+    # AMX either
+    native-noamx) FLAGS=(-DGGML_NATIVE=ON "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+                         "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16") ;;
     avx2)   FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
                    -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
                    -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF) ;;
-    *) echo "unknown ISA ${isa} (native|avx2)" >&2; exit 2 ;;
+    *) echo "unknown ISA ${isa} (native|native-noamx|avx2)" >&2; exit 2 ;;
   esac
   BUILD="${OUT_ROOT}/llamacpp-cpu-${isa}"
   nice -n "${NICE}" cmake -S "${SRC}" -B "${BUILD}" "${COMMON[@]}" "${FLAGS[@]}"

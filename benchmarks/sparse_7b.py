@@ -9,8 +9,11 @@ process pinned to the same CPUs:
   dense         ours, --sparsity dense, the file's blocks
   exact         ours, --sparsity oracle: the gate of every neuron, then up and down of the neurons
                 whose gate fires (ReLU's exact active set; no predictor, no approximation)
-  predictor     ours, --sparsity powerinfer --predictors <model>.powerinfer.gguf: the same
-                predictors as PowerInfer's run, then gate/up/down rows of predicted neurons only
+  predictor     ours, --sparsity powerinfer on <model>.powerinfer.gguf (PowerInfer's file): the
+                same predictors as PowerInfer's run, then gate/up/down rows of predicted neurons
+                only, the down rows as the file stores them (neuron rows)
+  predictor_gguf  the same predictors on <model>.gguf (llama.cpp's file): the down rows read in
+                the file's blocks of 32 neurons (nothing re-quantized)
 The order of systems rotates per round; ratios are taken within a round (the VM drifts 20-30%).
 
 Bytes per decode token (from the files' tensor sizes and the model's measured sparsity s):
@@ -39,7 +42,13 @@ REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("POWERINFER_JAX_CACHE", Path.home() / ".cache" / "powerinfer_jax"))
 LLAMA_BENCH = CACHE / "peers" / "llamacpp-cpu-native" / "bin" / "llama-bench"
 OURS = {"dense": ["--sparsity", "dense"], "exact": ["--sparsity", "oracle"],
-        "predictor": ["--sparsity", "powerinfer", "--predictors", "{pwri}"]}
+        "predictor": ["--sparsity", "powerinfer"],
+        "predictor_gguf": ["--sparsity", "powerinfer", "--predictors", "{pwri}"]}
+# Which file each of ours reads: the llama GGUF (llama.cpp's file), or the PowerInfer GGUF
+# (PowerInfer's file: the same model, its down projection stored transposed, neuron rows of
+# Q4_0 along D, so a neuron's down row is read alone; on the llama GGUF it lies in the file's
+# blocks of 32 neurons, whose scales and shared bytes the sparse kernel reads as well).
+OURS_FILE = {"dense": "gguf", "exact": "gguf", "predictor": "pwri", "predictor_gguf": "gguf"}
 PEERS = ("llama.cpp", "powerinfer")
 PROMPT = ("The history of computing is a story of ideas that made machines faster, smaller and "
           "easier to program. Early engineers built circuits by hand.")
@@ -98,7 +107,7 @@ def run_ours(config: str, files: dict, threads: int, new_tokens: int, dtype: str
              ) -> tuple[dict, list]:
     extra = [a.format(pwri=files["pwri"]) for a in OURS[config]]
     cmd = pinned(threads) + [sys.executable, "-m", "powerinfer_jax.bench", "--model",
-                             str(files["gguf"]), "--dtype", dtype, *extra, "--threads",
+                             str(files[OURS_FILE[config]]), "--dtype", dtype, *extra, "--threads",
                              str(threads), "--prompt-tokens", "16", "--new-tokens",
                              str(new_tokens), "--repeats", "2", "--max-seq-len", "256", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
@@ -172,7 +181,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--systems", default="llama.cpp,powerinfer,dense,exact,predictor")
+    ap.add_argument("--systems", default="llama.cpp,powerinfer,dense,exact,predictor,"
+                    "predictor_gguf")
     ap.add_argument("--dense-checks", action=argparse.BooleanOptionalAction, default=True,
                     help="per round also prefill of --prefill-tokens (llama.cpp vs ours dense), "
                          "and load time and peak RSS of a load-and-one-token run")
