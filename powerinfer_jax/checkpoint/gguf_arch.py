@@ -172,6 +172,11 @@ def model_metadata(config: ModelConfig, arch: str) -> dict[str, Any]:
                     layer_norm_rms_eps=c.norm_eps)
     elif arch == "falcon":
         meta.update(layer_norm_eps=c.norm_eps, rope_freq_base=c.rope_theta)
+    elif arch in ("olmoe", "qwen3moe"):  # written by the synthetic MoE generator
+        meta.update(key_length=c.head_dim, value_length=c.head_dim, rope_freq_base=c.rope_theta,
+                    layer_norm_rms_eps=c.norm_eps, expert_count=c.n_experts,
+                    expert_used_count=c.n_experts_used, expert_feed_forward_length=c.d_ff,
+                    expert_weights_norm=c.norm_topk_prob)
     else:
         meta.update(layer_norm_eps=c.norm_eps)
     return meta

@@ -24,25 +24,22 @@ from pathlib import Path
 import numpy as np
 
 from powerinfer_jax import _cli, ops
-from powerinfer_jax.checkpoint import load_checkpoint, resolve_model
-from powerinfer_jax.checkpoint.gguf import _open, read_metadata, tokenizer_metadata
+from powerinfer_jax.checkpoint import load_checkpoint
+from powerinfer_jax.checkpoint.gguf import tokenizer_metadata
 from powerinfer_jax.checkpoint.powerinfer import load_predictors
 from powerinfer_jax.errors import fail
 from powerinfer_jax.models.transformer import from_params
 from powerinfer_jax.sparsity import profile
-from powerinfer_jax.sparsity.corpus import (SHARED_DATA, VALIDATION_NAME, default_corpus_files,
-                                            read_corpus)
 from powerinfer_jax.synthetic.build import SHAPES, Spec, build, config_for
 from powerinfer_jax.synthetic.profile import (Locality, decile_errors, hot_share,
                                              layer_frequencies)
+from powerinfer_jax.synthetic.text import (TOKENIZER_MODEL, calibration_file, eval_file,
+                                          load_tokenizer, token_ids)
 from powerinfer_jax.synthetic.write import Sinks
-from powerinfer_jax.tokenizer import Tokenizer
 
 FORMATS = ("gguf", "powerinfer", "hf")
 QTYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16")
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff")
-CALIB_SEQ = 256  # tokens per calibration / verification sequence
-TOKENIZER_MODEL = "smollm2-135m"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,24 +88,6 @@ def _formats(spec: str) -> tuple[str, ...]:
     return got
 
 
-def _ids(text_path: Path, tokenizer, n: int, what: str) -> np.ndarray:
-    """[n // CALIB_SEQ, CALIB_SEQ] token ids of the file's text."""
-    if n < CALIB_SEQ or n % CALIB_SEQ:
-        fail(what, f"a positive multiple of {CALIB_SEQ}", n)
-    ids = tokenizer.encode(text_path.read_text(encoding="utf-8"), add_bos=False)
-    if len(ids) < n:
-        fail(what, f"at most the {len(ids)} tokens of {text_path}", n)
-    return np.asarray(ids[:n], np.int32).reshape(-1, CALIB_SEQ)
-
-
-def _eval_file() -> Path:
-    path = SHARED_DATA / VALIDATION_NAME
-    if not path.is_file():
-        fail("--verify-tokens", "0 without the held-out text", str(path),
-             "pass --verify-tokens 0, or run where ../shared/data/wiki.valid.txt exists")
-    return path
-
-
 def verify(model_path: Path, powerinfer_path: Path | None, ids: np.ndarray, prescribed,
            log) -> tuple[dict, np.ndarray]:
     """Measure each neuron's firing frequency with the engine on the llama GGUF (its quantized
@@ -150,8 +129,7 @@ def main(argv=None) -> None:
     if args.threads:
         ops.set_num_threads(args.threads)
 
-    tok_path = Path(resolve_model(args.tokenizer))
-    tokenizer = Tokenizer.from_gguf_metadata(read_metadata(_open(tok_path)))
+    tokenizer, tok_path = load_tokenizer(args.tokenizer)
     fields = dict(SHAPES[args.shape])
     fields.update({k: getattr(args, k) for k in SHAPE_FIELDS if getattr(args, k) is not None})
     config = config_for(fields, vocab_size=tokenizer.vocab_size, activation=args.activation,
@@ -162,10 +140,9 @@ def main(argv=None) -> None:
         locality = Locality(args.sparsity, args.hot_fraction, args.hot_share)
     spec = Spec(config, locality, rank=args.rank, seed=args.seed, qtype=args.qtype)
 
-    calib_file = Path(args.calib_text) if args.calib_text else default_corpus_files()[0]
-    read_corpus([calib_file])  # the corpus rules: an existing, non-empty, non-validation file
-    calib = _ids(calib_file, tokenizer, args.calib_tokens, "--calib-tokens")
-    held = (_ids(_eval_file(), tokenizer, args.verify_tokens, "--verify-tokens")
+    calib = token_ids(calibration_file(args.calib_text), tokenizer, args.calib_tokens,
+                      "--calib-tokens")
+    held = (token_ids(eval_file(), tokenizer, args.verify_tokens, "--verify-tokens")
             if args.verify_tokens else None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

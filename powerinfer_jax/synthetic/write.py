@@ -35,16 +35,16 @@ def _nbytes(qtype: str, shape: tuple[int, ...]) -> int:
         return 4 * int(np.prod(shape))
     if qtype in ("F16", "BF16"):
         return 2 * int(np.prod(shape))
-    return shape[0] * quants.row_bytes(qtype, shape[1])
+    return int(np.prod(shape[:-1])) * quants.row_bytes(qtype, shape[-1])
 
 
 class GGUFStream:
-    """A GGUF whose tensors are declared first (`plan`: name -> (numpy shape, type)) and
-    written in that order with `write(name, data)`; `close()` moves it into place."""
+    """A GGUF of `arch` whose tensors are declared first (`plan`: name -> (numpy shape, type))
+    and written in that order with `write(name, data)`; `close()` moves it into place."""
 
     def __init__(self, path: Path, config: ModelConfig, plan: dict[str, tuple[tuple, str]],
                  tokenizer_meta: Mapping[str, Any], *, name: str, powerinfer: bool,
-                 file_type: int):
+                 file_type: int, arch: str = "llama"):
         import gguf
 
         self.path = Path(path)
@@ -52,9 +52,9 @@ class GGUFStream:
         self.powerinfer = powerinfer
         self.order = list(plan)
         self.plan = plan
-        w = gguf.GGUFWriter(str(self.tmp), "llama")
+        w = gguf.GGUFWriter(str(self.tmp), arch)
         w.add_name(name)
-        for key, value in gguf_arch.model_metadata(config, "llama").items():
+        for key, value in gguf_arch.model_metadata(config, arch).items():
             getattr(w, "add_" + key)(value)
         w.add_string(gguf_arch.ACTIVATION_KEY, config.activation)
         w.add_file_type(file_type)
@@ -72,8 +72,9 @@ class GGUFStream:
                 w.add_tensor_info(tname, shape, np.dtype(np.uint16), nbytes,
                                   raw_dtype=gguf.GGMLQuantizationType.BF16)
             else:
-                w.add_tensor_info(tname, (shape[0], nbytes // shape[0]), np.dtype(np.uint8),
-                                  nbytes, raw_dtype=gguf.GGMLQuantizationType[qtype])
+                w.add_tensor_info(tname, tuple(shape[:-1]) + (quants.row_bytes(qtype, shape[-1]),),
+                                  np.dtype(np.uint8), nbytes,
+                                  raw_dtype=gguf.GGMLQuantizationType[qtype])
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
@@ -280,3 +281,60 @@ class _HFWriter:
         (self.dir / "config.json").write_text(json.dumps(cfg, indent=1))
         self.tokenizer.backend.save(str(self.dir / "tokenizer.json"))
         return self.dir
+
+
+def padded_tokenizer(meta: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
+    """Tokenizer metadata whose token list is padded with unused tokens to `vocab_size` (a
+    shape's embedding and LM head rows; text never reaches the padding)."""
+    out = dict(meta)
+    n = len(out["tokens"])
+    if vocab_size > n:
+        out["tokens"] = list(out["tokens"]) + [f"[PAD{i}]" for i in range(n, vocab_size)]
+        out["token_type"] = list(out["token_type"]) + [5] * (vocab_size - n)  # UNUSED
+    return out
+
+
+class MoeSink:
+    """A synthetic MoE model's GGUF in llama.cpp's layout for `arch` (olmoe, qwen3moe): the
+    canonical tensors of checkpoint.base.expected_shapes, in that order, each placed where
+    gguf_arch.sources says (the experts' down projection transposed to `ffn_down_exps` [E, D, F]
+    and quantized along the neurons); vectors and the router float32."""
+
+    def __init__(self, path: Path, config: ModelConfig, arch: str, qtype: str,
+                 tokenizer_meta: Mapping[str, Any], *, name: str):
+        from powerinfer_jax.checkpoint.base import expected_shapes
+
+        self.sources = gguf_arch.sources(config, arch, down_t=False)
+        self.qtype = qtype
+        self.types = {n: "F32" if len(s) == 1 or n.endswith("ffn.router.weight") else qtype
+                      for n, s in expected_shapes(config).items()}
+        plan = {self.sources[n].gguf: (self.sources[n].stored, t) for n, t in self.types.items()}
+        self.stream = GGUFStream(path, config, plan, padded_tokenizer(tokenizer_meta,
+                                                                      config.vocab_size),
+                                 name=name, powerinfer=False, file_type=file_type(qtype),
+                                 arch=arch)
+
+    def write(self, name: str, t) -> None:
+        """The canonical tensor `name` (a build.Tensor), next in expected_shapes' order."""
+        src = self.sources[name]
+        if src.kind not in ("plain", "transposed"):
+            raise RuntimeError(f"MoeSink: tensor {name!r}: layout {src.kind!r} is not written")
+        values, blocks = t.values, t.blocks
+        if src.kind == "transposed":
+            values, blocks = np.swapaxes(values, -1, -2), None
+        if blocks is not None and (t.qtype != self.types[name]):
+            blocks = None
+        if blocks is not None:
+            blocks = blocks.reshape(tuple(src.stored[:-1]) + (-1,))
+        elif self.types[name] not in ("F32", "F16", "BF16"):  # quantize rows of the stored form
+            values = np.ascontiguousarray(values).reshape(-1, src.stored[-1])
+        self.stream.write(src.gguf, values, blocks)
+
+    def on_layer(self, i: int, layer) -> None:
+        prefix = f"layers.{i}."
+        for name in self.types:
+            if name.startswith(prefix):
+                self.write(name, layer.tensors[name])
+
+    def close(self) -> Path:
+        return self.stream.close()
