@@ -136,9 +136,11 @@ def decode_bytes(path: Path) -> int:
     unrouted experts (k of E per layer)."""
     from powerinfer_jax.checkpoint.gguf_file import GGUFFile
 
-    k, e = OLMOE["num_experts_per_tok"], OLMOE["num_experts"]
+    f = GGUFFile(path)
+    arch = f.metadata["general.architecture"]
+    k, e = f.metadata[f"{arch}.expert_used_count"], f.metadata[f"{arch}.expert_count"]
     total = 0
-    for t in GGUFFile(path).tensors:
+    for t in f.tensors:
         if t.name == "token_embd.weight":
             continue
         total += int(t.n_bytes) * k // e if "_exps." in t.name else int(t.n_bytes)
@@ -159,6 +161,9 @@ def ours(path: Path, *, threads: int, new_tokens: int, prompt_tokens: int, repea
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--make", action="store_true", help="make the file and stop")
+    ap.add_argument("--model", default=None, metavar="GGUF",
+                    help="another MoE GGUF (e.g. python -m powerinfer_jax.synthetic.moe's) "
+                         "instead of the random-routing file --make writes")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -167,7 +172,7 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-bench", default=str(llamacpp.binary("llama-bench") or ""))
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "moe_vs_llamacpp.jsonl"))
     args = ap.parse_args(argv)
-    path = make()
+    path = Path(args.model) if args.model else make()
     if args.make:
         print(json.dumps({"file": str(path), "bytes": path.stat().st_size}))
         return 0
@@ -179,6 +184,16 @@ def main(argv=None) -> int:
             "machine": machine(), "threads": args.threads, "synthetic": True,
             "shape": "olmoe-1b-7b", "config": OLMOE,
             "weights_note": "random Q4_0 blocks written directly (gguf package), F32 router"}
+    if args.model:  # a generated model: what its generator recorded
+        rec = path.parent / "synthetic.json"
+        rec = json.loads(rec.read_text()) if rec.is_file() else {}
+        base.update(shape=path.stem, config=rec.get("config"), weights_note=(
+            "python -m powerinfer_jax.synthetic.moe: prescribed power-law routing on text"
+            + ("; relu experts run sparse inside (the exact oracle; llama.cpp's olmoe/qwen3moe "
+               "graph computes silu on every neuron)"
+               if (rec.get("config") or {}).get("activation") == "relu" else "")),
+            generator={k: rec.get(k) for k in ("command", "hot_fraction", "hot_share",
+                                                "neuron_sparsity", "seed", "commit")})
     ours(path, threads=args.threads, new_tokens=4, prompt_tokens=args.prompt_tokens, repeats=1)
     llama_bench(Path(args.llama_bench), path, threads=args.threads, new_tokens=4)
     rows = []

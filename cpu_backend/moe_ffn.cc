@@ -49,14 +49,11 @@ void Quantize(std::span<const float* const> rows, int64_t dim, QType t, QActs& a
   for (size_t i = 0; i < rows.size(); ++i) views[i] = acts.View(i, MinGroup(t));
 }
 
-}  // namespace
-
-void MoeFfn(const MoeExperts& w, std::span<const float* const> x_rows, const int32_t* ids,
-            const float* weights, int64_t k, float* y, MoeScratch& s, ThreadPool& pool) {
-  const int64_t n = static_cast<int64_t>(x_rows.size());
-  const int64_t pairs = n * k, e_n = w.n_experts, f = w.d_ff, d = w.dim;
-  if (n == 0) return;
-  // Pairs (token, j) grouped by expert, in token order within a group (a counting sort).
+// Pairs (token, j) grouped by expert, in token order within a group (a counting sort), and
+// each grouped pair's token row.
+void GroupPairs(int64_t e_n, std::span<const float* const> x_rows, const int32_t* ids, int64_t k,
+                MoeScratch& s) {
+  const int64_t pairs = static_cast<int64_t>(x_rows.size()) * k;
   s.start.assign(e_n + 1, 0);
   for (int64_t p = 0; p < pairs; ++p) ++s.start[ids[p] + 1];
   for (int64_t e = 0; e < e_n; ++e) s.start[e + 1] += s.start[e];
@@ -68,12 +65,29 @@ void MoeFfn(const MoeExperts& w, std::span<const float* const> x_rows, const int
     s.order[i] = static_cast<int32_t>(p);
     s.slot[p] = i;
   }
-  // Each grouped pair's token, quantized for gate's and up's blocks (the same rows once each).
   s.rows.resize(pairs);
   for (int64_t i = 0; i < pairs; ++i) s.rows[i] = x_rows[s.order[i] / k];
+}
+
+// Each token's experts' outputs (s.y, by grouped pair) summed in routing order, weighted.
+void SumExperts(int64_t n, int64_t k, int64_t d, const float* weights, const MoeScratch& s,
+                float* y) {
+  for (int64_t t = 0; t < n; ++t) {
+    float* out = y + t * d;
+    std::fill(out, out + d, 0.0f);
+    for (int64_t j = 0; j < k; ++j) {
+      const float wt = weights[t * k + j];
+      const float* part = s.y.data() + static_cast<int64_t>(s.slot[t * k + j]) * d;
+      for (int64_t c = 0; c < d; ++c) out[c] += wt * part[c];
+    }
+  }
+}
+
+// Every routed expert's neurons: gate and up rows for its group, then down rows.
+void DenseExperts(const MoeExperts& w, int64_t pairs, MoeScratch& s, ThreadPool& pool) {
+  const int64_t f = w.d_ff, d = w.dim;
   Quantize(s.rows, d, w.gate_t, s.x_gate, s.v_gate, pool);
   Quantize(s.rows, d, w.up_t, s.x_up, s.v_up, pool);
-  // Gate and up rows of each routed expert for its group of tokens.
   s.g.resize(pairs * f);
   s.u.resize(pairs * f);
   const int64_t rb_d_gate = QRowBytes(w.gate_t, d), rb_d_up = QRowBytes(w.up_t, d);
@@ -90,12 +104,11 @@ void MoeFfn(const MoeExperts& w, std::span<const float* const> x_rows, const int
     const auto& views = gate ? s.v_gate : s.v_up;
     QLinearRows(out, d, std::span<const QActView>(views.data() + a, count), t.lo, t.hi);
   });
-  // h = silu(g) * u, quantized for down's blocks.
-  for (int64_t i = 0; i < pairs * f; ++i) s.g[i] = Silu(s.g[i]) * s.u[i];
-  for (int64_t i = 0; i < pairs; ++i) s.rows[i] = s.g.data() + i * f;
+  // h = act(g) * u, quantized for down's blocks.
+  for (int64_t i = 0; i < pairs * f; ++i) s.g[i] = GatedActivate(w.activation, s.g[i], s.u[i]);
+  for (int64_t i = 0; i < pairs; ++i) s.rows[i] = s.g.data() + i * f;  // x is quantized
   Quantize(s.rows, f, w.down_t, s.h, s.v_h, pool);
   // Down rows of each routed expert for its group.
-  s.y.resize(pairs * d);
   MakeTasks(s.start, d, 1, pool.NumThreads(), tasks);
   pool.Run(0, static_cast<int64_t>(tasks.size()), [&](int64_t ti, int /*worker*/) {
     const Task& t = tasks[ti];
@@ -104,16 +117,51 @@ void MoeFfn(const MoeExperts& w, std::span<const float* const> x_rows, const int
                    w.down_il};
     QLinearRows(out, f, std::span<const QActView>(s.v_h.data() + a, count), t.lo, t.hi);
   });
-  // Each token's experts summed in routing order, weighted.
-  for (int64_t t = 0; t < n; ++t) {
-    float* out = y + t * d;
-    std::fill(out, out + d, 0.0f);
-    for (int64_t j = 0; j < k; ++j) {
-      const float wt = weights[t * k + j];
-      const float* part = s.y.data() + static_cast<int64_t>(s.slot[t * k + j]) * d;
-      for (int64_t c = 0; c < d; ++c) out[c] += wt * part[c];
-    }
+}
+
+// ReLU experts, sparse inside: each routed expert for its group through the dense FFN's exact
+// oracle (its gate rows all read; up rows and down groups only of the neurons that fire).
+void SparseExperts(const MoeExperts& w, int64_t pairs, MoeScratch& s, ThreadPool& pool) {
+  const int64_t f = w.d_ff, d = w.dim;
+  const int64_t rb_gate = QRowBytes(w.gate_t, d), rb_up = QRowBytes(w.up_t, d);
+  const int64_t group_bytes = d * GetQTypeInfo(w.down_t).bytes;  // 32 neurons' down blocks
+  s.n_active.resize(pairs);
+  const QSparseFfnParams params{w.activation, Criterion::kOracle, 0.0f};
+  for (int64_t e = 0; e < w.n_experts; ++e) {
+    const int64_t a = s.start[e], count = s.start[e + 1] - a;
+    if (count == 0) continue;
+    QFfnWeights q;
+    q.gate = w.gate + e * f * rb_gate;
+    q.up = w.up + e * f * rb_up;
+    q.down = w.down + e * (f / 32) * group_bytes;
+    q.gate_type = w.gate_t;
+    q.up_type = w.up_t;
+    q.down_type = w.down_t;
+    q.down_groups = true;
+    q.gate_interleaved = w.gate_il;
+    q.up_interleaved = w.up_il;
+    q.num_neurons = f;
+    q.dim = d;
+    QSparseFfn(q, std::span<const float* const>(s.rows.data() + a, count), {}, params,
+               s.y.data() + a * d, s.n_active.data() + a, s.sparse, pool);
   }
+}
+
+}  // namespace
+
+void MoeFfn(const MoeExperts& w, std::span<const float* const> x_rows, const int32_t* ids,
+            const float* weights, int64_t k, float* y, MoeScratch& s, ThreadPool& pool) {
+  const int64_t n = static_cast<int64_t>(x_rows.size());
+  const int64_t pairs = n * k;
+  if (n == 0) return;
+  GroupPairs(w.n_experts, x_rows, ids, k, s);
+  s.y.resize(pairs * w.dim);
+  if (w.down_groups) {
+    SparseExperts(w, pairs, s, pool);
+  } else {
+    DenseExperts(w, pairs, s, pool);
+  }
+  SumExperts(n, k, w.dim, weights, s, y);
 }
 
 }  // namespace pij

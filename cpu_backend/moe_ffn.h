@@ -2,7 +2,9 @@
 // experts' rows are read and computed, the tokens of a call grouped by expert so each expert's
 // rows are read once for all its tokens. Built from qlinear.h's row products (the file's block
 // formats, int8 activations as llama.cpp computes; AVX-512, AVX2 and portable paths there).
-// Knows nothing of XLA or Python.
+// ReLU experts with their down projection in down groups are sparse inside as well: each routed
+// expert is the dense FFN's exact oracle (qsparse_ffn.h), so only the neurons whose gate fires
+// read their up row and their down group. Knows nothing of XLA or Python.
 #ifndef PIJ_CPU_BACKEND_MOE_FFN_H_
 #define PIJ_CPU_BACKEND_MOE_FFN_H_
 
@@ -10,6 +12,8 @@
 #include <span>
 #include <vector>
 
+#include "cpu_backend/pij_math.h"
+#include "cpu_backend/qsparse_ffn.h"
 #include "cpu_backend/quant_act.h"
 #include "cpu_backend/quant_formats.h"
 #include "cpu_backend/thread_pool.h"
@@ -27,6 +31,11 @@ struct MoeExperts {
   QType gate_t, up_t, down_t;
   int64_t n_experts, d_ff, dim;
   bool gate_il = false, up_il = false, down_il = false;
+  Activation activation = Activation::kSilu;  // silu or relu: act(gate . x) * (up . x)
+  // down as each expert's down groups, [E, F / 32, D * block bytes] (checkpoint.quants
+  // .down_groups; a 32-weight format): the sparse path, relu only. Up rows may then be the
+  // file's (only the neurons whose gate fires read theirs) under an interleaved gate.
+  bool down_groups = false;
 };
 
 // Reused across calls (grows, never shrinks).
@@ -36,11 +45,14 @@ struct MoeScratch {
   std::vector<const float*> rows;
   QActs x_gate, x_up, h;
   std::vector<QActView> v_gate, v_up, v_h;
+  QSparseFfnScratch sparse;  // the sparse path's, one routed expert at a time
+  std::vector<int32_t> n_active;  // [P] the sparse path's active neurons per (token, expert)
 };
 
-// y[t] = sum_j weights[t, j] * down[e]^T (silu(gate[e] . x_t) * (up[e] . x_t)), e = ids[t, j],
+// y[t] = sum_j weights[t, j] * down[e]^T (act(gate[e] . x_t) * (up[e] . x_t)), e = ids[t, j],
 // j in order (a fixed sum: results do not depend on the thread count). Preconditions (checked
-// by the caller): ids in [0, E); D a multiple of gate's and up's blocks, F of down's.
+// by the caller): ids in [0, E); D a multiple of gate's and up's blocks, F of down's; with
+// down_groups: relu, a 32-weight down format, D and F multiples of 32.
 void MoeFfn(const MoeExperts& w, std::span<const float* const> x_rows, const int32_t* ids,
             const float* weights, int64_t k, float* y, MoeScratch& s, ThreadPool& pool);
 

@@ -116,3 +116,101 @@ def test_bad_operands_are_one_line_errors():
     bad = ids.at[1, 0].set(E)
     with pytest.raises(Exception, match=r"moe_ffn: ids: expected experts in \[0, 7\), got 7"):
         jax.block_until_ready(ops.moe_ffn(x, bad, w, gate, up, down, **kw))
+
+
+def _relu_layouts(gate, up, down, gate_t, down_t, d, f):
+    """A relu expert stack as models/moe.py keeps it: the gate interleaved by 16, up the file's
+    rows, down as each expert's down groups."""
+    groups = np.stack([quants.down_groups(np.asarray(b), down_t, d, f) for b in np.asarray(down)])
+    return _interleave_experts(gate, gate_t), up, jnp.asarray(groups)
+
+
+@pytest.mark.parametrize("gate_t,down_t", [("Q4_0", "Q4_0"), ("Q8_0", "Q8_0"), ("Q4_0", "Q4_1")])
+@pytest.mark.parametrize("n", [1, 6])
+def test_relu_experts_sparse_inside_equal_the_dense_reference(gate_t, down_t, n):
+    """relu experts through the sparse path (only the neurons whose gate fires read their up row
+    and down group) give the dense result: every neuron computed, the ones that do not fire
+    adding 0 (the reference; for the 4-bit downs, whose groups round their coefficients to 8
+    bits as the dense matvec rounds its input, also the file rows' reference and custom call);
+    one thread and two give the same bits."""
+    d, f = 128, 96
+    x, ids, w, gate, up, down = operands(gate_t, down_t, n, seed=20 + n, d=d, f=f)
+    rows_kw = dict(gate_qtype=gate_t, up_qtype=gate_t, down_qtype=down_t, activation="relu")
+    sparse_kw = dict(rows_kw, gate_qtype=gate_t + quants.INTERLEAVED_SUFFIX,
+                     down_layout="groups")
+    sparse = _relu_layouts(gate, up, down, gate_t, down_t, d, f)
+    got = np.asarray(jax.jit(lambda *a: ops.moe_ffn(*a, **sparse_kw))(x, ids, w, *sparse))
+    _close(got, ops.moe_ffn(x, ids, w, *sparse, impl="reference", **sparse_kw))
+    if down_t in quants.DOWN_PAIR_TYPES:
+        _close(got, ops.moe_ffn(x, ids, w, gate, up, down, impl="reference", **rows_kw))
+        _close(got, ops.moe_ffn(x, ids, w, gate, up, down, **rows_kw))
+    threads = _ffi.get_num_threads()
+    try:
+        ops.set_num_threads(1)
+        one = np.asarray(ops.moe_ffn(x, ids, w, *sparse, **sparse_kw))
+    finally:
+        ops.set_num_threads(threads)
+    np.testing.assert_array_equal(one, got)
+
+
+def test_relu_experts_all_active_equal_dense():
+    """Gate rows and inputs >= 0: every neuron fires, and the sparse path equals the dense one."""
+    d, f, n = 128, 64, 3
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.uniform(0.1, 1.0, (n, d)).astype(np.float32))
+    gate = np.stack([quants.quantize(rng.uniform(0.0, 0.1, (f, d)).astype(np.float32), "Q4_0")
+                     for _ in range(E)])
+    _, ids, w, _, up, down = operands("Q4_0", "Q4_0", n, seed=6, d=d, f=f)
+    g = np.asarray(ops.moe_ffn(x, ids, w, jnp.asarray(gate), up, down, gate_qtype="Q4_0",
+                               up_qtype="Q4_0", down_qtype="Q4_0", activation="relu"))
+    kw = dict(gate_qtype="Q4_0x16", up_qtype="Q4_0", down_qtype="Q4_0", activation="relu",
+              down_layout="groups")
+    got = np.asarray(ops.moe_ffn(x, ids, w, *_relu_layouts(gate, up, down, "Q4_0", "Q4_0", d, f),
+                                 **kw))
+    _close(got, g)
+    from powerinfer_jax.ops import reference
+
+    for e in range(E):  # every neuron fires (the premise)
+        assert (np.asarray(reference.qlinear(x, jnp.asarray(gate[e]), "Q4_0", d)) > 0).all()
+
+
+def test_relu_neurons_that_do_not_fire_are_not_read():
+    """The up rows of one token's neurons whose gate does not fire, and the down groups with no
+    neuron that fires, filled with NaN scales, leave the sparse result as it was."""
+    d, f = 128, 64
+    x, ids, w, gate, up, down = operands("Q4_0", "Q4_0", 1, seed=8, d=d, f=f)
+    from powerinfer_jax.ops import reference
+
+    nan16 = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
+    up_p, down_p = np.array(up), np.array(down)
+    rb_f = quants.row_bytes("Q4_0", f)
+    for e in range(E):
+        silent = np.asarray(reference.qlinear(x, gate[e], "Q4_0", d))[0] <= 0  # [F]
+        up_p[e, silent, 0:2] = nan16
+        for grp in range(f // 32):
+            if silent[grp * 32:(grp + 1) * 32].all():  # the file's down blocks of that group
+                for r in range(d):
+                    down_p[e, r, grp * 18:grp * 18 + 2] = nan16
+        assert silent.any() and rb_f == (f // 32) * 18
+    kw = dict(gate_qtype="Q4_0x16", up_qtype="Q4_0", down_qtype="Q4_0", activation="relu",
+              down_layout="groups")
+    before = np.asarray(ops.moe_ffn(x, ids, w, *_relu_layouts(gate, up, down, "Q4_0", "Q4_0",
+                                                                d, f), **kw))
+    after = np.asarray(ops.moe_ffn(x, ids, w, *_relu_layouts(gate, jnp.asarray(up_p),
+                                                               jnp.asarray(down_p), "Q4_0",
+                                                               "Q4_0", d, f), **kw))
+    np.testing.assert_array_equal(after, before)
+    assert np.isnan(np.asarray(ops.moe_ffn(x, ids, w, gate, jnp.asarray(up_p), down,
+                                           gate_qtype="Q4_0", up_qtype="Q4_0",
+                                           down_qtype="Q4_0", activation="relu"))).any()
+
+
+def test_relu_bad_layouts_are_one_line_errors():
+    x, ids, w, gate, up, down = operands("Q4_0", "Q4_0", 2, d=128, f=64)
+    kw = dict(gate_qtype="Q4_0", up_qtype="Q4_0", down_qtype="Q4_0")
+    with pytest.raises(ValueError, match=r"moe_ffn down_layout: expected 'rows' for silu"):
+        ops.moe_ffn(x, ids, w, gate, up, down, down_layout="groups", **kw)
+    with pytest.raises(ValueError, match=r"moe_ffn down \(groups\): expected uint8 \(7, 2, 2304\)"):
+        ops.moe_ffn(x, ids, w, gate, up, down, down_layout="groups", activation="relu", **kw)
+    with pytest.raises(ValueError, match=r"moe_ffn activation: expected one of"):
+        ops.moe_ffn(x, ids, w, gate, up, down, activation="gelu", **kw)

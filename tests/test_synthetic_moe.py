@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import helpers_llamacpp as llamacpp
+from helpers_tolerances import assert_close
 from powerinfer_jax.synthetic.moe_build import route, router_bias
 from powerinfer_jax.synthetic.profile import Locality, power_law
 
@@ -89,6 +90,22 @@ def test_relu_experts_fire_with_the_prescribed_sparsity(tmp_path):
                   "4096", "--verify-tokens", "512")
     assert record["calibrated_neuron_sparsity"] == pytest.approx(0.8, abs=0.01)
     assert record["verify"]["neuron_sparsity"] == pytest.approx(0.8, abs=0.03)
+    # the model's experts run sparse inside (up rows and down groups of the neurons whose gate
+    # fires) and give the dense logits: every expert, every neuron (the jnp reference)
+    import jax.numpy as jnp
+
+    from powerinfer_jax.checkpoint import load_checkpoint
+    from powerinfer_jax.models.transformer import from_params
+
+    ck = load_checkpoint(Path(record["file"]), keep_quantized=True)
+    model = from_params(ck.config, ck.params, dtype=jnp.float32, kernels="auto")
+    assert model.layers[0].ffn.experts.down_t.layout == "groups"
+    assert model.layers[0].ffn.experts.up.layout == "rows"
+    tokens = jnp.asarray(np.arange(100, 124, dtype=np.int32)[None])
+    sparse = np.asarray(model(tokens))
+    for layer in model.layers:
+        layer.ffn.set_execution("dense")
+    assert_close(sparse, np.asarray(model(tokens)), "quantized_model")
 
 
 @pytest.mark.slow

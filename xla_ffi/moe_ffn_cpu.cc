@@ -1,7 +1,9 @@
 // CPU FFI handler of the MoE FFN on quantized experts (cpu_backend/moe_ffn.h):
 // x f32 [N, D]; ids s32 [N, k] (each token's experts, in [0, E)); weights f32 [N, k]; gate, up
 // uint8 [E, F, row_bytes(D)]; down uint8 [E, D, row_bytes(F)] (a GGUF file's ffn_*_exps as
-// stored); attributes gate_qtype, up_qtype, down_qtype (GGML type ids); y f32 [N, D].
+// stored) or, with down_layout "groups", each expert's down groups uint8 [E, F / 32, D * block
+// bytes] (relu experts, sparse inside); attributes gate_qtype, up_qtype, down_qtype (GGML type
+// ids), activation ("silu" | "relu"), down_layout ("rows" | "groups"); y f32 [N, D].
 #include <exception>
 #include <mutex>
 #include <string>
@@ -55,10 +57,36 @@ ffi::Error CheckStack(std::string_view what, ffi::AnyBuffer b, int32_t qtype_id,
   return ffi::Error::Success();
 }
 
+// Each expert's down groups: uint8 [E, F / 32, D * block bytes] of a 32-weight format.
+ffi::Error CheckGroups(ffi::AnyBuffer b, int32_t qtype_id, int64_t e, int64_t f, int64_t d,
+                       QType& t) {
+  if (!IsQType(qtype_id) || DownGroupScaleBytes(static_cast<QType>(qtype_id)) == 0) {
+    return InvalidArg(kOp, "down_qtype (down_layout groups)",
+                      "a 32-weight format id: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8",
+                      std::to_string(qtype_id));
+  }
+  t = static_cast<QType>(qtype_id);
+  if (f % 32 != 0 || d % 32 != 0) {
+    return InvalidArg(kOp, "F and D (down_layout groups)", "multiples of 32",
+                      std::to_string(f) + " and " + std::to_string(d));
+  }
+  const auto dims = b.dimensions();
+  const int64_t bytes = d * GetQTypeInfo(t).bytes;
+  if (b.element_type() != ffi::DataType::U8 || dims.size() != 3 || dims[0] != e ||
+      dims[1] != f / 32 || dims[2] != bytes) {
+    return InvalidArg(kOp, "down (groups of 32 neurons)",
+                      "uint8 [" + std::to_string(e) + ", " + std::to_string(f / 32) + ", " +
+                          std::to_string(bytes) + "]",
+                      std::string(DtypeName(b.element_type())) + " " + ShapeString(dims));
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error MoeFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer weights,
                          ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
                          ffi::Result<ffi::AnyBuffer> y, int32_t gate_qtype, int32_t up_qtype,
-                         int32_t down_qtype) {
+                         int32_t down_qtype, std::string_view activation,
+                         std::string_view down_layout) {
   const auto xd = x.dimensions(), idd = ids.dimensions(), gd = gate.dimensions();
   if (x.element_type() != ffi::DataType::F32 || xd.size() != 2) {
     return InvalidArg(kOp, "x", "float32 [N, D]",
@@ -89,9 +117,28 @@ ffi::Error MoeFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer we
   if (ffi::Error err = CheckStack("up", up, up_qtype, e, f, d, w.up_t, w.up_il); err.failure()) {
     return err;
   }
-  if (ffi::Error err = CheckStack("down", down, down_qtype, e, d, f, w.down_t, w.down_il);
-      err.failure()) {
-    return err;
+  if (ffi::Error err = ParseActivation(kOp, activation, w.activation); err.failure()) return err;
+  if (w.activation != Activation::kSilu && w.activation != Activation::kRelu) {
+    return InvalidArg(kOp, "activation", "silu or relu", std::string(activation));
+  }
+  if (down_layout == "groups") {
+    if (w.activation != Activation::kRelu || (w.up_il && !w.gate_il)) {
+      return InvalidArg(kOp, "down_layout groups (the sparse path)",
+                        "relu experts, up rows interleaved only under an interleaved gate",
+                        std::string(activation) + (w.up_il ? ", up interleaved" : "") +
+                            (w.gate_il ? ", gate interleaved" : ""));
+    }
+    if (ffi::Error err = CheckGroups(down, down_qtype, e, f, d, w.down_t); err.failure()) {
+      return err;
+    }
+    w.down_groups = true;
+  } else if (down_layout == "rows") {
+    if (ffi::Error err = CheckStack("down", down, down_qtype, e, d, f, w.down_t, w.down_il);
+        err.failure()) {
+      return err;
+    }
+  } else {
+    return InvalidArg(kOp, "down_layout", "one of rows, groups", std::string(down_layout));
   }
   if (k > e) {
     return InvalidArg(kOp, "ids' k (experts per token)",
@@ -144,4 +191,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijMoeFfnCpu, pij::MoeFfnCpuImpl,
                                   .Ret<xla::ffi::AnyBuffer>()  // y
                                   .Attr<int32_t>("gate_qtype")
                                   .Attr<int32_t>("up_qtype")
-                                  .Attr<int32_t>("down_qtype"));
+                                  .Attr<int32_t>("down_qtype")
+                                  .Attr<std::string_view>("activation")
+                                  .Attr<std::string_view>("down_layout"));

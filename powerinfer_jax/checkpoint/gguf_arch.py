@@ -42,7 +42,7 @@ _POWERINFER_ACTIVATION = {"llama": "relu", "bamboo": "drelu", "falcon": "relu", 
 _ALLOWED = {"llama": ("silu", "relu", "gelu"), "bamboo": ("drelu",), "falcon": ("relu", "gelu"),
             "opt": ("relu",), "qwen2": ("silu", "relu"), "qwen3": ("silu", "relu"),
             "phi3": ("silu", "relu"), "gemma2": ("gelu",), "gemma3": ("gelu",),
-            "qwen2moe": ("silu",), "qwen3moe": ("silu",), "olmoe": ("silu",)}
+            "qwen2moe": ("silu",), "qwen3moe": ("silu", "relu"), "olmoe": ("silu", "relu")}
 
 
 class Source(NamedTuple):

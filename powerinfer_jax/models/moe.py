@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from powerinfer_jax import ops
@@ -41,21 +42,45 @@ EXECUTIONS = ("routed", "dense")
 _MAX_GATHER = 1 << 24
 
 
-class Stacked(Module):
-    """One stacked expert matrix: weight [E, F, D] in floats, or a GGUF file's blocks as
-    stored (`qtype` set): gate/up uint8 [E, F, row_bytes(D)], down uint8 [E, D, row_bytes(F)]."""
+# How a stacked matrix's blocks are kept (Stacked.layout): "matvec" each expert's rows
+# interleaved by 16 where the format allows; "rows" the file's rows (a relu expert's up: only the
+# neurons whose gate fires read theirs); "groups" the down projection's down groups (a relu
+# expert's down: read per group of 32 neurons with one that fires; quants.down_groups).
+LAYOUTS = ("matvec", "rows", "groups")
 
-    def __init__(self, n_experts: int, d_ff: int, d_model: int, *, dtype, rngs, scale: float):
+
+class Stacked(Module):
+    """One stacked expert matrix: weight [E, F, D] in floats, or a GGUF file's blocks
+    (`qtype` set) in `layout`: gate/up uint8 [E, F, row_bytes(D)], down uint8
+    [E, D, row_bytes(F)] or, as groups, [E, F / 32, D * block bytes]."""
+
+    def __init__(self, n_experts: int, d_ff: int, d_model: int, *, dtype, rngs, scale: float,
+                 layout: str = "matvec"):
+        if layout not in LAYOUTS:
+            fail("Stacked layout", f"one of {list(LAYOUTS)}", layout)
         self.weight = _param((n_experts, d_ff, d_model), dtype, rngs, scale=scale)
         self.qtype = None
+        self.layout = layout
 
     def load(self, t) -> None:
-        """Keep a stacked QuantTensor's blocks (checkpoint.base.QuantTensor, 3-D), each expert's
-        rows interleaved by 16 where the format and row count allow (qweights.interleaved: the
-        matvec layout, ~3x the file rows' speed at one token; the type becomes e.g. "Q4_0x16")."""
+        """Keep a stacked QuantTensor's blocks (checkpoint.base.QuantTensor, 3-D) in this
+        matrix's layout. matvec: each expert's rows interleaved by 16 where the format and row
+        count allow (qweights.interleaved: ~3x the file rows' speed at one token; the type
+        becomes e.g. "Q4_0x16"). groups: where the format has 32-weight blocks, else matvec (the
+        dense path)."""
+        from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
+
         blocks, qtype = t.blocks, t.qtype
         e, rows = blocks.shape[:2]
-        if rows % 16 == 0:  # groups of 16 rows never span two experts
+        if self.layout == "groups":
+            d, f = t.stored_shape[1:]
+            if qtype in quants.DOWN_GROUP_TYPES and t.transposed and d % 32 == f % 32 == 0:
+                blocks = np.stack([quants.down_groups(np.asarray(b), qtype, d, f)
+                                   for b in blocks])
+            else:  # no groups in this format: every neuron's down row read (the dense path)
+                self.layout = "matvec"
+        if self.layout == "matvec" and rows % 16 == 0:
+            # groups of 16 rows never span two experts
             flat, qtype = interleaved(blocks.reshape(e * rows, blocks.shape[2]), qtype)
             blocks = flat.reshape(blocks.shape)
         self.weight.set_value(host_blocks(blocks))
@@ -63,13 +88,18 @@ class Stacked(Module):
 
 
 class Experts(Module):
-    """E gated FFNs, stacked: gate, up, down_t, each [E, F, D]."""
+    """E gated FFNs, stacked: gate, up, down_t, each [E, F, D]. relu experts (`sparse_inside`)
+    keep up as the file's rows and down as groups: each routed expert reads only the up rows
+    and down groups of the neurons whose gate fires."""
 
-    def __init__(self, n_experts: int, d_ff: int, d_model: int, *, dtype, rngs):
+    def __init__(self, n_experts: int, d_ff: int, d_model: int, *, dtype, rngs,
+                 sparse_inside: bool = False):
         kw = dict(dtype=dtype, rngs=rngs)
         self.gate = Stacked(n_experts, d_ff, d_model, scale=d_model ** -0.5, **kw)
-        self.up = Stacked(n_experts, d_ff, d_model, scale=d_model ** -0.5, **kw)
-        self.down_t = Stacked(n_experts, d_ff, d_model, scale=d_ff ** -0.5, **kw)
+        self.up = Stacked(n_experts, d_ff, d_model, scale=d_model ** -0.5,
+                          layout="rows" if sparse_inside else "matvec", **kw)
+        self.down_t = Stacked(n_experts, d_ff, d_model, scale=d_ff ** -0.5,
+                              layout="groups" if sparse_inside else "matvec", **kw)
 
 
 def route(logits_ne, k: int, normalize: bool):
@@ -99,7 +129,8 @@ class MoE(Module):
         self.kernels = kernels
         self.router = Linear(d_model, n_experts, bias=False, dtype=F32, rngs=rngs,
                              kernels="xla")
-        self.experts = Experts(n_experts, d_ff, d_model, dtype=dtype, rngs=rngs)
+        self.experts = Experts(n_experts, d_ff, d_model, dtype=dtype, rngs=rngs,
+                               sparse_inside=activation == "relu")
         self.shared = (FFN(d_model=d_model, d_ff=d_ff_shared, activation=activation, gated=True,
                            bias=False, dtype=dtype, rngs=rngs, kernels=kernels)
                        if d_ff_shared else None)
@@ -149,13 +180,15 @@ class MoE(Module):
         sow(self, "expert_ids", ids.reshape(lead + (self.n_used,)))  # [B, T, k] under capture
         e = self.experts
         if e.gate.qtype is not None:  # the file's blocks: one custom call, grouped by expert
-            if self.activation != "silu":
-                fail("MoE quantized experts' activation", "'silu' (ops.moe_ffn's)",
+            if self.activation not in ("silu", "relu"):
+                fail("MoE quantized experts' activation", "'silu' or 'relu' (ops.moe_ffn's)",
                      self.activation, "load the file with weights='dtype'")
             impl = "reference" if self.execution == "dense" else op_impl(self.kernels)
             y = ops.moe_ffn(x, ids, weights, e.gate.weight[...], e.up.weight[...],
                             e.down_t.weight[...], gate_qtype=e.gate.qtype, up_qtype=e.up.qtype,
-                            down_qtype=e.down_t.qtype, impl=impl)
+                            down_qtype=e.down_t.qtype, activation=self.activation,
+                            down_layout="groups" if e.down_t.layout == "groups" else "rows",
+                            impl=impl)
         elif self.execution == "dense":
             y = self._dense(x, ids, weights)
         elif x.shape[0] * self.n_used * self.experts.up.weight[0].size <= _MAX_GATHER:

@@ -165,13 +165,14 @@ def qembedding(ids, blocks, qtype, in_features):
     return call(ids32, blocks, qtype=_qid(qtype), dim=np.int64(in_features))
 
 
-def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype):
+def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype,
+            activation="silu", down_layout="rows"):
     x32 = jnp.asarray(x, jnp.float32)
     out = jax.ShapeDtypeStruct(x32.shape, jnp.float32)
     call = jax.ffi.ffi_call(MOE_FFN_TARGET, out, vmap_method="sequential")
     return call(x32, jnp.asarray(ids, jnp.int32), jnp.asarray(weights, jnp.float32), gate, up,
                 down, gate_qtype=_qid(gate_qtype), up_qtype=_qid(up_qtype),
-                down_qtype=_qid(down_qtype))
+                down_qtype=_qid(down_qtype), activation=activation, down_layout=down_layout)
 
 
 def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_up, b_down, scores,

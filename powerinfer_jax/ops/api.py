@@ -143,17 +143,27 @@ def qlinear_many(x, blocks_list, qtypes, in_features: int, bs=None, *, impl="ffi
     return _ffi.qlinear_many(x, blocks_list, names, bs)
 
 
-def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype, impl="ffi"):
-    """The MoE FFN on quantized experts: y[n] = sum_j weights[n, j] * down[e]^T (silu(gate[e] .
-    x_n) * (up[e] . x_n)), e = ids[n, j], as llama.cpp computes it (int8 activations).
+def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype,
+            activation="silu", down_layout="rows", impl="ffi"):
+    """The MoE FFN on quantized experts: y[n] = sum_j weights[n, j] * down[e]^T (act(gate[e] .
+    x_n) * (up[e] . x_n)), e = ids[n, j], act silu or relu, as llama.cpp computes it (int8
+    activations).
 
     x: float32 [N, D]; ids: int32 [N, k], each token's experts in [0, E); weights: float32
     [N, k]; gate, up: uint8 [E, F, row_bytes(D)]; down: uint8 [E, D, row_bytes(F)] (a GGUF's
     ffn_{gate,up,down}_exps as stored) in their GGML types, or with each expert's rows
     interleaved by 16 (a "Q4_0x16" type name, as ops.qlinear takes). With impl "ffi" only the
     routed experts' rows are read, the tokens grouped by expert (each expert's rows read once
-    per call); "reference" runs every expert on every token (unrouted ones weighted 0)."""
+    per call); "reference" runs every expert on every token (unrouted ones weighted 0).
+    down_layout "groups" (relu only): down is each expert's down groups, uint8 [E, F / 32,
+    D * block bytes] (checkpoint.quants.down_groups, a 32-weight format), and each routed
+    expert is sparse inside: only the neurons whose gate fires read their up row and down group
+    (the exact oracle); the gate may be interleaved over the up's file rows."""
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
+
     _checks.check_choice("impl", impl, _checks.IMPLS)
+    _checks.check_choice("moe_ffn activation", activation, ("silu", "relu"))
+    _checks.check_choice("moe_ffn down_layout", down_layout, ("rows", "groups"))
     names = [_checks.check_qlinear_type(t, w) for w, t in (("gate_qtype", gate_qtype),
                                                           ("up_qtype", up_qtype),
                                                           ("down_qtype", down_qtype))]
@@ -164,23 +174,34 @@ def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype
     if len(np.shape(gate)) != 3:
         _checks.fail("moe_ffn gate", "uint8 [E, F, row_bytes]", tuple(np.shape(gate)))
     e, f = np.shape(gate)[:2]
-    for what, w, t, rows, cols in (("gate", gate, names[0], f, d), ("up", up, names[1], f, d),
-                                   ("down", down, names[2], d, f)):
+    mats = [("gate", gate, names[0], f, d), ("up", up, names[1], f, d)]
+    if down_layout == "rows":
+        mats.append(("down", down, names[2], d, f))
+    else:
+        if activation != "relu":
+            _checks.fail("moe_ffn down_layout", "'rows' for silu experts (groups: the sparse "
+                         "path of relu experts)", down_layout)
+        block_bytes, _ = quants.check_down_groups(names[2], d, f)
+        want = (e, f // 32, d * block_bytes)
+        if tuple(np.shape(down)) != want or jnp.result_type(down) != jnp.uint8:
+            _checks.fail("moe_ffn down (groups)", f"uint8 {want}", tuple(np.shape(down)))
+    for what, w, t, rows, cols in mats:
         if tuple(np.shape(w))[:1] != (e,):
             _checks.fail(f"moe_ffn {what}", f"{e} experts first (as gate)", tuple(np.shape(w)))
-        _checks.check_qweight(f"moe_ffn {what}", jax.ShapeDtypeStruct(np.shape(w)[1:], jnp.result_type(w)), t, cols,
-                              rows)
+        _checks.check_qweight(f"moe_ffn {what}",
+                              jax.ShapeDtypeStruct(np.shape(w)[1:], jnp.result_type(w)), t,
+                              cols, rows)
     k_shape = tuple(np.shape(ids))
     if len(k_shape) != 2 or k_shape[0] != n or not 1 <= k_shape[1] <= e:
         _checks.fail("moe_ffn ids", f"int32 [{n}, k] with 1 <= k <= {e} (experts)", k_shape)
     if tuple(np.shape(weights)) != k_shape:
         _checks.fail("moe_ffn weights", f"float32 {k_shape} (as ids)", tuple(np.shape(weights)))
+    kw = dict(gate_qtype=names[0], up_qtype=names[1], down_qtype=names[2], activation=activation,
+              down_layout=down_layout)
     if impl == "reference":
-        return reference.moe_ffn(x, ids, weights, gate, up, down, gate_qtype=names[0],
-                                 up_qtype=names[1], down_qtype=names[2])
+        return reference.moe_ffn(x, ids, weights, gate, up, down, **kw)
     from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
-    return _ffi.moe_ffn(x, ids, weights, gate, up, down, gate_qtype=names[0],
-                        up_qtype=names[1], down_qtype=names[2])
+    return _ffi.moe_ffn(x, ids, weights, gate, up, down, **kw)
 
 
 def qembedding(ids, blocks, qtype, in_features: int, *, impl="ffi"):

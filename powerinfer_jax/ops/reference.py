@@ -114,18 +114,36 @@ def qlinear(x, blocks, qtype: str, in_features: int, b=None):
 
 
 def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype: str, up_qtype: str,
-            down_qtype: str):
+            down_qtype: str, activation: str = "silu", down_layout: str = "rows"):
     """Every expert on every token through qlinear (rounded activations), weighted by the
-    routing (unrouted experts 0). See ops.api.moe_ffn."""
+    routing (unrouted experts 0), every neuron computed (a relu neuron that does not fire adds
+    0: the sparse path's oracle). Down groups go back to the file's rows. See ops.api.moe_ffn."""
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
+
     x = jnp.asarray(x, jnp.float32)
     n, d = x.shape
     e, f = gate.shape[0], gate.shape[1]
+    if down_layout == "groups":
+        def file_rows(g):
+            return np.stack([quants.down_groups_to_file(np.asarray(b), down_qtype, d, f)
+                             for b in g])
+
+        down = jax.pure_callback(file_rows, jax.ShapeDtypeStruct(
+            (e, d, quants.row_bytes(down_qtype, f)), jnp.uint8), down)
     w_ne = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], ids].add(weights)
     y = jnp.zeros((n, d), jnp.float32)
+    # down groups of the 8-bit formats sum float coefficients (AxpyGroup), unrounded; the
+    # 4-bit ones round them to 8 bits per 32 neurons, as the dense matvec rounds its input
+    float_coefs = down_layout == "groups" and down_qtype not in quants.DOWN_PAIR_TYPES
     for i in range(e):  # the reference: a loop over experts, not over neurons
-        h = gated_activate("silu", qlinear(x, gate[i], gate_qtype, d),
+        h = gated_activate(activation, qlinear(x, gate[i], gate_qtype, d),
                            qlinear(x, up[i], up_qtype, d))
-        y = y + w_ne[:, i:i + 1] * qlinear(h, down[i], down_qtype, f)
+        if float_coefs:
+            down_e = jnp.einsum("nf,df->nd", h, dequantize_rows(down[i], down_qtype, f),
+                                precision=_HIGHEST)
+        else:
+            down_e = qlinear(h, down[i], down_qtype, f)
+        y = y + w_ne[:, i:i + 1] * down_e
     return y
 
 

@@ -170,7 +170,7 @@ def main(argv=None) -> None:
         def on_layer(i, layer):
             routed.append(layer.routed)
             if layer.fired is not None:
-                fired.append(float((layer.fired * layer.routed[:, None]).sum()
+                fired.append(float((layer.fired.mean(axis=1) * layer.routed).sum()
                                    / layer.routed.sum()))
             sink.on_layer(i, layer)
 

@@ -301,7 +301,7 @@ def build(spec: MoeSpec, calib_ids: np.ndarray, *, on_global: Callable[[str, Ten
                f"({sweeps} sweeps), hot share {hot_share(routed, spec.experts.hot_fraction):.3f} "
                f"(prescribed {spec.experts.hot_share:.3f}), down scale 2^{int(np.log2(s))}")
         if fired is not None:
-            mean_fired = float((fired * routed[:, None]).sum() / routed.sum())
+            mean_fired = float((fired.mean(axis=1) * routed).sum() / routed.sum())
             msg += f", neuron sparsity {1 - mean_fired:.3f} (prescribed {spec.neurons.sparsity})"
         progress(msg)
     return freq
