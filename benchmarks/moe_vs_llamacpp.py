@@ -10,6 +10,8 @@ OLMoE's 50304, so the embedding and LM head have the real shape.
 
     python -m benchmarks.moe_vs_llamacpp --make
     flock -x /tmp/pij_cpu.lock python -m benchmarks.moe_vs_llamacpp --rounds 3
+    flock -x /tmp/pij_cpu.lock python -m benchmarks.moe_vs_llamacpp --rounds 5 \
+        --model DIR/synthetic-olmoe-1b-7b-e64k8-h0.8-silu-Q4_0.gguf   # python -m powerinfer_jax.synthetic.moe's
 
 Per round, back to back in fresh processes: llama-bench (tg, -p 0) on the file, then our
 `python -m powerinfer_jax.bench` (dense, the experts' blocks through ops.moe_ffn) on the same
@@ -194,6 +196,10 @@ def main(argv=None) -> int:
                if (rec.get("config") or {}).get("activation") == "relu" else "")),
             generator={k: rec.get(k) for k in ("command", "hot_fraction", "hot_share",
                                                 "neuron_sparsity", "seed", "commit")})
+    from powerinfer_jax import _bench_ops, ops
+
+    ops.set_num_threads(args.threads)
+    base["machine_read_gb_s"] = _bench_ops.read_bandwidth_gbs(nbytes=1 << 30)  # streaming sum
     ours(path, threads=args.threads, new_tokens=4, prompt_tokens=args.prompt_tokens, repeats=1)
     llama_bench(Path(args.llama_bench), path, threads=args.threads, new_tokens=4)
     rows = []
@@ -226,8 +232,8 @@ def main(argv=None) -> int:
                "ratio_per_round": ratios, "median_ratio": statistics.median(ratios),
                "decode_bytes_per_token": nbytes,
                "achieved_gb_s": {k: v * nbytes / 1e9 for k, v in med.items()}}
-    print(json.dumps({k: summary[k] for k in ("median_tok_s", "median_ratio",
-                                              "achieved_gb_s")}), flush=True)
+    print(json.dumps({k: summary[k] for k in ("median_tok_s", "median_ratio", "achieved_gb_s",
+                                              "machine_read_gb_s")}), flush=True)
     append_rows(Path(args.out), rows + [summary])
     return 0
 
