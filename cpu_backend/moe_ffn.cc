@@ -50,23 +50,32 @@ void Quantize(std::span<const float* const> rows, int64_t dim, QType t, QActs& a
 }
 
 // Pairs (token, j) grouped by expert, in token order within a group (a counting sort), and
-// each grouped pair's token row.
-void GroupPairs(int64_t e_n, std::span<const float* const> x_rows, const int32_t* ids, int64_t k,
-                MoeScratch& s) {
+// each grouped pair's token row; pairs whose id is -1 (an expert of another shard) are left
+// out (slot -1). Returns the number of grouped pairs.
+int64_t GroupPairs(int64_t e_n, std::span<const float* const> x_rows, const int32_t* ids,
+                   int64_t k, MoeScratch& s) {
   const int64_t pairs = static_cast<int64_t>(x_rows.size()) * k;
   s.start.assign(e_n + 1, 0);
-  for (int64_t p = 0; p < pairs; ++p) ++s.start[ids[p] + 1];
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (ids[p] >= 0) ++s.start[ids[p] + 1];
+  }
   for (int64_t e = 0; e < e_n; ++e) s.start[e + 1] += s.start[e];
+  const int64_t grouped = s.start[e_n];
   s.fill.assign(s.start.begin(), s.start.end() - 1);
-  s.order.resize(pairs);
+  s.order.resize(grouped);
   s.slot.resize(pairs);
   for (int64_t p = 0; p < pairs; ++p) {
+    if (ids[p] < 0) {
+      s.slot[p] = -1;
+      continue;
+    }
     const int32_t i = s.fill[ids[p]]++;
     s.order[i] = static_cast<int32_t>(p);
     s.slot[p] = i;
   }
-  s.rows.resize(pairs);
-  for (int64_t i = 0; i < pairs; ++i) s.rows[i] = x_rows[s.order[i] / k];
+  s.rows.resize(grouped);
+  for (int64_t i = 0; i < grouped; ++i) s.rows[i] = x_rows[s.order[i] / k];
+  return grouped;
 }
 
 // Each token's experts' outputs (s.y, by grouped pair) summed in routing order, weighted.
@@ -76,6 +85,7 @@ void SumExperts(int64_t n, int64_t k, int64_t d, const float* weights, const Moe
     float* out = y + t * d;
     std::fill(out, out + d, 0.0f);
     for (int64_t j = 0; j < k; ++j) {
+      if (s.slot[t * k + j] < 0) continue;  // an expert of another shard
       const float wt = weights[t * k + j];
       const float* part = s.y.data() + static_cast<int64_t>(s.slot[t * k + j]) * d;
       for (int64_t c = 0; c < d; ++c) out[c] += wt * part[c];
@@ -152,9 +162,8 @@ void SparseExperts(const MoeExperts& w, int64_t pairs, MoeScratch& s, ThreadPool
 void MoeFfn(const MoeExperts& w, std::span<const float* const> x_rows, const int32_t* ids,
             const float* weights, int64_t k, float* y, MoeScratch& s, ThreadPool& pool) {
   const int64_t n = static_cast<int64_t>(x_rows.size());
-  const int64_t pairs = n * k;
   if (n == 0) return;
-  GroupPairs(w.n_experts, x_rows, ids, k, s);
+  const int64_t pairs = GroupPairs(w.n_experts, x_rows, ids, k, s);
   s.y.resize(pairs * w.dim);
   if (w.down_groups) {
     SparseExperts(w, pairs, s, pool);

@@ -50,8 +50,9 @@ struct MoeScratch {
 };
 
 // y[t] = sum_j weights[t, j] * down[e]^T (act(gate[e] . x_t) * (up[e] . x_t)), e = ids[t, j],
-// j in order (a fixed sum: results do not depend on the thread count). Preconditions (checked
-// by the caller): ids in [0, E); D a multiple of gate's and up's blocks, F of down's; with
+// j in order (a fixed sum: results do not depend on the thread count); an id of -1 is an
+// expert another shard holds (expert parallelism): that pair adds nothing here. Preconditions
+// (checked by the caller): ids in [-1, E); D a multiple of gate's and up's blocks, F of down's; with
 // down_groups: relu, a 32-weight down format, D and F multiples of 32.
 void MoeFfn(const MoeExperts& w, std::span<const float* const> x_rows, const int32_t* ids,
             const float* weights, int64_t k, float* y, MoeScratch& s, ThreadPool& pool);

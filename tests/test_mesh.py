@@ -231,6 +231,56 @@ def test_family_features_equal_one_device(family):
     check_equal(ref, tp, expect_sparse=True, tokens=True)
 
 
+MOE = dict(n_experts=8, n_experts_used=2, d_ff=24)  # 2 of the 8 experts on each device
+
+
+@child_only
+@pytest.mark.parametrize("shared", [0, 16])
+@pytest.mark.parametrize("kernels", ["xla", "ffi"])
+def test_moe_experts_split_equal_one_device(shared, kernels):
+    """Float experts, 2 of 8 on each device (expert parallelism) beside the split heads: the
+    unsharded logits, tokens and routing (capture's expert ids, every shard's the same)."""
+    cfg = CFG.replace(**MOE, d_ff_shared=shared)
+    ref, tp = pair(cfg, kernels)
+    leaf = tp.layers[0].ffn.experts.up.weight[...]
+    assert leaf.addressable_shards[0].data.shape == (2, 24, 64)
+    check_equal(ref, tp, tokens=kernels == "ffi")
+    ids = [capture(lambda mm: mm(TOKENS), m)[1]["expert_ids"] for m in (ref, tp)]
+    np.testing.assert_array_equal(np.asarray(ids[1]), np.asarray(ids[0]))
+
+
+@child_only
+@pytest.mark.parametrize("activation", ["silu", "relu"])
+def test_moe_file_experts_split_equal_one_device(tmp_path, activation):
+    """A synthetic Qwen3-MoE file (16 experts, 4 per token), dequantized: its experts split 4
+    to a device. Its quantized blocks (attention split by heads) and OLMoE's q/k norms over the
+    whole projection are refused with one line each. (ops.moe_ffn's -1 ids, how a shard passes
+    the others' experts to the quantized call: test_ops_moe_ffn.)"""
+    from powerinfer_jax.checkpoint import load_checkpoint
+    from powerinfer_jax.models.transformer import from_params
+    from powerinfer_jax.synthetic.moe import main
+
+    extra = ["--activation", "relu", "--sparsity", "0.7"] if activation == "relu" else []
+    main(["--shape", "qwen3-30b-a3b", "--vocab-size", "0", "--d-model", "128", "--n-layers",
+          "2", "--n-heads", "4", "--n-kv-heads", "4",
+          "--head-dim", "32", "--d-ff", "64", "--n-experts", "16", "--top-k", "4",
+          "--calib-tokens", "512", "--verify-tokens", "0", *extra, "--out", str(tmp_path)])
+    path = next(tmp_path.glob("*.gguf"))
+    models = []
+    for _ in range(2):
+        ck = load_checkpoint(path)
+        models.append(from_params(ck.config, ck.params, dtype=jnp.float32, kernels="ffi"))
+    mesh.shard_model(models[1], N)
+    check_equal(*models, tokens=True)
+    ck = load_checkpoint(path, keep_quantized=True)
+    q4 = from_params(ck.config, ck.params, dtype=jnp.float32, kernels="ffi")
+    with pytest.raises(UserError, match=r"devices=4: expected float attention weights"):
+        mesh.shard_model(q4, N)
+    olmoe = CFG.replace(**MOE, qk_norm_full=True)
+    with pytest.raises(UserError, match=r"devices=4: expected 1 for q/k norms over the whole"):
+        mesh.shard_model(Transformer(olmoe, rngs=nnx.Rngs(0), kernels="xla"), N)
+
+
 @child_only
 def test_session_build_with_devices(tmp_path):
     from helpers_models import write_tiny_gguf
@@ -253,6 +303,14 @@ def test_shapes_that_do_not_divide_are_rejected():
     bad = CFG.replace(n_heads=6, n_kv_heads=3)
     m = Transformer(bad, rngs=nnx.Rngs(0), kernels="xla")
     with pytest.raises(UserError, match=r"devices=4: expected a divisor of the model's n_heads"):
+        mesh.shard_model(m, N)
+    m = Transformer(CFG.replace(**dict(MOE, n_experts=6)), rngs=nnx.Rngs(0), kernels="xla")
+    with pytest.raises(UserError, match=r"devices=4: expected a divisor of the model's "
+                                        r"n_experts \(6\)"):
+        mesh.shard_model(m, N)
+    m = Transformer(CFG.replace(**dict(MOE, n_experts_used=3)), rngs=nnx.Rngs(0), kernels="xla")
+    with pytest.raises(UserError, match=r"devices=4: expected at most n_experts / "
+                                        r"n_experts_used = 2"):
         mesh.shard_model(m, N)
     with pytest.raises(UserError, match=r"devices: expected an integer in \[1, 4\]"):
         mesh.make_mesh(5)

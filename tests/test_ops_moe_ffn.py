@@ -114,7 +114,8 @@ def test_bad_operands_are_one_line_errors():
         ops.moe_ffn(x, ids, w[:, :1], gate, up, down, **kw)
     # an id outside [0, E) reaches the handler only when traced: its error names the rule
     bad = ids.at[1, 0].set(E)
-    with pytest.raises(Exception, match=r"moe_ffn: ids: expected experts in \[0, 7\), got 7"):
+    with pytest.raises(Exception, match=r"moe_ffn: ids: expected experts in \[0, 7\) or -1 "
+                                        r"\(another shard's\), got 7"):
         jax.block_until_ready(ops.moe_ffn(x, bad, w, gate, up, down, **kw))
 
 
@@ -214,3 +215,21 @@ def test_relu_bad_layouts_are_one_line_errors():
         ops.moe_ffn(x, ids, w, gate, up, down, down_layout="groups", activation="relu", **kw)
     with pytest.raises(ValueError, match=r"moe_ffn activation: expected one of"):
         ops.moe_ffn(x, ids, w, gate, up, down, activation="gelu", **kw)
+
+
+@pytest.mark.parametrize("relu", [False, True])
+def test_ids_of_other_shards_add_nothing(relu):
+    """An id of -1 (an expert another shard holds) adds nothing: the same as its weight 0."""
+    d, f, n = 128, 64, 4
+    x, ids, w, gate, up, down = operands("Q4_0", "Q4_0", n, seed=9, d=d, f=f)
+    other = np.asarray(ids).copy()
+    other[::2, 0] = -1  # every other token's first expert lives elsewhere
+    w0 = np.where(other < 0, 0.0, np.asarray(w)).astype(np.float32)
+    kw = dict(gate_qtype="Q4_0", up_qtype="Q4_0", down_qtype="Q4_0")
+    mats = (gate, up, down)
+    if relu:
+        kw = dict(kw, gate_qtype="Q4_0x16", activation="relu", down_layout="groups")
+        mats = _relu_layouts(gate, up, down, "Q4_0", "Q4_0", d, f)
+    got = np.asarray(ops.moe_ffn(x, jnp.asarray(other), w, *mats, **kw))
+    _close(got, ops.moe_ffn(x, ids, jnp.asarray(w0), *mats, impl="reference", **kw))
+    _close(got, ops.moe_ffn(x, jnp.asarray(other), w, *mats, impl="reference", **kw))

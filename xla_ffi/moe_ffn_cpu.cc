@@ -153,8 +153,9 @@ ffi::Error MoeFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer we
   }
   const auto* id = static_cast<const int32_t*>(ids.untyped_data());
   for (int64_t p = 0; p < n * k; ++p) {
-    if (id[p] < 0 || id[p] >= e) {
-      return InvalidArg(kOp, "ids", "experts in [0, " + std::to_string(e) + ")",
+    if (id[p] < -1 || id[p] >= e) {
+      return InvalidArg(kOp, "ids", "experts in [0, " + std::to_string(e) +
+                                        ") or -1 (another shard's)",
                         std::to_string(id[p]));
     }
   }

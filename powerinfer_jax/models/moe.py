@@ -138,6 +138,9 @@ class MoE(Module):
                             if d_ff_shared else None)
         self.execution = "routed"
         self.selector = nnx.data(None)
+        # Expert parallelism (runtime/mesh.py): the mesh axis over which the experts are split
+        # (E/n on each device, inside shard_map); the output is then this device's partial sum
+        self.expert_axis = None
 
     # ------------------------------------------------------------ the build steps' interface
     quantized = False
@@ -179,6 +182,14 @@ class MoE(Module):
         ids, weights = self.routing(x_btd)
         sow(self, "expert_ids", ids.reshape(lead + (self.n_used,)))  # [B, T, k] under capture
         e = self.experts
+        first_shard = True
+        if self.expert_axis is not None:  # this device's experts only; -1 marks the others
+            n_local = e.up.weight.shape[0]
+            shard = jax.lax.axis_index(self.expert_axis)
+            local = ids - shard * n_local
+            here = (local >= 0) & (local < n_local)
+            ids, weights = jnp.where(here, local, -1), jnp.where(here, weights, 0.0)
+            first_shard = shard == 0
         if e.gate.qtype is not None:  # the file's blocks: one custom call, grouped by expert
             if self.activation not in ("silu", "relu"):
                 fail("MoE quantized experts' activation", "'silu' or 'relu' (ops.moe_ffn's)",
@@ -195,9 +206,9 @@ class MoE(Module):
             y = self._gathered(x, ids, weights)
         else:  # XLA has no routed grouping on CPU (its ragged_dot computes every expert)
             y = self._dense(x, ids, weights)
-        if self.shared is not None:
+        if self.shared is not None:  # whole on every device: added by the first shard
             scale = jax.nn.sigmoid(self.shared_gate(x))  # [N, 1]
-            y = y + scale * self.shared(x[None])[0]
+            y = y + jnp.where(first_shard, scale, 0.0) * self.shared(x[None])[0]
         return y.reshape(lead + (d,))
 
     def _act(self, g, u):
@@ -206,7 +217,8 @@ class MoE(Module):
     def _dense(self, x_nd, ids, weights):
         """Every expert on every token; unrouted ones weighted 0 (the reference)."""
         e = self.experts
-        w_ne = jnp.sum(jax.nn.one_hot(ids, self.n_experts, dtype=F32) * weights[..., None],
+        n_local = e.gate.weight.shape[0]  # n_experts, or this device's share of them
+        w_ne = jnp.sum(jax.nn.one_hot(ids, n_local, dtype=F32) * weights[..., None],
                        axis=1)  # [N, E]
         g = jnp.einsum("nd,efd->nef", x_nd, e.gate.weight[...], preferred_element_type=F32)
         u = jnp.einsum("nd,efd->nef", x_nd, e.up.weight[...], preferred_element_type=F32)
@@ -216,6 +228,7 @@ class MoE(Module):
     def _gathered(self, x_nd, ids, weights):
         """Each token's k experts' rows gathered and computed: [N, k, F, D] read, no more."""
         e = self.experts
+        ids = jnp.maximum(ids, 0)  # -1 (another shard's expert) comes with weight 0
         gate, up, down = (m.weight[...][ids] for m in (e.gate, e.up, e.down_t))
         g = jnp.einsum("nd,nkfd->nkf", x_nd, gate, preferred_element_type=F32)
         u = jnp.einsum("nd,nkfd->nkf", x_nd, up, preferred_element_type=F32)

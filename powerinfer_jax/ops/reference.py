@@ -130,7 +130,9 @@ def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype: str, up_qtype: str,
 
         down = jax.pure_callback(file_rows, jax.ShapeDtypeStruct(
             (e, d, quants.row_bytes(down_qtype, f)), jnp.uint8), down)
-    w_ne = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], ids].add(weights)
+    ids = jnp.asarray(ids, jnp.int32)  # -1: another shard's expert, adds nothing (dropped)
+    w_ne = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], jnp.where(
+        ids < 0, e, ids)].add(weights, mode="drop")
     y = jnp.zeros((n, d), jnp.float32)
     # down groups of the 8-bit formats sum float coefficients (AxpyGroup), unrounded; the
     # 4-bit ones round them to 8 bits per 32 neurons, as the dense matvec rounds its input

@@ -9,6 +9,11 @@ and makes its layers run inside `jax.shard_map`. Device i holds and computes
     parts: device i holds hot rows [i*H/n, (i+1)*H/n) and cold rows [i*C/n, (i+1)*C/n). Cold
     rows are host memory read by the host's FFI pool, so each host's pool serves its devices'
     cold rows (on a CPU the "devices" share one pool, which runs their calls in turn).
+  * an MoE layer: E/n whole experts (expert parallelism): every device routes every token
+    (the router is replicated), computes the pairs whose expert it holds and passes the others
+    to ops.moe_ffn as -1; a shared expert is added by device 0.
+The devices may belong to several processes (jax.distributed, e.g. two on 127.0.0.1 with gloo
+collectives on CPU): each process builds the same model and gives its devices' shards.
 After the o projection and after the down projection each device holds a partial sum over its
 heads or neurons; one psum (all-reduce) per sublayer makes the residual stream whole again
 (Megatron-LM's layout; a bias after a partial sum is added by device 0 only). Embeddings, norms
@@ -98,7 +103,7 @@ class TensorParallel:
             values = []
             for path, var in nnx.to_flat_state(sown):
                 value = var.get_value()[-1]
-                if jnp.issubdtype(value.dtype, jnp.integer):
+                if jnp.issubdtype(value.dtype, jnp.integer) and path[-1] not in _REPLICATED:
                     value = jax.lax.psum(value, axis)  # per-shard counts
                 sown_paths.append(path[1:])  # traced once: the structure of the second output
                 values.append(value)
@@ -120,6 +125,10 @@ class TensorParallel:
         return P(None, None, self.axis, None)
 
 
+# Sown integers every shard computes whole (the router's choice), passed out as they are
+_REPLICATED = {"expert_ids"}
+
+
 class _Stack(Module):
     """The layers under a Module root: nnx.capture on a bare nnx.List mixes key types."""
 
@@ -131,7 +140,8 @@ def _add_bias_once(layers, axis: str) -> None:
     """Biases added after a partial sum (o, down) count once: device 0 adds them, others 0."""
     first = jax.lax.axis_index(axis) == 0
     for block in layers:
-        for bias in (block.attn.o.bias, block.ffn.down_t.bias):
+        down = getattr(block.ffn, "down_t", None)  # an MoE has no biases
+        for bias in (block.attn.o.bias, None if down is None else down.bias):
             if bias is not None:
                 bias.set_value(jnp.where(first, bias[...], 0.0))
 
@@ -180,6 +190,8 @@ def layer_spec(names, shape, layers, axis: str = AXIS) -> P:
         return _on(ndim, ndim - 1, axis)
     if rel[:2] == ("ffn", "cold"):
         return _on(ndim, 0, axis)
+    if rel[:2] == ("ffn", "experts"):  # an MoE's stacked experts [E, ...]: E/n on each device
+        return _on(ndim, 0, axis)
     if rel[:2] == ("ffn", "selector"):
         ffn = layers[layer].ffn
         dim = neuron_dim(rel[-1], tuple(shape), ffn.n_hot + ffn.n_cold)
@@ -200,15 +212,20 @@ def make_mesh(n_devices: int) -> Mesh:
 
 
 def check_divisible(config, n: int) -> None:
-    """Heads and FFN neurons must split evenly over n devices."""
-    if config.n_experts and n > 1:
-        fail(f"--devices {n}", "1 for a mixture-of-experts model (experts split over a mesh are "
-             "not implemented)", n)
-    for what, value in (("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads),
-                        ("d_ff", config.d_ff)):
+    """Heads and FFN neurons (an MoE's experts, each whole, at least k per device) must split
+    evenly over n devices."""
+    if config.qk_norm_full and n > 1:
+        fail(f"devices={n}", "1 for q/k norms over the whole projection (OLMoE's: each "
+             "device holds only its heads' part of it)", n)
+    split = (("n_experts", config.n_experts),) if config.n_experts else (("d_ff", config.d_ff),)
+    for what, value in (("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads)) + split:
         if value % n:
             fail(f"devices={n}", f"a divisor of the model's {what} ({value}): attention heads "
-                 "and FFN neurons are split evenly over the devices", n)
+                 "and FFN neurons (or experts) are split evenly over the devices", n)
+    if config.n_experts and config.n_experts // n < config.n_experts_used:
+        fail(f"devices={n}", f"at most n_experts / n_experts_used = "
+             f"{config.n_experts // config.n_experts_used} (each device holds at least the "
+             "experts one token routes to)", n)
 
 
 def round_placement(p, n: int, frequency=None):
@@ -235,6 +252,15 @@ def _interleave(n_hot: int, n_cold: int, n: int) -> np.ndarray:
                            for i in range(n)]).astype(np.int64)
 
 
+def _put(leaf, sharding: NamedSharding):
+    """The array laid out by `sharding`. Over devices of several processes (jax.distributed:
+    each process built the same model) every process gives the shards it holds from its copy."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(leaf, sharding)
+    host = np.asarray(leaf)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def shard_model(model, n_devices: int) -> TensorParallel:
     """Shard a built (and placed, if it is) Transformer over the first n_devices devices, in
     place; its layers then run tensor-parallel. Returns the model's TensorParallel."""
@@ -245,6 +271,10 @@ def shard_model(model, n_devices: int) -> TensorParallel:
     check_divisible(model.config, n)
     for i, layer in enumerate(model.layers):
         ffn = layer.ffn
+        if n > 1 and any(getattr(layer.attn, p).qtype is not None for p in "qkvo"):
+            fail(f"devices={n}", "float attention weights (a file's quantized blocks are not "
+                 "split by heads)", f"layer {i}'s {layer.attn.q.qtype} blocks",
+                 "load the file with weights='dtype' (dequantized) to split it")
         if isinstance(ffn.backend, CudaHybrid):
             fail(f"devices={n}", "an FFN whose cold rows are operands (CPU hybrid) or none",
                  "cold rows in the CUDA module's host store",
@@ -266,9 +296,11 @@ def shard_model(model, n_devices: int) -> TensorParallel:
             if name is not None and leaf.shape[dim] % n:
                 fail(f"tensor {'.'.join(str(x) for x in names)}",
                      f"axis {dim} divisible by devices={n}", tuple(leaf.shape))
-        leaves.append(jax.device_put(leaf, NamedSharding(mesh, spec)))
+        leaves.append(_put(leaf, NamedSharding(mesh, spec)))
     nnx.update(model, jax.tree_util.tree_unflatten(treedef, leaves))
     for block in model.layers:
         block.reduce_axis = AXIS
+        if model.config.n_experts:
+            block.ffn.expert_axis = AXIS
     model.parallel = tp
     return tp
