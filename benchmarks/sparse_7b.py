@@ -41,6 +41,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("POWERINFER_JAX_CACHE", Path.home() / ".cache" / "powerinfer_jax"))
 LLAMA_BENCH = CACHE / "peers" / "llamacpp-cpu-native" / "bin" / "llama-bench"
+# Prefill on a build without AMX where there is one (build_llama_bench_cpu.sh ISAS=native-noamx):
+# on a Xeon VM with AMX the native build's AMX path stopped llama-bench's prefill with SIGSEGV,
+# while its decode (batch 1) runs, and is its fastest there (7.9 tok/s against 2.7 without AMX).
+LLAMA_BENCH_PREFILL = next(
+    (p for p in (CACHE / "peers" / f"llamacpp-cpu-{b}" / "bin" / "llama-bench"
+                 for b in ("native-noamx", "native")) if p.is_file()), LLAMA_BENCH)
 OURS = {"dense": ["--sparsity", "dense"], "exact": ["--sparsity", "oracle"],
         "predictor": ["--sparsity", "powerinfer"],
         "predictor_gguf": ["--sparsity", "powerinfer", "--predictors", "{pwri}"]}
@@ -117,7 +123,7 @@ def run_ours(config: str, files: dict, threads: int, new_tokens: int, dtype: str
 
 
 def run_llama_prefill(gguf: Path, threads: int, n: int) -> tuple[float, list]:
-    cmd = pinned(threads) + [str(LLAMA_BENCH), "-m", str(gguf), "-p", str(n), "-n", "0",
+    cmd = pinned(threads) + [str(LLAMA_BENCH_PREFILL), "-m", str(gguf), "-p", str(n), "-n", "0",
                              "-t", str(threads), "-r", "1", "-o", "jsonl"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rows = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
