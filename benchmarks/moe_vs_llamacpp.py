@@ -11,7 +11,8 @@ OLMoE's 50304, so the embedding and LM head have the real shape.
     python -m benchmarks.moe_vs_llamacpp --make
     flock -x /tmp/pij_cpu.lock python -m benchmarks.moe_vs_llamacpp --rounds 3
     flock -x /tmp/pij_cpu.lock python -m benchmarks.moe_vs_llamacpp --rounds 5 \
-        --model DIR/synthetic-olmoe-1b-7b-e64k8-h0.8-silu-Q4_0.gguf   # python -m powerinfer_jax.synthetic.moe's
+        --model DIR/synthetic-olmoe-1b-7b-e64k8-h0.8-silu-Q4_0.gguf
+(DIR: python -m powerinfer_jax.synthetic.moe --shape olmoe-1b-7b --out DIR)
 
 Per round, back to back in fresh processes: llama-bench (tg, -p 0) on the file, then our
 `python -m powerinfer_jax.bench` (dense, the experts' blocks through ops.moe_ffn) on the same

@@ -29,6 +29,16 @@ def operands(gate_t, down_t, n, seed=0, *, d=None, f=None):
     return [jnp.asarray(a) for a in (x, ids, w, gate, up, down)]
 
 
+def _on_one_thread(fn):
+    """fn() with the kernels' pool at one thread (then back), as numpy."""
+    threads = _ffi.get_num_threads()
+    try:
+        ops.set_num_threads(1)
+        return np.asarray(fn())
+    finally:
+        ops.set_num_threads(threads)
+
+
 def _close(got, want):
     got, want = np.asarray(got), np.asarray(want)
     assert got.shape == want.shape
@@ -66,12 +76,7 @@ def test_interleaved_experts_match_the_file_rows_and_the_reference(gate_t, down_
     got = np.asarray(ops.moe_ffn(x, ids, w, *il, **il_kw))
     _close(got, ops.moe_ffn(x, ids, w, gate, up, down, **rows_kw))
     _close(got, ops.moe_ffn(x, ids, w, *il, impl="reference", **il_kw))
-    threads = _ffi.get_num_threads()
-    try:
-        ops.set_num_threads(1)
-        one = np.asarray(ops.moe_ffn(x, ids, w, *il, **il_kw))
-    finally:
-        ops.set_num_threads(threads)
+    one = _on_one_thread(lambda: ops.moe_ffn(x, ids, w, *il, **il_kw))
     np.testing.assert_array_equal(one, got)
 
 
@@ -93,12 +98,7 @@ def test_unrouted_experts_are_not_read_and_threads_do_not_change_bits():
     after = np.asarray(ops.moe_ffn(x, ids, w, *poisoned, **kw))
     np.testing.assert_array_equal(after, before)
     assert np.isnan(np.asarray(ops.moe_ffn(x, ids, w, *poisoned, impl="reference", **kw))).any()
-    threads = _ffi.get_num_threads()
-    try:
-        ops.set_num_threads(1)
-        one = np.asarray(ops.moe_ffn(x, ids, w, gate, up, down, **kw))
-    finally:
-        ops.set_num_threads(threads)
+    one = _on_one_thread(lambda: ops.moe_ffn(x, ids, w, gate, up, down, **kw))
     np.testing.assert_array_equal(one, before)
 
 
@@ -145,12 +145,7 @@ def test_relu_experts_sparse_inside_equal_the_dense_reference(gate_t, down_t, n)
     if down_t in quants.DOWN_PAIR_TYPES:
         _close(got, ops.moe_ffn(x, ids, w, gate, up, down, impl="reference", **rows_kw))
         _close(got, ops.moe_ffn(x, ids, w, gate, up, down, **rows_kw))
-    threads = _ffi.get_num_threads()
-    try:
-        ops.set_num_threads(1)
-        one = np.asarray(ops.moe_ffn(x, ids, w, *sparse, **sparse_kw))
-    finally:
-        ops.set_num_threads(threads)
+    one = _on_one_thread(lambda: ops.moe_ffn(x, ids, w, *sparse, **sparse_kw))
     np.testing.assert_array_equal(one, got)
 
 

@@ -150,7 +150,8 @@ def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype
     activations).
 
     x: float32 [N, D]; ids: int32 [N, k], each token's experts in [0, E), or -1 for an expert
-    another shard holds (expert parallelism: that pair adds nothing); weights: float32 [N, k]; gate, up: uint8 [E, F, row_bytes(D)]; down: uint8 [E, D, row_bytes(F)] (a GGUF's
+    another shard holds (expert parallelism: that pair adds nothing); weights: float32 [N, k];
+    gate, up: uint8 [E, F, row_bytes(D)]; down: uint8 [E, D, row_bytes(F)] (a GGUF's
     ffn_{gate,up,down}_exps as stored) in their GGML types, or with each expert's rows
     interleaved by 16 (a "Q4_0x16" type name, as ops.qlinear takes). With impl "ffi" only the
     routed experts' rows are read, the tokens grouped by expert (each expert's rows read once

@@ -33,8 +33,9 @@ from powerinfer_jax.sparsity import profile
 from powerinfer_jax.synthetic.build import SHAPES, Spec, build, config_for
 from powerinfer_jax.synthetic.profile import (Locality, decile_errors, hot_share,
                                              layer_frequencies)
-from powerinfer_jax.synthetic.text import (TOKENIZER_MODEL, calibration_file, eval_file,
-                                          load_tokenizer, token_ids)
+from powerinfer_jax.synthetic.text import (TOKENIZER_MODEL, add_shape_flags,
+                                          calibration_and_held_out, load_tokenizer,
+                                          shape_fields)
 from powerinfer_jax.synthetic.write import Sinks
 
 FORMATS = ("gguf", "powerinfer", "hf")
@@ -45,10 +46,7 @@ SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_f
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m powerinfer_jax.synthetic", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="llama2-7b", choices=sorted(SHAPES),
-                   help="a named shape; --d-model etc. override its fields")
-    for name in SHAPE_FIELDS:
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+    add_shape_flags(p, SHAPES, SHAPE_FIELDS, "llama2-7b")
     p.add_argument("--sparsity", type=float, required=True,
                    help="1 - the mean firing frequency of a layer's neurons, in (0, 1)")
     p.add_argument("--hot-fraction", type=float, default=0.25)
@@ -130,8 +128,7 @@ def main(argv=None) -> None:
         ops.set_num_threads(args.threads)
 
     tokenizer, tok_path = load_tokenizer(args.tokenizer)
-    fields = dict(SHAPES[args.shape])
-    fields.update({k: getattr(args, k) for k in SHAPE_FIELDS if getattr(args, k) is not None})
+    fields = shape_fields(args, SHAPES, SHAPE_FIELDS)
     config = config_for(fields, vocab_size=tokenizer.vocab_size, activation=args.activation,
                         bos=tokenizer.bos_id, eos=tokenizer.eos_ids)
     if args.hot_share is None:
@@ -140,10 +137,7 @@ def main(argv=None) -> None:
         locality = Locality(args.sparsity, args.hot_fraction, args.hot_share)
     spec = Spec(config, locality, rank=args.rank, seed=args.seed, qtype=args.qtype)
 
-    calib = token_ids(calibration_file(args.calib_text), tokenizer, args.calib_tokens,
-                      "--calib-tokens")
-    held = (token_ids(eval_file(), tokenizer, args.verify_tokens, "--verify-tokens")
-            if args.verify_tokens else None)
+    calib, held = calibration_and_held_out(args, tokenizer)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"synthetic-{args.shape}-{args.activation}-s{args.sparsity:g}-{args.qtype}"

@@ -151,6 +151,20 @@ def down_integers(d_ff: int, d_model: int, seed: int, name: str) -> np.ndarray:
     return q
 
 
+def attention_weights(c: ModelConfig, seed: int, prefix: str, qtype: str) -> dict[str, Tensor]:
+    """One layer's random q, k, v, o (canonical names after `prefix`), o's rows over the
+    reserved dims zero: attention never writes the bias block."""
+    d = c.d_model
+    w = {f"attn.{name}.weight": stored(_rng(seed, prefix + name).standard_normal(
+        (rows, d), np.float32) * d ** -0.5, qtype)
+        for name, rows in (("q", c.q_dim), ("k", c.kv_dim), ("v", c.kv_dim))}
+    o = _rng(seed, prefix + "o").standard_normal((d, c.q_dim), np.float32) * (
+        ATTN_OUT_STD * c.q_dim ** -0.5)
+    o[:RESERVED] = 0.0
+    w["attn.o.weight"] = stored(o, qtype)
+    return w
+
+
 # ------------------------------------------------------------------------------ the forward
 class _Layer:
     """The engine's own attention and norms (models/layers.py), float32 XLA, for one layer's
@@ -258,13 +272,7 @@ def build(spec: Spec, calib_ids: np.ndarray, *, on_global: Callable[[str, Tensor
         p = f"layers.{i}."
         w: dict[str, Tensor] = {"attn_norm.scale": Tensor(np.ones(d, np.float32)),
                                 "ffn_norm.scale": Tensor(np.ones(d, np.float32))}
-        for name, rows in (("q", c.q_dim), ("k", c.kv_dim), ("v", c.kv_dim)):
-            w[f"attn.{name}.weight"] = stored(
-                _rng(seed, p + name).standard_normal((rows, d), np.float32) * d ** -0.5, qt)
-        o = _rng(seed, p + "o").standard_normal((d, c.q_dim), np.float32) * (
-            ATTN_OUT_STD * c.q_dim ** -0.5)
-        o[:RESERVED] = 0.0
-        w["attn.o.weight"] = stored(o, qt)
+        w.update(attention_weights(c, seed, p, qt))
         layer_mod.set(w)
         h = layer_mod.attention(h)
         x = np.asarray(layer_mod.ffn_norm(h)).reshape(-1, d)  # [N, D] the FFN's inputs

@@ -30,8 +30,9 @@ from powerinfer_jax.errors import check, fail
 from powerinfer_jax.synthetic.moe_build import (SHAPES, MoeSpec, build, config_for,
                                                 expert_locality)
 from powerinfer_jax.synthetic.profile import Locality, decile_errors, hot_share
-from powerinfer_jax.synthetic.text import (TOKENIZER_MODEL, calibration_file, eval_file,
-                                          load_tokenizer, token_ids)
+from powerinfer_jax.synthetic.text import (TOKENIZER_MODEL, add_shape_flags,
+                                          calibration_and_held_out, load_tokenizer,
+                                          shape_fields)
 from powerinfer_jax.synthetic.write import MoeSink
 
 QTYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16")
@@ -42,10 +43,7 @@ SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_f
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m powerinfer_jax.synthetic.moe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="olmoe-1b-7b", choices=sorted(SHAPES),
-                   help="a named shape; --d-model etc. override its fields")
-    for name in SHAPE_FIELDS:
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+    add_shape_flags(p, SHAPES, SHAPE_FIELDS, "olmoe-1b-7b")
     p.add_argument("--top-k", type=int, default=None, help="experts routed per token")
     p.add_argument("--hot-fraction", type=float, default=0.25,
                    help="the hot experts' share of a layer's experts")
@@ -74,8 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def spec_from_args(args, tokenizer) -> tuple[str, MoeSpec]:
-    fields = dict(SHAPES[args.shape])
-    fields.update({k: getattr(args, k) for k in SHAPE_FIELDS if getattr(args, k) is not None})
+    fields = shape_fields(args, SHAPES, SHAPE_FIELDS)
     if args.top_k is not None:
         fields["n_experts_used"] = args.top_k
     arch, config = config_for(fields, vocab_size=tokenizer.vocab_size,
@@ -143,10 +140,7 @@ def main(argv=None) -> None:
     tokenizer, tok_path = load_tokenizer(args.tokenizer)
     arch, spec = spec_from_args(args, tokenizer)
     c = spec.config
-    calib = token_ids(calibration_file(args.calib_text), tokenizer, args.calib_tokens,
-                      "--calib-tokens")
-    held = (token_ids(eval_file(), tokenizer, args.verify_tokens, "--verify-tokens")
-            if args.verify_tokens else None)
+    calib, held = calibration_and_held_out(args, tokenizer)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     act = "silu" if spec.neurons is None else f"relu-s{spec.neurons.sparsity:g}"

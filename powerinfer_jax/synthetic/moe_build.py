@@ -37,9 +37,10 @@ from powerinfer_jax.errors import check, fail
 from powerinfer_jax.models.layers import shapes_only
 from powerinfer_jax.models.transformer import Block
 from powerinfer_jax.ops.reference import gated_activate
-from powerinfer_jax.synthetic.build import (ATTN_OUT_STD, EMBED_CONSTANT, F32, FFN_OUT_STD, Q_VAR,
-                                            RESERVED, Tensor, _bias_for, _column_quantiles,
-                                            _q4_exact_scalar, _rng, down_integers, stored)
+from powerinfer_jax.synthetic.build import (EMBED_CONSTANT, F32, FFN_OUT_STD, Q_VAR, RESERVED,
+                                            Tensor, _bias_for, _column_quantiles,
+                                            _q4_exact_scalar, _rng, attention_weights,
+                                            down_integers, stored)
 from powerinfer_jax.synthetic.profile import Locality, hot_share, power_law
 
 ROUTER_STD = 1.0  # std of R_e . x on unit-RMS inputs (sets how peaked the softmax weights are)
@@ -69,9 +70,9 @@ def config_for(fields: dict, *, vocab_size: int, activation: str = "silu",
     f["vocab_size"] = max(f.get("vocab_size", 0), vocab_size)
     family = dict(qk_norm=True) if arch == "qwen3moe" else dict(qk_norm_full=True)
     return arch, ModelConfig(
-        arch="llama", **f, activation=activation, gated=True, bias=False, norm="rms", positions="rope",
-        tie_embeddings=False, norm_topk_prob=arch == "qwen3moe", bos_token_id=bos,
-        eos_token_ids=eos, **family)
+        arch="llama", **f, activation=activation, gated=True, bias=False, norm="rms",
+        positions="rope", tie_embeddings=False, norm_topk_prob=arch == "qwen3moe",
+        bos_token_id=bos, eos_token_ids=eos, **family)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,13 +229,7 @@ def build(spec: MoeSpec, calib_ids: np.ndarray, *, on_global: Callable[[str, Ten
         for name, shape in shapes.items():
             if name.startswith(p) and len(shape) == 1:
                 w[name[len(p):]] = Tensor(np.ones(shape, np.float32))  # norm scales
-        for name, rows in (("q", c.q_dim), ("k", c.kv_dim), ("v", c.kv_dim)):
-            w[f"attn.{name}.weight"] = stored(
-                _rng(seed, p + name).standard_normal((rows, d), np.float32) * d ** -0.5, qt)
-        o = _rng(seed, p + "o").standard_normal((d, c.q_dim), np.float32) * (
-            ATTN_OUT_STD * c.q_dim ** -0.5)
-        o[:RESERVED] = 0.0
-        w["attn.o.weight"] = stored(o, qt)
+        w.update(attention_weights(c, seed, p, qt))
         for name, t in w.items():
             _set(block, name, t.values)
         h = block.attention_residual(h, positions)

@@ -1,8 +1,10 @@
-"""The text a synthetic model is calibrated and verified on: real text (the project's corpus,
-../shared/data/wiki.train.txt, and its held-out wiki.valid.txt) through a real tokenizer (the
-default model's, SmolLM2's, whose vocabulary llama.cpp and PowerInfer both read)."""
+"""What the synthetic generators share: the text a model is calibrated and verified on (the
+project's corpus, ../shared/data/wiki.train.txt, and its held-out wiki.valid.txt, through the
+default model's tokenizer, SmolLM2's, whose vocabulary llama.cpp and PowerInfer both read), and
+their shape flags."""
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +44,16 @@ def calibration_file(path: str | None) -> Path:
     return calib
 
 
+def calibration_and_held_out(args, tokenizer) -> tuple[np.ndarray, np.ndarray | None]:
+    """A generator's token ids from its flags: the calibration text's (--calib-text,
+    --calib-tokens) and the held-out text's (--verify-tokens; None for 0)."""
+    calib = token_ids(calibration_file(args.calib_text), tokenizer, args.calib_tokens,
+                      "--calib-tokens")
+    held = (token_ids(eval_file(), tokenizer, args.verify_tokens, "--verify-tokens")
+            if args.verify_tokens else None)
+    return calib, held
+
+
 def eval_file() -> Path:
     """The held-out text the engine measures a built model on."""
     path = SHARED_DATA / VALIDATION_NAME
@@ -49,3 +61,19 @@ def eval_file() -> Path:
         fail("--verify-tokens", "0 without the held-out text", str(path),
              "pass --verify-tokens 0, or run where ../shared/data/wiki.valid.txt exists")
     return path
+
+
+def add_shape_flags(p: argparse.ArgumentParser, shapes: dict, fields: tuple[str, ...],
+                    default: str) -> None:
+    """--shape (a name of `shapes`) and one int flag per field that overrides it."""
+    p.add_argument("--shape", default=default, choices=sorted(shapes),
+                   help="a named shape; --d-model etc. override its fields")
+    for name in fields:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+
+
+def shape_fields(args, shapes: dict, fields: tuple[str, ...]) -> dict:
+    """The named shape's fields with the flags given on the command line."""
+    out = dict(shapes[args.shape])
+    out.update({k: getattr(args, k) for k in fields if getattr(args, k) is not None})
+    return out
