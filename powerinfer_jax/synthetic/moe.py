@@ -22,13 +22,16 @@ import sys
 import time
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 from powerinfer_jax import _cli, ops
+from powerinfer_jax.checkpoint import load_checkpoint
 from powerinfer_jax.checkpoint.gguf import tokenizer_metadata
 from powerinfer_jax.errors import check, fail
+from powerinfer_jax.models.transformer import capture, from_params
 from powerinfer_jax.synthetic.moe_build import (SHAPES, MoeSpec, build, config_for,
-                                                expert_locality)
+                                                expert_locality, routing_frequencies)
 from powerinfer_jax.synthetic.profile import Locality, decile_errors, hot_share
 from powerinfer_jax.synthetic.text import (TOKENIZER_MODEL, add_shape_flags,
                                           calibration_and_held_out, load_tokenizer,
@@ -94,11 +97,6 @@ def verify(path: Path, ids: np.ndarray, prescribed: np.ndarray, log) -> tuple[di
     """Routing frequencies [L, E] measured by the engine on the GGUF (its quantized blocks and
     8-bit activations, as decode computes) over held-out token ids; for ReLU experts, the share
     of a routed expert's neurons that fire."""
-    import jax.numpy as jnp
-
-    from powerinfer_jax.checkpoint import load_checkpoint
-    from powerinfer_jax.models.transformer import capture, from_params
-
     ckpt = load_checkpoint(path, keep_quantized=True)
     c = ckpt.config
     model = from_params(c, ckpt.params, dtype=jnp.float32, kernels="auto")
@@ -159,8 +157,6 @@ def main(argv=None) -> None:
         if not path.is_file():
             fail("--verify-only", "the file a build with these flags wrote", str(path),
                  "run without --verify-only first")
-        from powerinfer_jax.synthetic.moe_build import routing_frequencies
-
         prescribed = routing_frequencies(spec)
         build_s = None
         if (out / "synthetic.json").is_file():  # the build's record: kept, the check redone

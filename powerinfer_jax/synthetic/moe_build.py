@@ -31,6 +31,7 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 
+from powerinfer_jax.checkpoint import quants
 from powerinfer_jax.checkpoint.base import expected_shapes
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.errors import check, fail
@@ -96,8 +97,6 @@ class MoeSpec:
         want = 1.0 - c.n_experts_used / c.n_experts
         check(abs(self.experts.sparsity - want) < 1e-12, "MoeSpec.experts.sparsity",
               f"1 - top_k / n_experts = {want}", self.experts.sparsity)
-        from powerinfer_jax.checkpoint import quants
-
         check(self.qtype in quants.QUANTIZABLE_TYPES, "--qtype",
               f"one of {list(quants.QUANTIZABLE_TYPES)}", self.qtype)
         block = quants.block_size(self.qtype)[0] if self.qtype in quants.QUANTIZED_TYPES else 1

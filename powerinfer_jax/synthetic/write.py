@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from powerinfer_jax.checkpoint import gguf_arch, quants
-from powerinfer_jax.checkpoint.base import rope_permute
+from powerinfer_jax.checkpoint.base import expected_shapes, rope_permute
 from powerinfer_jax.checkpoint.gguf import PWRI_MAGIC, TOKENIZER_WRITERS
 from powerinfer_jax.checkpoint.powerinfer import SPARSE_THRESHOLD_KEY
 from powerinfer_jax.config import ModelConfig
@@ -302,8 +302,6 @@ class MoeSink:
 
     def __init__(self, path: Path, config: ModelConfig, arch: str, qtype: str,
                  tokenizer_meta: Mapping[str, Any], *, name: str):
-        from powerinfer_jax.checkpoint.base import expected_shapes
-
         self.sources = gguf_arch.sources(config, arch, down_t=False)
         self.qtype = qtype
         self.types = {n: "F32" if len(s) == 1 or n.endswith("ffn.router.weight") else qtype
