@@ -30,18 +30,31 @@ namespace pij {
 
 // Where a neuron's rows are in the file: bundle (layer l, file position p) starts at
 // data_offset + (l * num_neurons + p) * slot_bytes, and holds its gate row (gated FFNs), its up
-// row and its down row (re-blocked along D), each in its block format, then zero padding up to
-// slot_bytes (a multiple of kDirectAlign, so that every bundle is one O_DIRECT read).
+// row and its down row, each in its block format, then zero padding up to slot_bytes (a
+// multiple of kDirectAlign, so that every bundle is one O_DIRECT read). The down row is either
+//   * a neuron row along D (a PowerInfer GGUF's ffn_down_t row, or a re-blocked one), or
+//   * with down_groups: its code row (quant_kernels.h: the quant bytes of its blocks in the
+//     file's ffn_down without their scales), the scales being the down groups' scale planes,
+//     [F / 32, scale bytes * D] per layer, at planes_offset + l * planes_stride in the file and
+//     in memory while the store is open: the file's own blocks, summed with the in-memory
+//     kernel's down-group arithmetic (the same bits, nothing re-quantized).
 struct BundleLayout {
   int64_t num_layers = 0, num_neurons = 0, dim = 0;
   bool gated = true;
   QType gate_type = QType::kQ4_0, up_type = QType::kQ4_0, down_type = QType::kQ4_0;
   int64_t slot_bytes = 0;
   int64_t data_offset = 0;
+  bool down_groups = false;
+  int64_t planes_offset = 0, planes_stride = 0;
 
   int64_t GateBytes() const { return gated ? QRowBytes(gate_type, dim) : 0; }
   int64_t UpBytes() const { return QRowBytes(up_type, dim); }
-  int64_t DownBytes() const { return QRowBytes(down_type, dim); }
+  int64_t DownBytes() const {
+    return down_groups ? dim / 32 * (GetQTypeInfo(down_type).bytes - DownGroupScaleBytes(down_type))
+                       : QRowBytes(down_type, dim);
+  }
+  // One layer's scale planes (down_groups).
+  int64_t PlaneBytes() const { return num_neurons / 32 * DownGroupScaleBytes(down_type) * dim; }
   int64_t BundleBytes() const { return GateBytes() + UpBytes() + DownBytes(); }
   int64_t FileBytes() const { return data_offset + num_layers * num_neurons * slot_bytes; }
   const uint8_t* Gate(const uint8_t* bundle) const { return bundle; }
@@ -93,7 +106,6 @@ struct NeuronStoreStats {
 struct NeuronLease {
   std::vector<const uint8_t*> bundle;
   std::vector<const std::atomic<uint32_t>*> pending;
-  std::vector<int32_t> position;  // the neurons' file positions (the order reads complete in)
   std::vector<int32_t> pinned;
 };
 
@@ -110,6 +122,8 @@ class NeuronStore {
   const float* BUp(int64_t layer) const {
     return o_.b_up.empty() ? nullptr : o_.b_up.data() + layer * o_.layout.num_neurons;
   }
+  // The layer's down groups' scale planes, group g at + g * scale bytes * D (down_groups).
+  const uint8_t* Planes(int64_t layer) const;
   // ids: distinct neuron ids of `layer`, ascending. Returns false (and *error) when no slot
   // can take a missing neuron (cannot happen with the minimum cache_slots Open enforces).
   // tokens: the call's token rows (statistics of one-token calls are kept apart).
@@ -143,7 +157,7 @@ class NeuronStore {
   NeuronStoreOptions o_;
   std::unique_ptr<BundleReader> reader_;
   std::unique_ptr<NeuronCache> cache_;
-  std::unique_ptr<Arena> static_, dynamic_, gap_;
+  std::unique_ptr<Arena> static_, dynamic_, gap_, planes_;
   std::vector<int32_t> static_slot_;                   // [L * F]: -1 or a static slot
   std::unique_ptr<std::atomic<uint32_t>[]> state_;     // [cache_slots]
   std::vector<uint8_t> by_prefetch_;                   // [cache_slots]: read by Prefetch, unused

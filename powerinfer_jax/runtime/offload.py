@@ -8,7 +8,8 @@ with mmap ends up read from disk every token):
     neurons that fire most, by profiled frequency, chosen over all layers at once as
     sparsity/placement.py chooses hot neurons: equal bundle sizes make the most frequent K the
     optimum) and its dynamic part (a cache of `cache_slots` neurons with an eviction policy),
-    plus its tables and the kernel's scratch.
+    plus its tables, the kernel's scratch and, on llama.cpp's GGUF, the scales of its down
+    projection (the down groups' planes: the store sums down rows as the in-memory kernel does).
 Every other neuron is read per token, only when the layer's active set (the predictor's) needs
 it, from the model's neuron bundle file (checkpoint/bundles.py), overlapped with the compute of
 the resident ones (cpu_backend/disk_ffn.h).
@@ -64,10 +65,11 @@ MODES = ("dense", "oracle", "powerinfer")
 # sets drift (real models; the synthetic one fires by a fixed prior).
 DEFAULT_CACHE_SHARE = 0.25
 # bytes per (layer, neuron) key and per dynamic slot of the store's tables (neuron_store.h,
-# neuron_cache.h): position, hot flag, prior, static slot, cache index; a slot's key, ranks,
-# heap entries, state, pins and flags
+# neuron_cache.h): position, hot flag, prior, static slot, cache index; a slot's key (8), last
+# use and uses (16), pins (4), heap flag (1), heap entry (24), free-list entry (4), read state
+# (4) and prefetch flag (1)
 TABLE_BYTES_PER_KEY = 17
-TABLE_BYTES_PER_SLOT = 49
+TABLE_BYTES_PER_SLOT = 62
 # the store's static and dynamic arenas, from HUGE_MIN bytes on, are on 2 MiB huge pages: at most
 # one more page each (cpu_backend/neuron_store.cc Arena)
 HUGE_PAGE, HUGE_MIN = 2 << 20, 32 << 20
@@ -306,14 +308,17 @@ def attach(model, ckpt, *, budget: int, kv_len: int, batch: int, artifacts_root,
     path, spec, order = bundles.ensure(ckpt, freqs, progress=progress)
     keys = c.n_layers * c.d_ff
     scratch = 4 * (_PIECES * _TOKEN_CHUNK * c.d_model + keys // c.n_layers * _TOKEN_CHUNK)
-    slack = 2 * HUGE_PAGE if spec.n_neurons * spec.slot_bytes >= HUGE_MIN else 0
-    tables = TABLE_BYTES_PER_KEY * keys + scratch + slack
+    # the down groups' scale planes (bundles "groups"), in memory while the store is open
+    planes = spec.n_layers * spec.planes_stride
+    slack = (2 * HUGE_PAGE if spec.n_neurons * spec.slot_bytes >= HUGE_MIN else 0) + \
+        (HUGE_PAGE if planes >= HUGE_MIN else 0)
+    tables = TABLE_BYTES_PER_KEY * keys + scratch + slack + planes
     need = minimum_bytes(dense, spec, tables)
     if budget < need:
         gib = 1 << 30
         fail("--ram-budget", f"at least {need / gib:.3f} GiB ({need} bytes: the dense parts "
              f"{dense} incl. the KV cache at --max-seq-len {kv_len}, the neuron store's tables "
-             f"{tables} and one layer's neurons "
+             f"and down-group scales {tables} and one layer's neurons "
              f"{spec.n_neurons * (spec.slot_bytes + TABLE_BYTES_PER_SLOT)})",
              f"{budget / gib:.3f} GiB", "raise the budget or lower --max-seq-len")
     # slots cost their bytes and their table entries
@@ -342,7 +347,8 @@ def attach(model, ckpt, *, budget: int, kv_len: int, batch: int, artifacts_root,
                "n_layers": c.n_layers,
                "dense_bytes": dense, "table_bytes": tables + TABLE_BYTES_PER_SLOT * slots,
                "static_neurons": int(hot.sum()), "cache_slots": slots,
-               "neurons": keys, "slot_bytes": spec.slot_bytes, "bundle_file": str(path),
+               "neurons": keys, "slot_bytes": spec.slot_bytes, "planes_bytes": planes,
+               "bundle_file": str(path),
                "down_qtype": spec.down_qtype, "down_source": spec.down_source,
                "down_error": spec.down_error, "frequencies": source,
                "static_served_fraction": served, "policy": settings.policy,
