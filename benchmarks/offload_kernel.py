@@ -9,7 +9,9 @@ Per round, one program runs `--layers` layers back to back (each layer's x and s
 own), in-memory and store programs interleaved; first the two are checked bit for bit on every
 layer. The selection: each layer's neurons drawn with the model's activation frequencies
 (frequencies.npz beside it, as the store's static part is chosen), about --active of them, a
-fresh draw per layer; x random normal. Static fraction: --static of each layer's neurons (the
+fresh draw per layer; x random normal; --precision of them with a positive gate (a
+predictor's precision: the rest do not fire), so the kernel's work is a real decode's (random
+selections fire half the time). Static fraction: --static of each layer's neurons (the
 most frequent) in the store's static part, the rest in its cache (read once before timing).
 Rows: median ms per layer of each, their ratio, and the bytes the in-memory kernel's rows
 amount to per layer (napkin: GB/s).
@@ -33,6 +35,9 @@ def main(argv=None) -> None:
     p.add_argument("--active", type=float, default=0.1, help="share of a layer's neurons selected")
     p.add_argument("--static", type=float, default=0.75,
                    help="share of each layer's neurons in the store's static part")
+    p.add_argument("--precision", type=float, default=0.9,
+                   help="share of the selected neurons whose gate fires (the synthetic 7B's "
+                        "predictors: about 0.9)")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokens", type=int, default=1)
@@ -70,12 +75,17 @@ def main(argv=None) -> None:
         weights.append((jnp.asarray(np.asarray(ck.params[names["gate"]].blocks)),
                         jnp.asarray(np.asarray(ck.params[names["up"]].blocks)),
                         jnp.asarray(np.asarray(down.blocks)), down.qtype, down.layout))
-        pl = prior[l] / prior[l].sum()
-        chosen = rng.choice(F, size=int(a.active * F), replace=False, p=pl)
+        x = rng.standard_normal((a.tokens, D)).astype(np.float32)
+        fires = (ck.params[names["gate"]].dequantize() @ x[0]) > 0
+        k = int(a.active * F)
+        chosen = []
+        for want, pool in ((round(a.precision * k), fires), (k - round(a.precision * k), ~fires)):
+            pl = np.where(pool, prior[l] + 1e-9, 0.0)
+            chosen.append(rng.choice(F, size=want, replace=False, p=pl / pl.sum()))
         s = np.full((a.tokens, F), -1.0, np.float32)
-        s[:, chosen] = 1.0
+        s[:, np.concatenate(chosen)] = 1.0
         scores.append(jnp.asarray(s))
-        xs.append(jnp.asarray(rng.standard_normal((a.tokens, D)).astype(np.float32)))
+        xs.append(jnp.asarray(x))
     qt = {"gate": ck.params[bundles.ffn_names(c, 0)["gate"]].qtype,
           "up": ck.params[bundles.ffn_names(c, 0)["up"]].qtype}
 
@@ -114,7 +124,8 @@ def main(argv=None) -> None:
     row = {"bench": "offload_kernel", "commit": _cli.git_commit(), "machine": _cli.machine_info(),
            "threads": a.threads, "model": a.model, "synthetic": "synthetic" in Path(a.model).name,
            "down_source": spec.down_source, "down_qtype": spec.down_qtype, "layers": len(layers),
-           "active": a.active, "static": a.static, "tokens": a.tokens, "rounds": a.rounds,
+           "active": a.active, "precision": a.precision, "static": a.static,
+           "tokens": a.tokens, "rounds": a.rounds,
            "bitwise_equal": equal, "memory_ms_per_layer": med["memory"],
            "store_ms_per_layer": med["store"], "store_over_memory": med["store"] / med["memory"],
            "store_misses": st["misses"], "store_requested": st["requested"],

@@ -367,11 +367,29 @@ def test_a_corrupt_file_under_a_budget_is_the_loaders_one_line_error(model, tmp_
         _build(str(bad), predictors, budget=1 << 30)
 
 
-def test_a_model_that_fits_loads_in_memory(model):
+@pytest.mark.parametrize("which", ["gguf", "powerinfer"])
+def test_a_budget_that_holds_the_model_runs_it_in_memory(model, which):
+    """The rule (runtime/offload.py fits_in_memory): a budget of the model's bytes (its tensors,
+    predictors included, and the KV cache) loads it in memory, one byte less offloads its FFN;
+    the bytes counted are at least the arrays the model then holds."""
+    from flax import nnx
+
     gguf, predictors = model
+    if which == "powerinfer":
+        gguf = predictors
     s = _build(gguf, predictors, budget=1 << 40)
     assert s.offload.summary["mode"] == "memory" and s.offload.store is None
     assert s.describe()["offload"]["mode"] == "memory"
+    need = s.offload.summary["resident_bytes"]
+    c = s.config
+    arrays = sum(int(np.prod(v.get_value().shape)) * v.get_value().dtype.itemsize
+                 for _, v in nnx.iter_graph(s.model) if isinstance(v, nnx.Variable)
+                 and hasattr(v.get_value(), "dtype"))
+    kv = 2 * c.n_layers * MAX_SEQ * c.n_kv_heads * c.head_dim * 4  # float32 cache, batch 1
+    assert arrays + kv <= need
+    del s
+    assert _build(gguf, predictors, budget=need).offload.summary["mode"] == "memory"
+    assert _build(gguf, predictors, budget=need - 1).offload.summary["mode"] == "disk"
 
 
 def test_modes_that_read_rows_are_refused(model):

@@ -151,11 +151,34 @@ def kv_bytes(config, *, kv_len: int, batch: int, dtype) -> int:
         np.dtype(dtype).itemsize
 
 
-def fits_in_memory(ckpt, budget: int, *, kv_len: int, batch: int, dtype) -> bool:
-    """Whether the whole model (its tensors as stored, the KV cache) fits the budget: then it
-    runs in memory as without --ram-budget."""
+_PREDICTOR = re.compile(r"blk\.\d+\.fc[12]\.weight")
+
+
+def predictor_bytes(sparsity, ckpt) -> int:
+    """The bytes of the PowerInfer predictors a powerinfer-mode model holds (blk.i.fc1 / fc2 of
+    --predictors, else of the model's file, from its header), 0 for other modes."""
+    # lazy: start-up (gguf only for GGUF files)
+    from powerinfer_jax.checkpoint.gguf import _open  # the loader's: a bad file named, with a fix
+
+    if sparsity.mode != "powerinfer":
+        return 0
+    path = Path(str(sparsity.predictor_file or ckpt.source))
+    if path.suffix != ".gguf" or not path.is_file():
+        return 0
+    return sum(t.n_bytes for t in _open(path).tensors if _PREDICTOR.fullmatch(t.name))
+
+
+def in_memory_bytes(ckpt, *, kv_len: int, batch: int, dtype, extra: int = 0) -> int:
+    """The whole model in memory: its tensors as stored, the KV cache and `extra` (predictors)."""
     return file_bytes(ckpt) + kv_bytes(ckpt.config, kv_len=kv_len, batch=batch,
-                                       dtype=dtype) <= budget
+                                       dtype=dtype) + extra
+
+
+def fits_in_memory(ckpt, budget: int, *, kv_len: int, batch: int, dtype, extra: int = 0) -> bool:
+    """The rule: a budget that holds the whole model (`in_memory_bytes`) runs it in memory, as
+    without --ram-budget (the fastest path: nothing is read from the disk, every array is the
+    in-memory kernel's); a smaller one offloads its FFN to a neuron store."""
+    return in_memory_bytes(ckpt, kv_len=kv_len, batch=batch, dtype=dtype, extra=extra) <= budget
 
 
 def check_mode(sparsity) -> None:
