@@ -30,9 +30,11 @@ those of the children it reaped: the command's own reads, an mmap's readahead in
 blkio cgroup's throttle counters stay 0 here (no throttle rule, mq-deadline scheduler).
 
 Rows (JSONL, one per system and budget): decode tok/s, bytes read from the disk per decoded token
-(ours: the store's count of its decode reads, cross-checked with /proc's total; llama.cpp: the
+(ours: the store's count of its decode steps' reads, ahead of time included, and the kernel's
+count for the process over the timed generations, /proc/self/io read_bytes; llama.cpp: the
 /proc total over every token it ran, load included, an upper bound), the neuron cache's hit
-rate, peak RSS (/usr/bin/time) and the cgroup's memory.max_usage_in_bytes (page cache included),
+rates (hit_rate: no read waited for; memory_hit_rate: no read at all, a read ahead's hits
+left out), peak RSS (/usr/bin/time) and the cgroup's memory.max_usage_in_bytes (page cache included),
 whether the kernel OOM-killed the child. Ours gets --ram-budget = limit - --overhead-mb: the
 budget counts the model's bytes, not the process (Python, jax, XLA), whose size the unlimited
 reference run measures (peak RSS - the model's resident bytes) and reports.
@@ -190,6 +192,8 @@ def parse_ours(res: dict) -> dict:
     if st:
         pt = st["per_token"]
         out.update(bytes_read_per_token=pt["bytes_read"], hit_rate=pt["hit_rate"],
+                   demand_bytes_read_per_token=pt.get("demand_bytes_read"),
+                   memory_hit_rate=pt.get("memory_hit_rate"),
                    static_hit_rate=pt["static_hit_rate"], neurons_read_per_token=pt["neurons_read"],
                    neurons_requested_per_token=pt["neurons_requested"],
                    store_bytes_read_total=st["bytes_read"], decode_tokens_counted=pt["tokens"],
@@ -272,7 +276,8 @@ def main(argv=None) -> None:
         with open(a.out, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         keys = ("system", "budget_fraction", "ok", "decode_tok_s", "bytes_read_per_token",
-                "bytes_read_per_token_upper", "hit_rate", "peak_rss_bytes", "max_usage_bytes",
+                "proc_read_bytes_per_token", "bytes_read_per_token_upper", "hit_rate",
+                "memory_hit_rate", "peak_rss_bytes", "max_usage_bytes",
                 "oom_kills", "error")
         print(json.dumps({k: row.get(k) for k in keys if k in row}), flush=True)
 

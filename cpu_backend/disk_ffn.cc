@@ -194,7 +194,7 @@ std::string DiskSparseFfn(NeuronStore& store, int64_t layer, std::span<const flo
       for (const float* row : next_rows) on |= SelectedByScore(row[i], p.threshold);
       if (on) s.ahead.push_back(static_cast<int32_t>(i));
     }
-    store.Prefetch(layer + 1, s.ahead);
+    store.Prefetch(layer + 1, s.ahead, num_tokens);
   }
   const int64_t nc = static_cast<int64_t>(cands.size());
   const LayerRows rows{l, s.lease};

@@ -14,7 +14,7 @@ NeuronCache::NeuronCache(int64_t num_keys, int64_t num_slots, CachePolicy policy
       last_use_(num_slots, 0),
       uses_(num_slots, 0),
       pins_(num_slots, 0),
-      in_heap_(num_slots, 0) {
+      in_heap_(num_slots, kOut) {
   heap_.reserve(num_slots);
   free_.reserve(num_slots);
   // taken from the back: slot 0 first, so a fresh cache fills its arena in order
@@ -38,7 +38,7 @@ void NeuronCache::Push(int32_t slot) {
   heap_.push_back(Current(slot));
   std::push_heap(heap_.begin(), heap_.end(),
                  [](const Entry& a, const Entry& b) { return Less(b, a); });
-  in_heap_[slot] = 1;
+  in_heap_[slot] = kIn;
 }
 
 NeuronCache::Entry NeuronCache::PopTop() {

@@ -20,6 +20,10 @@
 // position exact (a sift per hit, pins taken out of the heap) measured as a tenth of the 7B's
 // decode CPU time under a budget near the file. Stale entries are re-pushed and pinned slots set
 // aside (re-pushed at their last Unpin) only when they reach the top while a victim is sought.
+// Slots the caller keeps (a prefetch's reads in flight) are parked the same way, until Unpark
+// finds them let go: re-pushing them at once made every insert of a prefetch call pop its
+// earlier ones again (they rank lowest: rarely used neurons), quadratic in the call's reads (half
+// the decode CPU time at a 60% budget on the 7B, perf).
 #ifndef PIJ_CPU_BACKEND_NEURON_CACHE_H_
 #define PIJ_CPU_BACKEND_NEURON_CACHE_H_
 
@@ -56,9 +60,14 @@ class NeuronCache {
   // Pins count: a pinned slot is never a victim.
   void Pin(int32_t slot) { ++pins_[slot]; }
   void Unpin(int32_t slot) {
-    if (--pins_[slot] == 0 && !in_heap_[slot] && key_of_[slot] >= 0) Push(slot);
+    if (--pins_[slot] == 0 && in_heap_[slot] == kOut && key_of_[slot] >= 0) Push(slot);
   }
   bool Pinned(int32_t slot) const { return pins_[slot] > 0; }
+  // Back into the heap: every parked slot that keep(slot) lets go of now (pinned ones at their
+  // last Unpin). Insert calls it when it finds no victim; callers whose kept slots have been let
+  // go since (reads ended) call it first.
+  template <typename Keep>
+  void Unpark(const Keep& keep);
 
  private:
   struct Entry {  // a slot's rank when pushed; the heap orders by (primary, tick, key)
@@ -85,35 +94,52 @@ class NeuronCache {
   std::vector<int64_t> key_of_;   // [slots], -1: free
   std::vector<uint64_t> last_use_, uses_;
   std::vector<int32_t> pins_;
-  std::vector<uint8_t> in_heap_;  // [slots]: the slot has an entry
+  enum : uint8_t { kOut = 0, kIn = 1, kParked = 2 };
+  std::vector<uint8_t> in_heap_;  // [slots]: kIn (has an entry), kParked (in parked_), kOut
   std::vector<Entry> heap_;
   std::vector<int32_t> free_;     // free slots, taken from the back
-  std::vector<int32_t> kept_;     // scratch of PopVictim
+  std::vector<int32_t> parked_;   // kept slots, out of the heap
 };
 
 template <typename Keep>
-int32_t NeuronCache::PopVictim(const Keep& keep) {
-  kept_.clear();
-  int32_t victim = -1;
-  while (!heap_.empty()) {
-    const Entry top = PopTop();
-    const int32_t s = top.slot;
-    in_heap_[s] = 0;
-    const Entry now = Current(s);
-    if (now.primary != top.primary || now.tick != top.tick) {
-      Push(s);  // stale: its slot's rank grew since; back in at its rank now
-      continue;
-    }
-    if (pins_[s] > 0) continue;  // in use: out until its last Unpin pushes it again
+void NeuronCache::Unpark(const Keep& keep) {
+  size_t kept = 0;
+  for (const int32_t s : parked_) {
+    if (in_heap_[s] != kParked) continue;  // (cannot happen: only Unpark takes slots out)
     if (keep(s)) {
-      kept_.push_back(s);
-      continue;
+      parked_[kept++] = s;
+    } else if (pins_[s] > 0) {
+      in_heap_[s] = kOut;  // its last Unpin pushes it
+    } else {
+      Push(s);
     }
-    victim = s;
-    break;
   }
-  for (const int32_t s : kept_) Push(s);
-  return victim;
+  parked_.resize(kept);
+}
+
+template <typename Keep>
+int32_t NeuronCache::PopVictim(const Keep& keep) {
+  for (int pass = 0; pass < 2; ++pass) {
+    while (!heap_.empty()) {
+      const Entry top = PopTop();
+      const int32_t s = top.slot;
+      in_heap_[s] = kOut;
+      const Entry now = Current(s);
+      if (now.primary != top.primary || now.tick != top.tick) {
+        Push(s);  // stale: its slot's rank grew since; back in at its rank now
+        continue;
+      }
+      if (pins_[s] > 0) continue;  // in use: out until its last Unpin pushes it again
+      if (keep(s)) {  // out until Unpark finds it let go
+        in_heap_[s] = kParked;
+        parked_.push_back(s);
+        continue;
+      }
+      return s;
+    }
+    Unpark(keep);  // slots let go since they were parked
+  }
+  return -1;
 }
 
 template <typename Keep>

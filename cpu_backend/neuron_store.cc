@@ -269,13 +269,15 @@ bool NeuronStore::Wait(const std::atomic<uint32_t>* pending) {
   return v == kSlotReady;
 }
 
+bool NeuronStore::Loading(int32_t slot) const {
+  return state_[slot].load(std::memory_order_acquire) == kSlotLoading;
+}
+
 int32_t NeuronStore::SlotFor(int64_t key, bool demand) {
   for (;;) {
     int64_t evicted;
     const int32_t slot = cache_->Insert(
-        key, tick_, /*pin=*/demand,
-        [&](int32_t s) { return state_[s].load(std::memory_order_acquire) == kSlotLoading; },
-        &evicted);
+        key, tick_, /*pin=*/demand, [&](int32_t s) { return Loading(s); }, &evicted);
     if (evicted >= 0) ++stats_.evictions;
     if (slot >= 0 || !demand) return slot;
     // Every unpinned slot is being read by a prefetch: wait for one (Open's minimum of
@@ -301,6 +303,7 @@ bool NeuronStore::Acquire(int64_t layer, std::span<const int32_t> ids, int64_t t
   std::lock_guard<std::mutex> lock(mutex_);
   const NeuronStoreStats before = stats_;
   ++tick_;
+  cache_->Unpark([&](int32_t s) { return Loading(s); });  // prefetched slots read since
   ++stats_.calls;
   if (tracing_) {
     for (const int32_t id : ids) trace_keys_.push_back(layer * l.num_neurons + id);
@@ -357,6 +360,7 @@ bool NeuronStore::Acquire(int64_t layer, std::span<const int32_t> ids, int64_t t
     one.static_hits += stats_.static_hits - before.static_hits;
     one.cache_hits += stats_.cache_hits - before.cache_hits;
     one.misses += stats_.misses - before.misses;
+    one.prefetch_hits += stats_.prefetch_hits - before.prefetch_hits;
     for (const ReadJob& job : jobs_) {
       for (const iovec& v : job.iov) one.demand_bytes += static_cast<int64_t>(v.iov_len);
     }
@@ -371,7 +375,7 @@ void NeuronStore::Release(NeuronLease& lease) {
   lease.pinned.clear();
 }
 
-void NeuronStore::Prefetch(int64_t layer, std::span<const int32_t> ids) {
+void NeuronStore::Prefetch(int64_t layer, std::span<const int32_t> ids, int64_t tokens) {
   const BundleLayout& l = o_.layout;
   std::lock_guard<std::mutex> lock(mutex_);
   ++tick_;
@@ -389,6 +393,11 @@ void NeuronStore::Prefetch(int64_t layer, std::span<const int32_t> ids) {
   std::sort(want_.begin(), want_.end(),
             [](const auto& a, const auto& b) { return std::get<0>(a) < std::get<0>(b); });
   MakeJobs(layer, want_, o_.max_gap, jobs_);
+  if (tokens == 1) {
+    for (const ReadJob& job : jobs_) {
+      for (const iovec& v : job.iov) stats_.one_token.prefetch_bytes += static_cast<int64_t>(v.iov_len);
+    }
+  }
   reader_->Submit(jobs_, /*prefetch=*/true);
 }
 

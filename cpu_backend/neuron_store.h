@@ -93,10 +93,12 @@ struct NeuronStoreStats {
   int64_t static_neurons = 0, cache_slots = 0, resident_bytes = 0;
   bool direct = false;
   // The same for calls on one token (decode at batch 1): per-token figures without prefill's.
-  // demand_bytes: bytes its reads were asked for (gaps included), as the call issues them.
+  // demand_bytes: bytes its reads were asked for (gaps included), as the call issues them;
+  // prefetch_bytes: the reads ahead it started for the next layer; prefetch_hits: its cache hits
+  // on neurons a prefetch read (a hit that cost a read, ahead of time).
   struct Calls {
     int64_t calls = 0, requested = 0, static_hits = 0, cache_hits = 0, misses = 0;
-    int64_t demand_bytes = 0;
+    int64_t demand_bytes = 0, prefetch_bytes = 0, prefetch_hits = 0;
   } one_token;
 };
 
@@ -132,7 +134,8 @@ class NeuronStore {
   void Release(NeuronLease& lease);
   // Starts reading the ids' bundles not yet in memory (behind every demand read), into slots
   // nobody holds; the next Acquire of them waits for the reads if they are still running.
-  void Prefetch(int64_t layer, std::span<const int32_t> ids);
+  // tokens: the rows of the call it reads ahead for (1: its bytes count as a decode token's).
+  void Prefetch(int64_t layer, std::span<const int32_t> ids, int64_t tokens = 0);
   // Waits until a pending bundle is in memory; false if its read failed (ReadError says why).
   static bool Wait(const std::atomic<uint32_t>* pending);
   void AddWaitNs(int64_t ns) { wait_ns_.fetch_add(ns, std::memory_order_relaxed); }
@@ -153,6 +156,7 @@ class NeuronStore {
                 int64_t max_gap, std::vector<ReadJob>& jobs);
   // A dynamic slot for `key` (evicting); a demand call waits for prefetch reads if it must.
   int32_t SlotFor(int64_t key, bool demand);
+  bool Loading(int32_t slot) const;  // a read into the slot is running
 
   NeuronStoreOptions o_;
   std::unique_ptr<BundleReader> reader_;

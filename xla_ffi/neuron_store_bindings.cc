@@ -88,6 +88,8 @@ nb::dict StatsDict(const pij::NeuronStoreStats& s) {
   one["cache_hits"] = s.one_token.cache_hits;
   one["misses"] = s.one_token.misses;
   one["demand_bytes"] = s.one_token.demand_bytes;
+  one["prefetch_bytes"] = s.one_token.prefetch_bytes;
+  one["prefetch_hits"] = s.one_token.prefetch_hits;
   d["one_token"] = one;
   return d;
 }

@@ -86,9 +86,12 @@ class Offload:
 
     def stats(self) -> dict:
         """The store's counters (ops.neuron_store: since it opened or the last reset) and rates:
-        hit_rate = (static + cache hits) / neurons requested, over every call; per_token: the
-        same over one-token calls (decode at batch 1), with the bytes their reads asked for per
-        token (tokens = those calls / layers)."""
+        hit_rate = (static + cache hits) / neurons requested (no read waited for: the neuron was
+        in memory or a read ahead had it in flight), over every call; per_token: the same over
+        one-token calls (decode at batch 1; tokens = those calls / layers), with
+        memory_hit_rate = the requests no read served at all (a read ahead's hits left out),
+        bytes_read = every byte those calls had read, their own and ahead for the next layer
+        (demand_bytes_read: their own)."""
         if self.store is None:
             return {}
         s = self.store.stats()
@@ -104,8 +107,12 @@ class Offload:
             "hit_rate": (one["static_hits"] + one["cache_hits"]) / one_req,
             "static_hit_rate": one["static_hits"] / one_req,
             "neurons_requested": one["requested"] / tokens if tokens else 0.0,
+            "memory_hit_rate": (one["static_hits"] + one["cache_hits"]
+                                - one["prefetch_hits"]) / one_req,
             "neurons_read": one["misses"] / tokens if tokens else 0.0,
-            "bytes_read": one["demand_bytes"] / tokens if tokens else 0.0}
+            "bytes_read": (one["demand_bytes"] + one["prefetch_bytes"]) / tokens if tokens
+            else 0.0,
+            "demand_bytes_read": one["demand_bytes"] / tokens if tokens else 0.0}
         return s
 
     def describe(self) -> dict:
