@@ -2,9 +2,21 @@
 against llama.cpp (its default mmap), on the same GGUF. Issue 36.
 
     sudo flock -x /tmp/pij_cpu.lock python benchmarks/offload.py \
-        --model /work/models/s90/synthetic-llama2-7b-relu-s0.9-Q4_0.gguf \
+        --model /work/models/s90/synthetic-llama2-7b-relu-s0.9-Q4_0.powerinfer.gguf \
         --predictors /work/models/s90/synthetic-llama2-7b-relu-s0.9-Q4_0.powerinfer.gguf \
-        --budgets 0.25 0.4 0.6 1.0 --tokens 32 --threads 2 --out benchmarks/offload.jsonl
+        --llama-model /work/models/s90/synthetic-llama2-7b-relu-s0.9-Q4_0.gguf \
+        --systems ours ours_dense llamacpp --budgets 0.25 0.4 0.6 1.0 --tokens 16 --threads 2 \
+        --out benchmarks/offload.jsonl
+
+Ours runs --model (PowerInfer's GGUF: its down projection as Q4_0 neuron rows, our fastest
+in-memory sparse mode), llama.cpp --llama-model (llama.cpp's GGUF of the same model; default
+--model); budgets are fractions of the llama.cpp file ("the file"). Systems: ours (--sparsity
+powerinfer), ours_dense (the dense twin: the same file, --sparsity dense: every neuron of every
+layer asked of the store each token, so the store reads every neuron it does not hold, as
+llama.cpp re-reads what the kernel evicted, but only FFN rows and with O_DIRECT), llamacpp.
+--at-file adds a row per system at a --ram-budget of the whole model (ours' file + its KV
+cache margin: the model loads in memory, runtime/offload.py's rule) under a limit of that budget
+plus the process overhead: what a budget of the file gives, against the unlimited reference.
 
 The memory limit is a cgroup's. The issue asks for cgroup v2's memory.max, but on this machine
 the v2 hierarchy (/sys/fs/cgroup/unified) has no controllers enabled; the v1 memory controller
@@ -18,9 +30,11 @@ those of the children it reaped: the command's own reads, an mmap's readahead in
 blkio cgroup's throttle counters stay 0 here (no throttle rule, mq-deadline scheduler).
 
 Rows (JSONL, one per system and budget): decode tok/s, bytes read from the disk per decoded token
-(ours: the store's count of its decode reads, cross-checked with /proc's total; llama.cpp: the
+(ours: the store's count of its decode steps' reads, ahead of time included, and the kernel's
+count for the process over the timed generations, /proc/self/io read_bytes; llama.cpp: the
 /proc total over every token it ran, load included, an upper bound), the neuron cache's hit
-rate, peak RSS (/usr/bin/time) and the cgroup's memory.max_usage_in_bytes (page cache included),
+rates (hit_rate: no read waited for; memory_hit_rate: no read at all, a read ahead's hits
+left out), peak RSS (/usr/bin/time) and the cgroup's memory.max_usage_in_bytes (page cache included),
 whether the kernel OOM-killed the child. Ours gets --ram-budget = limit - --overhead-mb: the
 budget counts the model's bytes, not the process (Python, jax, XLA), whose size the unlimited
 reference run measures (peak RSS - the model's resident bytes) and reports.
@@ -44,7 +58,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LLAMA_BENCH = Path.home() / ".cache/powerinfer_jax/peers/llamacpp-cpu-native/bin/llama-bench"
+# the native build's AMX path stops prefill with SIGSEGV on this Xeon (decode works); the
+# native-noamx build (benchmarks/build_llama_bench_cpu.sh) is preferred where present
+_PEERS = Path.home() / ".cache/powerinfer_jax/peers"
+LLAMA_BENCH = next((p for p in (_PEERS / "llamacpp-cpu-native-noamx/bin/llama-bench",
+                                _PEERS / "llamacpp-cpu-native/bin/llama-bench") if p.exists()),
+                   _PEERS / "llamacpp-cpu-native/bin/llama-bench")
+# --at-file: the budget above ours' file size (its KV cache at --max-seq-len 64 and batch 1 in
+# bfloat16 is 32 MiB on a 7B)
+_AT_FILE_MARGIN = 64 << 20
 CGROUP = Path("/sys/fs/cgroup")
 GIB = 1 << 30
 
@@ -144,7 +166,8 @@ def ours_cmd(a, budget: int | None, mode: str) -> list[str]:
 
 
 def llama_cmd(a, *, default_load: bool = False) -> list[str]:
-    cmd = [str(LLAMA_BENCH), "-m", a.model, "-p", "0", "-n", str(a.tokens), "-t", str(a.threads),
+    cmd = [str(LLAMA_BENCH), "-m", a.llama_model or a.model, "-p", "0", "-n", str(a.tokens),
+           "-t", str(a.threads),
            "-r", "1", "-o", "jsonl"]
     return cmd if default_load else cmd + ["-lm", "mmap", "--repack", "0"]
 
@@ -169,6 +192,8 @@ def parse_ours(res: dict) -> dict:
     if st:
         pt = st["per_token"]
         out.update(bytes_read_per_token=pt["bytes_read"], hit_rate=pt["hit_rate"],
+                   demand_bytes_read_per_token=pt.get("demand_bytes_read"),
+                   memory_hit_rate=pt.get("memory_hit_rate"),
                    static_hit_rate=pt["static_hit_rate"], neurons_read_per_token=pt["neurons_read"],
                    neurons_requested_per_token=pt["neurons_requested"],
                    store_bytes_read_total=st["bytes_read"], decode_tokens_counted=pt["tokens"],
@@ -196,7 +221,10 @@ def header(a) -> dict:
     return {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": commit, "machine": {"cpu": cpu, "cpus": os.cpu_count(),
                                           "host": platform.node()},
-            "threads": a.threads, "model": a.model, "file_bytes": os.path.getsize(a.model),
+            "threads": a.threads, "model": a.model, "llama_model": a.llama_model or a.model,
+            "llama_bench": str(LLAMA_BENCH),
+            "file_bytes": os.path.getsize(a.llama_model or a.model),
+            "ours_file_bytes": os.path.getsize(a.model),
             "tokens": a.tokens, "prompt_tokens": a.prompt_tokens, "dtype": a.dtype,
             "synthetic": "synthetic" in Path(a.model).name, "tag": a.tag}
 
@@ -204,7 +232,12 @@ def header(a) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="ours' GGUF")
+    p.add_argument("--llama-model", default=None,
+                   help="llama.cpp's GGUF of the same model (default: --model); budgets are "
+                        "fractions of its size")
+    p.add_argument("--at-file", action=argparse.BooleanOptionalAction, default=True,
+                   help="a row per system at a --ram-budget of ours' whole file (module doc)")
     p.add_argument("--predictors", default=None, help="PowerInfer GGUF with the predictors")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.4, 0.6, 1.0],
                    help="memory limits as fractions of the model file")
@@ -243,7 +276,8 @@ def main(argv=None) -> None:
         with open(a.out, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         keys = ("system", "budget_fraction", "ok", "decode_tok_s", "bytes_read_per_token",
-                "bytes_read_per_token_upper", "hit_rate", "peak_rss_bytes", "max_usage_bytes",
+                "proc_read_bytes_per_token", "bytes_read_per_token_upper", "hit_rate",
+                "memory_hit_rate", "peak_rss_bytes", "max_usage_bytes",
                 "oom_kills", "error")
         print(json.dumps({k: row.get(k) for k in keys if k in row}), flush=True)
 
@@ -265,7 +299,7 @@ def main(argv=None) -> None:
                "ram_budget_bytes": budget, "cmd": shlex.join(cmd), **keep, **parsed}
         if system != "llamacpp" and budget is not None:
             row["overhead_bytes"] = limit - budget
-        if system == "ours" and frac is not None and parsed.get("token_ids") is not None:
+        if system != "llamacpp" and frac is not None and parsed.get("token_ids") is not None:
             # greedy with the same prompt: the run under the limit against the in-memory one
             row["tokens_equal_reference"] = parsed["token_ids"] == reference_tokens.get(system)
         if parsed.get("bytes_read_per_token") and parsed.get("decode_tokens_counted"):
@@ -290,6 +324,10 @@ def main(argv=None) -> None:
         for system in a.systems:
             budget = None if system == "llamacpp" else max(limit - overhead, 1 << 20)
             one(system, frac, limit, budget)
+    if a.at_file:
+        budget = base["ours_file_bytes"] + _AT_FILE_MARGIN
+        for system in a.systems:
+            one(system, "at_file", budget + overhead, None if system == "llamacpp" else budget)
 
 
 if __name__ == "__main__":

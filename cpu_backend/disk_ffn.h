@@ -1,20 +1,22 @@
-// The quantized sparse FFN over one layer of a neuron store (neuron_store.h): the same sum as
-// qsparse_ffn.h with down rows re-blocked per neuron ("rows" layout), the rows found wherever
-// they live (the static part, the cache, or read from the bundle file now):
+// The quantized sparse FFN over one layer of a neuron store (neuron_store.h): qsparse_ffn.h's
+// sum over the rows wherever they live (the static part, the cache, or read from the bundle file
+// now):
 //   gated:     a_i = act(gate_i . x) * (up_i . x + b_up_i)     (integer dots, 8-bit activations)
 //   non-gated: a_i = act(up_i . x + b_up_i)
 //   y = sum over active i of a_i * down_i
+// with the down rows as the store keeps them: neuron rows (a PowerInfer GGUF's ffn_down_t, as
+// qsparse_ffn's "rows" layout) or code rows with the file's scale planes (its "groups" layout).
 // Active set: kScores (scores[t][i] > threshold: only those neurons are asked of the store) or
 // kOracle (every neuron, |a_i| > threshold: the dense FFN at threshold 0, the whole layer read).
 //
-// Overlap: the store starts reading the missing bundles before the work begins; the pool then
-// computes the a_i of every candidate in memory (the resident ones, then those whose reads have
-// completed by then, in file order) without waiting. Then per fixed piece of neuron ids
-// (qsparse_ffn's partition): the piece's remaining candidates, each waiting only for its own
-// read, then its down sums in id order with qsparse_ffn's coefficient rounding and row grouping
-// (qsparse_common.h); the pieces are added in piece order. y is bitwise ops.qsparse_ffn's over
-// the same rows, whatever was resident, whatever the threads or the reads' timing.
-// Knows nothing of XLA or Python.
+// The work is qsparse_ffn.cc's: the same fixed pieces of neuron ids, each thread a run of
+// consecutive pieces, per piece its candidates 16 at a time (gate and up rows in one tile for
+// predicted neurons, the next rows requested as these are read), then per token its active
+// neurons' down rows in id order. Overlap: the store starts reading the missing bundles before
+// the work begins, and a piece's candidates whose reads are still running are left for later:
+// a piece with such candidates is finished after the rest of its thread's run, waiting only for
+// its own reads. y is bitwise ops.qsparse_ffn's over the same rows, whatever was resident,
+// whatever the threads or the reads' timing. Knows nothing of XLA or Python.
 #ifndef PIJ_CPU_BACKEND_DISK_FFN_H_
 #define PIJ_CPU_BACKEND_DISK_FFN_H_
 
@@ -44,23 +46,19 @@ struct DiskFfnScratch {
   std::vector<int32_t> ahead;                  // the next layer's guessed ids
   std::vector<uint8_t> marks;
   NeuronLease lease;
-  std::vector<int32_t> order;     // candidate indices: resident first, then in file order
-  std::vector<float> acts;        // [candidates, chunk tokens]
-  std::vector<uint8_t> done;      // [candidates]: acts computed for this chunk
-  std::vector<int64_t> cand_ends; // [pieces]
+  std::vector<float> acts;             // [candidates, chunk tokens]
+  std::vector<uint8_t> done;           // [candidates]: acts computed for this chunk
+  std::vector<int64_t> cand_ends;      // [pieces]
+  std::vector<int64_t> piece_runs;     // [tasks + 1]
   std::vector<float> partial_y;        // [pieces, chunk tokens, D]
   std::vector<int32_t> partial_count;  // [pieces, chunk tokens]
   struct Worker {
-    std::vector<float> gate, up, act;  // [unit neurons, chunk tokens], padded to whole vectors
-    std::vector<int32_t> todo;  // a piece's candidates still to compute
+    std::vector<float> gate, up, act;  // [16 neurons, chunk tokens], padded to whole vectors
+    std::vector<int64_t> late;         // the run's pieces whose reads were running
+    std::vector<int32_t> active, ids;  // one token's active neurons: candidate indices, ids
+    std::vector<float> coef;
   };
   std::vector<Worker> workers;
-  struct Piece {
-    std::vector<std::vector<int32_t>> active;  // per token: ids in id order
-    std::vector<std::vector<float>> coef;
-    std::vector<std::vector<const uint8_t*>> rows;
-  };
-  std::vector<Piece> pieces;
 };
 
 // y [T, D], n_active [T]; score_rows: T rows of F floats for kScores, empty for kOracle.

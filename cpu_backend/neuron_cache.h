@@ -9,11 +9,21 @@
 //   kFrequency  (prior frequency, last use)        least frequent by the profile, ties LRU: the
 //               static part's order carried on into the dynamic part (PowerInfer-2's neuron
 //               cache keeps the profile's hot neurons; this is that with recency for ties)
-// A binary min-heap over the occupied slots nobody pins, keyed by the tuple: a hit, an insert,
-// a pin or an unpin is O(log slots). A pinned slot (in use by a running call) is out of the heap,
-// so victims are found at its top (with the frequency policy a call's own new, rarely used
-// neurons would otherwise crowd the top and be popped and pushed back for every insert).
-// Deterministic: the same sequence of calls gives the same slots and victims.
+// Ties after those: the smaller key. A total order: the same sequence of calls gives the same
+// slots and victims.
+//
+// A lazy binary min-heap: each occupied slot has at most one entry, holding its rank as it was
+// when pushed. A slot's rank only grows (last use, uses; the prior is fixed), so an entry's rank
+// is at most its slot's: when the top entry's rank is its slot's current one, that slot is the
+// minimum. A hit (Touch), a Pin and an Unpin of a slot with an entry are O(1): a decode token
+// hits a few thousand cached neurons and misses a few hundred, and keeping every hit's heap
+// position exact (a sift per hit, pins taken out of the heap) measured as a tenth of the 7B's
+// decode CPU time under a budget near the file. Stale entries are re-pushed and pinned slots set
+// aside (re-pushed at their last Unpin) only when they reach the top while a victim is sought.
+// Slots the caller keeps (a prefetch's reads in flight) are parked the same way, until Unpark
+// finds them let go: re-pushing them at once made every insert of a prefetch call pop its
+// earlier ones again (they rank lowest: rarely used neurons), quadratic in the call's reads (half
+// the decode CPU time at a 60% budget on the 7B, perf).
 #ifndef PIJ_CPU_BACKEND_NEURON_CACHE_H_
 #define PIJ_CPU_BACKEND_NEURON_CACHE_H_
 
@@ -37,7 +47,10 @@ class NeuronCache {
   int32_t Find(int64_t key) const { return slot_of_[key]; }
   int64_t KeyOf(int32_t slot) const { return key_of_[slot]; }
   // A hit on `slot` at time `tick` (ticks never decrease).
-  void Touch(int32_t slot, uint64_t tick);
+  void Touch(int32_t slot, uint64_t tick) {
+    last_use_[slot] = tick;
+    ++uses_[slot];
+  }
   // A slot for `key` (not cached): a free one, else the policy's victim among the unpinned
   // slots for which keep(slot) is false (the victim's key is forgotten and returned in
   // *evicted, else -1). The new slot is pinned once when `pin`. Returns -1 when every occupied
@@ -45,23 +58,35 @@ class NeuronCache {
   template <typename Keep>
   int32_t Insert(int64_t key, uint64_t tick, bool pin, const Keep& keep, int64_t* evicted);
   // Pins count: a pinned slot is never a victim.
-  void Pin(int32_t slot);
-  void Unpin(int32_t slot);
+  void Pin(int32_t slot) { ++pins_[slot]; }
+  void Unpin(int32_t slot) {
+    if (--pins_[slot] == 0 && in_heap_[slot] == kOut && key_of_[slot] >= 0) Push(slot);
+  }
   bool Pinned(int32_t slot) const { return pins_[slot] > 0; }
+  // Back into the heap: every parked slot that keep(slot) lets go of now (pinned ones at their
+  // last Unpin). Insert calls it when it finds no victim; callers whose kept slots have been let
+  // go since (reads ended) call it first.
+  template <typename Keep>
+  void Unpark(const Keep& keep);
 
  private:
-  struct Rank {
+  struct Entry {  // a slot's rank when pushed; the heap orders by (primary, tick, key)
     float primary;
+    int32_t slot;
     uint64_t tick;
+    int64_t key;
   };
-  Rank RankOf(int32_t slot) const;
-  bool Less(int32_t a, int32_t b) const;
-  void Place(int32_t slot, int64_t key, uint64_t tick);
+  Entry Current(int32_t slot) const;
+  static bool Less(const Entry& a, const Entry& b) {
+    if (a.primary != b.primary) return a.primary < b.primary;
+    if (a.tick != b.tick) return a.tick < b.tick;
+    return a.key < b.key;
+  }
   void Push(int32_t slot);
-  int32_t PopTop();
-  void RemoveAt(int64_t i);
-  void SiftUp(int64_t i);
-  void SiftDown(int64_t i);
+  Entry PopTop();
+  // The unpinned slot of least rank for which keep() is false, out of the heap; -1 if none.
+  template <typename Keep>
+  int32_t PopVictim(const Keep& keep);
 
   CachePolicy policy_;
   std::vector<float> prior_;
@@ -69,10 +94,53 @@ class NeuronCache {
   std::vector<int64_t> key_of_;   // [slots], -1: free
   std::vector<uint64_t> last_use_, uses_;
   std::vector<int32_t> pins_;
-  std::vector<int32_t> heap_, heap_pos_;  // heap of occupied slots; heap_pos_[slot] (-1: not in)
-  std::vector<int32_t> free_;             // free slots, taken from the back
-  std::vector<int32_t> kept_;             // scratch of Insert
+  enum : uint8_t { kOut = 0, kIn = 1, kParked = 2 };
+  std::vector<uint8_t> in_heap_;  // [slots]: kIn (has an entry), kParked (in parked_), kOut
+  std::vector<Entry> heap_;
+  std::vector<int32_t> free_;     // free slots, taken from the back
+  std::vector<int32_t> parked_;   // kept slots, out of the heap
 };
+
+template <typename Keep>
+void NeuronCache::Unpark(const Keep& keep) {
+  size_t kept = 0;
+  for (const int32_t s : parked_) {
+    if (in_heap_[s] != kParked) continue;  // (cannot happen: only Unpark takes slots out)
+    if (keep(s)) {
+      parked_[kept++] = s;
+    } else if (pins_[s] > 0) {
+      in_heap_[s] = kOut;  // its last Unpin pushes it
+    } else {
+      Push(s);
+    }
+  }
+  parked_.resize(kept);
+}
+
+template <typename Keep>
+int32_t NeuronCache::PopVictim(const Keep& keep) {
+  for (int pass = 0; pass < 2; ++pass) {
+    while (!heap_.empty()) {
+      const Entry top = PopTop();
+      const int32_t s = top.slot;
+      in_heap_[s] = kOut;
+      const Entry now = Current(s);
+      if (now.primary != top.primary || now.tick != top.tick) {
+        Push(s);  // stale: its slot's rank grew since; back in at its rank now
+        continue;
+      }
+      if (pins_[s] > 0) continue;  // in use: out until its last Unpin pushes it again
+      if (keep(s)) {  // out until Unpark finds it let go
+        in_heap_[s] = kParked;
+        parked_.push_back(s);
+        continue;
+      }
+      return s;
+    }
+    Unpark(keep);  // slots let go since they were parked
+  }
+  return -1;
+}
 
 template <typename Keep>
 int32_t NeuronCache::Insert(int64_t key, uint64_t tick, bool pin, const Keep& keep,
@@ -83,22 +151,20 @@ int32_t NeuronCache::Insert(int64_t key, uint64_t tick, bool pin, const Keep& ke
     slot = free_.back();
     free_.pop_back();
   } else {
-    kept_.clear();
-    while (!heap_.empty()) {
-      const int32_t top = PopTop();
-      if (!keep(top)) {
-        slot = top;
-        break;
-      }
-      kept_.push_back(top);
-    }
-    for (const int32_t s : kept_) Push(s);
+    slot = PopVictim(keep);
     if (slot < 0) return -1;
     *evicted = key_of_[slot];
     slot_of_[key_of_[slot]] = -1;
   }
-  Place(slot, key, tick);
-  if (pin) Pin(slot);
+  key_of_[slot] = key;
+  slot_of_[key] = slot;
+  last_use_[slot] = tick;
+  uses_[slot] = 1;
+  if (pin) {
+    Pin(slot);  // pushed at its last Unpin
+  } else {
+    Push(slot);
+  }
   return slot;
 }
 

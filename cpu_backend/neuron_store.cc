@@ -79,6 +79,22 @@ std::string CheckLayout(const BundleLayout& l) {
     return Expected("layout data_offset", "a multiple of " + std::to_string(kDirectAlign),
                     std::to_string(l.data_offset));
   }
+  if (l.down_groups) {
+    if (DownGroupScaleBytes(l.down_type) == 0 || l.num_neurons % 32 != 0) {
+      return Expected("layout down groups", "a 32-weight legacy down type (Q4_0, Q4_1, Q5_0, "
+                      "Q5_1, Q8_0) and num_neurons a multiple of 32",
+                      std::string(GetQTypeInfo(l.down_type).name) + ", " +
+                          std::to_string(l.num_neurons));
+    }
+    if (l.planes_offset < 0 || l.planes_offset % kDirectAlign != 0 ||
+        l.planes_stride < l.PlaneBytes() || l.planes_stride % kDirectAlign != 0 ||
+        l.planes_offset + l.num_layers * l.planes_stride > l.data_offset) {
+      return Expected("layout planes_offset, planes_stride",
+                      "multiples of " + std::to_string(kDirectAlign) + ", a stride >= " +
+                          std::to_string(l.PlaneBytes()) + " bytes, the planes before the data",
+                      std::to_string(l.planes_offset) + ", " + std::to_string(l.planes_stride));
+    }
+  }
   return "";
 }
 
@@ -147,6 +163,7 @@ std::unique_ptr<NeuronStore> NeuronStore::Open(NeuronStoreOptions o, std::string
     s->static_ = std::make_unique<Arena>(n_static * l.slot_bytes);
     s->dynamic_ = std::make_unique<Arena>(o.cache_slots * l.slot_bytes);
     s->gap_ = std::make_unique<Arena>(std::max<int64_t>(o.max_gap, 1) * l.slot_bytes);
+    s->planes_ = std::make_unique<Arena>(l.down_groups ? l.num_layers * l.planes_stride : 0);
     s->cache_ = std::make_unique<NeuronCache>(keys, o.cache_slots, o.policy, o.prior);
     s->state_ = std::make_unique<std::atomic<uint32_t>[]>(o.cache_slots);
   } catch (const std::bad_alloc&) {
@@ -178,17 +195,35 @@ std::unique_ptr<NeuronStore> NeuronStore::Open(NeuronStoreOptions o, std::string
     s->MakeJobs(layer, want, /*max_gap=*/0, jobs);
     s->reader_->Submit(jobs, /*prefetch=*/false);
   }
+  // the down groups' scale planes: one read per layer
+  std::vector<std::atomic<uint32_t>> planes_loaded(l.down_groups ? l.num_layers : 0);
+  for (size_t layer = 0; layer < planes_loaded.size(); ++layer) {
+    planes_loaded[layer].store(kSlotLoading);
+    ReadJob job;
+    job.offset = l.planes_offset + static_cast<int64_t>(layer) * l.planes_stride;
+    job.iov.push_back({s->planes_->data + layer * l.planes_stride,
+                       static_cast<size_t>(l.planes_stride)});
+    job.done.push_back(&planes_loaded[layer]);
+    jobs.push_back(std::move(job));
+  }
+  s->reader_->Submit(jobs, /*prefetch=*/false);
   bool ok = true;
   for (int32_t k = 0; k < next; ++k) ok &= Wait(&loaded[k]);  // all of them: the flags are ours
+  for (auto& flag : planes_loaded) ok &= Wait(&flag);
   if (!ok) {
     *error = "neuron store: loading the static neurons: " + s->reader_->LastError();
     return nullptr;
   }
   s->stats_.static_neurons = n_static;
   s->stats_.cache_slots = s->o_.cache_slots;
-  s->stats_.resident_bytes = static_cast<int64_t>(s->static_->bytes + s->dynamic_->bytes);
+  s->stats_.resident_bytes =
+      static_cast<int64_t>(s->static_->bytes + s->dynamic_->bytes + s->planes_->bytes);
   s->reader_base_ = s->reader_->Stats();  // loading is not a call's reading
   return s;
+}
+
+const uint8_t* NeuronStore::Planes(int64_t layer) const {
+  return planes_->data + layer * o_.layout.planes_stride;
 }
 
 NeuronStore::~NeuronStore() {
@@ -234,13 +269,15 @@ bool NeuronStore::Wait(const std::atomic<uint32_t>* pending) {
   return v == kSlotReady;
 }
 
+bool NeuronStore::Loading(int32_t slot) const {
+  return state_[slot].load(std::memory_order_acquire) == kSlotLoading;
+}
+
 int32_t NeuronStore::SlotFor(int64_t key, bool demand) {
   for (;;) {
     int64_t evicted;
     const int32_t slot = cache_->Insert(
-        key, tick_, /*pin=*/demand,
-        [&](int32_t s) { return state_[s].load(std::memory_order_acquire) == kSlotLoading; },
-        &evicted);
+        key, tick_, /*pin=*/demand, [&](int32_t s) { return Loading(s); }, &evicted);
     if (evicted >= 0) ++stats_.evictions;
     if (slot >= 0 || !demand) return slot;
     // Every unpinned slot is being read by a prefetch: wait for one (Open's minimum of
@@ -262,11 +299,11 @@ bool NeuronStore::Acquire(int64_t layer, std::span<const int32_t> ids, int64_t t
   const size_t n = ids.size();
   lease.bundle.assign(n, nullptr);
   lease.pending.assign(n, nullptr);
-  lease.position.resize(n);
   lease.pinned.clear();
   std::lock_guard<std::mutex> lock(mutex_);
   const NeuronStoreStats before = stats_;
   ++tick_;
+  cache_->Unpark([&](int32_t s) { return Loading(s); });  // prefetched slots read since
   ++stats_.calls;
   if (tracing_) {
     for (const int32_t id : ids) trace_keys_.push_back(layer * l.num_neurons + id);
@@ -276,7 +313,6 @@ bool NeuronStore::Acquire(int64_t layer, std::span<const int32_t> ids, int64_t t
   want_.clear();
   for (size_t k = 0; k < n; ++k) {
     const int64_t key = layer * l.num_neurons + ids[k];
-    lease.position[k] = o_.position[key];
     if (const int32_t hs = static_slot_[key]; hs >= 0) {
       lease.bundle[k] = static_->data + hs * l.slot_bytes;
       ++stats_.static_hits;
@@ -308,7 +344,7 @@ bool NeuronStore::Acquire(int64_t layer, std::span<const int32_t> ids, int64_t t
       ++stats_.misses;
       by_prefetch_[s] = 0;
       state_[s].store(kSlotLoading, std::memory_order_release);
-      want_.emplace_back(lease.position[k], dynamic_->data + s * l.slot_bytes, &state_[s]);
+      want_.emplace_back(o_.position[key], dynamic_->data + s * l.slot_bytes, &state_[s]);
     }
     lease.pinned.push_back(s);
     lease.bundle[k] = dynamic_->data + s * l.slot_bytes;
@@ -324,6 +360,7 @@ bool NeuronStore::Acquire(int64_t layer, std::span<const int32_t> ids, int64_t t
     one.static_hits += stats_.static_hits - before.static_hits;
     one.cache_hits += stats_.cache_hits - before.cache_hits;
     one.misses += stats_.misses - before.misses;
+    one.prefetch_hits += stats_.prefetch_hits - before.prefetch_hits;
     for (const ReadJob& job : jobs_) {
       for (const iovec& v : job.iov) one.demand_bytes += static_cast<int64_t>(v.iov_len);
     }
@@ -338,7 +375,7 @@ void NeuronStore::Release(NeuronLease& lease) {
   lease.pinned.clear();
 }
 
-void NeuronStore::Prefetch(int64_t layer, std::span<const int32_t> ids) {
+void NeuronStore::Prefetch(int64_t layer, std::span<const int32_t> ids, int64_t tokens) {
   const BundleLayout& l = o_.layout;
   std::lock_guard<std::mutex> lock(mutex_);
   ++tick_;
@@ -356,6 +393,11 @@ void NeuronStore::Prefetch(int64_t layer, std::span<const int32_t> ids) {
   std::sort(want_.begin(), want_.end(),
             [](const auto& a, const auto& b) { return std::get<0>(a) < std::get<0>(b); });
   MakeJobs(layer, want_, o_.max_gap, jobs_);
+  if (tokens == 1) {
+    for (const ReadJob& job : jobs_) {
+      for (const iovec& v : job.iov) stats_.one_token.prefetch_bytes += static_cast<int64_t>(v.iov_len);
+    }
+  }
   reader_->Submit(jobs_, /*prefetch=*/true);
 }
 

@@ -30,18 +30,31 @@ namespace pij {
 
 // Where a neuron's rows are in the file: bundle (layer l, file position p) starts at
 // data_offset + (l * num_neurons + p) * slot_bytes, and holds its gate row (gated FFNs), its up
-// row and its down row (re-blocked along D), each in its block format, then zero padding up to
-// slot_bytes (a multiple of kDirectAlign, so that every bundle is one O_DIRECT read).
+// row and its down row, each in its block format, then zero padding up to slot_bytes (a
+// multiple of kDirectAlign, so that every bundle is one O_DIRECT read). The down row is either
+//   * a neuron row along D (a PowerInfer GGUF's ffn_down_t row, or a re-blocked one), or
+//   * with down_groups: its code row (quant_kernels.h: the quant bytes of its blocks in the
+//     file's ffn_down without their scales), the scales being the down groups' scale planes,
+//     [F / 32, scale bytes * D] per layer, at planes_offset + l * planes_stride in the file and
+//     in memory while the store is open: the file's own blocks, summed with the in-memory
+//     kernel's down-group arithmetic (the same bits, nothing re-quantized).
 struct BundleLayout {
   int64_t num_layers = 0, num_neurons = 0, dim = 0;
   bool gated = true;
   QType gate_type = QType::kQ4_0, up_type = QType::kQ4_0, down_type = QType::kQ4_0;
   int64_t slot_bytes = 0;
   int64_t data_offset = 0;
+  bool down_groups = false;
+  int64_t planes_offset = 0, planes_stride = 0;
 
   int64_t GateBytes() const { return gated ? QRowBytes(gate_type, dim) : 0; }
   int64_t UpBytes() const { return QRowBytes(up_type, dim); }
-  int64_t DownBytes() const { return QRowBytes(down_type, dim); }
+  int64_t DownBytes() const {
+    return down_groups ? dim / 32 * (GetQTypeInfo(down_type).bytes - DownGroupScaleBytes(down_type))
+                       : QRowBytes(down_type, dim);
+  }
+  // One layer's scale planes (down_groups).
+  int64_t PlaneBytes() const { return num_neurons / 32 * DownGroupScaleBytes(down_type) * dim; }
   int64_t BundleBytes() const { return GateBytes() + UpBytes() + DownBytes(); }
   int64_t FileBytes() const { return data_offset + num_layers * num_neurons * slot_bytes; }
   const uint8_t* Gate(const uint8_t* bundle) const { return bundle; }
@@ -80,10 +93,12 @@ struct NeuronStoreStats {
   int64_t static_neurons = 0, cache_slots = 0, resident_bytes = 0;
   bool direct = false;
   // The same for calls on one token (decode at batch 1): per-token figures without prefill's.
-  // demand_bytes: bytes its reads were asked for (gaps included), as the call issues them.
+  // demand_bytes: bytes its reads were asked for (gaps included), as the call issues them;
+  // prefetch_bytes: the reads ahead it started for the next layer; prefetch_hits: its cache hits
+  // on neurons a prefetch read (a hit that cost a read, ahead of time).
   struct Calls {
     int64_t calls = 0, requested = 0, static_hits = 0, cache_hits = 0, misses = 0;
-    int64_t demand_bytes = 0;
+    int64_t demand_bytes = 0, prefetch_bytes = 0, prefetch_hits = 0;
   } one_token;
 };
 
@@ -93,7 +108,6 @@ struct NeuronStoreStats {
 struct NeuronLease {
   std::vector<const uint8_t*> bundle;
   std::vector<const std::atomic<uint32_t>*> pending;
-  std::vector<int32_t> position;  // the neurons' file positions (the order reads complete in)
   std::vector<int32_t> pinned;
 };
 
@@ -110,6 +124,8 @@ class NeuronStore {
   const float* BUp(int64_t layer) const {
     return o_.b_up.empty() ? nullptr : o_.b_up.data() + layer * o_.layout.num_neurons;
   }
+  // The layer's down groups' scale planes, group g at + g * scale bytes * D (down_groups).
+  const uint8_t* Planes(int64_t layer) const;
   // ids: distinct neuron ids of `layer`, ascending. Returns false (and *error) when no slot
   // can take a missing neuron (cannot happen with the minimum cache_slots Open enforces).
   // tokens: the call's token rows (statistics of one-token calls are kept apart).
@@ -118,7 +134,8 @@ class NeuronStore {
   void Release(NeuronLease& lease);
   // Starts reading the ids' bundles not yet in memory (behind every demand read), into slots
   // nobody holds; the next Acquire of them waits for the reads if they are still running.
-  void Prefetch(int64_t layer, std::span<const int32_t> ids);
+  // tokens: the rows of the call it reads ahead for (1: its bytes count as a decode token's).
+  void Prefetch(int64_t layer, std::span<const int32_t> ids, int64_t tokens = 0);
   // Waits until a pending bundle is in memory; false if its read failed (ReadError says why).
   static bool Wait(const std::atomic<uint32_t>* pending);
   void AddWaitNs(int64_t ns) { wait_ns_.fetch_add(ns, std::memory_order_relaxed); }
@@ -139,11 +156,12 @@ class NeuronStore {
                 int64_t max_gap, std::vector<ReadJob>& jobs);
   // A dynamic slot for `key` (evicting); a demand call waits for prefetch reads if it must.
   int32_t SlotFor(int64_t key, bool demand);
+  bool Loading(int32_t slot) const;  // a read into the slot is running
 
   NeuronStoreOptions o_;
   std::unique_ptr<BundleReader> reader_;
   std::unique_ptr<NeuronCache> cache_;
-  std::unique_ptr<Arena> static_, dynamic_, gap_;
+  std::unique_ptr<Arena> static_, dynamic_, gap_, planes_;
   std::vector<int32_t> static_slot_;                   // [L * F]: -1 or a static slot
   std::unique_ptr<std::atomic<uint32_t>[]> state_;     // [cache_slots]
   std::vector<uint8_t> by_prefetch_;                   // [cache_slots]: read by Prefetch, unused

@@ -12,7 +12,9 @@ namespace pij {
 namespace {
 
 using qsparse::kDownGroup;
+using qsparse::kGateUpAhead;
 using qsparse::NumPieces;
+using qsparse::PrefetchL2;
 using qsparse::RoundCoefsPer32;
 using qsparse::ZeroBelowZero;
 // Prefill tokens per pass: the partial outputs are [pieces, chunk, D].
@@ -22,90 +24,20 @@ constexpr int64_t kEstimateBlock = 16;
 static_assert(kEstimateBlock == qkern::kInterleave, "an interleaved group is one estimate block");
 // Below this many output values the final reduction runs on the caller.
 constexpr int64_t kParallelReduceMin = 1 << 15;
-constexpr int64_t kCacheLine = 64;
-// Neurons ahead whose gate/up rows are requested while the current one's are read.
-constexpr size_t kGateUpAhead = 4;
-
-inline void PrefetchL2(const uint8_t* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += kCacheLine) __builtin_prefetch(p + off, 0, 2);
-}
-
-// out[m][j * ntok + t] = row neurons[j] of matrix m . x_t for kRows matrices of format F.
-// Decode takes two neurons per tile (2 * kRows independent dot chains: one row alone is bound by
-// its chain's FMA latency); several tokens already give a tile independent chains, so they take
-// one neuron at a time (fewer tile shapes to compile). A tile's arithmetic per (row, token) is
-// the same whatever the tile, so are the bits.
-// Reading ahead: neurons with consecutive ids (every neuron of the oracle's pass, dense runs of
-// candidates) are kRows streams, read with qlinear's stream prefetch, which also runs on into
-// the next pieces' rows (the hardware prefetcher stops at each 4 KiB page). With this and the
-// pieces' runs per thread (QSparseFfn), the decode estimate pass over SmolLM2's gate and up takes
-// 1.15x ops.qlinear_many's time over the same rows, against 1.30x with per-neuron requests and
-// pieces handed out one by one (2 threads, Cascade Lake, min of ~350 interleaved runs over the
-// 30 layers). Scattered neurons (the hardware prefetcher does not follow gaps): at decode the
-// next pair's rows (in `neurons`, then in `next`) are requested as this pair's are read
-// (qkern::CompanionPrefetch; with the down rows' prefetch below, one synthetic 7B layer at ~10%
-// active, 2 threads, rotating over 32 layers: median 0.85 -> 0.76 ms with Q4_0 down rows and
-// 0.85 -> 0.83 ms with down groups, 5 paired rounds); in token tiles the rows
-// of the neuron kGateUpAhead places further are requested whole first.
+// NeuronDots (qsparse_common.h) over rows of the model's arrays: `neurons`, then `next`.
 template <class F, int kRows>
-void NeuronDots(const uint8_t* const* mats, std::span<const int32_t> neurons,
-                std::span<const int32_t> next, const QActView* xs, int64_t ntok, int64_t dim,
-                float* const* out) {
-  constexpr int kPair = 2;
-  const int64_t nblocks = dim / F::kBlock;
-  const int64_t row_bytes = nblocks * F::kBytes;
-  float dots[kRows * qkern::kMaxTokens];
+void ArrayDots(const uint8_t* const* mats, std::span<const int32_t> neurons,
+               std::span<const int32_t> next, const QActView* xs, int64_t ntok, int64_t dim,
+               float* const* out) {
   const size_t n = neurons.size();
   if (n == 0) return;
+  const int64_t row_bytes = dim / F::kBlock * F::kBytes;
   // (one neuron alone is not a stream: it still requests the next block's rows)
   const bool streamed = n > 1 && neurons[n - 1] - neurons[0] == static_cast<int64_t>(n) - 1;
-  const size_t step = ntok == 1 ? kPair : 1;
-  for (size_t j = 0; j < n; j += step) {
-    const int group = static_cast<int>(std::min(step, n - j));
-    const uint8_t* rows[kPair * kRows];  // row q * kRows + m: neuron j + q, matrix m
-    for (int q = 0; q < group; ++q) {
-      for (int m = 0; m < kRows; ++m) rows[q * kRows + m] = mats[m] + neurons[j + q] * row_bytes;
-    }
-    if (group == kPair) {  // decode
-      float pair_dots[kPair * kRows];
-      if (streamed) {
-        qkern::DotTile<F, kPair * kRows, 1, qkern::kStreamAhead>(rows, xs, nblocks, pair_dots);
-      } else {
-        // the next pair's rows (in `neurons`, then in `next`) are requested as this pair's
-        // are read (qkern::CompanionPrefetch)
-        const uint8_t* ahead[kPair * kRows];
-        int n_ahead = 0;
-        for (int q = 0; q < kPair; ++q) {
-          const size_t a = j + kPair + q;
-          if (a >= n && a - n >= next.size()) break;
-          const int64_t i = a < n ? neurons[a] : next[a - n];
-          for (int m = 0; m < kRows; ++m) ahead[q * kRows + m] = mats[m] + i * row_bytes;
-          ++n_ahead;
-        }
-        for (int q = n_ahead; q < kPair && n_ahead > 0; ++q) {  // one neuron left: twice
-          for (int m = 0; m < kRows; ++m) ahead[q * kRows + m] = ahead[m];
-        }
-        qkern::DotTile<F, kPair * kRows, 1>(rows, xs, nblocks, pair_dots,
-                                            n_ahead > 0 ? ahead : nullptr);
-      }
-      for (int r = 0; r < kPair * kRows; ++r) out[r % kRows][j + r / kRows] = pair_dots[r];
-      continue;
-    }
-    for (int q = 0; q < group && !streamed; ++q) {  // tokens in tiles: whole rows ahead
-      const size_t a = j + q + kGateUpAhead;
-      if (a < n || a - n < next.size()) {
-        const int64_t i = a < n ? neurons[a] : next[a - n];
-        for (int m = 0; m < kRows; ++m) PrefetchL2(mats[m] + i * row_bytes, row_bytes);
-      }
-    }
-    for (int64_t t = 0; t < ntok;) {
-      const int64_t c = qkern::TokenTile<F, kRows>(rows, xs, t, ntok, nblocks, dots);
-      for (int m = 0; m < kRows; ++m) {
-        for (int k = 0; k < c; ++k) out[m][j * ntok + t + k] = dots[m * c + k];
-      }
-      t += c;
-    }
-  }
+  const auto row_at = [&](int m, size_t j) {
+    return mats[m] + (j < n ? neurons[j] : next[j - n]) * row_bytes;
+  };
+  qsparse::NeuronDots<F, kRows>(row_at, n, next.size(), streamed, xs, ntok, dim, out);
 }
 
 // out[j * ntok + t] = row j of the 16-row group `group` (interleaved, quant_interleaved.h) . x_t:
@@ -157,7 +89,7 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
     VisitQType(w.up_type, [&]<class F>(F) {
       const uint8_t* mats[2] = {w.gate, w.up};
       float* outs[2] = {gate, up};
-      NeuronDots<F, 2>(mats, neurons, next, s.up_views.data() + t0, ntok, w.dim, outs);
+      ArrayDots<F, 2>(mats, neurons, next, s.up_views.data() + t0, ntok, w.dim, outs);
     });
     for (size_t j = 0; j < neurons.size(); ++j) {
       bool on = false;
@@ -177,7 +109,7 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
       });
     } else {
       VisitQType(w.gate_type, [&]<class F>(F) {
-        NeuronDots<F, 1>(&w.gate, neurons, next, s.gate_views.data() + t0, ntok, w.dim, &gate);
+        ArrayDots<F, 1>(&w.gate, neurons, next, s.gate_views.data() + t0, ntok, w.dim, &gate);
       });
     }
     int32_t on_ids[kEstimateBlock];
@@ -193,7 +125,7 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
     }
     float* on_up = piece.act.data();  // scratch of the same size, written again below
     VisitQType(w.up_type, [&]<class F>(F) {
-      NeuronDots<F, 1>(&w.up, std::span<const int32_t>(on_ids, n_on), {},
+      ArrayDots<F, 1>(&w.up, std::span<const int32_t>(on_ids, n_on), {},
                        s.up_views.data() + t0, ntok, w.dim, &on_up);
     });
     std::fill_n(up, neurons.size() * ntok, 0.0f);
@@ -204,16 +136,16 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
     VisitQType(w.up_type, [&]<class F>(F) {
       const uint8_t* mats[2] = {w.gate, w.up};
       float* outs[2] = {gate, up};
-      NeuronDots<F, 2>(mats, neurons, next, s.up_views.data() + t0, ntok, w.dim, outs);
+      ArrayDots<F, 2>(mats, neurons, next, s.up_views.data() + t0, ntok, w.dim, outs);
     });
   } else {
     if (gated) {
       VisitQType(w.gate_type, [&]<class F>(F) {
-        NeuronDots<F, 1>(&w.gate, neurons, next, s.gate_views.data() + t0, ntok, w.dim, &gate);
+        ArrayDots<F, 1>(&w.gate, neurons, next, s.gate_views.data() + t0, ntok, w.dim, &gate);
       });
     }
     VisitQType(w.up_type, [&]<class F>(F) {
-      NeuronDots<F, 1>(&w.up, neurons, next, s.up_views.data() + t0, ntok, w.dim, &up);
+      ArrayDots<F, 1>(&w.up, neurons, next, s.up_views.data() + t0, ntok, w.dim, &up);
     });
   }
   const int64_t n = static_cast<int64_t>(neurons.size()) * ntok;
@@ -251,11 +183,16 @@ void AccumulateDown(const QFfnWeights& w, std::span<const int32_t> neurons,
           const int32_t g = neurons[i] / 32;
           for (j = i; j < neurons.size() && neurons[j] / 32 == g; ++j) lanes[j - i] = neurons[j] % 32;
           const uint8_t* group = w.down + g * group_bytes;
+          const uint8_t* rows = group + DownGroupScaleBytes(F::kType) * w.dim;
           const int n = static_cast<int>(j - i);
           if constexpr (DownGroupPairs(F::kType)) {
-            qkern::AxpyPairs<F>(group, w.dim / 32, lanes, coef.data() + i, n, y);
+            qkern::AxpyPairs<F>(group, qkern::GroupPairRows{rows, w.dim}, w.dim / 32, lanes,
+                                coef.data() + i, n, y);
           } else {
-            qkern::AxpyGroup<F>(group, w.dim / 32, lanes, coef.data() + i, n, y);
+            const int64_t row_bytes = w.dim / 32 * (F::kBytes - DownGroupScaleBytes(F::kType));
+            const uint8_t* lane_rows[32];
+            for (int k = 0; k < n; ++k) lane_rows[k] = rows + lanes[k] * row_bytes;
+            qkern::AxpyGroup<F>(group, lane_rows, w.dim / 32, coef.data() + i, n, y);
           }
         }
       }
@@ -263,29 +200,9 @@ void AccumulateDown(const QFfnWeights& w, std::span<const int32_t> neurons,
     return;
   }
   VisitQType(w.down_type, [&]<class F>(F) {
-    const int64_t nblocks = w.dim / F::kBlock;
-    const int64_t row_bytes = nblocks * F::kBytes;
-    const size_t n = neurons.size();
-    const uint8_t* rows[kDownGroup];
-    const uint8_t* ahead[kDownGroup];
-    size_t k = 0;
-    for (; k + kDownGroup <= n; k += kDownGroup) {
-      // the next pass's rows are requested as these are read (the first pass's were requested
-      // when their neurons turned out active: RunPiece)
-      const size_t rest = n - k - kDownGroup;
-      for (int j = 0; j < kDownGroup; ++j) {
-        rows[j] = w.down + neurons[k + j] * row_bytes;
-        ahead[j] = rest == 0 ? nullptr
-                             : w.down + neurons[k + kDownGroup + std::min<size_t>(j, rest - 1)] *
-                                            row_bytes;
-      }
-      qkern::AxpyRows<F, kDownGroup>(rows, coef.data() + k, nblocks, y,
-                                     rest == 0 ? nullptr : ahead);
-    }
-    for (; k < n; ++k) {
-      rows[0] = w.down + neurons[k] * row_bytes;
-      qkern::AxpyRows<F, 1>(rows, coef.data() + k, nblocks, y);
-    }
+    const int64_t row_bytes = w.dim / F::kBlock * F::kBytes;
+    qsparse::AxpyDownRows<F>([&](size_t k) { return w.down + neurons[k] * row_bytes; },
+                             coef.data(), neurons.size(), w.dim, y);
   });
 }
 
@@ -373,25 +290,6 @@ void RunPiece(const QFfnWeights& w, std::span<const float* const> score_rows,
   }
 }
 
-// Split pieces [0, ends.size()) into `tasks` runs of consecutive pieces with about equal
-// candidate counts (ends: the running count at each piece's end): run r is [runs[r], runs[r + 1]).
-void PieceRuns(std::span<const int64_t> ends, int64_t tasks, std::vector<int64_t>& runs) {
-  const int64_t pieces = static_cast<int64_t>(ends.size());
-  const int64_t total = ends.back();
-  runs.assign(tasks + 1, pieces);
-  runs[0] = 0;
-  int64_t k = 0;
-  for (int64_t r = 1; r < tasks; ++r) {
-    // the first piece whose end passes r / tasks of the candidates closes run r - 1; at least
-    // one piece per run, so every task has work when there are as many pieces as tasks
-    k = std::max(k + 1, std::min(pieces - (tasks - r),
-                                 static_cast<int64_t>(std::lower_bound(ends.begin(), ends.end(),
-                                                                       total * r / tasks) -
-                                                      ends.begin()) + 1));
-    runs[r] = k;
-  }
-}
-
 void CollectCandidates(const QFfnWeights& w, std::span<const float* const> score_rows,
                        const QSparseFfnParams& p, QSparseFfnScratch& s) {
   const int64_t f = w.num_neurons;
@@ -445,7 +343,7 @@ void QSparseFfn(const QFfnWeights& w, std::span<const float* const> x_rows,
   // rows are one stream, where pieces handed out one by one made every piece a new stream to
   // ramp up on. Which thread runs a piece changes no bit.
   const int64_t tasks = std::min<int64_t>(pieces, pool.NumThreads());
-  PieceRuns(cand_ends, tasks, s.piece_runs);
+  qsparse::PieceRuns(cand_ends, tasks, s.piece_runs);
   const int64_t chunk = std::min(num_tokens, kTokenChunk);
   if (static_cast<int64_t>(s.partial_y.size()) < pieces * chunk * dim) {
     s.partial_y.resize(pieces * chunk * dim);

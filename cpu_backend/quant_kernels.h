@@ -450,18 +450,21 @@ inline void AxpyRows(const uint8_t* const* rows, const float* coef, int64_t nblo
 //   sum_k coef_k * w_k[d] = s[d] * (sum_k coef_k * q_k[d]) + m[d] * sum_k coef_k
 // and a group with n active neurons reads its 2 or 4 bytes per d once and n quant rows, where
 // rows re-blocked per neuron along D (Q8_0: 34 bytes per 32 weights) read n rows of their own.
-// y[0, D) += sum_k coef[k] * w_{lanes[k]} over n neurons of one group (lanes: their index in the
-// group, coef: their a_i), in one pass over y: per chunk the neurons' quants are summed in float
-// in the order given, then scaled. D = 32 * nchunks.
+// A neuron's *code row*: its quant bytes of every block along D without the scale fields, D / 32
+// chunks of (block bytes - scale bytes), packed as the format packs a block. A group's neuron
+// rows are code rows; a neuron store keeps each neuron's code row in its bundle and the group's
+// scale planes apart (neuron_store.h), and sums them with the same two functions below.
+// y[0, D) += sum_k coef[k] * w_k over n neurons of one group (planes: the group's scale planes;
+// rows[k]: neuron k's code row; coef: their a_i), in one pass over y: per chunk the neurons'
+// quants are summed in float in the order given, then scaled. D = 32 * nchunks.
 template <class F>
-inline void AxpyGroup(const uint8_t* group, int64_t nchunks, const int32_t* lanes,
+inline void AxpyGroup(const uint8_t* planes, const uint8_t* const* rows, int64_t nchunks,
                       const float* coef, int n, float* y) {
   static_assert(F::kBlock == 32, "down groups hold the 32-weight formats");
   constexpr int kScale = static_cast<int>(DownGroupScaleBytes(F::kType));
   constexpr int kQuant = F::kBytes - kScale;
   const int64_t dim = 32 * nchunks;
-  const uint8_t* rows = group + kScale * dim;
-  const int64_t row_bytes = nchunks * kQuant;
+  const uint8_t* group = planes;
   float coef_sum = 0.0f;
   for (int k = 0; k < n; ++k) coef_sum += coef[k];
 #if defined(PIJ_QSIMD_AVX512)
@@ -470,7 +473,7 @@ inline void AxpyGroup(const uint8_t* group, int64_t nchunks, const int32_t* lane
   for (int64_t c = 0; c < nchunks; ++c) {
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int k = 0; k < n; ++k) {
-      const uint8_t* blk = rows + lanes[k] * row_bytes + c * kQuant - kScale;  // as a block
+      const uint8_t* blk = rows[k] + c * kQuant - kScale;  // as a block
       const __m256i u = F::Unpack(blk, 0);  // Q8_0: its int8 quants as they are
       const __m512 a = _mm512_set1_ps(coef[k]);
       for (int h = 0; h < 2; ++h) {
@@ -498,7 +501,7 @@ inline void AxpyGroup(const uint8_t* group, int64_t nchunks, const int32_t* lane
   for (int64_t c = 0; c < nchunks; ++c) {
     F32x8 acc[4] = {qsimd::Zero(), qsimd::Zero(), qsimd::Zero(), qsimd::Zero()};
     for (int k = 0; k < n; ++k) {
-      const uint8_t* blk = rows + lanes[k] * row_bytes + c * kQuant - kScale;  // as a block
+      const uint8_t* blk = rows[k] + c * kQuant - kScale;  // as a block
       const I8x32 u = UnpackForParts<F>(blk, 0);
       const F32x8 a = qsimd::Set1(coef[k]);
       for (int q = 0; q < 4; ++q) acc[q] = qsimd::MulAdd(ChunkPart<F>(blk, u, 0, q), a, acc[q]);
@@ -542,14 +545,55 @@ inline float QuantizeLanes(const int32_t* lanes, const float* coef, int n, int8_
   return d;
 }
 
-template <class F>
-inline void AxpyPairs(const uint8_t* group, int64_t nchunks, const int32_t* lanes,
-                      const float* coef, int n, float* y) {
+// Where AxpyPairs reads pair p's bytes of chunk c (32 bytes; 64 for chunks c and c + 1):
+//   GroupPairRows  a group's pair rows in memory (down groups: pair p's row at rows + p * dim);
+//   CodePairRows   two neurons' code rows (or nullptr: a neuron not summed, its codes read as
+//                  0), their bytes interleaved as a pair row holds them (a neuron store's bundles).
+// The integer sums are exact, so both give the same bits for the same codes.
+struct GroupPairRows {
+  const uint8_t* rows;
+  int64_t dim;
+#if defined(PIJ_QSIMD_AVX512)
+  __m512i Load64(int p, int64_t c) const { return _mm512_loadu_si512(rows + p * dim + 32 * c); }
+#endif
+#if defined(PIJ_QSIMD_AVX2)
+  __m256i Load32(int p, int64_t c) const { return qsimd::Load32(rows + p * dim + 32 * c); }
+#endif
+  uint8_t Byte(int p, int64_t c, int k) const { return rows[p * dim + 32 * c + k]; }
+};
+
+struct CodePairRows {
+  const uint8_t* const* codes;  // [32]: lane l's code row (16 bytes per chunk), or nullptr
+#if defined(PIJ_QSIMD_AVX2)
+  __m128i Half(int lane, int64_t c) const {
+    return codes[lane] == nullptr ? _mm_setzero_si128()
+                                  : _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                        codes[lane] + 16 * c));
+  }
+  __m256i Load32(int p, int64_t c) const {
+    const __m128i a = Half(2 * p, c), b = Half(2 * p + 1, c);
+    return _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+  }
+#endif
+#if defined(PIJ_QSIMD_AVX512)
+  __m512i Load64(int p, int64_t c) const {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(Load32(p, c)), Load32(p, c + 1), 1);
+  }
+#endif
+  uint8_t Byte(int p, int64_t c, int k) const {
+    const uint8_t* row = codes[2 * p + k % 2];
+    return row == nullptr ? 0 : row[16 * c + k / 2];
+  }
+};
+
+template <class F, class Pairs>
+inline void AxpyPairs(const uint8_t* planes, const Pairs& pairs, int64_t nchunks,
+                      const int32_t* lanes, const float* coef, int n, float* y) {
   static_assert(DownGroupPairs(F::kType), "pair rows hold the 4-bit formats");
   constexpr int kScale = static_cast<int>(DownGroupScaleBytes(F::kType));
   constexpr int kPairRuns = 8;  // pairs per int16 sum
   const int64_t dim = 32 * nchunks;
-  const uint8_t* rows = group + kScale * dim;  // pair p's row at rows + p * dim
+  const uint8_t* group = planes;
   int8_t aq[32];
   int32_t q_sum;
   const float da = QuantizeLanes(lanes, coef, n, aq, &q_sum);
@@ -559,12 +603,12 @@ inline void AxpyPairs(const uint8_t* group, int64_t nchunks, const int32_t* lane
   }
   if (da == 0.0f) return;
   const float coef_sum = da * static_cast<float>(q_sum);  // the rounded coefs' sum
-  int32_t pair_row[16];  // the read pairs' row offsets
+  int32_t pair_row[16];  // the read pairs
   int16_t pair_act[16];  // their two 8-bit coefs as one int16 (low byte: the even neuron)
   int np = 0;
   for (int p = 0; p < 16; ++p) {
     if ((aq[2 * p] | aq[2 * p + 1]) == 0) continue;
-    pair_row[np] = static_cast<int32_t>(p * dim);
+    pair_row[np] = p;
     const auto hi = static_cast<uint16_t>(static_cast<uint8_t>(aq[2 * p + 1]));
     pair_act[np++] = static_cast<int16_t>(static_cast<uint8_t>(aq[2 * p]) | (hi << 8));
   }
@@ -580,7 +624,7 @@ inline void AxpyPairs(const uint8_t* group, int64_t nchunks, const int32_t* lane
       for (int j0 = 0; j0 < np; j0 += kPairRuns) {
         __m512i lo16 = _mm512_setzero_si512(), hi16 = _mm512_setzero_si512();
         for (int j = j0; j < std::min(np, j0 + kPairRuns); ++j) {
-          const __m512i b = _mm512_loadu_si512(rows + pair_row[j] + 32 * c);
+          const __m512i b = pairs.Load64(pair_row[j], c);
           const __m512i a = _mm512_set1_epi16(pair_act[j]);
           lo16 = _mm512_add_epi16(lo16, _mm512_maddubs_epi16(_mm512_and_si512(b, low4), a));
           hi16 = _mm512_add_epi16(
@@ -614,7 +658,7 @@ inline void AxpyPairs(const uint8_t* group, int64_t nchunks, const int32_t* lane
     for (int j0 = 0; j0 < np; j0 += kPairRuns) {
       __m256i lo16 = _mm256_setzero_si256(), hi16 = _mm256_setzero_si256();
       for (int j = j0; j < std::min(np, j0 + kPairRuns); ++j) {
-        const __m256i b = qsimd::Load32(rows + pair_row[j] + 32 * c);
+        const __m256i b = pairs.Load32(pair_row[j], c);
         const __m256i a = _mm256_set1_epi16(pair_act[j]);
         lo16 = _mm256_add_epi16(lo16, _mm256_maddubs_epi16(_mm256_and_si256(b, low4), a));
         hi16 = _mm256_add_epi16(
@@ -647,10 +691,11 @@ inline void AxpyPairs(const uint8_t* group, int64_t nchunks, const int32_t* lane
       const int shift = e < 16 ? 0 : 4;  // low nibbles for d 0-15, high for 16-31
       int32_t acc = 0;
       for (int j = 0; j < np; ++j) {
-        const uint8_t* b = rows + pair_row[j] + 32 * c + 2 * (e % 16);
+        const uint8_t b0 = pairs.Byte(pair_row[j], c, 2 * (e % 16));
+        const uint8_t b1 = pairs.Byte(pair_row[j], c, 2 * (e % 16) + 1);
         const auto a0 = static_cast<int8_t>(pair_act[j] & 0xff);
         const auto a1 = static_cast<int8_t>((pair_act[j] >> 8) & 0xff);
-        acc += ((b[0] >> shift) & 15) * a0 + ((b[1] >> shift) & 15) * a1;
+        acc += ((b0 >> shift) & 15) * a0 + ((b1 >> shift) & 15) * a1;
       }
       y[d] = std::fma(min_at(d), coef_sum, std::fma(scale_at(d), static_cast<float>(acc), y[d]));
     }

@@ -79,34 +79,34 @@ def _sha256(path) -> str:
 
 
 # ------------------------------------------------------------------------------------ kernel
-@pytest.mark.parametrize("hot_fraction", [0.0, 0.3, 1.0])
-def test_kernel_bitwise_equals_qsparse_ffn(model, hot_fraction):
-    """The store's layer, wherever its rows are, gives ops.qsparse_ffn's bits on the same rows
-    (down re-blocked per neuron, the "rows" layout), for decode, small batches and prefill."""
-    from powerinfer_jax.checkpoint import bundles, load_checkpoint
+def _kernel_matches_in_memory(ck, hot_fraction, want_source, *, tokens=(1, 3, 40)):
+    """The store's layers against ops.qsparse_ffn on the rows the in-memory model holds."""
+    from powerinfer_jax.checkpoint import bundles
+    from powerinfer_jax.models.qweights import SELECTED_LAYOUT, arrange
     from powerinfer_jax.ops import _ffi
     from powerinfer_jax.ops.neuron_store import NeuronStore
 
-    ck = load_checkpoint(model[0], keep_quantized=True)
     path, spec, order = bundles.ensure(ck, progress=False)
-    assert spec.down_source == "exact" and spec.down_qtype == "Q4_0"
+    assert spec.down_source == want_source
     L, F, D = spec.n_layers, spec.n_neurons, spec.dim
     rng = np.random.default_rng(int(hot_fraction * 10))
     store = NeuronStore(path, spec, order, rng.random((L, F)) < hot_fraction, cache_slots=F)
     for l in range(L):
         names = bundles.ffn_names(ck.config, l)
-        gate, up, down = (ck.params[names[k]] for k in ("gate", "up", "down"))
-        rows = down.reblocked("Q4_0").blocks
-        for t in (1, 3, 40):
+        gate, up = (ck.params[names[k]] for k in ("gate", "up"))
+        down = arrange(ck.params[names["down"]], SELECTED_LAYOUT.down)  # as the model holds it
+        assert down.layout == want_source and down.qtype == spec.down_qtype
+        for t in tokens:
             x = rng.standard_normal((t, D)).astype(np.float32)
             scores = np.where(rng.random((t, F)) < 0.2, 1.0, -1.0).astype(np.float32)
             for crit in ("scores", "oracle"):
                 y, n = _ffi.disk_ffn(x, scores, store=store.handle, layer=l, threshold=0.0,
                                      activation="relu", criterion=crit)
                 want_y, want_n = _ffi.qsparse_ffn(
-                    x, up.blocks, rows, up_qtype="Q4_0", down_qtype="Q4_0", gate=gate.blocks,
-                    gate_qtype="Q4_0", b_up=None, b_down=None, scores=scores, threshold=0.0,
-                    activation="relu", criterion=crit, down_layout="rows")
+                    x, up.blocks, down.blocks, up_qtype=up.qtype, down_qtype=down.qtype,
+                    gate=gate.blocks, gate_qtype=gate.qtype, b_up=None, b_down=None,
+                    scores=scores, threshold=0.0, activation="relu", criterion=crit,
+                    down_layout=down.layout)
                 np.testing.assert_array_equal(np.asarray(y), np.asarray(want_y))
                 np.testing.assert_array_equal(np.asarray(n), np.asarray(want_n))
     s = store.stats()
@@ -115,6 +115,45 @@ def test_kernel_bitwise_equals_qsparse_ffn(model, hot_fraction):
         assert s["misses"] > 0 and s["bytes_read"] >= s["misses"] * spec.slot_bytes
     else:
         assert s["misses"] == 0 and s["bytes_read"] == 0
+    return spec
+
+
+@pytest.mark.parametrize("hot_fraction", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("which", ["gguf", "powerinfer"])
+def test_kernel_bitwise_equals_qsparse_ffn(model, hot_fraction, which):
+    """The store's layer, wherever its rows are, gives ops.qsparse_ffn's bits on the rows the
+    in-memory model reads: llama.cpp's ffn_down as down groups (the store: code rows and the
+    groups' scale planes), PowerInfer's ffn_down_t as neuron rows; decode, small batches, prefill."""
+    from powerinfer_jax.checkpoint import load_checkpoint
+
+    ck = load_checkpoint(model[0] if which == "gguf" else model[1], keep_quantized=True)
+    spec = _kernel_matches_in_memory(ck, hot_fraction,
+                                     "groups" if which == "gguf" else "rows")
+    assert spec.down_qtype == "Q4_0"
+    assert spec.planes_stride > 0 if which == "gguf" else spec.planes_stride == 0
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q8_0"])
+def test_kernel_down_groups_of_every_format(qtype, tmp_path):
+    """Down groups from code rows and planes for the other 32-weight formats: pairs (Q4_1, with
+    minimums) and neuron rows (Q5_0, Q8_0)."""
+    from powerinfer_jax.checkpoint import load_checkpoint
+    from powerinfer_jax.synthetic.__main__ import main
+
+    main(["--shape", "smollm2-135m", "--d-model", "64", "--n-layers", "2", "--n-heads", "2",
+          "--n-kv-heads", "1", "--head-dim", "32", "--d-ff", "256", "--rank", "7", "--sparsity",
+          "0.9", "--calib-tokens", "256", "--verify-tokens", "0", "--formats", "gguf",
+          "--qtype", qtype, "--out", str(tmp_path)])
+    gguf = json.loads((tmp_path / "synthetic.json").read_text())["files"]["gguf"]
+    ck = load_checkpoint(gguf, keep_quantized=True)
+    assert _kernel_matches_in_memory(ck, 0.3, "groups", tokens=(1, 5)).down_qtype == qtype
+
+
+def test_requantized_down_rows_are_the_in_memory_models():
+    from powerinfer_jax.checkpoint import bundles
+    from powerinfer_jax.models import qweights
+
+    assert bundles.DOWN_ROWS_QTYPE == qweights.DOWN_ROWS_QTYPE
 
 
 def test_cache_policies_evict_as_documented():
@@ -143,10 +182,68 @@ def test_cache_policies_evict_as_documented():
     assert simulate_cache(scan, num_keys=4, slots=2, policy="frequency", prior=prior)["hits"] == 4
 
 
+def _reference_cache(calls, *, slots, policy, prior=None):
+    """neuron_cache.h's policies by brute force: the victim is the least (rank, key) among the
+    unpinned slots, rank = (prior or uses or 0, last use)."""
+    cached, last, uses = {}, {}, {}  # key -> True; last use; uses
+    out = {"hits": 0, "misses": 0, "evictions": 0, "uncached": 0}
+
+    def rank(k):
+        primary = {"lru": 0.0, "lfu": float(uses[k]),
+                   "frequency": float(np.float32(prior[k])) if prior is not None else 0.0}[policy]
+        return primary, last[k], k
+
+    for tick, call in enumerate(calls, 1):
+        pinned = set()
+        for k in call:
+            if k in cached:
+                out["hits"] += 1
+                if k in pinned:
+                    continue
+                last[k], uses[k] = tick, uses[k] + 1
+                pinned.add(k)
+                continue
+            out["misses"] += 1
+            if len(cached) >= slots:
+                free = [c for c in cached if c not in pinned]
+                if not free:
+                    out["uncached"] += 1
+                    continue
+                victim = min(free, key=rank)
+                del cached[victim]
+                out["evictions"] += 1
+            cached[k], last[k], uses[k] = True, tick, 1
+            pinned.add(k)
+    return out
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "frequency"])
+def test_cache_victims_equal_a_brute_force_reference(policy):
+    """The lazy heap (stale entries re-ranked, pinned slots set aside only when they surface)
+    evicts what a scan of every slot would, call for call."""
+    from powerinfer_jax.ops.neuron_store import simulate_cache
+
+    rng = np.random.default_rng(3)
+    num_keys = 60
+    prior = rng.choice([0.0, 0.1, 0.2, 0.5], size=num_keys).astype(np.float32)  # many ties
+    for slots in (1, 7, 20):
+        calls = [np.unique(rng.choice(num_keys, size=rng.integers(1, 12),
+                                      p=np.linspace(1, 3, num_keys) / np.linspace(1, 3, num_keys).sum()))
+                 for _ in range(300)]
+        want = _reference_cache(calls, slots=slots, policy=policy, prior=prior)
+        got = simulate_cache(calls, num_keys=num_keys, slots=slots, policy=policy, prior=prior)
+        assert got == want, slots
+
+
 # ------------------------------------------------------------------------------------ end to end
 @pytest.mark.slow
-def test_tokens_equal_in_memory_at_several_budgets(model):
+@pytest.mark.parametrize("which", ["gguf", "powerinfer"])
+def test_tokens_equal_in_memory_at_several_budgets(model, which):
+    """llama.cpp's GGUF (the store sums down groups) and PowerInfer's (neuron rows), each with
+    the PowerInfer file's predictors: the in-memory run's tokens at every budget."""
     gguf, predictors = model
+    if which == "powerinfer":
+        gguf = predictors
     before = _sha256(gguf)
     want = _tokens(_build(gguf, predictors))
     lo = _minimum(gguf, predictors)
@@ -216,7 +313,9 @@ def test_budget_accounting_adds_up(model):
     assert summ["resident_bytes"] == summ["dense_bytes"] + summ["table_bytes"] + \
         slots * summ["slot_bytes"]
     assert summ["resident_bytes"] <= budget
-    assert s.offload.stats()["resident_bytes"] == slots * summ["slot_bytes"]
+    # the store's arenas: its slots and (llama.cpp's GGUF: down groups) the scale planes
+    assert summ["planes_bytes"] > 0
+    assert s.offload.stats()["resident_bytes"] == slots * summ["slot_bytes"] + summ["planes_bytes"]
     assert summ["copied_from_file_bytes"] >= 0
 
 
@@ -268,11 +367,29 @@ def test_a_corrupt_file_under_a_budget_is_the_loaders_one_line_error(model, tmp_
         _build(str(bad), predictors, budget=1 << 30)
 
 
-def test_a_model_that_fits_loads_in_memory(model):
+@pytest.mark.parametrize("which", ["gguf", "powerinfer"])
+def test_a_budget_that_holds_the_model_runs_it_in_memory(model, which):
+    """The rule (runtime/offload.py fits_in_memory): a budget of the model's bytes (its tensors,
+    predictors included, and the KV cache) loads it in memory, one byte less offloads its FFN;
+    the bytes counted are at least the arrays the model then holds."""
+    from flax import nnx
+
     gguf, predictors = model
+    if which == "powerinfer":
+        gguf = predictors
     s = _build(gguf, predictors, budget=1 << 40)
     assert s.offload.summary["mode"] == "memory" and s.offload.store is None
     assert s.describe()["offload"]["mode"] == "memory"
+    need = s.offload.summary["resident_bytes"]
+    c = s.config
+    arrays = sum(int(np.prod(v.get_value().shape)) * v.get_value().dtype.itemsize
+                 for _, v in nnx.iter_graph(s.model) if isinstance(v, nnx.Variable)
+                 and hasattr(v.get_value(), "dtype"))
+    kv = 2 * c.n_layers * MAX_SEQ * c.n_kv_heads * c.head_dim * 4  # float32 cache, batch 1
+    assert arrays + kv <= need
+    del s
+    assert _build(gguf, predictors, budget=need).offload.summary["mode"] == "memory"
+    assert _build(gguf, predictors, budget=need - 1).offload.summary["mode"] == "disk"
 
 
 def test_modes_that_read_rows_are_refused(model):
@@ -306,10 +423,13 @@ def test_bundle_from_another_model_or_damaged_is_rebuilt(model, other_model, cap
     cases = {
         "another model": lambda: shutil.copyfile(other_path, path),
         "truncated": lambda: open(path, "r+b").truncate(len(good) - 512),
-        "header": lambda: open(path, "r+b").write(b"PIJNEURB\x01\x00\x00\x00\x10\x00\x00\x00"),
+        "header": lambda: open(path, "r+b").write(
+            b"PIJNEURB" + bundles.VERSION.to_bytes(4, "little") + b"\x10\x00\x00\x00"),
         "not a bundle file": lambda: open(path, "wb").write(b"GGUF" + bytes(100)),
     }
+    cases["an older format"] = lambda: open(path, "r+b").write(b"PIJNEURB\x01\x00\x00\x00")
     notes = {"another model": "for another model", "truncated": "truncated",
+             "an older format": "format version 1, this build reads 2",
              "header": "header checksum mismatch", "not a bundle file": "not a neuron bundle"}
     for name, damage in cases.items():
         damage()
@@ -440,7 +560,9 @@ def test_store_rejects_bad_tables(model):
         NeuronStore(path, spec, bad, cold, cache_slots=F)
     import dataclasses
 
-    longer = dataclasses.replace(spec, n_layers=L + 1)
+    # (one more layer's planes too: the data starts a stride later)
+    longer = dataclasses.replace(spec, n_layers=L + 1,
+                                 data_offset=spec.data_offset + spec.planes_stride)
     with pytest.raises(ValueError, match="truncated"):
         NeuronStore(path, longer, np.concatenate([order, order[:1]]), np.zeros((L + 1, F), bool),
                     cache_slots=F)

@@ -88,6 +88,8 @@ nb::dict StatsDict(const pij::NeuronStoreStats& s) {
   one["cache_hits"] = s.one_token.cache_hits;
   one["misses"] = s.one_token.misses;
   one["demand_bytes"] = s.one_token.demand_bytes;
+  one["prefetch_bytes"] = s.one_token.prefetch_bytes;
+  one["prefetch_hits"] = s.one_token.prefetch_hits;
   d["one_token"] = one;
   return d;
 }
@@ -99,7 +101,8 @@ void RegisterNeuronStore(nb::module_& m) {
       "neuron_store_open",
       [](const std::string& path, int64_t num_layers, int64_t num_neurons, int64_t dim, bool gated,
          int32_t gate_type, int32_t up_type, int32_t down_type, int64_t slot_bytes,
-         int64_t data_offset, Vec1<int32_t> position, Vec1<uint8_t> hot, nb::object prior,
+         int64_t data_offset, bool down_groups, int64_t planes_offset, int64_t planes_stride,
+         Vec1<int32_t> position, Vec1<uint8_t> hot, nb::object prior,
          nb::object b_up, int64_t cache_slots, const std::string& policy, int readers,
          int64_t max_gap, int64_t max_read_bytes, bool direct) {
         pij::NeuronStoreOptions o;
@@ -113,6 +116,9 @@ void RegisterNeuronStore(nb::module_& m) {
         o.layout.down_type = TypeId("down_type", down_type);
         o.layout.slot_bytes = slot_bytes;
         o.layout.data_offset = data_offset;
+        o.layout.down_groups = down_groups;
+        o.layout.planes_offset = planes_offset;
+        o.layout.planes_stride = planes_stride;
         o.position = Copy(position);
         o.hot = Copy(hot);
         o.prior = CopyOptional<float>(prior);
@@ -134,7 +140,8 @@ void RegisterNeuronStore(nb::module_& m) {
       },
       nb::arg("path"), nb::arg("num_layers"), nb::arg("num_neurons"), nb::arg("dim"),
       nb::arg("gated"), nb::arg("gate_type"), nb::arg("up_type"), nb::arg("down_type"),
-      nb::arg("slot_bytes"), nb::arg("data_offset"), nb::arg("position"), nb::arg("hot"),
+      nb::arg("slot_bytes"), nb::arg("data_offset"), nb::arg("down_groups"),
+      nb::arg("planes_offset"), nb::arg("planes_stride"), nb::arg("position"), nb::arg("hot"),
       nb::arg("prior").none(), nb::arg("b_up").none(), nb::arg("cache_slots"), nb::arg("policy"),
       nb::arg("readers"), nb::arg("max_gap"), nb::arg("max_read_bytes"), nb::arg("direct"),
       "Open a neuron store over a bundle file (cpu_backend/neuron_store.h); reads its static "

@@ -11,6 +11,8 @@ Layout (little endian; every offset a multiple of ALIGN = 4096, the disk's physi
   [48, ...)          the header JSON (`BundleSpec`: the model's fingerprint, shapes, formats,
                      offsets, the order table's sha256, how the down rows were made)
   order_offset       int32 [L, F]: order[l][p] = the neuron whose bundle is at file position p
+  planes_offset      down groups only: per layer (planes_stride apart) the scale planes of its
+                     down groups, uint8 [F / 32, scale bytes * D] (checkpoint.quants.down_codes)
   data_offset        L * F slots of slot_bytes (a multiple of 512, O_DIRECT's unit): at
                      (l * F + p) * slot_bytes the bundle of neuron order[l][p]: its gate row
                      (gated FFNs), up row and down row, each in its block format, zero padded
@@ -18,12 +20,18 @@ Positions follow the activation frequencies known when the file is built (most f
 a layer's hot neurons are one read when the store loads them, and neurons of like frequency are
 neighbours); a file built from other frequencies stays valid (only the model must match).
 
-Rows: gate and up are the file's own rows. The down projection (GGUF stores ffn_down [D, F],
-blocked along F) is re-blocked per neuron along D: in the file's format when that is exact (the
-synthetic models of powerinfer_jax.synthetic are built so Q4_0 is; checked on every row, not
-assumed), else in DOWN_FALLBACK = Q8_0, whose added error is measured over the whole matrix and
-recorded in the header (`down_error`: relative RMS over the file's own values). A PowerInfer GGUF
-already stores neuron rows (ffn_down_t): those are used as they are.
+Rows: gate and up are the file's own rows. The down row is what the in-memory sparse kernel reads
+for the same model (models/qweights.py's layouts for a selector's neurons), so that a model under
+--ram-budget computes the in-memory run's bits (`down_source`):
+  "rows"    a PowerInfer GGUF's ffn_down_t: neuron rows already, used as they are;
+  "groups"  llama.cpp's ffn_down [D, F] (blocked along F) in a 32-weight legacy format: the
+            neuron's code row (its quant bytes of the file's blocks), the blocks' scales kept as
+            the down groups' planes in their own section, read into memory when the store opens
+            (the in-memory kernel reads down groups: the same bytes and arithmetic, nothing
+            re-quantized; the planes are 2 or 4 bytes per 32 weights, 1/9 of Q4_0's down);
+  "requantized"  any other format (K-quants): rows re-blocked per neuron in DOWN_ROWS_QTYPE,
+            as the in-memory kernel's rows are, with the added error measured over the whole
+            matrix and recorded in the header (`down_error`: relative RMS).
 
 A file is used only if its header is intact (magic, version, checksums), names this model (the
 fingerprint: sha256 of the model file's size, header and 64 sampled blocks) and these shapes and
@@ -49,10 +57,10 @@ from powerinfer_jax.checkpoint.base import QuantTensor
 from powerinfer_jax.errors import UserError, fail
 
 MAGIC = b"PIJNEURB"
-VERSION = 1
+VERSION = 2  # 2: down groups (planes section, code rows); down rows as the in-memory kernel reads them
 ALIGN = 4096
 SLOT_ALIGN = 512
-DOWN_FALLBACK = "Q8_0"
+DOWN_ROWS_QTYPE = "Q8_0"  # models.qweights.DOWN_ROWS_QTYPE (tests/test_offload.py checks they agree)
 SUFFIX = ".pij-neurons"
 _PREFIX = struct.Struct("<8sII32s")
 _CHUNK = 1024  # neurons per write (bounds the builder's memory: one layer's down as float32)
@@ -79,32 +87,54 @@ class BundleSpec:
     order_offset: int
     data_offset: int
     file_bytes: int
-    down_source: str  # "rows" (the file's neuron rows), "exact" (re-blocked, bit-exact), or
-    # "requantized" (re-blocked in down_qtype with down_error)
+    down_source: str  # "rows", "groups" or "requantized" (module docstring)
     down_error: float = 0.0
     order_sha256: str = ""
+    planes_offset: int = 0  # down groups: the scale planes' section, a layer's planes_stride apart
+    planes_stride: int = 0
 
     @property
     def row_bytes(self) -> tuple[int, int, int]:
         from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
         gate = quants.row_bytes(self.gate_qtype, self.dim) if self.gated else 0
-        return gate, quants.row_bytes(self.up_qtype, self.dim), quants.row_bytes(self.down_qtype,
-                                                                                 self.dim)
+        return gate, quants.row_bytes(self.up_qtype, self.dim), _down_bytes(
+            self.down_qtype, self.down_source, self.dim)
 
     @property
     def bundle_bytes(self) -> int:
         return sum(self.row_bytes)
 
+    @property
+    def plane_bytes(self) -> int:
+        """One layer's down-group scale planes (0 unless down_source is "groups")."""
+        from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
+
+        if self.down_source != "groups":
+            return 0
+        return self.n_neurons // 32 * quants.check_down_groups(self.down_qtype, self.dim,
+                                                               self.n_neurons)[1] * self.dim
+
     def same_model(self, other: "BundleSpec") -> bool:
         """Whether a file with header `self` serves a model whose plan is `other`."""
         keys = ("model_fingerprint", "n_layers", "n_neurons", "dim", "gated", "gate_qtype",
-                "up_qtype")
+                "up_qtype", "down_qtype", "down_source")
         return all(getattr(self, k) == getattr(other, k) for k in keys)
 
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def _down_bytes(qtype: str, source: str, dim: int) -> int:
+    """A bundle's down row: a code row (groups: the block's bytes less its scales, per 32
+    weights) or a neuron row."""
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
+
+    if source == "groups":
+        nb, sb = quants.check_down_groups(qtype, dim, 32)
+        return dim // 32 * (nb - sb)
+    return quants.row_bytes(qtype, dim)
 
 
 def ffn_names(config, layer: int) -> dict[str, str]:
@@ -143,11 +173,9 @@ def check_quantized(ckpt) -> None:
                      "quantize the model (llama-quantize) or run without --ram-budget")
 
 
-def plan(ckpt, fingerprint: str, *, decide_down: bool = True) -> BundleSpec:
-    """The bundle file for this checkpoint: shapes, formats, offsets (before any writing).
-    The down format is the file's own where re-blocking is exact on layer 0 (every layer is
-    checked again while writing) or the rows already are per neuron, else DOWN_FALLBACK
-    (decide_down False: the file's own, unchecked; enough to compare with an existing file)."""
+def plan(ckpt, fingerprint: str) -> BundleSpec:
+    """The bundle file for this checkpoint: shapes, formats, offsets (before any writing). The
+    down rows as the in-memory sparse kernel reads them (module docstring)."""
     from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     check_quantized(ckpt)
@@ -158,11 +186,10 @@ def plan(ckpt, fingerprint: str, *, decide_down: bool = True) -> BundleSpec:
     gate = ckpt.params.get(names["gate"]) if c.gated else None
     if not down.transposed:  # PowerInfer's ffn_down_t: neuron rows already
         down_qtype, source = down.qtype, "rows"
-    elif not decide_down or (down.qtype in quants.QUANTIZABLE_TYPES
-                             and _exact(down, down.qtype)):
-        down_qtype, source = down.qtype, "exact"
+    elif down.qtype in quants.DOWN_GROUP_TYPES and c.d_model % 32 == 0 and c.d_ff % 32 == 0:
+        down_qtype, source = down.qtype, "groups"
     else:
-        down_qtype, source = DOWN_FALLBACK, "requantized"
+        down_qtype, source = DOWN_ROWS_QTYPE, "requantized"
     return _spec(c, fingerprint, gate and gate.qtype, up.qtype, down_qtype, source)
 
 
@@ -171,29 +198,24 @@ def _spec(c, fingerprint, gate_qtype, up_qtype, down_qtype, source, error=0.0,
     from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     bundle = ((quants.row_bytes(gate_qtype, c.d_model) if c.gated else 0)
-              + quants.row_bytes(up_qtype, c.d_model) + quants.row_bytes(down_qtype, c.d_model))
+              + quants.row_bytes(up_qtype, c.d_model) + _down_bytes(down_qtype, source,
+                                                                    c.d_model))
     slot = _round_up(bundle, SLOT_ALIGN)
     order_offset = ALIGN  # the header fits one page (checked when written)
-    data_offset = _round_up(order_offset + 4 * c.n_layers * c.d_ff, ALIGN)
+    planes_offset = _round_up(order_offset + 4 * c.n_layers * c.d_ff, ALIGN)
+    planes_stride = 0
+    if source == "groups":
+        sb = quants.check_down_groups(down_qtype, c.d_model, c.d_ff)[1]
+        planes_stride = _round_up(c.d_ff // 32 * sb * c.d_model, ALIGN)
+    data_offset = planes_offset + c.n_layers * planes_stride
     return BundleSpec(model_fingerprint=fingerprint, n_layers=c.n_layers, n_neurons=c.d_ff,
                       dim=c.d_model, gated=c.gated, gate_qtype=gate_qtype if c.gated else None,
                       up_qtype=up_qtype, down_qtype=down_qtype, slot_bytes=slot,
                       order_offset=order_offset, data_offset=data_offset,
                       file_bytes=data_offset + c.n_layers * c.d_ff * slot, down_source=source,
-                      down_error=error, order_sha256=order_sha256)
-
-
-def _exact(down, qtype: str) -> bool:
-    """Whether layer 0's down rows survive re-blocking along D in `qtype` bit for bit."""
-    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
-
-    values = down.dequantize()
-    for lo in range(0, values.shape[0], _CHUNK):
-        v = values[lo:lo + _CHUNK]
-        again = quants.dequantize(quants.quantize(v, qtype), qtype).reshape(v.shape)
-        if not np.array_equal(again, v):
-            return False
-    return True
+                      down_error=error, order_sha256=order_sha256,
+                      planes_offset=planes_offset if planes_stride else 0,
+                      planes_stride=planes_stride)
 
 
 # ------------------------------------------------------------------------------------ header
@@ -254,13 +276,9 @@ def _order(frequencies, n_layers: int, n_neurons: int) -> np.ndarray:
     return np.stack([np.argsort(-f[l], kind="stable") for l in range(n_layers)]).astype(np.int32)
 
 
-class _NotExact(Exception):
-    pass
-
-
 def _write(fh, ckpt, spec: BundleSpec, order: np.ndarray, progress: bool) -> BundleSpec:
-    """Write the order table and every bundle to the open file `fh` (at their offsets); returns
-    the spec with the measured down error. _NotExact when an "exact" down stops being exact."""
+    """Write the order table, the planes (down groups) and every bundle to the open file `fh`
+    (at their offsets); returns the spec with the measured down error (requantized)."""
     from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     c = ckpt.config
@@ -278,8 +296,21 @@ def _write(fh, ckpt, spec: BundleSpec, order: np.ndarray, progress: bool) -> Bun
         up = ckpt.params[names["up"]]
         down = ckpt.params[names["down"]]
         gate = ckpt.params[names["gate"]] if spec.gated else None
-        # one layer's down in float32 for the re-blocked formats (released after the layer)
-        values = down.dequantize() if spec.down_source != "rows" else None
+        # one layer's down rows (released after the layer)
+        if spec.down_source == "rows":
+            down_rows = np.asarray(down.blocks)
+        elif spec.down_source == "groups":
+            planes, down_rows = quants.down_codes(np.asarray(down.blocks), down.qtype, c.d_model,
+                                                  c.d_ff)
+            fh.seek(spec.planes_offset + l * spec.planes_stride)
+            fh.write(planes.tobytes())
+        else:
+            values = down.dequantize()
+            down_rows = quants.quantize(values, spec.down_qtype)
+            again = quants.dequantize(down_rows, spec.down_qtype).reshape(values.shape)
+            err_num += float(np.sum((again.astype(np.float64) - values) ** 2))
+            err_den += float(np.sum(values.astype(np.float64) ** 2))
+            del values, again
         fh.seek(spec.data_offset + l * spec.n_neurons * spec.slot_bytes)
         for lo in range(0, spec.n_neurons, _CHUNK):
             ids = order[l, lo:lo + _CHUNK]
@@ -290,19 +321,9 @@ def _write(fh, ckpt, spec: BundleSpec, order: np.ndarray, progress: bool) -> Bun
                 at = gate_b
             out[:, at:at + up_b] = np.asarray(up.blocks)[ids]
             at += up_b
-            if values is None:
-                out[:, at:at + down_b] = np.asarray(down.blocks)[ids]
-            else:
-                v = values[ids]
-                rows = quants.quantize(v, spec.down_qtype)
-                again = quants.dequantize(rows, spec.down_qtype).reshape(v.shape)
-                if spec.down_source == "exact" and not np.array_equal(again, v):
-                    raise _NotExact()
-                err_num += float(np.sum((again.astype(np.float64) - v) ** 2))
-                err_den += float(np.sum(v.astype(np.float64) ** 2))
-                out[:, at:at + down_b] = rows
+            out[:, at:at + down_b] = down_rows[ids]
             fh.write(out.tobytes())
-        del values
+        del down_rows
     error = (err_num / err_den) ** 0.5 if err_den > 0 else 0.0
     return dataclasses.replace(spec, down_error=error)
 
@@ -318,14 +339,7 @@ def _write_file(dest: Path, ckpt, spec: BundleSpec, order: np.ndarray, progress:
     with cache.atomic_file(dest) as tmp:
         with open(tmp, "r+b") as fh:
             fh.truncate(spec.file_bytes)
-            try:
-                spec = _write(fh, ckpt, spec, order, progress)
-            except _NotExact:  # some later layer is not exact in the file's format
-                spec = _spec(ckpt.config, spec.model_fingerprint, spec.gate_qtype, spec.up_qtype,
-                             DOWN_FALLBACK, "requantized", order_sha256=order_sha)
-                fh.truncate(0)
-                fh.truncate(spec.file_bytes)
-                spec = _write(fh, ckpt, spec, order, progress)
+            spec = _write(fh, ckpt, spec, order, progress)
             fh.seek(0)
             fh.write(_header_bytes(spec))
             fh.flush()
@@ -350,7 +364,7 @@ def ensure(ckpt, frequencies=None, *, progress: bool = True, note=cache.note
     rebuilt with a message; a directory that cannot take the file is skipped with a message;
     when none can, a UserError names them."""
     fingerprint = model_fingerprint(ckpt.source)
-    want = plan(ckpt, fingerprint, decide_down=False)
+    want = plan(ckpt, fingerprint)
     places = candidates(ckpt.source)
     for path in places:  # an existing valid file anywhere wins
         if path.exists():
@@ -372,11 +386,10 @@ def ensure(ckpt, frequencies=None, *, progress: bool = True, note=cache.note
                         return path, spec, order
                 except BundleError:
                     pass
-                full = plan(ckpt, fingerprint)
-                note(f"writing the neuron bundle file {path} ({full.file_bytes / 2**30:.2f} GiB, "
+                note(f"writing the neuron bundle file {path} ({want.file_bytes / 2**30:.2f} GiB, "
                      "once)")
-                order = _order(frequencies, full.n_layers, full.n_neurons)
-                spec = _write_file(path, ckpt, full, order, progress)
+                order = _order(frequencies, want.n_layers, want.n_neurons)
+                spec = _write_file(path, ckpt, want, order, progress)
                 return path, spec, order
         except (OSError, UserError) as e:  # UserError: cache.lock's unwritable directory
             reason = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)

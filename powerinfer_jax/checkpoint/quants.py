@@ -193,9 +193,13 @@ def check_down_groups(qtype: str, d: int, f: int) -> tuple[int, int]:
     return block_size(qtype)[1], _SCALE_BYTES[qtype]
 
 
-def down_groups(blocks: np.ndarray, qtype: str, d: int, f: int) -> np.ndarray:
-    """ffn_down as the file stores it, uint8 [D, row_bytes(qtype, F)] -> its down groups, uint8
-    [F / 32, D * block bytes] (the layout above)."""
+def down_codes(blocks: np.ndarray, qtype: str, d: int, f: int) -> tuple[np.ndarray, np.ndarray]:
+    """ffn_down as the file stores it, uint8 [D, row_bytes(qtype, F)] -> (the down groups' scale
+    planes, uint8 [F / 32, scale bytes * D]; every neuron's *code row*, uint8 [F, D / 32 *
+    (block bytes - scale bytes)]: its quant bytes along D, D / 32 runs of a block's quant bytes
+    for 32 consecutive d, packed as the format packs a block). The pieces of a down group (the
+    layout above), split so that a neuron's part lies alone: a neuron store keeps each code row
+    in its neuron's bundle and the planes in memory (checkpoint/bundles.py)."""
     nb, sb = check_down_groups(qtype, d, f)
     g = f // 32
     b = np.asarray(blocks, np.uint8)
@@ -204,13 +208,20 @@ def down_groups(blocks: np.ndarray, qtype: str, d: int, f: int) -> np.ndarray:
     b = b.reshape(d, g, nb)
     planes = b[:, :, :sb].reshape(d, g, sb // 2, 2).transpose(1, 2, 0, 3).reshape(g, sb * d)
     codes = _unpack_quants(b[:, :, sb:], qtype).transpose(1, 2, 0)  # [G, 32 neurons, D]
-    if qtype in DOWN_PAIR_TYPES:
-        # [G, pair, neuron of pair, chunk, half, d in half] -> [G, pair, chunk, d in half, neuron]
-        c = codes.reshape(g, 16, 2, d // 32, 2, 16).transpose(0, 1, 3, 4, 5, 2)
-        rows = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(g, -1)
-    else:
-        rows = _pack_quants(codes.reshape(g, 32, d // 32, 32), qtype).reshape(g, -1)
-    return np.concatenate([planes, rows], axis=1)
+    rows = _pack_quants(codes.reshape(f, d // 32, 32), qtype).reshape(f, -1)
+    return np.ascontiguousarray(planes), np.ascontiguousarray(rows)
+
+
+def down_groups(blocks: np.ndarray, qtype: str, d: int, f: int) -> np.ndarray:
+    """ffn_down as the file stores it, uint8 [D, row_bytes(qtype, F)] -> its down groups, uint8
+    [F / 32, D * block bytes] (the layout above): the scale planes, then the 32 neurons' code rows
+    (down_codes), for the 4-bit formats as pair rows: byte k of a pair row's run c is byte k // 2
+    of run c of neuron 2p + k % 2's code row."""
+    planes, rows = down_codes(blocks, qtype, d, f)
+    g = f // 32
+    if qtype in DOWN_PAIR_TYPES:  # [G, pair, neuron of pair, run, byte] -> [G, pair, run, byte, neuron]
+        rows = rows.reshape(g, 16, 2, d // 32, 16).transpose(0, 1, 3, 4, 2)
+    return np.concatenate([planes, rows.reshape(g, -1)], axis=1)
 
 
 def down_groups_to_file(groups: np.ndarray, qtype: str, d: int, f: int) -> np.ndarray:

@@ -69,6 +69,7 @@ class NeuronStore:
             str(path), L, F, spec.dim, spec.gated,
             quants.type_id(spec.gate_qtype) if spec.gated else 0, quants.type_id(spec.up_qtype),
             quants.type_id(spec.down_qtype), spec.slot_bytes, spec.data_offset,
+            spec.down_source == "groups", spec.planes_offset, spec.planes_stride,
             np.ascontiguousarray(position.ravel()), np.ascontiguousarray(hot.ravel(), np.uint8),
             flat(prior), flat(b_up), self.cache_slots, settings.policy, settings.readers,
             settings.max_gap, settings.max_read_bytes, settings.direct))

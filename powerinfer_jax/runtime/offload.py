@@ -8,7 +8,8 @@ with mmap ends up read from disk every token):
     neurons that fire most, by profiled frequency, chosen over all layers at once as
     sparsity/placement.py chooses hot neurons: equal bundle sizes make the most frequent K the
     optimum) and its dynamic part (a cache of `cache_slots` neurons with an eviction policy),
-    plus its tables and the kernel's scratch.
+    plus its tables, the kernel's scratch and, on llama.cpp's GGUF, the scales of its down
+    projection (the down groups' planes: the store sums down rows as the in-memory kernel does).
 Every other neuron is read per token, only when the layer's active set (the predictor's) needs
 it, from the model's neuron bundle file (checkpoint/bundles.py), overlapped with the compute of
 the resident ones (cpu_backend/disk_ffn.h).
@@ -64,10 +65,11 @@ MODES = ("dense", "oracle", "powerinfer")
 # sets drift (real models; the synthetic one fires by a fixed prior).
 DEFAULT_CACHE_SHARE = 0.25
 # bytes per (layer, neuron) key and per dynamic slot of the store's tables (neuron_store.h,
-# neuron_cache.h): position, hot flag, prior, static slot, cache index; a slot's key, ranks,
-# heap entries, state, pins and flags
+# neuron_cache.h): position, hot flag, prior, static slot, cache index; a slot's key (8), last
+# use and uses (16), pins (4), heap flag (1), heap entry (24), free-list entry (4), read state
+# (4) and prefetch flag (1)
 TABLE_BYTES_PER_KEY = 17
-TABLE_BYTES_PER_SLOT = 49
+TABLE_BYTES_PER_SLOT = 62
 # the store's static and dynamic arenas, from HUGE_MIN bytes on, are on 2 MiB huge pages: at most
 # one more page each (cpu_backend/neuron_store.cc Arena)
 HUGE_PAGE, HUGE_MIN = 2 << 20, 32 << 20
@@ -84,9 +86,12 @@ class Offload:
 
     def stats(self) -> dict:
         """The store's counters (ops.neuron_store: since it opened or the last reset) and rates:
-        hit_rate = (static + cache hits) / neurons requested, over every call; per_token: the
-        same over one-token calls (decode at batch 1), with the bytes their reads asked for per
-        token (tokens = those calls / layers)."""
+        hit_rate = (static + cache hits) / neurons requested (no read waited for: the neuron was
+        in memory or a read ahead had it in flight), over every call; per_token: the same over
+        one-token calls (decode at batch 1; tokens = those calls / layers), with
+        memory_hit_rate = the requests no read served at all (a read ahead's hits left out),
+        bytes_read = every byte those calls had read, their own and ahead for the next layer
+        (demand_bytes_read: their own)."""
         if self.store is None:
             return {}
         s = self.store.stats()
@@ -102,8 +107,12 @@ class Offload:
             "hit_rate": (one["static_hits"] + one["cache_hits"]) / one_req,
             "static_hit_rate": one["static_hits"] / one_req,
             "neurons_requested": one["requested"] / tokens if tokens else 0.0,
+            "memory_hit_rate": (one["static_hits"] + one["cache_hits"]
+                                - one["prefetch_hits"]) / one_req,
             "neurons_read": one["misses"] / tokens if tokens else 0.0,
-            "bytes_read": one["demand_bytes"] / tokens if tokens else 0.0}
+            "bytes_read": (one["demand_bytes"] + one["prefetch_bytes"]) / tokens if tokens
+            else 0.0,
+            "demand_bytes_read": one["demand_bytes"] / tokens if tokens else 0.0}
         return s
 
     def describe(self) -> dict:
@@ -149,11 +158,34 @@ def kv_bytes(config, *, kv_len: int, batch: int, dtype) -> int:
         np.dtype(dtype).itemsize
 
 
-def fits_in_memory(ckpt, budget: int, *, kv_len: int, batch: int, dtype) -> bool:
-    """Whether the whole model (its tensors as stored, the KV cache) fits the budget: then it
-    runs in memory as without --ram-budget."""
+_PREDICTOR = re.compile(r"blk\.\d+\.fc[12]\.weight")
+
+
+def predictor_bytes(sparsity, ckpt) -> int:
+    """The bytes of the PowerInfer predictors a powerinfer-mode model holds (blk.i.fc1 / fc2 of
+    --predictors, else of the model's file, from its header), 0 for other modes."""
+    # lazy: start-up (gguf only for GGUF files)
+    from powerinfer_jax.checkpoint.gguf import _open  # the loader's: a bad file named, with a fix
+
+    if sparsity.mode != "powerinfer":
+        return 0
+    path = Path(str(sparsity.predictor_file or ckpt.source))
+    if path.suffix != ".gguf" or not path.is_file():
+        return 0
+    return sum(t.n_bytes for t in _open(path).tensors if _PREDICTOR.fullmatch(t.name))
+
+
+def in_memory_bytes(ckpt, *, kv_len: int, batch: int, dtype, extra: int = 0) -> int:
+    """The whole model in memory: its tensors as stored, the KV cache and `extra` (predictors)."""
     return file_bytes(ckpt) + kv_bytes(ckpt.config, kv_len=kv_len, batch=batch,
-                                       dtype=dtype) <= budget
+                                       dtype=dtype) + extra
+
+
+def fits_in_memory(ckpt, budget: int, *, kv_len: int, batch: int, dtype, extra: int = 0) -> bool:
+    """The rule: a budget that holds the whole model (`in_memory_bytes`) runs it in memory, as
+    without --ram-budget (the fastest path: nothing is read from the disk, every array is the
+    in-memory kernel's); a smaller one offloads its FFN to a neuron store."""
+    return in_memory_bytes(ckpt, kv_len=kv_len, batch=batch, dtype=dtype, extra=extra) <= budget
 
 
 def check_mode(sparsity) -> None:
@@ -306,14 +338,17 @@ def attach(model, ckpt, *, budget: int, kv_len: int, batch: int, artifacts_root,
     path, spec, order = bundles.ensure(ckpt, freqs, progress=progress)
     keys = c.n_layers * c.d_ff
     scratch = 4 * (_PIECES * _TOKEN_CHUNK * c.d_model + keys // c.n_layers * _TOKEN_CHUNK)
-    slack = 2 * HUGE_PAGE if spec.n_neurons * spec.slot_bytes >= HUGE_MIN else 0
-    tables = TABLE_BYTES_PER_KEY * keys + scratch + slack
+    # the down groups' scale planes (bundles "groups"), in memory while the store is open
+    planes = spec.n_layers * spec.planes_stride
+    slack = (2 * HUGE_PAGE if spec.n_neurons * spec.slot_bytes >= HUGE_MIN else 0) + \
+        (HUGE_PAGE if planes >= HUGE_MIN else 0)
+    tables = TABLE_BYTES_PER_KEY * keys + scratch + slack + planes
     need = minimum_bytes(dense, spec, tables)
     if budget < need:
         gib = 1 << 30
         fail("--ram-budget", f"at least {need / gib:.3f} GiB ({need} bytes: the dense parts "
              f"{dense} incl. the KV cache at --max-seq-len {kv_len}, the neuron store's tables "
-             f"{tables} and one layer's neurons "
+             f"and down-group scales {tables} and one layer's neurons "
              f"{spec.n_neurons * (spec.slot_bytes + TABLE_BYTES_PER_SLOT)})",
              f"{budget / gib:.3f} GiB", "raise the budget or lower --max-seq-len")
     # slots cost their bytes and their table entries
@@ -342,7 +377,8 @@ def attach(model, ckpt, *, budget: int, kv_len: int, batch: int, artifacts_root,
                "n_layers": c.n_layers,
                "dense_bytes": dense, "table_bytes": tables + TABLE_BYTES_PER_SLOT * slots,
                "static_neurons": int(hot.sum()), "cache_slots": slots,
-               "neurons": keys, "slot_bytes": spec.slot_bytes, "bundle_file": str(path),
+               "neurons": keys, "slot_bytes": spec.slot_bytes, "planes_bytes": planes,
+               "bundle_file": str(path),
                "down_qtype": spec.down_qtype, "down_source": spec.down_source,
                "down_error": spec.down_error, "frequencies": source,
                "static_served_fraction": served, "policy": settings.policy,

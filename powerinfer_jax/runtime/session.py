@@ -282,8 +282,8 @@ def _build(model, runtime, sparsity, placement, artifacts_root, max_batch, progr
                 # the model holds its own copies now: the loader's (Q/K rows in RoPE order, a
                 # fifth of the dense bytes) go before the store takes its memory
                 _keep_only_ffn(ckpt)
-            offloaded = _offload(model, ckpt, m, runtime, placement, artifacts_root, max_batch,
-                                 ram, progress)
+            offloaded = _offload(model, ckpt, m, runtime, sparsity, placement, artifacts_root,
+                                 max_batch, ram, progress)
             placed = None
         else:
             placed = _place(model, ckpt, m, runtime, sparsity, placement, artifacts_root,
@@ -315,7 +315,8 @@ def _ram_mode(ckpt, runtime, sparsity, placement, max_batch, accel) -> str:
              "model is not built yet)", f"{accel or f'{runtime.devices} devices'}")
     if offload.fits_in_memory(ckpt, placement.ram_budget_bytes,
                               kv_len=kv_length(ckpt.config, runtime), batch=max_batch,
-                              dtype=jnp.dtype(runtime.dtype)):
+                              dtype=jnp.dtype(runtime.dtype),
+                              extra=offload.predictor_bytes(sparsity, ckpt)):
         return "memory"
     offload.check_mode(sparsity)
     check_quantized(ckpt)
@@ -338,7 +339,8 @@ def _offloaded_names(ckpt, ram) -> frozenset:
     return external_names(ckpt.config) if ram == "disk" else frozenset()
 
 
-def _offload(model_arg, ckpt, m, runtime, placement, artifacts_root, max_batch, ram, progress):
+def _offload(model_arg, ckpt, m, runtime, sparsity, placement, artifacts_root, max_batch, ram,
+             progress):
     """--ram-budget after the model is built: its arrays out of the file's pages, and (disk)
     the FFN pointed at a neuron store."""
     from powerinfer_jax.runtime import offload  # lazy: start-up
@@ -350,8 +352,9 @@ def _offload(model_arg, ckpt, m, runtime, placement, artifacts_root, max_batch, 
         copied, _ = offload.make_anonymous(m)
         import jax.numpy as jnp
 
-        need = offload.file_bytes(ckpt) + offload.kv_bytes(
-            ckpt.config, kv_len=kv_len, batch=max_batch, dtype=jnp.dtype(runtime.dtype))
+        need = offload.in_memory_bytes(ckpt, kv_len=kv_len, batch=max_batch,
+                                       dtype=jnp.dtype(runtime.dtype),
+                                       extra=offload.predictor_bytes(sparsity, ckpt))
         return offload.Offload(store=None, summary={
             "mode": "memory", "budget_bytes": budget, "resident_bytes": need,
             "copied_from_file_bytes": copied})

@@ -28,6 +28,9 @@ class OffloadCollector:
         yield GaugeMetricFamily("pij_neuron_hit_rate", "(static + cache hits) / requested, "
                                 "since the model loaded", value=s["hit_rate"])
         yield GaugeMetricFamily("pij_neuron_read_bytes_per_token", "bytes read per decoded token "
-                                "(one-token steps)", value=s["per_token"]["bytes_read"])
+                                "(one-token steps; their reads ahead included)",
+                                value=s["per_token"]["bytes_read"])
+        yield GaugeMetricFamily("pij_neuron_memory_hit_rate", "one-token steps' requests no read "
+                                "served, ahead or not", value=s["per_token"]["memory_hit_rate"])
         yield GaugeMetricFamily("pij_neuron_resident_bytes", "the store's static and dynamic "
                                 "parts", value=s["resident_bytes"])
