@@ -4,8 +4,8 @@ After `apply_placement`, layer l's FFN keeps rows [0, hot[l]) as ordinary (accel
 [hot[l], F) go, on a GPU with the CUDA build, into the CUDA module's host store (registered once,
 named by a handle attribute; one hybrid custom call per layer runs hot rows in CUDA kernels and cold
 rows on the host pool), and otherwise into `HostRows` operands (the CPU-only hybrid: hot rows with
-XLA, cold rows through the FFI custom call). See models/ffn.py (FFN.split, FFN.hybrid). No index
-remapping happens at run time.
+XLA, cold rows through the FFI custom call). See models/ffn.py (FFN.split; CpuHybrid,
+CudaHybrid). No index remapping happens at run time.
 """
 from __future__ import annotations
 
