@@ -24,7 +24,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from powerinfer_jax.checkpoint import gguf_arch, quants
-from powerinfer_jax.checkpoint.gguf_file import GGUFFile, GGUFFormatError
+from powerinfer_jax.checkpoint.gguf_file import (GGUFFile, GGUFFormatError,
+                                                 release_mapped_pages)
 from powerinfer_jax.checkpoint.base import (Checkpoint, DeferredQuantTensor, QuantTensor,
                                             check_params, expected_shapes, rope_permute,
                                             rope_unpermute, unsupported_architecture)
@@ -120,8 +121,6 @@ def _canonical(value, src):
         # arranged: checkpoint/interleaved_file.py); the file's pages it reads leave the resident
         # set once it is made, as the interleaved copies' do
         def unpermuted(rows=data, heads=src.heads):
-            from powerinfer_jax.checkpoint.gguf_file import release_mapped_pages
-
             out = np.ascontiguousarray(rope_unpermute(rows, heads))
             release_mapped_pages(rows)
             return out

@@ -180,6 +180,7 @@ class _Load:
                 jobs.append(job[:3])
         if not jobs:
             return
+        # lazy: start-up (gguf only for GGUF files)
         from powerinfer_jax.checkpoint.gguf_file import file_page_spans, release_spans
         from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
