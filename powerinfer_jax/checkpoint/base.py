@@ -130,11 +130,37 @@ class QuantTensor:
         return QuantTensor(blocks, qtype, tuple(self.shape), transposed=False)
 
 
+class DeferredQuantTensor(QuantTensor):
+    """A QuantTensor whose blocks are made on first use (`make()`, once), not when the file is
+    read: Q/K rows put back in HF's RoPE order are a copy (a sixth of a Llama's attention and
+    FFN bytes), which a load that takes those matrices already arranged (the interleaved copy
+    beside the model, checkpoint/interleaved_file.py) never needs. Everything else reads it as
+    any QuantTensor (its blocks are made then)."""
+
+    def __init__(self, make, qtype: str, shape: tuple[int, ...], transposed: bool = False):
+        object.__setattr__(self, "_make", make)
+        object.__setattr__(self, "_made", None)
+        object.__setattr__(self, "qtype", qtype)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "transposed", transposed)
+
+    @property
+    def blocks(self):
+        if self._made is None:
+            object.__setattr__(self, "_made", self._make())
+            object.__setattr__(self, "_make", None)  # what it closed over (the file's rows) goes
+        return self._made
+
+
 def _register_pytree() -> None:
     import jax
 
     jax.tree_util.register_dataclass(QuantTensor, data_fields=["blocks"],
                                      meta_fields=["qtype", "shape", "transposed"])
+    # flattened as its blocks (made then); unflattened as a plain QuantTensor
+    jax.tree_util.register_pytree_node(
+        DeferredQuantTensor, lambda t: ((t.blocks,), (t.qtype, t.shape, t.transposed)),
+        lambda aux, children: QuantTensor(children[0], *aux))
 
 
 _register_pytree()

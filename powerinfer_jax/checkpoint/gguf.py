@@ -24,10 +24,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from powerinfer_jax.checkpoint import gguf_arch, quants
-from powerinfer_jax.checkpoint.gguf_file import GGUFFile, GGUFFormatError
-from powerinfer_jax.checkpoint.base import (Checkpoint, QuantTensor, check_params,
-                                            expected_shapes, rope_permute, rope_unpermute,
-                                            unsupported_architecture)
+from powerinfer_jax.checkpoint.gguf_file import (GGUFFile, GGUFFormatError,
+                                                 release_mapped_pages)
+from powerinfer_jax.checkpoint.base import (Checkpoint, DeferredQuantTensor, QuantTensor,
+                                            check_params, expected_shapes, rope_permute,
+                                            rope_unpermute, unsupported_architecture)
 from powerinfer_jax.checkpoint.registry import is_registry_file
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.errors import UserError
@@ -115,6 +116,16 @@ def _canonical(value, src):
     move whole, so a QuantTensor's blocks move with them."""
     quantized = isinstance(value, QuantTensor)
     data = value.blocks if quantized else value
+    if quantized and src.kind == "rope" and data.ndim == 2:
+        # a copy, made only where the rows are read (not where the model maps them already
+        # arranged: checkpoint/interleaved_file.py); the file's pages it reads leave the resident
+        # set once it is made, as the interleaved copies' do
+        def unpermuted(rows=data, heads=src.heads):
+            out = np.ascontiguousarray(rope_unpermute(rows, heads))
+            release_mapped_pages(rows)
+            return out
+
+        return DeferredQuantTensor(unpermuted, value.qtype, tuple(value.shape))
     if src.kind == "rope":
         data = rope_unpermute(data, src.heads)
     elif src.kind == "rows":

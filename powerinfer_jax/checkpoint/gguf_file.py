@@ -285,33 +285,52 @@ def release_mapped_pages(*arrays) -> int:
     file, unchanged; any other memory (anonymous, private or writable) is left alone, because
     MADV_DONTNEED would zero or discard it. Several arrays share one read of the process's
     mappings. Returns the bytes released (0 off Linux)."""
+    return release_spans([s for s in file_page_spans(*arrays) if s is not None])
+
+
+def file_page_spans(*arrays) -> list[tuple[int, int] | None]:
+    """Per array, the span [lo, hi) of its whole pages when they lie in one read-only shared
+    file mapping (what `release_spans` may drop), else None. Read while the arrays (and so
+    their mappings) are alive; the spans stay valid as long as the arrays do. One read of the
+    process's mappings for all of them; all None off Linux."""
     import sys
 
     if not sys.platform.startswith("linux"):
+        return [None] * len(arrays)
+    page = mmap.PAGESIZE
+    wanted = []
+    for array in arrays:
+        a = np.asarray(array)
+        span = None
+        if a.size and (a.flags.c_contiguous or a.flags.f_contiguous):
+            start = a.__array_interface__["data"][0]
+            lo, hi = -(-start // page) * page, (start + a.nbytes) // page * page
+            span = (lo, hi) if hi > lo else None
+        wanted.append(span)
+    if not any(wanted):
+        return wanted
+    mappings = _mappings()  # read once, while every array (and so its mapping) is alive
+    out = []
+    for span in wanted:
+        # one mapping, a file's (inode), shared and not writable: how GGUFFile maps a file
+        m = None if span is None else mapping_at(span[0], mappings)
+        ok = (m is not None and span[1] <= m.end and m.perms[1] == "-" and m.perms[3] == "s"
+              and m.inode != 0)
+        out.append(span if ok else None)
+    return out
+
+
+def release_spans(spans) -> int:
+    """MADV_DONTNEED over spans from `file_page_spans` (only those: other memory would lose its
+    contents). Returns the bytes released."""
+    if not spans:
         return 0
     import ctypes
 
-    page = mmap.PAGESIZE
-    spans = []
-    for array in arrays:
-        a = np.asarray(array)
-        if a.size == 0 or not (a.flags.c_contiguous or a.flags.f_contiguous):
-            continue
-        start = a.__array_interface__["data"][0]
-        lo, hi = -(-start // page) * page, (start + a.nbytes) // page * page
-        if hi > lo:
-            spans.append((lo, hi))
-    if not spans:
-        return 0
-    mappings = _mappings()  # read once, while every array (and so its mapping) is alive
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     released = 0
     for lo, hi in spans:
-        # one mapping, a file's (inode), shared and not writable: how GGUFFile maps a file
-        m = mapping_at(lo, mappings)
-        if m is None or hi > m.end or m.perms[1] != "-" or m.perms[3] != "s" or m.inode == 0:
-            continue
         if libc.madvise(lo, hi - lo, mmap.MADV_DONTNEED) == 0:
             released += hi - lo
     return released

@@ -225,7 +225,7 @@ def param_names(config: ModelConfig) -> list[str]:
 def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=F32,
                 kernels: str = "auto", ffn_layout: FfnLayout = DENSE_LAYOUT,
                 quantized: bool | None = None, external: frozenset[str] = frozenset(),
-                **options) -> Transformer:
+                copies=None, **options) -> Transformer:
     """Build a Transformer from canonical named arrays (e.g. a loaded checkpoint).
 
     Matrices take `dtype`; norms and biases stay float32. Block-quantized tensors
@@ -238,8 +238,10 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
     on them, slowly; tests). Missing, unexpected or misshaped tensors are a ValueError naming
     them. kernels: see models/layers.py ("auto": the custom calls on CPU); external: tensors
     whose rows live outside the model (an offloaded FFN's neuron store, runtime/offload.py):
-    never read here, their Params left shape-only for the caller to set. options:
-    Transformer's decode_attention and fuse_qkv.
+    never read here, their Params left shape-only for the caller to set. copies: the model's
+    interleaved copies kept in a file (checkpoint/interleaved_file.InterleavedFile): the matvec
+    matrices it holds are mapped from it (their file rows never read), the others made and
+    handed to it to keep. options: Transformer's decode_attention and fuse_qkv.
     """
     kernels = resolve_kernels(kernels)
     blocks = {name: t for name, t in params.items()
@@ -262,10 +264,15 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
         if got != shape:
             raise ValueError(f"tensor {name}: expected shape {shape}, got {got}")
 
+    matvec = {name: t for name, t in blocks.items()
+              if _layout(name, t, config, ffn_layout) == MATVEC}
+    mapped = {}  # name -> the file's interleaved blocks
+    if copies is not None:
+        mapped = {name: b for name, t in matvec.items() if (b := copies.get(name, t)) is not None}
     with batched_load() as load:
         # the interleaved copies are made on the pool while Python builds the modules below
-        load.interleave_ahead((t.blocks, t.qtype) for name, t in blocks.items()
-                              if _layout(name, t, config, ffn_layout) == MATVEC)
+        load.interleave_ahead((t.blocks, t.qtype) for name, t in matvec.items()
+                              if name not in mapped)
         with shapes_only():
             model = Transformer(config, dtype=dtype, kernels=kernels, **options)
         # each placeholder Param is found by its name and given its value in place: walking the
@@ -276,14 +283,21 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
                 var.set_value(jnp.asarray(np.asarray(params[name]),
                                           dtype=var.get_value().dtype))
         for name, t in blocks.items():
-            _load_quantized(model, name, t, ffn_layout)
+            if name in mapped:
+                w = QWeight(mapped[name], t.qtype, MATVEC, interleaved=True)
+            else:
+                w = arrange(t, _layout(name, t, config, ffn_layout),
+                            down_qtype=ffn_layout.down_qtype)
+                if copies is not None and name in matvec and w.interleaved:
+                    copies.add(name, w.blocks, w.qtype)
+            _load_quantized(model, name, w)
         for name, t in expert_blocks.items():
             _at(model, name.rsplit(".", 1)[0]).load(t)  # the experts' Stacked matrix
     return model
 
 
 def _layout(name: str, t, config: ModelConfig, ffn_layout: FfnLayout) -> str:
-    """The layout `_load_quantized` arranges tensor `name` (QuantTensor t) in: MATVEC for every
+    """The layout from_params arranges tensor `name` (QuantTensor t) in: MATVEC for every
     matrix read whole (attention, the LM head, the token embedding when it is the LM head too),
     ROWS for an untied embedding (looked up by rows), the FFN's as `ffn_layout` says (a
     neuron-major down projection, PowerInfer's ffn_down_t, is ROWS whatever the plan: it is no
@@ -312,10 +326,9 @@ def _variable(model: Transformer, name: str) -> nnx.Variable:
                else name.replace("ffn.down.bias", "ffn.down_t.bias"))
 
 
-def _load_quantized(model: Transformer, name: str, t, ffn_layout: FfnLayout) -> None:
-    """Put a QuantTensor's blocks, arranged for how they are read, into the module that owns
-    canonical param `name`."""
-    w = arrange(t, _layout(name, t, model.config, ffn_layout), down_qtype=ffn_layout.down_qtype)
+def _load_quantized(model: Transformer, name: str, w: QWeight) -> None:
+    """Put a QuantTensor's blocks, arranged for how they are read (`arrange`), into the module
+    that owns canonical param `name`."""
     if name == "tok_embed":
         model.tok_embed.set_value(host_blocks(w.blocks))
         model.embed_qtype, model.embed_interleaved = w.qtype, w.interleaved

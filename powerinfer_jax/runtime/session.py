@@ -214,6 +214,19 @@ def _from_snapshot(snap, model, runtime, sparsity, placement, artifacts_root, ma
     return session
 
 
+def _interleaved_file(ckpt, accel, runtime: RuntimeConfig):
+    """The GGUF's interleaved copies kept beside it (checkpoint/interleaved_file.py), for a
+    model whose quantized matrices stay blocks on this host (the CPU's custom calls), or None."""
+    from powerinfer_jax.checkpoint import interleaved_file  # lazy: start-up
+    from powerinfer_jax.checkpoint.base import QuantTensor  # lazy: start-up
+
+    if (accel is not None or runtime.devices is not None or not interleaved_file.enabled()
+            or not Path(ckpt.source).is_file()
+            or not any(isinstance(t, QuantTensor) for t in ckpt.params.values())):
+        return None
+    return interleaved_file.InterleavedFile(ckpt.source)
+
+
 def _check_context(runtime: RuntimeConfig, config: ModelConfig) -> None:
     if runtime.max_seq_len is not None and runtime.max_seq_len > config.max_seq_len:
         fail("max_seq_len", f"at most {config.max_seq_len} (the model's context)",
@@ -266,10 +279,13 @@ def _build(model, runtime, sparsity, placement, artifacts_root, max_batch, progr
 
         # quantized matrices arranged once for how the mode reads them (models/qweights.py)
         layout = modes.ffn_layout(sparsity, ckpt.config)
+        copies = _interleaved_file(ckpt, accel, runtime)
         m = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(runtime.dtype),
                         kernels=runtime.kernels, decode_attention=runtime.decode_attention,
-                        fuse_qkv=runtime.fuse_qkv,
+                        fuse_qkv=runtime.fuse_qkv, copies=copies,
                         ffn_layout=layout, external=_offloaded_names(ckpt, ram))
+        if copies is not None:
+            copies.save()
         if ram == "disk":
             from powerinfer_jax.runtime.offload import stub_ffns  # lazy: start-up
 

@@ -1,0 +1,217 @@
+"""A GGUF's matrices interleaved by 16 (models/qweights.py: the matvec kernels' layout), kept in
+a file beside the model, so that a later load maps them as llama.cpp maps its file instead of
+making the copies again.
+
+Why: a dense load arranges every matrix it reads whole (attention, the FFN, the LM head) into
+fresh memory: on a 7B Q4_0 (3.9 GB) that was most of the 4.1 s build, first touches of 3.6 GB of
+anonymous memory included, and the copies stay resident beside whatever of the file is. Mapped
+from this file, the load is an mmap and a page-in, and the weights are in memory once (their file
+pages, shared and dropped by the kernel under pressure like the GGUF's own).
+
+When: written after a build that found no usable file, for models whose interleaved bytes are at
+least MIN_BYTES (smaller ones are kept whole by the model snapshot, runtime/snapshot.py, whose
+start-up skips the build too); read whenever present. POWERINFER_JAX_INTERLEAVED_FILE=0 turns both
+off (a read-only or small disk: the file is ~the size of the model).
+
+Where: next to the model (`<model>.pij-interleaved`), or where that directory is not writable in
+the cache directory (`interleaved/<fingerprint>-<model>.pij-interleaved`), as the neuron bundle
+file (checkpoint/bundles.py) is placed.
+
+Layout (little endian): magic b"PIJINTLV", format u32, header JSON bytes u32, the header JSON
+(the model file's identity, per matrix its base format, block shape and offset from the data's
+start, the first multiple of ALIGN after the header), then each matrix's interleaved blocks at a
+multiple of ALIGN (a page: the model's arrays alias them).
+
+A file is used only if its content record (powerinfer_jax.cache: size, mtime, sampled and full
+sha256) checks out, its header parses and names this model file (size, mtime and
+bundles.model_fingerprint: its header and sampled blocks) and this FORMAT, and every matrix lies
+within it; otherwise one line says why and it is written again. Writes take the entry's lock and
+go to a temporary name renamed into place, the record written under the same lock (readers take
+it shared): two processes never interleave their bytes, and a reader never pairs a file with
+another's record. As with the GGUF, a file truncated in place under a running model faults; one
+replaced (renamed over it, as here) does not.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from powerinfer_jax import cache
+from powerinfer_jax.errors import UserError
+
+FORMAT = 1  # bump when the layout or the interleaving changes
+SUFFIX = ".pij-interleaved"
+MAGIC = b"PIJINTLV"
+ALIGN = 4096
+ENV = "POWERINFER_JAX_INTERLEAVED_FILE"
+# runtime/snapshot.MAX_BYTES (tests/test_checkpoint_interleaved_file.py checks they agree): below
+# it the snapshot keeps the whole built model
+MIN_BYTES = 512 << 20
+_PREFIX = struct.Struct("<8sII")
+_FREE_MARGIN = 1 << 30  # left free on the disk after the file
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def model_key(path: Path) -> dict:
+    """The model file's identity: size, mtime and fingerprint (header and sampled blocks)."""
+    from powerinfer_jax.checkpoint.bundles import model_fingerprint  # lazy: start-up
+
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "fingerprint": model_fingerprint(path)}
+
+
+class InterleavedFile:
+    """One model's interleaved copies: those mapped from its file (`get`), and those a build made
+    without it (`add`), written by `save`."""
+
+    def __init__(self, model_path, *, note=cache.note):
+        self.model = Path(model_path).resolve()
+        self.key = model_key(self.model)
+        self.note = note
+        name = self.model.name + SUFFIX
+        self.places = [self.model.parent / name,
+                       cache.cache_dir() / "interleaved" / f"{self.key['fingerprint'][:16]}-{name}"]
+        self.path: Path | None = None  # the file mapped
+        self._tensors: dict = {}  # name -> header entry
+        self._data = None  # np.memmap of self.path
+        self._made: dict = {}  # name -> (blocks, base qtype)
+        for path in self.places:
+            if path.is_file() and self._open(path):
+                break
+
+    def _open(self, path: Path) -> bool:
+        with cache.lock(path, shared=True):
+            reason = cache.check_file(path)
+            if reason is None:
+                try:
+                    self._data, self._tensors = _read(path, self.key)
+                    self.path = path
+                    return True
+                except (OSError, ValueError, KeyError, TypeError) as e:
+                    reason = f"unreadable ({type(e).__name__}: {e})"
+        self.note(f"interleaved copy {path} is {reason}; writing it again")
+        return False
+
+    def get(self, name: str, t):
+        """The interleaved blocks of `t` (checkpoint.base.QuantTensor, canonical param `name`),
+        mapped read-only from the file, or None (not there, or of another format or shape)."""
+        entry = self._tensors.get(name)
+        if entry is None or entry["qtype"] != t.qtype:
+            return None
+        rows, cols = t.stored_shape
+        from powerinfer_jax.checkpoint import quants  # lazy: start-up
+
+        shape = (rows, quants.row_bytes(t.qtype, cols))
+        if tuple(entry["shape"]) != shape:
+            return None
+        at, n = entry["offset"], shape[0] * shape[1]
+        return self._data[at:at + n].reshape(shape)
+
+    def add(self, name: str, blocks, qtype: str) -> None:
+        """Keep a copy the build made (interleaved blocks of base format `qtype`) for `save`."""
+        self._made[name] = (blocks, qtype)
+
+    def made_bytes(self) -> int:
+        return sum(np.asarray(b).nbytes for b, _ in self._made.values())
+
+    def save(self, min_bytes: int | None = None) -> Path | None:
+        """Write the copies `add` kept, with those mapped from a file (a build in another mode
+        arranged other matrices), when they are at least `min_bytes` (default MIN_BYTES): next
+        to the model, else in the cache directory (a line says why a place was skipped).
+        Returns where it was written, or None."""
+        if not self._made or self.made_bytes() < (MIN_BYTES if min_bytes is None else min_bytes):
+            return None
+        kept = {name: (self._data[e["offset"]:e["offset"] + e["shape"][0] * e["shape"][1]]
+                       .reshape(e["shape"]), e["qtype"]) for name, e in self._tensors.items()}
+        self._made = {**kept, **self._made}
+        for i, path in enumerate(self.places):
+            try:
+                with cache.lock(path, "the interleaved copy"):
+                    if cache.check_file(path) is None:  # another process wrote it meanwhile
+                        try:
+                            if set(_read(path, self.key)[1]) >= set(self._made):
+                                return path
+                        except (OSError, ValueError, KeyError, TypeError):
+                            pass
+                    self._write(path)
+                    return path
+            except (OSError, UserError) as e:  # UserError: cache.lock's unwritable directory
+                reason = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
+                then = ("; trying the cache directory" if i + 1 < len(self.places)
+                        else "; each load interleaves the model again")
+                self.note(f"cannot write the interleaved copy in {path.parent}: {reason}{then}")
+        return None
+
+    def _write(self, dest: Path) -> None:
+        index, offset = {}, 0
+        for name, (blocks, qtype) in self._made.items():
+            b = np.asarray(blocks)
+            index[name] = {"qtype": qtype, "shape": list(b.shape), "offset": offset}
+            offset = _round_up(offset + b.nbytes, ALIGN)
+        header = {"format": FORMAT, "model": self.key, "tensors": index}
+        text = json.dumps(header).encode()
+        start = _round_up(_PREFIX.size + len(text), ALIGN)  # offsets count from here
+        total = start + offset
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(dest.parent).free
+        if free < total + _FREE_MARGIN:
+            raise OSError(errno.ENOSPC, f"{total} bytes needed, {free} free")
+        h = hashlib.sha256()
+        with cache.atomic_file(dest) as tmp, open(tmp, "wb") as f:
+            def write(b):
+                f.write(b)
+                h.update(b)
+
+            write(_PREFIX.pack(MAGIC, FORMAT, len(text)) + text)
+            pos = _PREFIX.size + len(text)
+            for name, (blocks, _) in self._made.items():
+                at = start + index[name]["offset"]
+                write(b"\0" * (at - pos))
+                data = np.ascontiguousarray(blocks).reshape(-1)
+                write(memoryview(data))
+                pos = at + data.nbytes
+            write(b"\0" * (total - pos))
+            f.flush()
+            os.fsync(f.fileno())
+        cache.write_record(dest, h.hexdigest())
+        self.note(f"wrote the interleaved copy {dest} ({total / 2**30:.2f} GiB, once: later "
+                  f"loads map it; {ENV}=0 turns it off)")
+
+
+def _read(path: Path, key: dict) -> tuple[np.memmap, dict]:
+    """(the file mapped read-only, its matrices' entries), or ValueError saying what is wrong."""
+    with open(path, "rb") as f:
+        magic, fmt, n = _PREFIX.unpack(f.read(_PREFIX.size))
+        if magic != MAGIC:
+            raise ValueError(f"expected the magic {MAGIC!r}, got {magic!r}")
+        if fmt != FORMAT:
+            raise ValueError(f"expected format {FORMAT}, got {fmt}")
+        header = json.loads(f.read(n))
+    start = _round_up(_PREFIX.size + n, ALIGN)
+    if header.get("model") != key:
+        raise ValueError("written for another model file (its size, mtime or contents differ)")
+    data = np.memmap(path, np.uint8, "r")
+    tensors = {}
+    for name, e in header["tensors"].items():
+        rows, row_bytes = e["shape"]
+        at = start + e["offset"]
+        if at % ALIGN or at + rows * row_bytes > data.size:
+            raise ValueError(f"{name} at byte {at} ({rows * row_bytes} bytes) does not lie "
+                             f"within the file's {data.size} bytes")
+        tensors[name] = {**e, "offset": at}
+    return data, tensors
