@@ -45,7 +45,7 @@ def _notes():
     return lines, lines.append
 
 
-def test_a_model_from_the_file_computes_the_same_logits_and_maps_it(gguf):
+def test_a_model_from_the_file_computes_the_same_logits_and_reads_it(gguf):
     plain, _, _ = _logits(gguf)
     lines, note = _notes()
     first = interleaved_file.InterleavedFile(gguf, note=note)
@@ -58,7 +58,13 @@ def test_a_model_from_the_file_computes_the_same_logits_and_maps_it(gguf):
     np.testing.assert_array_equal(made, plain)
     np.testing.assert_array_equal(mapped, plain)
     weight = np.asarray(m.layers[0].attn.q.weight[...])
-    assert mapping_at(weight.ctypes.data).path == str(again.path)  # the file's pages, no copy
+    # read from the file into anonymous memory (its mapped 4 KiB pages streamed 24% slower)
+    assert weight.ctypes.data % 64 == 0
+    where = mapping_at(weight.ctypes.data)
+    assert where is None or where.path != str(again.path)
+    entry = again._tensors["layers.0.attn.q.weight"]
+    np.testing.assert_array_equal(
+        weight.reshape(-1), again._data[entry["offset"]:entry["offset"] + weight.nbytes])
     rope = q.params["layers.0.attn.q.weight"]
     assert isinstance(rope, DeferredQuantTensor) and rope._made is None  # never put in order
     assert again.save(min_bytes=0) is None  # nothing new: left as it is

@@ -266,9 +266,9 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
 
     matvec = {name: t for name, t in blocks.items()
               if _layout(name, t, config, ffn_layout) == MATVEC}
-    mapped = {}  # name -> the file's interleaved blocks
+    mapped = {}  # name -> the file's interleaved blocks, read into memory
     if copies is not None:
-        mapped = {name: b for name, t in matvec.items() if (b := copies.get(name, t)) is not None}
+        mapped = copies.read(matvec)
     with batched_load() as load:
         # the interleaved copies are made on the pool while Python builds the modules below
         load.interleave_ahead((t.blocks, t.qtype) for name, t in matvec.items()
