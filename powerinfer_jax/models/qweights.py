@@ -210,8 +210,7 @@ class _Load:
             return None
         del self._ahead[id(blocks)]
         self.finish()
-        self.stats["claimed"] += 1
-        self.pending.append(blocks)  # at the end: what the pool did not release (edge pages)
+        self.stats["claimed"] += 1  # (its file pages: released by the pool once it was made)
         return entry[1], entry[2]
 
     def finish(self) -> None:

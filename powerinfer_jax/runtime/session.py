@@ -220,8 +220,11 @@ def _interleaved_file(ckpt, accel, runtime: RuntimeConfig):
     from powerinfer_jax.checkpoint import interleaved_file  # lazy: start-up
     from powerinfer_jax.checkpoint.base import QuantTensor  # lazy: start-up
 
+    # a file under MIN_BYTES never holds that many interleaved bytes, so none is kept for it
+    # (the snapshot keeps such models): no fingerprint of it read at every build
     if (accel is not None or runtime.devices is not None or not interleaved_file.enabled()
             or not Path(ckpt.source).is_file()
+            or Path(ckpt.source).stat().st_size < interleaved_file.MIN_BYTES
             or not any(isinstance(t, QuantTensor) for t in ckpt.params.values())):
         return None
     return interleaved_file.InterleavedFile(ckpt.source)
