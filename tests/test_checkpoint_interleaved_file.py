@@ -133,9 +133,9 @@ def test_a_place_that_cannot_take_the_file_is_said_and_the_next_one_used(gguf, t
     assert len(lines) == 2 and lines[1].endswith("; each load interleaves the model again")
 
 
-def test_a_session_writes_the_file_then_maps_it_with_the_same_tokens(gguf, monkeypatch):
+def test_a_session_writes_the_file_then_reads_it_with_the_same_tokens(gguf, monkeypatch):
     """Through pij.load (the snapshot off: it would skip the build): the first load writes the
-    file, the second maps it, with the tokens of a load without it."""
+    file, the second reads it, with the tokens of a load without it."""
     from powerinfer_jax.runtime import session
 
     monkeypatch.setattr(session, "_keeps_snapshot", lambda sparsity: False)
