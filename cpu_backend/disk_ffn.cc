@@ -12,6 +12,7 @@ namespace pij {
 namespace {
 
 using qsparse::kDownGroup;
+using qsparse::GateOn;
 using qsparse::kGateUpAhead;
 using qsparse::PrefetchL2;
 using qsparse::ZeroBelowZero;
@@ -60,9 +61,7 @@ void Activations(const LayerRows& r, const float* b_up, const DiskFfnParams& p,
       qsparse::NeuronDots<F, 2>(both_rows, n, next.size(), false, ux, ntok, l.dim, outs);
     });
     for (size_t j = 0; j < n; ++j) {
-      bool on = false;
-      for (int64_t t = 0; t < ntok; ++t) on |= !(gate[j * ntok + t] <= 0.0f);  // NaN: on
-      if (!on) std::fill_n(up + j * ntok, ntok, 0.0f);
+      if (!GateOn(gate + j * ntok, ntok)) std::fill_n(up + j * ntok, ntok, 0.0f);
     }
   } else if (l.gated && ZeroBelowZero(p.activation)) {
     // a_i is exactly 0 wherever relu(gate) is: up rows only of neurons some token turns on
@@ -73,9 +72,7 @@ void Activations(const LayerRows& r, const float* b_up, const DiskFfnParams& p,
     int64_t on_pos[kBlock];
     int64_t n_on = 0;
     for (size_t j = 0; j < n; ++j) {
-      bool on = false;
-      for (int64_t t = 0; t < ntok; ++t) on |= !(gate[j * ntok + t] <= 0.0f);  // NaN: on
-      if (on) {
+      if (GateOn(gate + j * ntok, ntok)) {
         on_pos[n_on] = static_cast<int64_t>(j);
         on_cs[n_on++] = cs[j];
       }

@@ -29,6 +29,14 @@ constexpr int64_t kCacheLine = 64;
 // Neurons ahead whose gate/up rows are requested while the current one's are read.
 constexpr size_t kGateUpAhead = 4;
 
+// Whether a neuron's gate turns on for some token: relu-family a_i is 0 wherever gate <= 0, so a
+// neuron off for every token needs no up row (NaN counts as on: it must reach the output).
+inline bool GateOn(const float* gate, int64_t ntok) {
+  bool on = false;
+  for (int64_t t = 0; t < ntok; ++t) on |= !(gate[t] <= 0.0f);
+  return on;
+}
+
 inline void PrefetchL2(const uint8_t* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += kCacheLine) __builtin_prefetch(p + off, 0, 2);
 }

@@ -12,6 +12,7 @@ namespace pij {
 namespace {
 
 using qsparse::kDownGroup;
+using qsparse::GateOn;
 using qsparse::kGateUpAhead;
 using qsparse::NumPieces;
 using qsparse::PrefetchL2;
@@ -92,9 +93,7 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
       ArrayDots<F, 2>(mats, neurons, next, s.up_views.data() + t0, ntok, w.dim, outs);
     });
     for (size_t j = 0; j < neurons.size(); ++j) {
-      bool on = false;
-      for (int64_t t = 0; t < ntok; ++t) on |= !(gate[j * ntok + t] <= 0.0f);  // NaN: on
-      if (!on) std::fill_n(up + j * ntok, ntok, 0.0f);
+      if (!GateOn(gate + j * ntok, ntok)) std::fill_n(up + j * ntok, ntok, 0.0f);
     }
   } else if (gated && ZeroBelowZero(p.activation)) {
     // relu(gate) is exactly 0 where gate <= 0, and so is a_i whatever the up row holds: read
@@ -116,9 +115,7 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
     int64_t on_pos[kEstimateBlock];
     int64_t n_on = 0;
     for (size_t j = 0; j < neurons.size(); ++j) {
-      bool on = false;
-      for (int64_t t = 0; t < ntok; ++t) on |= !(gate[j * ntok + t] <= 0.0f);  // NaN: on
-      if (on) {
+      if (GateOn(gate + j * ntok, ntok)) {
         on_pos[n_on] = static_cast<int64_t>(j);
         on_ids[n_on++] = neurons[j];
       }
