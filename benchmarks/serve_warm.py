@@ -31,7 +31,7 @@ from powerinfer_jax._machine import git_commit, machine_info
 
 REPO = Path(__file__).resolve().parents[1]
 
-LENGTHS = (8, 24, 48, 100, 200, 400, 1000, 2000)  # prompt tokens: buckets 16 .. 2048
+LENGTHS = (3, 8, 24, 48, 100, 200, 400, 1000, 2000)  # prompt tokens: buckets 4 .. 2048
 
 
 def free_port() -> int:

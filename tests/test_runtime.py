@@ -53,7 +53,7 @@ def test_compiles_once_per_bucket_not_per_token(model):
     eng = Engine(model, max_seq_len=64)
     eng.generate([1, 2, 3], max_new_tokens=20)
     assert eng.compile_count == 2  # one prefill bucket + decode
-    eng.generate([4, 5, 6, 7], max_new_tokens=30)  # same bucket (16), more tokens
+    eng.generate([4, 5, 6, 7], max_new_tokens=30)  # same bucket (4), more tokens
     assert eng.compile_count == 2
     eng.generate(list(range(1, 20)), max_new_tokens=3)  # bucket 32: one more prefill
     assert eng.compile_count == 3
@@ -171,7 +171,7 @@ def test_prompt_errors(model):
 
 
 def test_prefill_bucket():
-    assert [prefill_bucket(n, 64) for n in (1, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
+    assert [prefill_bucket(n, 64) for n in (1, 4, 5, 16, 17, 33, 64)] == [4, 4, 8, 16, 32, 64, 64]
     assert prefill_bucket(40, 48) == 48
 
 

@@ -22,9 +22,9 @@ def test_the_plan_covers_every_bucket(session):
     engine = session.engine  # max_seq_len 128, 2 slots
     plan = warm_plan(engine, ("greedy", "sample"))
     b = engine.buckets()
-    assert b == {"prefill": [16, 32, 64, 128], "kv": [128], "batch": [1, 2]}
+    assert b == {"prefill": [4, 8, 16, 32, 64, 128], "kv": [128], "batch": [1, 2]}
     assert sorted(k for k in plan if k[0] == "prefill") == sorted(
-        ("prefill", t, kind) for t in (16, 32, 64, 128) for kind in ("greedy", "sample"))
+        ("prefill", t, kind) for t in (4, 8, 16, 32, 64, 128) for kind in ("greedy", "sample"))
     assert sorted(k for k in plan if k[0] == "decode") == sorted(
         ("decode", n, 128, kind, 1) for n in (1, 2) for kind in ("greedy", "sample"))
 
@@ -46,17 +46,17 @@ def test_health_turns_200_warm_and_requests_compile_nothing(session, monkeypatch
                  wait_ready=False) as srv:
         wait_for(lambda: "warming" in httpx.get(srv.url + "/health").text, 60, "warming")
         r = httpx.get(srv.url + "/health")
-        assert r.status_code == 503 and "of 12 ready" in r.json()["error"]["message"]
+        assert r.status_code == 503 and "of 16 ready" in r.json()["error"]["message"]
         gate.set()
         wait_for(lambda: httpx.get(srv.url + "/health").status_code == 200, 120, "ready")
         warm = health(srv.url)["warm"]
-        assert warm["steps_planned"] == warm["steps_ready"] == 12
-        assert metric(srv.url, "pij_warm_steps_ready") == 12
+        assert warm["steps_planned"] == warm["steps_ready"] == 16
+        assert metric(srv.url, "pij_warm_steps_ready") == 16
         # the KV cache is made before /health says 200, not by the first request
         assert session.engine._cache is not None
         cache_before = session.engine._cache
         bodies = [{"model": MODEL, "prompt": [5] * n, "max_tokens": 3, "temperature": t}
-                  for n in (3, 20, 40, 100) for t in (0, 1.0)]  # prompt buckets 16 .. 128
+                  for n in (3, 20, 40, 100) for t in (0, 1.0)]  # prompt buckets 4 .. 128
 
         def post(body):
             r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
