@@ -392,3 +392,29 @@ def test_release_mapped_pages_drops_only_a_read_only_files_pages(tmp_path):
     del whole, view, copy
     mm.close()
     private.close()
+
+
+def test_tied_check_compares_chunks_up_to_the_first_difference():
+    """Tied embeddings are found byte for byte, a difference anywhere (the last byte of a later
+    chunk too) refuses them, and the check stops at the first differing chunk."""
+    from powerinfer_jax.checkpoint.gguf import _same_bytes
+
+    a = np.arange(5000, dtype=np.uint16).reshape(50, 100)
+    assert _same_bytes(a, a.copy(), chunk=1024)
+    b = a.copy()
+    b.reshape(-1)[-1] ^= 1
+    assert not _same_bytes(a, b, chunk=1024)
+    assert not _same_bytes(a, a[:49], chunk=1024)
+    seen = []
+
+    class Spy(np.ndarray):
+        def __getitem__(self, key):
+            seen.append(key)
+            return super().__getitem__(key)
+
+    c = a.copy()
+    c.reshape(-1)[0] ^= 1
+    assert not _same_bytes(a, c, chunk=1024)
+    assert not _same_bytes(a.view(np.uint8).reshape(-1).view(Spy), c.view(np.uint8).reshape(-1),
+                           chunk=1024)
+    assert len(seen) == 1  # one chunk read: the first differs
