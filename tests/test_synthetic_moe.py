@@ -11,7 +11,8 @@ import pytest
 
 import helpers_llamacpp as llamacpp
 from helpers_tolerances import assert_close
-from powerinfer_jax.synthetic.moe_build import route, router_bias
+from powerinfer_jax.synthetic.build import _column_quantiles
+from powerinfer_jax.synthetic.moe_build import MAX_SWEEPS, _quantile, route, router_bias
 from powerinfer_jax.synthetic.profile import Locality, power_law
 
 VALID = Path(__file__).resolve().parents[2] / "shared" / "data" / "wiki.valid.txt"
@@ -36,6 +37,58 @@ def test_router_bias_routes_each_expert_to_its_frequency():
     b, sweeps = router_bias(scores, x0, freq, k)
     got = np.bincount(route(scores + b * x0[:, None], k).ravel(), minlength=e) / n
     assert np.abs(got - freq).max() * n <= 1.0 + 1e-9 and sweeps < 60
+
+
+def _routing_case(n, e, k, seed, x0_range=(2.0, 4.0), words=None):
+    rng = np.random.default_rng(seed)
+    if words is None:  # every token its own scores
+        scores = rng.standard_normal((n, e)).astype(np.float32)
+    else:  # as text: a few words' scores, repeated, near but not at ties (other positions)
+        ids = np.minimum(rng.zipf(1.3, n), words) - 1
+        scores = rng.standard_normal((words, e))[ids] + 0.1 * rng.standard_normal((n, e))
+        scores = scores.astype(np.float32)
+    x0 = rng.uniform(*x0_range, n).astype(np.float32)  # the bias dim: positive, varying
+    freq = power_law(e, Locality.feasible(1 - k / e, 0.25, 0.8))
+    freq = (freq * (k / freq.sum()))[rng.permutation(e)]  # as routing_frequencies
+    return scores, x0, freq
+
+
+def _recomputing_router_bias(scores, x0, freq, k):
+    """router_bias as first written: every step recomputes all logits and partitions them
+    without column j (O(N E^2) a sweep), the oracle of the incremental one."""
+    n, e = scores.shape
+    b = np.zeros(e, np.float32)
+    for sweep in range(1, MAX_SWEEPS + 1):
+        for j in range(e):
+            logits = scores + b[None, :] * x0[:, None]
+            others = np.delete(logits, j, axis=1)
+            kth = np.partition(others, e - 1 - k, axis=1)[:, e - 1 - k]  # k-th largest
+            b[j] = _column_quantiles(((kth - scores[:, j]) / x0)[:, None], freq[j:j + 1])[0]
+        got = np.bincount(route(scores + b[None, :] * x0[:, None], k).ravel(), minlength=e) / n
+        if np.max(np.abs(got - freq)) * n <= 1.0 + 1e-9:
+            return b, sweep
+    return b, MAX_SWEEPS
+
+
+@pytest.mark.parametrize("n,e,k,words", [(1000, 24, 3, None), (600, 16, 1, None),
+                                         (600, 12, 11, None), (1500, 64, 8, None),
+                                         (2000, 32, 4, 100)])
+def test_router_bias_is_the_recomputing_one_bit_for_bit(n, e, k, words):
+    # the logits and each token's top k+1 kept up to date give the biases (and the sweeps)
+    # that recomputing everything for every step gives
+    scores, x0, freq = _routing_case(n, e, k, seed=e, words=words)
+    b, sweeps = router_bias(scores, x0, freq, k)
+    want, want_sweeps = _recomputing_router_bias(scores, x0, freq, k)
+    assert sweeps == want_sweeps and b.dtype == want.dtype and np.array_equal(b, want)
+
+
+def test_one_column_quantile_is_column_quantiles():
+    rng = np.random.default_rng(5)
+    for n in (1, 2, 7, 100):
+        w = rng.standard_normal(n).astype(np.float32)
+        for p in (0.0, 1e-9, 0.5 / n, 1.5 / n, 0.3, 0.5, 1 - 0.5 / n, 1.0, *rng.uniform(0, 1, 5)):
+            got, want = _quantile(w, p), _column_quantiles(w[:, None], np.array([p]))[0]
+            assert got.dtype == want.dtype and got == want, (n, p)
 
 
 @pytest.fixture(scope="module")
