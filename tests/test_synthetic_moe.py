@@ -53,6 +53,12 @@ def _routing_case(n, e, k, seed, x0_range=(2.0, 4.0), words=None):
     return scores, x0, freq
 
 
+def _routing_error(scores, x0, freq, k, b):
+    n, e = scores.shape
+    got = np.bincount(route(scores + b * x0[:, None], k).ravel(), minlength=e) / n
+    return np.abs(got - freq).max() * n  # in tokens
+
+
 def _recomputing_router_bias(scores, x0, freq, k):
     """router_bias as first written: every step recomputes all logits and partitions them
     without column j (O(N E^2) a sweep), the oracle of the incremental one."""
@@ -80,6 +86,16 @@ def test_router_bias_is_the_recomputing_one_bit_for_bit(n, e, k, words):
     b, sweeps = router_bias(scores, x0, freq, k)
     want, want_sweeps = _recomputing_router_bias(scores, x0, freq, k)
     assert sweeps == want_sweeps and b.dtype == want.dtype and np.array_equal(b, want)
+
+
+def test_router_bias_at_qwen3moe_router_shape_meets_the_one_token_rule_deterministically():
+    # Qwen3-30B-A3B's router: 128 experts, top 8; x_0 about the generator's (C / rms)
+    n, e, k = 2048, 128, 8
+    scores, x0, freq = _routing_case(n, e, k, seed=11, x0_range=(5.0, 8.0))
+    b, sweeps = router_bias(scores, x0, freq, k)
+    assert _routing_error(scores, x0, freq, k, b) <= 1.0 + 1e-9 and sweeps < MAX_SWEEPS
+    b2, sweeps2 = router_bias(scores, x0, freq, k)  # the same inputs: the same biases
+    assert sweeps2 == sweeps and np.array_equal(b2, b)
 
 
 def test_one_column_quantile_is_column_quantiles():
