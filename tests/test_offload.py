@@ -392,6 +392,25 @@ def test_a_budget_that_holds_the_model_runs_it_in_memory(model, which):
     assert _build(gguf, predictors, budget=need - 1).offload.summary["mode"] == "disk"
 
 
+def test_a_budget_that_holds_the_model_keeps_its_compiled_steps(model, tmp_path, monkeypatch):
+    """In memory, a budgeted run's steps are the unbudgeted run's: a second run loads them
+    instead of compiling (XLA's compile memory came on top of the model's at every run) and
+    gives the same tokens; a run that offloads compiles its own (its store's handle is in them)."""
+    monkeypatch.setenv("POWERINFER_JAX_CACHE", str(tmp_path / "cache"))
+    gguf, predictors = model
+    first = _build(predictors, predictors, budget=1 << 40)
+    tokens = _tokens(first)
+    assert first.engine.compile_count > 0 and first.store is not None
+    del first
+    again = _build(predictors, predictors, budget=1 << 40)
+    assert _tokens(again) == tokens
+    assert (again.engine.compile_count, again.engine.loaded_count) == (0, 2)
+    del again
+    need = _build(predictors, predictors, budget=1 << 40).offload.summary["resident_bytes"]
+    offloaded = _build(predictors, predictors, budget=need - 1)
+    assert offloaded.offload.summary["mode"] == "disk" and offloaded.store is None
+
+
 def test_modes_that_read_rows_are_refused(model):
     gguf, predictors = model
     lo = _minimum(gguf, predictors)

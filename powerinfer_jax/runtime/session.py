@@ -260,6 +260,13 @@ def _build(model, runtime, sparsity, placement, artifacts_root, max_batch, progr
     # --ram-budget: "disk" (FFN rows in a neuron store, runtime/offload.py), "memory" (it fits)
     ram = None if placement.ram_budget_bytes is None else _ram_mode(
         ckpt, runtime, sparsity, placement, max_batch, accel)
+    if ram == "memory" and store is None and checkpoint is None:
+        # it loads as without the flag, so its steps are those (no neuron store's handle in
+        # them) and are kept across processes as those are: compiling them at every run put
+        # XLA's compile memory on top of the model's, over a limit of the model's size
+        store = _executable_store(model, runtime, sparsity,
+                                  dataclasses.replace(placement, ram_budget_gib=None), max_batch,
+                                  artifacts_root, accel)
     # With an accelerator the model is built in host memory and only what the placement keeps on
     # the device goes there: a model larger than the device's memory never lands on it whole.
     # The default budget is read before any weight is on the device.
