@@ -71,7 +71,7 @@ def test_hybrid_greedy_tokens_equal_unplaced():
     apply_placement(m, p)
     eng = Engine(m, max_seq_len=32)
     assert eng.generate(prompt, max_new_tokens=8).tokens == want
-    eng.generate(prompt[:3], max_new_tokens=8)
+    eng.generate(prompt[1:] + [9, 11], max_new_tokens=8)  # 6 tokens: the same prefill bucket
     assert eng.compile_count == 2  # no recompilation per token with a placement
 
 
