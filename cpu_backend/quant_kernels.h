@@ -433,26 +433,23 @@ inline void Widen32(const uint8_t* blk, __m512& w0, __m512& w1) {
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
     w1 = _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
-  } else if constexpr (F::kType == QType::kQ4_0) {
+  } else if constexpr (F::kType == QType::kQ4_0 || F::kType == QType::kQ4_1) {
+    // the packed nibbles close the block: byte i holds weights i and 16 + i
     const __m512i b = _mm512_cvtepu8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + F::kBytes - 16)));
-    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    w0 = _mm512_permutexvar_ps(b, table);
-    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-  } else {
-    __m512i q0, q1;
-    if constexpr (F::kType == QType::kQ4_1) {
-      const __m512i b = _mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + F::kBytes - 16)));
-      q0 = _mm512_and_si512(b, _mm512_set1_epi32(0x0f));
-      q1 = _mm512_srli_epi32(b, 4);
+    if constexpr (F::kType == QType::kQ4_0) {
+      const __m512 table =
+          _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+      w0 = _mm512_permutexvar_ps(b, table);
+      w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
     } else {
-      const I8x32 u = F::Unpack(blk, 0);
-      q0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(u));
-      q1 = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(u, 1));
+      w0 = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0f)));
+      w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
     }
-    w0 = _mm512_cvtepi32_ps(q0);
-    w1 = _mm512_cvtepi32_ps(q1);
+  } else {  // the 5-bit formats: their unpacked 32 bytes
+    const I8x32 u = F::Unpack(blk, 0);
+    w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(u)));
+    w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(u, 1)));
     if constexpr (kFoldsOffset<F>) {
       w0 = _mm512_add_ps(w0, _mm512_set1_ps(F::kMinPerScale));
       w1 = _mm512_add_ps(w1, _mm512_set1_ps(F::kMinPerScale));

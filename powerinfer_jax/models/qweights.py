@@ -156,18 +156,14 @@ def host_blocks(blocks) -> jax.Array:
         # the file's pages were read once for it. Dropped now, not at the end of the load: the
         # 7B PowerInfer GGUF's in-memory load held 2.6 GB of them beside its 4.0 GB of copies
         # (peak 6.6 GB for a 3.9 GB file), over a memory limit of the file's size.
-        _release_now(view)
+        from powerinfer_jax.checkpoint.gguf_file import release_mapped_pages  # lazy: start-up
+
+        release_mapped_pages(view)
     host.flags.writeable = False
     return jax.device_put(host, may_alias=True)
 
 
-_RELEASE_MIN = 1 << 20  # smaller copies' pages are left to the end of the load
-
-
-def _release_now(view) -> None:
-    from powerinfer_jax.checkpoint.gguf_file import release_mapped_pages  # lazy: start-up
-
-    release_mapped_pages(view)
+_RELEASE_MIN = 1 << 20  # smaller copies' pages are left as they are
 
 
 class _Load:
