@@ -99,7 +99,8 @@ def add_sparsity_flags(p: argparse.ArgumentParser, *, predictor_choice: bool = T
                    help="accelerator memory for the model in GiB (dense parts, KV cache, hot FFN "
                         "rows); default: a GPU's free memory minus a margin; on a CPU-only machine "
                         "no placement unless given (then it is the notional accelerator of the "
-                        "CPU hybrid: hot rows through XLA, cold rows through the FFI pool)")
+                        "CPU hybrid: hot rows through XLA, cold rows through the FFI pool); an "
+                        "MoE model places whole experts, the most often routed first")
     p.add_argument("--ram-budget", type=float, default=None, metavar="GIB",
                    help="host memory for the model in GiB (dense parts, KV cache, resident FFN "
                         "neurons; not the process's own runtime): FFN neurons beyond it are read "

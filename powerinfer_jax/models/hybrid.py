@@ -6,6 +6,8 @@ named by a handle attribute; one hybrid custom call per layer runs hot rows in C
 rows on the host pool), and otherwise into `HostRows` operands (the CPU-only hybrid: hot rows with
 XLA, cold rows through the FFI custom call). See models/ffn.py (FFN.split; CpuHybrid,
 CudaHybrid). No index remapping happens at run time.
+A mixture-of-experts layer (models/moe.py) takes the same two steps with experts for neurons: the
+most frequently routed experts first, then [0, hot[l]) kept as floats for the accelerator.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ def apply_placement(model, placement) -> None:
 
 def _check(model, p) -> None:
     c = model.config
-    if p.n_layers != c.n_layers or any(f != c.d_ff for f in p.sizes.d_ff):
-        raise ValueError(f"placement: expected {c.n_layers} layers of {c.d_ff} neurons (the "
-                         f"model's), got {p.n_layers} layers of {set(p.sizes.d_ff)} neurons "
+    units, what = (c.n_experts, "experts") if c.n_experts else (c.d_ff, "neurons")
+    if p.n_layers != c.n_layers or any(f != units for f in p.sizes.d_ff):
+        raise ValueError(f"placement: expected {c.n_layers} layers of {units} {what} (the "
+                         f"model's), got {p.n_layers} layers of {set(p.sizes.d_ff)} {what} "
                          f"(a placement made for another model)")

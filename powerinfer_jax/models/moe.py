@@ -19,6 +19,12 @@ Executions (`MoE.execution`, chosen at build, never by a string test per call):
     custom call that groups the tokens by expert (ops.moe_ffn; SiLU experts).
   * "dense": every expert on every token, unrouted ones weighted 0: the reference the routed
     execution is checked against (tests/test_moe.py).
+Placement (--vram-budget, runtime/placing.py; issue 35): `permute` reorders the experts hot-first
+(their stacked rows and the router's rows: the output is unchanged), `split(n_hot)` keeps experts
+[0, n_hot) as floats in the model's dtype (`hot`: the accelerator's, computed with XLA, gathered
+per token) and leaves the others in `experts` as they were loaded (a quantized file's blocks:
+the host pool's custom call, ops.moe_ffn). Each token's routed experts are split between the two
+by id, the two partial sums added; CPU-only the same code runs both parts on the CPU.
 Axis letters: N tokens (B * T flattened), E experts, k routed per token, F expert neurons,
 D model.
 """
@@ -95,11 +101,38 @@ class Experts(Module):
     def __init__(self, n_experts: int, d_ff: int, d_model: int, *, dtype, rngs,
                  sparse_inside: bool = False):
         kw = dict(dtype=dtype, rngs=rngs)
+        self.d_ff, self.d_model = d_ff, d_model
         self.gate = Stacked(n_experts, d_ff, d_model, scale=d_model ** -0.5, **kw)
         self.up = Stacked(n_experts, d_ff, d_model, scale=d_model ** -0.5,
                           layout="rows" if sparse_inside else "matvec", **kw)
         self.down_t = Stacked(n_experts, d_ff, d_model, scale=d_ff ** -0.5,
                               layout="groups" if sparse_inside else "matvec", **kw)
+
+    def floats(self, first: int, stop: int, dtype) -> tuple[np.ndarray, ...]:
+        """Experts [first, stop) as floats (gate, up, down_t), each [n, F, D] in `dtype`,
+        dequantized from the blocks in whichever layout each matrix keeps them."""
+        from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
+
+        out = []
+        for m in (self.gate, self.up, self.down_t):
+            w = np.asarray(jax.device_get(m.weight[...][first:stop]))
+            if m.qtype is not None:
+                if m.layout == "groups":  # [n, F / 32, D * block bytes] -> the file's [n, D, .]
+                    w = np.stack([quants.down_groups_to_file(g, m.qtype, self.d_model, self.d_ff)
+                                  for g in w])
+                w = np.stack([quants.dequantize(e, m.qtype) for e in w])  # [n, rows, cols]
+                if m is self.down_t:  # the file's ffn_down [D, F]: neuron-major as the floats
+                    w = np.swapaxes(w, 1, 2)
+            out.append(np.ascontiguousarray(w).astype(dtype))
+        return tuple(out)
+
+
+class HotExperts(Module):
+    """A placed MoE layer's experts [0, n_hot) as floats (gate, up, down_t: [n_hot, F, D]): what
+    the accelerator holds and computes with XLA."""
+
+    def __init__(self, gate, up, down_t):
+        self.gate, self.up, self.down_t = (nnx.Param(jnp.asarray(a)) for a in (gate, up, down_t))
 
 
 def route(logits_ne, k: int, normalize: bool):
@@ -115,8 +148,8 @@ def route(logits_ne, k: int, normalize: bool):
 
 class MoE(Module):
     """An MoE layer's FFN (module docstring). Has the dense FFN's interface where the model's
-    build steps touch it (`selector`, `set_selector`, `quantized`, `placed`, hot/cold counts);
-    neuron-level sparsity modes and placement are refused by name."""
+    build steps touch it (`selector`, `set_selector`, `quantized`, `placed`, `permute`, `split`,
+    hot/cold counts, here in experts); neuron-level sparsity modes are refused by name."""
 
     def __init__(self, *, d_model: int, d_ff: int, n_experts: int, n_used: int,
                  norm_topk_prob: bool, activation: str, d_ff_shared: int, dtype,
@@ -127,6 +160,7 @@ class MoE(Module):
         self.normalize = bool(norm_topk_prob)
         self.activation = activation
         self.kernels = kernels
+        self.dtype = dtype
         self.router = Linear(d_model, n_experts, bias=False, dtype=F32, rngs=rngs,
                              kernels="xla")
         self.experts = Experts(n_experts, d_ff, d_model, dtype=dtype, rngs=rngs,
@@ -141,16 +175,21 @@ class MoE(Module):
         # Expert parallelism (runtime/mesh.py): the mesh axis over which the experts are split
         # (E/n on each device, inside shard_map); the output is then this device's partial sum
         self.expert_axis = None
+        # Placement (module docstring): the file's expert at each position after `permute`
+        # (None: the file's order), the floats of experts [0, n_hot) after `split`
+        self.order = nnx.data(None)
+        self.hot = None
+        self.n_hot = n_experts
+        self.placed = False
 
     # ------------------------------------------------------------ the build steps' interface
     quantized = False
-    placed = False
-    n_cold = 0
     backend = None  # sparsity.modes.plan reports the backend's type: "NoneType" here
 
     @property
-    def n_hot(self) -> int:
-        return self.experts.up.weight.shape[1]
+    def n_cold(self) -> int:
+        """Experts left where they were loaded (the host's, after `split`)."""
+        return self.n_experts - self.n_hot if self.placed else 0
 
     def set_selector(self, selector, *, impl: str = "ffi") -> None:
         if selector is not None:
@@ -159,11 +198,49 @@ class MoE(Module):
                  "run an MoE model with --sparsity dense")
 
     def permute(self, order) -> None:
-        fail("MoE FFN placement", "a dense FFN (placing experts hot/cold is not implemented)",
-             "an MoE layer", "run an MoE model without --vram-budget on a CPU")
+        """Reorder the experts: new expert j is the file's expert order[j] (the stacked
+        matrices' and the router's rows). The output is unchanged; routed ids are reported in
+        the file's numbering (`expert_ids`)."""
+        if self.placed:
+            fail("MoE.permute", "an unsplit MoE layer", "one already split")
+        perm = np.asarray(order)
+        e = self.n_experts
+        if perm.shape != (e,) or not np.array_equal(np.sort(perm), np.arange(e)):
+            fail("MoE.permute order", f"a permutation of range({e})", f"shape {perm.shape}")
+        if self.router.qtype is not None:
+            fail("MoE.permute router", "float rows", f"{self.router.qtype} blocks")
+        if self.expert_axis is not None:
+            fail("MoE.permute", "an MoE layer on one device", "experts split over a mesh")
+        idx = jnp.asarray(perm, jnp.int32)
+        for m in (self.experts.gate, self.experts.up, self.experts.down_t):
+            m.weight.set_value(m.weight[...][idx])
+        self.router.weight.set_value(self.router.weight[...][idx])
+        before = np.arange(e) if self.order is None else np.asarray(self.order)
+        self.order = nnx.data(before[perm].astype(np.int32))
 
     def split(self, n_hot: int, *, store: str = "auto") -> None:
-        self.permute(None)
+        """Keep experts [0, n_hot) as floats in the model's dtype (`hot`, the accelerator's);
+        experts [n_hot, E) stay as loaded (`experts`: a file's blocks run by the host pool's
+        custom call). On a GPU every expert must be hot: the host part of an MoE layer runs
+        only where the host is the device (the CUDA MoE hybrid call is not built)."""
+        e = self.n_experts
+        if self.placed or not (isinstance(n_hot, (int, np.integer)) and 0 <= n_hot <= e):
+            fail("MoE.split n_hot", f"an integer in [0, {e}] on an unsplit MoE layer", n_hot,
+                 f"placed={self.placed}")
+        if store not in ("auto", "operands"):
+            fail("MoE.split store", "'auto' or 'operands'", store)
+        n_hot = int(n_hot)
+        if n_hot < e and jax.default_backend() != "cpu":
+            fail("--vram-budget (MoE on a GPU)", f"room for all {e} experts of every layer",
+                 f"{n_hot} experts of a layer",
+                 "the host half of the MoE hybrid is not built for GPUs: raise --vram-budget "
+                 "or run on the CPU")
+        x = self.experts
+        if n_hot:
+            self.hot = HotExperts(*x.floats(0, n_hot, self.dtype))
+        for m in (x.gate, x.up, x.down_t):
+            m.weight.set_value(m.weight[...][n_hot:])
+        self.n_hot, self.placed = n_hot, True
 
     def set_execution(self, execution: str) -> None:
         if execution not in EXECUTIONS:
@@ -180,56 +257,76 @@ class MoE(Module):
         lead, d = x_btd.shape[:-1], x_btd.shape[-1]
         x = x_btd.reshape(-1, d).astype(F32)  # [N, D]
         ids, weights = self.routing(x_btd)
-        sow(self, "expert_ids", ids.reshape(lead + (self.n_used,)))  # [B, T, k] under capture
-        e = self.experts
+        named = ids if self.order is None else jnp.asarray(self.order)[ids]  # the file's ids
+        sow(self, "expert_ids", named.reshape(lead + (self.n_used,)))  # [B, T, k] under capture
         first_shard = True
         if self.expert_axis is not None:  # this device's experts only; -1 marks the others
-            n_local = e.up.weight.shape[0]
+            n_local = self.experts.up.weight.shape[0]
             shard = jax.lax.axis_index(self.expert_axis)
             local = ids - shard * n_local
             here = (local >= 0) & (local < n_local)
             ids, weights = jnp.where(here, local, -1), jnp.where(here, weights, 0.0)
             first_shard = shard == 0
-        if e.gate.qtype is not None:  # the file's blocks: one custom call, grouped by expert
-            if self.activation not in ("silu", "relu"):
-                fail("MoE quantized experts' activation", "'silu' or 'relu' (ops.moe_ffn's)",
-                     self.activation, "load the file with weights='dtype'")
-            impl = "reference" if self.execution == "dense" else op_impl(self.kernels)
-            y = ops.moe_ffn(x, ids, weights, e.gate.weight[...], e.up.weight[...],
-                            e.down_t.weight[...], gate_qtype=e.gate.qtype, up_qtype=e.up.qtype,
-                            down_qtype=e.down_t.qtype, activation=self.activation,
-                            down_layout="groups" if e.down_t.layout == "groups" else "rows",
-                            impl=impl)
-        elif self.execution == "dense":
-            y = self._dense(x, ids, weights)
-        elif x.shape[0] * self.n_used * self.experts.up.weight[0].size <= _MAX_GATHER:
-            y = self._gathered(x, ids, weights)
-        else:  # XLA has no routed grouping on CPU (its ragged_dot computes every expert)
-            y = self._dense(x, ids, weights)
+        if not self.placed:
+            y = self._loaded(x, ids, weights)
+        else:  # hot experts [0, n_hot) with XLA, the others as loaded, each by the ids it holds
+            hot = ids < self.n_hot
+            y = jnp.zeros_like(x)
+            if self.n_hot:
+                h = self.hot
+                y = y + self._xla(x, jnp.where(hot, ids, -1), jnp.where(hot, weights, 0.0),
+                                  (h.gate[...], h.up[...], h.down_t[...]))
+            if self.n_cold:
+                y = y + self._loaded(x, jnp.where(hot, -1, ids - self.n_hot),
+                                     jnp.where(hot, 0.0, weights))
         if self.shared is not None:  # whole on every device: added by the first shard
             scale = jax.nn.sigmoid(self.shared_gate(x))  # [N, 1]
             y = y + jnp.where(first_shard, scale, 0.0) * self.shared(x[None])[0]
         return y.reshape(lead + (d,))
 
+    def _loaded(self, x, ids, weights):
+        """The experts in `experts` (ids index them; -1: none, with weight 0), as loaded: a
+        file's blocks in one custom call grouped by expert, floats with XLA."""
+        e = self.experts
+        if e.gate.qtype is None:
+            return self._xla(x, ids, weights, (e.gate.weight[...], e.up.weight[...],
+                                               e.down_t.weight[...]))
+        if self.activation not in ("silu", "relu"):
+            fail("MoE quantized experts' activation", "'silu' or 'relu' (ops.moe_ffn's)",
+                 self.activation, "load the file with weights='dtype'")
+        impl = "reference" if self.execution == "dense" else op_impl(self.kernels)
+        return ops.moe_ffn(x, ids, weights, e.gate.weight[...], e.up.weight[...],
+                           e.down_t.weight[...], gate_qtype=e.gate.qtype, up_qtype=e.up.qtype,
+                           down_qtype=e.down_t.qtype, activation=self.activation,
+                           down_layout="groups" if e.down_t.layout == "groups" else "rows",
+                           impl=impl)
+
+    def _xla(self, x, ids, weights, mats):
+        """Float experts `mats` (gate, up, down_t: [E', F, D]) with XLA: gathered per token,
+        or every expert on every token (the dense reference, and long prefills)."""
+        if self.execution == "dense":
+            return self._dense(x, ids, weights, mats)
+        if x.shape[0] * self.n_used * mats[1][0].size <= _MAX_GATHER:
+            return self._gathered(x, ids, weights, mats)
+        return self._dense(x, ids, weights, mats)  # XLA has no routed grouping on CPU
+
     def _act(self, g, u):
         return gated_activate(self.activation, g, u)
 
-    def _dense(self, x_nd, ids, weights):
+    def _dense(self, x_nd, ids, weights, mats):
         """Every expert on every token; unrouted ones weighted 0 (the reference)."""
-        e = self.experts
-        n_local = e.gate.weight.shape[0]  # n_experts, or this device's share of them
-        w_ne = jnp.sum(jax.nn.one_hot(ids, n_local, dtype=F32) * weights[..., None],
-                       axis=1)  # [N, E]
-        g = jnp.einsum("nd,efd->nef", x_nd, e.gate.weight[...], preferred_element_type=F32)
-        u = jnp.einsum("nd,efd->nef", x_nd, e.up.weight[...], preferred_element_type=F32)
+        gate, up, down = mats
+        w_ne = jnp.sum(jax.nn.one_hot(ids, gate.shape[0], dtype=F32) * weights[..., None],
+                       axis=1)  # [N, E']; an id of -1 is a zero row
+        g = jnp.einsum("nd,efd->nef", x_nd, gate, preferred_element_type=F32)
+        u = jnp.einsum("nd,efd->nef", x_nd, up, preferred_element_type=F32)
         a = self._act(g, u) * w_ne[..., None]
-        return jnp.einsum("nef,efd->nd", a, e.down_t.weight[...], preferred_element_type=F32)
+        return jnp.einsum("nef,efd->nd", a, down, preferred_element_type=F32)
 
-    def _gathered(self, x_nd, ids, weights):
+    def _gathered(self, x_nd, ids, weights, mats):
         """Each token's k experts' rows gathered and computed: [N, k, F, D] read, no more."""
-        e = self.experts
-        ids = jnp.maximum(ids, 0)  # -1 (another shard's expert) comes with weight 0
-        gate, up, down = (m.weight[...][ids] for m in (e.gate, e.up, e.down_t))
+        ids = jnp.maximum(ids, 0)  # -1 (an expert held elsewhere) comes with weight 0
+        gate, up, down = (w[ids] for w in mats)
         g = jnp.einsum("nd,nkfd->nkf", x_nd, gate, preferred_element_type=F32)
         u = jnp.einsum("nd,nkfd->nkf", x_nd, up, preferred_element_type=F32)
         a = self._act(g, u) * weights[..., None]

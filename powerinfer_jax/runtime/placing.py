@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from powerinfer_jax.config import PlacementConfig
+from powerinfer_jax.errors import fail
 from powerinfer_jax.models.hybrid import apply_placement
 from powerinfer_jax.runtime.mesh import round_placement
 from powerinfer_jax.sparsity import placement as pl
@@ -54,20 +55,88 @@ def load_frequencies(artifacts_dir: Path | None, n_layers: int, d_ff: int
     return [np.ones(d_ff) for _ in range(n_layers)], "uniform"
 
 
+# Tokens the router is profiled on when a mixture-of-experts model has no expert profile yet
+# (sequences of EXPERT_PROFILE_CTX from the calibration corpus): at k of E experts per token a
+# layer sees k * 4096 routings, enough to rank 128 experts by frequency (~100 per expert on
+# average at k = 4). Profiled once per model and kept next to its sparsity artifacts.
+EXPERT_PROFILE_TOKENS = 4096
+EXPERT_PROFILE_CTX = 256
+EXPERT_PROFILE_NAME = "experts.npz"
+
+
+def expert_frequencies(model, artifacts_dir: Path | None, tokenizer=None,
+                       progress: bool = False) -> tuple[list[np.ndarray], str]:
+    """Per-layer routing frequencies of an MoE model's experts: <artifacts_dir>/experts.npz, or
+    measured now on the calibration corpus with the model's own router (and saved there), or
+    uniform with a note when there is neither a tokenizer nor a corpus. artifacts_dir: the
+    model's artifacts root (routing does not depend on a target sparsity)."""
+    from powerinfer_jax.sparsity.expert_profile import expert_frequency
+
+    c = model.config
+    path = None if artifacts_dir is None else Path(artifacts_dir) / EXPERT_PROFILE_NAME
+    if path is not None and path.is_file():
+        with np.load(path) as z:
+            freq = z["frequency"]
+        if freq.shape == (c.n_layers, c.n_experts):
+            return list(freq), str(path)
+        print(f"powerinfer_jax: ignoring {path}: expected frequencies of shape "
+              f"{(c.n_layers, c.n_experts)}, got {freq.shape}", file=sys.stderr)
+    chunks = None
+    if tokenizer is not None:
+        from powerinfer_jax.sparsity import corpus as corpus_mod
+
+        try:
+            text = corpus_mod.read_corpus(corpus_mod.default_corpus_files())
+        except Exception as e:  # noqa: BLE001 (no corpus here: uniform, said below)
+            print(f"powerinfer_jax: no calibration corpus ({e})", file=sys.stderr)
+        else:
+            ids = tokenizer.encode(text, add_bos=False)
+            chunks = corpus_mod.corpus_chunks(ids, min(EXPERT_PROFILE_CTX, c.max_seq_len),
+                                              EXPERT_PROFILE_TOKENS)
+    if chunks is None or not len(chunks):
+        print("powerinfer_jax: no expert profile for this model; placing experts by index",
+              file=sys.stderr)
+        return [np.ones(c.n_experts) for _ in range(c.n_layers)], "uniform"
+    if progress:
+        print(f"powerinfer_jax: profiling the routers on {chunks.size} corpus tokens",
+              file=sys.stderr)
+    freq = expert_frequency(model, [row[None] for row in chunks])
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp.npz")
+            np.savez(tmp, frequency=freq, tokens=np.int64(chunks.size))
+            tmp.replace(path)
+        except OSError as e:  # a read-only cache: used now, measured again next time
+            print(f"powerinfer_jax: could not keep the expert profile at {path}: {e}",
+                  file=sys.stderr)
+    return list(freq), "corpus"
+
+
 def place_model(model, cfg: PlacementConfig, *, kv_len: int, model_fingerprint,
                 artifacts_dir: Path | None, cache_dir: Path | None,
-                default_budget: int | None = None, shards: int = 1) -> pl.Placement | None:
+                default_budget: int | None = None, shards: int = 1, tokenizer=None,
+                progress: bool = False) -> pl.Placement | None:
     """Decide (or reuse from the cache) and apply the placement; None when none applies.
     default_budget: the budget without --vram-budget (read before the model was loaded, as the
     session does); None: default_budget_bytes() now. shards: the mesh's devices (--devices):
-    hot counts are rounded down to multiples of it (runtime/mesh.py `round_placement`)."""
+    hot counts are rounded down to multiples of it (runtime/mesh.py `round_placement`).
+    An MoE model places experts by routing frequency (`expert_frequencies`: the tokenizer
+    profiles the routers when no profile is kept)."""
     budget = cfg.budget_bytes if cfg.budget_bytes is not None else (
         default_budget if default_budget is not None else default_budget_bytes())
     if budget is None:
         return None
     c = model.config
-    freqs, source = (load_frequencies(artifacts_dir, c.n_layers, c.d_ff)
-                     if cfg.offload == "hybrid" else (None, "none"))
+    if c.n_experts and shards > 1:
+        fail("--vram-budget with --devices", "a dense model (an MoE model is placed on one "
+             "device)", f"{c.n_experts} experts over {shards} devices", "drop one of the two")
+    if cfg.offload != "hybrid":
+        freqs, source = None, "none"
+    elif c.n_experts:
+        freqs, source = expert_frequencies(model, cache_dir, tokenizer, progress)
+    else:
+        freqs, source = load_frequencies(artifacts_dir, c.n_layers, c.d_ff)
     sizes = pl.model_bytes(model, kv_len=kv_len)
     key = pl.cache_key(model_fingerprint=model_fingerprint, mode=cfg.offload,
                        budget_bytes=budget, sizes=sizes,

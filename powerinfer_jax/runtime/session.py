@@ -251,7 +251,7 @@ def _build(model, runtime, sparsity, placement, artifacts_root, max_batch, progr
             from powerinfer_jax.runtime import offload  # lazy: start-up
 
             offload.check_budget_from_header(model, placement.ram_budget_bytes)
-        ckpt = load_checkpoint(model, keep_quantized=_keeps_quantized(runtime, placement))
+        ckpt = load_checkpoint(model, keep_quantized=_keeps_quantized(runtime, placement, model))
     else:
         ckpt = checkpoint
     t2 = time.perf_counter()
@@ -428,11 +428,25 @@ def _executable_store(model, runtime, sparsity, placement, max_batch, artifacts_
     return store
 
 
-def _keeps_quantized(runtime: RuntimeConfig, placement: PlacementConfig) -> bool:
+def _keeps_quantized(runtime: RuntimeConfig, placement: PlacementConfig, model=None) -> bool:
     """Whether a quantized file's blocks stay as they are: placement (a budget, or a GPU) moves
-    float rows between memories and a mesh splits rows over devices, so those dequantize at load."""
+    float rows between memories and a mesh splits rows over devices, so those dequantize at load.
+    An MoE file placed on the CPU keeps them: its cold experts run on the host pool as stored,
+    and only the hot experts become floats (models/moe.py `split`)."""
     placed = placement.budget_bytes is not None or _accelerator() is not None
+    if placed and _accelerator() is None and _is_moe_gguf(model):
+        placed = False
     return runtime.weights == "auto" and not placed and runtime.devices is None
+
+
+def _is_moe_gguf(model) -> bool:
+    """Whether `model` names a GGUF file with stacked experts (read from its header)."""
+    path = Path(str(model)) if model is not None else None
+    if path is None or path.suffix != ".gguf" or not path.is_file():
+        return False
+    from powerinfer_jax.checkpoint.gguf import _open  # lazy: start-up
+
+    return any(t.name.endswith("_exps.weight") for t in _open(path).tensors)
 
 
 def _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch, progress,
@@ -444,7 +458,8 @@ def _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch, 
     from powerinfer_jax.sparsity.artifacts import artifacts_root as default_root  # lazy: start-up
 
     if checkpoint is None:
-        checkpoint = load_checkpoint(model, keep_quantized=_keeps_quantized(runtime, placement))
+        checkpoint = load_checkpoint(
+            model, keep_quantized=_keeps_quantized(runtime, placement, model))
     target = sparsity.target_sparsity or DEFAULT_TARGET_SPARSITY
     root_arg = artifacts_root
     root = Path(default_root(model, checkpoint.source) if artifacts_root is None
@@ -599,4 +614,4 @@ def _place(model_arg, ckpt, m, runtime, sparsity, placement, artifacts_root, def
     return place_model(m, placement, kv_len=kv_length(ckpt.config, runtime),
                        model_fingerprint=model_fingerprint(model_arg, ckpt.source, ckpt.config),
                        artifacts_dir=target_dir(root, target), cache_dir=root,
-                       default_budget=default_budget, shards=shards)
+                       default_budget=default_budget, shards=shards, tokenizer=ckpt.tokenizer)

@@ -37,6 +37,13 @@ unconstrained optimum. None disables the cap.
 Budget below the dense parts: a ValueError naming the budget, the bytes needed and the rule (the dense
 parts are never offloaded: an explicit error is easier to act on than a silent slowdown).
 
+Mixture-of-experts models (issue 35): the item is an expert instead of a neuron. Every expert of a
+layer costs the same bytes (its gate, up and down matrices in the model's dtype: how a hot expert
+is held on the accelerator), its value is its routing frequency (sparsity/expert_profile.py), and
+the same algorithm places the most frequently routed experts of every layer; the router, the
+shared expert and attention are dense parts. `model_bytes` reports experts in `neuron_bytes` and
+`d_ff` (bytes of one expert, experts per layer) for such a model.
+
 `place_layers` is the llama.cpp `-ngl` baseline for FFNs: every dense part on the accelerator as in
 hybrid mode, then the whole FFNs of the first k layers, k as large as the same budget allows.
 """
@@ -57,6 +64,7 @@ DEFAULT_COLD_BALANCE = 2.0
 PLACEMENT_VERSION = 1  # bump when the algorithm changes: cached placements are then recomputed
 _FFN_NEURON = re.compile(r"^layers\.(\d+)\.ffn\.(gate\.weight|up\.weight|up\.bias|down_t\.weight)$")
 _LAYER = re.compile(r"^layers\.(\d+)\.")
+_EXPERTS = re.compile(r"^layers\.(\d+)\.ffn\.experts\.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +74,9 @@ class ModelBytes:
     global_dense: tensors outside the layers (embeddings, final norm, lm_head).
     layer_dense[l]: layer l's non-neuron tensors (attention, norms, down bias, predictor) plus its
       KV cache for the run's max_seq_len.
-    neuron_bytes[l]: bytes of one FFN neuron of layer l (gate + up + down_t rows, up bias).
-    d_ff[l]: neurons of layer l.
+    neuron_bytes[l]: bytes of one FFN neuron of layer l (gate + up + down_t rows, up bias); of
+      one expert in a mixture-of-experts model (module docstring).
+    d_ff[l]: neurons of layer l; experts, in a mixture-of-experts model.
     """
 
     global_dense: int
@@ -93,10 +102,13 @@ def model_bytes(model, *, kv_len: int, kv_dtype=None, batch: int = 1) -> ModelBy
     """Bytes of every tensor of a (flax NNX) Transformer, read from shapes and dtypes only.
 
     kv_len: KV cache slots (the run's max_seq_len); kv_dtype: the cache dtype (default model.dtype).
+    A mixture-of-experts model's items are its experts, each charged as floats in the model's
+    dtype whatever the form they are loaded in (the module docstring).
     """
     from flax import nnx
 
     c = model.config
+    moe = bool(getattr(c, "n_experts", 0))
     n_layers = c.n_layers
     neuron = [0] * n_layers
     layer = [0] * n_layers
@@ -107,7 +119,9 @@ def model_bytes(model, *, kv_len: int, kv_dtype=None, batch: int = 1) -> ModelBy
             continue
         name = ".".join(str(p) for p in path)
         nbytes = int(np.prod(value.shape)) * np.dtype(value.dtype).itemsize
-        m = _FFN_NEURON.match(name)
+        if moe and _EXPERTS.match(name):
+            continue  # charged below, as the accelerator would hold them
+        m = _FFN_NEURON.match(name) if not moe else None
         if m:
             neuron[int(m.group(1))] += nbytes // c.d_ff
             continue
@@ -118,8 +132,12 @@ def model_bytes(model, *, kv_len: int, kv_dtype=None, batch: int = 1) -> ModelBy
             glob += nbytes
     kv_item = np.dtype(model.dtype if kv_dtype is None else kv_dtype).itemsize
     kv_per_layer = 2 * batch * kv_len * c.n_kv_heads * c.head_dim * kv_item
+    units = c.d_ff
+    if moe:
+        neuron = [3 * c.d_ff * c.d_model * np.dtype(model.dtype).itemsize] * n_layers
+        units = c.n_experts
     return ModelBytes(global_dense=glob, layer_dense=tuple(b + kv_per_layer for b in layer),
-                      neuron_bytes=tuple(neuron), d_ff=(c.d_ff,) * n_layers)
+                      neuron_bytes=tuple(neuron), d_ff=(units,) * n_layers)
 
 
 @dataclasses.dataclass(frozen=True)
