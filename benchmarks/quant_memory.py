@@ -74,7 +74,7 @@ else:
     # the fixed overhead: what the load leaves without its params (tokenizer, metadata, heap)
     ck.params.clear()
     gc.collect()
-    ckpt.loader._return_freed_memory()
+    ckpt.loader.return_freed_memory()
     row["rss_without_params"] = rss()
 print(json.dumps(row))
 """

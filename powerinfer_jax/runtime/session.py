@@ -243,6 +243,7 @@ def _build(model, runtime, sparsity, placement, artifacts_root, max_batch, progr
     t0, t1 = times or (time.perf_counter(),) * 2
     # imported here, after the store began loading steps in the background (start-up time)
     from powerinfer_jax.checkpoint import load_checkpoint  # lazy: start-up
+    from powerinfer_jax.checkpoint.loader import return_freed_memory  # lazy: start-up
     from powerinfer_jax.models.transformer import from_params  # lazy: start-up
     from powerinfer_jax.sparsity import modes  # lazy: start-up
 
@@ -320,6 +321,9 @@ def _build(model, runtime, sparsity, placement, artifacts_root, max_batch, progr
         shard_model(m, runtime.devices)
     elif accel is not None:
         _to_accelerator(m, accel)
+    # the build's temporaries (the loader's copies, layouts, predictors) leave glibc's arenas
+    # before the first step's buffers are allocated: they would stay in the peak otherwise
+    return_freed_memory()
     t3 = time.perf_counter()
     return Session(config=ckpt.config, _model=m, tokenizer=ckpt.tokenizer, runtime=runtime,
                    sparsity=sparsity, source=str(ckpt.source), model_arg=str(model),
