@@ -612,3 +612,19 @@ def test_json_and_metrics_report_the_store(model, capsys):
     for name in ("pij_neuron_misses_total", "pij_neuron_hit_rate",
                  "pij_neuron_read_bytes_per_token", "pij_neuron_read_bytes_total"):
         assert name in text
+
+
+def test_a_budget_check_does_not_make_deferred_blocks():
+    """fits_in_memory sums the checkpoint's bytes from shapes and types: a deferred tensor (Q/K
+    rows in RoPE order, made on first use) is not made by it (that copy, ~600 MB on a 7B, set a
+    --ram-budget run's peak above the in-memory run's)."""
+    from powerinfer_jax.checkpoint.base import DeferredQuantTensor, QuantTensor
+
+    def never():
+        raise AssertionError("the blocks were made")
+
+    t = DeferredQuantTensor(never, "Q4_0", (96, 64))
+    assert t.nbytes == 96 * 2 * 18
+    stacked = QuantTensor(np.zeros((3, 64, 4 * 34), np.uint8), "Q8_0", (3, 128, 64),
+                          transposed=True)  # experts' down: stored [E, D=64, F=128]
+    assert stacked.nbytes == stacked.blocks.nbytes

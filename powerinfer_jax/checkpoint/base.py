@@ -91,7 +91,13 @@ class QuantTensor:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(np.shape(self.blocks)))
+        """The blocks' bytes, from the shape and type alone (a deferred tensor's blocks are not
+        made by asking: the Q/K rows' RoPE-order copies, ~600 MB on a 7B, were made for a
+        --ram-budget's size check and set its peak)."""
+        from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
+
+        *lead, rows, cols = self.stored_shape
+        return int(np.prod(lead, dtype=np.int64)) * rows * quants.row_bytes(self.qtype, cols)
 
     def dequantize(self) -> np.ndarray:
         """The canonical param as float32."""
