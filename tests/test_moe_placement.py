@@ -11,8 +11,11 @@ machine both parts run on the CPU: the same code, checked here on tiny synthetic
     the same greedy tokens, and reports routed ids in the file's numbering;
   * the hot experts are the most frequently routed ones (the profile is kept and reused), the
     served share follows the power law, cold experts stay as blocks;
-  * bad input: a budget below the dense parts, a bad permutation or hot count, devices with a
-    budget, a GPU that would hold only part of the experts: one-line errors.
+  * the host store an accelerator uses (cold blocks out of the model's state, run through a host
+    callback) gives the inline placement's logits and tokens, jitted too, and is released with
+    the model; on an accelerator everything but the experts is dequantized at load;
+  * bad input: a budget below the dense parts, a bad permutation, hot count or store, devices
+    with a budget, float experts for the host store: one-line errors.
 """
 from __future__ import annotations
 
@@ -68,9 +71,13 @@ def test_bad_permutations_and_hot_counts_are_one_line_errors(monkeypatch):
         m.split(3)
     with pytest.raises(ValueError, match=r"MoE.permute: expected an unsplit MoE layer"):
         m.permute(np.arange(E))
+    with pytest.raises(ValueError, match=r"MoE.split store: expected 'auto', 'operands' or "
+                                         r"'host', got 'disk'"):
+        _moe().split(3, store="disk")
+    # on an accelerator the cold experts go to the host store, which runs a file's blocks only
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    with pytest.raises(ValueError, match=r"--vram-budget \(MoE on a GPU\): expected room for "
-                                         r"all 7 experts.*got '3 experts"):
+    with pytest.raises(ValueError, match=r"MoE.split cold experts on the host: expected a "
+                                         r"quantized file's blocks .* got 'float experts'"):
         _moe().split(3)
     _moe().split(E)  # every expert on the device: nothing runs on the host
 
@@ -186,3 +193,53 @@ def test_bad_budgets_are_one_line_errors(files, sizes):
                                          r"model .* got '16 experts over 2 devices'"):
         place_model(model, PlacementConfig(vram_budget_gib=1.0), kv_len=64,
                     model_fingerprint={}, artifacts_dir=None, cache_dir=None, shards=2)
+
+
+def _placed_model(path, n_hot, store):
+    from powerinfer_jax.checkpoint import load_checkpoint
+    from powerinfer_jax.models.transformer import from_params
+
+    ck = load_checkpoint(path, keep_quantized=True)
+    model = from_params(ck.config, ck.params, dtype=jnp.float32, kernels="auto")
+    for i, layer in enumerate(model.layers):
+        layer.ffn.permute(np.random.default_rng(i).permutation(ck.config.n_experts))
+        layer.ffn.split(n_hot, store=store)
+    return model
+
+
+@pytest.mark.parametrize("act", ["silu", "relu"])
+def test_the_host_store_gives_the_inline_placement(files, act):
+    """What an accelerator runs (the cold experts' blocks in the host store, one host callback
+    per layer and call) equals the CPU-only placement (the same custom call inline)."""
+    import gc
+
+    from powerinfer_jax.models import moe
+    from powerinfer_jax.runtime.decode import Engine
+
+    inline = _placed_model(files[act], 5, "operands")
+    host = _placed_model(files[act], 5, "host")
+    ffn = host.layers[0].ffn
+    assert ffn.host_handle in moe._HOST and ffn.experts.gate.weight[...].shape[0] == 0
+    toks = jnp.asarray([TOKENS])
+    assert_close(host(toks), inline(toks), "moe_quantized")
+    prompt = TOKENS[:7]
+    want = Engine(inline, max_seq_len=64).generate(prompt, max_new_tokens=12, stop_ids=()).tokens
+    got = Engine(host, max_seq_len=64).generate(prompt, max_new_tokens=12, stop_ids=()).tokens
+    assert got == want
+    handles = [layer.ffn.host_handle for layer in host.layers]
+    del host, ffn
+    gc.collect()
+    assert not set(handles) & set(moe._HOST)
+
+
+def test_an_accelerator_load_keeps_only_the_experts_as_blocks(files):
+    from powerinfer_jax.checkpoint import load_checkpoint
+    from powerinfer_jax.checkpoint.base import QuantTensor
+    from powerinfer_jax.runtime.session import _floats_but_experts, _is_moe_gguf
+
+    assert _is_moe_gguf(files["silu"]) and not _is_moe_gguf(files["silu"].parent)
+    ck = load_checkpoint(files["silu"], keep_quantized=True)
+    _floats_but_experts(ck)
+    kinds = {name: isinstance(t, QuantTensor) for name, t in ck.params.items()}
+    assert all(q == (".ffn.experts." in name) for name, q in kinds.items()), kinds
+    assert sum(kinds.values()) == 3 * ck.config.n_layers

@@ -24,11 +24,18 @@ Placement (--vram-budget, runtime/placing.py; issue 35): `permute` reorders the 
 [0, n_hot) as floats in the model's dtype (`hot`: the accelerator's, computed with XLA, gathered
 per token) and leaves the others in `experts` as they were loaded (a quantized file's blocks:
 the host pool's custom call, ops.moe_ffn). Each token's routed experts are split between the two
-by id, the two partial sums added; CPU-only the same code runs both parts on the CPU.
+by id, the two partial sums added; CPU-only the same code runs both parts on the CPU. On an
+accelerator the cold experts' blocks leave the model's state for a host-side store (`HostExperts`,
+by handle) and each layer's cold part runs there through one host callback per call (the same
+custom call, on the CPU, with the host pool), its partial sum returned to the device.
 Axis letters: N tokens (B * T flattened), E experts, k routed per token, F expert neurons,
 D model.
 """
 from __future__ import annotations
+
+import functools
+import itertools
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -146,6 +153,46 @@ def route(logits_ne, k: int, normalize: bool):
     return ids.astype(jnp.int32), weights
 
 
+# ------------------------------------------------------------------ the host half on an accelerator
+_HOST: dict[int, "HostExperts"] = {}
+_HANDLES = itertools.count(1)
+
+
+class HostExperts:
+    """A placed layer's cold experts kept on the host when the model runs on an accelerator:
+    their blocks (committed to the CPU device) and what ops.moe_ffn needs to run them there.
+    Registered by handle (the model holds only the integer), released with the layer."""
+
+    def __init__(self, experts: "Experts", activation: str):
+        cpu = jax.devices("cpu")[0]
+        self.blocks = tuple(jax.device_put(np.asarray(jax.device_get(m.weight[...])), cpu)
+                            for m in (experts.gate, experts.up, experts.down_t))
+        self.kw = dict(gate_qtype=experts.gate.qtype, up_qtype=experts.up.qtype,
+                       down_qtype=experts.down_t.qtype, activation=activation,
+                       down_layout="groups" if experts.down_t.layout == "groups" else "rows")
+        self.cpu = cpu
+
+    @functools.cached_property
+    def _run(self):
+        kw = self.kw
+        return jax.jit(lambda x, ids, w, g, u, d: ops.moe_ffn(x, ids, w, g, u, d, **kw))
+
+    def __call__(self, x, ids, weights):
+        """float32 [N, D] numpy: the cold experts' partial sum for these tokens (on the CPU)."""
+        args = jax.device_put((np.asarray(x), np.asarray(ids), np.asarray(weights)), self.cpu)
+        return np.asarray(self._run(*args, *self.blocks))
+
+
+def _register_host(experts) -> int:
+    handle = next(_HANDLES)
+    _HOST[handle] = experts
+    return handle
+
+
+def _host_part(handle: int, x, ids, weights):
+    return _HOST[int(handle)](x, ids, weights)
+
+
 class MoE(Module):
     """An MoE layer's FFN (module docstring). Has the dense FFN's interface where the model's
     build steps touch it (`selector`, `set_selector`, `quantized`, `placed`, `permute`, `split`,
@@ -181,6 +228,7 @@ class MoE(Module):
         self.hot = None
         self.n_hot = n_experts
         self.placed = False
+        self.host_handle = None  # the cold experts in the host store (`split(store="host")`)
 
     # ------------------------------------------------------------ the build steps' interface
     quantized = False
@@ -220,26 +268,32 @@ class MoE(Module):
 
     def split(self, n_hot: int, *, store: str = "auto") -> None:
         """Keep experts [0, n_hot) as floats in the model's dtype (`hot`, the accelerator's);
-        experts [n_hot, E) stay as loaded (`experts`: a file's blocks run by the host pool's
-        custom call). On a GPU every expert must be hot: the host part of an MoE layer runs
-        only where the host is the device (the CUDA MoE hybrid call is not built)."""
+        experts [n_hot, E) stay as loaded. store: "operands" (in `experts`, run inline: a
+        CPU-only machine), "host" (a file's blocks moved to the host store, run through a host
+        callback: what an accelerator needs), "auto" ("host" off the CPU)."""
         e = self.n_experts
         if self.placed or not (isinstance(n_hot, (int, np.integer)) and 0 <= n_hot <= e):
             fail("MoE.split n_hot", f"an integer in [0, {e}] on an unsplit MoE layer", n_hot,
                  f"placed={self.placed}")
-        if store not in ("auto", "operands"):
-            fail("MoE.split store", "'auto' or 'operands'", store)
+        if store == "auto":
+            store = "operands" if jax.default_backend() == "cpu" else "host"
+        if store not in ("operands", "host"):
+            fail("MoE.split store", "'auto', 'operands' or 'host'", store)
         n_hot = int(n_hot)
-        if n_hot < e and jax.default_backend() != "cpu":
-            fail("--vram-budget (MoE on a GPU)", f"room for all {e} experts of every layer",
-                 f"{n_hot} experts of a layer",
-                 "the host half of the MoE hybrid is not built for GPUs: raise --vram-budget "
-                 "or run on the CPU")
         x = self.experts
+        if n_hot < e and store == "host" and x.gate.qtype is None:
+            fail("MoE.split cold experts on the host", "a quantized file's blocks (the host "
+                 "pool's custom call runs those)", "float experts",
+                 "load a quantized GGUF, or raise --vram-budget to hold every expert")
         if n_hot:
             self.hot = HotExperts(*x.floats(0, n_hot, self.dtype))
         for m in (x.gate, x.up, x.down_t):
             m.weight.set_value(m.weight[...][n_hot:])
+        if n_hot < e and store == "host":
+            self.host_handle = _register_host(HostExperts(x, self.activation))
+            weakref.finalize(self, _HOST.pop, self.host_handle, None)
+            for m in (x.gate, x.up, x.down_t):  # nothing of them stays in the model's state
+                m.weight.set_value(m.weight[...][:0])
         self.n_hot, self.placed = n_hot, True
 
     def set_execution(self, execution: str) -> None:
@@ -277,8 +331,13 @@ class MoE(Module):
                 y = y + self._xla(x, jnp.where(hot, ids, -1), jnp.where(hot, weights, 0.0),
                                   (h.gate[...], h.up[...], h.down_t[...]))
             if self.n_cold:
-                y = y + self._loaded(x, jnp.where(hot, -1, ids - self.n_hot),
-                                     jnp.where(hot, 0.0, weights))
+                cold = (x, jnp.where(hot, -1, ids - self.n_hot), jnp.where(hot, 0.0, weights))
+                if self.host_handle is None:
+                    y = y + self._loaded(*cold)
+                else:  # on the host, by the host pool, while the device waits
+                    y = y + jax.pure_callback(
+                        functools.partial(_host_part, self.host_handle),
+                        jax.ShapeDtypeStruct(x.shape, F32), *cold, vmap_method="sequential")
         if self.shared is not None:  # whole on every device: added by the first shard
             scale = jax.nn.sigmoid(self.shared_gate(x))  # [N, 1]
             y = y + jnp.where(first_shard, scale, 0.0) * self.shared(x[None])[0]

@@ -255,6 +255,8 @@ def _build(model, runtime, sparsity, placement, artifacts_root, max_batch, progr
         ckpt = load_checkpoint(model, keep_quantized=_keeps_quantized(runtime, placement, model))
     else:
         ckpt = checkpoint
+    if accel is not None and ckpt.config.n_experts:
+        _floats_but_experts(ckpt)
     t2 = time.perf_counter()
     modes.check_weights(sparsity, _ffn_qtype(ckpt))
     _check_context(runtime, ckpt.config)
@@ -435,12 +437,23 @@ def _executable_store(model, runtime, sparsity, placement, max_batch, artifacts_
 def _keeps_quantized(runtime: RuntimeConfig, placement: PlacementConfig, model=None) -> bool:
     """Whether a quantized file's blocks stay as they are: placement (a budget, or a GPU) moves
     float rows between memories and a mesh splits rows over devices, so those dequantize at load.
-    An MoE file placed on the CPU keeps them: its cold experts run on the host pool as stored,
-    and only the hot experts become floats (models/moe.py `split`)."""
+    An MoE file that is placed keeps them: its cold experts run on the host pool as stored, and
+    only the hot experts become floats (models/moe.py `split`); on an accelerator everything
+    but its experts is then dequantized after the load (`_floats_but_experts`)."""
     placed = placement.budget_bytes is not None or _accelerator() is not None
-    if placed and _accelerator() is None and _is_moe_gguf(model):
+    if placed and _is_moe_gguf(model):
         placed = False
     return runtime.weights == "auto" and not placed and runtime.devices is None
+
+
+def _floats_but_experts(ckpt) -> None:
+    """An MoE file kept quantized for an accelerator: every tensor but the stacked experts as
+    float32 (the device computes them with XLA; the experts are placed hot/cold later)."""
+    from powerinfer_jax.checkpoint.base import QuantTensor  # lazy: start-up
+
+    for name, t in list(ckpt.params.items()):
+        if isinstance(t, QuantTensor) and ".ffn.experts." not in name:
+            ckpt.params[name] = t.dequantize()
 
 
 def _is_moe_gguf(model) -> bool:
