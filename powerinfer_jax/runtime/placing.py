@@ -15,7 +15,9 @@ from powerinfer_jax.config import PlacementConfig
 from powerinfer_jax.errors import fail
 from powerinfer_jax.models.hybrid import apply_placement
 from powerinfer_jax.runtime.mesh import round_placement
+from powerinfer_jax.sparsity import corpus as corpus_mod
 from powerinfer_jax.sparsity import placement as pl
+from powerinfer_jax.sparsity.expert_profile import expert_frequency
 from powerinfer_jax.sparsity.placement_cache import load_or_place
 from powerinfer_jax.sparsity.profile import ActivationProfile
 
@@ -70,8 +72,6 @@ def expert_frequencies(model, artifacts_dir: Path | None, tokenizer=None,
     measured now on the calibration corpus with the model's own router (and saved there), or
     uniform with a note when there is neither a tokenizer nor a corpus. artifacts_dir: the
     model's artifacts root (routing does not depend on a target sparsity)."""
-    from powerinfer_jax.sparsity.expert_profile import expert_frequency
-
     c = model.config
     path = None if artifacts_dir is None else Path(artifacts_dir) / EXPERT_PROFILE_NAME
     if path is not None and path.is_file():
@@ -83,8 +83,6 @@ def expert_frequencies(model, artifacts_dir: Path | None, tokenizer=None,
               f"{(c.n_layers, c.n_experts)}, got {freq.shape}", file=sys.stderr)
     chunks = None
     if tokenizer is not None:
-        from powerinfer_jax.sparsity import corpus as corpus_mod
-
         try:
             text = corpus_mod.read_corpus(corpus_mod.default_corpus_files())
         except Exception as e:  # noqa: BLE001 (no corpus here: uniform, said below)
