@@ -46,7 +46,7 @@ def _moe(shared=0, seed=0):
 
 @pytest.mark.parametrize("shared", [0, 16])
 @pytest.mark.parametrize("n_hot", [0, 3, 7])
-@pytest.mark.parametrize("tokens", [(1, 1), (2, 9)])
+@pytest.mark.parametrize("tokens", [(1, 1), (2, 3), (2, 20)])  # pairs one by one; gathered
 def test_a_placed_float_layer_gives_the_unplaced_output(shared, n_hot, tokens):
     m = _moe(shared)
     x = jax.random.normal(jax.random.key(3), tokens + (D,))

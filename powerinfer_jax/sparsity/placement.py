@@ -39,7 +39,7 @@ parts are never offloaded: an explicit error is easier to act on than a silent s
 
 Mixture-of-experts models (issue 35): the item is an expert instead of a neuron. Every expert of a
 layer costs the same bytes (its gate, up and down matrices in the model's dtype: how a hot expert
-is held on the accelerator), its value is its routing frequency (sparsity/expert_profile.py), and
+is held on the accelerator: models/moe.py `hot_dtype`), its value is its routing frequency (sparsity/expert_profile.py), and
 the same algorithm places the most frequently routed experts of every layer; the router, the
 shared expert and attention are dense parts. `model_bytes` reports experts in `neuron_bytes` and
 `d_ff` (bytes of one expert, experts per layer) for such a model.
@@ -59,6 +59,7 @@ import numpy as np
 
 from powerinfer_jax.checkpoint.powerinfer import VRAM_CAPACITY_KEY
 from powerinfer_jax.errors import fail
+from powerinfer_jax.models.moe import hot_dtype
 
 DEFAULT_COLD_BALANCE = 2.0
 PLACEMENT_VERSION = 1  # bump when the algorithm changes: cached placements are then recomputed
@@ -134,7 +135,7 @@ def model_bytes(model, *, kv_len: int, kv_dtype=None, batch: int = 1) -> ModelBy
     kv_per_layer = 2 * batch * kv_len * c.n_kv_heads * c.head_dim * kv_item
     units = c.d_ff
     if moe:
-        neuron = [3 * c.d_ff * c.d_model * np.dtype(model.dtype).itemsize] * n_layers
+        neuron = [3 * c.d_ff * c.d_model * np.dtype(hot_dtype(model.dtype)).itemsize] * n_layers
         units = c.n_experts
     return ModelBytes(global_dense=glob, layer_dense=tuple(b + kv_per_layer for b in layer),
                       neuron_bytes=tuple(neuron), d_ff=(units,) * n_layers)
