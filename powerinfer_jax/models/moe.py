@@ -21,13 +21,13 @@ Executions (`MoE.execution`, chosen at build, never by a string test per call):
     execution is checked against (tests/test_moe.py).
 Placement (--vram-budget, runtime/placing.py; issue 35): `permute` reorders the experts hot-first
 (their stacked rows and the router's rows: the output is unchanged), `split(n_hot)` keeps experts
-[0, n_hot) as floats in the model's dtype (float32 on a CPU: `hot_dtype`; `hot`: the accelerator's, computed with XLA, gathered
-per token) and leaves the others in `experts` as they were loaded (a quantized file's blocks:
-the host pool's custom call, ops.moe_ffn). Each token's routed experts are split between the two
-by id, the two partial sums added; CPU-only the same code runs both parts on the CPU. On an
-accelerator the cold experts' blocks leave the model's state for a host-side store (`HostExperts`,
-by handle) and each layer's cold part runs there through one host callback per call (the same
-custom call, on the CPU, with the host pool), its partial sum returned to the device.
+[0, n_hot) as floats (`hot`: the accelerator's, computed with XLA; in `hot_dtype`) and leaves the
+others in `experts` as they were loaded (a quantized file's blocks: the host pool's custom call,
+ops.moe_ffn). Each token's routed experts are split between the two by id, the two partial sums
+added; CPU-only the same code runs both parts on the CPU. On an accelerator the cold experts'
+blocks leave the model's state for a host-side store (`ColdExperts`, by handle) and each layer's
+cold part runs there through one host callback per call (the same custom call, on the CPU, with
+the host pool), its partial sum returned to the device.
 Axis letters: N tokens (B * T flattened), E experts, k routed per token, F expert neurons,
 D model.
 """
@@ -164,11 +164,11 @@ def route(logits_ne, k: int, normalize: bool):
 
 
 # ------------------------------------------------------------------ the host half on an accelerator
-_HOST: dict[int, "HostExperts"] = {}
+_HOST: dict[int, "ColdExperts"] = {}
 _HANDLES = itertools.count(1)
 
 
-class HostExperts:
+class ColdExperts:
     """A placed layer's cold experts kept on the host when the model runs on an accelerator:
     their blocks (committed to the CPU device) and what ops.moe_ffn needs to run them there.
     Registered by handle (the model holds only the integer), released with the layer."""
@@ -280,7 +280,7 @@ class MoE(Module):
         self.order = nnx.data(before[perm].astype(np.int32))
 
     def split(self, n_hot: int, *, store: str = "auto") -> None:
-        """Keep experts [0, n_hot) as floats in the model's dtype (`hot`, the accelerator's);
+        """Keep experts [0, n_hot) as floats in `hot_dtype` (`hot`, the accelerator's);
         experts [n_hot, E) stay as loaded. store: "operands" (in `experts`, run inline: a
         CPU-only machine), "host" (a file's blocks moved to the host store, run through a host
         callback: what an accelerator needs), "auto" ("host" off the CPU)."""
@@ -303,7 +303,7 @@ class MoE(Module):
         for m in (x.gate, x.up, x.down_t):
             m.weight.set_value(m.weight[...][n_hot:])
         if n_hot < e and store == "host":
-            self.host_handle = _register_host(HostExperts(x, self.activation))
+            self.host_handle = _register_host(ColdExperts(x, self.activation))
             weakref.finalize(self, _HOST.pop, self.host_handle, None)
             for m in (x.gate, x.up, x.down_t):  # nothing of them stays in the model's state
                 m.weight.set_value(m.weight[...][:0])
@@ -414,8 +414,8 @@ class MoE(Module):
 
     def _dense(self, x_nd, ids, weights, mats):
         """Every expert on every token; unrouted ones weighted 0 (the reference). On a CPU one
-        expert at a time (a scan): XLA's CPU dot widens bfloat16 weights to float32 first, all
-        of them at once otherwise (+6.4 GB for 3.2 GB of hot experts at a 16-token prefill)."""
+        expert at a time (a scan): 16 float32 experts of 1024 x 2048 at 16 tokens took 68 ms so
+        against 208 ms as three batched einsums (bfloat16: 180 against 210 ms; 2 threads)."""
         gate, up, down = mats
         w_ne = jnp.sum(jax.nn.one_hot(ids, gate.shape[0], dtype=F32) * weights[..., None],
                        axis=1)  # [N, E']; an id of -1 is a zero row

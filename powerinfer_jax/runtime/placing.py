@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from powerinfer_jax import cache
 from powerinfer_jax.config import PlacementConfig
 from powerinfer_jax.errors import fail
 from powerinfer_jax.models.hybrid import apply_placement
@@ -66,8 +67,8 @@ EXPERT_PROFILE_CTX = 256
 EXPERT_PROFILE_NAME = "experts.npz"
 
 
-def expert_frequencies(model, artifacts_dir: Path | None, tokenizer=None,
-                       progress: bool = False) -> tuple[list[np.ndarray], str]:
+def expert_frequencies(model, artifacts_dir: Path | None,
+                       tokenizer=None) -> tuple[list[np.ndarray], str]:
     """Per-layer routing frequencies of an MoE model's experts: <artifacts_dir>/experts.npz, or
     measured now on the calibration corpus with the model's own router (and saved there), or
     uniform with a note when there is neither a tokenizer nor a corpus. artifacts_dir: the
@@ -95,16 +96,13 @@ def expert_frequencies(model, artifacts_dir: Path | None, tokenizer=None,
         print("powerinfer_jax: no expert profile for this model; placing experts by index",
               file=sys.stderr)
         return [np.ones(c.n_experts) for _ in range(c.n_layers)], "uniform"
-    if progress:
-        print(f"powerinfer_jax: profiling the routers on {chunks.size} corpus tokens",
-              file=sys.stderr)
+    print(f"powerinfer_jax: profiling the routers on {chunks.size} corpus tokens (once for "
+          "this model)", file=sys.stderr)
     freq = expert_frequency(model, [row[None] for row in chunks])
     if path is not None:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp.npz")
-            np.savez(tmp, frequency=freq, tokens=np.int64(chunks.size))
-            tmp.replace(path)
+            with cache.atomic_file(path) as tmp, open(tmp, "wb") as f:
+                np.savez(f, frequency=freq, tokens=np.int64(chunks.size))
         except OSError as e:  # a read-only cache: used now, measured again next time
             print(f"powerinfer_jax: could not keep the expert profile at {path}: {e}",
                   file=sys.stderr)
@@ -113,8 +111,8 @@ def expert_frequencies(model, artifacts_dir: Path | None, tokenizer=None,
 
 def place_model(model, cfg: PlacementConfig, *, kv_len: int, model_fingerprint,
                 artifacts_dir: Path | None, cache_dir: Path | None,
-                default_budget: int | None = None, shards: int = 1, tokenizer=None,
-                progress: bool = False) -> pl.Placement | None:
+                default_budget: int | None = None, shards: int = 1,
+                tokenizer=None) -> pl.Placement | None:
     """Decide (or reuse from the cache) and apply the placement; None when none applies.
     default_budget: the budget without --vram-budget (read before the model was loaded, as the
     session does); None: default_budget_bytes() now. shards: the mesh's devices (--devices):
@@ -132,7 +130,7 @@ def place_model(model, cfg: PlacementConfig, *, kv_len: int, model_fingerprint,
     if cfg.offload != "hybrid":
         freqs, source = None, "none"
     elif c.n_experts:
-        freqs, source = expert_frequencies(model, cache_dir, tokenizer, progress)
+        freqs, source = expert_frequencies(model, cache_dir, tokenizer)
     else:
         freqs, source = load_frequencies(artifacts_dir, c.n_layers, c.d_ff)
     sizes = pl.model_bytes(model, kv_len=kv_len)

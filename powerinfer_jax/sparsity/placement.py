@@ -38,8 +38,8 @@ Budget below the dense parts: a ValueError naming the budget, the bytes needed a
 parts are never offloaded: an explicit error is easier to act on than a silent slowdown).
 
 Mixture-of-experts models (issue 35): the item is an expert instead of a neuron. Every expert of a
-layer costs the same bytes (its gate, up and down matrices in the model's dtype: how a hot expert
-is held on the accelerator: models/moe.py `hot_dtype`), its value is its routing frequency (sparsity/expert_profile.py), and
+layer costs the same bytes (its gate, up and down matrices as a hot expert is held: floats in
+models/moe.py `hot_dtype`), its value is its routing frequency (sparsity/expert_profile.py), and
 the same algorithm places the most frequently routed experts of every layer; the router, the
 shared expert and attention are dense parts. `model_bytes` reports experts in `neuron_bytes` and
 `d_ff` (bytes of one expert, experts per layer) for such a model.
@@ -103,13 +103,13 @@ def model_bytes(model, *, kv_len: int, kv_dtype=None, batch: int = 1) -> ModelBy
     """Bytes of every tensor of a (flax NNX) Transformer, read from shapes and dtypes only.
 
     kv_len: KV cache slots (the run's max_seq_len); kv_dtype: the cache dtype (default model.dtype).
-    A mixture-of-experts model's items are its experts, each charged as floats in the model's
-    dtype whatever the form they are loaded in (the module docstring).
+    A mixture-of-experts model's items are its experts, each charged as a hot expert is held
+    (floats in `hot_dtype`) whatever the form they are loaded in (the module docstring).
     """
     from flax import nnx
 
     c = model.config
-    moe = bool(getattr(c, "n_experts", 0))
+    moe = bool(c.n_experts)
     n_layers = c.n_layers
     neuron = [0] * n_layers
     layer = [0] * n_layers
