@@ -15,7 +15,8 @@ machine both parts run on the CPU: the same code, checked here on tiny synthetic
     callback) gives the inline placement's logits and tokens, jitted too, and is released with
     the model; on an accelerator everything but the experts is dequantized at load;
   * bad input: a budget below the dense parts, a bad permutation, hot count or store, devices
-    with a budget, float experts for the host store: one-line errors.
+    with a budget, float experts for the host store: one-line errors; a damaged kept profile is
+    named and measured again.
 """
 from __future__ import annotations
 
@@ -245,3 +246,29 @@ def test_an_accelerator_load_keeps_only_the_experts_as_blocks(files):
     kinds = {name: isinstance(t, QuantTensor) for name, t in ck.params.items()}
     assert all(q == (".ffn.experts." in name) for name, q in kinds.items()), kinds
     assert sum(kinds.values()) == 3 * ck.config.n_layers
+
+
+@pytest.mark.parametrize("damage", [b"not a zip file", "shape", "nan"])
+def test_a_damaged_expert_profile_is_measured_again(files, sizes, tmp_path, damage, capsys):
+    """A kept experts.npz that is truncated, of another model's shape or not finite is named on
+    stderr and measured again: the placement equals the one from a fresh profile."""
+    import shutil
+
+    path = tmp_path / files["silu"].name
+    shutil.copy(files["silu"], path)
+    want = _load(path, vram_budget=_budget_gib(sizes, 4)).session.placement.order
+    kept = path.with_name(path.stem + ".sparsity") / "experts.npz"
+    if damage == "shape":
+        np.savez(kept, frequency=np.ones((3, 5)))
+    elif damage == "nan":
+        np.savez(kept, frequency=np.full((2, 16), np.nan))
+    else:
+        kept.write_bytes(damage)
+    for stale in kept.parent.glob("placement*.json"):  # placements are cached by profile
+        stale.unlink()
+    capsys.readouterr()
+    got = _load(path, vram_budget=_budget_gib(sizes, 4)).session.placement.order
+    err = capsys.readouterr().err
+    assert f"ignoring {kept}: expected finite frequencies >= 0 of shape (2, 16)" in err
+    assert got == want
+    assert np.load(kept)["frequency"].shape == (2, 16)  # measured again and kept

@@ -7,6 +7,7 @@ from the device, and keeps the placement cache next to the artifacts.
 from __future__ import annotations
 
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -76,12 +77,17 @@ def expert_frequencies(model, artifacts_dir: Path | None,
     c = model.config
     path = None if artifacts_dir is None else Path(artifacts_dir) / EXPERT_PROFILE_NAME
     if path is not None and path.is_file():
-        with np.load(path) as z:
-            freq = z["frequency"]
-        if freq.shape == (c.n_layers, c.n_experts):
+        try:
+            with np.load(path) as z:
+                freq = np.asarray(z["frequency"], np.float64)
+            got = f"shape {freq.shape}"
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:  # damaged: measured again
+            freq, got = None, f"an unreadable file ({type(e).__name__})"
+        if freq is not None and freq.shape == (c.n_layers, c.n_experts) \
+                and np.all(np.isfinite(freq)) and np.all(freq >= 0):
             return list(freq), str(path)
-        print(f"powerinfer_jax: ignoring {path}: expected frequencies of shape "
-              f"{(c.n_layers, c.n_experts)}, got {freq.shape}", file=sys.stderr)
+        print(f"powerinfer_jax: ignoring {path}: expected finite frequencies >= 0 of shape "
+              f"{(c.n_layers, c.n_experts)}, got {got}; measuring them again", file=sys.stderr)
     chunks = None
     if tokenizer is not None:
         try:
