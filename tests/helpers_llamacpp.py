@@ -76,7 +76,14 @@ def _fetch(peers: Path, p: Path) -> tuple[Path | None, str]:
     with tarfile.open(sdist) as tar:
         members = [m for m in tar.getmembers()
                    if m.name.startswith(top) and m.name[len(top):].startswith(_MEMBERS)]
-        tar.extractall(tmp, members=members, filter="data")
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(tmp, members=members, filter="data")
+        else:  # Python 3.11.0-3.11.3 has no extraction filters: plain files and folders only
+            bad = [m.name for m in members if not (m.isfile() or m.isdir())
+                   or m.name.startswith("/") or ".." in Path(m.name).parts]
+            if bad:
+                return None, f"{sdist}: expected plain files under {top}, got {bad[:3]}"
+            tar.extractall(tmp, members=members)
     dest = p.parent.parent  # .../llama-cpp-python-VERSION
     dest.parent.mkdir(parents=True, exist_ok=True)
     if not _has_converter(p):
