@@ -23,7 +23,7 @@ SRC="${WORK}/llama_cpp_python-${VERSION}/vendor/llama.cpp"
 BUILD="${WORK}/build-${VERSION}"
 
 if [[ ! -f "${SDIST}" ]]; then
-  "${PYTHON}" -m pip download --no-binary :all: --no-deps "llama-cpp-python==${VERSION}" -d "${WORK}"
+  "${PYTHON}" -m pip download --no-binary llama-cpp-python --no-deps "llama-cpp-python==${VERSION}" -d "${WORK}"
 fi
 if [[ ! -f "${SRC}/CMakeLists.txt" ]]; then
   tar -xzf "${SDIST}" -C "${WORK}"

@@ -57,13 +57,15 @@ def tree() -> tuple[Path | None, str]:
 
 
 def _fetch(peers: Path, p: Path) -> tuple[Path | None, str]:
-    """pip download the sdist (--no-binary: the source, ~75 MB) and unpack convert_hf_to_gguf.py,
-    conversion/, gguf-py/ and the vocab test files into `p`."""
+    """pip download the sdist (--no-binary for this one package: the source, ~75 MB) and unpack
+    convert_hf_to_gguf.py, conversion/, gguf-py/ and the vocab test files into `p`. pip prepares
+    the sdist's metadata in a build environment; `--no-binary :all:` would build that
+    environment's own packages (cmake among them) from source too: 215 s against 5 s here."""
     sdist = peers / "sdist" / f"llama_cpp_python-{VERSION}.tar.gz"
     if not sdist.is_file():
         sdist.parent.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary",
-               ":all:", f"llama-cpp-python=={VERSION}", "-d", str(sdist.parent)]
+               "llama-cpp-python", f"llama-cpp-python=={VERSION}", "-d", str(sdist.parent)]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         except (OSError, subprocess.TimeoutExpired) as e:

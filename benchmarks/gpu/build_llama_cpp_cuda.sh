@@ -67,7 +67,7 @@ fi
 if [ ! -f "$SRC/CMakeLists.txt" ]; then
   tmp=$(mktemp -d "$PEERS/.sdist.XXXXXX")
   log "downloading the llama-cpp-python $VERSION sdist"
-  "$PY" -m pip download --quiet --no-binary :all: --no-deps "llama-cpp-python==$VERSION" -d "$tmp"
+  "$PY" -m pip download --quiet --no-binary llama-cpp-python --no-deps "llama-cpp-python==$VERSION" -d "$tmp"
   tar xzf "$tmp/llama_cpp_python-$VERSION.tar.gz" -C "$tmp"
   rm -rf "$SRC_ROOT"; mv "$tmp/llama_cpp_python-$VERSION" "$SRC_ROOT"; rm -rf "$tmp"
 fi
