@@ -96,9 +96,9 @@ def final_rows(out_dir: Path, *, targets=None, threads: int, modes=FINAL_MODES) 
         at_t = {**common, "neurons_for_80pct_median": float(np.median(cover)),
                 "neurons_for_80pct_mean": float(np.mean(cover)),
                 "profiled_sparsity": float(np.mean(prof.sparsity))}
-        # relu/drelu: the model's own zeros (FATReLU's gate threshold) skipped exactly
+        # relu/drelu/fatrelu: the model's own zeros (FATReLU's gate thresholds) skipped exactly
         exact = ([("threshold", SparsityConfig(mode="threshold", target_sparsity=t), {})]
-                 if cfg["variant"] in ("relu", "drelu") else [])
+                 if cfg["variant"] in ("relu", "drelu", "fatrelu") else [])
         for label, sparsity, rep in (
                 *exact,
                 ("oracle", SparsityConfig(mode="oracle", target_sparsity=t), {}),

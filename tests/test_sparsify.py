@@ -141,6 +141,49 @@ def test_threshold_student_masks_at_target_and_ste_passes_gradient():
     assert np.all(np.asarray(grad) != 0)  # straight-through: dropped neurons get gradient too
 
 
+def test_fatrelu_student_masks_the_gate_at_target():
+    """fatrelu: relu(g) * u kept only where relu(g) is above the layer's batch quantile; the
+    kept activations are ReGLU's exactly, and the straight-through gradient reaches them all."""
+    config, _, _, student = tiny_models("silu")
+    spec = fw.student_spec(config, "fatrelu", 0.75)
+    assert (spec.activation, spec.mask_on) == ("relu", "gate")
+    tokens = jnp.asarray(batches(config, batch=2, seq=32)(0))
+    _, aux = fw.forward(student, tokens, spec)
+    assert_close(aux["zero_frac"], 0.75, "batch_quantile")
+    layer = student.layers[0]
+    x = layer.ffn_norm(layer.attention_residual(
+        student.tok_embed[...][tokens].astype(jnp.float32) * config.embed_scale,
+        jnp.broadcast_to(jnp.arange(32), (2, 32))))
+    _, a, _, mag = fw.ffn_forward(layer.ffn, x, spec)
+    g = np.asarray(fw._proj(x, layer.ffn.gate.weight[...]))
+    u = np.asarray(fw._proj(x, layer.ffn.up.weight[...]))
+    a, mag = np.asarray(a), np.asarray(mag)
+    assert np.array_equal(mag, np.maximum(g, 0.0))  # the mask compares the gate alone
+    kept = a != 0
+    assert np.array_equal(a[kept], (g * u)[kept])
+    assert mag[kept].min() > mag[~kept].max()  # one threshold per layer and batch
+
+
+def test_fatrelu_curve_eval_matches_the_models_threshold_mode():
+    """What the fatrelu student is scored as (per-layer gate thresholds) is what the runtime's
+    threshold mode runs on the exported ReLU model."""
+    from powerinfer_jax.runtime import perplexity as evaluate
+    from powerinfer_jax.sparsify.evaluation import calibrate, perplexity
+
+    config, params, _, student = tiny_models("relu")
+    spec = fw.student_spec(config, "fatrelu", 0.8)
+    chunks = batches(config, batch=3, seq=24, seed=5)(0)
+    thr = calibrate(student, spec, 0.8, chunks[:2])
+    assert np.all(thr > 0) and thr.shape == (config.n_layers,)
+    ours = perplexity(student, spec, chunks, thr)
+    model = from_params(config, params, kernels="xla")
+    configure(model, SparsityConfig(mode="threshold", impl="reference"), thresholds=thr)
+    ref = evaluate.perplexity(model, chunks.reshape(-1), ctx=24, max_chunks=3)
+    assert ours["ppl"] == pytest.approx(ref["ppl"], rel=1e-4)
+    assert ours["ffn_sparsity"] == pytest.approx(ref["ffn_sparsity"], abs=1e-4)
+    assert ours["ffn_sparsity"] > 0.6
+
+
 # ------------------------------------------------------------------------------ refit, eval
 @pytest.mark.slow
 def test_refit_reduces_the_sparse_layer_error():
@@ -299,6 +342,22 @@ def test_distilled_directory_loads_everywhere(tiny_dir, texts, cache, tmp_path, 
     assert [r["mode"] for r in final] == ["dense", "threshold"]
     assert final[1]["ffn_sparsity"] > 0.3
     assert final[1]["ppl"] == pytest.approx(final[0]["ppl"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_fatrelu_run_exports_its_layer_thresholds(tiny_dir, texts, cache, tmp_path):
+    """A fatrelu run's model is ReLU with one gate threshold per layer in config.json, which
+    its sparsity artifacts take as threshold mode's thresholds."""
+    train, _ = texts
+    out = tmp_path / "fatrelu"
+    distill(str(tiny_dir), small(variant="fatrelu"), out=out, corpus=[train], progress=False,
+            calibrate=False)
+    config = json.loads((out / "config.json").read_text())
+    gates = config["fatrelu_threshold"]
+    assert config["hidden_act"] == "relu"
+    assert len(gates) == load_checkpoint(out).config.n_layers and min(gates) > 0
+    built = build_artifacts(out, 0.7, corpus=[train], progress=False, predictors=False)
+    assert built[0].thresholds_gate == pytest.approx(tuple(gates))
 
 
 # -------------------------------------------------------------------------------- bad input

@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", default=d.variant, choices=VARIANTS,
                    help="student FFN: threshold (keep the activation, zero |a_i| under the layer's "
                         "threshold for --target-sparsity, straight-through gradient), relu "
-                        "(relu(gate) * up) or drelu (relu(gate) * relu(up)) (default: %(default)s)")
+                        "(relu(gate) * up), drelu (relu(gate) * relu(up)) or fatrelu (relu(gate) "
+                        "* up where relu(gate) is above the layer's threshold for "
+                        "--target-sparsity) (default: %(default)s)")
     p.add_argument("--recipe", default=None, choices=tuple(RECIPES),
                    help="preset of the loss and schedule flags (explicit flags win): prosparse "
                         "= L1 on relu(gate) in sine-ramped stages, FATReLU at the end")
@@ -206,8 +208,9 @@ def main(argv=None) -> None:
               + (f" (exported as it is to {out})" if args.export_partial else ""))
         return
     state = "reused" if res["cached"] else "wrote"
+    mode = "threshold" if cfg.variant == "fatrelu" else "oracle"  # FATReLU: the gate thresholds
     print(f"{state} {out} ({cfg.variant}, target sparsity {cfg.target_sparsity}); run it with "
-          f"--model {out} --sparsity oracle --target-sparsity {cfg.target_sparsity}")
+          f"--model {out} --sparsity {mode} --target-sparsity {cfg.target_sparsity}")
     if args.json:
         _cli.print_json({"out": str(out), "cached": res["cached"], "threads": threads,
                          "config": cfg.to_dict()})

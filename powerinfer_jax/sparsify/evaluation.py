@@ -3,7 +3,8 @@ as the evaluation CLI would measure them, in-process and on fewer chunks.
 
 Mirrors `python -m powerinfer_jax.evaluate --sparsity oracle --target-sparsity T`: per-layer
 thresholds calibrated on the *dense* forward of the same weights over corpus (training) text
-(sparsity/thresholds.py: the quantile T of |a_i| per layer; ReLU variants: 0, their natural zeros),
+(sparsity/thresholds.py: the quantile T of |a_i| per layer, of relu(gate_i) for fatrelu; ReLU
+variants: 0, their natural zeros),
 then a forward that keeps |a_i| > threshold, scored on non-overlapping chunks of the validation text
 (every token but the first). Float32 throughout. The final figure comes from the real pipeline
 (export, calibrate, runtime.perplexity) on 16 chunks; these rows say how many chunks they used.
@@ -35,13 +36,14 @@ def _score(graphdef, state, tokens_bt, spec: fw.FFNSpec, thresholds, gate_thresh
 
 
 def calibrate(model, spec: fw.FFNSpec, target: float, calib_nt: np.ndarray) -> np.ndarray:
-    """[L] per-layer thresholds for `target` from the dense forward (no mask) of `model`'s weights;
-    zeros for activations with exact zeros (relu, drelu)."""
+    """[L] per-layer thresholds for `target` from the dense forward (no mask) of `model`'s weights,
+    on the spec's mask magnitude (|a|, or relu(gate) for fatrelu); zeros for an unmasked student
+    with exact zeros (relu, drelu)."""
     n_layers = model.config.n_layers
-    if spec.activation in ("relu", "drelu"):
+    if spec.target is None and spec.activation in ("relu", "drelu"):
         return np.zeros(n_layers, np.float32)
     graphdef, state = nnx.split(model)
-    dense = fw.FFNSpec(spec.activation)
+    dense = fw.FFNSpec(spec.activation, mask_on=spec.mask_on)
     qs = [np.asarray(_quantiles(graphdef, state, jnp.asarray(c[None]), dense, float(target)))
           for c in calib_nt]
     return np.mean(qs, axis=0).astype(np.float32)

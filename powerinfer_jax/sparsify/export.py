@@ -60,11 +60,15 @@ def hf_state_dict(params: dict[str, np.ndarray], n_layers: int) -> dict[str, np.
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
-def hf_config(config, hidden_act: str, fatrelu_threshold: float | None = None) -> dict:
+def hf_config(config, hidden_act: str, fatrelu_threshold=None) -> dict:
     """config.json of the model. fatrelu_threshold: FATReLU's gate threshold (sparsify/fatrelu.py),
-    a key of our own that Hugging Face loaders keep as an attribute and ignore."""
+    one for every layer or a list with one per layer (the fatrelu variant), a key of our own that
+    Hugging Face loaders keep as an attribute and ignore."""
     c = config
-    extra = {} if not fatrelu_threshold else {"fatrelu_threshold": float(fatrelu_threshold)}
+    if isinstance(fatrelu_threshold, (list, tuple)):
+        extra = {"fatrelu_threshold": [float(t) for t in fatrelu_threshold]}
+    else:
+        extra = {} if not fatrelu_threshold else {"fatrelu_threshold": float(fatrelu_threshold)}
     return {**extra, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "vocab_size": c.vocab_size, "hidden_size": c.d_model, "intermediate_size": c.d_ff,
             "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
@@ -93,7 +97,7 @@ def _tokenizer_files(d: Path, tokenizer, max_len: int) -> None:
 
 def write_hf_dir(out: str | os.PathLike, config, params: dict[str, np.ndarray], tokenizer, *,
                  hidden_act: str, record: dict | None = None,
-                 fatrelu_threshold: float | None = None) -> Path:
+                 fatrelu_threshold=None) -> Path:
     """Write the model to directory `out` (replacing it); returns its path."""
     from safetensors.numpy import save_file
 

@@ -23,7 +23,8 @@ from flax import nnx
 from powerinfer_jax.models.layers import F32
 from powerinfer_jax.ops.reference import activate
 
-ACTIVATION_OF_VARIANT = {"relu": "relu", "drelu": "drelu"}  # threshold: the teacher's own
+ACTIVATION_OF_VARIANT = {"relu": "relu", "drelu": "drelu", "fatrelu": "relu"}  # threshold: the
+# teacher's own
 QUANTILE_MAX_TOKENS = 256  # tokens per batch the layer threshold's quantile is taken over
 
 
@@ -36,12 +37,16 @@ class FFNSpec:
       keep each token's round((1 - target) * F) largest ("token"); None: no mask (the teacher, the
       ReLU variants). Fixed per-layer thresholds passed to `forward` take precedence (evaluation).
     ste: straight-through gradient for the mask (the backward pass sees the unmasked activation).
+    mask_on: what the mask compares: "act" (|a_i|) or "gate" (the gate activation relu(g_i):
+      FATReLU with one threshold per layer, what the runtime's threshold mode computes on a ReLU
+      model: neuron i runs where relu(gate_i . x) > t).
     """
 
     activation: str
     target: float | None = None
     mask_by: str = "layer"
     ste: bool = True
+    mask_on: str = "act"
 
 
 def student_spec(config, variant: str, target: float, *, mask_by: str = "layer",
@@ -49,6 +54,8 @@ def student_spec(config, variant: str, target: float, *, mask_by: str = "layer",
     """The student FFN of a variant for a teacher of `config` (DistillConfig fields)."""
     if variant == "threshold":
         return FFNSpec(config.activation, target, mask_by, ste)
+    if variant == "fatrelu":
+        return FFNSpec("relu", target, mask_by, ste, mask_on="gate")
     return FFNSpec(ACTIVATION_OF_VARIANT[variant])
 
 
@@ -84,11 +91,17 @@ def layer_quantile(abs_a, target: float):
     return jnp.quantile(flat[::stride], target)
 
 
-def mask_activations(a_btf, spec: FFNSpec, threshold=None):
-    """Zero the activations the spec drops. threshold: a fixed one for this layer (evaluation)."""
+def mask_magnitude(spec: FFNSpec, a_btf, g_btf):
+    """What the spec's mask compares with a threshold: |a| or the gate activation relu(g)."""
+    return jax.nn.relu(g_btf) if spec.mask_on == "gate" else jnp.abs(a_btf)
+
+
+def mask_activations(a_btf, spec: FFNSpec, threshold=None, mag=None):
+    """Zero the activations the spec drops. threshold: a fixed one for this layer (evaluation).
+    mag: `mask_magnitude` (default |a|)."""
     if threshold is None and spec.target is None:
         return a_btf
-    mag = jnp.abs(a_btf)
+    mag = jnp.abs(a_btf) if mag is None else mag
     if threshold is not None:
         keep = mag > threshold
     elif spec.mask_by == "layer":
@@ -109,26 +122,30 @@ def _proj(x_btd, w_fd):
 
 
 def ffn_forward(ffn, x_btd, spec: FFNSpec, threshold=None, gate_threshold=None):
-    """(y [B, T, D], a [B, T, F], gate L1 (`gate_l1`)) of one FFN module under `spec` (a: the
-    activations used; gate_threshold: FATReLU's, see ffn_activations)."""
+    """(y [B, T, D], a [B, T, F], gate L1 (`gate_l1`), the unmasked `mask_magnitude` [B, T, F])
+    of one FFN module under `spec` (a: the activations used; gate_threshold: FATReLU's, see
+    ffn_activations)."""
     g = _proj(x_btd, ffn.gate.weight[...])
     u = _proj(x_btd, ffn.up.weight[...])
-    a = mask_activations(ffn_activations(spec.activation, g, u, gate_threshold), spec, threshold)
+    a = ffn_activations(spec.activation, g, u, gate_threshold)
+    mag = mask_magnitude(spec, a, g)
+    a = mask_activations(a, spec, threshold, mag)
     w = ffn.down_t.weight[...]
     y = jnp.einsum("btf,fd->btd", a.astype(w.dtype), w, preferred_element_type=F32)
-    return y, a, gate_l1(spec.activation, g, u)
+    return y, a, gate_l1(spec.activation, g, u), mag
 
 
 def block_forward(layer, x_btd, positions_bt, spec: FFNSpec, threshold=None,
                   quantile: float | None = None, gate_threshold=None):
     """One pre-norm block; returns (x [B, T, D], stats [4]: fraction of zero activations, mean |a|,
-    the `quantile` of |a| (0 when None): what calibration sets the layer's threshold to, and the
-    gate L1)."""
+    the `quantile` of the unmasked mask magnitude (|a| or relu(gate), `mask_magnitude`; 0 when
+    None): what calibration sets the layer's threshold to, and the gate L1)."""
     x_btd = layer.attention_residual(x_btd, positions_bt)
-    y, a, l1_gate = ffn_forward(layer.ffn, layer.ffn_norm(x_btd), spec, threshold, gate_threshold)
+    y, a, l1_gate, mag = ffn_forward(layer.ffn, layer.ffn_norm(x_btd), spec, threshold,
+                                     gate_threshold)
     if layer.ffn_post_norm is not None:  # Gemma: the FFN's output normed before the residual
         y = layer.ffn_post_norm(y)
-    q = jnp.float32(0.0) if quantile is None else layer_quantile(jnp.abs(a), quantile)
+    q = jnp.float32(0.0) if quantile is None else layer_quantile(mag, quantile)
     stats = jnp.stack([jnp.mean(jax.lax.stop_gradient(a) == 0.0), jnp.mean(jnp.abs(a)), q,
                        l1_gate])
     return x_btd + y, stats

@@ -9,6 +9,11 @@ Variants (the student's FFN; the teacher is the dense model):
     runs sparse with `--sparsity oracle|predictor --target-sparsity T`.
   relu: ReGLU, a_i = relu(gate_i.x) * (up_i.x) (ReluLLaMA, ProSparse): exact zeros.
   drelu: dReLU, a_i = relu(gate_i.x) * relu(up_i.x) (TurboSparse): exact zeros on either side.
+  fatrelu: ReGLU with a per-layer FATReLU threshold from the first step: a_i = relu(gate_i.x) *
+    (up_i.x) where relu(gate_i.x) is above the layer's quantile `target_sparsity` (per batch in
+    training, straight-through gradient; calibrated on corpus text for the exported model, which
+    stores them in config.json as "fatrelu_thresholds"). Exact zeros decided by the gate alone,
+    so the runtime's threshold mode runs it (neuron i where relu(gate_i.x) > t_layer).
 
 Recipes (`RECIPES`, `--recipe`): named presets of these fields. "prosparse" (ProSparse, Song et
 al. 2024, for relu/drelu): L1 on the gate activation relu(gate_i.x) with a coefficient that is 0
@@ -24,7 +29,7 @@ import math
 
 from powerinfer_jax.errors import check, check_choice, check_positive_int
 
-VARIANTS = ("threshold", "relu", "drelu")
+VARIANTS = ("threshold", "relu", "drelu", "fatrelu")
 MASK_BY = ("layer", "token")  # threshold variant: one threshold per layer and batch, or top-k
 TRAIN_SCOPES = ("ffn", "ffn+norms", "all")
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -201,7 +206,7 @@ class DistillConfig:
     @property
     def masked(self) -> bool:
         """Whether the training forward zeroes activations under a threshold."""
-        return self.variant == "threshold"
+        return self.variant in ("threshold", "fatrelu")
 
     def replace(self, **changes) -> "DistillConfig":
         return dataclasses.replace(self, **changes)

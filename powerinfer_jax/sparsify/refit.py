@@ -23,7 +23,7 @@ from flax import nnx
 
 from powerinfer_jax.models.layers import F32
 from powerinfer_jax.sparsify.forward import FFNSpec, block_forward, ffn_activations, layer_quantile
-from powerinfer_jax.sparsify.forward import mask_activations, _proj
+from powerinfer_jax.sparsify.forward import mask_activations, mask_magnitude, _proj
 
 BATCH_SEQUENCES = 8  # sequences per jitted call
 
@@ -39,16 +39,18 @@ def _attention(graphdef, state, x_btd):
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
 def _activations(graphdef, state, h_btd, student: FFNSpec, teacher: FFNSpec, threshold):
-    """(student's masked activations, dense FFN output of the teacher's activation)."""
+    """(student's masked activations, dense FFN output of the teacher's activation, the student's
+    unmasked mask magnitude: |a| or relu(gate))."""
     ffn = nnx.merge(graphdef, state).ffn
     g = _proj(h_btd, ffn.gate.weight[...])
     u = _proj(h_btd, ffn.up.weight[...])
     a_s = ffn_activations(student.activation, g, u)
+    mag = mask_magnitude(student, a_s, g)
     if student.target is not None:
-        a_s = mask_activations(a_s, student, threshold)
+        a_s = mask_activations(a_s, student, threshold, mag)
     a_t = ffn_activations(teacher.activation, g, u)
     w = ffn.down_t.weight[...]
-    return a_s, jnp.einsum("btf,fd->btd", a_t, w, preferred_element_type=F32)
+    return a_s, jnp.einsum("btf,fd->btd", a_t, w, preferred_element_type=F32), mag
 
 
 def _batches(x, fn):
@@ -78,9 +80,9 @@ def refit_down_rows(student, teacher, tokens_nt: np.ndarray, student_spec: FFNSp
         h = np.concatenate([np.asarray(m[1]) for m in mid])
         thr = None
         if student_spec.target is not None:
-            sample = np.abs(np.concatenate(_batches(h, lambda hb: np.asarray(_activations(
-                s_def, s_state, jnp.asarray(hb), FFNSpec(student_spec.activation),
-                teacher_spec, None)[0]))))
+            unmasked = FFNSpec(student_spec.activation, mask_on=student_spec.mask_on)
+            sample = np.concatenate(_batches(h, lambda hb: np.asarray(_activations(
+                s_def, s_state, jnp.asarray(hb), unmasked, teacher_spec, None)[2])))
             thr = float(layer_quantile(jnp.asarray(sample), student_spec.target))
         out = _batches(h, lambda hb: _activations(s_def, s_state, jnp.asarray(hb), student_spec,
                                                   teacher_spec, thr))

@@ -26,7 +26,7 @@ from powerinfer_jax.models.transformer import from_params
 from powerinfer_jax.runtime.perplexity import perplexity
 from powerinfer_jax.runtime.session import build
 from powerinfer_jax.sparsify import forward as fw
-from powerinfer_jax.sparsify.run import fatrelu_threshold
+from powerinfer_jax.sparsify.run import fatrelu_threshold, per_layer
 
 COVERAGE = 0.8  # the power law's share of activations (experiments/power_law.py)
 FINAL_CTX, FINAL_CHUNKS = 512, 16
@@ -43,12 +43,13 @@ def neurons_for_coverage(counts_lf: np.ndarray, coverage: float = COVERAGE) -> n
 
 
 def activation_counts(model, chunks_nt: np.ndarray, activation: str,
-                      gate_threshold: float | None = None) -> np.ndarray:
+                      gate_threshold=None) -> np.ndarray:
     """[L, F] int64: how many tokens of chunks [n, T] activate each neuron (a_i != 0) in `model`
     (kernels="xla", float32) with `activation` (and FATReLU's threshold)."""
     spec = fw.FFNSpec(activation)
     graphdef, state = nnx.split(model)
-    gate = None if gate_threshold is None else jnp.float32(gate_threshold)
+    gates = [None] * len(model.layers) if gate_threshold is None else [
+        jnp.float32(t) for t in per_layer(gate_threshold, len(model.layers))]
 
     @jax.jit
     def counts(state, tokens_bt):
@@ -56,9 +57,9 @@ def activation_counts(model, chunks_nt: np.ndarray, activation: str,
         positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         x = m.tok_embed[...][tokens_bt].astype(jnp.float32) * m.config.embed_scale
         out = []
-        for layer in m.layers:
+        for layer, gate in zip(m.layers, gates):
             x = layer.attention_residual(x, positions)
-            y, a, _ = fw.ffn_forward(layer.ffn, layer.ffn_norm(x), spec, gate_threshold=gate)
+            y, a, _, _ = fw.ffn_forward(layer.ffn, layer.ffn_norm(x), spec, gate_threshold=gate)
             if layer.ffn_post_norm is not None:  # Gemma: the FFN's output normed
                 y = layer.ffn_post_norm(y)
             out.append(jnp.sum(a != 0, axis=(0, 1), dtype=jnp.int32))

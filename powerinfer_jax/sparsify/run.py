@@ -26,7 +26,7 @@ from powerinfer_jax.sparsify.recipe import DistillConfig
 
 EVAL_CTX = 512
 CALIB_CHUNKS = 2  # corpus chunks of EVAL_CTX tokens the curve's thresholds are calibrated on
-HIDDEN_ACT = {"relu": "relu", "drelu": "drelu"}  # threshold: the teacher's activation
+HIDDEN_ACT = {"relu": "relu", "drelu": "drelu", "fatrelu": "relu"}  # threshold: the teacher's
 FATRELU_CHUNKS = 4  # training chunks FATReLU's threshold is calibrated on
 
 
@@ -254,6 +254,12 @@ def distill(model_arg: str, cfg: DistillConfig, *, out: str | os.PathLike | None
         student = distiller.student()
         hidden_act = HIDDEN_ACT.get(cfg.variant, ckpt.config.activation)
         gate = distiller.gate_threshold or None
+        if cfg.variant == "fatrelu":  # its per-layer gate thresholds, calibrated on corpus text
+            from powerinfer_jax.sparsify.evaluation import calibrate as calibrate_layers  # lazy
+
+            calib = data.corpus_chunks(ids, EVAL_CTX)[:CALIB_CHUNKS]
+            gate = [float(t) for t in calibrate_layers(student, s_spec, cfg.target_sparsity,
+                                                       calib)]
         record.update(model=str(model_arg), teacher_source=str(ckpt.source), steps=done,
                       planned_steps=cfg.steps, tokens_trained=done * cfg.batch * cfg.seq_len,
                       corpus_passes=source.corpus_passes(done), fatrelu_threshold=gate,
@@ -351,7 +357,7 @@ def build_artifacts(out: Path, target, *, corpus=None, progress: bool = True, tr
             model, x_lnd, base, t, train=None if not predictors else (
                 TrainConfig() if train is None else train), progress=progress)
         if gate is not None:  # threshold mode = FATReLU at the trained threshold (fatrelu.py)
-            a = dataclasses.replace(a, thresholds_gate=(gate,) * ckpt.config.n_layers)
+            a = dataclasses.replace(a, thresholds_gate=per_layer(gate, ckpt.config.n_layers))
             a.meta.update(thresholds_gate=list(a.thresholds_gate), fatrelu_threshold=gate)
         a.meta.update(corpus=[str(f) for f in files], tokens=int(chunks.size),
                       ctx=int(chunks.shape[1]))
@@ -360,13 +366,27 @@ def build_artifacts(out: Path, target, *, corpus=None, progress: bool = True, tr
     return built
 
 
-def fatrelu_threshold(model_dir) -> float | None:
-    """The FATReLU gate threshold a sparsified model directory stores (config.json), if any."""
+def fatrelu_threshold(model_dir):
+    """The FATReLU gate threshold a sparsified model directory stores (config.json), if any: a
+    float (every layer's) or a tuple with one per layer (the fatrelu variant)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return None
     value = json.loads(path.read_text()).get("fatrelu_threshold")
+    if isinstance(value, list):
+        return tuple(float(v) for v in value)
     return None if value is None else float(value)
+
+
+def per_layer(gate, n_layers: int) -> tuple:
+    """A FATReLU threshold (`fatrelu_threshold`) as one float per layer; a per-layer list must
+    have n_layers entries."""
+    if isinstance(gate, (list, tuple)):
+        if len(gate) != n_layers:
+            raise ValueError(f"fatrelu_threshold: expected {n_layers} per-layer values, got "
+                             f"{len(gate)}")
+        return tuple(float(t) for t in gate)
+    return (float(gate),) * n_layers
 
 
 def _evaluator(teacher, tokenizer, ids, cfg: DistillConfig, eval_text, eval_chunks: int,
