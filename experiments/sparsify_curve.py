@@ -59,7 +59,7 @@ FINAL_MODES = ("dense", "threshold", "oracle", "predictor (q4)", "predictor (low
 def final_rows(out_dir: Path, *, targets=None, threads: int, modes=FINAL_MODES) -> list[dict]:
     """The 'final' rows of one finished sparsify output directory, at its trained target
     sparsity and any other calibration `targets` (artifacts built where missing); `modes`: which
-    of FINAL_MODES (threshold: relu/drelu only)."""
+    of FINAL_MODES (threshold: relu, drelu and fatrelu only)."""
     from experiments.power_law import layer_rows
     from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.config import SparsityConfig

@@ -370,6 +370,10 @@ def test_config_rejects_bad_values():
         DistillConfig(tokens=100, batch=4, seq_len=256)
     with pytest.raises(UserError, match="--variant"):
         DistillConfig(variant="gelu")
+    with pytest.raises(UserError, match="--mask-by: expected layer for the fatrelu variant"):
+        DistillConfig(variant="fatrelu", mask_by="token")
+    with pytest.raises(UserError, match="--fatrelu-kl-rise"):
+        DistillConfig(variant="fatrelu", fatrelu_kl_rise=0.05)
 
 
 def test_cli_reports_bad_target_in_one_line():

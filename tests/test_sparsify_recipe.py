@@ -275,8 +275,9 @@ def test_pieces_by_time_budget_resume_to_the_uninterrupted_run(tiny_dir, texts, 
     res = distill(str(tiny_dir), cfg, out=out, stop_after=2, **kw)
     assert res["stopped_at"] == 2
     res = distill(str(tiny_dir), cfg, out=out, resume=True, time_budget=1e-9, **kw)
-    assert res["stopped_at"] == 2 and res["stopped"] == "deadline"  # no step fits the budget
-    res = distill(str(tiny_dir), cfg, out=out, resume=True, stop_after=2, eval_text=valid,
+    # no step fits the budget: the call's first step runs anyway and is saved, then it stops
+    assert res["stopped_at"] == 3 and res["stopped"] == "deadline"
+    res = distill(str(tiny_dir), cfg, out=out, resume=True, stop_after=1, eval_text=valid,
                   eval_every=1, eval_chunks=1, **kw)
     assert res["stopped_at"] == 4 and "fatrelu" in res["record"]  # set at step 3 of 6
     distill(str(tiny_dir), cfg, out=out, resume=True, **kw)

@@ -1,5 +1,5 @@
 """Make a dense model sparse by self-distillation:
-`python -m powerinfer_jax.sparsify [--model NAME|PATH] [--variant threshold|relu|drelu]
+`python -m powerinfer_jax.sparsify [--model NAME|PATH] [--variant threshold|relu|drelu|fatrelu]
 [--recipe prosparse] [--target-sparsity 0.85] [--tokens N] [--seed S] [--out DIR] [--resume]
 [--time-budget SECONDS]`, and `python -m powerinfer_jax.sparsify import-burst DIR` (a GPU burst's
 weights, benchmarks/gpu/train_burst.sh, made into a model and evaluated).
@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("loss and student")
     g.add_argument("--mask-by", default=d.mask_by, choices=MASK_BY,
                    help="threshold variant: one threshold per layer (the batch's quantile, as "
-                        "calibration does) or per-token top-k (default: %(default)s)")
+                        "calibration does) or per-token top-k; fatrelu: layer only "
+                        "(default: %(default)s)")
     g.add_argument("--ste", action=argparse.BooleanOptionalAction, default=d.ste,
                    help="straight-through gradient through the mask (default: on)")
     g.add_argument("--l1", type=float, default=d.l1, help="activation penalty on mean |a|")

@@ -5,7 +5,8 @@ Mirrors `python -m powerinfer_jax.evaluate --sparsity oracle --target-sparsity T
 thresholds calibrated on the *dense* forward of the same weights over corpus (training) text
 (sparsity/thresholds.py: the quantile T of |a_i| per layer, of relu(gate_i) for fatrelu; ReLU
 variants: 0, their natural zeros),
-then a forward that keeps |a_i| > threshold, scored on non-overlapping chunks of the validation text
+then a forward that keeps |a_i| > threshold (fatrelu: relu(gate_i) > threshold, the runtime's
+threshold mode), scored on non-overlapping chunks of the validation text
 (every token but the first). Float32 throughout. The final figure comes from the real pipeline
 (export, calibrate, runtime.perplexity) on 16 chunks; these rows say how many chunks they used.
 """
@@ -37,10 +38,11 @@ def _score(graphdef, state, tokens_bt, spec: fw.FFNSpec, thresholds, gate_thresh
 
 def calibrate(model, spec: fw.FFNSpec, target: float, calib_nt: np.ndarray) -> np.ndarray:
     """[L] per-layer thresholds for `target` from the dense forward (no mask) of `model`'s weights,
-    on the spec's mask magnitude (|a|, or relu(gate) for fatrelu); zeros for an unmasked student
-    with exact zeros (relu, drelu)."""
+    on the spec's mask magnitude (|a|, or relu(gate) for fatrelu); zeros for activations with exact
+    zeros (relu, drelu), as the runtime's calibration gives them, unless the mask is on the gate
+    (fatrelu: its thresholds are the model's)."""
     n_layers = model.config.n_layers
-    if spec.target is None and spec.activation in ("relu", "drelu"):
+    if spec.mask_on == "act" and spec.activation in ("relu", "drelu"):
         return np.zeros(n_layers, np.float32)
     graphdef, state = nnx.split(model)
     dense = fw.FFNSpec(spec.activation, mask_on=spec.mask_on)

@@ -23,8 +23,7 @@ from flax import nnx
 from powerinfer_jax.models.layers import F32
 from powerinfer_jax.ops.reference import activate
 
-ACTIVATION_OF_VARIANT = {"relu": "relu", "drelu": "drelu", "fatrelu": "relu"}  # threshold: the
-# teacher's own
+ACTIVATION_OF_VARIANT = {"relu": "relu", "drelu": "drelu"}  # threshold: the teacher's own
 QUANTILE_MAX_TOKENS = 256  # tokens per batch the layer threshold's quantile is taken over
 
 
@@ -33,9 +32,10 @@ class FFNSpec:
     """How a forward computes each FFN's activations.
 
     activation: "silu", "relu", "gelu" (act(gate) * up) or "drelu" (relu(gate) * relu(up)).
-    target: zero |a_i| under the quantile `target` of the layer's |a| in this batch ("layer"), or
-      keep each token's round((1 - target) * F) largest ("token"); None: no mask (the teacher, the
-      ReLU variants). Fixed per-layer thresholds passed to `forward` take precedence (evaluation).
+    target: zero a_i where its mask magnitude (`mask_on`) is under the quantile `target` of the
+      layer's in this batch ("layer"), or keep each token's round((1 - target) * F) largest
+      ("token"); None: no mask (the teacher, the relu and drelu variants). Fixed per-layer
+      thresholds passed to `forward` take precedence (evaluation).
     ste: straight-through gradient for the mask (the backward pass sees the unmasked activation).
     mask_on: what the mask compares: "act" (|a_i|) or "gate" (the gate activation relu(g_i):
       FATReLU with one threshold per layer, what the runtime's threshold mode computes on a ReLU
@@ -171,10 +171,12 @@ def forward(model, tokens_bt, spec: FFNSpec, *, compute_dtype=F32, thresholds=No
     """Logits [B, T, V] (float32) and per-layer statistics.
 
     model: a Transformer built with kernels="xla" (float32 weights; cast here to compute_dtype).
-    thresholds: fixed per-layer |a| thresholds (overrides spec's batch thresholds; no STE).
+    thresholds: fixed per-layer thresholds of the spec's mask magnitude (|a| or relu(gate);
+      overrides the spec's batch thresholds; no STE).
     gate_threshold: FATReLU's gate threshold (relu, drelu; a scalar, traced or not).
     Returns (logits, aux) with aux["zero_frac"] [L], aux["l1"] [L] (mean |a|), aux["l1_gate"]
-    [L] (`gate_l1`), aux["quantile"] [L] (the `quantile` of each layer's |a|, for calibration)
+    [L] (`gate_l1`), aux["quantile"] [L] (the `quantile` of each layer's mask magnitude, for
+    calibration)
     and, when collect_hidden, aux["hidden"] [L, B, T, D] (the residual stream after each block).
     """
     m = cast_matrices(model, compute_dtype)

@@ -12,7 +12,7 @@ Variants (the student's FFN; the teacher is the dense model):
   fatrelu: ReGLU with a per-layer FATReLU threshold from the first step: a_i = relu(gate_i.x) *
     (up_i.x) where relu(gate_i.x) is above the layer's quantile `target_sparsity` (per batch in
     training, straight-through gradient; calibrated on corpus text for the exported model, which
-    stores them in config.json as "fatrelu_thresholds"). Exact zeros decided by the gate alone,
+    stores them in config.json as "fatrelu_threshold", a list). Exact zeros decided by the gate alone,
     so the runtime's threshold mode runs it (neuron i where relu(gate_i.x) > t_layer).
 
 Recipes (`RECIPES`, `--recipe`): named presets of these fields. "prosparse" (ProSparse, Song et
@@ -168,7 +168,11 @@ class DistillConfig:
         check(isinstance(self.fatrelu_kl_rise, (int, float)) and 0 <= self.fatrelu_kl_rise < 10,
               "--fatrelu-kl-rise", "a number in [0, 10)", self.fatrelu_kl_rise)
         check(self.fatrelu_kl_rise == 0 or self.variant in ("relu", "drelu"), "--fatrelu-kl-rise",
-              "0 for the threshold variant (FATReLU thresholds a ReLU gate)", self.fatrelu_kl_rise)
+              "0 for the threshold and fatrelu variants (one FATReLU threshold for a relu or "
+              "drelu student)", self.fatrelu_kl_rise)
+        check(self.variant != "fatrelu" or self.mask_by == "layer", "--mask-by",
+              "layer for the fatrelu variant (its export keeps one threshold per layer)",
+              self.mask_by)
         check(isinstance(self.fatrelu_at, (int, float)) and 0 <= self.fatrelu_at <= 1,
               "--fatrelu-at", "a fraction of the steps in [0, 1]", self.fatrelu_at)
         check(isinstance(self.l1_target_sparsity, (int, float))

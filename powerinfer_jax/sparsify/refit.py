@@ -39,18 +39,25 @@ def _attention(graphdef, state, x_btd):
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
 def _activations(graphdef, state, h_btd, student: FFNSpec, teacher: FFNSpec, threshold):
-    """(student's masked activations, dense FFN output of the teacher's activation, the student's
-    unmasked mask magnitude: |a| or relu(gate))."""
+    """(student's masked activations, dense FFN output of the teacher's activation)."""
     ffn = nnx.merge(graphdef, state).ffn
     g = _proj(h_btd, ffn.gate.weight[...])
     u = _proj(h_btd, ffn.up.weight[...])
     a_s = ffn_activations(student.activation, g, u)
-    mag = mask_magnitude(student, a_s, g)
     if student.target is not None:
-        a_s = mask_activations(a_s, student, threshold, mag)
+        a_s = mask_activations(a_s, student, threshold, mask_magnitude(student, a_s, g))
     a_t = ffn_activations(teacher.activation, g, u)
     w = ffn.down_t.weight[...]
-    return a_s, jnp.einsum("btf,fd->btd", a_t, w, preferred_element_type=F32), mag
+    return a_s, jnp.einsum("btf,fd->btd", a_t, w, preferred_element_type=F32)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _magnitudes(graphdef, state, h_btd, student: FFNSpec):
+    """The student's unmasked mask magnitudes (|a| or relu(gate)), the layer threshold's sample."""
+    ffn = nnx.merge(graphdef, state).ffn
+    g = _proj(h_btd, ffn.gate.weight[...])
+    u = _proj(h_btd, ffn.up.weight[...])
+    return mask_magnitude(student, ffn_activations(student.activation, g, u), g)
 
 
 def _batches(x, fn):
@@ -80,9 +87,8 @@ def refit_down_rows(student, teacher, tokens_nt: np.ndarray, student_spec: FFNSp
         h = np.concatenate([np.asarray(m[1]) for m in mid])
         thr = None
         if student_spec.target is not None:
-            unmasked = FFNSpec(student_spec.activation, mask_on=student_spec.mask_on)
-            sample = np.concatenate(_batches(h, lambda hb: np.asarray(_activations(
-                s_def, s_state, jnp.asarray(hb), unmasked, teacher_spec, None)[2])))
+            sample = np.concatenate(_batches(h, lambda hb: np.asarray(_magnitudes(
+                s_def, s_state, jnp.asarray(hb), student_spec))))
             thr = float(layer_quantile(jnp.asarray(sample), student_spec.target))
         out = _batches(h, lambda hb: _activations(s_def, s_state, jnp.asarray(hb), student_spec,
                                                   teacher_spec, thr))

@@ -65,7 +65,9 @@ def _curve_row(cfg: DistillConfig, model_arg: str, res: dict, *, tokens: int, st
             "tokens": tokens, "step": step, "stage": stage,
             "ffn_sparsity": res["ffn_sparsity"], "ppl": res["ppl"], "ppl_dense": res["ppl_dense"],
             "ppl_x_dense": res["ppl_x_dense"], "eval_chunks": res["chunks"], "eval_ctx": EVAL_CTX,
-            "eval": "in-process oracle at thresholds calibrated on corpus text (float32)"
+            "eval": ("in-process threshold mode at per-layer gate thresholds calibrated on corpus "
+                     "text (float32)" if cfg.variant == "fatrelu" else
+                     "in-process oracle at thresholds calibrated on corpus text (float32)")
                     + (", FATReLU gate threshold applied" if res.get("gate_threshold") else ""),
             "gate_threshold": res.get("gate_threshold"),
             "train": train, "wall_s": round(sum(timing.values()), 1),
@@ -254,10 +256,13 @@ def distill(model_arg: str, cfg: DistillConfig, *, out: str | os.PathLike | None
         student = distiller.student()
         hidden_act = HIDDEN_ACT.get(cfg.variant, ckpt.config.activation)
         gate = distiller.gate_threshold or None
-        if cfg.variant == "fatrelu":  # its per-layer gate thresholds, calibrated on corpus text
+        if cfg.variant == "fatrelu":
+            # its per-layer gate thresholds: the quantile of relu(gate) over ~CALIB_CHUNKS x
+            # EVAL_CTX training tokens in the unmasked forward, as the curve calibrates them
+            # (training used each batch's own quantile in the masked forward)
             from powerinfer_jax.sparsify.evaluation import calibrate as calibrate_layers  # lazy
 
-            calib = data.corpus_chunks(ids, EVAL_CTX)[:CALIB_CHUNKS]
+            calib = chunks[:max(1, CALIB_CHUNKS * EVAL_CTX // cfg.seq_len)]
             gate = [float(t) for t in calibrate_layers(student, s_spec, cfg.target_sparsity,
                                                        calib)]
         record.update(model=str(model_arg), teacher_source=str(ckpt.source), steps=done,

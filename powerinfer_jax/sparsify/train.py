@@ -177,7 +177,10 @@ class Distiller:
         on_pause(steps_done) when it stops before the last step (not interrupted), before the
         final save (so what it adds to the record is saved).
         deadline: a time.monotonic() value: no step starts that would end past it (judged by the
-        slowest step so far) and the run stops there, saved, as a budgeted piece of a longer run.
+        slowest step so far) and the run stops there, saved, as a budgeted piece of a longer run;
+        the call's first step runs whatever the deadline, so that a piece whose set-up (load,
+        refit, evaluation) took its whole budget still saves what it did and the next piece
+        does not start over.
         Time goes to self.timer: "data" (batches, teacher cache), "first_step" (the first step
         of the call, compilation included), "step" (the others; counted in
         timer.counts["steady_steps"]), "checkpoint", "fatrelu" (before_step).
@@ -209,7 +212,8 @@ class Distiller:
                         with timer.section("fatrelu"):
                             before_step(s)
                     t0 = time.perf_counter()
-                    if deadline is not None and time.monotonic() + slowest > deadline:
+                    if (deadline is not None and s > start_step
+                            and time.monotonic() + slowest > deadline):
                         wall["stopped"] = "deadline"
                         break
                     teacher_s = timer.parts.get("teacher", 0.0)  # a cache fill counts there
