@@ -1,8 +1,6 @@
 """A quantized GGUF kept in its block format inside the model (weights="auto"): logits against the
 same file dequantized (the 8-bit activation rounding is the only difference), greedy tokens,
 sparse modes on the blocks, batched == single, and the fallbacks (XLA kernels, placement)."""
-import sys
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -323,22 +321,6 @@ def test_aligned_copies_only_when_asked_or_needed():
         assert c is not b and not np.shares_memory(b, c) and c.ctypes.data % HOST_ALIGN == 0
     f = aligned(np.ones((3, 5), np.float32)[:, 1:])  # not contiguous, another dtype
     assert f.dtype == np.float32 and f.shape == (3, 4) and f.flags.c_contiguous
-
-
-def test_weight_sized_arrays_start_on_a_huge_page_and_are_advised(monkeypatch):
-    from powerinfer_jax.checkpoint import base
-
-    big = base.aligned_empty((base.HUGE_MIN_BYTES // 4, 4), np.uint8)
-    assert big.ctypes.data % base.HUGE_PAGE == 0 and big.shape == (base.HUGE_MIN_BYTES // 4, 4)
-    if sys.platform.startswith("linux"):
-        assert base.advise_huge_pages(big)  # the advice is taken (kept as advice only)
-    small = base.aligned_empty((3, 100), np.float32)
-    assert small.ctypes.data % base.HOST_ALIGN == 0 and small.dtype == np.float32
-    monkeypatch.setenv(base.HUGE_PAGES_ENV, "0")
-    seen = []
-    monkeypatch.setattr(base, "advise_huge_pages", lambda a: seen.append(a) or True)
-    off = base.aligned_empty((base.HUGE_MIN_BYTES,), np.uint8)
-    assert off.ctypes.data % base.HOST_ALIGN == 0 and not seen  # off: no advice asked
 
 
 def test_gate_up_layout_follows_the_plan(legacy_gguf):

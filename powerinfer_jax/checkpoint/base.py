@@ -17,8 +17,6 @@ Canonical names (weights [out, in] like a HF Linear, FFN neuron-major):
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
 from typing import Any
 
 import numpy as np
@@ -32,57 +30,13 @@ from powerinfer_jax.tokenizer import Tokenizer
 HOST_ALIGN = 64
 
 
-# Arrays of at least HUGE_MIN_BYTES (weights) start on a 2 MiB boundary and are advised as
-# transparent huge pages (`aligned_empty`); POWERINFER_JAX_HUGE_PAGES=0 turns that off.
-HUGE_PAGE = 2 << 20
-HUGE_MIN_BYTES = 4 * HUGE_PAGE
-HUGE_PAGES_ENV = "POWERINFER_JAX_HUGE_PAGES"
-
-
 def aligned_empty(shape, dtype) -> np.ndarray:
-    """An uninitialised C-contiguous array starting on a HOST_ALIGN-byte boundary; one of at
-    least HUGE_MIN_BYTES starts on a 2 MiB boundary and is advised as transparent huge pages
-    (madvise MADV_HUGEPAGE, Linux): with THP's default defrag setting ("madvise") only advised
-    memory is compacted into huge pages when it is first touched, and on a machine up for
-    hours (memory fragmented by the page cache) unadvised weights were ~80% huge pages, advised
-    ~90%, and the dense decode that streams them every token ran 1.08x faster (median of 6
-    interleaved rounds, SYNTHETIC 7B Q4_0, 2 threads: benchmarks/huge_pages.jsonl)."""
+    """An uninitialised C-contiguous array starting on a HOST_ALIGN-byte boundary."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    align = HUGE_PAGE if nbytes >= HUGE_MIN_BYTES and _huge_pages_on() else HOST_ALIGN
-    raw = np.empty(nbytes + align, np.uint8)
-    start = -raw.ctypes.data % align
-    out = raw[start:start + nbytes]
-    if align == HUGE_PAGE:
-        advise_huge_pages(out)
-    return out.view(dtype).reshape(shape)
-
-
-def _huge_pages_on() -> bool:
-    return os.environ.get(HUGE_PAGES_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def advise_huge_pages(a: np.ndarray) -> bool:
-    """madvise(MADV_HUGEPAGE) over the whole huge pages of `a`'s bytes (advice only: ignored
-    where transparent huge pages are off, and not Linux). Returns whether it was taken."""
-    import mmap
-    import sys
-
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or not sys.platform.startswith("linux"):
-        return False
-    lo = -(-a.ctypes.data // HUGE_PAGE) * HUGE_PAGE
-    hi = (a.ctypes.data + a.nbytes) // HUGE_PAGE * HUGE_PAGE
-    return hi > lo and _libc().madvise(lo, hi - lo, advice) == 0
-
-
-@functools.cache
-def _libc():
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc
+    raw = np.empty(nbytes + HOST_ALIGN, np.uint8)
+    start = -raw.ctypes.data % HOST_ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def aligned(a: np.ndarray, *, copy: bool = False) -> np.ndarray:
