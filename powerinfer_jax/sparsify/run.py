@@ -260,7 +260,8 @@ def distill(model_arg: str, cfg: DistillConfig, *, out: str | os.PathLike | None
             # its per-layer gate thresholds: the quantile of relu(gate) over ~CALIB_CHUNKS x
             # EVAL_CTX training tokens in the unmasked forward, as the curve calibrates them
             # (training used each batch's own quantile in the masked forward)
-            from powerinfer_jax.sparsify.evaluation import calibrate as calibrate_layers  # lazy
+            # lazy: start-up (sparsify CLI)
+            from powerinfer_jax.sparsify.evaluation import calibrate as calibrate_layers
 
             calib = chunks[:max(1, CALIB_CHUNKS * EVAL_CTX // cfg.seq_len)]
             gate = [float(t) for t in calibrate_layers(student, s_spec, cfg.target_sparsity,
