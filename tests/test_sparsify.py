@@ -431,3 +431,16 @@ def test_curve_plot_from_rows(tmp_path):
                  "ffn_sparsity": 0.86, "config": cfg})
     plot_curve(rows, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 10_000
+
+
+def test_fatrelu_thresholds_of_another_size_are_refused_in_one_line(tmp_path):
+    """A config.json whose per-layer FATReLU thresholds do not match the model's layers (a
+    damaged or foreign file) is named, never applied to the wrong layers."""
+    from powerinfer_jax.sparsify.run import fatrelu_threshold, per_layer
+
+    (tmp_path / "config.json").write_text(json.dumps({"fatrelu_threshold": [0.1, 0.2]}))
+    gate = fatrelu_threshold(tmp_path)
+    assert gate == (0.1, 0.2)
+    assert per_layer(gate, 2) == (0.1, 0.2) and per_layer(0.3, 2) == (0.3, 0.3)
+    with pytest.raises(ValueError, match="fatrelu_threshold: expected 3 per-layer values, got 2"):
+        per_layer(gate, 3)
