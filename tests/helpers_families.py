@@ -295,6 +295,40 @@ def build(name: str, d: Path, *, seed: int = 0, **overrides):
     return model
 
 
+def built_set(key: str, specs: dict, build) -> dict:
+    """Every model of `specs` saved by `build(name, dir)`, its f32 GGUF (llama.cpp's converter,
+    one process for all) and Q4_0 GGUF (llama-quantize), made once per test run for all
+    workers (helpers_shared.py), or why the GGUFs are missing. Returns {"dirs", "hf" (the torch
+    models, read back from their directories), "gguf", "q", "why_gguf", "why_q"}."""
+    import helpers_llamacpp as llamacpp
+    import helpers_shared
+    import torch
+    import transformers
+
+    def make(root: Path) -> dict:
+        for name in specs:
+            build(name, root / name)
+        src, why = llamacpp.tree()
+        if src is None:
+            return {"why_gguf": why, "why_q": why}
+        llamacpp.convert([(root / n, root / f"{n}.gguf", specs[n].gguf_pre, "f32")
+                          for n in specs])
+        if llamacpp.binary("llama-quantize") is None:
+            return {"why_gguf": "", "why_q": "no llama-quantize build ($PIJ_LLAMA_CPP_BIN or "
+                    "<cache>/peers/llamacpp-cpu-native: benchmarks/build_llama_bench_cpu.sh)"}
+        for n in specs:
+            llamacpp.quantize(root / f"{n}.gguf", root / f"{n}.q4_0.gguf", "Q4_0")
+        return {"why_gguf": "", "why_q": ""}
+
+    root, why = helpers_shared.once(key, make)
+    return {"dirs": {n: root / n for n in specs},
+            "hf": {n: getattr(transformers, specs[n].model_class).from_pretrained(
+                root / n, dtype=torch.float32).eval() for n in specs},
+            "gguf": {} if why["why_gguf"] else {n: root / f"{n}.gguf" for n in specs},
+            "q": {} if why["why_q"] else {n: root / f"{n}.q4_0.gguf" for n in specs},
+            **why}
+
+
 def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
     import torch
 

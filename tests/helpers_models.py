@@ -5,6 +5,7 @@ Everything is seeded, small (vocab 300, D=64) and fast (< 1 s to build).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -38,14 +39,27 @@ def real_gguf_path() -> Path | None:
 
 
 @functools.cache
+@functools.lru_cache(maxsize=1)
 def hf_smollm2(path: Path):
-    """transformers' own model of the GGUF at `path` (it dequantizes the file to float32 itself):
-    loaded once per session, ~25 s on 2 cores, and only read by the tests that compare with it."""
+    """transformers' own model of the GGUF at `path` (it dequantizes the file to float32 itself,
+    ~25 s on 2 cores): made once per test run and saved in the run's shared folder
+    (helpers_shared.py), which every worker then reads back (~2 s), once per worker."""
+    import helpers_shared
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                torch_dtype=torch.float32).eval()
+    def make(d: Path) -> str:
+        from safetensors.torch import save_model
+
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                     dtype=torch.float32)
+        # save_pretrained refuses a model read from GGUF; its config and tensors are all we need
+        model.config.save_pretrained(d)
+        save_model(model, str(d / "model.safetensors"))
+        return str(path)
+
+    d, _ = helpers_shared.once("hf-" + hashlib.sha1(str(path).encode()).hexdigest()[:12], make)
+    return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
 
 
 def tiny_llama_config(**changes) -> ModelConfig:

@@ -27,7 +27,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import helpers_families as fam  # noqa: E402
-import helpers_llamacpp as llamacpp  # noqa: E402
 import helpers_moe as moe  # noqa: E402
 from helpers_tolerances import assert_close  # noqa: E402
 from powerinfer_jax.checkpoint import load_checkpoint  # noqa: E402
@@ -40,28 +39,10 @@ pytestmark = pytest.mark.slow  # the four models and their GGUFs: ~1 min to buil
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built():
     """Each MoE family's HF directory and torch model, its f32 GGUF and Q4_0 GGUF (or why
-    they are missing)."""
-    root = tmp_path_factory.mktemp("moe")
-    out = {"dirs": {}, "hf": {}, "gguf": {}, "q": {}, "why_gguf": "", "why_q": ""}
-    for name in NAMES:
-        out["dirs"][name] = root / name
-        out["hf"][name] = moe.build(name, root / name)
-    src, why = llamacpp.tree()
-    if src is None:
-        out["why_gguf"] = out["why_q"] = why
-        return out
-    llamacpp.convert([(root / n, root / f"{n}.gguf", moe.FAMILIES[n].gguf_pre, "f32")
-                      for n in NAMES])
-    out["gguf"] = {n: root / f"{n}.gguf" for n in NAMES}
-    if llamacpp.binary("llama-quantize") is None:
-        out["why_q"] = "no llama-quantize build ($PIJ_LLAMA_CPP_BIN or <cache>/peers/...)"
-        return out
-    for n in NAMES:
-        out["q"][n] = root / f"{n}.q4_0.gguf"
-        llamacpp.quantize(out["gguf"][n], out["q"][n], "Q4_0")
-    return out
+    they are missing), built once per run for every worker."""
+    return fam.built_set("moe-families", moe.FAMILIES, moe.build)
 
 
 def tokens(name, built, batch=2):
