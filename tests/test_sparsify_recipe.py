@@ -129,6 +129,20 @@ def test_recipe_presets_and_bad_values():
 
 
 # ----------------------------------------------------------------------------------- FATReLU
+def test_default_output_names_keep_every_digit_of_the_target(monkeypatch, tmp_path):
+    """Two decimals as always (existing runs resume where they are); a target with more digits
+    keeps them, so 0.865 and 0.86 never share a directory (and a checkpoint)."""
+    from powerinfer_jax.sparsify import default_out
+
+    monkeypatch.setenv("POWERINFER_JAX_CACHE", str(tmp_path))
+    names = {t: default_out("smollm2-135m", DistillConfig(variant="fatrelu", target_sparsity=t)).name
+             for t in (0.85, 0.9, 0.86, 0.865)}
+    assert names == {0.85: "smollm2-135m-sparse-fatrelu-0.85",
+                     0.9: "smollm2-135m-sparse-fatrelu-0.90",
+                     0.86: "smollm2-135m-sparse-fatrelu-0.86",
+                     0.865: "smollm2-135m-sparse-fatrelu-0.865"}
+
+
 def test_fatrelu_is_the_runtimes_threshold_mode():
     """A relu model with FATReLU at t computes what the engine's threshold mode computes with
     every layer's gate threshold at t: same logits, same share of skipped neurons."""

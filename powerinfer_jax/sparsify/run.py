@@ -35,7 +35,9 @@ def default_out(model_arg: str, cfg: DistillConfig) -> Path:
     from powerinfer_jax.checkpoint.registry import KNOWN_MODELS, cache_dir
 
     name = str(model_arg) if str(model_arg) in KNOWN_MODELS else Path(model_arg).stem
-    return cache_dir() / "models" / f"{name}-sparse-{cfg.variant}-{cfg.target_sparsity:.2f}"
+    t = cfg.target_sparsity  # two decimals as before; more where the target has them (0.865)
+    target = f"{t:.2f}" if round(t, 2) == t else f"{t:g}"
+    return cache_dir() / "models" / f"{name}-sparse-{cfg.variant}-{target}"
 
 
 def check_teacher(config, source: str) -> None:
