@@ -39,7 +39,6 @@ def real_gguf_path() -> Path | None:
 
 
 @functools.cache
-@functools.lru_cache(maxsize=1)
 def hf_smollm2(path: Path):
     """transformers' own model of the GGUF at `path` (it dequantizes the file to float32 itself,
     ~25 s on 2 cores): made once per test run and saved in the run's shared folder
