@@ -131,8 +131,9 @@ inline __m512i Dot2(qsimd512::I8x64 w, qsimd512::I8x64 x) {
 }
 
 template <class F, int kR, int kC, int64_t kAhead>
-inline void LegacyDotTile(const uint8_t* const* rows, const QActView* xs, int64_t nblocks,
-                          float* out, const uint8_t* const* ahead) {
+__attribute__((always_inline)) inline void LegacyDotTile(const uint8_t* const* rows,
+                                                         const QActView* xs, int64_t nblocks,
+                                                         float* out, const uint8_t* const* ahead) {
   __m512 acc[kR][kC];
   __m128 mins[kR][kC];  // lanes 1 and 3: min_0 and min_1 (lanes 0 and 2 unused)
   for (int r = 0; r < kR; ++r) {
@@ -142,6 +143,40 @@ inline void LegacyDotTile(const uint8_t* const* rows, const QActView* xs, int64_
     }
   }
   int64_t b = 0;
+#if defined(PIJ_QSIMD_VBMI)
+  // The 4-bit formats, four blocks a step: their bytes gathered by byte permutes (about half the
+  // shuffles of two pair steps), the same pair steps after, in the same order (so the same bits).
+  if constexpr (F::kType == QType::kQ4_0 || F::kType == QType::kQ4_1) {
+    for (; b + 4 <= nblocks; b += 4) {
+      __m512i x[2][kC];
+      __m128 dc[2][kC];
+      for (int h = 0; h < 2; ++h) {
+        for (int t = 0; t < kC; ++t) {
+          x[h][t] = _mm512_loadu_si512(xs[t].q + (b + 2 * h) * 32);
+          dc[h][t] = qsimd::Interleave2(xs[t].d + b + 2 * h,
+                                        F::kHasMin ? xs[t].c + b + 2 * h : xs[t].d + b + 2 * h);
+        }
+      }
+      for (int r = 0; r < kR; ++r) {
+        const uint8_t* blk = rows[r] + b * F::kBytes;
+        StreamPrefetch<kAhead, 4 * F::kBytes>(blk);
+        CompanionPrefetch<2 * F::kBytes>(ahead, r, b * F::kBytes);
+        CompanionPrefetch<2 * F::kBytes>(ahead, r, (b + 2) * F::kBytes);
+        qsimd512::I8x64 u[2];
+        __m128 sm[2];
+        qsimd512::Blocks4<F::kBytes, F::kType == QType::kQ4_1>(blk, u, sm, F::kMinPerScale);
+        for (int h = 0; h < 2; ++h) {  // as the pair loop below, blocks (b, b+1) then (b+2, b+3)
+          for (int t = 0; t < kC; ++t) {
+            const __m512 dot = _mm512_cvtepi32_ps(Dot2<F>(u[h], x[h][t]));
+            acc[r][t] = _mm512_fmadd_ps(
+                dot, qsimd512::SpreadLanes02(_mm_mul_ps(sm[h], dc[h][t])), acc[r][t]);
+            if constexpr (F::kHasMin) mins[r][t] = _mm_fmadd_ps(sm[h], dc[h][t], mins[r][t]);
+          }
+        }
+      }
+    }
+  }
+#endif
   for (; b + 2 <= nblocks; b += 2) {
     __m512i x[kC];
     __m128 dc[kC];  // [d_b, c_b, d_b+1, c_b+1]

@@ -48,6 +48,57 @@ inline I8x64 Nibbles16x2(const uint8_t* a, const uint8_t* b) {
   return _mm512_shuffle_i64x2(n, n, _MM_SHUFFLE(3, 1, 2, 0));  // [lo a, hi a, lo b, hi b]
 }
 
+#if defined(__AVX512VBMI__)
+#define PIJ_QSIMD_VBMI 1
+// Four consecutive 4-bit blocks of kBytes bytes each (f16 scale, for Q4_1 an f16 minimum, then
+// 16 packed bytes) at p, gathered with byte permutes (VBMI) instead of a load and an insert per
+// block: u[0] and u[1] are Nibbles16x2 of blocks (0, 1) and (2, 3), and sm[0], sm[1] what
+// ScaleMin2 gives for the same pairs (the same values, so the same bits downstream). The bytes
+// past the four blocks are not read (a masked load), so the last blocks of an array are safe.
+template <int kBytes, bool kSeparateMin>
+inline void Blocks4(const uint8_t* p, I8x64 u[2], __m128 sm[2], float min_per_scale) {
+  static_assert(4 * kBytes > 64 && 4 * kBytes <= 128, "four blocks in two vectors");
+  constexpr int kNibbles = kBytes - 16;
+  const __m512i lo = _mm512_loadu_si512(p);
+  const __m512i hi = _mm512_maskz_loadu_epi8((__mmask64{1} << (4 * kBytes - 64)) - 1, p + 64);
+  alignas(64) static constexpr auto kPairIdx = [] {
+    struct { uint8_t b[2][64]; } idx{};
+    for (int pair = 0; pair < 2; ++pair) {
+      for (int j = 0; j < 64; ++j) {  // 128-bit lanes [a, a, b, b]: each block's bytes twice
+        idx.b[pair][j] = static_cast<uint8_t>((2 * pair + j / 32) * kBytes + kNibbles + j % 16);
+      }
+    }
+    return idx;
+  }();
+  // [a, a, b, b] >> [0, 4, 0, 4] per 128-bit lane, low nibbles: [lo a, hi a, lo b, hi b]
+  const __m512i by4_odd = _mm512_setr_epi64(0, 0, 0x0004000400040004, 0x0004000400040004, 0, 0,
+                                            0x0004000400040004, 0x0004000400040004);
+  for (int pair = 0; pair < 2; ++pair) {
+    const __m512i twice = _mm512_permutex2var_epi8(
+        lo, _mm512_load_si512(reinterpret_cast<const void*>(kPairIdx.b[pair])), hi);
+    u[pair] = _mm512_and_si512(_mm512_srlv_epi16(twice, by4_odd), _mm512_set1_epi8(0x0f));
+  }
+  // f16 [s_a, x_a, s_b, x_b, s_c, x_c, s_d, x_d]: x the minimum (Q4_1) or the scale again
+  alignas(64) static constexpr auto kScaleIdx = [] {
+    struct { uint8_t b[64]; } idx{};
+    for (int k = 0; k < 8; ++k) {
+      const int at = (k / 2) * kBytes + (kSeparateMin && k % 2 == 1 ? 2 : 0);
+      idx.b[2 * k] = static_cast<uint8_t>(at);
+      idx.b[2 * k + 1] = static_cast<uint8_t>(at + 1);
+    }
+    return idx;
+  }();
+  __m256 f = _mm256_cvtph_ps(_mm512_castsi512_si128(
+      _mm512_permutexvar_epi8(_mm512_load_si512(reinterpret_cast<const void*>(kScaleIdx.b)), lo)));
+  if (!kSeparateMin) {
+    f = _mm256_mul_ps(f, _mm256_setr_ps(1.0f, min_per_scale, 1.0f, min_per_scale, 1.0f,
+                                        min_per_scale, 1.0f, min_per_scale));
+  }
+  sm[0] = _mm256_castps256_ps128(f);
+  sm[1] = _mm256_extractf128_ps(f, 1);
+}
+#endif
+
 // Lanes 0-7 = lane 0 of v, lanes 8-15 = lane 2 of v.
 inline F32x16 SpreadLanes02(__m128 v) {
   return _mm512_permutexvar_ps(
