@@ -120,6 +120,8 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="",
                     help="decode probe: a GGUF or a model name (none: qlinear_rows only)")
     ap.add_argument("--bench-args", default=DEFAULT_BENCH)
+    ap.add_argument("--probes", nargs="+", choices=["qlinear_rows", "decode"],
+                    default=["qlinear_rows", "decode"], help="decode needs --model")
     ap.add_argument("--note", default="", help="what the two builds differ in")
     ap.add_argument("--out", default="benchmarks/ext_ab.jsonl")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -135,7 +137,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"--{side}: expected a built _pij_ext .so file, got {path!r}")
     if args.model and "/" in args.model and not Path(args.model).is_file():
         raise SystemExit(f"--model: expected a GGUF file or a model name, got {args.model!r}")
-    probes = ["qlinear_rows"] + (["decode"] if args.model else [])
+    probes = [p for p in args.probes if p != "decode" or args.model]
     from powerinfer_jax._machine import git_commit, machine_info
 
     base = {"experiment": "ext_ab", "commit": git_commit(), "machine": machine_info(),

@@ -344,3 +344,13 @@ def test_filled_teacher_cache_serves_the_whole_run(tiny_dir, texts, cache, tmp_p
     run = distill(str(tiny_dir), cfg, out=tmp_path / "m", corpus=[train], progress=False,
                   calibrate=False)
     assert "teacher" not in run["record"]["timing"]  # every target came from the cache
+
+
+def test_artifact_directories_keep_every_digit_of_the_target(tmp_path):
+    """Sparsity artifacts at 0.865 and at 0.86 never share a directory (both calibrate the same
+    model at different targets); two-decimal targets keep their names (existing caches)."""
+    from powerinfer_jax.sparsity import artifacts
+
+    names = {t: artifacts.target_dir(tmp_path, t).name for t in (0.5, 0.86, 0.865, 0.9)}
+    assert names == {0.5: "target_0.50", 0.86: "target_0.86", 0.865: "target_0.865",
+                     0.9: "target_0.90"}

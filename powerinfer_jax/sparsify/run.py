@@ -33,10 +33,10 @@ FATRELU_CHUNKS = 4  # training chunks FATReLU's threshold is calibrated on
 def default_out(model_arg: str, cfg: DistillConfig) -> Path:
     # lazy: start-up (sparsify CLI)
     from powerinfer_jax.checkpoint.registry import KNOWN_MODELS, cache_dir
+    from powerinfer_jax.sparsity import artifacts  # lazy: start-up (sparsify CLI)
 
     name = str(model_arg) if str(model_arg) in KNOWN_MODELS else Path(model_arg).stem
-    t = cfg.target_sparsity  # two decimals as before; more where the target has them (0.865)
-    target = f"{t:.2f}" if round(t, 2) == t else f"{t:g}"
+    target = artifacts.target_label(cfg.target_sparsity)  # 0.90, 0.865
     return cache_dir() / "models" / f"{name}-sparse-{cfg.variant}-{target}"
 
 

@@ -68,8 +68,15 @@ def artifacts_root(model_arg: str, source: str | Path) -> Path:
     return path / "sparsity" if path.is_dir() else path.with_name(path.stem + ".sparsity")
 
 
+def target_label(target_sparsity: float) -> str:
+    """A target sparsity as directory names spell it: two decimals (0.50, 0.85), and every digit
+    where it has more (0.865), so that 0.865 and 0.86 never share a directory."""
+    t = float(target_sparsity)
+    return f"{t:.2f}" if round(t, 2) == t else f"{t:g}"
+
+
 def target_dir(root: Path, target_sparsity: float) -> Path:
-    return Path(root) / f"target_{thresholds.check_target_sparsity(target_sparsity):.2f}"
+    return Path(root) / f"target_{target_label(thresholds.check_target_sparsity(target_sparsity))}"
 
 
 @dataclasses.dataclass
