@@ -360,6 +360,33 @@ def test_fatrelu_run_exports_its_layer_thresholds(tiny_dir, texts, cache, tmp_pa
     assert built[0].thresholds_gate == pytest.approx(tuple(gates))
 
 
+def test_fatrelu_active_set_is_the_gate_above_each_layers_threshold(tiny_dir):
+    """A FATReLU model's profile and predictor targets (artifacts.build_for_target's masks) are
+    the neurons whose activated gate is above the layer's threshold, computed here with numpy."""
+    from powerinfer_jax.models.transformer import from_params
+    from powerinfer_jax.sparsity import profile as prof
+
+    ckpt = load_checkpoint(tiny_dir)
+    model = from_params(ckpt.config, ckpt.params)
+    c = ckpt.config
+    x = np.random.default_rng(0).standard_normal((c.n_layers, 40, c.d_model)).astype(np.float32)
+    gate_t = np.array([0.05 * (l + 1) for l in range(c.n_layers)])
+    masks = prof.active_masks(model, x, np.zeros(c.n_layers), progress=False,
+                              gate_thresholds=gate_t)
+    plain = prof.active_masks(model, x, np.zeros(c.n_layers), progress=False)
+    act = {"relu": lambda v: np.maximum(v, 0), "silu": lambda v: v / (1 + np.exp(-v))}[
+        c.activation]
+    for layer in range(c.n_layers):
+        ffn = model.layers[layer].ffn
+        g = act(x[layer].astype(np.float64) @ np.asarray(ffn.gate.weight[...], np.float64).T)
+        a = g * (x[layer].astype(np.float64) @ np.asarray(ffn.up.weight[...], np.float64).T)
+        want = (np.abs(a) > 0) & (np.abs(g) > gate_t[layer])
+        assert (masks[layer] == want).mean() > 0.995  # float32 vs float64 at the boundary only
+        assert masks[layer].sum() < plain[layer].sum()  # the threshold turned neurons off
+    with pytest.raises(ValueError, match=r"gate_thresholds: expected one per layer \(2\)"):
+        prof.active_masks(model, x, np.zeros(c.n_layers), progress=False, gate_thresholds=[0.1])
+
+
 # -------------------------------------------------------------------------------- bad input
 def test_config_rejects_bad_values():
     with pytest.raises(UserError, match="--target-sparsity"):

@@ -336,7 +336,8 @@ def build_artifacts(out: Path, target, *, corpus=None, progress: bool = True, tr
     --target-sparsity T` writes, for one target or several (one profiling pass for all).
     train: the low-rank predictors' TrainConfig (default: calibrate's); predictors=False builds
     the thresholds and profile only (minutes less). A model with a FATReLU threshold gets it as
-    every layer's gate threshold (threshold mode runs FATReLU)."""
+    every layer's gate threshold (threshold mode runs FATReLU), and its profile and predictors
+    describe FATReLU's active set (relu(gate) above the threshold)."""
     from powerinfer_jax.checkpoint import load_checkpoint  # lazy: start-up (sparsify CLI)
     from powerinfer_jax.models.transformer import from_params  # lazy: start-up (sparsify CLI)
     from powerinfer_jax.sparsity import artifacts as arts  # lazy: start-up (sparsify CLI)
@@ -360,12 +361,14 @@ def build_artifacts(out: Path, target, *, corpus=None, progress: bool = True, tr
     base = prof.profile_activations(model, x_lnd, progress=progress)
     built = []
     gate = fatrelu_threshold(out)
+    gate_layers = None if gate is None else per_layer(gate, ckpt.config.n_layers)
     for t in targets:
         a, profile = arts.build_for_target(
             model, x_lnd, base, t, train=None if not predictors else (
-                TrainConfig() if train is None else train), progress=progress)
+                TrainConfig() if train is None else train), progress=progress,
+            gate_active=gate_layers)
         if gate is not None:  # threshold mode = FATReLU at the trained threshold (fatrelu.py)
-            a = dataclasses.replace(a, thresholds_gate=per_layer(gate, ckpt.config.n_layers))
+            a = dataclasses.replace(a, thresholds_gate=gate_layers)
             a.meta.update(thresholds_gate=list(a.thresholds_gate), fatrelu_threshold=gate)
         a.meta.update(corpus=[str(f) for f in files], tokens=int(chunks.size),
                       ctx=int(chunks.shape[1]))

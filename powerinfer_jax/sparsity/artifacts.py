@@ -102,12 +102,15 @@ class SparsityArtifacts:
 
 
 def build_for_target(model, x_lnd: np.ndarray, base: prof.ActivationProfile, target: float, *,
-                     train: pred.TrainConfig | None = pred.TrainConfig(), progress: bool = True
-                     ) -> tuple[SparsityArtifacts, prof.ActivationProfile]:
-    """Calibrate thresholds from `base` histograms and train predictors on x_lnd's active masks."""
+                     train: pred.TrainConfig | None = pred.TrainConfig(), progress: bool = True,
+                     gate_active=None) -> tuple[SparsityArtifacts, prof.ActivationProfile]:
+    """Calibrate thresholds from `base` histograms and train predictors on x_lnd's active masks.
+    gate_active: a FATReLU model's per-layer gate thresholds (sparsify's fatrelu variant): its
+    neurons are active only where relu(gate) is above them, so the profile's counts, the q4
+    predictor's report and the low-rank predictors' targets are that set, not ReLU's zeros."""
     thr_c = thresholds.calibrate_thresholds(base, target, criterion="contribution")
     thr_g = thresholds.calibrate_thresholds(base, target, criterion="gate")
-    masks = prof.active_masks(model, x_lnd, thr_c, progress=progress)
+    masks = prof.active_masks(model, x_lnd, thr_c, progress=progress, gate_thresholds=gate_active)
     profile = dataclasses.replace(base, thresholds=np.asarray(thr_c),
                                   counts=masks.sum(axis=1, dtype=np.int64))
     stack, report = (None, {}) if train is None else pred.train_predictors(

@@ -129,9 +129,9 @@ def _layer_stats(graphdef, state, x_nd, n_valid, threshold):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _layer_mask(graphdef, state, x_nd, threshold):
-    contrib, _ = ffn_magnitudes(nnx.merge(graphdef, state), x_nd)
-    return contrib > threshold
+def _layer_mask(graphdef, state, x_nd, threshold, gate_threshold):
+    contrib, gate = ffn_magnitudes(nnx.merge(graphdef, state), x_nd)
+    return (contrib > threshold) & (gate > gate_threshold)
 
 
 def _batches(n: int):
@@ -171,15 +171,23 @@ def profile_activations(model, x_lnd: np.ndarray, thresholds=None, *,
                              hist_contribution=hc, hist_gate=hg, counts=counts)
 
 
-def active_masks(model, x_lnd: np.ndarray, thresholds, *, progress: bool = True) -> np.ndarray:
-    """The oracle active set [L, N, F] (bool): |a_i| > thresholds[l] for each FFN input."""
+def active_masks(model, x_lnd: np.ndarray, thresholds, *, progress: bool = True,
+                 gate_thresholds=None) -> np.ndarray:
+    """The oracle active set [L, N, F] (bool): |a_i| > thresholds[l] for each FFN input, and where
+    gate_thresholds are given also |act(gate_i . x)| > gate_thresholds[l] (a FATReLU model: its
+    neurons are off wherever relu(gate) is at or under the layer's threshold)."""
     n_layers, n, _ = x_lnd.shape
+    gate_thr = np.zeros(n_layers) if gate_thresholds is None else np.asarray(gate_thresholds,
+                                                                             np.float64)
+    if gate_thr.shape != (n_layers,):
+        raise ValueError(f"gate_thresholds: expected one per layer ({n_layers}), got "
+                         f"{gate_thr.shape}")
     out = np.zeros((n_layers, n, model.config.d_ff), bool)
     for l in _bar(range(n_layers), progress, "profile: active masks", "layer"):
         graphdef, state = nnx.split(model.layers[l].ffn)
         for start, stop in _batches(n):
             m = _layer_mask(graphdef, state, _padded(x_lnd[l], start, stop),
-                            np.float32(thresholds[l]))
+                            np.float32(thresholds[l]), np.float32(gate_thr[l]))
             out[l, start:stop] = np.asarray(m)[: stop - start]
     return out
 
