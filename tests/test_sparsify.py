@@ -358,6 +358,21 @@ def test_fatrelu_run_exports_its_layer_thresholds(tiny_dir, texts, cache, tmp_pa
     assert len(gates) == load_checkpoint(out).config.n_layers and min(gates) > 0
     built = build_artifacts(out, 0.7, corpus=[train], progress=False, predictors=False)
     assert built[0].thresholds_gate == pytest.approx(tuple(gates))
+    # the runtime's own build (load(...).calibrate, python -m powerinfer_jax.calibrate) reads
+    # them from the model's directory too, and profiles FATReLU's active set, not ReLU's zeros
+    from powerinfer_jax.models.transformer import from_params
+    from powerinfer_jax.sparsity import artifacts as A
+
+    ckpt = load_checkpoint(out)
+    model = from_params(ckpt.config, ckpt.params)
+    kw = dict(fingerprint=A.model_fingerprint(str(out), ckpt.source, ckpt.config),
+              target_sparsity=0.7, corpus_files=[train], train=None, progress=False)
+    fat = A.build_artifacts(model, ckpt.tokenizer, root=tmp_path / "a", source=out, **kw)
+    plain = A.build_artifacts(model, ckpt.tokenizer, root=tmp_path / "b", **kw)
+    assert fat.thresholds_gate == pytest.approx(tuple(gates))
+    assert fat.thresholds_gate != pytest.approx(plain.thresholds_gate)
+    fat_sp, plain_sp = (np.mean(a.meta["profile"]["sparsity"]) for a in (fat, plain))
+    assert fat_sp > plain_sp  # the thresholds turn more neurons off than ReLU alone
 
 
 def test_fatrelu_active_set_is_the_gate_above_each_layers_threshold(tiny_dir):
@@ -463,7 +478,7 @@ def test_curve_plot_from_rows(tmp_path):
 def test_fatrelu_thresholds_of_another_size_are_refused_in_one_line(tmp_path):
     """A config.json whose per-layer FATReLU thresholds do not match the model's layers (a
     damaged or foreign file) is named, never applied to the wrong layers."""
-    from powerinfer_jax.sparsify.run import fatrelu_threshold, per_layer
+    from powerinfer_jax.sparsity.artifacts import fatrelu_threshold, per_layer
 
     (tmp_path / "config.json").write_text(json.dumps({"fatrelu_threshold": [0.1, 0.2]}))
     gate = fatrelu_threshold(tmp_path)

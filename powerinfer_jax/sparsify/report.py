@@ -26,7 +26,7 @@ from powerinfer_jax.models.transformer import from_params
 from powerinfer_jax.runtime.perplexity import perplexity
 from powerinfer_jax.runtime.session import build
 from powerinfer_jax.sparsify import forward as fw
-from powerinfer_jax.sparsify.run import fatrelu_threshold, per_layer
+from powerinfer_jax.sparsity.artifacts import fatrelu_threshold, per_layer
 
 COVERAGE = 0.8  # the power law's share of activations (experiments/power_law.py)
 FINAL_CTX, FINAL_CHUNKS = 512, 16

@@ -10,7 +10,6 @@ in <out>.train/ until the export succeeds.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -360,44 +359,17 @@ def build_artifacts(out: Path, target, *, corpus=None, progress: bool = True, tr
     x_lnd = prof.collect_ffn_inputs(model, chunks, progress=progress)
     base = prof.profile_activations(model, x_lnd, progress=progress)
     built = []
-    gate = fatrelu_threshold(out)
-    gate_layers = None if gate is None else per_layer(gate, ckpt.config.n_layers)
+    gate_layers = arts.fatrelu_gates(out, ckpt.config.n_layers)
     for t in targets:
         a, profile = arts.build_for_target(
             model, x_lnd, base, t, train=None if not predictors else (
                 TrainConfig() if train is None else train), progress=progress,
             gate_active=gate_layers)
-        if gate is not None:  # threshold mode = FATReLU at the trained threshold (fatrelu.py)
-            a = dataclasses.replace(a, thresholds_gate=gate_layers)
-            a.meta.update(thresholds_gate=list(a.thresholds_gate), fatrelu_threshold=gate)
         a.meta.update(corpus=[str(f) for f in files], tokens=int(chunks.size),
                       ctx=int(chunks.shape[1]))
         arts.save_artifacts(arts.target_dir(root, t), a, profile, fp)
         built.append(a)
     return built
-
-
-def fatrelu_threshold(model_dir):
-    """The FATReLU gate threshold a sparsified model directory stores (config.json), if any: a
-    float (every layer's) or a tuple with one per layer (the fatrelu variant)."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        return None
-    value = json.loads(path.read_text()).get("fatrelu_threshold")
-    if isinstance(value, list):
-        return tuple(float(v) for v in value)
-    return None if value is None else float(value)
-
-
-def per_layer(gate, n_layers: int) -> tuple:
-    """A FATReLU threshold (`fatrelu_threshold`) as one float per layer; a per-layer list must
-    have n_layers entries."""
-    if isinstance(gate, (list, tuple)):
-        if len(gate) != n_layers:
-            raise ValueError(f"fatrelu_threshold: expected {n_layers} per-layer values, got "
-                             f"{len(gate)}")
-        return tuple(float(t) for t in gate)
-    return (float(gate),) * n_layers
 
 
 def _evaluator(teacher, tokenizer, ids, cfg: DistillConfig, eval_text, eval_chunks: int,

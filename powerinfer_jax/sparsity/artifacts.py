@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import sys
 from pathlib import Path
 
@@ -68,6 +69,35 @@ def artifacts_root(model_arg: str, source: str | Path) -> Path:
     return path / "sparsity" if path.is_dir() else path.with_name(path.stem + ".sparsity")
 
 
+def fatrelu_threshold(model_dir):
+    """The FATReLU gate threshold a sparsified model directory stores (config.json, written by
+    sparsify's fatrelu variant), if any: a float (every layer's) or a tuple, one per layer."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    value = json.loads(path.read_text()).get("fatrelu_threshold")
+    if isinstance(value, list):
+        return tuple(float(v) for v in value)
+    return None if value is None else float(value)
+
+
+def per_layer(gate, n_layers: int) -> tuple:
+    """A FATReLU threshold (`fatrelu_threshold`) as one float per layer; a per-layer list must
+    have n_layers entries."""
+    if isinstance(gate, (list, tuple)):
+        if len(gate) != n_layers:
+            raise ValueError(f"fatrelu_threshold: expected {n_layers} per-layer values, got "
+                             f"{len(gate)}")
+        return tuple(float(t) for t in gate)
+    return (float(gate),) * n_layers
+
+
+def fatrelu_gates(source, n_layers: int) -> tuple | None:
+    """The per-layer FATReLU thresholds of the model at `source` (a directory), or None."""
+    gate = fatrelu_threshold(source) if source is not None and Path(source).is_dir() else None
+    return None if gate is None else per_layer(gate, n_layers)
+
+
 def target_label(target_sparsity: float) -> str:
     """A target sparsity as directory names spell it: two decimals (0.50, 0.85), and every digit
     where it has more (0.865), so that 0.865 and 0.86 never share a directory."""
@@ -107,7 +137,8 @@ def build_for_target(model, x_lnd: np.ndarray, base: prof.ActivationProfile, tar
     """Calibrate thresholds from `base` histograms and train predictors on x_lnd's active masks.
     gate_active: a FATReLU model's per-layer gate thresholds (sparsify's fatrelu variant): its
     neurons are active only where relu(gate) is above them, so the profile's counts, the q4
-    predictor's report and the low-rank predictors' targets are that set, not ReLU's zeros."""
+    predictor's report and the low-rank predictors' targets are that set, not ReLU's zeros, and
+    they are threshold mode's gate thresholds."""
     thr_c = thresholds.calibrate_thresholds(base, target, criterion="contribution")
     thr_g = thresholds.calibrate_thresholds(base, target, criterion="gate")
     masks = prof.active_masks(model, x_lnd, thr_c, progress=progress, gate_thresholds=gate_active)
@@ -120,9 +151,13 @@ def build_for_target(model, x_lnd: np.ndarray, base: prof.ActivationProfile, tar
         report["cost"] = pred.predictor_cost(d_model=c.d_model, d_ff=c.d_ff, rank=train.rank,
                                              gated=c.gated)
     thr_q4, q4_report = calibrate_q4(model, x_lnd, masks, target, progress=progress)
+    if gate_active is not None:  # threshold mode = FATReLU at the trained thresholds
+        thr_g = tuple(float(t) for t in gate_active)
     meta = {"target_sparsity": target, "thresholds_contribution": list(thr_c),
             "thresholds_gate": list(thr_g), "thresholds_q4": list(thr_q4), "predictor": report,
             "q4": q4_report, "profile": profile.summary()}
+    if gate_active is not None:
+        meta["fatrelu_threshold"] = list(thr_g)
     return SparsityArtifacts(target, thr_c, thr_g, thr_q4, stack, meta), profile
 
 
@@ -152,16 +187,19 @@ def calibrate_q4(model, x_lnd: np.ndarray, masks: np.ndarray, target: float, *,
 
 def build_artifacts(model, tokenizer, *, fingerprint: dict, root: Path, target_sparsity: float,
                     corpus_files=None, ctx: int = DEFAULT_CTX, max_tokens: int = DEFAULT_MAX_TOKENS,
-                    train: pred.TrainConfig | None = pred.TrainConfig(), progress: bool = True
-                    ) -> SparsityArtifacts:
-    """Profile the model on the corpus, calibrate, train predictors and save into root/target_*."""
+                    train: pred.TrainConfig | None = pred.TrainConfig(), progress: bool = True,
+                    source=None) -> SparsityArtifacts:
+    """Profile the model on the corpus, calibrate, train predictors and save into root/target_*.
+    source: the model's directory, whose config.json may hold FATReLU thresholds (a model from
+    sparsify's fatrelu variant): then the artifacts describe FATReLU's active set."""
     target = thresholds.check_target_sparsity(target_sparsity)
     files = corpus_mod.default_corpus_files() if corpus_files is None else list(corpus_files)
     ids = tokenizer.encode(corpus_mod.read_corpus(files), add_bos=False)
     chunks = corpus_mod.corpus_chunks(ids, min(ctx, model.config.max_seq_len), max_tokens)
     x_lnd = prof.collect_ffn_inputs(model, chunks, progress=progress)
     base = prof.profile_activations(model, x_lnd, progress=progress)
-    arts, profile = build_for_target(model, x_lnd, base, target, train=train, progress=progress)
+    arts, profile = build_for_target(model, x_lnd, base, target, train=train, progress=progress,
+                                     gate_active=fatrelu_gates(source, model.config.n_layers))
     arts.meta.update(corpus=[str(f) for f in files], tokens=int(chunks.size), ctx=int(chunks.shape[1]))
     save_artifacts(target_dir(root, target), arts, profile, fingerprint)
     return arts
