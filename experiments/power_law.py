@@ -12,6 +12,7 @@ covering 80% of activations, and the sorted frequency curve sampled at fixed ran
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import numpy as np
 
@@ -65,10 +66,14 @@ def main(argv=None) -> None:
             "threshold", target_sparsity=float(target)), checkpoint=ckpt, progress=False)
         directory = A.target_dir(A.artifacts_root(args.model, ckpt.source), float(target))
         prof = ActivationProfile.load(directory / "profile.npz")
+        fatrelu = A.fatrelu_threshold(ckpt.source) if Path(ckpt.source).is_dir() else None
+        criterion = ("a_i != 0 and relu(gate_i . x) above the layer's FATReLU threshold (the "
+                     "model's trained thresholds, its config.json)" if fatrelu is not None
+                     else "|a_i| > calibrated per-layer threshold")
         head = _common.header("power_law", threads=None, dtype="float32", model=args.model,
                               config={"target_sparsity": float(target),
-                                      "activation": prof.activation,
-                                      "criterion": "|a_i| > calibrated per-layer threshold"},
+                                      "activation": prof.activation, "criterion": criterion,
+                                      "profile_tokens": int(prof.n_tokens)},
                               quick=args.quick)
         for r in layer_rows(prof.counts, prof.n_tokens):
             rows.append({**head, **r, "threshold": float(prof.thresholds[r["layer"]])})
