@@ -64,13 +64,14 @@ def final_rows(out_dir: Path, *, targets=None, threads: int, modes=FINAL_MODES) 
     from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.config import SparsityConfig
     from powerinfer_jax.sparsify import build_artifacts
+    from powerinfer_jax.sparsity.artifacts import target_dir
     from powerinfer_jax.sparsity.profile import ActivationProfile
 
     record = json.loads((out_dir / "sparsify.json").read_text())
     cfg = record["config"]
     targets = sorted({float(cfg["target_sparsity"]), *(targets or [])})
     missing = [t for t in targets
-               if not (out_dir / "sparsity" / f"target_{t:.2f}" / "meta.json").is_file()]
+               if not (target_dir(out_dir / "sparsity", t) / "meta.json").is_file()]
     if missing:
         build_artifacts(out_dir, missing, corpus=[DATA["train"]])
     ckpt = load_checkpoint(out_dir)
@@ -89,7 +90,7 @@ def final_rows(out_dir: Path, *, targets=None, threads: int, modes=FINAL_MODES) 
     rows = ([_final_row(common, "dense", None, _ppl(out_dir, SparsityConfig(), ids, threads),
                         dense, {})] if "dense" in modes else [])
     for t in targets:
-        art_dir = out_dir / "sparsity" / f"target_{t:.2f}"
+        art_dir = target_dir(out_dir / "sparsity", t)
         meta = json.loads((art_dir / "meta.json").read_text())
         prof = ActivationProfile.load(art_dir / "profile.npz")
         cover = [r["neurons_for_80pct"] for r in layer_rows(prof.counts, prof.n_tokens)]
