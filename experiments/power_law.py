@@ -12,7 +12,6 @@ covering 80% of activations, and the sorted frequency curve sampled at fixed ran
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import numpy as np
 
@@ -66,7 +65,7 @@ def main(argv=None) -> None:
             "threshold", target_sparsity=float(target)), checkpoint=ckpt, progress=False)
         directory = A.target_dir(A.artifacts_root(args.model, ckpt.source), float(target))
         prof = ActivationProfile.load(directory / "profile.npz")
-        fatrelu = A.fatrelu_threshold(ckpt.source) if Path(ckpt.source).is_dir() else None
+        fatrelu = A.fatrelu_threshold(ckpt.source)  # None for a file (a GGUF)
         criterion = ("a_i != 0 and relu(gate_i . x) above the layer's FATReLU threshold (the "
                      "model's trained thresholds, its config.json)" if fatrelu is not None
                      else "|a_i| > calibrated per-layer threshold")

@@ -93,8 +93,9 @@ def per_layer(gate, n_layers: int) -> tuple:
 
 
 def fatrelu_gates(source, n_layers: int) -> tuple | None:
-    """The per-layer FATReLU thresholds of the model at `source` (a directory), or None."""
-    gate = fatrelu_threshold(source) if source is not None and Path(source).is_dir() else None
+    """The per-layer FATReLU thresholds of the model at `source` (a directory; a file has none),
+    or None."""
+    gate = None if source is None else fatrelu_threshold(source)
     return None if gate is None else per_layer(gate, n_layers)
 
 
@@ -140,7 +141,8 @@ def build_for_target(model, x_lnd: np.ndarray, base: prof.ActivationProfile, tar
     predictor's report and the low-rank predictors' targets are that set, not ReLU's zeros, and
     they are threshold mode's gate thresholds."""
     thr_c = thresholds.calibrate_thresholds(base, target, criterion="contribution")
-    thr_g = thresholds.calibrate_thresholds(base, target, criterion="gate")
+    thr_g = (thresholds.calibrate_thresholds(base, target, criterion="gate") if gate_active is None
+             else tuple(float(t) for t in gate_active))  # FATReLU: the trained thresholds
     masks = prof.active_masks(model, x_lnd, thr_c, progress=progress, gate_thresholds=gate_active)
     profile = dataclasses.replace(base, thresholds=np.asarray(thr_c),
                                   counts=masks.sum(axis=1, dtype=np.int64))
@@ -151,8 +153,6 @@ def build_for_target(model, x_lnd: np.ndarray, base: prof.ActivationProfile, tar
         report["cost"] = pred.predictor_cost(d_model=c.d_model, d_ff=c.d_ff, rank=train.rank,
                                              gated=c.gated)
     thr_q4, q4_report = calibrate_q4(model, x_lnd, masks, target, progress=progress)
-    if gate_active is not None:  # threshold mode = FATReLU at the trained thresholds
-        thr_g = tuple(float(t) for t in gate_active)
     meta = {"target_sparsity": target, "thresholds_contribution": list(thr_c),
             "thresholds_gate": list(thr_g), "thresholds_q4": list(thr_q4), "predictor": report,
             "q4": q4_report, "profile": profile.summary()}
