@@ -146,6 +146,9 @@ __attribute__((always_inline)) inline void LegacyDotTile(const uint8_t* const* r
 #if defined(PIJ_QSIMD_VBMI)
   // The 4-bit formats, four blocks a step: their bytes gathered by byte permutes (about half the
   // shuffles of two pair steps), the same pair steps after, in the same order (so the same bits).
+  // The pair step is spelled out here and in the loop below on purpose: the same code through
+  // two always-inline helpers (activation loads, pair accumulation) compiled to row-layout
+  // decode matvecs at half the rate (Q4_0, 2 threads: 11 against 21 GB/s, same bits).
   if constexpr (F::kType == QType::kQ4_0 || F::kType == QType::kQ4_1) {
     for (; b + 4 <= nblocks; b += 4) {
       __m512i x[2][kC];
