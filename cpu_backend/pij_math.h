@@ -110,6 +110,13 @@ PIJ_HOST_DEVICE inline float Activate(Activation act, float v) {
   }
 }
 
+// FATReLU's gate (ProSparse's activation threshold shifting): a relu-family neuron whose gate dot
+// is at most `floor` (> 0) is off, its activation 0; above it relu(gate) is the gate itself. A
+// NaN gate stays NaN (it must reach the output). floor 0 leaves the gate as it is (plain ReLU).
+PIJ_HOST_DEVICE inline float FloorGate(float gate, float floor) {
+  return floor > 0.0f && gate <= floor ? 0.0f : gate;
+}
+
 // A gated neuron's activation from its gate and up dots (up bias included): act(gate) * up, or
 // relu(gate) * relu(up) for dReLU. Every kernel computes gated activations through this one
 // function, so CPU and CUDA agree on each activation's meaning.

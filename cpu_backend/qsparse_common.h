@@ -29,11 +29,12 @@ constexpr int64_t kCacheLine = 64;
 // Neurons ahead whose gate/up rows are requested while the current one's are read.
 constexpr size_t kGateUpAhead = 4;
 
-// Whether a neuron's gate turns on for some token: relu-family a_i is 0 wherever gate <= 0, so a
-// neuron off for every token needs no up row (NaN counts as on: it must reach the output).
-inline bool GateOn(const float* gate, int64_t ntok) {
+// Whether a neuron's gate turns on for some token: relu-family a_i is 0 wherever gate <= floor
+// (0, or FATReLU's gate threshold), so a neuron off for every token needs no up row (NaN counts
+// as on: it must reach the output).
+inline bool GateOn(const float* gate, int64_t ntok, float floor) {
   bool on = false;
-  for (int64_t t = 0; t < ntok; ++t) on |= !(gate[t] <= 0.0f);
+  for (int64_t t = 0; t < ntok; ++t) on |= !(gate[t] <= floor);
   return on;
 }
 

@@ -93,7 +93,7 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
       ArrayDots<F, 2>(mats, neurons, next, s.up_views.data() + t0, ntok, w.dim, outs);
     });
     for (size_t j = 0; j < neurons.size(); ++j) {
-      if (!GateOn(gate + j * ntok, ntok)) std::fill_n(up + j * ntok, ntok, 0.0f);
+      if (!GateOn(gate + j * ntok, ntok, p.gate_floor)) std::fill_n(up + j * ntok, ntok, 0.0f);
     }
   } else if (gated && ZeroBelowZero(p.activation)) {
     // relu(gate) is exactly 0 where gate <= 0, and so is a_i whatever the up row holds: read
@@ -115,7 +115,7 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
     int64_t on_pos[kEstimateBlock];
     int64_t n_on = 0;
     for (size_t j = 0; j < neurons.size(); ++j) {
-      if (GateOn(gate + j * ntok, ntok)) {
+      if (GateOn(gate + j * ntok, ntok, p.gate_floor)) {
         on_pos[n_on] = static_cast<int64_t>(j);
         on_ids[n_on++] = neurons[j];
       }
@@ -150,6 +150,9 @@ void Activations(const QFfnWeights& w, const QSparseFfnParams& p, const QSparseF
     for (size_t j = 0; j < neurons.size(); ++j) {
       for (int64_t t = 0; t < ntok; ++t) up[j * ntok + t] += w.b_up[neurons[j]];
     }
+  }
+  if (gated && p.gate_floor > 0.0f) {  // FATReLU: gates at or below the floor turn off
+    for (int64_t k = 0; k < n; ++k) gate[k] = FloorGate(gate[k], p.gate_floor);
   }
   // Whole vectors over the padded arrays: every value goes through the same vector code.
   float* act = piece.act.data();

@@ -54,6 +54,7 @@ struct QSparseFfnParams {
   Activation activation = Activation::kSilu;
   Criterion criterion = Criterion::kOracle;  // kScores or kOracle
   float threshold = 0.0f;
+  float gate_floor = 0.0f;  // FATReLU's gate threshold (FloorGate, pij_math.h); relu/drelu only
 };
 
 struct QSparseFfnScratch {

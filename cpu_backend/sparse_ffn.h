@@ -46,6 +46,7 @@ struct SparseFfnParams {
   Activation activation = Activation::kSilu;
   Criterion criterion = Criterion::kScores;
   float threshold = 0.0f;
+  float gate_floor = 0.0f;  // FATReLU's gate threshold (FloorGate, pij_math.h); relu/drelu only
 };
 
 // Per-call working memory, kept by the caller across calls so the hot path does no heap work once

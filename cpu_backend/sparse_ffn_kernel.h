@@ -159,7 +159,8 @@ inline bool NeuronCoefs(const FfnWeights<W>& w, const FfnTokens& tokens, const S
   for (int t = 0; t < kTok; ++t) {
     const float up = up_dot[t] + b_up;
     const float a =
-        kGated ? GatedActivate(p.activation, gate_dot[t], up) : Activate(p.activation, up);
+        kGated ? GatedActivate(p.activation, FloorGate(gate_dot[t], p.gate_floor), up)
+               : Activate(p.activation, up);
     active[t] = by_scores ? wanted[t] : ActiveByMagnitude(a, p.threshold);
     coef[t] = active[t] ? a : 0.0f;
     counts[t0 + t] += active[t];

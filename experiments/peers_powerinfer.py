@@ -184,7 +184,8 @@ def gguf_tokenizer_meta(src: Path, tokenizer) -> dict:
 
 def train_predictors(ck, train_text: Path, *, rank: int, n_tokens: int, steps: int):
     """Bias-free predictors for the ReLU model: FFN inputs of its dense forward over the train
-    text, masks relu(gate . x) > 0 (ReGLU's active neurons), exported on the residual."""
+    text, masks relu(gate . x) > 0 (ReGLU's active neurons; a FATReLU model's: gate . x above
+    its layer's threshold), exported on the residual."""
     import jax.numpy as jnp
 
     from powerinfer_jax.models.transformer import from_params
@@ -196,8 +197,8 @@ def train_predictors(ck, train_text: Path, *, rank: int, n_tokens: int, steps: i
     chunk = 256
     n = min(n_tokens, len(ids)) // chunk * chunk
     x = collect_ffn_inputs(model, np.asarray(ids[:n], np.int32).reshape(-1, chunk))  # [L, N, D]
-    mask = np.stack([np.asarray(jnp.einsum("nd,fd->nf", x[l], model.layers[l].ffn.gate.weight[...]))
-                     > 0 for l in range(ck.config.n_layers)])
+    mask = np.stack([np.asarray(jnp.einsum("nd,fd->nf", x[l], layer.ffn.gate.weight[...]))
+                     > layer.ffn.gate_floor for l, layer in enumerate(model.layers)])
     _log(f"training PowerInfer-shape predictors: L={x.shape[0]} N={n} R={rank} steps={steps}")
     stack, report = pp.train(x, mask, rank=rank, steps=steps, progress=True)
     _log(f"predictors: recall {report['mean_recall']:.3f} precision "

@@ -124,6 +124,10 @@ class ModelConfig:
         the 1 added by the loader. Phi-3: llama (its fused tensors are split by the loader).
     parallel_block: attention and FFN read the same block input (Falcon, GPT-J style) instead of
       the FFN reading the residual after attention.
+    fatrelu_thresholds: FATReLU (ProSparse's activation threshold shifting), one gate threshold
+      per layer of a gated relu/drelu FFN: a neuron is off where its gate is at most the layer's
+      threshold (sparsify's fatrelu variant writes them; config.json "fatrelu_threshold").
+      (): plain ReLU.
     """
 
     arch: str
@@ -171,6 +175,7 @@ class ModelConfig:
     n_experts_used: int = 0
     norm_topk_prob: bool = False
     d_ff_shared: int = 0
+    fatrelu_thresholds: tuple[float, ...] = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -232,6 +237,19 @@ class ModelConfig:
             _check(self.n_experts_used == 0 and self.d_ff_shared == 0,
                    "ModelConfig.n_experts_used", "0 (and d_ff_shared 0) without experts",
                    (self.n_experts_used, self.d_ff_shared))
+        if not isinstance(self.fatrelu_thresholds, tuple):
+            object.__setattr__(self, "fatrelu_thresholds", tuple(self.fatrelu_thresholds))
+        if self.fatrelu_thresholds:
+            t = self.fatrelu_thresholds
+            _check(len(t) == self.n_layers and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                and v >= 0 for v in t), "ModelConfig.fatrelu_thresholds",
+                f"() or {self.n_layers} finite floats >= 0 (one per layer)", t)
+            _check(self.gated and self.activation in ("relu", "drelu") and not self.n_experts,
+                   "ModelConfig.fatrelu_thresholds", "() unless the FFN is a gated relu/drelu "
+                   "FFN without experts (FATReLU shifts a ReLU gate)", t,
+                   f"activation {self.activation!r}, gated={self.gated}, "
+                   f"n_experts={self.n_experts}")
         _check(not (self.qkv_bias and self.bias), "ModelConfig.qkv_bias",
                "False when bias is True (bias already covers q, k and v)", self.qkv_bias)
 

@@ -123,6 +123,19 @@ ffi::Error ParseActivation(std::string_view op, std::string_view name, Activatio
   return ffi::Error::Success();
 }
 
+ffi::Error CheckGateFloor(std::string_view op, float gate_floor, Activation activation,
+                          bool gated) {
+  if (!std::isfinite(gate_floor) || gate_floor < 0.0f) {
+    return InvalidArg(op, "gate_floor", "a finite number >= 0", std::to_string(gate_floor));
+  }
+  if (gate_floor > 0.0f &&
+      !(gated && (activation == Activation::kRelu || activation == Activation::kDrelu))) {
+    return InvalidArg(op, "gate_floor", "0 unless the FFN is gated with relu or drelu (FATReLU)",
+                      std::to_string(gate_floor));
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error ParseSelection(std::string_view op, std::string_view name, float threshold,
                           bool with_activations, Criterion& criterion) {
   if (name == "scores") {

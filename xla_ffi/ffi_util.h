@@ -33,6 +33,10 @@ ffi::Error ParseActivation(std::string_view op, std::string_view name, Activatio
 ffi::Error ParseSelection(std::string_view op, std::string_view name, float threshold,
                           bool with_activations, Criterion& criterion);
 
+// The "gate_floor" attribute (FATReLU's gate threshold, pij_math.h FloorGate): finite, >= 0, and
+// > 0 only for a gated relu/drelu FFN; or an InvalidArg error.
+ffi::Error CheckGateFloor(std::string_view op, float gate_floor, Activation activation, bool gated);
+
 // True if dims[0 .. dims.size() - keep) are all 1 (extra leading dims added by vmap).
 bool LeadingOnes(ffi::Span<const int64_t> dims, size_t keep);
 

@@ -11,7 +11,7 @@
 // Results: y f32 [..., D], n_active s32 [...]. Attributes: gate_qtype, up_qtype, down_qtype
 // (GGML type ids; gate's and up's with kInterleavedQTypeFlag: rows interleaved by 16, criterion
 // "oracle" only), threshold (f32, finite, >= 0), activation, criterion ("scores" | "oracle"),
-// down_layout ("rows" | "groups").
+// down_layout ("rows" | "groups"), gate_floor (f32: FATReLU's gate threshold, 0 = none).
 #include <cmath>
 #include <exception>
 #include <mutex>
@@ -39,7 +39,7 @@ ffi::Error QSparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuff
                              ffi::Result<ffi::AnyBuffer> n_active, int32_t gate_qtype,
                              int32_t up_qtype, int32_t down_qtype, float threshold,
                              std::string_view activation, std::string_view criterion,
-                             std::string_view down_layout) {
+                             std::string_view down_layout, float gate_floor) {
   QFfnWeights w;
   QSparseFfnParams p;
   if (ffi::Error e = ParseActivation(kOp, activation, p.activation); e.failure()) return e;
@@ -47,6 +47,11 @@ ffi::Error QSparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuff
     return e;
   }
   p.threshold = threshold;
+  if (ffi::Error e = CheckGateFloor(kOp, gate_floor, p.activation, gate.element_count() > 0);
+      e.failure()) {
+    return e;
+  }
+  p.gate_floor = gate_floor;
   const Dims x_dims = x.dimensions();
   if (x.element_type() != ffi::DataType::F32 || x_dims.size() == 0) {
     return InvalidArg(kOp, "x", "float32 [..., D]",
@@ -186,4 +191,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQSparseFfnCpu, pij::QSparseFfnCpuImpl,
                                   .Attr<float>("threshold")
                                   .Attr<std::string_view>("activation")
                                   .Attr<std::string_view>("criterion")
-                                  .Attr<std::string_view>("down_layout"));
+                                  .Attr<std::string_view>("down_layout")
+                                  .Attr<float>("gate_floor"));

@@ -1,5 +1,6 @@
 // CPU FFI handler for the sparse FFN: decode + validate (sparse_ffn_args), dispatch on the weight
-// dtype once, run cpu_backend's kernel on the shared thread pool.
+// dtype once, run cpu_backend's kernel on the shared thread pool. Attributes beyond the shared
+// decoder's: gate_floor (f32: FATReLU's gate threshold, 0 = none; gated relu/drelu only).
 #include <exception>
 #include <mutex>
 #include <string>
@@ -8,6 +9,7 @@
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/cpu_handlers.h"
 #include "xla_ffi/cpu_runtime.h"
+#include "xla_ffi/ffi_util.h"
 #include "xla_ffi/sparse_ffn_args.h"
 
 namespace pij {
@@ -31,7 +33,8 @@ ffi::Error SparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer w_gate, ffi::AnyBuf
                             ffi::AnyBuffer w_down_t, ffi::AnyBuffer b_up, ffi::AnyBuffer b_down,
                             ffi::AnyBuffer scores, ffi::Result<ffi::AnyBuffer> y,
                             ffi::Result<ffi::AnyBuffer> n_active, float threshold,
-                            std::string_view activation, std::string_view criterion) {
+                            std::string_view activation, std::string_view criterion,
+                            float gate_floor) {
   try {
     CpuRuntime& rt = GetCpuRuntime();
     std::lock_guard<std::mutex> lock(rt.mutex);
@@ -42,6 +45,12 @@ ffi::Error SparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer w_gate, ffi::AnyBuf
         e.failure()) {
       return e;
     }
+    if (ffi::Error e = CheckGateFloor("sparse_ffn", gate_floor, call.params.activation,
+                                      w_gate.element_count() > 0);
+        e.failure()) {
+      return e;
+    }
+    call.params.gate_floor = gate_floor;
     if (call.rows == 0) return ffi::Error::Success();
     rt.x_rows.resize(call.rows);
     for (int64_t r = 0; r < call.rows; ++r) rt.x_rows[r] = call.x + rt.x_src[r] * call.dim;
@@ -80,4 +89,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijSparseFfnCpu, pij::SparseFfnCpuImpl,
                                   .Ret<xla::ffi::AnyBuffer>()  // n_active
                                   .Attr<float>("threshold")
                                   .Attr<std::string_view>("activation")
-                                  .Attr<std::string_view>("criterion"));
+                                  .Attr<std::string_view>("criterion")
+                                  .Attr<float>("gate_floor"));

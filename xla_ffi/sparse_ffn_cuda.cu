@@ -20,6 +20,7 @@
 
 #include "cpu_backend/pij_math.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi_util.h"
 #include "xla_ffi/sparse_ffn_args.h"
 #include "xla_ffi/sparse_ffn_cuda.h"
 #include "xla_ffi/sparse_ffn_cuda_launch.h"
@@ -55,8 +56,9 @@ template <typename W, bool kVec>
 __global__ void ActivationsKernel(const float* __restrict__ x, const W* __restrict__ gate,
                                   const W* __restrict__ up, const float* __restrict__ b_up,
                                   const float* __restrict__ scores, int64_t rows, int64_t f,
-                                  int64_t d, Activation activation, bool oracle, float threshold,
-                                  float* __restrict__ act, int32_t* __restrict__ n_active) {
+                                  int64_t d, Activation activation, float gate_floor,
+                                  bool oracle, float threshold, float* __restrict__ act,
+                                  int32_t* __restrict__ n_active) {
   constexpr int kStep = kVec ? Vec16<W>::kN : 1;
   const int lane = threadIdx.x % kWarpSize;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
@@ -89,7 +91,8 @@ __global__ void ActivationsKernel(const float* __restrict__ x, const W* __restri
       }
       u = WarpSum(u) + bias;
       g = WarpSum(g);
-      a = gate_row != nullptr ? GatedActivate(activation, g, u) : Activate(activation, u);
+      a = gate_row != nullptr ? GatedActivate(activation, FloorGate(g, gate_floor), u)
+                              : Activate(activation, u);
       if (oracle) active = ActiveByMagnitude(a, threshold);
     }
     if (lane == 0) {
@@ -164,7 +167,8 @@ ffi::Error Launch(const SparseFfnCall& c, float* scratch, cudaStream_t stream) {
     auto kernel = vec ? ActivationsKernel<W, true> : ActivationsKernel<W, false>;
     kernel<<<act_grid, kWarpsPerBlock * kWarpSize, 0, stream>>>(
         c.x, static_cast<const W*>(c.gate), static_cast<const W*>(c.up), c.b_up, c.scores, c.rows,
-        c.num_neurons, c.dim, c.params.activation, oracle, c.params.threshold, act, c.n_active);
+        c.num_neurons, c.dim, c.params.activation, c.params.gate_floor, oracle,
+        c.params.threshold, act, c.n_active);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
       return ffi::Error::Internal(std::string("sparse_ffn (CUDA): activations kernel: ") +
                                   cudaGetErrorString(err));
@@ -199,7 +203,8 @@ ffi::Error SparseFfnCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                              ffi::AnyBuffer w_down_t, ffi::AnyBuffer b_up, ffi::AnyBuffer b_down,
                              ffi::AnyBuffer scores, ffi::Result<ffi::AnyBuffer> y,
                              ffi::Result<ffi::AnyBuffer> n_active, float threshold,
-                             std::string_view activation, std::string_view criterion) {
+                             std::string_view activation, std::string_view criterion,
+                             float gate_floor) {
   SparseFfnCall call;
   std::vector<int64_t> x_src, score_src;
   if (ffi::Error e = DecodeSparseFfn(x, w_gate, w_up, w_down_t, b_up, b_down, scores, *y,
@@ -208,6 +213,12 @@ ffi::Error SparseFfnCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
       e.failure()) {
     return e;
   }
+  if (ffi::Error e = CheckGateFloor("sparse_ffn (CUDA)", gate_floor, call.params.activation,
+                                    w_gate.element_count() > 0);
+      e.failure()) {
+    return e;
+  }
+  call.params.gate_floor = gate_floor;
   if (call.params.criterion == Criterion::kActivations) {  // CPU backend only, for now
     return ffi::Error::InvalidArgument(std::string("sparse_ffn (CUDA)") +
                                        ": criterion: expected scores or oracle on CUDA, got "
@@ -263,4 +274,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijSparseFfnCuda, pij::SparseFfnCudaImpl,
                                   .Ret<xla::ffi::AnyBuffer>()  // n_active
                                   .Attr<float>("threshold")
                                   .Attr<std::string_view>("activation")
-                                  .Attr<std::string_view>("criterion"));
+                                  .Attr<std::string_view>("criterion")
+                                  .Attr<float>("gate_floor"));

@@ -17,11 +17,13 @@ Canonical names (weights [out, in] like a HF Linear, FFN neuron-major):
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
 
 from powerinfer_jax.config import ModelConfig
+from powerinfer_jax.errors import check
 from powerinfer_jax.tokenizer import Tokenizer
 
 
@@ -267,6 +269,17 @@ def check_params(config: ModelConfig, params: dict[str, np.ndarray], source: str
         if tuple(params[name].shape) != shape:
             raise ValueError(f"{source}: tensor {name!r}: expected shape {shape} from the config, "
                              f"got {tuple(params[name].shape)}")
+
+
+def fatrelu_thresholds(value, n_layers: int, what: str) -> tuple[float, ...]:
+    """FATReLU's per-layer gate thresholds (ModelConfig.fatrelu_thresholds) as a checkpoint
+    stores them: one number for every layer, or a list of n_layers (one per layer)."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * n_layers
+    ok = len(values) == n_layers and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+        for v in values)
+    check(ok, what, f"a finite number >= 0 or a list of {n_layers} (one per layer)", value)
+    return tuple(float(v) for v in values)
 
 
 def unsupported_architecture(arch: Any, source: str, detail: str = "") -> ValueError:

@@ -252,6 +252,8 @@ def write_gguf(path: str | os.PathLike, config: ModelConfig, params: Mapping[str
     for key, value in model_meta.items():  # GGUFWriter.add_<key> writes "<arch>.<gguf key>"
         getattr(w, "add_" + key)(value)
     w.add_string(gguf_arch.ACTIVATION_KEY, config.activation)
+    if config.fatrelu_thresholds:
+        w.add_array(gguf_arch.FATRELU_KEY, [float(t) for t in config.fatrelu_thresholds])
     for key, value in (extra_meta or {}).items():
         if isinstance(value, bool):
             w.add_bool(key, value)

@@ -28,12 +28,15 @@ from __future__ import annotations
 from typing import Any, Mapping, NamedTuple
 
 from powerinfer_jax.checkpoint import gguf_families, gguf_moe
-from powerinfer_jax.checkpoint.base import expected_shapes, unsupported_architecture
+from powerinfer_jax.checkpoint.base import (expected_shapes, fatrelu_thresholds,
+                                            unsupported_architecture)
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.errors import fail
 
 ARCHITECTURES = ("llama", "bamboo", "falcon", "opt") + gguf_families.ARCHITECTURES
 ACTIVATION_KEY = "powerinfer_jax.ffn_activation"
+# FATReLU's per-layer gate thresholds (ModelConfig.fatrelu_thresholds), an array of floats; our key
+FATRELU_KEY = "powerinfer_jax.fatrelu_thresholds"
 _DEFAULT_ACTIVATION = {"llama": "silu", "bamboo": "drelu", "falcon": "gelu", "opt": "relu",
                        "qwen2": "silu", "qwen3": "silu", "phi3": "silu", "gemma2": "gelu",
                        "gemma3": "gelu", "qwen2moe": "silu", "qwen3moe": "silu",
@@ -133,6 +136,9 @@ def config_from_metadata(meta: Mapping[str, Any], source: str, *, vocab_size: in
                                     tensor_names=tensor_names)
     if arch in ("llama", "bamboo"):
         common.update(gguf_moe.experts(meta, arch, source))  # Mixtral: a llama with experts
+        if meta.get(FATRELU_KEY) is not None:
+            common["fatrelu_thresholds"] = fatrelu_thresholds(
+                meta[FATRELU_KEY], common["n_layers"], f"{source}: {FATRELU_KEY}")
         return ModelConfig(
             arch="llama", **common,
             head_dim=gguf_families.head_dim(meta, arch, d, n_heads, source),

@@ -21,7 +21,8 @@ import numpy as np
 from powerinfer_jax.checkpoint import hf_falcon
 from powerinfer_jax.checkpoint import hf_families as families
 from powerinfer_jax.checkpoint import hf_moe
-from powerinfer_jax.checkpoint.base import Checkpoint, check_params, unsupported_architecture
+from powerinfer_jax.checkpoint.base import (Checkpoint, check_params, fatrelu_thresholds,
+                                            unsupported_architecture)
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.tokenizer import Tokenizer
 
@@ -89,7 +90,11 @@ def config_from_hf(cfg: Mapping[str, Any], d: Path, source: str) -> ModelConfig:
     if family is None:
         arch = (cfg.get("architectures") or [cfg.get("model_type")])[0]
         raise unsupported_architecture(arch, source, f" (model_type {cfg.get('model_type')!r})")
-    return family.config(cfg, families.common_fields(cfg, d, source), source)
+    config = family.config(cfg, families.common_fields(cfg, d, source), source)
+    if cfg.get("fatrelu_threshold") is None:
+        return config
+    return config.replace(fatrelu_thresholds=fatrelu_thresholds(
+        cfg["fatrelu_threshold"], config.n_layers, f"{source}: fatrelu_threshold"))
 
 
 # ------------------------------------------------------------------------------------ params

@@ -39,7 +39,7 @@ from powerinfer_jax.models.layers import F32, Linear, Module, _param, op_impl, s
 from powerinfer_jax.models.qweights import (GROUPS, MATVEC, ROWS, FfnLayout, QWeight,
                                             host_blocks)
 from powerinfer_jax.ops.reference import (  # pure jnp, shared with the kernels' oracle
-    activate, gated_activate)
+    activate, floor_gate, gated_activate)
 
 
 class Selection(NamedTuple):
@@ -213,13 +213,14 @@ class Rows:
                 scores=sel.scores if sel.criterion == "scores" else None,
                 threshold=float(sel.threshold), activation=ffn.activation,
                 criterion="scores" if sel.criterion == "scores" else "oracle",
-                down_layout=ffn.down_t.down_layout, impl=impl or self.impl)
+                down_layout=ffn.down_t.down_layout, gate_floor=ffn.gate_floor,
+                impl=impl or self.impl)
         return ops.sparse_ffn(
             x_btd, ffn.up.weight[...], ffn.down_t.weight[...], w_gate=_value(ffn.gate and
                                                                              ffn.gate.weight),
             b_up=_value(ffn.up.bias), b_down=_value(ffn.down_t.bias), scores=sel.scores,
             threshold=float(sel.threshold), activation=ffn.activation, criterion=sel.criterion,
-            impl=impl or self.impl)
+            gate_floor=ffn.gate_floor, impl=impl or self.impl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +258,7 @@ class CpuHybrid:
                 b_up=_value(c.get("b_up")), b_down=None,
                 scores=None if scores is None else scores[..., n_hot:],
                 threshold=float(sel.threshold), activation=ffn.activation,
-                criterion=sel.criterion, impl=self.impl)
+                criterion=sel.criterion, gate_floor=ffn.gate_floor, impl=self.impl)
             y = y + y_cold
             count = count + n_cold
         if ffn.down_t.bias is not None:
@@ -285,6 +286,7 @@ class CudaHybrid:
     def _compute(self, ffn, x_btd, sel: Selection):
         from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
+        ffn.require_no_gate_floor("the GPU hybrid")
         lead, d = x_btd.shape[:-1], x_btd.shape[-1]
         x = x_btd.reshape(-1, d)
         s = None if sel.scores is None else sel.scores.reshape(x.shape[0], -1)
@@ -323,6 +325,7 @@ class DiskHybrid:
     def _compute(self, ffn, x_btd, sel: Selection):
         from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
+        ffn.require_no_gate_floor("the neuron store (--ram-budget)")
         ahead = getattr(ffn, "lookahead", None)
         if ahead is not None:
             ahead = ahead(block_residual())
@@ -337,8 +340,12 @@ class DiskHybrid:
 # ------------------------------------------------------------------------------------ the FFN
 class FFN(Module):
     def __init__(self, *, d_model: int, d_ff: int, activation: str, gated: bool, bias: bool,
-                 dtype, rngs: nnx.Rngs | None, kernels: str = "xla"):
+                 dtype, rngs: nnx.Rngs | None, kernels: str = "xla", gate_floor: float = 0.0):
         self.activation = activation
+        # FATReLU's gate threshold (ModelConfig.fatrelu_thresholds): every path computes
+        # floor_gate(gate) in place of the gate, so dense, oracle, threshold and predictor modes
+        # run the FATReLU model; 0: plain ReLU (or another activation)
+        self.gate_floor = float(gate_floor)
         self.kernels = kernels
         lin = dict(dtype=dtype, rngs=rngs, kernels=kernels)
         self.gate = Linear(d_model, d_ff, bias=False, **lin) if gated else None
@@ -379,6 +386,13 @@ class FFN(Module):
             self.backend = Rows(impl=impl, fused=fused)
         elif isinstance(self.backend, CpuHybrid):
             self.backend = CpuHybrid(impl=impl)
+
+    def require_no_gate_floor(self, path: str) -> None:
+        """Fail clearly where a path has no FATReLU gate threshold (its kernels take none)."""
+        if self.gate_floor:
+            fail(f"FFN gate_floor {self.gate_floor:g} (a FATReLU model) on {path}",
+                 "a path that applies FATReLU's gate threshold", path,
+                 "run it on the CPU path without --ram-budget or GPU placement")
 
     @property
     def quantized(self) -> bool:
@@ -490,7 +504,7 @@ class FFN(Module):
         u = proj(up) if b_up is None else proj(up) + b_up
         if gate is None:
             return activate(self.activation, u)
-        return gated_activate(self.activation, proj(gate), u)
+        return gated_activate(self.activation, proj(gate), u, self.gate_floor)
 
     def hot_activations(self, x_btd):
         """Activations of the rows in the Params (all of them when unplaced), with XLA (on a
@@ -504,7 +518,7 @@ class FFN(Module):
                                     [self.gate.kernel_qtype, self.up.kernel_qtype], self.up.d_in,
                                     [None, _value(self.up.bias)],
                                     impl=op_impl(self.kernels))
-            return gated_activate(self.activation, g, u)
+            return gated_activate(self.activation, g, u, self.gate_floor)
         return self._rows_act(x_btd, _value(self.gate and self.gate.weight), self.up.weight[...],
                               _value(self.up.bias))
 
@@ -530,12 +544,12 @@ class FFN(Module):
             return jnp.abs(self.activations(x_btd))
         act = "relu" if self.activation == "drelu" else self.activation
         if self.quantized:
-            return jnp.abs(activate(act, self.gate(x_btd)))
+            return jnp.abs(activate(act, floor_gate(self.gate(x_btd), self.gate_floor)))
         gates = [self.gate.weight[...]]
         if self.placed:
             self._require_cold_operands("gate_magnitude")
             gates.append(self.cold["gate"][...])
         # act(gate . x): the gate rows as non-gated "up" rows
-        return jnp.abs(jnp.concatenate([activate(act, jnp.einsum(
-            "btd,fd->btf", x_btd.astype(g.dtype), g, preferred_element_type=F32)) for g in gates],
-            axis=-1))
+        return jnp.abs(jnp.concatenate([activate(act, floor_gate(jnp.einsum(
+            "btd,fd->btf", x_btd.astype(g.dtype), g, preferred_element_type=F32), self.gate_floor))
+            for g in gates], axis=-1))

@@ -60,7 +60,8 @@ class Block(Module):
                            rngs=rngs, kernels=kernels)
         else:
             self.ffn = FFN(d_model=c.d_model, d_ff=c.d_ff, activation=c.activation,
-                           gated=c.gated, bias=c.bias, dtype=dtype, rngs=rngs, kernels=kernels)
+                           gated=c.gated, bias=c.bias, dtype=dtype, rngs=rngs, kernels=kernels,
+                           gate_floor=c.fatrelu_thresholds[layer] if c.fatrelu_thresholds else 0)
         # Tensor parallel (runtime/mesh.py): the mesh axis over which attention's and the FFN's
         # outputs are partial sums (this device's heads / neurons), summed before the residual.
         self.reduce_axis = None

@@ -32,6 +32,20 @@ def check_threshold(threshold) -> float:
     return t
 
 
+def check_gate_floor(gate_floor, activation: str, gated: bool) -> float:
+    """FATReLU's gate threshold: a finite float >= 0, > 0 only on a gated relu/drelu FFN."""
+    try:
+        t = float(gate_floor)
+    except (TypeError, ValueError):
+        fail("gate_floor", "a Python float (a static attribute, not a traced array)", gate_floor)
+    if not math.isfinite(t) or t < 0:
+        fail("gate_floor", "a finite float >= 0", gate_floor)
+    if t > 0 and not (gated and activation in ("relu", "drelu")):
+        fail("gate_floor", "0 unless the FFN is gated with relu or drelu (FATReLU)", gate_floor,
+             f"activation {activation!r}, gated={gated}")
+    return t
+
+
 def _shape(a) -> tuple[int, ...]:
     return tuple(np.shape(a))
 

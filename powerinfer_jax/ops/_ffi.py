@@ -83,7 +83,7 @@ def _ffn_operands(x, w_up, w_down_t, w_gate, b_up, b_down, scores):
 
 
 def sparse_ffn(x, w_up, w_down_t, *, w_gate, b_up, b_down, scores, threshold, activation,
-               criterion):
+               criterion, gate_floor=0.0):
     x32, operands = _ffn_operands(x, w_up, w_down_t, w_gate, b_up, b_down,
                                   None if criterion == "oracle" else scores)
     d = w_up.shape[-1]
@@ -93,7 +93,7 @@ def sparse_ffn(x, w_up, w_down_t, *, w_gate, b_up, b_down, scores, threshold, ac
         (jax.ShapeDtypeStruct(rows + (d,), jnp.float32), jax.ShapeDtypeStruct(rows, jnp.int32)),
         vmap_method="expand_dims")
     return call(*operands, threshold=np.float32(threshold), activation=activation,
-                criterion=criterion)
+                criterion=criterion, gate_floor=np.float32(gate_floor))
 
 
 def linear(x, w, b):
@@ -176,7 +176,7 @@ def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype
 
 
 def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_up, b_down, scores,
-                threshold, activation, criterion, down_layout="rows"):
+                threshold, activation, criterion, down_layout="rows", gate_floor=0.0):
     x32 = jnp.asarray(x, jnp.float32)
     rows = x32.shape[:-1]
     call = jax.ffi.ffi_call(
@@ -188,7 +188,7 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_up, b_
     return call(x32, gate_op, up, down, _opt_f32(b_up), _opt_f32(b_down), scores_op,
                 gate_qtype=_qid(gate_qtype), up_qtype=_qid(up_qtype), down_qtype=_qid(down_qtype),
                 threshold=np.float32(threshold), activation=activation, criterion=criterion,
-                down_layout=down_layout)
+                down_layout=down_layout, gate_floor=np.float32(gate_floor))
 
 
 def decode_attention(q, k_new, v_new, k_cache, v_cache, where, *, kv_len, inv_freq,

@@ -9,7 +9,8 @@ from powerinfer_jax.ops import _checks, reference
 
 
 def sparse_ffn(x, w_up, w_down_t, *, w_gate=None, b_up=None, b_down=None, scores=None,
-               threshold=0.0, activation="silu", criterion="scores", impl="ffi"):
+               threshold=0.0, activation="silu", criterion="scores", gate_floor=0.0,
+               impl="ffi"):
     """Sparse FFN over the neurons active for each token.
 
     x: [..., T, D] any float dtype (cast to f32 for the kernel); weights f32/bf16/f16 same dtype,
@@ -20,6 +21,8 @@ def sparse_ffn(x, w_up, w_down_t, *, w_gate=None, b_up=None, b_down=None, scores
     where |a| > threshold, and only the active neurons' down rows are read (w_up/w_gate are
     checked for shape but never read).
     a = act(gate.x) * (up.x + b_up) (gated) or act(up.x + b_up); gelu is the tanh approximation.
+    gate_floor > 0 (gated relu/drelu): FATReLU, gate values <= gate_floor count as 0
+    (`reference.floor_gate`).
     Returns (y [..., T, D] float32, n_active [..., T] int32). impl: "ffi" | "reference".
     """
     _checks.check_choice("impl", impl, _checks.IMPLS)
@@ -27,7 +30,8 @@ def sparse_ffn(x, w_up, w_down_t, *, w_gate=None, b_up=None, b_down=None, scores
                                  scores=scores, threshold=threshold, activation=activation,
                                  criterion=criterion)
     kwargs = dict(w_gate=w_gate, b_up=b_up, b_down=b_down, scores=scores, threshold=t,
-                  activation=activation, criterion=criterion)
+                  activation=activation, criterion=criterion,
+                  gate_floor=_checks.check_gate_floor(gate_floor, activation, w_gate is not None))
     if impl == "reference":
         return reference.sparse_ffn(x, w_up, w_down_t, **kwargs)
     from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
@@ -223,7 +227,7 @@ def qembedding(ids, blocks, qtype, in_features: int, *, impl="ffi"):
 
 def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None, b_up=None,
                 b_down=None, scores=None, threshold=0.0, activation="silu", criterion="oracle",
-                down_layout="rows", impl="ffi"):
+                down_layout="rows", gate_floor=0.0, impl="ffi"):
     """The sparse FFN on quantized weights, in one custom call.
 
     up, gate: the file's ffn_up / ffn_gate blocks, uint8 [F, row_bytes] (neuron-major rows of D
@@ -236,7 +240,8 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
     a = act(gate.x) * (up.x + b_up) (gated) or act(up.x + b_up) from int8-rounded x (as qlinear);
     active: criterion "oracle": |a| > threshold (threshold 0 with every neuron active is the dense
     quantized FFN); "scores": scores [..., F] > threshold, and only those neurons' gate/up rows
-    are read. y = b_down + sum over active i of a_i * down_t[i].
+    are read. y = b_down + sum over active i of a_i * down_t[i]. gate_floor > 0 (gated
+    relu/drelu): FATReLU, as in `sparse_ffn`.
     x: [..., D]. Returns (y [..., D] float32, n_active [...] int32).
     """
     _checks.check_choice("impl", impl, _checks.IMPLS)
@@ -246,7 +251,8 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
         criterion=criterion, down_layout=down_layout)
     kwargs = dict(up_qtype=u, down_qtype=dn, gate=gate, gate_qtype=g, b_up=b_up, b_down=b_down,
                   scores=scores, threshold=t, activation=activation, criterion=criterion,
-                  down_layout=down_layout)
+                  down_layout=down_layout,
+                  gate_floor=_checks.check_gate_floor(gate_floor, activation, gate is not None))
     if impl == "reference":
         return reference.qsparse_ffn(x, up, down, **kwargs)
     from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension

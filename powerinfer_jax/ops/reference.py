@@ -27,16 +27,25 @@ def activate(activation: str, v):
                      f"{activation!r}")
 
 
-def gated_activate(activation: str, gate, up):
+def floor_gate(gate, gate_floor: float = 0.0):
+    """FATReLU's gate (ProSparse's activation threshold shifting): gate values at or below
+    gate_floor (> 0) become 0, so that relu(gate) is the gate where it exceeds the floor and 0
+    elsewhere; NaN stays NaN. gate_floor 0 returns the gate as it is. The kernels' FloorGate."""
+    return gate if not gate_floor else jnp.where(gate <= gate_floor, 0.0, gate)
+
+
+def gated_activate(activation: str, gate, up, gate_floor: float = 0.0):
     """A gated FFN's activations from its gate and up projections (up bias included):
     act(gate) * up, or relu(gate) * relu(up) for "drelu" (dReLU: TurboSparse, PowerInfer's
-    "bamboo"). The kernels' GatedActivate (cpu_backend/pij_math.h)."""
+    "bamboo"); gate_floor > 0 (relu, drelu): FATReLU's gate, `floor_gate`. The kernels'
+    GatedActivate (cpu_backend/pij_math.h)."""
+    gate = floor_gate(gate, gate_floor)
     if activation == "drelu":
         return jax.nn.relu(gate) * jax.nn.relu(up)
     return activate(activation, gate) * up
 
 
-def _activations(x_td, w_up, w_gate, b_up, activation):
+def _activations(x_td, w_up, w_gate, b_up, activation, gate_floor=0.0):
     """a [..., T, F] = act(gate.x) * (up.x + b_up) (gated) or act(up.x + b_up), float32."""
     up_tf = jnp.einsum("...TD,FD->...TF", x_td, w_up.astype(jnp.float32), precision=_HIGHEST)
     if b_up is not None:
@@ -44,11 +53,11 @@ def _activations(x_td, w_up, w_gate, b_up, activation):
     if w_gate is None:
         return activate(activation, up_tf)
     gate_tf = jnp.einsum("...TD,FD->...TF", x_td, w_gate.astype(jnp.float32), precision=_HIGHEST)
-    return gated_activate(activation, gate_tf, up_tf)
+    return gated_activate(activation, gate_tf, up_tf, gate_floor)
 
 
 def sparse_ffn(x, w_up, w_down_t, *, w_gate=None, b_up=None, b_down=None, scores=None,
-               threshold=0.0, activation="silu", criterion="scores"):
+               threshold=0.0, activation="silu", criterion="scores", gate_floor=0.0):
     """Returns (y [..., T, D] float32, n_active [..., T] int32). See ops.api.sparse_ffn."""
     # "not <=" rather than ">": a NaN activation or score counts as active, so a NaN input
     # reaches the output as in a dense FFN (the kernels' rule, cpu_backend/pij_math.h).
@@ -57,7 +66,7 @@ def sparse_ffn(x, w_up, w_down_t, *, w_gate=None, b_up=None, b_down=None, scores
         act_tf = jnp.asarray(scores, jnp.float32)
         mask_tf = ~(jnp.abs(act_tf) <= threshold)
     else:
-        act_tf = _activations(x_td, w_up, w_gate, b_up, activation)
+        act_tf = _activations(x_td, w_up, w_gate, b_up, activation, gate_floor)
         if criterion == "scores":
             mask_tf = ~(jnp.asarray(scores, jnp.float32) <= threshold)
         else:
@@ -158,7 +167,7 @@ def qembedding(ids, blocks, qtype: str, in_features: int):
 
 def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None, b_up=None,
                 b_down=None, scores=None, threshold=0.0, activation="silu", criterion="oracle",
-                down_layout="rows"):
+                down_layout="rows", gate_floor=0.0):
     """The quantized sparse FFN, from dequantized weights and rounded activations. See
     ops.api.qsparse_ffn."""
     from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
@@ -169,7 +178,7 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
         act_tf = activate(activation, up_tf)
     else:
         gate_qtype = up_qtype if gate_qtype is None else gate_qtype
-        act_tf = gated_activate(activation, qlinear(x, gate, gate_qtype, d), up_tf)
+        act_tf = gated_activate(activation, qlinear(x, gate, gate_qtype, d), up_tf, gate_floor)
     if criterion == "scores":  # "not <=": NaN counts as active, as in sparse_ffn
         mask_tf = ~(jnp.asarray(scores, jnp.float32) <= threshold)
     else:

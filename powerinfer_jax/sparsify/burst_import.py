@@ -5,7 +5,7 @@ The teacher (default: the registry's SmolLM2, checked against the sha256 the bur
 plus the burst's FFN deltas and norms -> a Hugging Face directory (hidden_act relu or drelu, the
 FATReLU threshold in config.json) with its sparsity artifacts (thresholds, profile; low-rank
 predictors with --predictors) -> the final evaluation (report.py): wiki.valid perplexity 16 x 512
-(dense teacher, plain ReLU, FATReLU), natural FFN sparsity, power law; rows appended to the
+(dense teacher, the model: FATReLU at its thresholds, threshold mode), natural FFN sparsity, power law; rows appended to the
 model's curve file in the cache (<out>.curve.jsonl) and to --curve.
 """
 from __future__ import annotations

@@ -4,12 +4,14 @@
 geometric grid whose KL to the teacher on training text stays within (1 + kl_rise) of the KL at
 t = 0 (ProSparse used one small fixed threshold per model; a KL budget chooses it for this model).
 
-How the runtime applies it: a FATReLU FFN is exactly the engine's threshold mode on this model
-(sparsity/selectors.GateMagnitude: neuron i runs where |act(gate_i . x)| = relu(g_i) > t, i.e.
-g_i > t, and then computes relu(g_i) * (up_i . x) = FATReLU's output). The export stores t in
-config.json ("fatrelu_threshold", beside hidden_act "relu") and as every layer's gate threshold in
-the model's sparsity artifacts, so `--sparsity threshold --target-sparsity T` runs the FATReLU
-model; dense and oracle modes run plain ReLU (the model without the shift).
+How the runtime applies it: the export stores t in config.json ("fatrelu_threshold", beside
+hidden_act "relu"; one per layer for per-layer thresholds), the loader reads it into
+ModelConfig.fatrelu_thresholds, and every FFN path computes relu(g_i) only where g_i > t (the
+kernels' FloorGate, ops.reference.floor_gate): dense, oracle, threshold and predictor modes all
+run the FATReLU model (a predictor's selected neurons under the threshold contribute 0). The
+thresholds are also every layer's gate threshold in the model's sparsity artifacts, so
+`--sparsity threshold --target-sparsity T` skips exactly FATReLU's zeros with the gate computed
+densely.
 """
 from __future__ import annotations
 

@@ -3,10 +3,12 @@ quality targets are stated in.
 
   perplexity on wiki.valid (16 chunks of 512, every token but the first scored, float32 weights
   dequantized from the teacher's file as the student was trained from) of the dense teacher, the
-  model with plain ReLU (dense mode), its natural sparsity (oracle mode at threshold 0: exact
-  zeros), and, when it stores a FATReLU threshold, threshold mode (= FATReLU, sparsify/fatrelu.py)
-  with the sparsity it reaches; the power law: per layer, the smallest share of neurons that
-  holds 80% of the activations (counts of a_i != 0 over training text), median and mean.
+  model (dense mode: FATReLU at its thresholds where it stores them, which the runtime applies
+  in every mode, else plain ReLU), its natural sparsity (oracle mode at threshold 0: exact
+  zeros), and, when it stores a FATReLU threshold, threshold mode at the calibrated thresholds
+  (sparsify/fatrelu.py) with the sparsity it reaches; the power law: per layer, the smallest
+  share of neurons that holds 80% of the activations (counts of a_i != 0 over training text, at
+  the model's FATReLU thresholds), median and mean.
 """
 from __future__ import annotations
 
@@ -99,8 +101,10 @@ def final_rows(out_dir: Path, teacher_arg: str, *, target: float, train_text, va
             "eval_chunks": FINAL_CHUNKS, "eval_ctx": FINAL_CTX, "ppl_dense": dense["ppl"],
             "fatrelu_threshold": gate, "commit": _cli.git_commit(),
             "machine": _cli.machine_info(), "threads": threads, **(extra or {})}
-    runs = [("dense", SparsityConfig(), None),
-            ("natural (oracle at 0)", SparsityConfig(mode="oracle", threshold=0.0), None)]
+    # the runtime applies a FATReLU model's thresholds in every mode (ModelConfig
+    # .fatrelu_thresholds): its dense and oracle rows are FATReLU's, counted at its thresholds
+    runs = [("dense", SparsityConfig(), gate),
+            ("natural (oracle at 0)", SparsityConfig(mode="oracle", threshold=0.0), gate)]
     if gate is not None:
         runs.append(("fatrelu (threshold mode)",
                      SparsityConfig(mode="threshold", target_sparsity=target), gate))

@@ -73,9 +73,11 @@ class Q4Activations(Selector):
         self.threshold = float(threshold)
 
     def select(self, ffn, x_btd) -> Selection:
+        ffn.require_no_gate_floor("--gate-up q4 (4-bit estimates as the activations)")
         return Selection("activations", self.threshold, self.predictor(x_btd, signed=True))
 
     def fused(self, ffn, x_btd):
+        ffn.require_no_gate_floor("--gate-up q4 (4-bit estimates as the activations)")
         return self.predictor.sparse_ffn(x_btd, ffn.down_t.weight[...],
                                          None if ffn.down_t.bias is None else ffn.down_t.bias[...],
                                          threshold=self.threshold)
