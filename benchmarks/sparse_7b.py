@@ -1,6 +1,8 @@
 """Sparse decode at real shapes on the CPU (SYNTHETIC weights: `python -m powerinfer_jax.synthetic`
-models, random weights with prescribed firing frequencies): ours vs llama.cpp dense on the same
-llama GGUF and vs PowerInfer's CPU predictor mode on the PowerInfer GGUF of the same model.
+models, random weights with prescribed firing frequencies; or a trained ReLU-family model's files
+from `python -m experiments.peer_files`, rows marked "synthetic": false): ours vs llama.cpp dense
+on the same llama GGUF and vs PowerInfer's CPU predictor mode on the PowerInfer GGUF of the same
+model.
 
 Per round, per model (one per sparsity profile) and thread count, back to back, each in a fresh
 process pinned to the same CPUs:
@@ -60,8 +62,16 @@ PROMPT = ("The history of computing is a story of ideas that made machines faste
           "easier to program. Early engineers built circuits by hand.")
 
 
+SYNTHETIC = ("random weights (SYNTHETIC): python -m powerinfer_jax.synthetic; frequencies "
+             "prescribed, measured on wiki.valid")
+
+
 def model_files(d: Path) -> dict:
-    rec = json.loads((d / "synthetic.json").read_text())
+    """A model directory's files: a synthetic model's (synthetic.json) or a trained model's
+    (peer_model.json, experiments/peer_files.py)."""
+    real = d / "peer_model.json"
+    rec = json.loads((real if real.is_file() else d / "synthetic.json").read_text())
+    rec["synthetic"] = False if real.is_file() else SYNTHETIC
     files = rec["files"]
     if "gguf" not in files or "powerinfer" not in files:
         raise SystemExit(f"--models {d}: expected a llama GGUF and a PowerInfer GGUF "
@@ -234,9 +244,7 @@ def main(argv=None) -> None:
         binary, pi_commit = build(args.powerinfer_src, CACHE / "peers")
     models = {d: model_files(d) for d in args.models}
     head = {"experiment": "sparse_7b", "commit": _cli.git_commit(),
-            "machine": _cli.machine_info(), "synthetic": "random weights (SYNTHETIC): "
-            "python -m powerinfer_jax.synthetic; frequencies prescribed, measured on wiki.valid",
-            "dtype": args.dtype, "new_tokens": args.new_tokens}
+            "machine": _cli.machine_info(), "dtype": args.dtype, "new_tokens": args.new_tokens}
     rows = []
 
     def emit(row):
@@ -259,6 +267,7 @@ def main(argv=None) -> None:
                 order = systems[rnd % len(systems):] + systems[:rnd % len(systems)]
                 for system in order:
                     base = {"kind": "decode", "round": rnd, "model": str(d),
+                            "synthetic": rec["synthetic"],
                             "sparsity": rec["sparsity"], "measured_sparsity": sp,
                             "threads": threads, "system": system, **nap}
                     if system == "llama.cpp":
@@ -276,8 +285,8 @@ def main(argv=None) -> None:
             if not args.dense_checks:
                 continue
             for threads in args.threads:
-                base = {"round": rnd, "model": str(d), "threads": threads,
-                        "file_bytes": files["gguf"].stat().st_size}
+                base = {"round": rnd, "model": str(d), "synthetic": rec["synthetic"],
+                        "threads": threads, "file_bytes": files["gguf"].stat().st_size}
                 for system in (("llama.cpp", "dense") if rnd % 2 == 0 else ("dense", "llama.cpp")):
                     if system == "llama.cpp":
                         tok_s, cmd = run_llama_prefill(files["gguf"], threads, args.prefill_tokens)
@@ -301,7 +310,8 @@ def main(argv=None) -> None:
         per = {}
         for r in group:
             per.setdefault(r["system"], {})[r["round"]] = r["tok_s"]
-        summary = {"kind": "summary", "model": model, "threads": threads}
+        summary = {"kind": "summary", "model": model, "threads": threads,
+                   "synthetic": group[0]["synthetic"]}
         for system, vals in per.items():
             summary[f"{system}_median_tok_s"] = statistics.median(vals.values())
             for ref in PEERS + ("dense",):
@@ -321,6 +331,7 @@ def main(argv=None) -> None:
             per.setdefault(r["round"], {})[r["system"]] = r
         both = [v for v in per.values() if "dense" in v and "llama.cpp" in v]
         summary = {"kind": f"summary_{kind}", "model": model, "threads": threads,
+                   "synthetic": group[0]["synthetic"],
                    f"dense_over_llama.cpp_{key}": statistics.median(
                        v["dense"][key] / v["llama.cpp"][key] for v in both)}
         if kind == "load":
