@@ -61,7 +61,7 @@ void Activations(const LayerRows& r, const float* b_up, const DiskFfnParams& p,
       qsparse::NeuronDots<F, 2>(both_rows, n, next.size(), false, ux, ntok, l.dim, outs);
     });
     for (size_t j = 0; j < n; ++j) {
-      if (!GateOn(gate + j * ntok, ntok, 0.0f)) std::fill_n(up + j * ntok, ntok, 0.0f);
+      if (!GateOn(gate + j * ntok, ntok, p.gate_floor)) std::fill_n(up + j * ntok, ntok, 0.0f);
     }
   } else if (l.gated && ZeroBelowZero(p.activation)) {
     // a_i is exactly 0 wherever relu(gate) is: up rows only of neurons some token turns on
@@ -72,7 +72,7 @@ void Activations(const LayerRows& r, const float* b_up, const DiskFfnParams& p,
     int64_t on_pos[kBlock];
     int64_t n_on = 0;
     for (size_t j = 0; j < n; ++j) {
-      if (GateOn(gate + j * ntok, ntok, 0.0f)) {
+      if (GateOn(gate + j * ntok, ntok, p.gate_floor)) {
         on_pos[n_on] = static_cast<int64_t>(j);
         on_cs[n_on++] = cs[j];
       }
@@ -103,6 +103,9 @@ void Activations(const LayerRows& r, const float* b_up, const DiskFfnParams& p,
     for (size_t j = 0; j < n; ++j) {
       for (int64_t t = 0; t < ntok; ++t) up[j * ntok + t] += b_up[cs[j]];
     }
+  }
+  if (l.gated && p.gate_floor > 0.0f) {  // FATReLU, as qsparse_ffn.cc
+    for (size_t k = 0; k < n * ntok; ++k) gate[k] = FloorGate(gate[k], p.gate_floor);
   }
   // whole vectors over the padded arrays, as qsparse_ffn.cc: every value through the same code
   float* a = w.act.data();

@@ -37,6 +37,7 @@ struct DiskFfnParams {
   Activation activation = Activation::kRelu;
   Criterion criterion = Criterion::kScores;  // kScores or kOracle
   float threshold = 0.0f;
+  float gate_floor = 0.0f;  // FATReLU's gate threshold (FloorGate, pij_math.h); relu/drelu only
 };
 
 struct DiskFfnScratch {

@@ -27,14 +27,19 @@ def rewrite(src: Path, dst: Path, *, drop_tensors=(), drop_keys=(), set_keys=Non
             writer.add_key_value(name, value, gguf.GGUFValueType.STRING
                                  if isinstance(value, str) else vtype)
     for name, value in set_keys.items():
-        if name != "general.architecture":
+        if name == "general.architecture":
+            continue
+        if isinstance(value, list):
+            writer.add_array(name, value)
+        else:
             writer.add_string(name, str(value))
     for t in reader.tensors:
         if t.name in drop_tensors:
             continue
         data = np.asarray(t.data)
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # numpy order
-        writer.add_tensor(t.name, data, raw_shape=shape if data.dtype == np.uint8 else None,
+        # block-quantized data comes as bytes [rows, row bytes]: its shape is the byte shape the
+        # writer takes with a quantized raw_dtype (it derives the element shape from it)
+        writer.add_tensor(t.name, data, raw_shape=data.shape if data.dtype == np.uint8 else None,
                           raw_dtype=t.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -83,7 +83,7 @@ def _kernel_matches_in_memory(ck, hot_fraction, want_source, *, tokens=(1, 3, 40
     """The store's layers against ops.qsparse_ffn on the rows the in-memory model holds."""
     from powerinfer_jax.checkpoint import bundles
     from powerinfer_jax.models.qweights import SELECTED_LAYOUT, arrange
-    from powerinfer_jax.ops import _ffi
+    from powerinfer_jax.ops import _ffi, reference
     from powerinfer_jax.ops.neuron_store import NeuronStore
 
     path, spec, order = bundles.ensure(ck, progress=False)
@@ -99,16 +99,21 @@ def _kernel_matches_in_memory(ck, hot_fraction, want_source, *, tokens=(1, 3, 40
         for t in tokens:
             x = rng.standard_normal((t, D)).astype(np.float32)
             scores = np.where(rng.random((t, F)) < 0.2, 1.0, -1.0).astype(np.float32)
-            for crit in ("scores", "oracle"):
-                y, n = _ffi.disk_ffn(x, scores, store=store.handle, layer=l, threshold=0.0,
-                                     activation="relu", criterion=crit)
-                want_y, want_n = _ffi.qsparse_ffn(
-                    x, up.blocks, down.blocks, up_qtype=up.qtype, down_qtype=down.qtype,
-                    gate=gate.blocks, gate_qtype=gate.qtype, b_up=None, b_down=None,
-                    scores=scores, threshold=0.0, activation="relu", criterion=crit,
-                    down_layout=down.layout)
-                np.testing.assert_array_equal(np.asarray(y), np.asarray(want_y))
-                np.testing.assert_array_equal(np.asarray(n), np.asarray(want_n))
+            g = np.asarray(reference.qlinear(x, gate.blocks, gate.qtype, D))
+            # 0, and a FATReLU gate threshold that turns off half of the positive gates
+            for floor in (0.0, float(np.median(g[g > 0]))):
+                for crit in ("scores", "oracle"):
+                    y, n = _ffi.disk_ffn(x, scores, store=store.handle, layer=l, threshold=0.0,
+                                         activation="relu", criterion=crit, gate_floor=floor)
+                    want_y, want_n = _ffi.qsparse_ffn(
+                        x, up.blocks, down.blocks, up_qtype=up.qtype, down_qtype=down.qtype,
+                        gate=gate.blocks, gate_qtype=gate.qtype, b_up=None, b_down=None,
+                        scores=scores, threshold=0.0, activation="relu", criterion=crit,
+                        down_layout=down.layout, gate_floor=floor)
+                    np.testing.assert_array_equal(np.asarray(y), np.asarray(want_y))
+                    np.testing.assert_array_equal(np.asarray(n), np.asarray(want_n))
+                    if floor and crit == "oracle":  # the threshold bites: fewer active
+                        assert np.all(np.asarray(n) < (g > 0).sum(-1))
     s = store.stats()
     assert s["static_hits"] + s["cache_hits"] + s["misses"] == s["requested"] > 0
     if hot_fraction < 1:
@@ -263,6 +268,23 @@ def test_tokens_equal_in_memory_at_several_budgets(model, which):
         del s
     assert seen_static
     assert _sha256(gguf) == before  # nothing written to the model file
+
+
+def test_a_fatrelu_model_runs_from_the_store_as_in_memory(model, tmp_path):
+    """The store's layers apply a FATReLU model's per-layer gate thresholds (our GGUF key) as
+    the in-memory model does: equal tokens, which differ from the same weights' plain ReLU."""
+    from helpers_gguf_edit import rewrite
+    from powerinfer_jax.checkpoint.gguf_arch import FATRELU_KEY
+
+    gguf, predictors = model
+    fat = rewrite(gguf, tmp_path / "fatrelu.gguf", set_keys={FATRELU_KEY: [0.2] * 4})
+    plain = _tokens(_build(gguf, predictors))
+    want = _tokens(_build(fat, predictors))
+    s = _build(fat, predictors, budget=_minimum(gguf, predictors))  # the same tensors
+    assert s.offload.summary["mode"] == "disk"
+    assert s.config.fatrelu_thresholds == (0.2,) * 4 or np.allclose(s.config.fatrelu_thresholds,
+                                                                     0.2)
+    assert _tokens(s) == want != plain
 
 
 def test_dense_mode_reads_every_neuron_and_matches(model):

@@ -6,7 +6,7 @@
 // next layer's predictor on this layer's input (a guess at its active set, read ahead: neurons
 // with a score > threshold in any row). Results: y f32 [..., D], n_active s32 [...].
 // Attributes: store (s64), layer (s64), threshold (f32, finite, >= 0), activation, criterion
-// ("scores" | "oracle"). Has side effects (reads, the cache): the Python wrapper
+// ("scores" | "oracle"), gate_floor (f32: FATReLU's gate threshold, 0 = none). Has side effects (reads, the cache): the Python wrapper
 // declares them so XLA never drops or merges a call.
 #include <cmath>
 #include <exception>
@@ -44,7 +44,7 @@ ffi::Error DiskFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer scores, ffi::AnyBuffe
                           ffi::Result<ffi::AnyBuffer> y,
                           ffi::Result<ffi::AnyBuffer> n_active, int64_t store_handle,
                           int64_t layer, float threshold, std::string_view activation,
-                          std::string_view criterion) {
+                          std::string_view criterion, float gate_floor) {
   DiskFfnParams p;
   if (ffi::Error e = ParseActivation(kOp, activation, p.activation); e.failure()) return e;
   if (ffi::Error e = ParseSelection(kOp, criterion, threshold, false, p.criterion); e.failure()) {
@@ -57,6 +57,10 @@ ffi::Error DiskFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer scores, ffi::AnyBuffe
                       std::to_string(store_handle));
   }
   const BundleLayout& l = store->layout();
+  if (ffi::Error e = CheckGateFloor(kOp, gate_floor, p.activation, l.gated); e.failure()) {
+    return e;
+  }
+  p.gate_floor = gate_floor;
   if (layer < 0 || layer >= l.num_layers) {
     return InvalidArg(kOp, "layer", "in [0, " + std::to_string(l.num_layers) + ")",
                       std::to_string(layer));
@@ -144,4 +148,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijDiskFfnCpu, pij::DiskFfnCpuImpl,
                                   .Attr<int64_t>("layer")
                                   .Attr<float>("threshold")
                                   .Attr<std::string_view>("activation")
-                                  .Attr<std::string_view>("criterion"));
+                                  .Attr<std::string_view>("criterion")
+                                  .Attr<float>("gate_floor"));

@@ -325,13 +325,13 @@ class DiskHybrid:
     def _compute(self, ffn, x_btd, sel: Selection):
         from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
-        ffn.require_no_gate_floor("the neuron store (--ram-budget)")
         ahead = getattr(ffn, "lookahead", None)
         if ahead is not None:
             ahead = ahead(block_residual())
         y, count = _ffi.disk_ffn(x_btd, sel.scores, store=self.store, layer=self.layer,
                                  threshold=float(sel.threshold), activation=ffn.activation,
-                                 criterion=sel.criterion, next_scores=ahead)
+                                 criterion=sel.criterion, next_scores=ahead,
+                                 gate_floor=ffn.gate_floor)
         if ffn.down_t.bias is not None:
             y = y + ffn.down_t.bias[...]
         return y, count

@@ -266,11 +266,12 @@ DISK_FFN_TARGET = "pij_disk_ffn"
 
 
 def disk_ffn(x, scores, *, store: int, layer: int, threshold, activation, criterion,
-             next_scores=None):
+             next_scores=None, gate_floor=0.0):
     """The sparse FFN of one layer of a neuron store (cpu_backend/disk_ffn.h): its rows are read
     where they live (memory or the bundle file), not passed. x [..., D]; scores [..., F] for
     criterion "scores"; next_scores [..., F]: a guess at layer + 1's scores, whose selected
-    neurons are read ahead. Returns (y [..., D] float32, n_active [...] int32). A side effect
+    neurons are read ahead; gate_floor: FATReLU's gate threshold (as ops.qsparse_ffn's). Returns
+    (y [..., D] float32, n_active [...] int32). A side effect
     for XLA (the store's cache and reads): never dropped or merged."""
     x32 = jnp.asarray(x, jnp.float32)
     rows = x32.shape[:-1]
@@ -281,4 +282,4 @@ def disk_ffn(x, scores, *, store: int, layer: int, threshold, activation, criter
     return call(x32, _opt_f32(scores if criterion == "scores" else None), _opt_f32(next_scores),
                 store=np.int64(store),
                 layer=np.int64(layer), threshold=np.float32(threshold), activation=activation,
-                criterion=criterion)
+                criterion=criterion, gate_floor=np.float32(gate_floor))
