@@ -55,6 +55,8 @@ REGISTRY = (
 NOT_RUN = {
     "bench_dense_vs_hf": "superseded by peers (the same HF fp32 measurement, plus llama.cpp)",
     "plot_quality_vs_sparsity": "figure script of quality_vs_sparsity (run after it)",
+    "peer_files": "writes a trained model's files for benchmarks/sparse_7b (needs a PowerInfer "
+                  "source tree to quantize them): run by hand",
     "peers_powerinfer": "needs a PowerInfer source tree (--powerinfer-src; no download here) and "
                         "builds it (experiments/peers_powerinfer_build.sh): run by hand",
     "plots": "figure script (run after the experiments)",
