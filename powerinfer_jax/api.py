@@ -233,8 +233,7 @@ class LLM:
         train = lowrank if isinstance(lowrank, TrainConfig) else TrainConfig() if lowrank else None
         arts = A.build_artifacts(s.model, s.tokenizer, fingerprint=fp, root=root,
                                  target_sparsity=target_sparsity, corpus_files=corpus_files,
-                                 ctx=ctx, max_tokens=max_tokens, train=train, progress=progress,
-                                 source=s.source)
+                                 ctx=ctx, max_tokens=max_tokens, train=train, progress=progress)
         arts.meta["root"] = str(root)
         return arts
 

@@ -358,8 +358,9 @@ def test_fatrelu_run_exports_its_layer_thresholds(tiny_dir, texts, cache, tmp_pa
     assert len(gates) == load_checkpoint(out).config.n_layers and min(gates) > 0
     built = build_artifacts(out, 0.7, corpus=[train], progress=False, predictors=False)
     assert built[0].thresholds_gate == pytest.approx(tuple(gates))
-    # the runtime's own build (load(...).calibrate, python -m powerinfer_jax.calibrate) reads
-    # them from the model's directory too, and profiles FATReLU's active set, not ReLU's zeros
+    # the runtime's own build (load(...).calibrate, python -m powerinfer_jax.calibrate) takes
+    # them from the loaded model's config too, and profiles FATReLU's active set, not ReLU's
+    # zeros (plain: the same weights without the thresholds)
     from powerinfer_jax.models.transformer import from_params
     from powerinfer_jax.sparsity import artifacts as A
 
@@ -367,8 +368,9 @@ def test_fatrelu_run_exports_its_layer_thresholds(tiny_dir, texts, cache, tmp_pa
     model = from_params(ckpt.config, ckpt.params)
     kw = dict(fingerprint=A.model_fingerprint(str(out), ckpt.source, ckpt.config),
               target_sparsity=0.7, corpus_files=[train], train=None, progress=False)
-    fat = A.build_artifacts(model, ckpt.tokenizer, root=tmp_path / "a", source=out, **kw)
-    plain = A.build_artifacts(model, ckpt.tokenizer, root=tmp_path / "b", **kw)
+    fat = A.build_artifacts(model, ckpt.tokenizer, root=tmp_path / "a", **kw)
+    plain_model = from_params(ckpt.config.replace(fatrelu_thresholds=()), ckpt.params)
+    plain = A.build_artifacts(plain_model, ckpt.tokenizer, root=tmp_path / "b", **kw)
     assert fat.thresholds_gate == pytest.approx(tuple(gates))
     assert fat.thresholds_gate != pytest.approx(plain.thresholds_gate)
     fat_sp, plain_sp = (np.mean(a.meta["profile"]["sparsity"]) for a in (fat, plain))

@@ -111,7 +111,9 @@ def final_rows(out_dir: Path, teacher_arg: str, *, target: float, train_text, va
     rows = []
     for mode, sparsity, g in runs:
         res = _ppl(out_dir, sparsity, ids, threads)
-        cover = neurons_for_coverage(activation_counts(model, chunks, ckpt.config.activation, g))
+        cover = neurons_for_coverage(activation_counts(
+            model, chunks, ckpt.config.activation,
+            None if g is None else ckpt.config.fatrelu_thresholds))
         rows.append({**head, "mode": mode, "ppl": res["ppl"],
                      "ppl_x_dense": res["ppl"] / dense["ppl"],
                      "ffn_sparsity": res["ffn_sparsity"], "gate_threshold": g,

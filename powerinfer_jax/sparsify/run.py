@@ -359,7 +359,7 @@ def build_artifacts(out: Path, target, *, corpus=None, progress: bool = True, tr
     x_lnd = prof.collect_ffn_inputs(model, chunks, progress=progress)
     base = prof.profile_activations(model, x_lnd, progress=progress)
     built = []
-    gate_layers = arts.fatrelu_gates(out, ckpt.config.n_layers)
+    gate_layers = ckpt.config.fatrelu_thresholds or None
     for t in targets:
         a, profile = arts.build_for_target(
             model, x_lnd, base, t, train=None if not predictors else (

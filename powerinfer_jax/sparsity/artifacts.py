@@ -92,13 +92,6 @@ def per_layer(gate, n_layers: int) -> tuple:
     return (float(gate),) * n_layers
 
 
-def fatrelu_gates(source, n_layers: int) -> tuple | None:
-    """The per-layer FATReLU thresholds of the model at `source` (a directory; a file has none),
-    or None."""
-    gate = None if source is None else fatrelu_threshold(source)
-    return None if gate is None else per_layer(gate, n_layers)
-
-
 def target_label(target_sparsity: float) -> str:
     """A target sparsity as directory names spell it: two decimals (0.50, 0.85), and every digit
     where it has more (0.865), so that 0.865 and 0.86 never share a directory."""
@@ -187,11 +180,11 @@ def calibrate_q4(model, x_lnd: np.ndarray, masks: np.ndarray, target: float, *,
 
 def build_artifacts(model, tokenizer, *, fingerprint: dict, root: Path, target_sparsity: float,
                     corpus_files=None, ctx: int = DEFAULT_CTX, max_tokens: int = DEFAULT_MAX_TOKENS,
-                    train: pred.TrainConfig | None = pred.TrainConfig(), progress: bool = True,
-                    source=None) -> SparsityArtifacts:
+                    train: pred.TrainConfig | None = pred.TrainConfig(), progress: bool = True
+                    ) -> SparsityArtifacts:
     """Profile the model on the corpus, calibrate, train predictors and save into root/target_*.
-    source: the model's directory, whose config.json may hold FATReLU thresholds (a model from
-    sparsify's fatrelu variant): then the artifacts describe FATReLU's active set."""
+    A FATReLU model (ModelConfig.fatrelu_thresholds, from sparsify's fatrelu variant): the
+    artifacts describe FATReLU's active set, and threshold mode's thresholds are its own."""
     target = thresholds.check_target_sparsity(target_sparsity)
     files = corpus_mod.default_corpus_files() if corpus_files is None else list(corpus_files)
     ids = tokenizer.encode(corpus_mod.read_corpus(files), add_bos=False)
@@ -199,7 +192,7 @@ def build_artifacts(model, tokenizer, *, fingerprint: dict, root: Path, target_s
     x_lnd = prof.collect_ffn_inputs(model, chunks, progress=progress)
     base = prof.profile_activations(model, x_lnd, progress=progress)
     arts, profile = build_for_target(model, x_lnd, base, target, train=train, progress=progress,
-                                     gate_active=fatrelu_gates(source, model.config.n_layers))
+                                     gate_active=model.config.fatrelu_thresholds or None)
     arts.meta.update(corpus=[str(f) for f in files], tokens=int(chunks.size), ctx=int(chunks.shape[1]))
     save_artifacts(target_dir(root, target), arts, profile, fingerprint)
     return arts
