@@ -39,3 +39,11 @@ def test_sparse_7b_refuses_a_dir_without_both_files(tmp_path):
     (tmp_path / "peer_model.json").write_text(json.dumps({"files": {"gguf": "m.gguf"}}))
     with pytest.raises(SystemExit, match="expected a llama GGUF and a PowerInfer GGUF"):
         model_files(tmp_path)
+
+
+def test_peer_files_refuses_a_model_that_is_not_an_hf_directory(tmp_path):
+    from experiments.peer_files import main
+
+    with pytest.raises(SystemExit, match="expected an HF directory with config.json"):
+        main(["--model", str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()  # nothing written
