@@ -9,7 +9,7 @@ from helpers_models import gpt2_tokenizer_meta, random_params, tiny_llama_config
 from helpers_tolerances import assert_close
 from powerinfer_jax.checkpoint import QuantTensor, load_checkpoint
 from powerinfer_jax.checkpoint.base import rope_permute, rope_unpermute
-from powerinfer_jax.checkpoint.gguf import load_gguf, write_gguf
+from powerinfer_jax.checkpoint.gguf import load_gguf, read_config, write_gguf
 from powerinfer_jax.checkpoint.quants import dequantize
 
 TYPES = {
@@ -43,6 +43,7 @@ def test_config_round_trip(tiny):
     assert ck.config.replace(norm_eps=config.norm_eps) == config
     assert ck.config.norm_eps == pytest.approx(config.norm_eps)
     assert ck.source == str(path)
+    assert read_config(path) == ck.config  # the header alone gives the load's config
 
 
 def test_params_round_trip(tiny):
@@ -174,6 +175,8 @@ def test_unsupported_architecture(tmp_path):
     write_tiny_gguf(tmp_path / "g.gguf", arch="gpt2")
     with pytest.raises(ValueError, match=r"architecture: expected one of .*llama.*got 'gpt2'"):
         load_gguf(tmp_path / "g.gguf")
+    with pytest.raises(ValueError, match=r"architecture: expected one of .*got 'gpt2'"):
+        read_config(tmp_path / "g.gguf")
 
 
 def test_unsupported_tensor_type(tmp_path):

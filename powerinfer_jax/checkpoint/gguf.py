@@ -165,15 +165,17 @@ def _same_bytes(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 20) -> bool:
     return all(np.array_equal(a[i:i + chunk], b[i:i + chunk]) for i in range(0, a.size, chunk))
 
 
-def load_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> Checkpoint:
-    """A GGUF file -> Checkpoint. Params are float32 arrays; with keep_quantized, the 2-D
-    block-quantized tensors are `QuantTensor`s instead (each stored once, as its blocks)."""
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """A GGUF file's ModelConfig from its header alone (no tensor is read but Llama-3's small
+    rope_freqs): what `load_gguf(path).config` is."""
     path = Path(path)
-    source = f"GGUF file {str(path)!r}"
     reader = _open(path)
-    meta = read_metadata(reader)
+    return _config(path, reader, read_metadata(reader), {t.name: t for t in reader.tensors})
+
+
+def _config(path: Path, reader: GGUFFile, meta: dict, tensors: dict) -> ModelConfig:
+    source = f"GGUF file {str(path)!r}"
     powerinfer = file_magic(path) == PWRI_MAGIC
-    tensors = {t.name: t for t in reader.tensors}
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise unsupported_architecture(arch, f"{source}: general.architecture")
@@ -181,7 +183,7 @@ def load_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> Check
         raise ValueError(f"{source}: expected tensor 'token_embd.weight', got none")
     pos = tensors.get("position_embd.weight")
     freqs = tensors.get("rope_freqs.weight")  # Llama-3's scaled RoPE (gguf_families.py)
-    config = gguf_arch.config_from_metadata(
+    return gguf_arch.config_from_metadata(
         meta, source, vocab_size=int(tensors["token_embd.weight"].shape[1]),  # ne = [D, V]
         tied=arch == "opt" or _tied(tensors), powerinfer=powerinfer,
         has_bias="blk.0.attn_qkv.bias" in tensors,
@@ -189,6 +191,18 @@ def load_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> Check
         rope_freqs=None if freqs is None else _read_stored(
             freqs, (int(np.prod(freqs.shape)),), source, keep_quantized=False),
         tensor_names=tuple(tensors))
+
+
+def load_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> Checkpoint:
+    """A GGUF file -> Checkpoint. Params are float32 arrays; with keep_quantized, the 2-D
+    block-quantized tensors are `QuantTensor`s instead (each stored once, as its blocks)."""
+    path = Path(path)
+    source = f"GGUF file {str(path)!r}"
+    reader = _open(path)
+    meta = read_metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    arch = meta.get("general.architecture")
+    config = _config(path, reader, meta, tensors)
     layout = gguf_arch.sources(config, arch, down_t="blk.0.ffn_down_t.weight" in tensors,
                                separate_attn_norm="blk.0.attn_norm_2.weight" in tensors)
     params: dict[str, Any] = {}
