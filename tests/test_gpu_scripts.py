@@ -7,6 +7,7 @@ each format and map onto other shapes keeping their distribution. llama_cpp_ngl.
 accounting against the file, the -ngl / -ot layouts against hand-computed budgets, the
 llama-bench command and its JSON. The shell scripts parse.
 """
+import dataclasses
 import json
 import os
 import subprocess
@@ -185,6 +186,42 @@ def test_layouts_fill_the_budget_like_place_layers():
     lay = lcn.llama_cpp_layout(s, 290, 10, "ot")
     assert lay.args() == ["-ngl", "5", "-ot", r"blk\.(1|2|3)\.ffn_(gate|up|down)\.weight=CPU"]
     assert lcn.llama_cpp_layout(s, 470, 10, "ot").args() == ["-ngl", "5"]
+    # ncmoe (MoE): every layer and KV on the GPU (30 + 4 * 110 = 470), then the routed experts
+    # (80 of each layer's 100) of the first N layers left on the host, N the fewest that fit
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        lcn.llama_cpp_layout(s, 470, 10, "ncmoe")
+    m = dataclasses.replace(s, exps=(80,) * 4)
+    for budget, n in ((470, 0), (469, 1), (390, 1), (389, 2), (150, 4)):
+        lay = lcn.llama_cpp_layout(m, budget, 10, "ncmoe")
+        assert lay.n_cpu_moe == n and lay.gpu_bytes == 470 - 80 * n <= budget
+        assert lay.args() == ["-ngl", "5", "--n-cpu-moe", str(n)]
+    assert lcn.llama_cpp_layout(m, 149, 10, "ncmoe") is None
+
+
+def test_gguf_bytes_of_a_moe_file(tmp_path):
+    """gguf_bytes reads any architecture's keys and sums each layer's routed experts."""
+    import gguf
+
+    path = tmp_path / "moe.gguf"
+    w = gguf.GGUFWriter(str(path), "olmoe")
+    w.add_block_count(2)
+    w.add_embedding_length(8)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_tensor("token_embd.weight", np.zeros((10, 8), np.float32))
+    for l in range(2):
+        w.add_tensor(f"blk.{l}.attn_q.weight", np.zeros((8, 8), np.float32))
+        for k in ("gate", "up", "down"):
+            w.add_tensor(f"blk.{l}.ffn_{k}_exps.weight", np.zeros((4, 8, 8), np.float32))
+    w.add_tensor("output.weight", np.zeros((10, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    b = lcn.gguf_bytes(path)
+    assert b.n_layers == 2 and b.exps == (3 * 4 * 64 * 4,) * 2
+    assert b.layer == (64 * 4 + 3 * 4 * 64 * 4,) * 2 and b.output == 320 and b.token_embd == 320
+    assert b.kv_per_token_layer == 2 * 1 * 4 * lcn.KV_ITEM_BYTES
 
 
 def test_our_budget_is_hybrid_decodes():
@@ -306,3 +343,80 @@ def test_sparse_7b_check_dry_run(tmp_path):
                                                      "steps.jsonl", "summary.txt"]
     with tarfile.open(out / "logs.tar.gz") as tar:
         assert {"logs/generate.log", "logs/llama.log", "logs/bench.log"} <= set(tar.getnames())
+
+
+def test_prepare_packs_a_portable_llama_build(tmp_path):
+    """sparse_7b_prepare's --llama-bin: a build with every CPU level is packed stripped as
+    llama-bin/, its cuBLAS folder (this machine's) dropped for the GPU image's; a build native
+    to this CPU, or a folder that is no build, is refused with one line and nothing packed."""
+    import shutil
+    import tarfile
+
+    from benchmarks.gpu import sparse_7b_prepare as prep
+
+    exe = Path(shutil.which("true")).resolve()  # an ELF file that strip accepts
+    build = tmp_path / "llama.cpp-cuda"
+    build.mkdir()
+    shutil.copy(exe, build / "llama-bench")
+    shutil.copy(exe, build / "libggml-cuda.so")
+    info = ["llama.cpp 0c1e57098bba43ac29e6e3b677cdceebdd22334f", "cuda_arch 90",
+            "cpu all-variants", "cublas_lib /here/only"]
+    (build / "BUILD_INFO").write_text("\n".join(info) + "\n")
+    dest = tmp_path / "llama-bin.tar.xz"
+    r = prep.write_llama_bin(build, dest)
+    assert r["files"] == 3 and r["bytes_xz"] == dest.stat().st_size
+    with tarfile.open(dest) as tar:
+        assert sorted(tar.getnames()) == ["llama-bin/BUILD_INFO", "llama-bin/libggml-cuda.so",
+                                          "llama-bin/llama-bench"]
+        packed = tar.extractfile("llama-bin/BUILD_INFO").read().decode().splitlines()
+        assert tar.getmember("llama-bin/llama-bench").mode & 0o111  # still executable
+    assert "cpu all-variants" in packed and "cublas_lib none" in packed
+    assert "cublas_lib /here/only" not in packed
+    dest.unlink()
+    (build / "BUILD_INFO").write_text("cpu native\n")
+    with pytest.raises(SystemExit, match="every CPU level.*cpu native"):
+        prep.write_llama_bin(build, dest)
+    (build / "BUILD_INFO").unlink()
+    with pytest.raises(SystemExit, match="BUILD_INFO"):
+        prep.write_llama_bin(build, dest)
+    assert not dest.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_cpu_llama_bench() is None,
+                    reason="no CPU llama-bench ($PIJ_LLAMA_CPP_BIN or the peers' native build)")
+def test_moe_check_dry_run(tmp_path):
+    """The --moe check's pipeline on this CPU at a tiny shape: the synthetic MoE is generated
+    from the carried tokenizer and text, and our hot experts are timed against llama-bench
+    -ngl all --n-cpu-moe N at the same budget, N > 0 (some experts left on the host), into
+    moe.jsonl rows that say SYNTHETIC; no CUDA step runs and each says why. ~1 min."""
+    from benchmarks.gpu import sparse_7b_prepare as prep
+
+    carry = tmp_path / "carry"
+    prep.main(["--out", str(carry), "--no-wheels", "--no-llama-cpp", "--no-llama-bin",
+               "--calib-bytes", "60000"])
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PIJ_CARRY": str(carry), "PIJ_WORK": str(tmp_path / "w"),
+           "PIJ_LLAMA_BIN": str(_cpu_llama_bench()), "PIJ_THREADS": "1", "PIJ_ROUNDS": "1",
+           "PIJ_MOE_CALIB_TOKENS": "512", "PYTHON": sys.executable}
+    r = subprocess.run(["bash", str(GPU / "sparse_7b_check.sh"), "--moe", "--dry-run"], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    steps = {s["step"]: s for s in map(json.loads, (out / "steps.jsonl").read_text().splitlines())}
+    for name in ("build", "tests", "sanitizer", "llama"):
+        assert steps[name]["status"] == "skipped", steps[name]
+    for name in ("generate", "bench"):
+        assert steps[name]["status"] == "ok", steps[name]
+    rows = [json.loads(l) for l in (out / "moe.jsonl").read_text().splitlines()]
+    assert {r["system"] for r in rows} == {"llama.cpp", "powerinfer_jax"}
+    for row in rows:
+        assert row["decode_tok_s"] > 0 and "error" not in row, row
+        assert row["experiment"] == "gpu_moe_check" and row["dry_run"] is True
+        assert "routers" in row["synthetic"] and row["model"]["config"]["n_experts"] == 32
+    llama = next(r for r in rows if r["system"] == "llama.cpp")
+    assert llama["n_cpu_moe"] >= 1 and "--n-cpu-moe" in llama["command"]
+    assert llama["bytes_device"] <= llama["budget_bytes"]
+    ours = next(r for r in rows if r["system"] == "powerinfer_jax")
+    assert 0 < ours["hot_fraction"] < 1 and ours["served_fraction"] > ours["hot_fraction"]
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "moe.jsonl", "steps.jsonl",
+                                                     "summary.txt"]

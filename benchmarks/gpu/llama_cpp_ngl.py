@@ -46,6 +46,8 @@ REPO = Path(__file__).resolve().parents[2]
 KV_ITEM_BYTES = 2  # llama.cpp's default KV cache type: f16
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 _FFN = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)\.weight$")
+# routed experts, as llama.cpp's --n-cpu-moe selects them (common.h LLM_FFN_EXPS_REGEX)
+_EXPS = re.compile(r"^blk\.\d+\.ffn_(up|down|gate|gate_up)_(ch|)exps\.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +60,7 @@ class GgufBytes:
     output: int  # output_norm + output.weight (token_embd again when tied: llama.cpp copies it)
     token_embd: int  # stays on the host
     kv_per_token_layer: int  # K and V of one token in one layer, f16
+    exps: tuple[int, ...] = ()  # per layer: its routed experts' tensors (MoE; else zeros)
 
     def kv(self, n_ctx: int) -> int:
         return n_ctx * self.kv_per_token_layer
@@ -73,12 +76,14 @@ def gguf_bytes(path) -> GgufBytes:
         f = r.fields[key]
         return int(f.parts[f.data[0]][0])
 
-    n_layers = meta("llama.block_count")
-    kv_heads = meta("llama.attention.head_count_kv")
-    head_dim = meta("llama.embedding_length") // meta("llama.attention.head_count")
-    if "llama.attention.key_length" in r.fields:
-        head_dim = meta("llama.attention.key_length")
-    layer, ffn = [0] * n_layers, [0] * n_layers
+    f = r.fields["general.architecture"]
+    arch = bytes(f.parts[f.data[0]]).decode()  # llama, olmoe, qwen3moe, ...
+    n_layers = meta(f"{arch}.block_count")
+    kv_heads = meta(f"{arch}.attention.head_count_kv")
+    head_dim = meta(f"{arch}.embedding_length") // meta(f"{arch}.attention.head_count")
+    if f"{arch}.attention.key_length" in r.fields:
+        head_dim = meta(f"{arch}.attention.key_length")
+    layer, ffn, exps = [0] * n_layers, [0] * n_layers, [0] * n_layers
     output = token_embd = 0
     names = set()
     for t in r.tensors:
@@ -88,6 +93,8 @@ def gguf_bytes(path) -> GgufBytes:
             layer[int(m.group(1))] += int(t.n_bytes)
             if _FFN.match(t.name):
                 ffn[int(m.group(1))] += int(t.n_bytes)
+            if _EXPS.match(t.name):
+                exps[int(m.group(1))] += int(t.n_bytes)
         elif t.name == "token_embd.weight":
             token_embd = int(t.n_bytes)
         else:
@@ -95,22 +102,25 @@ def gguf_bytes(path) -> GgufBytes:
     if "output.weight" not in names:
         output += token_embd
     return GgufBytes(n_layers, tuple(layer), tuple(ffn), output, token_embd,
-                     2 * kv_heads * head_dim * KV_ITEM_BYTES)
+                     2 * kv_heads * head_dim * KV_ITEM_BYTES, tuple(exps))
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """llama.cpp arguments for one budget and the bytes they put on the GPU."""
 
-    kind: str  # "ngl" | "ot"
+    kind: str  # "ngl" | "ot" | "ncmoe"
     ngl: int
     cpu_ffn_layers: tuple[int, ...]  # "ot": layers whose FFN stays on the host
     gpu_bytes: int
+    n_cpu_moe: int = 0  # "ncmoe": the first layers whose routed experts stay on the host
 
     def args(self) -> list[str]:
         out = ["-ngl", str(self.ngl)]
         if self.cpu_ffn_layers:
             out += ["-ot", ot_pattern(self.cpu_ffn_layers)]
+        if self.kind == "ncmoe":
+            out += ["--n-cpu-moe", str(self.n_cpu_moe)]
         return out
 
 
@@ -143,7 +153,21 @@ def llama_cpp_layout(sizes: GgufBytes, budget: int, n_ctx: int, kind: str) -> La
             used += sizes.ffn[j]
             j += 1
         return Layout("ot", n + 1, tuple(range(j, n)), used)
-    raise ValueError(f"layout kind: expected 'ngl' or 'ot', got {kind!r}")
+    if kind == "ncmoe":
+        # MoE: -ngl all, --n-cpu-moe N: every tensor but the token embeddings on the GPU except
+        # the routed experts of layers 0..N-1 (llama.cpp's own expert offload), N the fewest
+        # that fit
+        if not any(sizes.exps):
+            raise ValueError("layout 'ncmoe': expected a mixture-of-experts GGUF (ffn_*_exps "
+                             "tensors), got none")
+        used = sizes.output + sum(b + kv for b in sizes.layer)
+        for n_cpu in range(n + 1):
+            if used <= budget:
+                return Layout("ncmoe", n + 1, (), used, n_cpu)
+            if n_cpu < n:
+                used -= sizes.exps[n_cpu]
+        return None
+    raise ValueError(f"layout kind: expected 'ngl', 'ot' or 'ncmoe', got {kind!r}")
 
 
 def our_budget(cfg, dtype: str, frac: float, kv_len: int) -> tuple[int, object]:

@@ -107,7 +107,9 @@ def placement_row(session, cfg) -> dict:
             "served_fraction": p.served_fraction}
 
 
-def header(args, rec: dict) -> dict:
+def header(args, rec: dict, experiment: str = "gpu_sparse_7b_check",
+           model_keys=("config", "sparsity", "hot_fraction", "hot_share", "qtype", "seed",
+                       "calib_tokens", "calibrated_sparsity"), synthetic: str = SYNTHETIC) -> dict:
     from powerinfer_jax import _machine
 
     machine = _machine.machine_info()
@@ -118,27 +120,22 @@ def header(args, rec: dict) -> dict:
     except Exception as e:  # noqa: BLE001 - the rows are still worth writing
         machine["accelerator"] = f"unknown ({type(e).__name__})"
     info = Path(args.llama_bin) / "BUILD_INFO"
-    return {"experiment": "gpu_sparse_7b_check", "run_id": args.run_id,
+    return {"experiment": experiment, "run_id": args.run_id,
             "commit": args.commit or _machine.git_commit(), "machine": machine,
             "device": args.device, "dry_run": args.device != "gpu", "threads": args.threads,
-            "dtype": args.dtype, "synthetic": SYNTHETIC,
-            "model": {k: rec[k] for k in ("config", "sparsity", "hot_fraction", "hot_share",
-                                          "qtype", "seed", "calib_tokens",
-                                          "calibrated_sparsity")},
+            "dtype": args.dtype, "synthetic": synthetic,
+            "model": {k: rec.get(k) for k in model_keys},
             "llama_cpp_build": info.read_text().splitlines() if info.is_file() else None,
             "config": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                        "repeats": args.repeats, "max_seq_len": args.max_seq_len,
                        "kv_ctx_llama_cpp": args.prompt_tokens + args.new_tokens}}
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model-dir", required=True, help="python -m powerinfer_jax.synthetic --out")
+def add_common_args(ap, *, budget_help: str) -> None:
+    """The arguments this bench and moe_bench.py share."""
     ap.add_argument("--llama-bin", required=True, help="folder with llama-bench and its libraries")
-    ap.add_argument("--budget", type=float, default=0.25,
-                    help="VRAM beyond our dense parts, as a fraction of our FFN bytes")
+    ap.add_argument("--budget", type=float, default=0.25, help=budget_help)
     ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
-    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--prompt-tokens", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -154,7 +151,9 @@ def main(argv=None) -> None:
     ap.add_argument("--run-id", default=datetime.datetime.now(datetime.timezone.utc)
                     .strftime("%Y%m%dT%H%M%SZ"))
     ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
+
+
+def check_args(args) -> None:
     if not 0 < args.budget <= 1:
         sys.exit(f"--budget: expected a fraction in (0, 1], got {args.budget}")
     import jax
@@ -162,27 +161,17 @@ def main(argv=None) -> None:
     if (jax.default_backend() == "gpu") != (args.device == "gpu"):
         sys.exit(f"--device {args.device}: expected a {args.device.upper()} backend, got "
                  f"{jax.default_backend()}")
-    d = Path(args.model_dir)
-    rec = read_model_dir(d)
-    cfg = model_config(rec, args.max_seq_len)
-    profile = write_profile(d, rec, cfg)
-    budget, ours_sizes = lcn.our_budget(cfg, args.dtype, args.budget, args.max_seq_len)
-    n_ctx = args.prompt_tokens + args.new_tokens
-    layout = lcn.llama_cpp_layout(lcn.gguf_bytes(rec["files"]["gguf"]), budget, n_ctx, "ngl")
-    cmd = lcn.llama_bench_cmd(args.llama_bin, rec["files"]["gguf"], layout, threads=args.threads,
-                              prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                              repeats=args.repeats)
-    head = header(args, rec)
-    head.update(budget_ffn_fraction=args.budget, budget_bytes=budget,
-                bytes_dense_ours=ours_sizes.dense, bytes_ffn_ours=ours_sizes.ffn)
-    print(json.dumps({"budget_gib": round(budget / 2 ** 30, 3), "ngl": layout.ngl,
-                      "llama_cpp_gpu_gib": round(layout.gpu_bytes / 2 ** 30, 3),
-                      "profile": str(profile)}), flush=True)
 
+
+def run_rounds(args, head: dict, layout, cmd: list[str], ours_mode: str, build_session,
+               describe_placement) -> None:
+    """--rounds interleaved rounds of llama-bench (`cmd`, placed as `layout`) and our session
+    (`build_session()` once, then `describe_placement(session)` in its rows), one JSONL row per
+    run in --out, stopping before a run the --deadline leaves no time for."""
     def emit(row: dict) -> None:
         with open(args.out, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
-        print(json.dumps({k: row.get(k) for k in ("round", "system", "mode", "ngl",
+        print(json.dumps({k: row.get(k) for k in ("round", "system", "mode", "ngl", "n_cpu_moe",
                                                   "decode_tok_s", "hot_fraction", "error",
                                                   "stopped")}), flush=True)
 
@@ -211,16 +200,17 @@ def main(argv=None) -> None:
                 if system == "llama.cpp":
                     left = (args.timeout if args.deadline is None
                             else max(1.0, min(args.timeout, args.deadline - time.time())))
-                    row.update(mode="ngl", ngl=layout.ngl, bytes_device=layout.gpu_bytes,
-                               command=" ".join(cmd), **lcn.run_llama_bench(cmd, env, left))
+                    row.update(mode=layout.kind, ngl=layout.ngl, n_cpu_moe=layout.n_cpu_moe,
+                               bytes_device=layout.gpu_bytes, command=" ".join(cmd),
+                               **lcn.run_llama_bench(cmd, env, left))
                 else:
-                    row["mode"] = "hybrid_powerinfer_predictors"
+                    row["mode"] = ours_mode
                     if session is None and "error" not in ours_ready:
                         try:
-                            session = build_ours(rec, d, args, budget)
+                            session = build_session()
                             _ffi.set_num_threads(args.threads)
                             ours_ready = {"load_s": time.perf_counter() - t1,
-                                          **placement_row(session, cfg)}
+                                          **describe_placement(session)}
                         except Exception as e:  # noqa: BLE001 - llama.cpp's rows still count
                             ours_ready = {"error": f"{type(e).__name__}: {e}"[:2000]}
                     row.update(ours_ready)
@@ -232,6 +222,34 @@ def main(argv=None) -> None:
                 row["error"] = f"{type(e).__name__}: {e}"[:2000]
             last[system] = time.perf_counter() - t1
             emit(row)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-dir", required=True, help="python -m powerinfer_jax.synthetic --out")
+    add_common_args(ap, budget_help="VRAM beyond our dense parts, as a fraction of our FFN "
+                                    "bytes")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    args = ap.parse_args(argv)
+    check_args(args)
+    d = Path(args.model_dir)
+    rec = read_model_dir(d)
+    cfg = model_config(rec, args.max_seq_len)
+    profile = write_profile(d, rec, cfg)
+    budget, ours_sizes = lcn.our_budget(cfg, args.dtype, args.budget, args.max_seq_len)
+    n_ctx = args.prompt_tokens + args.new_tokens
+    layout = lcn.llama_cpp_layout(lcn.gguf_bytes(rec["files"]["gguf"]), budget, n_ctx, "ngl")
+    cmd = lcn.llama_bench_cmd(args.llama_bin, rec["files"]["gguf"], layout, threads=args.threads,
+                              prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                              repeats=args.repeats)
+    head = header(args, rec)
+    head.update(budget_ffn_fraction=args.budget, budget_bytes=budget,
+                bytes_dense_ours=ours_sizes.dense, bytes_ffn_ours=ours_sizes.ffn)
+    print(json.dumps({"budget_gib": round(budget / 2 ** 30, 3), "ngl": layout.ngl,
+                      "llama_cpp_gpu_gib": round(layout.gpu_bytes / 2 ** 30, 3),
+                      "profile": str(profile)}), flush=True)
+    run_rounds(args, head, layout, cmd, "hybrid_powerinfer_predictors",
+               lambda: build_ours(rec, d, args, budget), lambda s: placement_row(s, cfg))
     print_ratio(args.out, args.run_id)
 
 
@@ -243,7 +261,7 @@ def print_ratio(path, run_id) -> None:
             by.setdefault(r["system"], []).append(r["decode_tok_s"])
     if by.get("llama.cpp") and by.get("powerinfer_jax"):
         a, b = statistics.median(by["powerinfer_jax"]), statistics.median(by["llama.cpp"])
-        print(f"hybrid / llama.cpp -ngl = {a / b:.2f}x ({a:.2f} vs {b:.2f} tok/s, medians over "
+        print(f"hybrid / llama.cpp = {a / b:.2f}x ({a:.2f} vs {b:.2f} tok/s, medians over "
               "rounds; synthetic)", flush=True)
 
 

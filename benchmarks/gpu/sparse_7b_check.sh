@@ -14,14 +14,22 @@
 # $OUT gets at most 8 files (the tool's limit): sparse_7b.jsonl (the timing rows), steps.jsonl
 # (each step: seconds, status, why skipped), summary.txt, logs.tar.gz (every log), and
 # llama-bin.tar.xz (the llama.cpp build, when under 16 MB): copied to .gpu_carry/, the next run
-# unpacks it instead of building.
+# unpacks it instead of building. A build made on the CPU machine beforehand (nvcc is enough:
+# build_llama_cpp_cuda.sh, then sparse_7b_prepare.py packs .peers/llama.cpp-cuda) is carried the
+# same way and runs on any host CPU: the check then spends no time building llama.cpp.
+#
+# --moe: issue 35's check instead of steps 3-5: no CUDA tests (the first check runs them), the
+# SYNTHETIC OLMoE-1B-7B-shaped MoE (F16 GGUF, power-law routing: python -m
+# powerinfer_jax.synthetic.moe) generated, and our hot experts at a VRAM budget of our dense parts
+# plus 25% of the expert bytes timed against llama.cpp -ngl all --n-cpu-moe N at the same budget
+# (moe_bench.py); rows in moe.jsonl. Run it as the second call, right after the first.
 #
 # --dry-run: the same steps on this CPU machine at a tiny shape, to prove the pipeline end to
 # end: no CUDA build, tests or sanitizer (skipped, said so); llama.cpp: the carried subset is
 # unpacked and configured (CPU), llama-bench is a CPU build ($PIJ_LLAMA_CPP_BIN or the peers');
 # generate and bench run as on the GPU (bench --device cpu: no GPU figure).
 #
-# Usage: bash benchmarks/gpu/sparse_7b_check.sh [--dry-run]
+# Usage: bash benchmarks/gpu/sparse_7b_check.sh [--moe] [--dry-run]
 #   env: PIJ_CHECK_BUDGET_S  seconds from the start to be done by (default 560; dry run 900)
 #        PIJ_THREADS         host threads for both engines (default: nproc)
 #        PIJ_CALIB_TOKENS    calibration tokens (default 256; a multiple of 256)
@@ -35,13 +43,17 @@
 #        PIJ_SANITIZE_TIMEOUT compute-sanitizer's limit (default 150 s)
 set -uo pipefail
 DRY=0
+MOE=0
 DRY_TMP=''
 LLAMA_BUILT=0  # read by finish(), which can run before the llama step
-case "${1:-}" in
-  --dry-run) DRY=1 ;;
-  "") ;;
-  *) echo "sparse_7b_check.sh: expected no argument or --dry-run, got $1" >&2; exit 2 ;;
-esac
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY=1 ;;
+    --moe) MOE=1 ;;
+    *) echo "sparse_7b_check.sh: expected --moe and/or --dry-run, got $arg" >&2; exit 2 ;;
+  esac
+done
+ROWS=$([ $MOE = 1 ] && echo moe.jsonl || echo sparse_7b.jsonl)
 START=$(date +%s)
 BUDGET_S=${PIJ_CHECK_BUDGET_S:-$([ $DRY = 1 ] && echo 900 || echo 560)}
 DEADLINE=$((START + BUDGET_S))
@@ -65,11 +77,15 @@ if [ $DRY = 1 ]; then
   # a tiny llama shape the generator accepts (multiples of 32, rank < d_model - 32)
   SHAPE=(--shape llama2-7b --d-model 128 --n-layers 4 --n-heads 4 --n-kv-heads 4 --head-dim 32
          --d-ff 512 --rank 15)
+  # experts large enough beside the 50k vocabulary that the budget leaves some on the host
+  MOE_SHAPE=(--shape olmoe-1b-7b --d-model 128 --n-layers 4 --n-heads 4 --n-kv-heads 4
+             --head-dim 32 --d-ff 1024 --n-experts 32 --top-k 4)
   DEVICE=cpu
 else
   PY=python3
   WORK=${PIJ_WORK:-/tmp/pij_sparse_7b}
   SHAPE=(--shape llama2-7b ${PIJ_N_LAYERS:+--n-layers $PIJ_N_LAYERS})
+  MOE_SHAPE=(--shape olmoe-1b-7b ${PIJ_N_LAYERS:+--n-layers $PIJ_N_LAYERS})
   DEVICE=gpu
 fi
 mkdir -p "$WORK"
@@ -101,7 +117,7 @@ run_step() {
   return $rc
 }
 finish() {
-  say "done in $(( $(now) - START )) s (budget ${BUDGET_S} s); rows: sparse_7b.jsonl"
+  say "done in $(( $(now) - START )) s (budget ${BUDGET_S} s); rows: $ROWS"
   {
     echo "commit $COMMIT  dry_run $DRY  threads $THREADS  work $WORK"
     cat "$STEPS"
@@ -121,7 +137,7 @@ finish() {
 }
 trap finish EXIT
 
-say "commit $COMMIT, dry run $DRY, $THREADS threads, budget ${BUDGET_S} s, work $WORK"
+say "commit $COMMIT, dry run $DRY, moe $MOE, $THREADS threads, budget ${BUDGET_S} s, work $WORK"
 for f in tokenizer.gguf calib.txt; do
   [ -f "$CARRY/$f" ] || { say "$CARRY/$f: expected (python -m benchmarks.gpu.sparse_7b_prepare, then carry $CARRY), got none"; exit 1; }
 done
@@ -137,13 +153,20 @@ fi
 { nvidia-smi -L 2>&1 || true; nproc; $PY --version; free -g | head -2; } >"$LOGS/env.txt" 2>&1
 
 # 4 (background from the start). the synthetic model: CPU XLA, so it takes no GPU memory
-MODEL=$WORK/model
+MODEL=$WORK/$([ $MOE = 1 ] && echo moe_model || echo model)
 GEN_T0=$(now)
+GEN_S=$(( $(left) - BENCH_RESERVE_S > 60 ? $(left) - BENCH_RESERVE_S : 60 ))
+if [ $MOE = 1 ]; then
+  # F16: llama.cpp's bytes per weight equal ours (bfloat16), so a budget buys both the same share
+  GEN=(-m powerinfer_jax.synthetic.moe "${MOE_SHAPE[@]}" --qtype F16
+       --calib-tokens "${PIJ_MOE_CALIB_TOKENS:-1024}")
+else
+  GEN=(-m powerinfer_jax.synthetic "${SHAPE[@]}" --sparsity 0.9 --qtype BF16
+       --formats gguf,powerinfer --calib-tokens "$CALIB_TOKENS")
+fi
 ( export JAX_PLATFORMS=cpu
-  timeout --kill-after=5 $(( $(left) - BENCH_RESERVE_S > 60 ? $(left) - BENCH_RESERVE_S : 60 )) \
-    $PY -m powerinfer_jax.synthetic "${SHAPE[@]}" --sparsity 0.9 --qtype BF16 \
-    --formats gguf,powerinfer --tokenizer "$CARRY/tokenizer.gguf" --calib-text "$CARRY/calib.txt" \
-    --calib-tokens "$CALIB_TOKENS" --verify-tokens 0 --out "$MODEL" ) >"$LOGS/generate.log" 2>&1 &
+  timeout --kill-after=5 "$GEN_S" $PY "${GEN[@]}" --tokenizer "$CARRY/tokenizer.gguf" \
+    --calib-text "$CARRY/calib.txt" --verify-tokens 0 --out "$MODEL" ) >"$LOGS/generate.log" 2>&1 &
 GEN_PID=$!
 
 # 2 (background from the start, at a lower priority than our build). llama.cpp
@@ -151,10 +174,13 @@ LLAMA_BIN=${PIJ_LLAMA_BIN:-}
 LLAMA_PID=''
 HOST_CPU=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2- | xargs)
 if [ -z "$LLAMA_BIN" ] && [ $DRY = 0 ] && [ -f "$CARRY/llama-bin.tar.xz" ]; then
-  # a build an earlier run sent back ($OUT/llama-bin.tar.xz), carried: minutes saved. Its CPU
-  # backend is native to the CPU it was built on: used only on the same CPU model
-  mkdir -p "$WORK" && tar xJf "$CARRY/llama-bin.tar.xz" -C "$WORK"
-  if grep -qxF "host_cpu $HOST_CPU" "$WORK/llama-bin/BUILD_INFO" 2>/dev/null; then
+  # a carried build: minutes saved. Either packed by sparse_7b_prepare.py --llama-bin (built on
+  # the CPU machine with every CPU level as a backend chosen at run time: runs on any host), or
+  # one an earlier run sent back, whose CPU backend is native to the CPU it was built on: used
+  # only on the same CPU model
+  mkdir -p "$WORK" && rm -rf "$WORK/llama-bin" && tar xJf "$CARRY/llama-bin.tar.xz" -C "$WORK"
+  if grep -qxF "cpu all-variants" "$WORK/llama-bin/BUILD_INFO" 2>/dev/null ||
+     grep -qxF "host_cpu $HOST_CPU" "$WORK/llama-bin/BUILD_INFO" 2>/dev/null; then
     LLAMA_BIN=$WORK/llama-bin
   else
     say "carried llama-bin: built on $(sed -n 's/^host_cpu //p' "$WORK/llama-bin/BUILD_INFO"), this is $HOST_CPU: building"
@@ -193,6 +219,9 @@ fi
 if [ $DRY = 1 ]; then
   record tests skipped 0 "dry run: no GPU (the CUDA tests need one)"
   record sanitizer skipped 0 "dry run: no GPU (compute-sanitizer needs one)"
+elif [ $MOE = 1 ]; then
+  record tests skipped 0 "--moe: the first check (no --moe) runs the CUDA tests"
+  record sanitizer skipped 0 "--moe: the first check (no --moe) runs compute-sanitizer"
 elif grep -q '"step": "build", "status": "ok"' "$STEPS"; then
   run_step tests 90 env OUT="$LOGS/cuda" PIJ_SANITIZE_TIMEOUT="${PIJ_SANITIZE_TIMEOUT:-150}" \
     bash benchmarks/gpu/build_and_test.sh
@@ -221,13 +250,24 @@ else record generate "failed (rc $rc)" $(( $(now) - GEN_T0 )) "log: logs/generat
 if [ ! -f "$MODEL/synthetic.json" ] || [ ! -x "$LLAMA_BIN/llama-bench" ]; then
   record bench skipped 0 "needs the model ($MODEL) and llama-bench ($LLAMA_BIN)"
 else
+  # cuBLAS and the CUDA runtime (libggml-cuda needs libcublas.so.13, libcudart.so.13): the
+  # build's own folder when it was built here, else the GPU image's (CUDA's lib64 or the
+  # nvidia wheels its python3 has: a carried build names none)
   CUBLAS_LIB=$(sed -n 's/^cublas_lib //p' "$LLAMA_BIN/BUILD_INFO" 2>/dev/null)
-  [ -n "$CUBLAS_LIB" ] && [ "$CUBLAS_LIB" != none ] &&
-    export LD_LIBRARY_PATH=$CUBLAS_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  run_step bench 60 $PY -m benchmarks.gpu.sparse_7b_bench --model-dir "$MODEL" \
-    --llama-bin "$LLAMA_BIN" --budget 0.25 --device $DEVICE --threads "$THREADS" \
-    --rounds "$ROUNDS" --deadline $((DEADLINE - 10)) --commit "$COMMIT" \
-    --out "$OUT/sparse_7b.jsonl"
+  for d in "$CUBLAS_LIB" /usr/local/cuda/lib64 $($PY -c 'import glob, site
+print(" ".join(sorted({p.rsplit("/", 1)[0] for d in site.getsitepackages()
+  for p in glob.glob(d + "/nvidia/**/lib/lib*.so.13", recursive=True)})))' 2>/dev/null); do
+    [ -n "$d" ] && [ "$d" != none ] && [ -d "$d" ] &&
+      export LD_LIBRARY_PATH=$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  done
+  if [ $DRY = 0 ] && [ -f "$LLAMA_BIN/libggml-cuda.so" ]; then
+    missing=$(LD_LIBRARY_PATH=$LLAMA_BIN:$LD_LIBRARY_PATH ldd "$LLAMA_BIN/libggml-cuda.so" | grep "not found" | xargs)
+    [ -z "$missing" ] || say "libggml-cuda.so: libraries not found: $missing (LD_LIBRARY_PATH=$LD_LIBRARY_PATH)"
+  fi
+  run_step bench 60 $PY -m benchmarks.gpu.$([ $MOE = 1 ] && echo moe_bench || echo sparse_7b_bench) \
+    --model-dir "$MODEL" --llama-bin "$LLAMA_BIN" --budget 0.25 --device $DEVICE \
+    --threads "$THREADS" --rounds "$ROUNDS" --deadline $((DEADLINE - 10)) --commit "$COMMIT" \
+    --out "$OUT/$ROWS"
   grep -E "hybrid / llama" "$LOGS/bench.log" | tee -a "$LOGS/check.log"
 fi
 grep -q '"status": "failed' "$STEPS" && exit 1
