@@ -13,19 +13,28 @@ enough for the `device` tool's `carry` (64 MiB with the working tree):
   calib.txt             the first --calib-bytes of ../shared/data/wiki.train.txt (training
                         text: the calibration text; ../shared does not travel)
   whl/                  wheels the GPU image lacks (gguf), for its Python 3.12
+  llama-bin.tar.xz      with --llama-bin (default: .peers/llama.cpp-cuda when it holds one):
+                        a llama.cpp CUDA build made HERE by build_llama_cpp_cuda.sh without
+                        CPU_NATIVE (sm_90, every x86 CPU level as a backend chosen at run time,
+                        so it runs on any host), stripped; the check then times llama.cpp
+                        without building it there (the build took 417 s of the check's 560 on
+                        an H200's 16 cores). cuBLAS is not packed: the GPU image's is used
   COMMIT                this checkout's commit (+ "-dirty" when the tree has changes): the
                         device copy has no .git
 
     python -m benchmarks.gpu.sparse_7b_prepare [--out .gpu_carry] [--no-wheels]
+        [--llama-bin DIR | --no-llama-bin]
 """
 from __future__ import annotations
 
 import argparse
 import io
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -91,6 +100,66 @@ def write_subset(root: Path, dest: Path) -> dict:
             "bytes_xz": dest.stat().st_size}
 
 
+def tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def worktree_bytes() -> int:
+    """What the device tool carries of this checkout besides `carry`: tracked files and untracked
+    ones git does not ignore."""
+    out = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others",
+                          "--exclude-standard"], capture_output=True)
+    names = [n for n in out.stdout.decode().split("\0") if n]
+    return sum((REPO / n).stat().st_size for n in names if (REPO / n).is_file())
+
+
+def write_llama_bin(src: Path, dest: Path) -> dict:
+    """Pack a portable llama.cpp CUDA build (build_llama_cpp_cuda.sh's staged folder, CPU
+    backends for every level) as llama-bin/ in an xz tar, binaries and libraries stripped of
+    what the loader does not need. BUILD_INFO says where it was packed; its cuBLAS folder is this
+    machine's, so the check looks for the GPU image's own (sparse_7b_check.sh)."""
+    info = src / "BUILD_INFO"
+    if not info.is_file():
+        sys.exit(f"--llama-bin {src}: expected a folder staged by build_llama_cpp_cuda.sh (with "
+                 "BUILD_INFO), got none")
+    lines = info.read_text().splitlines()
+    if "cpu all-variants" not in lines:
+        sys.exit(f"--llama-bin {src}: expected a build with every CPU level (BUILD_INFO 'cpu "
+                 f"all-variants': build_llama_cpp_cuda.sh without CPU_NATIVE), got "
+                 f"{[l for l in lines if l.startswith('cpu ')]}: it would run only on this CPU")
+    if not (src / "llama-bench").is_file():
+        sys.exit(f"--llama-bin {src}: expected llama-bench in it, got none")
+    strip = shutil.which("strip")
+    with tempfile.TemporaryDirectory() as tmp:
+        stage = Path(tmp) / "llama-bin"
+        stage.mkdir()
+        for f in sorted(src.iterdir()):
+            if f.is_file():
+                shutil.copy2(f, stage / f.name)
+                if strip and f.name != "BUILD_INFO":
+                    subprocess.run([strip, "--strip-unneeded", str(stage / f.name)], check=True)
+        packed = [l for l in lines if not l.startswith(("cublas_lib ", "packed "))]
+        packed += ["cublas_lib none", f"packed {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
+                   f" from {src}"]
+        (stage / "BUILD_INFO").write_text("\n".join(packed) + "\n")
+        part = dest.with_name(dest.name + ".partial")
+        with tarfile.open(part, "w:xz", preset=9) as tar:
+            for f in sorted(stage.iterdir()):
+                ti = tar.gettarinfo(str(f), arcname=f"llama-bin/{f.name}")
+                ti.uid = ti.gid = 0
+                ti.uname = ti.gname = ""
+                with open(f, "rb") as fh:
+                    tar.addfile(ti, fh)
+        part.replace(dest)
+        return {"source": str(src), "files": len(list(stage.iterdir())),
+                "bytes_stripped": tree_bytes(stage), "bytes_xz": dest.stat().st_size}
+
+
+def default_llama_bin() -> Path | None:
+    d = REPO / ".peers" / "llama.cpp-cuda"
+    return d if (d / "BUILD_INFO").is_file() else None
+
+
 def write_tokenizer_gguf(src: Path, dest: Path) -> dict:
     """A GGUF holding only `src`'s tokenizer metadata; checked to tokenize as `src` does."""
     import gguf
@@ -148,6 +217,11 @@ def main(argv=None) -> None:
     ap.add_argument("--wheels", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=True,
                     help="pack the llama.cpp source subset")
+    ap.add_argument("--llama-bin", default=None,
+                    help="a portable llama.cpp CUDA build to pack (default: .peers/llama.cpp-cuda "
+                         "when it exists)")
+    ap.add_argument("--no-llama-bin", dest="pack_llama_bin", action="store_false",
+                    help="pack no llama.cpp build (the check builds one on the GPU machine)")
     args = ap.parse_args(argv)
     from powerinfer_jax.checkpoint import resolve_model
     from powerinfer_jax.config import DEFAULT_MODEL
@@ -171,15 +245,21 @@ def main(argv=None) -> None:
                         "cp", "--platform", "manylinux_2_28_x86_64", "--platform",
                         "manylinux2014_x86_64", "--platform", "any", "-d", str(out / "whl"),
                         *WHEELS], check=True)
+    llama_bin = Path(args.llama_bin) if args.llama_bin else default_llama_bin()
+    if args.pack_llama_bin and llama_bin is not None:
+        report["llama-bin.tar.xz"] = write_llama_bin(llama_bin, out / "llama-bin.tar.xz")
+    elif not args.pack_llama_bin and (out / "llama-bin.tar.xz").exists():
+        (out / "llama-bin.tar.xz").unlink()  # said: the check builds llama.cpp there
     (out / "COMMIT").write_text(commit() + "\n")
-    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    total = tree_bytes(out)
+    if out.resolve().is_relative_to(REPO) and total + worktree_bytes() > CARRY_LIMIT:
+        sys.exit(f"{out}: expected at most {CARRY_LIMIT >> 20} MiB with the working tree (the "
+                 f"device tool's carry), got {(total + worktree_bytes()) / 2 ** 20:.1f} MiB "
+                 f"({total / 2 ** 20:.1f} MiB of it here): pack less (--no-llama-bin)")
     for name, r in report.items():
         print(f"{name}: {r}")
     print(f"{out}: {total / 2 ** 20:.1f} MiB in {time.perf_counter() - t0:.0f} s, commit "
           f"{(out / 'COMMIT').read_text().strip()}")
-    if total > CARRY_LIMIT // 2:
-        print(f"warning: {out} is {total / 2 ** 20:.1f} MiB of the 64 MiB the device tool "
-              "carries with the working tree", file=sys.stderr)
 
 
 if __name__ == "__main__":
