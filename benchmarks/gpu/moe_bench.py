@@ -43,18 +43,6 @@ MODEL_KEYS = ("arch", "config", "hot_fraction", "hot_share", "neuron_sparsity", 
               "calib_tokens")
 
 
-def read_model_dir(d: Path) -> dict:
-    """The generator's record with its GGUF checked."""
-    rec_path = d / "synthetic.json"
-    if not rec_path.is_file():
-        sys.exit(f"--model-dir: expected {rec_path} (python -m powerinfer_jax.synthetic.moe "
-                 f"--out {d}), got none")
-    rec = json.loads(rec_path.read_text())
-    if not Path(rec.get("file", "")).is_file():
-        sys.exit(f"--model-dir: expected the GGUF named in {rec_path}, got {rec.get('file')!r}")
-    return rec
-
-
 def write_expert_profile(d: Path, cfg) -> Path:
     """The generator's calibrated routing frequencies as the model's expert profile, where the
     session's placement reads it (runtime/placing.py `expert_frequencies`: <artifacts root>/
@@ -105,7 +93,7 @@ def main(argv=None) -> None:
     from powerinfer_jax.checkpoint.gguf import read_config
 
     d = Path(args.model_dir)
-    rec = read_model_dir(d)
+    rec = s7.read_model_dir(d, "powerinfer_jax.synthetic.moe", lambda r: {"GGUF": r.get("file")})
     cfg = read_config(rec["file"]).replace(max_seq_len=args.max_seq_len)
     profile = write_expert_profile(d, cfg)
     with np.load(profile) as z:

@@ -41,17 +41,18 @@ SYNTHETIC = ("random weights whose ReLU FFN neurons fire with prescribed frequen
              "(python -m powerinfer_jax.synthetic); speed only")
 
 
-def read_model_dir(d: Path) -> dict:
-    """The generator's record with its files checked."""
+def read_model_dir(d: Path, generator: str = "powerinfer_jax.synthetic",
+                   files=lambda rec: {k: rec["files"].get(k) for k in ("gguf", "powerinfer")}
+                   ) -> dict:
+    """The generator's record (synthetic.json) with its files (`files(rec)`: name -> path)
+    checked."""
     rec_path = d / "synthetic.json"
     if not rec_path.is_file():
-        sys.exit(f"--model-dir: expected {rec_path} (python -m powerinfer_jax.synthetic --out "
-                 f"{d}), got none")
+        sys.exit(f"--model-dir: expected {rec_path} (python -m {generator} --out {d}), got none")
     rec = json.loads(rec_path.read_text())
-    for k in ("gguf", "powerinfer"):
-        if not Path(rec["files"].get(k, "")).is_file():
-            sys.exit(f"--model-dir: expected the {k} file of {rec_path}, got "
-                     f"{rec['files'].get(k)!r}")
+    for k, path in files(rec).items():
+        if not Path(path or "").is_file():
+            sys.exit(f"--model-dir: expected the {k} file of {rec_path}, got {path!r}")
     return rec
 
 
