@@ -170,10 +170,10 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
     rope_freqs): what `load_gguf(path).config` is."""
     path = Path(path)
     reader = _open(path)
-    return _config(path, reader, read_metadata(reader), {t.name: t for t in reader.tensors})
+    return _config(path, read_metadata(reader), {t.name: t for t in reader.tensors})
 
 
-def _config(path: Path, reader: GGUFFile, meta: dict, tensors: dict) -> ModelConfig:
+def _config(path: Path, meta: dict, tensors: dict) -> ModelConfig:
     source = f"GGUF file {str(path)!r}"
     powerinfer = file_magic(path) == PWRI_MAGIC
     arch = meta.get("general.architecture")
@@ -202,7 +202,7 @@ def load_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> Check
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     arch = meta.get("general.architecture")
-    config = _config(path, reader, meta, tensors)
+    config = _config(path, meta, tensors)
     layout = gguf_arch.sources(config, arch, down_t="blk.0.ffn_down_t.weight" in tensors,
                                separate_attn_norm="blk.0.attn_norm_2.weight" in tensors)
     params: dict[str, Any] = {}
