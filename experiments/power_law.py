@@ -65,9 +65,9 @@ def main(argv=None) -> None:
             "threshold", target_sparsity=float(target)), checkpoint=ckpt, progress=False)
         directory = A.target_dir(A.artifacts_root(args.model, ckpt.source), float(target))
         prof = ActivationProfile.load(directory / "profile.npz")
-        fatrelu = A.fatrelu_threshold(ckpt.source)  # None for a file (a GGUF)
         criterion = ("a_i != 0 and relu(gate_i . x) above the layer's FATReLU threshold (the "
-                     "model's trained thresholds, its config.json)" if fatrelu is not None
+                     "model's trained thresholds, ModelConfig.fatrelu_thresholds)"
+                     if ckpt.config.fatrelu_thresholds
                      else "|a_i| > calibrated per-layer threshold")
         head = _common.header("power_law", threads=None, dtype="float32", model=args.model,
                               config={"target_sparsity": float(target),

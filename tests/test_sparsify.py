@@ -479,12 +479,14 @@ def test_curve_plot_from_rows(tmp_path):
 
 def test_fatrelu_thresholds_of_another_size_are_refused_in_one_line(tmp_path):
     """A config.json whose per-layer FATReLU thresholds do not match the model's layers (a
-    damaged or foreign file) is named, never applied to the wrong layers."""
-    from powerinfer_jax.sparsity.artifacts import fatrelu_threshold, per_layer
+    damaged or foreign file) is named, never applied to the wrong layers (the one parser,
+    checkpoint.base.fatrelu_thresholds, that every reader of the key goes through)."""
+    from powerinfer_jax.checkpoint.base import fatrelu_thresholds
 
     (tmp_path / "config.json").write_text(json.dumps({"fatrelu_threshold": [0.1, 0.2]}))
-    gate = fatrelu_threshold(tmp_path)
-    assert gate == (0.1, 0.2)
-    assert per_layer(gate, 2) == (0.1, 0.2) and per_layer(0.3, 2) == (0.3, 0.3)
-    with pytest.raises(ValueError, match="fatrelu_threshold: expected 3 per-layer values, got 2"):
-        per_layer(gate, 3)
+    gate = json.loads((tmp_path / "config.json").read_text())["fatrelu_threshold"]
+    parse = lambda v, n: fatrelu_thresholds(v, n, "fatrelu_threshold")  # noqa: E731
+    assert parse(gate, 2) == (0.1, 0.2) and parse(0.3, 2) == (0.3, 0.3)
+    with pytest.raises(ValueError, match=r"fatrelu_threshold: expected a finite number >= 0 or "
+                                         r"a list of 3 \(one per layer\), got \[0.1, 0.2\]"):
+        parse(gate, 3)

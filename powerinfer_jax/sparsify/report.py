@@ -28,7 +28,6 @@ from powerinfer_jax.models.transformer import from_params
 from powerinfer_jax.runtime.perplexity import perplexity
 from powerinfer_jax.runtime.session import build
 from powerinfer_jax.sparsify import forward as fw
-from powerinfer_jax.sparsity.artifacts import fatrelu_threshold, per_layer
 
 COVERAGE = 0.8  # the power law's share of activations (experiments/power_law.py)
 FINAL_CTX, FINAL_CHUNKS = 512, 16
@@ -45,13 +44,13 @@ def neurons_for_coverage(counts_lf: np.ndarray, coverage: float = COVERAGE) -> n
 
 
 def activation_counts(model, chunks_nt: np.ndarray, activation: str,
-                      gate_threshold=None) -> np.ndarray:
+                      gate_thresholds=None) -> np.ndarray:
     """[L, F] int64: how many tokens of chunks [n, T] activate each neuron (a_i != 0) in `model`
-    (kernels="xla", float32) with `activation` (and FATReLU's threshold)."""
+    (kernels="xla", float32) with `activation` (and FATReLU's per-layer thresholds)."""
     spec = fw.FFNSpec(activation)
     graphdef, state = nnx.split(model)
-    gates = [None] * len(model.layers) if gate_threshold is None else [
-        jnp.float32(t) for t in per_layer(gate_threshold, len(model.layers))]
+    gates = [None] * len(model.layers) if gate_thresholds is None else [
+        jnp.float32(t) for t in gate_thresholds]
 
     @jax.jit
     def counts(state, tokens_bt):
@@ -94,7 +93,7 @@ def final_rows(out_dir: Path, teacher_arg: str, *, target: float, train_text, va
     n = min(COUNT_CHUNKS, len(train) // FINAL_CTX)
     chunks = np.asarray(train[:n * FINAL_CTX], np.int32).reshape(n, FINAL_CTX)
     model = from_params(ckpt.config, ckpt.params, kernels="xla")
-    gate = fatrelu_threshold(out_dir)
+    gate = list(ckpt.config.fatrelu_thresholds) or None  # FATReLU's, one per layer
     dense = _ppl(teacher_arg, SparsityConfig(), ids, threads)
     head = {"experiment": "sparsify_curve", "stage": "final", "model": str(out_dir),
             "teacher": str(teacher_arg), "activation": ckpt.config.activation,
@@ -111,9 +110,7 @@ def final_rows(out_dir: Path, teacher_arg: str, *, target: float, train_text, va
     rows = []
     for mode, sparsity, g in runs:
         res = _ppl(out_dir, sparsity, ids, threads)
-        cover = neurons_for_coverage(activation_counts(
-            model, chunks, ckpt.config.activation,
-            None if g is None else ckpt.config.fatrelu_thresholds))
+        cover = neurons_for_coverage(activation_counts(model, chunks, ckpt.config.activation, g))
         rows.append({**head, "mode": mode, "ppl": res["ppl"],
                      "ppl_x_dense": res["ppl"] / dense["ppl"],
                      "ffn_sparsity": res["ffn_sparsity"], "gate_threshold": g,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import sys
 from pathlib import Path
 
@@ -67,29 +66,6 @@ def artifacts_root(model_arg: str, source: str | Path) -> Path:
         return cache_dir() / "models" / str(model_arg) / "sparsity"
     path = Path(source)
     return path / "sparsity" if path.is_dir() else path.with_name(path.stem + ".sparsity")
-
-
-def fatrelu_threshold(model_dir):
-    """The FATReLU gate threshold a sparsified model directory stores (config.json, written by
-    sparsify's fatrelu variant), if any: a float (every layer's) or a tuple, one per layer."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        return None
-    value = json.loads(path.read_text()).get("fatrelu_threshold")
-    if isinstance(value, list):
-        return tuple(float(v) for v in value)
-    return None if value is None else float(value)
-
-
-def per_layer(gate, n_layers: int) -> tuple:
-    """A FATReLU threshold (`fatrelu_threshold`) as one float per layer; a per-layer list must
-    have n_layers entries."""
-    if isinstance(gate, (list, tuple)):
-        if len(gate) != n_layers:
-            raise ValueError(f"fatrelu_threshold: expected {n_layers} per-layer values, got "
-                             f"{len(gate)}")
-        return tuple(float(t) for t in gate)
-    return (float(gate),) * n_layers
 
 
 def target_label(target_sparsity: float) -> str:
