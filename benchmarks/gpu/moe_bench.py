@@ -43,10 +43,11 @@ MODEL_KEYS = ("arch", "config", "hot_fraction", "hot_share", "neuron_sparsity", 
               "calib_tokens")
 
 
-def write_expert_profile(d: Path, cfg) -> Path:
+def write_expert_profile(d: Path, cfg) -> tuple[Path, np.ndarray]:
     """The generator's calibrated routing frequencies as the model's expert profile, where the
     session's placement reads it (runtime/placing.py `expert_frequencies`: <artifacts root>/
-    experts.npz), so the session does not profile the routers again."""
+    experts.npz), so the session does not profile the routers again. Returns the file and the
+    frequencies [L, E]."""
     from powerinfer_jax.runtime.placing import EXPERT_PROFILE_NAME
 
     with np.load(d / "frequencies.npz") as z:
@@ -57,7 +58,7 @@ def write_expert_profile(d: Path, cfg) -> Path:
     out = d / "artifacts" / EXPERT_PROFILE_NAME
     out.parent.mkdir(parents=True, exist_ok=True)
     np.savez(out, frequency=freq, tokens=np.int64(0))
-    return out
+    return out, freq
 
 
 def build_ours(rec: dict, d: Path, args, budget: int):
@@ -95,9 +96,7 @@ def main(argv=None) -> None:
     d = Path(args.model_dir)
     rec = s7.read_model_dir(d, "powerinfer_jax.synthetic.moe", lambda r: {"GGUF": r.get("file")})
     cfg = read_config(rec["file"]).replace(max_seq_len=args.max_seq_len)
-    profile = write_expert_profile(d, cfg)
-    with np.load(profile) as z:
-        freq = np.asarray(z["frequency"])
+    profile, freq = write_expert_profile(d, cfg)
     budget, ours_sizes = lcn.our_budget(cfg, args.dtype, args.budget, args.max_seq_len)
     n_ctx = args.prompt_tokens + args.new_tokens
     layout = lcn.llama_cpp_layout(lcn.gguf_bytes(rec["file"]), budget, n_ctx, "ncmoe")
