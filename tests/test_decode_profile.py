@@ -42,3 +42,12 @@ def test_a_dot_tile_under_the_sparse_ffn_is_not_a_matvec():
     assert classify(["pij::(anonymous namespace)::RunPiece", "pij::ThreadPool::WorkerLoop"]) \
         == "sparse_down"
     assert classify([]) == "other"
+
+
+def test_a_missing_extension_is_one_line_error(tmp_path):
+    import pytest
+
+    from benchmarks.decode_profile import main
+
+    with pytest.raises(SystemExit, match="--extension: expected a built _pij_ext .so file, got"):
+        main(["--model", "smollm2-135m", "--extension", str(tmp_path / "nope.so")])

@@ -420,3 +420,20 @@ def test_moe_check_dry_run(tmp_path):
     assert 0 < ours["hot_fraction"] < 1 and ours["served_fraction"] > ours["hot_fraction"]
     assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "moe.jsonl", "steps.jsonl",
                                                      "summary.txt"]
+
+
+def test_moe_bench_refuses_bad_input_in_one_line(tmp_path):
+    """moe_bench: a budget outside (0, 1], a folder that is no generator output, and one whose
+    GGUF is gone are named in one line before anything runs."""
+    from benchmarks.gpu import moe_bench
+
+    base = ["--llama-bin", str(tmp_path), "--device", "cpu", "--threads", "1",
+            "--out", str(tmp_path / "rows.jsonl")]
+    with pytest.raises(SystemExit, match=r"--budget: expected a fraction in \(0, 1\], got 1.5"):
+        moe_bench.main(["--model-dir", str(tmp_path), "--budget", "1.5", *base])
+    with pytest.raises(SystemExit, match="expected .*synthetic.json .*synthetic.moe"):
+        moe_bench.main(["--model-dir", str(tmp_path), *base])
+    (tmp_path / "synthetic.json").write_text(json.dumps({"file": str(tmp_path / "gone.gguf")}))
+    with pytest.raises(SystemExit, match="expected the GGUF file of .*gone.gguf"):
+        moe_bench.main(["--model-dir", str(tmp_path), *base])
+    assert not (tmp_path / "rows.jsonl").exists()
