@@ -22,7 +22,13 @@ BUILD=${PIJ_GPU_BUILD:-/tmp/pij_build_cuda}
 t0=$(date +%s)
 cmake -S . -B "$BUILD" -G Ninja -DPIJ_CUDA=ON -DPython_EXECUTABLE="$PY" >"$OUT/cmake.log" 2>&1 &&
   cmake --build "$BUILD" -j"$(nproc)" >>"$OUT/cmake.log" 2>&1 || { tail -50 "$OUT/cmake.log"; exit 1; }
-cp "$BUILD"/_pij_ext*.so "$BUILD"/_pij_cuda*.so powerinfer_jax/
+# each module replaced by a rename, and only when it changed: a process that has the old one
+# mapped (sparse_7b_check.sh starts the generator beside this build) keeps its file; copying over
+# it in place killed the --moe check's generator with SIGSEGV on an H200 (2026-11-30)
+for so in "$BUILD"/_pij_ext*.so "$BUILD"/_pij_cuda*.so; do
+  dest=powerinfer_jax/$(basename "$so")
+  cmp -s "$so" "$dest" || { cp "$so" "$dest.tmp.$$" && mv -f "$dest.tmp.$$" "$dest"; }
+done
 echo "build: $(( $(date +%s) - t0 )) s"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 [ "${PIJ_BUILD_ONLY:-0}" = 1 ] && exit 0
