@@ -4,6 +4,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_backend/qcolumns.h"
 #include "cpu_backend/quant_interleaved.h"
 #include "cpu_backend/quant_kernels.h"
 
@@ -118,6 +119,10 @@ void InterleavedRows(const QLinearOut& out, int64_t dim, std::span<const QActVie
 
 void QLinearRows(const QLinearOut& out, int64_t dim, std::span<const QActView> xs, int64_t lo,
                  int64_t hi) {
+  if (out.columns) {
+    QLinearColumnsRows(out.w, out.qtype, out.out_dim, dim, xs, lo, hi, out.bias, out.y);
+    return;
+  }
   VisitQType(out.qtype, [&]<class F>(F) {
     if (out.interleaved) {
       InterleavedRows<F>(out, dim, xs, lo, hi);
@@ -152,8 +157,9 @@ void QLinearMany(std::span<const QLinearOut> outs, int64_t dim,
     int64_t base = 0;
     for (const QLinearOut& o : outs) {
       int64_t a = std::max(lo, base), b = std::min(hi, base + o.out_dim);
-      if (o.interleaved) {  // whole groups: each to the task its first row falls in
-        constexpr int64_t kG = qkern::kInterleave;
+      if (o.interleaved || o.columns) {  // whole groups (tiles): each to the task its first
+        // row falls in
+        const int64_t kG = o.columns ? kColTile : qkern::kInterleave;
         a = base + (a - base + kG - 1) / kG * kG;
         b = base + (b - base + kG - 1) / kG * kG;
       }

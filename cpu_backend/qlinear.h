@@ -25,6 +25,9 @@ struct QLinearOut {
   // The rows interleaved by 16 (quant_interleaved.h: Q4_0, Q4_1, Q8_0; out_dim a multiple of
   // 16), the same bytes rearranged; false: the file's rows.
   bool interleaved = false;
+  // The columns layout (qcolumns.h: input-channel-major, out_dim a multiple of 64): only the
+  // input channels whose 8-bit activation is nonzero are read.
+  bool columns = false;
 };
 
 // Activations of the call, per block size (32: legacy formats, 256: K-quants).
@@ -41,7 +44,7 @@ void QLinearMany(std::span<const QLinearOut> outs, int64_t dim,
                  std::span<const float* const> x_rows, QLinearScratch& scratch, ThreadPool& pool);
 
 // Rows [lo, hi) of one product for the quantized tokens xs (T views), y [T, out_dim]; for
-// interleaved rows lo and hi are multiples of 16 (or hi = out_dim).
+// interleaved rows lo and hi are multiples of 16, for columns of 64 (or hi = out_dim).
 void QLinearRows(const QLinearOut& out, int64_t dim, std::span<const QActView> xs, int64_t lo,
                  int64_t hi);
 

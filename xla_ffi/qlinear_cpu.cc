@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_backend/qcolumns.h"
 #include "cpu_backend/qlinear.h"
 #include "cpu_backend/quant_interleaved.h"
 #include "xla/ffi/api/ffi.h"
@@ -39,10 +40,17 @@ ffi::Error CheckProduct(const std::string& which, int64_t dim, int64_t rows, ffi
                         int32_t qtype_id, ffi::AnyBuffer bias, ffi::AnyBuffer y, QLinearOut& out) {
   int64_t out_dim = -1;
   out.interleaved = (qtype_id & qkern::kInterleavedQTypeFlag) != 0;
-  if (ffi::Error e = DecodeQWeight(kOp, which + "blocks", blocks,
-                                   qtype_id & ~qkern::kInterleavedQTypeFlag, dim, out_dim,
-                                   out.qtype);
-      e.failure()) {
+  out.columns = (qtype_id & kColumnsQTypeFlag) != 0;
+  if (out.columns) {
+    if (ffi::Error e = DecodeColumnsWeight(kOp, which + "blocks", blocks,
+                                           qtype_id & ~kColumnsQTypeFlag, dim, out_dim, out.qtype);
+        e.failure()) {
+      return e;
+    }
+  } else if (ffi::Error e = DecodeQWeight(kOp, which + "blocks", blocks,
+                                          qtype_id & ~qkern::kInterleavedQTypeFlag, dim, out_dim,
+                                          out.qtype);
+             e.failure()) {
     return e;
   }
   if (out.interleaved && !qkern::CanInterleave(out.qtype, out_dim)) {

@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "cpu_backend/qcolumns.h"
 #include "xla_ffi/ffi_util.h"
 
 namespace pij {
@@ -33,6 +34,37 @@ ffi::Error DecodeQWeight(std::string_view op, std::string_view what, ffi::AnyBuf
                           std::to_string(row_bytes) + "] (" + std::to_string(dim / info.block) +
                           " " + info.name + " blocks of " + std::to_string(info.bytes) +
                           " bytes per row of D = " + std::to_string(dim) + ")",
+                      std::string(DtypeName(blocks.element_type())) + " " + ShapeString(dims));
+  }
+  rows = dims[dims.size() - 2];
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeColumnsWeight(std::string_view op, std::string_view what, ffi::AnyBuffer blocks,
+                               int32_t qtype_id, int64_t dim, int64_t& rows, QType& qtype) {
+  const std::string w(what);
+  if (!IsQType(qtype_id) || !ColumnsType(static_cast<QType>(qtype_id))) {
+    return InvalidArg(op, w + " qtype (columns layout)",
+                      "Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12 or Q6_K=14", std::to_string(qtype_id));
+  }
+  qtype = static_cast<QType>(qtype_id);
+  const QTypeInfo info = GetQTypeInfo(qtype);
+  if (dim <= 0 || dim % info.block != 0) {
+    return InvalidArg(op, "x's last dim D (" + w + " in " + info.name + " columns)",
+                      "a positive multiple of the " + std::string(info.name) + " block (" +
+                          std::to_string(info.block) + ")",
+                      std::to_string(dim));
+  }
+  const auto dims = blocks.dimensions();
+  const int64_t r = dims.size() >= 2 ? dims[dims.size() - 2] : 0;
+  const int64_t row_bytes = r > 0 && r % kColTile == 0 ? ColumnsRowBytes(qtype, r, dim) : -1;
+  const bool shape_ok = dims.size() >= 2 && LeadingOnes(dims, 2) && row_bytes > 0 &&
+                        dims.back() == row_bytes && (rows < 0 || r == rows);
+  if (blocks.element_type() != ffi::DataType::U8 || !shape_ok) {
+    return InvalidArg(op, w,
+                      "uint8 [R, columns row bytes] with R a positive multiple of " +
+                          std::to_string(kColTile) + " (" + info.name +
+                          " in the columns layout, D = " + std::to_string(dim) + ")",
                       std::string(DtypeName(blocks.element_type())) + " " + ShapeString(dims));
   }
   rows = dims[dims.size() - 2];

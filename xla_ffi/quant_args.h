@@ -17,6 +17,11 @@ namespace ffi = xla::ffi;
 ffi::Error DecodeQWeight(std::string_view op, std::string_view what, ffi::AnyBuffer blocks,
                          int32_t qtype_id, int64_t dim, int64_t& rows, QType& qtype);
 
+// The same for a matrix in the columns layout (cpu_backend/qcolumns.h): uint8 [1.., R,
+// ColumnsRowBytes(qtype, dim)], R a positive multiple of 64, qtype a format with that layout.
+ffi::Error DecodeColumnsWeight(std::string_view op, std::string_view what, ffi::AnyBuffer blocks,
+                               int32_t qtype_id, int64_t dim, int64_t& rows, QType& qtype);
+
 }  // namespace pij
 
 #endif  // PIJ_XLA_FFI_QUANT_ARGS_H_

@@ -36,17 +36,22 @@ def _kind(qtype: str) -> GGMLQuantizationType:
 
 def type_id(qtype: str) -> int:
     """GGML's id of the type (what a GGUF tensor header stores, what the kernels take); an
-    interleaved name's is its format's with INTERLEAVED_ID_FLAG."""
+    interleaved name's is its format's with INTERLEAVED_ID_FLAG, a columns name's with
+    COLUMNS_ID_FLAG."""
     base = interleaved_base(qtype)
     if base is not None:
         return int(_kind(base).value) | INTERLEAVED_ID_FLAG
+    base = columns_base(qtype)
+    if base is not None:
+        return int(_kind(base).value) | COLUMNS_ID_FLAG
     return int(_kind(qtype).value)
 
 
 def block_size(qtype: str) -> tuple[int, int]:
-    """(values per block, bytes per block) from the gguf package's table (an interleaved name:
-    its format's)."""
-    return GGML_QUANT_SIZES[_kind(interleaved_base(qtype) or qtype)]
+    """(values per block, bytes per block) from the gguf package's table (an interleaved or a
+    columns name: its format's; the columns layout's row bytes also depend on the row count:
+    `columns_row_bytes`)."""
+    return GGML_QUANT_SIZES[_kind(interleaved_base(qtype) or columns_base(qtype) or qtype)]
 
 
 def row_bytes(qtype: str, cols: int) -> int:
@@ -312,3 +317,101 @@ def deinterleave(blocks: np.ndarray, qtype: str) -> np.ndarray:
     o, nb = b.shape[0], b.shape[1] // nbytes
     rec = b.reshape(o // INTERLEAVE, nb, INTERLEAVE * nbytes)
     return rec[:, :, interleave_index(base)].transpose(0, 2, 1, 3).reshape(o, nb * nbytes)
+
+
+# The columns layout (cpu_backend/qcolumns.h): a matrix [O, I] stored input-channel-major, per
+# block of the format the rows' scale fields as planes, then each input channel's O codes in tiles
+# of 64 rows, so that ops.qlinear reads only the channels whose activation is nonzero. Nothing is
+# re-quantized. The kernels' module arranges it (`arrange_columns`); `columns_to_float` here is an
+# independent numpy decoder (the ops' reference). Type names gain COLUMNS_SUFFIX ("Q4_0c64"), ids
+# COLUMNS_ID_FLAG.
+COLUMNS_TILE = 64
+COLUMNS_SUFFIX = "c64"
+COLUMNS_ID_FLAG = 0x200
+# format -> (channels per block, channels per scale group, head bytes per row per block, 8-bit codes)
+_COLUMNS_FORMATS = {"Q4_0": (32, 32, 2, False), "Q4_1": (32, 32, 4, False),
+                    "Q8_0": (32, 32, 2, True), "Q4_K": (256, 32, 20, False),
+                    "Q6_K": (256, 16, 18, True)}
+COLUMNS_BASE_TYPES = tuple(_COLUMNS_FORMATS)
+COLUMNS_TYPES = tuple(t + COLUMNS_SUFFIX for t in COLUMNS_BASE_TYPES)
+
+
+def columns_base(qtype: str) -> str | None:
+    """The file's format of a columns type name ("Q4_0c64" -> "Q4_0"), else None."""
+    return qtype[:-len(COLUMNS_SUFFIX)] if qtype in COLUMNS_TYPES else None
+
+
+def can_columns(qtype: str, rows: int, cols: int) -> bool:
+    """Whether a [rows, cols] matrix in qtype (the file's format) has the columns layout."""
+    f = _COLUMNS_FORMATS.get(qtype)
+    return f is not None and rows > 0 and rows % COLUMNS_TILE == 0 and cols > 0 and \
+        cols % f[0] == 0
+
+
+def _columns_strides(qtype: str, rows: int) -> tuple[int, int, int]:
+    """(head bytes, channel stride, block bytes) of the columns layout: the head planes rounded up
+    to 64-byte lines, channels an odd number of lines apart (cpu_backend/qcolumns.cc)."""
+    block, _, head, wide = _COLUMNS_FORMATS[columns_base(qtype) or qtype]
+    lines = -(-(rows if wide else rows // 2) // 64)
+    stride = 64 * (lines + 1 if lines % 2 == 0 else lines)
+    head_bytes = -(-head * rows // 64) * 64
+    return head_bytes, stride, head_bytes + block * stride
+
+
+def columns_row_bytes(qtype: str, rows: int, cols: int) -> int:
+    """Bytes per row of a [rows, cols] matrix in the columns layout (the layout's bytes over the
+    rows, rounded up; qtype: the file's format or its columns name)."""
+    block = _COLUMNS_FORMATS[columns_base(qtype) or qtype][0]
+    return -(-(cols // block * _columns_strides(qtype, rows)[2]) // rows)
+
+
+def _tile_rows() -> tuple[np.ndarray, np.ndarray]:
+    """The row each byte of a 4-bit tile (low nibble; high: + 32) and of an 8-bit tile holds."""
+    k = np.arange(32)
+    s = 8 * ((k >> 2) & 3) + 4 * ((k >> 4) & 1) + (k & 3)
+    k8 = np.arange(64)
+    return s, 32 * (k8 >> 5) + s[k8 & 31]
+
+
+def columns_to_float(blocks: np.ndarray, qtype: str, cols: int) -> np.ndarray:
+    """The float32 values [O, cols] of a matrix in the columns layout (qtype: the file's format
+    or its columns name), decoded from the layout's description, not from the kernels'."""
+    base = columns_base(qtype) or qtype
+    block, sub, head, wide = _COLUMNS_FORMATS[base]
+    b = np.ascontiguousarray(blocks, np.uint8)
+    o = b.shape[0]
+    flat = b.reshape(-1)
+    head_bytes, stride, bb = _columns_strides(base, o)
+    chan = o if wide else o // 2
+    s4, s8 = _tile_rows()
+    out = np.empty((o, cols), np.float32)
+    for k in range(cols // block):
+        h = flat[k * bb:k * bb + head * o]
+        c = flat[k * bb + head_bytes:(k + 1) * bb].reshape(block, stride)[:, :chan]
+        c = c.reshape(block, o // 64, 64 if wide else 32)
+        codes = np.empty((block, o // 64, 64), np.int32)
+        if wide:
+            codes[:, :, s8] = c
+        else:
+            codes[:, :, s4] = c & 15
+            codes[:, :, s4 + 32] = c >> 4
+        q = codes.reshape(block, o).T.astype(np.float32)  # [O, block]
+        d = h[:2 * o].view(np.float16).astype(np.float32)[:, None]
+        if base == "Q4_0":
+            w = d * (q - 8)
+        elif base == "Q4_1":
+            w = d * q + h[2 * o:4 * o].view(np.float16).astype(np.float32)[:, None]
+        elif base == "Q8_0":
+            w = d * (q.astype(np.int32) ^ 0x80).astype(np.uint8).view(np.int8).astype(np.float32)
+        elif base == "Q4_K":
+            dmin = h[2 * o:4 * o].view(np.float16).astype(np.float32)[:, None]
+            sc = h[4 * o:12 * o].reshape(8, o).T.astype(np.float32)  # [O, 8]
+            mn = h[12 * o:20 * o].reshape(8, o).T.astype(np.float32)
+            grp = np.arange(block) // sub
+            w = (d * sc[:, grp]) * q - dmin * mn[:, grp]
+        else:  # Q6_K
+            sc = h[2 * o:18 * o].reshape(16, o).T.view(np.int8).astype(np.float32)
+            grp = np.arange(block) // sub
+            w = (d * sc[:, grp]) * (q - 32)
+        out[:, k * block:(k + 1) * block] = w
+    return out

@@ -180,7 +180,8 @@ def check_qlinear_type(qtype, what: str = "qtype") -> str:
     ("Q4_0x16", checkpoint.quants.interleave) -> the name."""
     from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
-    if isinstance(qtype, str) and qtype in quants.INTERLEAVED_TYPES:
+    if isinstance(qtype, str) and (qtype in quants.INTERLEAVED_TYPES
+                                   or qtype in quants.COLUMNS_TYPES):
         return qtype
     return check_qtype(what, qtype)
 
@@ -195,6 +196,11 @@ def check_qweight(what: str, blocks, qtype: str, in_features: int, rows: int | N
              f"a positive multiple of the {qtype} block ({block})", in_features)
     rb = in_features // block * nbytes
     shape, dtype = _shape(blocks), jnp.result_type(blocks)
+    if quants.columns_base(qtype) is not None and len(shape) == 2:
+        if shape[0] <= 0 or shape[0] % quants.COLUMNS_TILE:
+            fail(what, f"the columns layout ({qtype}): a positive multiple of "
+                       f"{quants.COLUMNS_TILE} rows", shape[0])
+        rb = quants.columns_row_bytes(qtype, shape[0], in_features)
     if (len(shape) != 2 or dtype != jnp.uint8 or shape[1] != rb
             or (rows is not None and shape[0] != rows)):
         want = f"[{'R' if rows is None else rows}, {rb}]"
@@ -217,6 +223,8 @@ def check_qlinear(x, blocks, qtype, in_features, b) -> tuple[str, int]:
     o = check_qweight("blocks", blocks, name, int(in_features))
     if quants.interleaved_base(name) is not None and o % quants.INTERLEAVE:
         fail("blocks", f"rows interleaved by 16 ({name}): a multiple of 16 rows", o)
+    if quants.columns_base(name) is not None and o % quants.COLUMNS_TILE:
+        fail("blocks", f"the columns layout ({name}): a multiple of {quants.COLUMNS_TILE} rows", o)
     if b is not None and _shape(b) != (o,):
         fail("b shape", f"[O] = ({o},)", _shape(b))
     return name, o

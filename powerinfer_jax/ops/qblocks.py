@@ -82,6 +82,12 @@ def dequantize_rows(blocks, qtype: str, dim: int):
     """uint8 [..., row_bytes] rows in GGML format `qtype` -> float32 [..., dim]: in jnp for
     JNP_FORMATS, else through the gguf package's dequantizer on the host (any format)."""
     blocks = jnp.asarray(blocks)
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
+
+    if quants.columns_base(qtype) is not None:  # the columns layout: decoded on the host
+        return jax.pure_callback(lambda b: quants.columns_to_float(np.asarray(b), qtype, dim),
+                                 jax.ShapeDtypeStruct(blocks.shape[:-1] + (dim,), jnp.float32),
+                                 blocks)
     if qtype in JNP_FORMATS:
         nbytes, fn = JNP_FORMATS[qtype]
         b = blocks.reshape(blocks.shape[:-1] + (blocks.shape[-1] // nbytes, nbytes))

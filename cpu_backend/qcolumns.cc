@@ -1,0 +1,720 @@
+#include "cpu_backend/qcolumns.h"
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <vector>
+
+#include "cpu_backend/quant_simd.h"
+#include "cpu_backend/quant_simd512.h"
+
+namespace pij {
+namespace {
+
+// What the layout stores per format (qcolumns.h): channels per block, channels per scale group,
+// head bytes per row per block, and whether a code takes a byte (else a nibble).
+struct ColFmt {
+  int64_t block, sub, head;
+  bool wide;
+};
+
+constexpr ColFmt Fmt(QType t) {
+  switch (t) {
+    case QType::kQ4_0: return {32, 32, 2, false};
+    case QType::kQ4_1: return {32, 32, 4, false};
+    case QType::kQ8_0: return {32, 32, 2, true};
+    case QType::kQ4_K: return {256, 32, 20, false};
+    case QType::kQ6_K: return {256, 16, 18, true};
+    default: return {0, 0, 0, false};
+  }
+}
+
+// Bytes from one channel's codes to the next's: the codes of `rows` rows rounded up to an odd
+// number of 64-byte lines. A block's channels are read as concurrent streams; at a stride of a
+// power-of-two multiple of 2 KiB (a 28672-row matrix: 14 KiB) their lines all fall in 2 of the
+// L1's 64 sets and evict each other (the dense product ran 6x slower than at half the
+// channels), while an odd number of lines puts 64 consecutive channels in 64 different sets.
+int64_t ChannelStride(const ColFmt& f, int64_t rows) {
+  const int64_t lines = ((f.wide ? rows : rows / 2) + 63) / 64;
+  return 64 * (lines % 2 == 0 ? lines + 1 : lines);
+}
+// Bytes of a block's head planes (rounded up to whole lines: the codes start on a line), and of
+// a whole block.
+int64_t HeadBytes(const ColFmt& f, int64_t rows) { return (f.head * rows + 63) / 64 * 64; }
+int64_t BlockBytes(const ColFmt& f, int64_t rows) {
+  return HeadBytes(f, rows) + f.block * ChannelStride(f, rows);
+}
+
+// The row a tile byte holds (qcolumns.h): s for 4-bit tiles (the low nibble; the high one is
+// row + 32), s8 for 8-bit tiles.
+constexpr int TileRow(int k) {
+  const int l = (k >> 4) & 1, q = (k >> 2) & 3, m = k & 3;
+  return 8 * q + 4 * l + m;
+}
+constexpr int TileRow8(int k) { return 32 * (k >> 5) + TileRow(k & 31); }
+
+// The integer dot of the SIMD paths: u unsigned codes, s signed activations. Q8_0's codes are
+// stored as q ^ 0x80 (q + 128): vpdpbusd takes them as they are (the +128 comes back out through
+// the activations' sum); without VNNI the pair sums of vpmaddubsw would saturate, so they are
+// turned back to signed and taken with the sign trick. kQ8Offset: what the sums carry.
+#if defined(PIJ_QDOT_AVX512VNNI) || defined(PIJ_QDOT_AVXVNNI)
+constexpr int32_t kQ8Offset = 128;
+#else
+constexpr int32_t kQ8Offset = 0;
+#endif
+
+// Per sub-block of the block being computed, for the token group: its nonzero channels in
+// groups of four (padded with a channel that is zero for every token of the group), each
+// group's four 8-bit activations packed in an int32 per token, and per token the sub-block's
+// sum of activations.
+struct SubList {
+  int32_t n_groups = 0;
+  uint16_t chan[64];         // [4 * n_groups] channel index within the block
+  int32_t mult[4][16];       // [token][group]
+  int32_t qsum[4];           // [token]
+};
+
+constexpr int kMaxTok = 4;  // tokens that share a pass over a tile's codes
+
+// Eight int32 sums as floats.
+inline qsimd::F32x8 IntsToF32(const int32_t* p) {
+#if defined(PIJ_QSIMD_AVX2)
+  return _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  qsimd::F32x8 r;
+  for (int i = 0; i < 8; ++i) r.v[i] = static_cast<float>(p[i]);
+  return r;
+#endif
+}
+
+// The epilogue's float lanes: 16 on AVX-512, else 8 (qsimd). Every operation is lane-wise, so a
+// row's value does not depend on the width (the portable sums go through the same epilogue).
+#if defined(PIJ_QSIMD_AVX512)
+struct V {
+  __m512 v;
+  static constexpr int kW = 16;
+};
+inline V VSet(float a) { return {_mm512_set1_ps(a)}; }
+inline V VLoad(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void VStore(float* p, V a) { _mm512_storeu_ps(p, a.v); }
+inline V VHalves(const uint8_t* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+inline V VInts(const int32_t* p) { return {_mm512_cvtepi32_ps(_mm512_loadu_si512(p))}; }
+inline V VBytes(const uint8_t* p) {
+  return {_mm512_cvtepi32_ps(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+inline V VMulAdd(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline V VMul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
+#else
+struct V {
+  qsimd::F32x8 v;
+  static constexpr int kW = 8;
+};
+inline V VSet(float a) { return {qsimd::Set1(a)}; }
+inline V VLoad(const float* p) { return {qsimd::Load(p)}; }
+inline void VStore(float* p, V a) { qsimd::Store(p, a.v); }
+inline V VHalves(const uint8_t* p) { return {qsimd::HalvesToF32(p)}; }
+inline V VInts(const int32_t* p) { return {IntsToF32(p)}; }
+inline V VBytes(const uint8_t* p) { return {qsimd::U8ToF32(p)}; }
+inline V VMulAdd(V a, V b, V c) { return {qsimd::MulAdd(a.v, b.v, c.v)}; }
+inline V VMul(V a, V b) { return {qsimd::Mul(a.v, b.v)}; }
+#endif
+
+// Builds the lists of block b's sub-blocks for tokens xs[0, nt).
+void BuildLists(const ColFmt& f, int64_t b, const QActView* xs, int nt, SubList* lists) {
+  const int64_t nsub = f.block / f.sub;
+  for (int64_t s = 0; s < nsub; ++s) {
+    SubList& L = lists[s];
+    const int64_t c0 = b * f.block + s * f.sub;
+    int n = 0, pad = -1;
+    for (int t = 0; t < nt; ++t) L.qsum[t] = 0;
+    for (int64_t j = 0; j < f.sub; ++j) {
+      bool any = false;
+      for (int t = 0; t < nt; ++t) {
+        const int8_t v = xs[t].q[c0 + j];
+        L.qsum[t] += v;
+        any = any || v != 0;
+      }
+      if (any) {
+        L.chan[n++] = static_cast<uint16_t>(s * f.sub + j);
+      } else if (pad < 0) {
+        pad = static_cast<int>(s * f.sub + j);
+      }
+    }
+    while (n % 4 != 0) L.chan[n++] = static_cast<uint16_t>(pad);  // n < sub: a zero exists
+    L.n_groups = n / 4;
+    for (int t = 0; t < nt; ++t) {
+      for (int g = 0; g < L.n_groups; ++g) {
+        uint32_t packed = 0;
+        for (int k = 0; k < 4; ++k) {
+          const int8_t v = xs[t].q[b * f.block + L.chan[4 * g + k]];
+          packed |= static_cast<uint32_t>(static_cast<uint8_t>(v)) << (8 * k);
+        }
+        L.mult[t][g] = static_cast<int32_t>(packed);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The integer sums of one sub-block over one 64-row tile: S[t][r] = sum over the list's channels
+// of code[r] * q_t (codes as stored). `tile` points at the block's codes shifted to this tile;
+// channel c's tile at tile + c * chan_bytes.
+
+template <bool kWide, bool kQ8>
+void TileSumsPortable(const uint8_t* tile, int64_t chan_bytes, const SubList& L, int nt,
+                      int32_t S[kMaxTok][2 * kColTile]) {
+  for (int t = 0; t < nt; ++t) std::fill_n(S[t], kColTile, 0);
+  for (int g = 0; g < L.n_groups; ++g) {
+    for (int k = 0; k < 4; ++k) {
+      const uint8_t* p = tile + L.chan[4 * g + k] * chan_bytes;
+      int32_t code[kColTile];
+      if constexpr (kWide) {
+        for (int i = 0; i < 64; ++i) code[TileRow8(i)] = p[i];
+        if constexpr (kQ8 && kQ8Offset == 0) {
+          for (int r = 0; r < 64; ++r) code[r] = static_cast<int8_t>(code[r] ^ 0x80);
+        }
+      } else {
+        for (int i = 0; i < 32; ++i) {
+          code[TileRow(i)] = p[i] & 15;
+          code[TileRow(i) + 32] = p[i] >> 4;
+        }
+      }
+      for (int t = 0; t < nt; ++t) {
+        const int32_t q = static_cast<int8_t>(static_cast<uint32_t>(L.mult[t][g]) >> (8 * k));
+        for (int r = 0; r < kColTile; ++r) S[t][r] += code[r] * q;
+      }
+    }
+  }
+}
+
+#if defined(PIJ_QSIMD_AVX2)
+// Each group requests its channels' codes kAheadBytes ahead of the tile it reads: a block's
+// nonzero channels are 16-32 streams read a line at a time in turn, which the hardware
+// prefetchers do not follow (without it the dense product ran 6x slower than the rows kernel).
+// Non-temporal (the codes are read once) and ~6 lines ahead were the fastest of the hints and
+// distances tried on a 66 MB Q4_0 matrix (0.5-4 KiB; T0, T1, T2, NTA): at half the channels
+// 1.4-1.5x the rows kernel, 1.15-1.3x at 1 KiB.
+constexpr int64_t kAheadBytes = 384;
+inline void Ahead(const uint8_t* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p + kAheadBytes), _MM_HINT_NTA);
+}
+
+// Four channels' 32-byte tiles -> R[q] (q < 4): int32 lane i holds row 8q + i's four codes
+// (one byte each, channel order), rows as TileRow lays them out.
+inline void Interleave4(__m256i A, __m256i B, __m256i C, __m256i D, __m256i R[4]) {
+  const __m256i ab_lo = _mm256_unpacklo_epi8(A, B), ab_hi = _mm256_unpackhi_epi8(A, B);
+  const __m256i cd_lo = _mm256_unpacklo_epi8(C, D), cd_hi = _mm256_unpackhi_epi8(C, D);
+  R[0] = _mm256_unpacklo_epi16(ab_lo, cd_lo);
+  R[1] = _mm256_unpackhi_epi16(ab_lo, cd_lo);
+  R[2] = _mm256_unpacklo_epi16(ab_hi, cd_hi);
+  R[3] = _mm256_unpackhi_epi16(ab_hi, cd_hi);
+}
+inline __m256i Load256(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+#endif
+
+#if defined(PIJ_QSIMD_AVX512)
+inline __m512i Dot512(__m512i acc, __m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, qsimd512::DotU8S8(u, s));
+#endif
+}
+
+
+
+template <bool kWide, bool kQ8, int kNt>
+inline void TileSumsN(const uint8_t* tile, int64_t chan_bytes, const SubList& L,
+                      int32_t S[kMaxTok][2 * kColTile]) {
+  __m512i acc[kNt][4];
+  for (int t = 0; t < kNt; ++t) {
+    for (int i = 0; i < 4; ++i) acc[t][i] = _mm512_setzero_si512();
+  }
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  for (int g = 0; g < L.n_groups; ++g) {
+    const uint8_t* p0 = tile + L.chan[4 * g] * chan_bytes;
+    const uint8_t* p1 = tile + L.chan[4 * g + 1] * chan_bytes;
+    const uint8_t* p2 = tile + L.chan[4 * g + 2] * chan_bytes;
+    const uint8_t* p3 = tile + L.chan[4 * g + 3] * chan_bytes;
+    Ahead(p0);
+    Ahead(p1);
+    Ahead(p2);
+    Ahead(p3);
+    __m512i u[4];
+    if constexpr (kWide) {  // 64 bytes a channel: the unpacks per 128-bit lane
+      const __m512i A = _mm512_loadu_si512(p0), B = _mm512_loadu_si512(p1);
+      const __m512i C = _mm512_loadu_si512(p2), D = _mm512_loadu_si512(p3);
+      const __m512i ab_lo = _mm512_unpacklo_epi8(A, B), ab_hi = _mm512_unpackhi_epi8(A, B);
+      const __m512i cd_lo = _mm512_unpacklo_epi8(C, D), cd_hi = _mm512_unpackhi_epi8(C, D);
+      u[0] = _mm512_unpacklo_epi16(ab_lo, cd_lo);  // rows 0-7, 32-39 (TileRow8 order)
+      u[1] = _mm512_unpackhi_epi16(ab_lo, cd_lo);  // rows 8-15, 40-47
+      u[2] = _mm512_unpacklo_epi16(ab_hi, cd_hi);  // rows 16-23, 48-55
+      u[3] = _mm512_unpackhi_epi16(ab_hi, cd_hi);  // rows 24-31, 56-63
+      if constexpr (kQ8 && kQ8Offset == 0) {
+        for (int i = 0; i < 4; ++i) u[i] = _mm512_xor_si512(u[i], _mm512_set1_epi8(-128));
+      }
+    } else {
+      __m256i R[4];
+      Interleave4(Load256(p0), Load256(p1), Load256(p2), Load256(p3), R);
+      const __m512i z0 = qsimd512::Pair(R[0], R[1]), z1 = qsimd512::Pair(R[2], R[3]);
+      u[0] = _mm512_and_si512(z0, low4);                          // rows 0-15
+      u[1] = _mm512_and_si512(z1, low4);                          // rows 16-31
+      u[2] = _mm512_and_si512(_mm512_srli_epi16(z0, 4), low4);    // rows 32-47
+      u[3] = _mm512_and_si512(_mm512_srli_epi16(z1, 4), low4);    // rows 48-63
+    }
+    for (int t = 0; t < kNt; ++t) {
+      const __m512i x = _mm512_set1_epi32(L.mult[t][g]);
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (kQ8 && kQ8Offset == 0) {
+          acc[t][i] = _mm512_add_epi32(acc[t][i], qsimd512::DotS8S8(u[i], x));
+        } else {
+          acc[t][i] = Dot512(acc[t][i], u[i], x);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < kNt; ++t) {
+    __m512i n[4];
+    if constexpr (kWide) {  // back to row order: 128-bit lanes (0, 1 | 2, 3) of two vectors
+      n[0] = _mm512_shuffle_i64x2(acc[t][0], acc[t][1], 0x44);
+      n[1] = _mm512_shuffle_i64x2(acc[t][2], acc[t][3], 0x44);
+      n[2] = _mm512_shuffle_i64x2(acc[t][0], acc[t][1], 0xee);
+      n[3] = _mm512_shuffle_i64x2(acc[t][2], acc[t][3], 0xee);
+    } else {
+      for (int i = 0; i < 4; ++i) n[i] = acc[t][i];
+    }
+    for (int i = 0; i < 4; ++i) _mm512_storeu_si512(S[t] + 16 * i, n[i]);
+  }
+}
+
+// Two tiles (128 rows) of a 4-bit format per group: one 64-byte load per channel (a whole line:
+// the channel's two consecutive tiles), the unpacks on 512 bits, half the shuffles per weight of
+// the one-tile path. Accumulator q (low nibbles; high: + 32 rows) holds rows 8q .. 8q + 7 of the
+// first tile in its 128-bit lanes 0-1 and of the second in lanes 2-3.
+template <int kNt>
+inline void TilePairSums4(const uint8_t* tile, int64_t chan_bytes, const SubList& L,
+                          int32_t S[kMaxTok][2 * kColTile]) {
+  __m512i lo[kNt][4], hi[kNt][4];
+  for (int t = 0; t < kNt; ++t) {
+    for (int i = 0; i < 4; ++i) lo[t][i] = hi[t][i] = _mm512_setzero_si512();
+  }
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  for (int g = 0; g < L.n_groups; ++g) {
+    const uint8_t* p[4];
+    for (int k = 0; k < 4; ++k) {
+      p[k] = tile + L.chan[4 * g + k] * chan_bytes;
+      Ahead(p[k]);
+    }
+    const __m512i A = _mm512_loadu_si512(p[0]), B = _mm512_loadu_si512(p[1]);
+    const __m512i C = _mm512_loadu_si512(p[2]), D = _mm512_loadu_si512(p[3]);
+    const __m512i ab_lo = _mm512_unpacklo_epi8(A, B), ab_hi = _mm512_unpackhi_epi8(A, B);
+    const __m512i cd_lo = _mm512_unpacklo_epi8(C, D), cd_hi = _mm512_unpackhi_epi8(C, D);
+    const __m512i R[4] = {_mm512_unpacklo_epi16(ab_lo, cd_lo), _mm512_unpackhi_epi16(ab_lo, cd_lo),
+                          _mm512_unpacklo_epi16(ab_hi, cd_hi), _mm512_unpackhi_epi16(ab_hi, cd_hi)};
+    __m512i u[4], v[4];
+    for (int q = 0; q < 4; ++q) {
+      u[q] = _mm512_and_si512(R[q], low4);
+      v[q] = _mm512_and_si512(_mm512_srli_epi16(R[q], 4), low4);
+    }
+    for (int t = 0; t < kNt; ++t) {
+      const __m512i x = _mm512_set1_epi32(L.mult[t][g]);
+      for (int q = 0; q < 4; ++q) {
+        lo[t][q] = Dot512(lo[t][q], u[q], x);
+        hi[t][q] = Dot512(hi[t][q], v[q], x);
+      }
+    }
+  }
+  for (int t = 0; t < kNt; ++t) {
+    int32_t* s = S[t];
+    for (int half = 0; half < 2; ++half) {  // 0x44: lanes 0-1 of both (first tile); 0xee: 2-3
+      const int imm_rows = 64 * half;
+      const auto pick = [&](__m512i a, __m512i b) {
+        return half == 0 ? _mm512_shuffle_i64x2(a, b, 0x44) : _mm512_shuffle_i64x2(a, b, 0xee);
+      };
+      _mm512_storeu_si512(s + imm_rows + 0, pick(lo[t][0], lo[t][1]));
+      _mm512_storeu_si512(s + imm_rows + 16, pick(lo[t][2], lo[t][3]));
+      _mm512_storeu_si512(s + imm_rows + 32, pick(hi[t][0], hi[t][1]));
+      _mm512_storeu_si512(s + imm_rows + 48, pick(hi[t][2], hi[t][3]));
+    }
+  }
+}
+
+template <bool kWide, bool kQ8>
+inline void TileSums(const uint8_t* tile, int64_t chan_bytes, const SubList& L, int nt,
+                     int32_t S[kMaxTok][2 * kColTile]) {
+  switch (nt) {
+    case 1: TileSumsN<kWide, kQ8, 1>(tile, chan_bytes, L, S); break;
+    case 2: TileSumsN<kWide, kQ8, 2>(tile, chan_bytes, L, S); break;
+    case 3: TileSumsN<kWide, kQ8, 3>(tile, chan_bytes, L, S); break;
+    default: TileSumsN<kWide, kQ8, 4>(tile, chan_bytes, L, S); break;
+  }
+}
+#elif defined(PIJ_QSIMD_AVX2)
+template <bool kWide, bool kQ8>
+void TileSums(const uint8_t* tile, int64_t chan_bytes, const SubList& L, int nt,
+              int32_t S[kMaxTok][2 * kColTile]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  for (int t = 0; t < nt; ++t) {  // one token at a time: 8 accumulators fill the registers
+    __m256i acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_si256();
+    for (int g = 0; g < L.n_groups; ++g) {
+      const uint8_t* p[4];
+      for (int k = 0; k < 4; ++k) {
+        p[k] = tile + L.chan[4 * g + k] * chan_bytes;
+        if (t == 0) Ahead(p[k]);
+      }
+      const __m256i x = _mm256_set1_epi32(L.mult[t][g]);
+      for (int h = 0; h < (kWide ? 2 : 1); ++h) {
+        __m256i R[4];
+        Interleave4(Load256(p[0] + 32 * h), Load256(p[1] + 32 * h), Load256(p[2] + 32 * h),
+                    Load256(p[3] + 32 * h), R);
+        for (int q = 0; q < 4; ++q) {
+          if constexpr (kWide) {  // rows 32h + 8q ..
+            const __m256i d = kQ8 && kQ8Offset == 0
+                                  ? qsimd::DotS8S8(_mm256_xor_si256(R[q], _mm256_set1_epi8(-128)), x)
+                                  : qsimd::DotU8S8(R[q], x);
+            acc[4 * h + q] = _mm256_add_epi32(acc[4 * h + q], d);
+          } else {  // rows 8q .. (low nibbles), 32 + 8q .. (high)
+            acc[q] = _mm256_add_epi32(acc[q], qsimd::DotU8S8(_mm256_and_si256(R[q], low4), x));
+            acc[4 + q] = _mm256_add_epi32(
+                acc[4 + q],
+                qsimd::DotU8S8(_mm256_and_si256(_mm256_srli_epi16(R[q], 4), low4), x));
+          }
+        }
+      }
+    }
+    for (int i = 0; i < 8; ++i) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(S[t] + 8 * i), acc[i]);
+    }
+  }
+}
+#else
+template <bool kWide, bool kQ8>
+void TileSums(const uint8_t* tile, int64_t chan_bytes, const SubList& L, int nt,
+              int32_t S[kMaxTok][2 * kColTile]) {
+  TileSumsPortable<kWide, kQ8>(tile, chan_bytes, L, nt, S);
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// One format's product over rows [lo, hi) (whole tiles).
+template <QType kT>
+void Rows(const uint8_t* w, int64_t rows, int64_t cols, std::span<const QActView> xs,
+          int64_t lo, int64_t hi, const float* bias, float* y, bool portable) {
+  constexpr ColFmt f = Fmt(kT);
+  constexpr bool kWide = f.wide, kQ8 = kT == QType::kQ8_0, kK = f.block == 256;
+  constexpr int64_t kNsub = f.block / f.sub;
+  constexpr int64_t kTileBytes = kWide ? 64 : 32;
+  const int64_t nblocks = cols / f.block;
+  const int64_t chan_bytes = ChannelStride(f, rows);
+  const int64_t block_bytes = BlockBytes(f, rows);
+  const int64_t n_tok = static_cast<int64_t>(xs.size());
+  const int64_t span = hi - lo;
+  for (int64_t t = 0; t < n_tok; ++t) std::fill_n(y + t * rows + lo, span, 0.0f);
+  SubList lists[kNsub];
+  alignas(64) int32_t S[kMaxTok][2 * kColTile];
+  // K-quants: per token and row, the super-block's integer sum and (Q4_K) its minimums' sum
+  thread_local std::vector<int32_t> tot;
+  thread_local std::vector<float> mins;
+  if constexpr (kK) {
+    tot.resize(kMaxTok * span);
+    mins.resize(kMaxTok * span);
+  }
+  for (int64_t t0 = 0; t0 < n_tok; t0 += kMaxTok) {
+    const int nt = static_cast<int>(std::min<int64_t>(kMaxTok, n_tok - t0));
+    const QActView* xg = xs.data() + t0;
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const uint8_t* head = w + b * block_bytes;
+      const uint8_t* codes = head + HeadBytes(f, rows);
+      BuildLists(f, b, xg, nt, lists);
+      float dx[kMaxTok];
+      for (int t = 0; t < nt; ++t) dx[t] = xg[t].d[b];
+      if constexpr (kK) {
+        std::fill_n(tot.data(), nt * span, 0);
+        std::fill_n(mins.data(), nt * span, 0.0f);
+      }
+      for (int64_t s = 0; s < kNsub; ++s) {
+        const SubList& L = lists[s];
+        if (L.n_groups == 0) continue;  // no channel of any token: nothing to add
+        for (int64_t r0 = lo; r0 < hi;) {
+          const uint8_t* tile = codes + (r0 / kColTile) * kTileBytes;
+          int64_t n = kColTile;
+          if (portable) {
+            TileSumsPortable<kWide, kQ8>(tile, chan_bytes, L, nt, S);
+          } else {
+#if defined(PIJ_QSIMD_AVX512)
+            if (!kWide && nt <= 2 && r0 + 2 * kColTile <= hi) {  // two tiles a pass
+              n = 2 * kColTile;
+              if (nt == 1) {
+                TilePairSums4<1>(tile, chan_bytes, L, S);
+              } else {
+                TilePairSums4<2>(tile, chan_bytes, L, S);
+              }
+            } else {
+              TileSums<kWide, kQ8>(tile, chan_bytes, L, nt, S);
+            }
+#else
+            TileSums<kWide, kQ8>(tile, chan_bytes, L, nt, S);
+#endif
+          }
+          for (int t = 0; t < nt; ++t) {
+            float* yt = y + (t0 + t) * rows + r0;
+            const int32_t* st = S[t];
+            if constexpr (kT == QType::kQ4_0 || kT == QType::kQ8_0) {
+              // d * (dx * S + off * dx * sum q): Q4_0's -8, Q8_0's stored +128
+              const float off = (kT == QType::kQ4_0 ? -8.0f : -static_cast<float>(kQ8Offset)) *
+                                (dx[t] * static_cast<float>(L.qsum[t]));
+              const V vdx = VSet(dx[t]), voff = VSet(off);
+              for (int64_t i = 0; i < n; i += V::kW) {
+                const V v = VMulAdd(VInts(st + i), vdx, voff);
+                VStore(yt + i, VMulAdd(VHalves(head + 2 * (r0 + i)), v, VLoad(yt + i)));
+              }
+            } else if constexpr (kT == QType::kQ4_1) {
+              const V vdx = VSet(dx[t]), vc = VSet(dx[t] * static_cast<float>(L.qsum[t]));
+              for (int64_t i = 0; i < n; i += V::kW) {
+                const V v = VMul(VInts(st + i), vdx);
+                const V acc = VMulAdd(VHalves(head + 2 * (r0 + i)), v, VLoad(yt + i));
+                VStore(yt + i, VMulAdd(VHalves(head + 2 * rows + 2 * (r0 + i)), vc, acc));
+              }
+            } else if constexpr (kT == QType::kQ4_K) {
+              const uint8_t* sc = head + 4 * rows + s * rows + r0;
+              const uint8_t* mn = head + 12 * rows + s * rows + r0;
+              int32_t* tt = tot.data() + t * span + (r0 - lo);
+              float* mt = mins.data() + t * span + (r0 - lo);
+              for (int64_t i = 0; i < n; ++i) tt[i] += static_cast<int32_t>(sc[i]) * st[i];
+              const V vc = VSet(dx[t] * static_cast<float>(L.qsum[t]));
+              for (int64_t i = 0; i < n; i += V::kW) {
+                VStore(mt + i, VMulAdd(VBytes(mn + i), vc, VLoad(mt + i)));
+              }
+            } else {  // Q6_K: sc * (S - 32 * sum q)
+              const int8_t* sc = reinterpret_cast<const int8_t*>(head + 2 * rows + s * rows + r0);
+              int32_t* tt = tot.data() + t * span + (r0 - lo);
+              const int32_t off = 32 * L.qsum[t];
+              for (int64_t i = 0; i < n; ++i) tt[i] += static_cast<int32_t>(sc[i]) * (st[i] - off);
+            }
+          }
+          r0 += n;
+        }
+      }
+      if constexpr (kK) {  // the super-block's scales
+        for (int t = 0; t < nt; ++t) {
+          float* yt = y + (t0 + t) * rows + lo;
+          const int32_t* tt = tot.data() + t * span;
+          const float* mt = mins.data() + t * span;
+          const V vdx = VSet(dx[t]);
+          for (int64_t i = 0; i < span; i += V::kW) {
+            V acc = VMulAdd(VHalves(head + 2 * (lo + i)), VMul(VInts(tt + i), vdx), VLoad(yt + i));
+            if constexpr (kT == QType::kQ4_K) {
+              acc = VMulAdd(VMul(VHalves(head + 2 * rows + 2 * (lo + i)), VSet(-1.0f)),
+                            VLoad(mt + i), acc);
+            }
+            VStore(yt + i, acc);
+          }
+        }
+      }
+    }
+  }
+  if (bias != nullptr) {
+    for (int64_t t = 0; t < n_tok; ++t) {
+      for (int64_t r = lo; r < hi; ++r) y[t * rows + r] += bias[r];
+    }
+  }
+}
+
+template <typename Fn>
+void VisitColumns(QType t, Fn&& fn) {
+  switch (t) {
+    case QType::kQ4_0: fn.template operator()<QType::kQ4_0>(); break;
+    case QType::kQ4_1: fn.template operator()<QType::kQ4_1>(); break;
+    case QType::kQ8_0: fn.template operator()<QType::kQ8_0>(); break;
+    case QType::kQ4_K: fn.template operator()<QType::kQ4_K>(); break;
+    case QType::kQ6_K: fn.template operator()<QType::kQ6_K>(); break;
+    default: break;  // callers check ColumnsType
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The file's values of one row's block: codes[block] (as the layout stores them) and the head
+// fields, through the row kernels' own unpacking (quant_formats.h).
+template <class F>
+void DecodeBlock(const uint8_t* blk, uint8_t* codes, uint16_t* halves, uint8_t* sc, uint8_t* mn) {
+  for (int c = 0; c < F::kChunks; ++c) {
+    uint8_t bytes[32];
+#if defined(PIJ_QSIMD_AVX2)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(bytes), F::Unpack(blk, c));
+#else
+    std::memcpy(bytes, F::Unpack(blk, c).v, 32);
+#endif
+    for (int i = 0; i < 32; ++i) {
+      codes[32 * c + i] = F::kType == QType::kQ8_0 ? static_cast<uint8_t>(bytes[i] ^ 0x80)
+                                                   : bytes[i];
+    }
+  }
+  if constexpr (F::kType == QType::kQ4_0 || F::kType == QType::kQ8_0) {
+    halves[0] = qsimd::LoadU16(blk);
+  } else if constexpr (F::kType == QType::kQ4_1) {
+    halves[0] = qsimd::LoadU16(blk);
+    halves[1] = qsimd::LoadU16(blk + 2);
+  } else if constexpr (F::kType == QType::kQ4_K) {
+    halves[0] = qsimd::LoadU16(blk);
+    halves[1] = qsimd::LoadU16(blk + 2);
+    const uint8_t* q = blk + 4;  // 6-bit scale and min of sub-block j (llama.cpp's layout)
+    for (int j = 0; j < 8; ++j) {
+      if (j < 4) {
+        sc[j] = q[j] & 63;
+        mn[j] = q[j + 4] & 63;
+      } else {
+        sc[j] = static_cast<uint8_t>((q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4));
+        mn[j] = static_cast<uint8_t>((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+      }
+    }
+  } else if constexpr (F::kType == QType::kQ6_K) {
+    halves[0] = qsimd::LoadU16(blk + 208);
+    std::memcpy(sc, blk + 192, 16);
+  }
+}
+
+template <class F>
+void ArrangeRowRange(const uint8_t* src, int64_t rows, int64_t cols, uint8_t* dst, int64_t lo,
+                     int64_t hi) {
+  constexpr ColFmt f = Fmt(F::kType);
+  const int64_t nblocks = cols / f.block;
+  const int64_t row_bytes = QRowBytes(F::kType, cols);
+  const int64_t chan_bytes = ChannelStride(f, rows);
+  const int64_t block_bytes = BlockBytes(f, rows);
+  uint8_t codes[256], sc[16], mn[8];
+  uint16_t halves[2];
+  for (int64_t r = lo; r < hi; ++r) {
+    const int64_t tile = r / kColTile, in_tile = r % kColTile;
+    for (int64_t b = 0; b < nblocks; ++b) {
+      DecodeBlock<F>(src + r * row_bytes + b * F::kBytes, codes, halves, sc, mn);
+      uint8_t* head = dst + b * block_bytes;
+      std::memcpy(head + 2 * r, &halves[0], 2);
+      if constexpr (F::kType == QType::kQ4_1 || F::kType == QType::kQ4_K) {
+        std::memcpy(head + 2 * rows + 2 * r, &halves[1], 2);
+      }
+      if constexpr (F::kType == QType::kQ4_K) {
+        for (int j = 0; j < 8; ++j) {
+          head[4 * rows + j * rows + r] = sc[j];
+          head[12 * rows + j * rows + r] = mn[j];
+        }
+      }
+      if constexpr (F::kType == QType::kQ6_K) {
+        for (int j = 0; j < 16; ++j) head[2 * rows + j * rows + r] = sc[j];
+      }
+      uint8_t* cbase = head + HeadBytes(f, rows);
+      for (int64_t j = 0; j < f.block; ++j) {
+        uint8_t* t = cbase + j * chan_bytes + tile * (f.wide ? 64 : 32);
+        if constexpr (f.wide) {
+          // byte k holds row TileRow8(k): the inverse map, row -> byte
+          static constexpr auto kByteOf = [] {
+            std::array<uint8_t, 64> a{};
+            for (int k = 0; k < 64; ++k) a[TileRow8(k)] = static_cast<uint8_t>(k);
+            return a;
+          }();
+          t[kByteOf[in_tile]] = codes[j];
+        } else {
+          static constexpr auto kByteOf = [] {
+            std::array<uint8_t, 32> a{};
+            for (int k = 0; k < 32; ++k) a[TileRow(k)] = static_cast<uint8_t>(k);
+            return a;
+          }();
+          uint8_t& byte = t[kByteOf[in_tile % 32]];
+          byte = in_tile < 32 ? static_cast<uint8_t>((byte & 0xf0) | codes[j])
+                              : static_cast<uint8_t>((byte & 0x0f) | (codes[j] << 4));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool CanArrangeColumns(QType t, int64_t rows, int64_t cols) {
+  const ColFmt f = Fmt(t);
+  return ColumnsType(t) && rows > 0 && rows % kColTile == 0 && cols > 0 && cols % f.block == 0;
+}
+
+int64_t ColumnsRowBytes(QType t, int64_t rows, int64_t cols) {
+  const ColFmt f = Fmt(t);
+  const int64_t total = cols / f.block * BlockBytes(f, rows);
+  return (total + rows - 1) / rows;
+}
+
+void ArrangeColumns(const uint8_t* src, QType t, int64_t rows, int64_t cols, uint8_t* dst,
+                    ThreadPool& pool) {
+  VisitQType(t, [&]<class F>(F) {
+    if constexpr (ColumnsType(F::kType)) {
+      // whole tiles per task: a tile's bytes are written by one task (nibbles share bytes)
+      const int64_t tiles = rows / kColTile;
+      const int64_t tasks = std::min<int64_t>(tiles, 4 * pool.NumThreads());
+      pool.Run(0, tasks, [&](int64_t task, int /*worker*/) {
+        ArrangeRowRange<F>(src, rows, cols, dst, tiles * task / tasks * kColTile,
+                           tiles * (task + 1) / tasks * kColTile);
+      });
+    }
+  });
+}
+
+void DequantizeColumns(const uint8_t* w, QType t, int64_t rows, int64_t cols, float* out) {
+  const ColFmt f = Fmt(t);
+  const int64_t nblocks = cols / f.block;
+  const int64_t chan_bytes = ChannelStride(f, rows);
+  const int64_t block_bytes = BlockBytes(f, rows);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* head = w + b * block_bytes;
+    const uint8_t* codes = head + HeadBytes(f, rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float d = qsimd::HalfAt(head + 2 * r);
+      for (int64_t j = 0; j < f.block; ++j) {
+        const uint8_t* tile = codes + j * chan_bytes + (r / kColTile) * (f.wide ? 64 : 32);
+        const int in_tile = static_cast<int>(r % kColTile);
+        int32_t code = 0;
+        if (f.wide) {
+          for (int k = 0; k < 64; ++k) {
+            if (TileRow8(k) == in_tile) code = tile[k];
+          }
+        } else {
+          for (int k = 0; k < 32; ++k) {
+            if (TileRow(k) == in_tile % 32) code = in_tile < 32 ? tile[k] & 15 : tile[k] >> 4;
+          }
+        }
+        float v = 0.0f;
+        switch (t) {
+          case QType::kQ4_0: v = d * static_cast<float>(code - 8); break;
+          case QType::kQ4_1: v = d * static_cast<float>(code) + qsimd::HalfAt(head + 2 * rows + 2 * r); break;
+          case QType::kQ8_0: v = d * static_cast<float>(static_cast<int8_t>(code ^ 0x80)); break;
+          case QType::kQ4_K: {
+            const int64_t s = j / 32;
+            const float dmin = qsimd::HalfAt(head + 2 * rows + 2 * r);
+            v = d * static_cast<float>(head[4 * rows + s * rows + r]) * static_cast<float>(code) -
+                dmin * static_cast<float>(head[12 * rows + s * rows + r]);
+            break;
+          }
+          case QType::kQ6_K: {
+            const int64_t s = j / 16;
+            const auto sc = static_cast<int8_t>(head[2 * rows + s * rows + r]);
+            v = d * static_cast<float>(sc) * static_cast<float>(code - 32);
+            break;
+          }
+          default: break;
+        }
+        out[r * cols + b * f.block + j] = v;
+      }
+    }
+  }
+}
+
+void QLinearColumnsRows(const uint8_t* w, QType t, int64_t rows, int64_t cols,
+                        std::span<const QActView> xs, int64_t lo, int64_t hi, const float* bias,
+                        float* y, bool portable) {
+  if (lo >= hi || xs.empty()) return;
+  VisitColumns(t, [&]<QType kT>() { Rows<kT>(w, rows, cols, xs, lo, hi, bias, y, portable); });
+}
+
+}  // namespace pij

@@ -1,0 +1,103 @@
+"""The columns layout (cpu_backend/qcolumns.h): a quantized matrix stored input-channel-major, read
+by ops.qlinear only where its input's 8-bit activation is nonzero. Arranging keeps every value of
+the file; the product equals the rows kernel and the jnp reference on any mask, the vector path
+equals the portable one bitwise, and bad operands are one-line errors."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers_quant import random_blocks
+from helpers_tolerances import assert_close
+from powerinfer_jax import ops
+from powerinfer_jax.checkpoint import quants
+from powerinfer_jax.models.qweights import COLUMNS, columns
+from powerinfer_jax.ops import _ffi
+
+TYPES = list(quants.COLUMNS_BASE_TYPES)
+
+
+def _case(qtype, seed, *, o=192, t=3, zero=0.5):
+    """A random matrix (o rows: a pair of tiles and a single one) and t tokens with about
+    `zero` of their channels zeroed (per token, independently)."""
+    rng = np.random.default_rng(seed)
+    d = 512 if quants.block_size(qtype)[0] == 256 else 160
+    blocks = random_blocks(qtype, o, d, rng)
+    x = rng.standard_normal((t, d), dtype=np.float32)
+    x[rng.random((t, d)) < zero] = 0.0
+    return blocks, x, d
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_arranging_keeps_the_files_values(qtype):
+    blocks, _, d = _case(qtype, 0)
+    w = columns(blocks, qtype)
+    assert w.layout == COLUMNS and w.kernel_qtype == qtype + quants.COLUMNS_SUFFIX
+    want = np.zeros((blocks.shape[0], d), np.float32)
+    _ffi._pij_ext.dequantize_into(blocks, quants.type_id(qtype), want)
+    np.testing.assert_array_equal(quants.columns_to_float(np.asarray(w.blocks), qtype, d), want)
+    got = np.zeros_like(want)
+    _ffi._pij_ext.dequantize_columns(np.asarray(w.blocks), quants.type_id(qtype), got)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("t", [1, 2, 5])
+def test_product_equals_rows_kernel_reference_and_portable(qtype, t):
+    blocks, x, d = _case(qtype, t, t=t)
+    w = columns(blocks, qtype)
+    name = w.kernel_qtype
+    got = np.asarray(jax.jit(lambda x, b: ops.qlinear(x, b, name, d))(x, w.blocks))
+    rows = np.asarray(ops.qlinear(x, blocks, qtype, d))
+    ref = np.asarray(ops.qlinear(x, w.blocks, name, d, impl="reference"))
+    assert_close(got, rows, "quantized")
+    assert_close(got, ref, "quantized")
+    portable = np.zeros_like(got)
+    _ffi._pij_ext.qlinear_columns_portable(x, np.asarray(w.blocks), quants.type_id(qtype),
+                                           portable)
+    np.testing.assert_array_equal(got, portable)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K"])
+def test_skipped_channels_change_no_bit(qtype):
+    """A token's result does not depend on the other tokens of the call (their union of channels
+    is read) nor on the thread count: the same bits alone, in a batch, on one thread."""
+    blocks, x, d = _case(qtype, 7, t=4, zero=0.6)
+    w = columns(blocks, qtype)
+    f = jax.jit(lambda x: ops.qlinear(x, w.blocks, w.kernel_qtype, d))
+    batch = np.asarray(f(x))
+    for i in range(4):
+        np.testing.assert_array_equal(np.asarray(f(x[i:i + 1]))[0], batch[i])
+    before = _ffi.get_num_threads()
+    try:
+        for n in (1, 3):
+            ops.set_num_threads(n)
+            np.testing.assert_array_equal(np.asarray(f(x)), batch)
+    finally:
+        ops.set_num_threads(before)
+
+
+def test_all_zero_input_gives_the_bias():
+    blocks, x, d = _case("Q4_0", 3, t=2, zero=1.0)
+    w = columns(blocks, "Q4_0")
+    b = np.arange(blocks.shape[0], dtype=np.float32)
+    got = np.asarray(ops.qlinear(x, w.blocks, w.kernel_qtype, d, b))
+    np.testing.assert_array_equal(got, np.broadcast_to(b, got.shape))
+
+
+def test_no_columns_layout_is_left_to_the_caller():
+    rng = np.random.default_rng(1)
+    assert columns(random_blocks("Q4_0", 96, 64, rng), "Q4_0") is None  # 96 rows: not tiles
+    assert columns(random_blocks("Q5_0", 64, 64, rng), "Q5_0") is None  # no such layout
+
+
+def test_bad_operands_are_one_line_errors():
+    blocks, x, d = _case("Q4_0", 2)
+    w = columns(blocks, "Q4_0")
+    with pytest.raises(ValueError, match="blocks"):
+        ops.qlinear(x, np.asarray(w.blocks)[:, :-1], w.kernel_qtype, d)
+    with pytest.raises(ValueError, match="multiple of 64 rows"):
+        ops.qlinear(x, np.asarray(w.blocks)[:100], w.kernel_qtype, d)
+    with pytest.raises(ValueError, match="arrange_columns"):
+        _ffi._pij_ext.arrange_columns(blocks[:100], quants.type_id("Q4_0"), d,
+                                      np.zeros((100, 10), np.uint8))
