@@ -43,7 +43,8 @@ MAX_DECODE_BLOCK = 64  # decode steps per executable call (RuntimeConfig.decode_
 # The names a SparsityConfig accepts: the built-in modes of sparsity/modes.py, and any mode a
 # research script registers there (modes.register adds its name). Kept here so that a config is
 # checked when it is made without this layer importing the sparsity layer above it.
-_SPARSITY_MODES = ["dense", "auto", "oracle", "powerinfer", "threshold", "predictor"]
+_SPARSITY_MODES = ["dense", "auto", "oracle", "powerinfer", "threshold", "predictor", "input_magnitude",
+                   "input_weighted"]
 
 
 def sparsity_modes() -> tuple[str, ...]:
@@ -316,8 +317,12 @@ class SparsityConfig:
         _check(math.isfinite(self.threshold) and self.threshold >= 0, "threshold",
                "a finite float >= 0", self.threshold)
         if self.target_sparsity is not None:
-            _check(isinstance(self.target_sparsity, float) and 0 < self.target_sparsity < 1,
-                   "target_sparsity", "a float in (0, 1)", self.target_sparsity)
+            # input sparsity takes 0 too: its thresholds of 0 are the dense model
+            low_ok = self.mode.startswith("input_")
+            _check(isinstance(self.target_sparsity, float) and 1 > self.target_sparsity >= 0
+                   and (low_ok or self.target_sparsity > 0), "target_sparsity",
+                   "a float in [0, 1) for input sparsity, (0, 1) otherwise",
+                   self.target_sparsity, f"sparsity={self.mode!r}")
 
 
 @dataclasses.dataclass(frozen=True)

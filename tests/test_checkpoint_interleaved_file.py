@@ -62,7 +62,7 @@ def test_a_model_from_the_file_computes_the_same_logits_and_reads_it(gguf):
     assert weight.ctypes.data % 64 == 0
     where = mapping_at(weight.ctypes.data)
     assert where is None or where.path != str(again.path)
-    entry = again._tensors["layers.0.attn.q.weight"]
+    entry = again._tensors[("layers.0.attn.q.weight", interleaved_file.INTERLEAVED)]
     np.testing.assert_array_equal(
         weight.reshape(-1), again._data[entry["offset"]:entry["offset"] + weight.nbytes])
     rope = q.params["layers.0.attn.q.weight"]

@@ -48,7 +48,8 @@ from powerinfer_jax import cache
 from powerinfer_jax.checkpoint.base import aligned_empty
 from powerinfer_jax.errors import UserError
 
-FORMAT = 1  # bump when the layout or the interleaving changes
+FORMAT = 2  # bump when the layout or the interleaving changes (2: matrices in either layout)
+INTERLEAVED, COLUMNS = "interleaved", "columns"  # the arrangements kept (models/qweights.py)
 SUFFIX = ".pij-interleaved"
 MAGIC = b"PIJINTLV"
 ALIGN = 4096
@@ -110,23 +111,25 @@ class InterleavedFile:
         self.note(f"interleaved copy {path} is {reason}; writing it again")
         return False
 
-    def get(self, name: str, t):
-        """The interleaved blocks of `t` (checkpoint.base.QuantTensor, canonical param `name`)
-        as the file holds them (a read-only view of its mapping), or None (not there, or of
-        another format or shape). `read` brings many into memory at once."""
-        entry = self._tensors.get(name)
+    def get(self, name: str, t, layout: str = INTERLEAVED):
+        """The arranged blocks of `t` (checkpoint.base.QuantTensor, canonical param `name`) in
+        `layout` (INTERLEAVED, or COLUMNS: models/qweights.py) as the file holds them (a
+        read-only view of its mapping), or None (not there, or of another layout, format or
+        shape). `read` brings many into memory at once."""
+        entry = self._tensors.get((name, layout))
         if entry is None or entry["qtype"] != t.qtype:
             return None
         rows, cols = t.stored_shape
         from powerinfer_jax.checkpoint import quants  # lazy: start-up
 
-        shape = (rows, quants.row_bytes(t.qtype, cols))
+        shape = (rows, quants.columns_row_bytes(t.qtype, rows, cols) if layout == COLUMNS
+                 else quants.row_bytes(t.qtype, cols))
         if tuple(entry["shape"]) != shape:
             return None
         at, n = entry["offset"], shape[0] * shape[1]
         return self._data[at:at + n].reshape(shape)
 
-    def read(self, tensors: dict, threads: int | None = None) -> dict:
+    def read(self, tensors: dict, threads: int | None = None, layout: str = INTERLEAVED) -> dict:
         """{name: the interleaved blocks of tensor t} for those of `tensors` ({name: t}) the file
         holds, read into the process's own (anonymous) memory by `threads` threads.
 
@@ -135,14 +138,15 @@ class InterleavedFile:
         numpy backs with huge pages (the SYNTHETIC 7B Q4_0 dense, 2 threads, 3 interleaved
         rounds: 5.4 vs 7.1 tok/s). Two threads read its 3.76 GB from the page cache in ~0.6 s,
         and the file's pages are not mapped, so they are not in the resident set either."""
-        views = {name: v for name, t in tensors.items() if (v := self.get(name, t)) is not None}
+        views = {name: v for name, t in tensors.items()
+                 if (v := self.get(name, t, layout)) is not None}
         if not views:
             return {}
         out = {name: aligned_empty(v.shape, np.uint8) for name, v in views.items()}
         jobs = []  # (destination, file offset), 64 MiB at most each
         for name, v in views.items():
             flat = out[name].reshape(-1)
-            at = self._tensors[name]["offset"]
+            at = self._tensors[(name, layout)]["offset"]
             for lo in range(0, flat.size, _READ_CHUNK):
                 jobs.append((flat[lo:lo + _READ_CHUNK], at + lo))
         fd = os.open(self.path, os.O_RDONLY)
@@ -163,9 +167,9 @@ class InterleavedFile:
             os.close(fd)
         return out
 
-    def add(self, name: str, blocks, qtype: str) -> None:
-        """Keep a copy the build made (interleaved blocks of base format `qtype`) for `save`."""
-        self._made[name] = (blocks, qtype)
+    def add(self, name: str, blocks, qtype: str, layout: str = INTERLEAVED) -> None:
+        """Keep a copy the build made (blocks of base format `qtype` in `layout`) for `save`."""
+        self._made[(name, layout)] = (blocks, qtype)
 
     def made_bytes(self) -> int:
         return sum(np.asarray(b).nbytes for b, _ in self._made.values())
@@ -177,8 +181,8 @@ class InterleavedFile:
         Returns where it was written, or None."""
         if not self._made or self.made_bytes() < (MIN_BYTES if min_bytes is None else min_bytes):
             return None
-        kept = {name: (self._data[e["offset"]:e["offset"] + e["shape"][0] * e["shape"][1]]
-                       .reshape(e["shape"]), e["qtype"]) for name, e in self._tensors.items()}
+        kept = {key: (self._data[e["offset"]:e["offset"] + e["shape"][0] * e["shape"][1]]
+                      .reshape(e["shape"]), e["qtype"]) for key, e in self._tensors.items()}
         self._made = {**kept, **self._made}
         for i, path in enumerate(self.places):
             try:
@@ -200,11 +204,12 @@ class InterleavedFile:
 
     def _write(self, dest: Path) -> None:
         index, offset = {}, 0
-        for name, (blocks, qtype) in self._made.items():
+        for (name, layout), (blocks, qtype) in self._made.items():
             b = np.asarray(blocks)
-            index[name] = {"qtype": qtype, "shape": list(b.shape), "offset": offset}
+            index[(name, layout)] = {"name": name, "layout": layout, "qtype": qtype,
+                                     "shape": list(b.shape), "offset": offset}
             offset = _round_up(offset + b.nbytes, ALIGN)
-        header = {"format": FORMAT, "model": self.key, "tensors": index}
+        header = {"format": FORMAT, "model": self.key, "tensors": list(index.values())}
         text = json.dumps(header).encode()
         start = _round_up(_PREFIX.size + len(text), ALIGN)  # offsets count from here
         total = start + offset
@@ -220,8 +225,8 @@ class InterleavedFile:
 
             write(_PREFIX.pack(MAGIC, FORMAT, len(text)) + text)
             pos = _PREFIX.size + len(text)
-            for name, (blocks, _) in self._made.items():
-                at = start + index[name]["offset"]
+            for key, (blocks, _) in self._made.items():
+                at = start + index[key]["offset"]
                 write(b"\0" * (at - pos))
                 data = np.ascontiguousarray(blocks).reshape(-1)
                 write(memoryview(data))
@@ -248,11 +253,14 @@ def _read(path: Path, key: dict) -> tuple[np.memmap, dict]:
         raise ValueError("written for another model file (its size, mtime or contents differ)")
     data = np.memmap(path, np.uint8, "r")
     tensors = {}
-    for name, e in header["tensors"].items():
+    for e in header["tensors"]:
+        name, layout = e["name"], e["layout"]
+        if layout not in (INTERLEAVED, COLUMNS):
+            raise ValueError(f"{name}: expected the layout {INTERLEAVED} or {COLUMNS}, got {layout}")
         rows, row_bytes = e["shape"]
         at = start + e["offset"]
         if at % ALIGN or at + rows * row_bytes > data.size:
             raise ValueError(f"{name} at byte {at} ({rows * row_bytes} bytes) does not lie "
                              f"within the file's {data.size} bytes")
-        tensors[name] = {**e, "offset": at}
+        tensors[(name, layout)] = {**e, "offset": at}
     return data, tensors

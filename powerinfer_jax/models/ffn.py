@@ -35,8 +35,9 @@ from flax import nnx
 
 from powerinfer_jax import ops
 from powerinfer_jax.errors import fail
-from powerinfer_jax.models.layers import F32, Linear, Module, _param, op_impl, sow, use_ffi
-from powerinfer_jax.models.qweights import (GROUPS, MATVEC, ROWS, FfnLayout, QWeight,
+from powerinfer_jax.models.layers import (F32, InputSample, Linear, Module, _param, apply_mask,
+                                         op_impl, sow, use_ffi)
+from powerinfer_jax.models.qweights import (COLUMNS, GROUPS, MATVEC, ROWS, FfnLayout, QWeight,
                                             host_blocks)
 from powerinfer_jax.ops.reference import (  # pure jnp, shared with the kernels' oracle
     activate, floor_gate, gated_activate)
@@ -138,7 +139,7 @@ class DownT(Module):
         return "groups" if self.layout == GROUPS else "rows"
 
     def __call__(self, a_btf):
-        if self.qtype is not None and self.layout == MATVEC:
+        if self.qtype is not None and self.layout in (MATVEC, COLUMNS):
             return ops.qlinear(a_btf, self.weight[...], self.qweight.kernel_qtype, self.d_ff,
                                _value(self.bias), impl=op_impl(self.kernels))
         if self.qtype is not None:
@@ -190,8 +191,15 @@ class Rows:
     fused: bool = False
 
     def dense(self, ffn, x_btd):
-        if ffn.quantized and ffn.down_t.layout == MATVEC:  # three matvecs on the file's blocks
-            return ffn.down_t(ffn.hot_activations(x_btd))
+        if ffn.in_mask is not None or ffn.mid_mask is not None:  # input sparsity: the matvecs
+            # read their inputs' nonzero channels (columns layout); floats run masked, densely
+            a = ffn.activations(apply_mask(ffn.in_mask, x_btd))
+            sow(ffn, "ffn_mid", a, InputSample)
+            return ffn.down_t(apply_mask(ffn.mid_mask, a))
+        if ffn.quantized and ffn.down_t.layout in (MATVEC, COLUMNS):  # three matvecs
+            a = ffn.hot_activations(x_btd)
+            sow(ffn, "ffn_mid", a, InputSample)
+            return ffn.down_t(a)
         if ffn.quantized or use_ffi(ffn.kernels, x_btd, ffn.up.weight[...]):
             # Every neuron through the custom call: "oracle" at threshold 0 skips only exact
             # zeros, so this is the dense FFN with rows streamed at their stored width.
@@ -355,6 +363,9 @@ class FFN(Module):
         self.backend = Rows()
         self.cold = nnx.data(None)  # after split() on the CPU: {"gate", "up", "down_t", "b_up"}
         self.n_cold = 0  # rows in self.cold or behind a CudaHybrid handle
+        # input sparsity (sparsity/input_sparsity.py): masks of gate/up's and down's inputs
+        self.in_mask = nnx.data(None)
+        self.mid_mask = nnx.data(None)
 
     # ---------------------------------------------------------------- the call: one path
     def __call__(self, x_btd):

@@ -72,11 +72,18 @@ def matmul(x, w_od, kernels: str = "xla"):
     return jnp.einsum("...i,oi->...o", x.astype(w_od.dtype), w_od, preferred_element_type=F32)
 
 
-def sow(module: nnx.Module, name: str, value) -> None:
-    """Record a diagnostic (nnx.Intermediate `name`) when the call runs under nnx.capture (see
-    models.transformer.capture); otherwise nothing is kept, so decode steps carry no extra state."""
+class InputSample(nnx.Variable):
+    """What a matrix's input was (attention's and the FFN's inputs), recorded only when a capture
+    asks for this kind (input sparsity's calibration): profiles that capture nnx.Intermediate
+    never carry them."""
+
+
+def sow(module: nnx.Module, name: str, value, kind=nnx.Intermediate) -> None:
+    """Record a diagnostic (`kind` `name`, nnx.Intermediate by default) when the call runs under
+    nnx.capture of that kind (see models.transformer.capture); otherwise nothing is kept, so
+    decode steps carry no extra state."""
     if hasattr(module, "__captures__"):  # set by nnx.capture on every module it wraps
-        module.sow(nnx.Intermediate, name, value)
+        module.sow(kind, name, value)
 
 
 class Module(nnx.Module, pytree=False):
@@ -156,6 +163,32 @@ class Linear(Module):
         else:
             y = matmul(x, self.weight[...], self.kernels)
         return y + self.bias[...] if self.bias is not None else y
+
+
+class InputThreshold(nnx.Variable):
+    """Per-channel thresholds of an input mask (not a checkpoint parameter)."""
+
+
+class InputMask(Module):
+    """Input sparsity of the matrices that read one input: x_j is zeroed where |x_j| < threshold_j
+    (per channel: the magnitude rule's one value repeated, or the weighted rule's value divided
+    by the weight column's norm; sparsity/input_sparsity.py calibrates them). A quantized matrix
+    in the columns layout (models/qweights.py) then reads no weight of a zeroed channel. Under
+    `capture` it records the nonzero channels it lets through ("<name>_active" [B, T])."""
+
+    def __init__(self, thresholds, *, name: str):
+        self.name = name
+        self.threshold = InputThreshold(jnp.asarray(thresholds, F32))
+
+    def __call__(self, x):
+        x = jnp.where(jnp.abs(x) < self.threshold[...], jnp.zeros((), x.dtype), x)  # NaN stays
+        sow(self, f"{self.name}_active", jnp.sum(x != 0, axis=-1, dtype=jnp.int32))
+        return x
+
+
+def apply_mask(mask, x):
+    """x through an InputMask, or as it is (None: dense)."""
+    return x if mask is None else mask(x)
 
 
 _SUM_WIDTH = 64  # the lanes of row_mean's fixed-order sum
@@ -255,6 +288,9 @@ class Attention(Module):
             self.q_norm = Norm(n_heads * head_dim, kind="rms", eps=qk_norm_full_eps)
             self.k_norm = Norm(n_kv_heads * head_dim, kind="rms", eps=qk_norm_full_eps)
         self.qk_norm_full = qk_norm_full_eps is not None
+        # input sparsity (sparsity/input_sparsity.py): masks of q/k/v's input and o's input
+        self.in_mask = nnx.data(None)
+        self.out_mask = nnx.data(None)
 
     def __call__(self, x_btd, positions_bt, cache=None, cache_index=None, kv_len=None):
         """cache: None (attend within x only) or (k_rskh, v_rskh) with R >= B rows; sequence b uses
@@ -265,6 +301,8 @@ class Attention(Module):
         it keeps decode from reading the whole cache while sequences are short. Returns
         (y_btd, new_cache)."""
         b, t, _ = x_btd.shape
+        sow(self, "attn_in", x_btd, InputSample)
+        x_btd = apply_mask(self.in_mask, x_btd)
         # KV heads from the weights: on a mesh (runtime/mesh.py) this device's share of them
         h, g = self.head_dim, self.n_heads // self.n_kv_heads
         kh = self.k.weight.shape[0] // h
@@ -299,7 +337,12 @@ class Attention(Module):
         scores = jnp.where(visible[:, None, None], scores, _NEG_INF)
         probs = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("bkgts,bskh->btkgh", probs, from_cache(v_all))
-        return self.o(out.reshape(b, t, kh * g * h)), new_cache
+        return self._out(out.reshape(b, t, kh * g * h)), new_cache
+
+    def _out(self, out_btd):
+        """o's product of the heads' output (through o's input mask)."""
+        sow(self, "attn_out", out_btd, InputSample)
+        return self.o(apply_mask(self.out_mask, out_btd))
 
     def _decode_ffi(self, x_btd, positions_bt, cache, cache_index, kv_len):
         """One token per sequence: q/k norms, rope, cache write, scores (soft-capped, windowed),
@@ -330,7 +373,7 @@ class Attention(Module):
             q_norm=self.q_norm.scale[...] if norm else None,
             k_norm=self.k_norm.scale[...] if norm else None,
             norm_eps=self.q_norm.eps if norm else 1e-6)
-        return self.o(out), (k_cache, v_cache)
+        return self._out(out), (k_cache, v_cache)
 
     def _full_norm(self, q, k):
         """q [.., N * H] and k [.., K * H] RMS-normed over the whole projection (OLMoE), or as

@@ -11,6 +11,10 @@ the matrix reads it:
           projection: neuron rows [F, D] blocked along D (re-blocked, in `FfnLayout.down_qtype`).
   GROUPS  the down projection only: the file's ffn_down blocks regrouped per 32 neurons
           (quants.down_groups): read per active neuron, nothing re-quantized.
+  COLUMNS input-channel-major (quants: the columns layout, cpu_backend/qcolumns.h): a matvec
+          that reads only the weights of its input's nonzero channels (input sparsity), nothing
+          re-quantized. For the down projection: the file's ffn_down [D, F], its inputs the F
+          neurons. A matrix whose format or size has no columns layout stays MATVEC.
 The build plan picks each FFN's layouts from its sparsity mode (`FfnLayout`, sparsity/modes.py)
 before loading, `arrange` makes them from the file's tensors, and `apply_ffn_layout` is the only
 code that changes the layout of a built model (a model configured for another mode). Modules
@@ -34,8 +38,8 @@ from powerinfer_jax.errors import check_choice, fail
 
 _BLOCK = 32
 
-MATVEC, ROWS, GROUPS = "matvec", "rows", "groups"
-LAYOUTS = (MATVEC, ROWS, GROUPS)
+MATVEC, ROWS, GROUPS, COLUMNS = "matvec", "rows", "groups", "columns"
+LAYOUTS = (MATVEC, ROWS, GROUPS, COLUMNS)
 DOWN_ROWS_QTYPE = "Q8_0"  # down rows re-blocked per neuron: near-lossless, 8.5 bits a weight
 
 
@@ -45,15 +49,23 @@ class QWeight:
 
     blocks: object  # uint8 [rows, row_bytes] (numpy, or the model's array)
     qtype: str  # the blocks' GGML format ("Q4_0", ...)
-    layout: str  # MATVEC | ROWS | GROUPS
+    layout: str  # MATVEC | ROWS | GROUPS | COLUMNS
     interleaved: bool = False  # MATVEC rows interleaved by 16
 
     @property
     def kernel_qtype(self) -> str:
-        """The type name the custom calls take ("Q4_0x16" for interleaved rows)."""
-        from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
+        """The type name the custom calls take ("Q4_0x16" for interleaved rows, "Q4_0c64" for
+        the columns layout)."""
+        return kernel_type(self.qtype, self.layout, self.interleaved)
 
-        return self.qtype + quants.INTERLEAVED_SUFFIX if self.interleaved else self.qtype
+
+def kernel_type(qtype: str, layout: str, interleaved: bool) -> str:
+    """The one map from (format, layout) to the type name the custom calls take."""
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
+
+    if layout == COLUMNS:
+        return qtype + quants.COLUMNS_SUFFIX
+    return qtype + quants.INTERLEAVED_SUFFIX if interleaved else qtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,16 +78,20 @@ class FfnLayout:
     up: str = MATVEC
     down: str = MATVEC
     down_qtype: str | None = None
+    attention: str = MATVEC  # q, k, v and o: MATVEC or COLUMNS (input sparsity)
 
     def __post_init__(self):
-        check_choice("FfnLayout.gate", self.gate, (MATVEC, ROWS))
-        check_choice("FfnLayout.up", self.up, (MATVEC, ROWS))
+        check_choice("FfnLayout.gate", self.gate, (MATVEC, ROWS, COLUMNS))
+        check_choice("FfnLayout.up", self.up, (MATVEC, ROWS, COLUMNS))
         check_choice("FfnLayout.down", self.down, LAYOUTS)
+        check_choice("FfnLayout.attention", self.attention, (MATVEC, COLUMNS))
 
 
 DENSE_LAYOUT = FfnLayout()
 # A selector's neurons: gate and up rows read one by one, down rows per active neuron.
 SELECTED_LAYOUT = FfnLayout(gate=ROWS, up=ROWS, down=GROUPS)
+# Input sparsity: every matrix of a block reads only its input's nonzero channels.
+INPUTS_LAYOUT = FfnLayout(gate=COLUMNS, up=COLUMNS, down=COLUMNS, attention=COLUMNS)
 
 
 def arrange(t, layout: str, *, down_qtype: str | None = None) -> QWeight:
@@ -87,6 +103,9 @@ def arrange(t, layout: str, *, down_qtype: str | None = None) -> QWeight:
 
     if layout not in LAYOUTS:
         fail("weight layout", f"one of {list(LAYOUTS)}", layout)
+    if layout == COLUMNS:
+        w = columns(t.blocks, t.qtype)
+        return w if w is not None else arrange(t, MATVEC)  # no such layout: read whole
     if t.transposed:
         if layout == GROUPS and t.qtype in quants.DOWN_GROUP_TYPES:
             groups = t.down_groups()
@@ -301,6 +320,26 @@ def _interleave_job(blocks, qtype: str):
     out = aligned_empty(b.shape, np.uint8)  # host_blocks keeps it as it is
     return (np.ascontiguousarray(b, np.uint8), quants.type_id(qtype), out,
             qtype + quants.INTERLEAVED_SUFFIX)
+
+
+def columns(blocks, qtype: str) -> QWeight | None:
+    """The file's rows (uint8 [O, row_bytes], any [O, I] matrix as stored, ffn_down included)
+    arranged in the columns layout on the kernels' pool, or None where the format or the row
+    count has none (quants.can_columns)."""
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
+
+    b = np.asarray(blocks)
+    block, nbytes = quants.block_size(qtype)
+    cols = b.shape[1] // nbytes * block
+    if not quants.can_columns(qtype, b.shape[0], cols):
+        return None
+    from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
+
+    out = aligned_empty((b.shape[0], quants.columns_row_bytes(qtype, b.shape[0], cols)), np.uint8)
+    _ffi._pij_ext.arrange_columns(np.ascontiguousarray(b, np.uint8), quants.type_id(qtype), cols,
+                                  out)
+    release_later(blocks)  # the file's rows were read once to build the copy
+    return QWeight(out, qtype, COLUMNS)
 
 
 def gather_rows(table, ids, qtype: str):

@@ -22,10 +22,12 @@ from powerinfer_jax.errors import fail
 from powerinfer_jax.models.ffn import FFN, block_residual, residual_scope  # noqa: F401
 from powerinfer_jax.models.kv_cache import init_cache  # noqa: F401  (re-exported)
 from powerinfer_jax.models.moe import MoE
-from powerinfer_jax.models.qweights import (DENSE_LAYOUT, FfnLayout, MATVEC, QWeight, ROWS,
-                                            arrange, batched_load, gather_rows, host_blocks)
-from powerinfer_jax.models.layers import (F32, Attention, Linear, Module, Norm, _param, matmul,
-                                         op_impl, resolve_kernels, shapes_only, sow)
+from powerinfer_jax.models.qweights import (COLUMNS, DENSE_LAYOUT, FfnLayout, MATVEC, QWeight,
+                                            ROWS, arrange, batched_load, gather_rows,
+                                            host_blocks)
+from powerinfer_jax.models.layers import (F32, Attention, InputSample, Linear, Module, Norm,
+                                         _param, matmul, op_impl, resolve_kernels, shapes_only,
+                                         sow)
 from powerinfer_jax.models.rope import layer_rope
 from powerinfer_jax.ops.qblocks import dequantize_rows
 
@@ -73,6 +75,7 @@ class Block(Module):
             x_btd = x_btd + self._post(self.attn_post_norm, self._sum_shards(attn_out))
         ffn_in = self.ffn_norm(x_btd)
         sow(self, "ffn_in", ffn_in)
+        sow(self, "ffn_in", ffn_in, InputSample)
         with residual_scope(x_btd):
             ffn_out = self.ffn(ffn_in)
         if self.parallel:  # Falcon: attention and FFN both read the block's input
@@ -193,11 +196,12 @@ def run_layers(layers, x_btd, positions_bt, cache, cache_index, kv_len):
     return x_btd, (None if cache is None else new_cache)
 
 
-def capture(fn, model, *args):
+def capture(fn, model, *args, kind=nnx.Intermediate):
     """Run fn(model, *args) and collect what the layers sow: returns (fn's result, {name: [L, ...]
-    stacked over layers}), e.g. "ffn_in" [L, B, T, D] and, in sparse modes, "n_active" [L, B, T].
+    stacked over layers}), e.g. "ffn_in" [L, B, T, D] and, in sparse modes, "n_active" [L, B, T]
+    (kind layers.InputSample: the matrices' inputs "attn_in", "attn_out", "ffn_in", "ffn_mid").
     Works eagerly and inside jit (call it on the merged model)."""
-    result, sown = nnx.capture(fn, nnx.Intermediate)(model, *args)
+    result, sown = nnx.capture(fn, kind)(model, *args)
     per_name: dict[str, list] = {}
     for path, var in nnx.to_flat_state(sown):
         if path[0] == "layers":
@@ -267,9 +271,12 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
 
     matvec = {name: t for name, t in blocks.items()
               if _layout(name, t, config, ffn_layout) == MATVEC}
-    mapped = {}  # name -> the file's interleaved blocks, read into memory
+    columns = {name: t for name, t in blocks.items()
+               if _layout(name, t, config, ffn_layout) == COLUMNS}
+    mapped, mapped_columns = {}, {}  # name -> the file's arranged blocks, read into memory
     if copies is not None:
         mapped = copies.read(matvec)
+        mapped_columns = copies.read(columns, layout=COLUMNS)
     with batched_load() as load:
         # the interleaved copies are made on the pool while Python builds the modules below
         load.interleave_ahead((t.blocks, t.qtype) for name, t in matvec.items()
@@ -286,11 +293,15 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
         for name, t in blocks.items():
             if name in mapped:
                 w = QWeight(mapped[name], t.qtype, MATVEC, interleaved=True)
+            elif name in mapped_columns:
+                w = QWeight(mapped_columns[name], t.qtype, COLUMNS)
             else:
                 w = arrange(t, _layout(name, t, config, ffn_layout),
                             down_qtype=ffn_layout.down_qtype)
                 if copies is not None and name in matvec and w.interleaved:
                     copies.add(name, w.blocks, w.qtype)
+                if copies is not None and w.layout == COLUMNS:
+                    copies.add(name, w.blocks, w.qtype, layout=COLUMNS)
             _load_quantized(model, name, w)
         for name, t in expert_blocks.items():
             _at(model, name.rsplit(".", 1)[0]).load(t)  # the experts' Stacked matrix
@@ -306,7 +317,11 @@ def _layout(name: str, t, config: ModelConfig, ffn_layout: FfnLayout) -> str:
     if name == "tok_embed":
         return MATVEC if config.tie_embeddings else ROWS
     if name.endswith("ffn.down_t.weight"):
+        if ffn_layout.down == COLUMNS:  # the file's ffn_down [D, F]; PowerInfer's down_t is
+            return COLUMNS if t.transposed else ROWS  # no matvec of the activations
         return ffn_layout.down if t.transposed else ROWS
+    if ".attn." in name and name.rsplit(".", 2)[-2] in ("q", "k", "v", "o"):
+        return ffn_layout.attention
     for part in ("gate", "up"):
         if name.endswith(f"ffn.{part}.weight"):
             return getattr(ffn_layout, part)

@@ -583,6 +583,16 @@ def _artifacts(model_arg, ckpt, m, sparsity, root, progress):
     from powerinfer_jax.sparsity import modes  # lazy: start-up
 
     need = modes.needs(sparsity)
+    if need.inputs:
+        from powerinfer_jax.sparsity import artifacts as arts_mod  # lazy: start-up
+        from powerinfer_jax.sparsity import input_sparsity  # lazy: start-up
+
+        input_sparsity.check_model(m)
+        root = arts_mod.artifacts_root(model_arg, ckpt.source) if root is None else root
+        return input_sparsity.ensure(
+            m, ckpt.tokenizer, rule=modes.input_rule(sparsity),
+            target=float(sparsity.target_sparsity), root=root, progress=progress,
+            fingerprint=arts_mod.model_fingerprint(model_arg, ckpt.source, ckpt.config))
     if need.model_file:
         return modes.get(sparsity.mode).load(sparsity.predictor_file or str(ckpt.source),
                                              ckpt.config)

@@ -31,6 +31,7 @@ class Needs:
 
     thresholds: bool = False  # per-layer calibrated thresholds (profile + calibration)
     lowrank: bool = False  # trained low-rank predictors
+    inputs: bool = False  # calibrated input-sparsity thresholds (sparsity/input_sparsity.py)
     model_file: bool = False  # predictors stored in the model file itself (Mode.load reads them)
 
 
@@ -278,5 +279,37 @@ register("predictor", Mode(
     _predictor, "a predictor chooses the active set before any FFN row is read (--predictor)",
     needs=lambda cfg: Needs(thresholds=True, lowrank=cfg.predictor == "lowrank"),
     layout=_predictor_layout))
+
+# Input sparsity (sparsity/input_sparsity.py): every matrix of a block skips its input's small
+# channels; the FFN itself runs dense (no selector), its matrices in the columns layout.
+INPUT_RULES = {"input_magnitude": "magnitude", "input_weighted": "weighted"}
+
+
+def input_rule(cfg) -> str | None:
+    """The input-sparsity rule of `cfg`'s mode (None: not an input-sparsity mode)."""
+    return INPUT_RULES.get(cfg.mode)
+
+
+def _inputs(model, cfg, arts):
+    from powerinfer_jax.sparsity import input_sparsity  # lazy: start-up
+
+    input_sparsity.install(model, arts)
+    return [None] * model.config.n_layers
+
+
+def _inputs_needs(cfg) -> Needs:
+    if cfg.target_sparsity is None:
+        fail(f"sparsity {cfg.mode!r}", "a --target-sparsity in [0, 1) (a lossy mode runs only at "
+             "a model-wide sparsity you choose)", None, "e.g. --target-sparsity 0.4")
+    return Needs(inputs=True)
+
+
+for _name, _rule in INPUT_RULES.items():
+    register(_name, Mode(
+        _inputs, f"input sparsity, {_rule} rule: each matrix skips the input channels whose "
+                 + ("|x_j|" if _rule == "magnitude" else "|x_j| * ||W[:, j]||")
+                 + " is below a threshold calibrated for --target-sparsity (model-wide share of "
+                   "the blocks' matrix bytes); stock SwiGLU/GeGLU models",
+        needs=_inputs_needs, layout=lambda cfg, mc: _qweights().INPUTS_LAYOUT))
 
 _BUILTIN = dict(_MODES)  # the modes above, as registered here
