@@ -1,5 +1,7 @@
 #include "cpu_backend/qcolumns.h"
 
+#include <cstdint>
+
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -202,6 +204,20 @@ inline void Ahead(const uint8_t* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p + kAheadBytes), _MM_HINT_NTA);
 }
 
+// The first kStartBytes of each listed channel's codes from `offset` (a block's next streams).
+constexpr int64_t kStartBytes = 256;
+inline void PrefetchStarts(const uint8_t* codes, int64_t chan_bytes, int64_t offset,
+                           const SubList* lists, int64_t nsub) {
+  for (int64_t s = 0; s < nsub; ++s) {
+    for (int i = 0; i < 4 * lists[s].n_groups; ++i) {
+      const uint8_t* p = codes + lists[s].chan[i] * chan_bytes + offset;
+      for (int64_t k = 0; k < kStartBytes; k += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + k), _MM_HINT_NTA);
+      }
+    }
+  }
+}
+
 // Four channels' 32-byte tiles -> R[q] (q < 4): int32 lane i holds row 8q + i's four codes
 // (one byte each, channel order), rows as TileRow lays them out.
 inline void Interleave4(__m256i A, __m256i B, __m256i C, __m256i D, __m256i R[4]) {
@@ -399,13 +415,15 @@ void TileSums(const uint8_t* tile, int64_t chan_bytes, const SubList& L, int nt,
               int32_t S[kMaxTok][2 * kColTile]) {
   TileSumsPortable<kWide, kQ8>(tile, chan_bytes, L, nt, S);
 }
+inline void PrefetchStarts(const uint8_t*, int64_t, int64_t, const SubList*, int64_t) {}
 #endif
 
 // ---------------------------------------------------------------------------------------------
 // One format's product over rows [lo, hi) (whole tiles).
 template <QType kT>
 void Rows(const uint8_t* w, int64_t rows, int64_t cols, std::span<const QActView> xs,
-          int64_t lo, int64_t hi, const float* bias, float* y, bool portable) {
+          int64_t lo, int64_t hi, const float* bias, float* y, bool portable,
+          int64_t b_lo = 0, int64_t b_hi = -1) {
   constexpr ColFmt f = Fmt(kT);
   constexpr bool kWide = f.wide, kQ8 = kT == QType::kQ8_0, kK = f.block == 256;
   constexpr int64_t kNsub = f.block / f.sub;
@@ -416,7 +434,10 @@ void Rows(const uint8_t* w, int64_t rows, int64_t cols, std::span<const QActView
   const int64_t n_tok = static_cast<int64_t>(xs.size());
   const int64_t span = hi - lo;
   for (int64_t t = 0; t < n_tok; ++t) std::fill_n(y + t * rows + lo, span, 0.0f);
-  SubList lists[kNsub];
+  if (b_hi < 0) b_hi = nblocks;
+  SubList lists_a[kNsub], lists_b[kNsub];
+  SubList* lists = lists_a;
+  SubList* next = lists_b;
   alignas(64) int32_t S[kMaxTok][2 * kColTile];
   // K-quants: per token and row, the super-block's integer sum and (Q4_K) its minimums' sum
   thread_local std::vector<int32_t> tot;
@@ -428,10 +449,18 @@ void Rows(const uint8_t* w, int64_t rows, int64_t cols, std::span<const QActView
   for (int64_t t0 = 0; t0 < n_tok; t0 += kMaxTok) {
     const int nt = static_cast<int>(std::min<int64_t>(kMaxTok, n_tok - t0));
     const QActView* xg = xs.data() + t0;
-    for (int64_t b = 0; b < nblocks; ++b) {
+    if (b_lo < b_hi) BuildLists(f, b_lo, xg, nt, next);
+    for (int64_t b = b_lo; b < b_hi; ++b) {
       const uint8_t* head = w + b * block_bytes;
       const uint8_t* codes = head + HeadBytes(f, rows);
-      BuildLists(f, b, xg, nt, lists);
+      std::swap(lists, next);
+      if (b + 1 < b_hi) {
+        // The next block's channels: their first lines requested now, so its streams start
+        // warm (a task's run of a channel can be only a few lines: a 4096-row matrix, 2 KiB).
+        BuildLists(f, b + 1, xg, nt, next);
+        if (!portable) PrefetchStarts(w + (b + 1) * block_bytes + HeadBytes(f, rows),
+                                      chan_bytes, lo * kTileBytes / kColTile, next, kNsub);
+      }
       float dx[kMaxTok];
       for (int t = 0; t < nt; ++t) dx[t] = xg[t].d[b];
       if constexpr (kK) {
@@ -722,6 +751,65 @@ void QLinearColumnsRows(const uint8_t* w, QType t, int64_t rows, int64_t cols,
                         float* y, bool portable) {
   if (lo >= hi || xs.empty()) return;
   VisitColumns(t, [&]<QType kT>() { Rows<kT>(w, rows, cols, xs, lo, hi, bias, y, portable); });
+}
+
+void QLinearColumnsBlocks(const uint8_t* w, QType t, int64_t rows, int64_t cols,
+                          std::span<const QActView> xs, int64_t b_lo, int64_t b_hi, float* y) {
+  if (b_lo >= b_hi || xs.empty()) return;
+  VisitColumns(t, [&]<QType kT>() {
+    Rows<kT>(w, rows, cols, xs, 0, rows, nullptr, y, false, b_lo, b_hi);
+  });
+}
+
+int64_t ColumnsBlocks(QType t, int64_t cols) { return cols / Fmt(t).block; }
+
+void QLinearColumnsDecode(std::span<const QLinearOut> outs, int64_t dim, const QActView& x32,
+                          const QActView& x256, std::vector<float>& scratch, ThreadPool& pool) {
+  // Each matrix split along its input into one block range per thread, every row in each: a
+  // task's stream of a channel is the whole column (14 KiB for a 28672-row Q4_0 gate/up).
+  // Range 0 writes y, the others partial sums added in range order after.
+  struct Task {
+    int out;
+    int64_t b_lo, b_hi;
+    float* y;
+  };
+  const int64_t threads = std::max(1, pool.NumThreads());
+  std::vector<Task> tasks;
+  int64_t scratch_size = 0;
+  for (const QLinearOut& o : outs) {
+    const int64_t split = std::min<int64_t>(threads, dim / Fmt(o.qtype).block);
+    scratch_size += (split - 1) * o.out_dim;
+  }
+  if (static_cast<int64_t>(scratch.size()) < scratch_size) scratch.resize(scratch_size);
+  float* part = scratch.data();
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const QLinearOut& o = outs[i];
+    const int64_t nb = dim / Fmt(o.qtype).block;
+    const int64_t split = std::min<int64_t>(threads, nb);
+    for (int64_t k = 0; k < split; ++k) {
+      tasks.push_back({static_cast<int>(i), nb * k / split, nb * (k + 1) / split,
+                       k == 0 ? o.y : part});
+      if (k > 0) part += o.out_dim;
+    }
+  }
+  pool.Run(0, static_cast<int64_t>(tasks.size()), [&](int64_t i, int /*worker*/) {
+    const Task& t = tasks[i];
+    const QLinearOut& o = outs[t.out];
+    const QActView& x = Fmt(o.qtype).block == 256 ? x256 : x32;
+    VisitColumns(o.qtype, [&]<QType kT>() {
+      Rows<kT>(o.w, o.out_dim, dim, {&x, 1}, 0, o.out_dim, nullptr, t.y, false, t.b_lo, t.b_hi);
+    });
+  });
+  part = scratch.data();
+  for (const QLinearOut& o : outs) {  // the partial sums in range order, then the bias
+    const int64_t split = std::min<int64_t>(threads, dim / Fmt(o.qtype).block);
+    for (int64_t k = 1; k < split; ++k, part += o.out_dim) {
+      for (int64_t r = 0; r < o.out_dim; ++r) o.y[r] += part[r];
+    }
+    if (o.bias != nullptr) {
+      for (int64_t r = 0; r < o.out_dim; ++r) o.y[r] += o.bias[r];
+    }
+  }
 }
 
 }  // namespace pij

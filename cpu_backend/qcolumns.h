@@ -37,6 +37,9 @@
 #include <cstdint>
 #include <span>
 
+#include <vector>
+
+#include "cpu_backend/qlinear.h"
 #include "cpu_backend/quant_act.h"
 #include "cpu_backend/quant_formats.h"
 #include "cpu_backend/thread_pool.h"
@@ -73,6 +76,21 @@ void DequantizeColumns(const uint8_t* w, QType t, int64_t rows, int64_t cols, fl
 void QLinearColumnsRows(const uint8_t* w, QType t, int64_t rows, int64_t cols,
                         std::span<const QActView> xs, int64_t lo, int64_t hi, const float* bias,
                         float* y, bool portable = false);
+
+// Split along the input: y[t, :] = the partial product of blocks [b_lo, b_hi) only (no bias),
+// every row. Blocks of the format: ColumnsBlocks(t, cols).
+void QLinearColumnsBlocks(const uint8_t* w, QType t, int64_t rows, int64_t cols,
+                          std::span<const QActView> xs, int64_t b_lo, int64_t b_hi, float* y);
+int64_t ColumnsBlocks(QType t, int64_t cols);
+
+// Decode (one token) of matrices in the columns layout sharing x (x32, x256: its activations per
+// 32 and 256 values), as one pool job: each matrix split along its input into one block range
+// per thread over all its rows, the ranges' partial sums added in range order after (the same
+// bits for the same thread count). Split by rows instead, a [4096, 14336] down projection gave
+// each of 2 threads 1 KiB runs of each channel and ran at 0.4-0.6x the rows kernel dense; along
+// the input, whole 2 KiB columns, 0.7x dense and 1.3x at half the channels (2 threads).
+void QLinearColumnsDecode(std::span<const QLinearOut> outs, int64_t dim, const QActView& x32,
+                          const QActView& x256, std::vector<float>& scratch, ThreadPool& pool);
 
 }  // namespace pij
 

@@ -153,6 +153,20 @@ void QLinearMany(std::span<const QLinearOut> outs, int64_t dim,
     if (need32) views32[t] = scratch.act32.View(t, 32);
     if (need256) views256[t] = scratch.act256.View(t, 16);
   }
+  std::vector<QLinearOut> row_outs;  // decode: the columns matrices go to their own partition
+  if (num_tokens == 1) {
+    std::vector<QLinearOut> column_outs;
+    for (const QLinearOut& o : outs) (o.columns ? column_outs : row_outs).push_back(o);
+    if (!column_outs.empty()) {
+      const QActView none{};
+      QLinearColumnsDecode(column_outs, dim, need32 ? views32[0] : none,
+                           need256 ? views256[0] : none, scratch.partial, pool);
+      if (row_outs.empty()) return;
+      outs = row_outs;
+      total = 0;
+      for (const QLinearOut& o : outs) total += o.out_dim;
+    }
+  }
   auto rows = [&](int64_t lo, int64_t hi) {
     int64_t base = 0;
     for (const QLinearOut& o : outs) {

@@ -34,6 +34,7 @@ struct QLinearOut {
 struct QLinearScratch {
   QActs act32, act256;
   std::vector<QActView> views32, views256;  // per token
+  std::vector<float> partial;  // the columns layout's partial sums (qcolumns.h)
 };
 
 // Several products of the same x rows in one pool job (attention's q, k, v): their rows are split

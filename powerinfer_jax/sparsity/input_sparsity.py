@@ -290,6 +290,34 @@ def _from_path(path: list[tuple[float, dict]], target: float, n_layers: int) -> 
     return [dict(path[-1][1]) for _ in range(n_layers)]
 
 
+def _site_curves(model, inputs: list[dict], rule: str):
+    """Per layer: the sites' matrix bytes, dropped-energy curves and score thresholds over GRID,
+    and the per-channel norms of the rule's score (ones for magnitude)."""
+    site_bytes, curves, thr_grid, norms = [], [], [], []
+    for layer, x in zip(model.layers, inputs):
+        mats = site_matrices(layer)
+        dims = _dims(layer)
+        site_bytes.append({s: sum(matrix_bytes(m) for m in mats[s]) for s in SITES})
+        n = {s: (np.sqrt(sum(column_sq_norms(m, dims[s]) for m in mats[s]))
+                 if rule == "weighted" else np.ones(dims[s])) for s in SITES}
+        norms.append(n)
+        per_thr, per_curve = {}, {}
+        for s in SITES:
+            per_thr[s], per_curve[s] = _curve(np.abs(x[s]) * n[s][None, :])
+        thr_grid.append(per_thr)
+        curves.append(per_curve)
+    return site_bytes, curves, thr_grid, norms
+
+
+def allocation_path(model, chunks_nt: np.ndarray, *, rule: str, target: float,
+                    inputs: list[dict]) -> list:
+    """The loss-guided allocation path (`loss_path`) of `rule` up to `target`, for `calibrate`'s
+    `path` when several targets share one calibration."""
+    site_bytes, _, thr_grid, norms = _site_curves(model, inputs, rule)
+    return loss_path(model, chunks_nt[:LOSS_CHUNKS], thr_grid, norms, site_bytes, target,
+                     LOSS_STEP)
+
+
 def calibrate(model, chunks_nt: np.ndarray, *, rule: str, target: float,
               sample_tokens: int = DEFAULT_SAMPLE_TOKENS, progress: bool = False,
               inputs: list[dict] | None = None, how: str = "loss",
@@ -309,19 +337,7 @@ def calibrate(model, chunks_nt: np.ndarray, *, rule: str, target: float,
     check_model(model)
     if inputs is None:
         inputs = collect_inputs(model, chunks_nt, sample_tokens=sample_tokens, progress=progress)
-    site_bytes, curves, thr_grid, norms = [], [], [], []
-    for layer, x in zip(model.layers, inputs):
-        mats = site_matrices(layer)
-        dims = _dims(layer)
-        site_bytes.append({s: sum(matrix_bytes(m) for m in mats[s]) for s in SITES})
-        n = {s: (np.sqrt(sum(column_sq_norms(m, dims[s]) for m in mats[s]))
-                 if rule == "weighted" else np.ones(dims[s])) for s in SITES}
-        norms.append(n)
-        per_thr, per_curve = {}, {}
-        for s in SITES:
-            per_thr[s], per_curve[s] = _curve(np.abs(x[s]) * n[s][None, :])
-        thr_grid.append(per_thr)
-        curves.append(per_curve)
+    site_bytes, curves, thr_grid, norms = _site_curves(model, inputs, rule)
     if how == "loss":
         if path is None:
             chunks = loss_chunks if loss_chunks is not None else chunks_nt[:LOSS_CHUNKS]
@@ -342,8 +358,8 @@ def calibrate(model, chunks_nt: np.ndarray, *, rule: str, target: float,
 
 
 def measure(model, arts: InputThresholds, chunks_nt: np.ndarray) -> list[dict]:
-    """Per layer {site: fraction of input channels zeroed} with `arts` installed, over the token
-    chunks (the masks' own counts)."""
+    """Per layer {site: fraction of input channels zeroed} with `arts` installed (and left
+    installed), over the token chunks (the masks' own counts)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -360,7 +376,6 @@ def measure(model, arts: InputThresholds, chunks_nt: np.ndarray) -> list[dict]:
         return {s: sown[f"{s}_active"].astype(jnp.float32).mean(axis=(1, 2)) for s in SITES}
 
     got = [np.asarray(run(state, jnp.asarray(c[None]))[s]) for c in chunks_nt for s in SITES]
-    install(model, None)
     per = np.asarray(got).reshape(len(chunks_nt), len(SITES), -1).mean(axis=0)  # [site, L]
     dims = [_dims(l) for l in model.layers]
     return [{s: float(1.0 - per[i, l] / dims[l][s]) for i, s in enumerate(SITES)}
@@ -368,9 +383,10 @@ def measure(model, arts: InputThresholds, chunks_nt: np.ndarray) -> list[dict]:
 
 
 def bytes_per_token(model, measured: list[dict] | None) -> int:
-    """Weight bytes one decode token reads: each block matrix whole, or in the columns layout
-    its scale planes and the codes of its input's nonzero channels (`measured` per layer {site:
-    zeroed fraction}; None: dense), plus the LM head and one embedding row."""
+    """Weight bytes one decode token reads in the columns layout: each block matrix's scale
+    planes and the codes of its input's nonzero channels (`measured` per layer {site: zeroed
+    fraction}; None: dense), a matrix with no columns layout whole, plus the LM head and one
+    embedding row. The same figure whatever layout `model` was built in."""
     from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     total = 0
@@ -380,14 +396,13 @@ def bytes_per_token(model, measured: list[dict] | None) -> int:
             zeroed = 0.0 if measured is None else measured[l][s]
             for m in mats:
                 w = _weight(m)
-                name = None if m.qtype is None else m.qweight.kernel_qtype
-                if name is None or quants.columns_base(name) is None:
+                rows = w.shape[0]
+                if m.qtype is None or not quants.can_columns(m.qtype, rows, dims[s]):
                     total += w.nbytes
                     continue
                 block, _, head, wide = quants._COLUMNS_FORMATS[m.qtype]
-                rows, nb = w.shape[0], dims[s] // block
                 codes = block * (rows if wide else rows // 2)
-                total += int(nb * (head * rows + codes * (1.0 - zeroed)))
+                total += int(dims[s] // block * (head * rows + codes * (1.0 - zeroed)))
     head = model.lm_head.weight[...] if model.lm_head is not None else model.tok_embed[...]
     embed = model.tok_embed[...]
     return int(total + np.asarray(head).nbytes + np.asarray(embed).nbytes // embed.shape[0])
