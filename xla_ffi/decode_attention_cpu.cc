@@ -16,7 +16,7 @@
 
 #include "cpu_backend/decode_attention.h"
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_targets.h"
 #include "xla_ffi/cpu_runtime.h"
 #include "xla_ffi/ffi_util.h"
 
@@ -202,3 +202,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijDecodeAttentionCpu, pij::DecodeAttentionCpuImpl
                                   .Attr<float>("softcap")
                                   .Attr<int64_t>("window")
                                   .Attr<float>("norm_eps"));
+PIJ_CPU_TARGET("pij_decode_attention", PijDecodeAttentionCpu);

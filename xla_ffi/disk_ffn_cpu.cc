@@ -17,7 +17,7 @@
 #include "cpu_backend/disk_ffn.h"
 #include "cpu_backend/neuron_store.h"
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_targets.h"
 #include "xla_ffi/cpu_runtime.h"
 #include "xla_ffi/ffi_util.h"
 
@@ -150,3 +150,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijDiskFfnCpu, pij::DiskFfnCpuImpl,
                                   .Attr<std::string_view>("activation")
                                   .Attr<std::string_view>("criterion")
                                   .Attr<float>("gate_floor"));
+PIJ_CPU_TARGET("pij_disk_ffn", PijDiskFfnCpu);

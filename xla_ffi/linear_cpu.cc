@@ -8,7 +8,7 @@
 
 #include "cpu_backend/linear.h"
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_targets.h"
 #include "xla_ffi/cpu_runtime.h"
 #include "xla_ffi/ffi_util.h"
 
@@ -149,6 +149,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijLinearManyCpu, pij::LinearManyCpuImpl,
                                   .Arg<xla::ffi::AnyBuffer>()  // x
                                   .RemainingArgs()             // weights, then biases
                                   .RemainingRets());           // one y per weight
+PIJ_CPU_TARGET("pij_linear_many", PijLinearManyCpu);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PijLinearCpu, pij::LinearCpuImpl,
                               xla::ffi::Ffi::Bind()
@@ -156,3 +157,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijLinearCpu, pij::LinearCpuImpl,
                                   .Arg<xla::ffi::AnyBuffer>()  // w
                                   .Arg<xla::ffi::AnyBuffer>()  // bias
                                   .Ret<xla::ffi::AnyBuffer>());  // y
+PIJ_CPU_TARGET("pij_linear", PijLinearCpu);

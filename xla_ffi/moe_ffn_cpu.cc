@@ -11,7 +11,7 @@
 #include "cpu_backend/moe_ffn.h"
 #include "cpu_backend/quant_interleaved.h"
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_targets.h"
 #include "xla_ffi/cpu_runtime.h"
 #include "xla_ffi/ffi_util.h"
 
@@ -195,3 +195,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijMoeFfnCpu, pij::MoeFfnCpuImpl,
                                   .Attr<int32_t>("down_qtype")
                                   .Attr<std::string_view>("activation")
                                   .Attr<std::string_view>("down_layout"));
+PIJ_CPU_TARGET("pij_moe_ffn", PijMoeFfnCpu);

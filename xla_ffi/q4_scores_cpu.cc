@@ -14,7 +14,7 @@
 #include "cpu_backend/q4_estimate.h"
 #include "cpu_backend/q4_ffn.h"
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_targets.h"
 #include "xla_ffi/cpu_runtime.h"
 #include "xla_ffi/ffi_util.h"
 
@@ -170,6 +170,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQ4ScoresCpu, pij::Q4ScoresCpuImpl,
                                   .Ret<xla::ffi::AnyBuffer>()  // scores
                                   .Attr<std::string_view>("activation")
                                   .Attr<std::string_view>("output"));
+PIJ_CPU_TARGET("pij_q4_scores", PijQ4ScoresCpu);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQ4SparseFfnCpu, pij::Q4SparseFfnCpuImpl,
                               xla::ffi::Ffi::Bind()
@@ -183,3 +184,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQ4SparseFfnCpu, pij::Q4SparseFfnCpuImpl,
                                   .Ret<xla::ffi::AnyBuffer>()  // n_active
                                   .Attr<std::string_view>("activation")
                                   .Attr<float>("threshold"));
+PIJ_CPU_TARGET("pij_q4_sparse_ffn", PijQ4SparseFfnCpu);

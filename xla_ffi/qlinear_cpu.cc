@@ -13,7 +13,7 @@
 #include "cpu_backend/qlinear.h"
 #include "cpu_backend/quant_interleaved.h"
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_targets.h"
 #include "xla_ffi/cpu_runtime.h"
 #include "xla_ffi/ffi_util.h"
 #include "xla_ffi/quant_args.h"
@@ -161,6 +161,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQLinearCpu, pij::QLinearCpuImpl,
                                   .Arg<xla::ffi::AnyBuffer>()  // bias
                                   .Ret<xla::ffi::AnyBuffer>()  // y
                                   .Attr<int32_t>("qtype"));
+PIJ_CPU_TARGET("pij_qlinear", PijQLinearCpu);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQEmbeddingCpu, pij::QEmbeddingCpuImpl,
                               xla::ffi::Ffi::Bind()
@@ -169,6 +170,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQEmbeddingCpu, pij::QEmbeddingCpuImpl,
                                   .Ret<xla::ffi::AnyBuffer>()  // y
                                   .Attr<int32_t>("qtype")
                                   .Attr<int64_t>("dim"));
+PIJ_CPU_TARGET("pij_qembedding", PijQEmbeddingCpu);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQLinearManyCpu, pij::QLinearManyCpuImpl,
                               xla::ffi::Ffi::Bind()
@@ -176,3 +178,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQLinearManyCpu, pij::QLinearManyCpuImpl,
                                   .RemainingArgs()             // blocks, then biases
                                   .RemainingRets()             // one y per blocks
                                   .Attr<xla::ffi::Span<const int32_t>>("qtypes"));
+PIJ_CPU_TARGET("pij_qlinear_many", PijQLinearManyCpu);

@@ -20,7 +20,7 @@
 #include "cpu_backend/qsparse_ffn.h"
 #include "cpu_backend/quant_interleaved.h"
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_targets.h"
 #include "xla_ffi/cpu_runtime.h"
 #include "xla_ffi/ffi_util.h"
 #include "xla_ffi/quant_args.h"
@@ -193,3 +193,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQSparseFfnCpu, pij::QSparseFfnCpuImpl,
                                   .Attr<std::string_view>("criterion")
                                   .Attr<std::string_view>("down_layout")
                                   .Attr<float>("gate_floor"));
+PIJ_CPU_TARGET("pij_qsparse_ffn", PijQSparseFfnCpu);
