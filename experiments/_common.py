@@ -158,7 +158,7 @@ def mode_label(row: dict) -> str:
     return f"predictor ({kind}, gate/up q4)" if row.get("gate_up") == "q4" else f"predictor ({kind})"
 
 
-PREDICTOR = "q4"  # predictor mode's predictor in every experiment (sparsity/q4_predictor.py)
+PREDICTOR = "q4"  # predictor mode's predictor in every experiment (sparsity/nibble_predictor.py)
 
 
 def sparsity_for(label: str, target: float | None = None):

@@ -26,7 +26,7 @@ from experiments import _common
 
 STEPS = ("dense_xla", "dense_ffi", "predictor", "gate_up_q4", "hybrid_naive", "hybrid_policy")
 TARGET_SPARSITY = 0.5  # the predictor artifacts' target (issue 4: >= 50% at <= 1.08x perplexity)
-PREDICTOR = "q4"  # predictor mode's predictor (sparsity/q4_predictor.py)
+PREDICTOR = "q4"  # predictor mode's predictor (sparsity/nibble_predictor.py)
 
 
 def hybrid_available() -> str | None:

@@ -34,7 +34,7 @@ LLAMA_CPP_INSTALL = ("pip install llama-cpp-python  (builds llama.cpp from sourc
                      "machine's compiler: ~10-20 min on 2 cores)")
 TARGET_SPARSITY = 0.5  # predictor mode's target (and the first of --targets by default)
 TARGETS = (0.5, 0.6)  # predictor_q4gu's targets
-PREDICTOR = "q4"  # predictor mode's predictor (sparsity/q4_predictor.py)
+PREDICTOR = "q4"  # predictor mode's predictor (sparsity/nibble_predictor.py)
 REFERENCE = {"Q4_1": "float32", "F32": "float32", "BF16": "bfloat16", "float32": "float32",
              "bfloat16": "bfloat16"}  # weights -> the precision of our dense reference tokens
 

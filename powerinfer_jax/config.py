@@ -280,7 +280,7 @@ class SparsityConfig:
     threshold: per-layer calibrated thresholds (CATS-style); the gate is computed densely.
     predictor: per-layer predictors decide the active set before any FFN row is read. `predictor`
       picks which: "q4" (default: each neuron's |a_i| estimated from 4-bit gate/up rows,
-      sparsity/q4_predictor.py) or "lowrank" (trained D -> R -> F MLPs, sparsity/predictor.py).
+      sparsity/nibble_predictor.py) or "lowrank" (trained D -> R -> F MLPs, sparsity/predictor.py).
     gate_up: where predictor mode takes the active neurons' gate/up dots from. "full": their gate
       and up rows at the run's dtype (the predictor only selects). "q4": from the q4 predictor's
       estimate itself (4-bit rows, 8-bit activations), so only the active neurons' down rows are

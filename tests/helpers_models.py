@@ -209,7 +209,7 @@ def ffn_run(ffn, x):
 
 def q4_selector(ffn, threshold, *, gate_up="full"):
     """The q4 predictor of an (unplaced) FFN as its selector: scores, or the activations."""
-    from powerinfer_jax.sparsity import q4_predictor, selectors
+    from powerinfer_jax.sparsity import nibble_predictor, selectors
 
-    pred = q4_predictor.Q4Predictor.from_ffn(ffn)
+    pred = nibble_predictor.NibblePredictor.from_ffn(ffn)
     return (selectors.Q4Activations if gate_up == "q4" else selectors.Scores)(pred, threshold)

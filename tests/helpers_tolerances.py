@@ -88,7 +88,7 @@ TOL: dict[str, Tol] = {
                          "the hidden activations are rounded to int8 after a float silu on both "
                          "sides, so a value on a rounding edge can move one step; measured < "
                          "3e-6 of max |y|", scaled=True),
-    "q4_predictor": Tol(1e-5, 1e-5, "PowerInfer's Q4_0 predictor through the qlinear call vs "
+    "powerinfer_predictor": Tol(1e-5, 1e-5, "PowerInfer's Q4_0 predictor through the qlinear call vs "
                         "the reference's two qlinears: as quantized, over two layers",
                         scaled=True),
     "quantized_layouts": Tol(0.0, 1e-4, "one quantized FFN read through other layouts "

@@ -11,6 +11,7 @@ import pytest
 
 import powerinfer_jax as pij
 from helpers_models import save_hf_llama
+from helpers_rows import assert_our_decode_row
 from powerinfer_jax import config
 from powerinfer_jax.runtime.decode import Request
 from powerinfer_jax.sparsity import modes
@@ -152,7 +153,8 @@ def test_a_toy_mode_is_one_selector_class_and_one_register_call(tiny_dir, tmp_pa
         assert row["ffn_sparsity"] == pytest.approx(1 - 8 / 96, abs=0.02)  # ties aside
         bench.main([*common, "--prompt-tokens", "4", "--new-tokens", "3", "--repeats", "1"])
         row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        assert row["sparsity"] == "topk" and row["decode_tok_s"] > 0
+        assert row["sparsity"] == "topk" and row["prompt_tokens"] == 4
+        assert_our_decode_row(row, repeats=1, new_tokens=3)
     finally:
         modes._MODES.pop("topk")
         config._SPARSITY_MODES.remove("topk")

@@ -374,7 +374,7 @@ def test_quantized_file_keeps_its_predictor_blocks(tmp_path, kind):
     want = reference.qlinear(jax_relu(reference.qlinear(r, kept.fc1[0].blocks, "Q4_0", d)),
                              kept.fc2[0].blocks, "Q4_0", rank)
     got = np.asarray(pred.raw(r))
-    assert_close(got, want, "q4_predictor")
+    assert_close(got, want, "powerinfer_predictor")
     perm = np.random.default_rng(3).permutation(config.d_ff)
     pred.permute(perm)
     np.testing.assert_array_equal(np.asarray(pred.raw(r)), got[..., perm])

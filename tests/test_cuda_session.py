@@ -2,7 +2,7 @@
 builds on the host, places hot/cold and moves what stays to the GPU; its greedy tokens must equal
 the same model's on the CPU backend. Needs a GPU and the PIJ_CUDA=ON build; skips otherwise (run
 benchmarks/gpu/build_and_test.sh on a GPU machine). The CPU stand-in of the same path is
-tests/test_runtime_placing.py::test_accelerator_path_builds_on_the_host_then_moves_what_stays."""
+tests/test_runtime_vram_budget.py::test_accelerator_path_builds_on_the_host_then_moves_what_stays."""
 import json
 import os
 import subprocess

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers_rows import assert_our_decode_row
 from experiments import _common, cost_breakdown, peers, power_law, report, run_all
 
 REPO = Path(__file__).resolve().parents[1]
@@ -222,8 +223,10 @@ def test_gpu_hybrid_experiment_says_why_it_cannot_run_here(tmp_path):
         assert "GPU" in row["reason"] or "PIJ_CUDA" in row["reason"]
         text = report.section_gpu_hybrid(out)
         assert "not available" in text and row["reason"] in text
-    else:  # a GPU machine with the CUDA build: measured rows
-        assert all(r["decode_tok_s"] > 0 for r in rows)
+    else:  # a GPU machine with the CUDA build: measured rows, each consistent with its runs
+        for r in rows:
+            assert_our_decode_row(r, repeats=1, new_tokens=8, runs_key="decode_runs")  # QUICK
+        assert {r["mode"] for r in rows} >= {"hybrid", "layers"}
 
 
 def test_head_to_head_interleaves_and_takes_the_median_of_round_ratios():

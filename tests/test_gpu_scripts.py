@@ -19,6 +19,7 @@ import pytest
 
 from benchmarks.gpu import llama_cpp_ngl as lcn, synthetic
 from helpers_models import tiny_llama_config
+from helpers_rows import assert_llama_bench_row, assert_our_decode_row
 from helpers_tolerances import assert_close
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,7 +110,7 @@ def test_llama_cpp_runs_the_file(tiny_gguf):
         cmd = lcn.llama_bench_cmd(d, path, lay, threads=1, prompt_tokens=4, new_tokens=4,
                                   repeats=1)
         res = lcn.run_llama_bench(cmd, env, timeout=120)
-        assert res["decode_tok_s"] > 0 and res["llama_bench"]["n_gen"] == 4
+        assert_llama_bench_row(res, repeats=1, new_tokens=4)
     else:
         r = subprocess.run([str(d / "llama-batched-bench"), "-m", str(path), "-npp", "8",
                             "-ntg", "4", "-npl", "1", "-t", "1", "-c", "64"],
@@ -329,7 +330,13 @@ def test_sparse_7b_check_dry_run(tmp_path):
     rows = [json.loads(l) for l in (out / "sparse_7b.jsonl").read_text().splitlines()]
     assert {r["system"] for r in rows} == {"llama.cpp", "powerinfer_jax"}
     for row in rows:
-        assert row["decode_tok_s"] > 0 and "error" not in row, row
+        assert "error" not in row, row
+        if row["system"] == "llama.cpp":
+            assert_llama_bench_row(row, repeats=row["config"]["repeats"],
+                                   new_tokens=row["config"]["new_tokens"])
+        else:
+            assert_our_decode_row(row, repeats=row["config"]["repeats"],
+                                  new_tokens=row["config"]["new_tokens"])
         assert row["dry_run"] is True and row["device"] == "cpu" and "synthetic" in row
         assert row["threads"] == 1 and row["budget_ffn_fraction"] == 0.25
         assert row["commit"] == (carry / "COMMIT").read_text().strip()
@@ -410,7 +417,13 @@ def test_moe_check_dry_run(tmp_path):
     rows = [json.loads(l) for l in (out / "moe.jsonl").read_text().splitlines()]
     assert {r["system"] for r in rows} == {"llama.cpp", "powerinfer_jax"}
     for row in rows:
-        assert row["decode_tok_s"] > 0 and "error" not in row, row
+        assert "error" not in row, row
+        if row["system"] == "llama.cpp":
+            assert_llama_bench_row(row, repeats=row["config"]["repeats"],
+                                   new_tokens=row["config"]["new_tokens"])
+        else:
+            assert_our_decode_row(row, repeats=row["config"]["repeats"],
+                                  new_tokens=row["config"]["new_tokens"])
         assert row["experiment"] == "gpu_moe_check" and row["dry_run"] is True
         assert "routers" in row["synthetic"] and row["model"]["config"]["n_experts"] == 32
     llama = next(r for r in rows if r["system"] == "llama.cpp")

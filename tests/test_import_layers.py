@@ -1,6 +1,7 @@
 """The package's import direction (issue 33): every module sits on a layer and imports only from
 its own layer or those below, counting function-local imports too (a lazy import is still an
-arrow); no circles among modules. Read from the source with `ast`, nothing imported.
+arrow) and the package `__init__`s an import runs (importing `a.b.c` runs `a/b/__init__.py`
+first); no circles among modules. Read from the source with `ast`, nothing imported.
 
     python tests/test_import_layers.py     # the layers' upward arrows, circles and lazy imports
 
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     ("foundation", ["errors", "_interrupt", "_machine", "_pypi", "_pij_ext", "_pij_cuda",
                     "tokenizer"]),
-    ("formats", ["config", "cache", "checkpoint.quants", "ops._ffi"]),
+    ("formats", ["config", "cache", "checkpoint.quants"]),
     ("checkpoint", ["checkpoint"]),
     ("ops", ["ops", "_bench_ops"]),
     ("models", ["models"]),
@@ -53,9 +54,16 @@ def modules(root: Path = ROOT) -> dict[str, Path | None]:
     return out
 
 
+def packages_above(mod: str) -> list[str]:
+    """"a.b.c" -> ["a", "a.b"]: the packages whose __init__ importing a.b.c runs first."""
+    parts = mod.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
 def graph(root: Path = ROOT):
     """{importer: {imported: lazy}} over the package's modules (lazy: only inside functions),
-    and the function-local imports of project modules per module: [(line, says why)]."""
+    counting the package __init__s an import runs, and the function-local imports of project
+    modules per module: [(line, says why)]."""
     mods = modules(root)
 
     def resolve(name: str) -> str | None:
@@ -92,8 +100,14 @@ def graph(root: Path = ROOT):
                     lazy[mod].append((ch.lineno, said))
                 for t in ours:
                     r = resolve(t)
-                    if r and r != mod:
-                        edges[mod][r] = edges[mod].get(r, True) and in_function
+                    if not r or r == mod:
+                        continue
+                    # importing r first runs the __init__ of every package above it that mod
+                    # is not inside already: an arrow to each (the circle through the
+                    # checkpoint package's __init__ ran this way)
+                    for target in [*packages_above(r), r]:
+                        if target in mods and not (mod == target or mod.startswith(target + ".")):
+                            edges[mod][target] = edges[mod].get(target, True) and in_function
         visit(ast.parse("\n".join(lines)), False)
     return edges, lazy
 
@@ -179,6 +193,22 @@ def test_no_circles_outside_the_listed_upward_imports():
     kept = {a: {b: lz for b, lz in t.items() if (a[n:], b[n:]) not in UPWARD}
             for a, t in edges.items()}
     assert circles(kept) == []
+
+
+def test_an_import_counts_the_package_inits_it_runs(tmp_path):
+    """`from pkg.b import m` inside pkg.a is an arrow to pkg.b's __init__ too: the circle
+    checkpoint -> ops._ffi -> checkpoint ran through one."""
+    pkg = tmp_path / PKG
+    for d, files in {"": {"__init__.py": ""}, "a": {"__init__.py": "", "x.py": (
+            "def f():\n    from powerinfer_jax.b import m  # lazy: test\n")},
+                     "b": {"__init__.py": "from powerinfer_jax.b import n\n", "m.py": "",
+                           "n.py": "from powerinfer_jax.a import x\n"}}.items():
+        (pkg / d).mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (pkg / d / name).write_text(text)
+    edges, _ = graph(tmp_path)
+    assert set(edges[f"{PKG}.a.x"]) == {f"{PKG}.b", f"{PKG}.b.m"}
+    assert circles(edges) == [sorted([f"{PKG}.a.x", f"{PKG}.b", f"{PKG}.b.n"])]
 
 
 def test_every_function_local_import_says_why():

@@ -1,7 +1,7 @@
 """MoE placement (issue 35 item 3): under --vram-budget the most frequently routed experts of
 each layer are kept as floats for the accelerator and the others stay as the file's blocks for
 the host pool's custom call (models/moe.py permute/split, sparsity/placement.py with experts
-for items, runtime/placing.py profiling the routers on the calibration corpus). On a CPU-only
+for items, runtime/vram_budget.py profiling the routers on the calibration corpus). On a CPU-only
 machine both parts run on the CPU: the same code, checked here on tiny synthetic MoE files
 (the generator's prescribed power law across experts) and on a float MoE layer:
 
@@ -189,7 +189,7 @@ def test_bad_budgets_are_one_line_errors(files, sizes):
                                          r"the dense parts"):
         _load(files["silu"], vram_budget=(sizes.dense - (1 << 20)) / (1 << 30))
     from powerinfer_jax.config import PlacementConfig
-    from powerinfer_jax.runtime.placing import place_model
+    from powerinfer_jax.runtime.vram_budget import place_model
 
     model = _load(files["silu"]).session.model
     with pytest.raises(ValueError, match=r"--vram-budget with --devices: expected a dense "

@@ -10,7 +10,7 @@ import pytest
 
 from helpers_tolerances import assert_close
 from powerinfer_jax import ops
-from powerinfer_jax.ops import q4, reference
+from powerinfer_jax.ops import nibble_rows, reference
 from powerinfer_jax.ops.qblocks import round_activations
 
 D, F = 12, 37
@@ -91,14 +91,14 @@ def test_q4_estimate(t, d, f):
     """The q4 estimate's dReLU path vs the reference and numpy on the dequantized 4-bit rows
     with Q8 activations (the one Python rounding, qblocks.round_activations)."""
     p = _operands(20 + t, t=t, d=d, f=f)
-    qq, dm = q4.quantize_rows(np.stack([p["gate"], p["up"]], 1))
+    qq, dm = nibble_rows.quantize(np.stack([p["gate"], p["up"]], 1))
     got = np.asarray(jax.jit(lambda x: ops.q4_scores(x, qq, dm, p["b_up"], activation="drelu",
                                                      signed=True))(p["x"]))
     ref = np.asarray(ops.q4_scores(p["x"], qq, dm, p["b_up"], activation="drelu", signed=True,
                                    impl="reference"))
     assert_close(got, ref, "dot_products")
     xq = np.asarray(round_activations(jnp.asarray(p["x"]), 32), np.float64)
-    w = np.asarray(q4.dequantize_rows(qq, dm, d), np.float64)  # [F, 2, D]
+    w = np.asarray(nibble_rows.dequantize(qq, dm, d), np.float64)  # [F, 2, D]
     a = np.maximum(xq @ w[:, 0].T, 0) * np.maximum(xq @ w[:, 1].T + p["b_up"], 0)
     assert_close(got, a, "dot_products")
     assert np.all(got >= 0)

@@ -22,13 +22,13 @@ from powerinfer_jax import cache, ops
 from powerinfer_jax.checkpoint import load_checkpoint, registry
 from powerinfer_jax.checkpoint.registry import RegistryEntry
 from powerinfer_jax.errors import UserError
-from powerinfer_jax.ops import q4
+from powerinfer_jax.ops import nibble_rows
 from powerinfer_jax.sparsity import artifact_files as AF
 from powerinfer_jax.sparsity import artifacts as A
 from powerinfer_jax.sparsity import placement as pl
 from powerinfer_jax.sparsity import predictor as PR
 from powerinfer_jax.sparsity import profile as P
-from powerinfer_jax.sparsity.placement_cache import load_or_place
+from powerinfer_jax.runtime.vram_budget import load_or_place
 
 L, D, F, R = 2, 12, 37, 3
 SHAPE = {"n_layers": L, "d_model": D, "d_ff": F, "activation": "silu", "gated": True}
@@ -423,7 +423,7 @@ def test_nonfinite_input_reaches_q4_outputs(impl, bad):
     x = rng.standard_normal((3, dim)).astype(np.float32)
     x[1, 40] = bad
     w_gate, w_up, w_down = (rng.standard_normal((F, dim)).astype(np.float32) for _ in range(3))
-    q, dm = q4.quantize_rows(np.stack([w_gate, w_up], axis=1))
+    q, dm = nibble_rows.quantize(np.stack([w_gate, w_up], axis=1))
     scores = np.asarray(ops.q4_scores(x, q, dm, impl=impl))
     assert np.isnan(scores[1]).all() and np.isfinite(scores[[0, 2]]).all()
     y, n = ops.q4_sparse_ffn(x, q, dm, w_down, threshold=0.1, impl=impl)

@@ -266,26 +266,39 @@ def test_interrupted_run_resumes_without_losing_steps(tmp_path):
 
 
 @pytest.mark.slow
-def test_distill_stops_and_resumes_to_the_same_model(tiny_dir, texts, cache, tmp_path):
+def test_cli_resume_continues_a_stopped_run_to_the_same_model(tiny_dir, texts, cache, tmp_path):
+    """`python -m powerinfer_jax.sparsify ... --resume` (its main, in this process): a run stopped
+    after 2 of 4 steps, exported as it was, then resumed, ends with the weights of an
+    uninterrupted run, bit for bit (the CPU's XLA is deterministic; the batches, the L1
+    controller and the optimizer state are all restored from the checkpoint and its record)."""
+    from powerinfer_jax.sparsify.cli import main
+
     train, _ = texts
     cfg = small()
-    kw = dict(corpus=[train], progress=False, calibrate=False)
-    whole = distill(str(tiny_dir), cfg, out=tmp_path / "whole", **kw)
-    part = distill(str(tiny_dir), cfg, out=tmp_path / "part", stop_after=2, **kw)
-    assert part["stopped_at"] == 2 and not (tmp_path / "part" / "config.json").exists()
+    whole = distill(str(tiny_dir), cfg, out=tmp_path / "whole", corpus=[train], progress=False,
+                    calibrate=False)
+    part = tmp_path / "part"
+    argv = ["--model", str(tiny_dir), "--out", str(part), "--corpus", str(train),
+            "--no-progress", "--no-calibrate", "--tokens", str(cfg.tokens), "--batch", "2",
+            "--seq-len", "16", "--samples", "0", "--sample-fraction", "0", "--refit-tokens",
+            "64", "--lr", "3e-3", "--warmup-steps", "0", "--target-sparsity", "0.7"]
+    main(argv + ["--stop-after", "2"])
+    assert not (part / "config.json").exists()
     # a budgeted run can export what it has so far, and still resume later
-    part = distill(str(tiny_dir), cfg, out=tmp_path / "part", stop_after=0, resume=True,
-                   export_partial=True, **kw)
-    assert json.loads((tmp_path / "part" / "sparsify.json").read_text())["steps"] == 2
+    main(argv + ["--stop-after", "0", "--resume", "--export-partial"])
+    assert json.loads((part / "sparsify.json").read_text())["steps"] == 2
     with pytest.raises(UserError, match="--resume"):
-        distill(str(tiny_dir), cfg, out=tmp_path / "part", **kw)
-    distill(str(tiny_dir), cfg, out=tmp_path / "part", resume=True, **kw)
+        main(argv)
+    main(argv + ["--resume"])
+    assert json.loads((part / "sparsify.json").read_text())["steps"] == cfg.steps == 4
     a = load_checkpoint(tmp_path / "whole").params
-    b = load_checkpoint(tmp_path / "part").params
+    b = load_checkpoint(part).params
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
-    again = distill(str(tiny_dir), cfg, out=tmp_path / "whole", **kw)
-    assert again["cached"]  # same model and config: reused, not retrained
+    assert not (tmp_path / "part.train").exists()  # a finished run drops its checkpoints
+    again = distill(str(tiny_dir), cfg, out=tmp_path / "whole", corpus=[train], progress=False,
+                    calibrate=False)
+    assert again["cached"] and not whole["cached"]  # same model and config: reused
 
 
 # ------------------------------------------------------------------------ the exported model

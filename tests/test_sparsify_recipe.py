@@ -1,6 +1,6 @@
 """The ProSparse recipe, the cached teacher and long runs in pieces (powerinfer_jax.sparsify) on tiny
-random models: schedules, FATReLU == the runtime's threshold mode, top-k KL, the top-k cache, the
-scanned forward == the unrolled one, and runs stopped by a time budget that resume to the weights
+random models: schedules, FATReLU == the runtime's threshold mode, top-k KL, the top-k cache, teacher
+samples made through the runtime's batched Engine, and runs stopped by a time budget that resume to the weights
 of an uninterrupted run."""
 import json
 
@@ -16,7 +16,7 @@ from powerinfer_jax.checkpoint import load_checkpoint
 from powerinfer_jax.config import SparsityConfig
 from powerinfer_jax.errors import UserError
 from powerinfer_jax.models.transformer import Transformer, from_params
-from powerinfer_jax.sparsify import DistillConfig, distill, scan
+from powerinfer_jax.sparsify import DistillConfig, distill
 from powerinfer_jax.sparsify import forward as fw
 from powerinfer_jax.sparsify.checkpoints import TrainCheckpoints
 from powerinfer_jax.sparsify.recipe import recipe
@@ -218,47 +218,22 @@ def test_topk_cache_fills_once_and_reopens(tmp_path):
         TopKCache(tmp_path / "c", pool, 16, teacher_fn, config.vocab_size)
 
 
-# --------------------------------------------------------------------------- scanned forward
-def test_scanned_forward_matches_the_unrolled_one():
-    config, params = tiny("silu")
-    model = from_params(config, params, kernels="xla")
-    x = jnp.asarray(tokens(config, seed=7))
-    spec = fw.FFNSpec("relu")
-    gate = jnp.float32(0.02)
-    defs, p, f = scan.split(model, "ffn+norms")
-    got, aux = scan.forward(defs, p, f, x, spec, gate_threshold=gate, collect_hidden=True)
-    want, want_aux = fw.forward(model, x, spec, gate_threshold=gate, collect_hidden=True)
-    assert_close(got, want, "regrouped")
-    for k in ("zero_frac", "l1", "l1_gate", "hidden"):
-        assert_close(aux[k], want_aux[k], "training_aux", err_msg=k)
-    # the gradient of a loss, for every trained matrix and norm: one step of +grad each way
-    def loss(logits):
-        return jnp.mean(logits ** 2)
+# ------------------------------------------------------------------------- samples by Engine
+def test_engine_samples_are_whole_turns_and_reproducible(tiny_dir):
+    from powerinfer_jax.config import RuntimeConfig
+    from powerinfer_jax.runtime.session import build
+    from powerinfer_jax.sparsify.samples import generate_samples_engine, prompt_texts
 
-    def add(a, b):
-        return a + b
-
-    g_scan = jax.grad(lambda p: loss(scan.forward(defs, p, f, x, spec)[0]))(p)
-    d = Distiller(from_params(config, params, kernels="xla"),
-                  from_params(config, params, kernels="xla"),
-                  DistillConfig(variant="relu", train="ffn+norms", tokens=32, batch=2, seq_len=16,
-                                refit=False, samples=0, sample_fraction=0.0))
-    g_ref = jax.grad(lambda p: loss(fw.forward(nnx.merge(d.graphdef, p, d.frozen), x,
-                                               spec)[0]))(d.params)
-    ref = canonical_params(nnx.merge(d.graphdef, jax.tree.map(add, d.params, g_ref), d.frozen))
-    scan.update(model, defs, jax.tree.map(add, p, g_scan))
-    got_params = canonical_params(model)
-    names = ["final_norm.scale"] + [f"layers.{i}.{n}" for i in range(config.n_layers) for n in (
-        "ffn.gate.weight", "ffn.up.weight", "ffn.down_t.weight", "ffn_norm.scale",
-        "attn_norm.scale")]
-    for name in names:
-        assert_close(got_params[name] - params[name], ref[name] - params[name], "weight_updates",
-                     err_msg=name)
-    assert np.abs(ref["layers.0.ffn.gate.weight"] - params["layers.0.ffn.gate.weight"]).max() > 0
-    np.testing.assert_array_equal(got_params["layers.0.attn.q.weight"],
-                                  params["layers.0.attn.q.weight"])  # frozen
-    with pytest.raises(ValueError, match="scope"):
-        scan.split(model, "all")
+    s = build(str(tiny_dir), RuntimeConfig(max_seq_len=24), max_batch=4, progress=False)
+    tok = s.tokenizer
+    a = generate_samples_engine(s.engine, tok, n=5, seq_len=24, seed=1, progress=False)
+    b = generate_samples_engine(s.engine, tok, n=5, seq_len=24, seed=1, progress=False)
+    c = generate_samples_engine(s.engine, tok, n=5, seq_len=24, seed=2, progress=False)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    assert a.shape == (5, 24) and a.dtype == np.int32
+    starts = {tuple(tok.encode(t)[:4]) for t in prompt_texts(tok)}
+    assert all(tuple(row[:4]) in starts for row in a)  # every row starts at a turn's prompt
 
 
 # ------------------------------------------------------------------- a run in budgeted pieces

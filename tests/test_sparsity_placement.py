@@ -8,7 +8,7 @@ from flax import nnx
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.models.transformer import Transformer
 from powerinfer_jax.sparsity import placement as pl
-from powerinfer_jax.sparsity.placement_cache import load_or_place
+from powerinfer_jax.runtime.vram_budget import load_or_place
 
 TINY = ModelConfig(arch="llama", vocab_size=53, d_model=12, n_layers=3, n_heads=2, n_kv_heads=1,
                    head_dim=6, d_ff=37, max_seq_len=16)

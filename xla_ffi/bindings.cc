@@ -20,7 +20,7 @@
 #include "cpu_backend/quant_simd.h"
 #include "cpu_backend/simd.h"
 #include "cpu_backend/thread_pool.h"
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_targets.h"
 #include "xla_ffi/cpu_runtime.h"
 
 namespace nb = nanobind;
@@ -116,18 +116,13 @@ NB_MODULE(_pij_ext, m) {
   m.doc() = "powerinfer_jax CPU kernels (XLA FFI handlers) and thread pool control.";
   m.def("registrations", []() {
     nb::dict d;
-    d["pij_sparse_ffn"] = Capsule(PijSparseFfnCpu);
-    d["pij_linear"] = Capsule(PijLinearCpu);
-    d["pij_linear_many"] = Capsule(PijLinearManyCpu);
-    d["pij_q4_scores"] = Capsule(PijQ4ScoresCpu);
-    d["pij_q4_sparse_ffn"] = Capsule(PijQ4SparseFfnCpu);
-    d["pij_decode_attention"] = Capsule(PijDecodeAttentionCpu);
-    d["pij_qlinear"] = Capsule(PijQLinearCpu);
-    d["pij_qlinear_many"] = Capsule(PijQLinearManyCpu);
-    d["pij_moe_ffn"] = Capsule(PijMoeFfnCpu);
-    d["pij_qsparse_ffn"] = Capsule(PijQSparseFfnCpu);
-    d["pij_qembedding"] = Capsule(PijQEmbeddingCpu);
-    d["pij_disk_ffn"] = Capsule(PijDiskFfnCpu);
+    for (const pij::CpuTarget& t : pij::CpuTargets()) {  // each adapter's PIJ_CPU_TARGET lines
+      if (d.contains(t.name)) {
+        throw std::logic_error(std::string("registrations: target names: expected each once, "
+                                           "got ") + t.name + " twice (two PIJ_CPU_TARGET lines)");
+      }
+      d[t.name] = Capsule(t.handler);
+    }
     return d;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target(platform='cpu').");
   m.def("set_num_threads", [](int n) {

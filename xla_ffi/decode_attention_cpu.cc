@@ -16,7 +16,7 @@
 
 #include "cpu_backend/decode_attention.h"
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_targets.h"
 #include "xla_ffi/cpu_runtime.h"
 #include "xla_ffi/ffi_util.h"
 
@@ -25,11 +25,13 @@ namespace {
 
 constexpr std::string_view kOp = "decode_attention";
 
-ffi::Error DecodeAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
-                                  ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
-                                  ffi::AnyBuffer where, ffi::Buffer<ffi::F32> inv_freq,
-                                  ffi::Buffer<ffi::F32> q_norm, ffi::Buffer<ffi::F32> k_norm,
-                                  ffi::Result<ffi::AnyBuffer> out,
+// q, k_new, v_new, where and out have one dtype each (typed: XLA checks it); the caches are
+// float32 or bfloat16 bits (uint16), checked here.
+ffi::Error DecodeAttentionCpuImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+                                  ffi::Buffer<ffi::F32> v_new, ffi::AnyBuffer k_cache,
+                                  ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> where,
+                                  ffi::Buffer<ffi::F32> inv_freq, ffi::Buffer<ffi::F32> q_norm,
+                                  ffi::Buffer<ffi::F32> k_norm, ffi::ResultBuffer<ffi::F32> out,
                                   ffi::Result<ffi::AnyBuffer> k_out,
                                   ffi::Result<ffi::AnyBuffer> v_out, int64_t kv_len,
                                   float rope_factor, float scale, float softcap, int64_t window,
@@ -42,12 +44,11 @@ ffi::Error DecodeAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::A
                       std::string(DtypeName(ct)) + " " + ShapeString(c_dims));
   }
   const int64_t rows = c_dims[0], s_len = c_dims[1], nk = c_dims[2], h = c_dims[3];
-  if (where.element_type() != ffi::DataType::S32 || where.element_count() % 2 != 0 ||
+  if (where.element_count() % 2 != 0 ||
       where.element_count() == 0 || static_cast<int64_t>(where.element_count()) / 2 > rows) {
     return InvalidArg(kOp, "where", "int32 [B, 2] (slot, position per sequence), B <= " +
                                         std::to_string(rows) + " cache rows",
-                      std::string(DtypeName(where.element_type())) + " " +
-                          ShapeString(where.dimensions()));
+                      "int32 " + ShapeString(where.dimensions()));
   }
   const int64_t batch = static_cast<int64_t>(where.element_count()) / 2;
   const auto v_dims = v_cache.dimensions();
@@ -57,21 +58,18 @@ ffi::Error DecodeAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::A
                       std::string(DtypeName(v_cache.element_type())) + " " +
                           ShapeString(v_dims));
   }
-  if (q.element_type() != ffi::DataType::F32 || h == 0 ||
+  if (h == 0 ||
       static_cast<int64_t>(q.element_count()) % (batch * h) != 0 ||
       static_cast<int64_t>(q.element_count()) / (batch * h) % nk != 0) {
     return InvalidArg(kOp, "q", "float32 [" + std::to_string(batch) + ", NH * " +
                                     std::to_string(h) + "], NH a multiple of " + std::to_string(nk),
-                      std::string(DtypeName(q.element_type())) + " " +
-                          ShapeString(q.dimensions()));
+                      "float32 " + ShapeString(q.dimensions()));
   }
   for (auto [name, buf] : {std::pair{"k_new", &k_new}, std::pair{"v_new", &v_new}}) {
-    if (buf->element_type() != ffi::DataType::F32 ||
-        static_cast<int64_t>(buf->element_count()) != batch * nk * h) {
+    if (static_cast<int64_t>(buf->element_count()) != batch * nk * h) {
       return InvalidArg(kOp, name, "float32 with " + std::to_string(batch * nk * h) +
                                        " elements (one token per sequence)",
-                        std::string(DtypeName(buf->element_type())) + " " +
-                            ShapeString(buf->dimensions()));
+                        "float32 " + ShapeString(buf->dimensions()));
     }
   }
   if (inv_freq.element_count() != 0 && h % 2 != 0) {  // rope rotates pairs (i, i + H/2)
@@ -107,7 +105,7 @@ ffi::Error DecodeAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::A
     return InvalidArg(kOp, "kv_len", "in [1, S = " + std::to_string(s_len) + "]",
                       std::to_string(kv_len));
   }
-  const int32_t* w = static_cast<const int32_t*>(where.untyped_data());
+  const int32_t* w = where.typed_data();
   for (int64_t b = 0; b < batch; ++b) {
     if (w[2 * b] < 0 || w[2 * b] >= kv_len || w[2 * b + 1] < 0) {
       return InvalidArg(kOp, "slot, position",
@@ -116,7 +114,7 @@ ffi::Error DecodeAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::A
                             " (sequence " + std::to_string(b) + ")");
     }
   }
-  if (out->element_type() != ffi::DataType::F32 || out->element_count() != q.element_count() ||
+  if (out->element_count() != q.element_count() ||
       k_out->size_bytes() != k_cache.size_bytes() || v_out->size_bytes() != v_cache.size_bytes()) {
     return InvalidArg(kOp, "results", "out like q, caches like the inputs",
                       ShapeString(out->dimensions()));
@@ -142,10 +140,10 @@ ffi::Error DecodeAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::A
   if (v_out->untyped_data() != v_cache.untyped_data()) {
     std::memcpy(v_out->untyped_data(), v_cache.untyped_data(), v_cache.size_bytes());
   }
-  const float* qp = static_cast<const float*>(q.untyped_data());
-  const float* kp = static_cast<const float*>(k_new.untyped_data());
-  const float* vp = static_cast<const float*>(v_new.untyped_data());
-  float* op = static_cast<float*>(out->untyped_data());
+  const float* qp = q.typed_data();
+  const float* kp = k_new.typed_data();
+  const float* vp = v_new.typed_data();
+  float* op = out->typed_data();
   const int64_t q_row = a.n_heads * h, kv_row = nk * h, cache_row = s_len * nk * h;
   auto run = [&](auto* k_c, auto* v_c) {
     CpuRuntime& rt = GetCpuRuntime();
@@ -184,16 +182,16 @@ ffi::Error DecodeAttentionCpuImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::A
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PijDecodeAttentionCpu, pij::DecodeAttentionCpuImpl,
                               xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // q
-                                  .Arg<xla::ffi::AnyBuffer>()  // k_new
-                                  .Arg<xla::ffi::AnyBuffer>()  // v_new
-                                  .Arg<xla::ffi::AnyBuffer>()  // k_cache
-                                  .Arg<xla::ffi::AnyBuffer>()  // v_cache
-                                  .Arg<xla::ffi::AnyBuffer>()  // where
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // q
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // k_new
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // v_new
+                                  .Arg<xla::ffi::AnyBuffer>()  // k_cache: f32 or u16 (bf16)
+                                  .Arg<xla::ffi::AnyBuffer>()  // v_cache: as k_cache
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // where
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // inv_freq
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // q_norm
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // k_norm
-                                  .Ret<xla::ffi::AnyBuffer>()  // out
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // out
                                   .Ret<xla::ffi::AnyBuffer>()  // k_cache (aliased)
                                   .Ret<xla::ffi::AnyBuffer>()  // v_cache (aliased)
                                   .Attr<int64_t>("kv_len")
@@ -202,3 +200,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijDecodeAttentionCpu, pij::DecodeAttentionCpuImpl
                                   .Attr<float>("softcap")
                                   .Attr<int64_t>("window")
                                   .Attr<float>("norm_eps"));
+PIJ_CPU_TARGET("pij_decode_attention", PijDecodeAttentionCpu);

@@ -17,7 +17,7 @@
 #include "cpu_backend/disk_ffn.h"
 #include "cpu_backend/neuron_store.h"
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_targets.h"
 #include "xla_ffi/cpu_runtime.h"
 #include "xla_ffi/ffi_util.h"
 
@@ -40,9 +40,10 @@ CallScratch& Scratch() {  // used under the CPU runtime's mutex only
   return *scratch;
 }
 
-ffi::Error DiskFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer scores, ffi::AnyBuffer next_scores,
-                          ffi::Result<ffi::AnyBuffer> y,
-                          ffi::Result<ffi::AnyBuffer> n_active, int64_t store_handle,
+// Every operand has one dtype (typed: XLA checks it); shapes are checked here.
+ffi::Error DiskFfnCpuImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> scores,
+                          ffi::Buffer<ffi::F32> next_scores, ffi::ResultBuffer<ffi::F32> y,
+                          ffi::ResultBuffer<ffi::S32> n_active, int64_t store_handle,
                           int64_t layer, float threshold, std::string_view activation,
                           std::string_view criterion, float gate_floor) {
   DiskFfnParams p;
@@ -67,13 +68,12 @@ ffi::Error DiskFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer scores, ffi::AnyBuffe
   }
   const int64_t dim = l.dim, f = l.num_neurons;
   const Dims x_dims = x.dimensions();
-  if (x.element_type() != ffi::DataType::F32 || x_dims.size() == 0 || x_dims.back() != dim) {
+  if (x_dims.size() == 0 || x_dims.back() != dim) {
     return InvalidArg(kOp, "x", "float32 [..., " + std::to_string(dim) + "] (the store's D)",
-                      std::string(DtypeName(x.element_type())) + " " + ShapeString(x_dims));
+                      "float32 " + ShapeString(x_dims));
   }
   const Dims y_dims = y->dimensions();
-  if (y->element_type() != ffi::DataType::F32 || y_dims.size() == 0 || y_dims.back() != dim ||
-      n_active->element_type() != ffi::DataType::S32 ||
+  if (y_dims.size() == 0 || y_dims.back() != dim ||
       n_active->element_count() * dim != y->element_count()) {
     return InvalidArg(kOp, "results", "float32 [..., " + std::to_string(dim) + "] and int32 [...]",
                       ShapeString(y_dims) + ", " + ShapeString(n_active->dimensions()));
@@ -90,43 +90,40 @@ ffi::Error DiskFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer scores, ffi::AnyBuffe
     }
     const bool by_scores = p.criterion == Criterion::kScores;
     const Dims s_dims = scores.dimensions();
-    if (by_scores && !(scores.element_type() == ffi::DataType::F32 && s_dims.size() > 0 &&
-                       s_dims.back() == f &&
+    if (by_scores && !(s_dims.size() > 0 && s_dims.back() == f &&
                        BroadcastRows(Leading(s_dims), rows_dims, rt.score_src))) {
       return InvalidArg(kOp, "scores",
                         "float32 [..., " + std::to_string(f) + "] broadcastable to the rows " +
                             ShapeString(rows_dims) + " (criterion scores)",
-                        std::string(DtypeName(scores.element_type())) + " " + ShapeString(s_dims));
+                        "float32 " + ShapeString(s_dims));
     }
     const Dims n_dims = next_scores.dimensions();
     const bool ahead = next_scores.element_count() != 0;
-    if (ahead && !(next_scores.element_type() == ffi::DataType::F32 && n_dims.size() > 0 &&
-                   n_dims.back() == f && BroadcastRows(Leading(n_dims), rows_dims, cs.next_src))) {
+    if (ahead && !(n_dims.size() > 0 && n_dims.back() == f &&
+                   BroadcastRows(Leading(n_dims), rows_dims, cs.next_src))) {
       return InvalidArg(kOp, "next_scores",
                         "empty or float32 [..., " + std::to_string(f) + "] broadcastable to " +
                             ShapeString(rows_dims),
-                        std::string(DtypeName(next_scores.element_type())) + " " +
-                            ShapeString(n_dims));
+                        "float32 " + ShapeString(n_dims));
     }
     if (rows == 0) return ffi::Error::Success();
     cs.next_rows.clear();
     if (ahead && layer + 1 < l.num_layers) {
-      const float* np_ = static_cast<const float*>(next_scores.untyped_data());
+      const float* np_ = next_scores.typed_data();
       for (int64_t r = 0; r < rows; ++r) cs.next_rows.push_back(np_ + cs.next_src[r] * f);
     }
-    const float* xp = static_cast<const float*>(x.untyped_data());
+    const float* xp = x.typed_data();
     rt.x_rows.resize(rows);
     for (int64_t r = 0; r < rows; ++r) rt.x_rows[r] = xp + rt.x_src[r] * dim;
     rt.score_rows.clear();
     if (by_scores) {
-      const float* sp = static_cast<const float*>(scores.untyped_data());
+      const float* sp = scores.typed_data();
       rt.score_rows.resize(rows);
       for (int64_t r = 0; r < rows; ++r) rt.score_rows[r] = sp + rt.score_src[r] * f;
     }
     const std::string error = DiskSparseFfn(
         *store, layer, rt.x_rows, rt.score_rows, cs.next_rows, p,
-        static_cast<float*>(y->untyped_data()), static_cast<int32_t*>(n_active->untyped_data()),
-        cs.ffn, rt.pool);
+        y->typed_data(), n_active->typed_data(), cs.ffn, rt.pool);
     if (!error.empty()) return ffi::Error::Internal(std::string(kOp) + ": " + error);
     return ffi::Error::Success();
   } catch (const std::exception& e) {  // bad_alloc growing scratch: report, never abort
@@ -139,14 +136,15 @@ ffi::Error DiskFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer scores, ffi::AnyBuffe
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PijDiskFfnCpu, pij::DiskFfnCpuImpl,
                               xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // x
-                                  .Arg<xla::ffi::AnyBuffer>()  // scores
-                                  .Arg<xla::ffi::AnyBuffer>()  // next_scores
-                                  .Ret<xla::ffi::AnyBuffer>()  // y
-                                  .Ret<xla::ffi::AnyBuffer>()  // n_active
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // x
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // scores
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // next_scores
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // y
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // n_active
                                   .Attr<int64_t>("store")
                                   .Attr<int64_t>("layer")
                                   .Attr<float>("threshold")
                                   .Attr<std::string_view>("activation")
                                   .Attr<std::string_view>("criterion")
                                   .Attr<float>("gate_floor"));
+PIJ_CPU_TARGET("pij_disk_ffn", PijDiskFfnCpu);

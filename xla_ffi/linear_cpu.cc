@@ -8,7 +8,7 @@
 
 #include "cpu_backend/linear.h"
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_targets.h"
 #include "xla_ffi/cpu_runtime.h"
 #include "xla_ffi/ffi_util.h"
 
@@ -17,12 +17,9 @@ namespace {
 
 constexpr std::string_view kOp = "linear";
 
-// x must be f32 [..., D]; sets dim and rows.
-ffi::Error CheckX(ffi::AnyBuffer x, int64_t& dim, int64_t& rows) {
+// x is f32 [..., D] (XLA checks the dtype); sets dim and rows.
+ffi::Error CheckX(ffi::Buffer<ffi::F32> x, int64_t& dim, int64_t& rows) {
   const auto x_dims = x.dimensions();
-  if (x.element_type() != ffi::DataType::F32) {
-    return InvalidArg(kOp, "x dtype", "float32", DtypeName(x.element_type()));
-  }
   if (x_dims.size() == 0) return InvalidArg(kOp, "x shape", "rank >= 1 ([..., D])", "[]");
   dim = x_dims.back();
   rows = dim == 0 ? 0 : static_cast<int64_t>(x.element_count()) / dim;
@@ -32,7 +29,7 @@ ffi::Error CheckX(ffi::AnyBuffer x, int64_t& dim, int64_t& rows) {
 // One product: w [O, D] (f32/bf16/f16, leading size-1 dims allowed), bias f32 [O] or empty, y
 // f32 [..., O]. `which` names the operand in errors when there are several.
 ffi::Error CheckProduct(const std::string& which, int64_t dim, int64_t rows, ffi::AnyBuffer w,
-                        ffi::AnyBuffer bias, ffi::AnyBuffer y, int64_t& out_dim,
+                        ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> y, int64_t& out_dim,
                         const float*& b) {
   const auto w_dims = w.dimensions();
   if (w_dims.size() < 2 || !LeadingOnes(w_dims, 2) || w_dims.back() != dim) {
@@ -47,8 +44,7 @@ ffi::Error CheckProduct(const std::string& which, int64_t dim, int64_t rows, ffi
   if (ffi::Error e = DecodeOptionalF32(kOp, which + "bias", bias, out_dim, b); e.failure()) {
     return e;
   }
-  if (y.element_type() != ffi::DataType::F32 ||
-      static_cast<int64_t>(y.element_count()) != rows * out_dim) {
+  if (static_cast<int64_t>(y.element_count()) != rows * out_dim) {
     return InvalidArg(kOp, which + "y (result)", "float32 [..., " + std::to_string(out_dim) + "]",
                       ShapeString(y.dimensions()));
   }
@@ -74,13 +70,13 @@ void RunTyped(CpuRuntime& rt, const std::vector<Product>& products, int64_t dim)
 }
 
 // Products of one x with weights of one dtype, as one pool job.
-ffi::Error RunProducts(ffi::AnyBuffer x, int64_t dim, int64_t rows, ffi::DataType w_type,
+ffi::Error RunProducts(ffi::Buffer<ffi::F32> x, int64_t dim, int64_t rows, ffi::DataType w_type,
                        const std::vector<Product>& products) {
   if (rows == 0 || products.empty()) return ffi::Error::Success();
   try {
     CpuRuntime& rt = GetCpuRuntime();
     std::lock_guard<std::mutex> lock(rt.mutex);
-    SetContiguousRows(rt, static_cast<const float*>(x.untyped_data()), rows, dim);
+    SetContiguousRows(rt, x.typed_data(), rows, dim);
     switch (w_type) {  // the one dtype dispatch
       case ffi::DataType::F32: RunTyped<float>(rt, products, dim); break;
       case ffi::DataType::BF16: RunTyped<Bf16>(rt, products, dim); break;
@@ -92,20 +88,21 @@ ffi::Error RunProducts(ffi::AnyBuffer x, int64_t dim, int64_t rows, ffi::DataTyp
   }
 }
 
-ffi::Error LinearCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
-                         ffi::Result<ffi::AnyBuffer> y) {
+ffi::Error LinearCpuImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> bias,
+                         ffi::ResultBuffer<ffi::F32> y) {
   int64_t dim, rows, out_dim;
   const float* b;
   if (ffi::Error e = CheckX(x, dim, rows); e.failure()) return e;
   if (ffi::Error e = CheckProduct("", dim, rows, w, bias, *y, out_dim, b); e.failure()) return e;
   if (out_dim == 0) return ffi::Error::Success();
   return RunProducts(x, dim, rows, w.element_type(),
-                     {{w.untyped_data(), b, out_dim, static_cast<float*>(y->untyped_data())}});
+                     {{w.untyped_data(), b, out_dim, y->typed_data()}});
 }
 
 // linear_many: x, then n weights, then n biases (f32 [O_i] or empty); n results y_i [..., O_i].
 // Every weight has the same dtype.
-ffi::Error LinearManyCpuImpl(ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+ffi::Error LinearManyCpuImpl(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                             ffi::RemainingRets rets) {
   int64_t dim, rows;
   if (ffi::Error e = CheckX(x, dim, rows); e.failure()) return e;
   const size_t n = rets.size();
@@ -119,10 +116,15 @@ ffi::Error LinearManyCpuImpl(ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::Rem
   for (size_t i = 0; i < n; ++i) {
     const std::string which = "[" + std::to_string(i) + "] ";
     auto w = args.get<ffi::AnyBuffer>(i);
-    auto bias = args.get<ffi::AnyBuffer>(n + i);
-    auto y = rets.get<ffi::AnyBuffer>(i);
-    if (!w.has_value() || !bias.has_value() || !y.has_value()) {
-      return InvalidArg(kOp, which + "operand", "an array", "none");
+    auto bias = args.get<ffi::Buffer<ffi::F32>>(n + i);
+    auto y = rets.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value()) return InvalidArg(kOp, which + "w", "an array", w.error().message());
+    if (!bias.has_value()) {
+      return InvalidArg(kOp, which + "bias", "float32 [O] or absent (zero-size)",
+                        bias.error().message());
+    }
+    if (!y.has_value()) {
+      return InvalidArg(kOp, which + "y (result)", "float32", y.error().message());
     }
     int64_t out_dim;
     const float* b;
@@ -135,7 +137,7 @@ ffi::Error LinearManyCpuImpl(ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::Rem
     }
     w_type = w->element_type();
     if (out_dim > 0) {
-      outs.push_back({w->untyped_data(), b, out_dim, static_cast<float*>((*y)->untyped_data())});
+      outs.push_back({w->untyped_data(), b, out_dim, (*y)->typed_data()});
     }
   }
   return RunProducts(x, dim, rows, w_type, outs);
@@ -146,13 +148,15 @@ ffi::Error LinearManyCpuImpl(ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::Rem
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PijLinearManyCpu, pij::LinearManyCpuImpl,
                               xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // x
-                                  .RemainingArgs()             // weights, then biases
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // x
+                                  .RemainingArgs()  // weights (f32/bf16/f16), then f32 biases
                                   .RemainingRets());           // one y per weight
+PIJ_CPU_TARGET("pij_linear_many", PijLinearManyCpu);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PijLinearCpu, pij::LinearCpuImpl,
                               xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // x
-                                  .Arg<xla::ffi::AnyBuffer>()  // w
-                                  .Arg<xla::ffi::AnyBuffer>()  // bias
-                                  .Ret<xla::ffi::AnyBuffer>());  // y
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // w: f32, bf16 or f16
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // bias
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // y
+PIJ_CPU_TARGET("pij_linear", PijLinearCpu);

@@ -11,7 +11,7 @@
 #include "cpu_backend/moe_ffn.h"
 #include "cpu_backend/quant_interleaved.h"
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_targets.h"
 #include "xla_ffi/cpu_runtime.h"
 #include "xla_ffi/ffi_util.h"
 
@@ -23,7 +23,7 @@ constexpr std::string_view kOp = "moe_ffn";
 // One stacked expert matrix: uint8 [E, rows, row bytes of `cols` weights in its qtype], each
 // expert's rows as the file stores them or interleaved by 16 (the type id's
 // kInterleavedQTypeFlag, quant_interleaved.h).
-ffi::Error CheckStack(std::string_view what, ffi::AnyBuffer b, int32_t qtype_id, int64_t e,
+ffi::Error CheckStack(std::string_view what, ffi::Buffer<ffi::U8> b, int32_t qtype_id, int64_t e,
                       int64_t rows, int64_t cols, QType& t, bool& interleaved) {
   const std::string w(what);
   interleaved = (qtype_id & qkern::kInterleavedQTypeFlag) != 0;
@@ -46,19 +46,18 @@ ffi::Error CheckStack(std::string_view what, ffi::AnyBuffer b, int32_t qtype_id,
   }
   const auto dims = b.dimensions();
   const int64_t rb = QRowBytes(t, cols);
-  if (b.element_type() != ffi::DataType::U8 || dims.size() != 3 || dims[0] != e ||
-      dims[1] != rows || dims[2] != rb) {
+  if (dims.size() != 3 || dims[0] != e || dims[1] != rows || dims[2] != rb) {
     return InvalidArg(kOp, w,
                       "uint8 [" + std::to_string(e) + ", " + std::to_string(rows) + ", " +
                           std::to_string(rb) + "] (" + info.name + " rows of " +
                           std::to_string(cols) + ")",
-                      std::string(DtypeName(b.element_type())) + " " + ShapeString(dims));
+                      "uint8 " + ShapeString(dims));
   }
   return ffi::Error::Success();
 }
 
 // Each expert's down groups: uint8 [E, F / 32, D * block bytes] of a 32-weight format.
-ffi::Error CheckGroups(ffi::AnyBuffer b, int32_t qtype_id, int64_t e, int64_t f, int64_t d,
+ffi::Error CheckGroups(ffi::Buffer<ffi::U8> b, int32_t qtype_id, int64_t e, int64_t f, int64_t d,
                        QType& t) {
   if (!IsQType(qtype_id) || DownGroupScaleBytes(static_cast<QType>(qtype_id)) == 0) {
     return InvalidArg(kOp, "down_qtype (down_layout groups)",
@@ -72,38 +71,33 @@ ffi::Error CheckGroups(ffi::AnyBuffer b, int32_t qtype_id, int64_t e, int64_t f,
   }
   const auto dims = b.dimensions();
   const int64_t bytes = d * GetQTypeInfo(t).bytes;
-  if (b.element_type() != ffi::DataType::U8 || dims.size() != 3 || dims[0] != e ||
-      dims[1] != f / 32 || dims[2] != bytes) {
+  if (dims.size() != 3 || dims[0] != e || dims[1] != f / 32 || dims[2] != bytes) {
     return InvalidArg(kOp, "down (groups of 32 neurons)",
                       "uint8 [" + std::to_string(e) + ", " + std::to_string(f / 32) + ", " +
                           std::to_string(bytes) + "]",
-                      std::string(DtypeName(b.element_type())) + " " + ShapeString(dims));
+                      "uint8 " + ShapeString(dims));
   }
   return ffi::Error::Success();
 }
 
-ffi::Error MoeFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer weights,
-                         ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
-                         ffi::Result<ffi::AnyBuffer> y, int32_t gate_qtype, int32_t up_qtype,
+// Every operand has one dtype (typed: XLA checks it); shapes and type ids are checked here.
+ffi::Error MoeFfnCpuImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
+                         ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::U8> gate,
+                         ffi::Buffer<ffi::U8> up, ffi::Buffer<ffi::U8> down,
+                         ffi::ResultBuffer<ffi::F32> y, int32_t gate_qtype, int32_t up_qtype,
                          int32_t down_qtype, std::string_view activation,
                          std::string_view down_layout) {
   const auto xd = x.dimensions(), idd = ids.dimensions(), gd = gate.dimensions();
-  if (x.element_type() != ffi::DataType::F32 || xd.size() != 2) {
-    return InvalidArg(kOp, "x", "float32 [N, D]",
-                      std::string(DtypeName(x.element_type())) + " " + ShapeString(xd));
-  }
+  if (xd.size() != 2) return InvalidArg(kOp, "x", "float32 [N, D]", "float32 " + ShapeString(xd));
   const int64_t n = xd[0], d = xd[1];
-  if (ids.element_type() != ffi::DataType::S32 || idd.size() != 2 || idd[0] != n ||
-      idd[1] < 1) {
+  if (idd.size() != 2 || idd[0] != n || idd[1] < 1) {
     return InvalidArg(kOp, "ids", "int32 [" + std::to_string(n) + ", k >= 1]",
-                      std::string(DtypeName(ids.element_type())) + " " + ShapeString(idd));
+                      "int32 " + ShapeString(idd));
   }
   const int64_t k = idd[1];
-  if (weights.element_type() != ffi::DataType::F32 ||
-      ShapeString(weights.dimensions()) != ShapeString(idd)) {
+  if (ShapeString(weights.dimensions()) != ShapeString(idd)) {
     return InvalidArg(kOp, "weights", "float32 " + ShapeString(idd),
-                      std::string(DtypeName(weights.element_type())) + " " +
-                          ShapeString(weights.dimensions()));
+                      "float32 " + ShapeString(weights.dimensions()));
   }
   if (gd.size() != 3) {
     return InvalidArg(kOp, "gate", "uint8 [E, F, row bytes]", ShapeString(gd));
@@ -145,13 +139,12 @@ ffi::Error MoeFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer we
                       "at most the number of experts (" + std::to_string(e) + ")",
                       std::to_string(k));
   }
-  if (y->element_type() != ffi::DataType::F32 ||
-      static_cast<int64_t>(y->element_count()) != n * d) {
+  if (static_cast<int64_t>(y->element_count()) != n * d) {
     return InvalidArg(kOp, "y (result)", "float32 [" + std::to_string(n) + ", " +
                                              std::to_string(d) + "]",
                       ShapeString(y->dimensions()));
   }
-  const auto* id = static_cast<const int32_t*>(ids.untyped_data());
+  const int32_t* id = ids.typed_data();
   for (int64_t p = 0; p < n * k; ++p) {
     if (id[p] < -1 || id[p] >= e) {
       return InvalidArg(kOp, "ids", "experts in [0, " + std::to_string(e) +
@@ -160,18 +153,17 @@ ffi::Error MoeFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer we
     }
   }
   if (n == 0 || d == 0 || f == 0) return ffi::Error::Success();
-  w.gate = static_cast<const uint8_t*>(gate.untyped_data());
-  w.up = static_cast<const uint8_t*>(up.untyped_data());
-  w.down = static_cast<const uint8_t*>(down.untyped_data());
+  w.gate = gate.typed_data();
+  w.up = up.typed_data();
+  w.down = down.typed_data();
   w.n_experts = e;
   w.d_ff = f;
   w.dim = d;
   try {
     CpuRuntime& rt = GetCpuRuntime();
     std::lock_guard<std::mutex> lock(rt.mutex);
-    SetContiguousRows(rt, static_cast<const float*>(x.untyped_data()), n, d);
-    MoeFfn(w, rt.x_rows, id, static_cast<const float*>(weights.untyped_data()), k,
-           static_cast<float*>(y->untyped_data()), rt.moe, rt.pool);
+    SetContiguousRows(rt, x.typed_data(), n, d);
+    MoeFfn(w, rt.x_rows, id, weights.typed_data(), k, y->typed_data(), rt.moe, rt.pool);
     return ffi::Error::Success();
   } catch (const std::exception& ex) {  // bad_alloc growing scratch: report, never abort
     return ffi::Error::Internal(std::string("moe_ffn: ") + ex.what());
@@ -183,15 +175,16 @@ ffi::Error MoeFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer we
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PijMoeFfnCpu, pij::MoeFfnCpuImpl,
                               xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // x
-                                  .Arg<xla::ffi::AnyBuffer>()  // ids
-                                  .Arg<xla::ffi::AnyBuffer>()  // weights
-                                  .Arg<xla::ffi::AnyBuffer>()  // gate
-                                  .Arg<xla::ffi::AnyBuffer>()  // up
-                                  .Arg<xla::ffi::AnyBuffer>()  // down
-                                  .Ret<xla::ffi::AnyBuffer>()  // y
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // x
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // ids
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // weights
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()   // gate
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()   // up
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()   // down
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // y
                                   .Attr<int32_t>("gate_qtype")
                                   .Attr<int32_t>("up_qtype")
                                   .Attr<int32_t>("down_qtype")
                                   .Attr<std::string_view>("activation")
                                   .Attr<std::string_view>("down_layout"));
+PIJ_CPU_TARGET("pij_moe_ffn", PijMoeFfnCpu);

@@ -14,7 +14,7 @@
 #include "cpu_backend/qlinear.h"
 #include "cpu_backend/quant_interleaved.h"
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_targets.h"
 #include "xla_ffi/cpu_runtime.h"
 #include "xla_ffi/ffi_util.h"
 #include "xla_ffi/quant_args.h"
@@ -24,20 +24,19 @@ namespace {
 
 constexpr std::string_view kOp = "qlinear";
 
-ffi::Error CheckX(ffi::AnyBuffer x, int64_t& dim, int64_t& rows) {
+// Operands of a fixed dtype are typed (XLA checks it); shapes are checked here.
+ffi::Error CheckX(ffi::Buffer<ffi::F32> x, int64_t& dim, int64_t& rows) {
   const auto dims = x.dimensions();
-  if (x.element_type() != ffi::DataType::F32 || dims.size() == 0) {
-    return InvalidArg(kOp, "x", "float32 [..., D]",
-                      std::string(DtypeName(x.element_type())) + " " + ShapeString(dims));
-  }
+  if (dims.size() == 0) return InvalidArg(kOp, "x", "float32 [..., D]", "float32 []");
   dim = dims.back();
   rows = dim == 0 ? 0 : static_cast<int64_t>(x.element_count()) / dim;
   return ffi::Error::Success();
 }
 
 // One product: blocks, bias and y checked against D and the x rows; `which` names it in errors.
-ffi::Error CheckProduct(const std::string& which, int64_t dim, int64_t rows, ffi::AnyBuffer blocks,
-                        int32_t qtype_id, ffi::AnyBuffer bias, ffi::AnyBuffer y, QLinearOut& out) {
+ffi::Error CheckProduct(const std::string& which, int64_t dim, int64_t rows,
+                        ffi::Buffer<ffi::U8> blocks, int32_t qtype_id, ffi::Buffer<ffi::F32> bias,
+                        ffi::Buffer<ffi::F32> y, QLinearOut& out) {
   int64_t out_dim = -1;
   out.interleaved = (qtype_id & qkern::kInterleavedQTypeFlag) != 0;
   out.columns = (qtype_id & kColumnsQTypeFlag) != 0;
@@ -62,23 +61,23 @@ ffi::Error CheckProduct(const std::string& which, int64_t dim, int64_t rows, ffi
   if (ffi::Error e = DecodeOptionalF32(kOp, which + "bias", bias, out_dim, out.bias); e.failure()) {
     return e;
   }
-  if (y.element_type() != ffi::DataType::F32 ||
-      static_cast<int64_t>(y.element_count()) != rows * out_dim) {
+  if (static_cast<int64_t>(y.element_count()) != rows * out_dim) {
     return InvalidArg(kOp, which + "y (result)", "float32 [..., " + std::to_string(out_dim) + "]",
                       ShapeString(y.dimensions()));
   }
-  out.w = static_cast<const uint8_t*>(blocks.untyped_data());
+  out.w = blocks.typed_data();
   out.out_dim = out_dim;
-  out.y = static_cast<float*>(y.untyped_data());
+  out.y = y.typed_data();
   return ffi::Error::Success();
 }
 
-ffi::Error Run(ffi::AnyBuffer x, int64_t dim, int64_t rows, const std::vector<QLinearOut>& outs) {
+ffi::Error Run(ffi::Buffer<ffi::F32> x, int64_t dim, int64_t rows,
+               const std::vector<QLinearOut>& outs) {
   if (rows == 0 || outs.empty()) return ffi::Error::Success();
   try {
     CpuRuntime& rt = GetCpuRuntime();
     std::lock_guard<std::mutex> lock(rt.mutex);
-    SetContiguousRows(rt, static_cast<const float*>(x.untyped_data()), rows, dim);
+    SetContiguousRows(rt, x.typed_data(), rows, dim);
     QLinearMany(outs, dim, rt.x_rows, rt.qlinear, rt.pool);
     return ffi::Error::Success();
   } catch (const std::exception& e) {  // bad_alloc growing scratch: report, never abort
@@ -86,8 +85,9 @@ ffi::Error Run(ffi::AnyBuffer x, int64_t dim, int64_t rows, const std::vector<QL
   }
 }
 
-ffi::Error QLinearCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer blocks, ffi::AnyBuffer bias,
-                          ffi::Result<ffi::AnyBuffer> y, int32_t qtype) {
+ffi::Error QLinearCpuImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks,
+                          ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> y,
+                          int32_t qtype) {
   int64_t dim, rows;
   if (ffi::Error e = CheckX(x, dim, rows); e.failure()) return e;
   QLinearOut out;
@@ -98,8 +98,8 @@ ffi::Error QLinearCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer blocks, ffi::AnyBuffe
   return Run(x, dim, rows, {out});
 }
 
-ffi::Error QLinearManyCpuImpl(ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                              ffi::Span<const int32_t> qtypes) {
+ffi::Error QLinearManyCpuImpl(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                              ffi::RemainingRets rets, ffi::Span<const int32_t> qtypes) {
   int64_t dim, rows;
   if (ffi::Error e = CheckX(x, dim, rows); e.failure()) return e;
   const size_t n = rets.size();
@@ -112,11 +112,18 @@ ffi::Error QLinearManyCpuImpl(ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::Re
   std::vector<QLinearOut> outs;
   for (size_t i = 0; i < n; ++i) {
     const std::string which = "[" + std::to_string(i) + "] ";
-    auto blocks = args.get<ffi::AnyBuffer>(i);
-    auto bias = args.get<ffi::AnyBuffer>(n + i);
-    auto y = rets.get<ffi::AnyBuffer>(i);
-    if (!blocks.has_value() || !bias.has_value() || !y.has_value()) {
-      return InvalidArg(kOp, which + "operand", "an array", "none");
+    auto blocks = args.get<ffi::Buffer<ffi::U8>>(i);
+    auto bias = args.get<ffi::Buffer<ffi::F32>>(n + i);
+    auto y = rets.get<ffi::Buffer<ffi::F32>>(i);
+    if (!blocks.has_value()) {
+      return InvalidArg(kOp, which + "blocks", "uint8 [R, row bytes]", blocks.error().message());
+    }
+    if (!bias.has_value()) {
+      return InvalidArg(kOp, which + "bias", "float32 [O] or absent (zero-size)",
+                        bias.error().message());
+    }
+    if (!y.has_value()) {
+      return InvalidArg(kOp, which + "y (result)", "float32", y.error().message());
     }
     QLinearOut out;
     if (ffi::Error e = CheckProduct(which, dim, rows, *blocks, qtypes[i], *bias, **y, out);
@@ -130,32 +137,27 @@ ffi::Error QLinearManyCpuImpl(ffi::AnyBuffer x, ffi::RemainingArgs args, ffi::Re
 
 // qembedding: ids s32 [...], blocks u8 [V, row_bytes], attributes qtype and dim (D); y f32
 // [..., D] = the rows ids of the table, dequantized. Ids outside [0, V) are an error.
-ffi::Error QEmbeddingCpuImpl(ffi::AnyBuffer ids, ffi::AnyBuffer blocks,
-                             ffi::Result<ffi::AnyBuffer> y, int32_t qtype, int64_t dim) {
+ffi::Error QEmbeddingCpuImpl(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::U8> blocks,
+                             ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int64_t dim) {
   constexpr std::string_view kEmbOp = "qembedding";
-  if (ids.element_type() != ffi::DataType::S32) {
-    return InvalidArg(kEmbOp, "ids", "int32 [...]", DtypeName(ids.element_type()));
-  }
   int64_t vocab = -1;
   QType t;
   if (ffi::Error e = DecodeQWeight(kEmbOp, "blocks", blocks, qtype, dim, vocab, t); e.failure()) {
     return e;
   }
   const int64_t n = static_cast<int64_t>(ids.element_count());
-  if (y->element_type() != ffi::DataType::F32 ||
-      static_cast<int64_t>(y->element_count()) != n * dim) {
+  if (static_cast<int64_t>(y->element_count()) != n * dim) {
     return InvalidArg(kEmbOp, "y (result)", "float32 [..., " + std::to_string(dim) + "]",
                       ShapeString(y->dimensions()));
   }
-  const std::span<const int32_t> id(static_cast<const int32_t*>(ids.untyped_data()), n);
+  const std::span<const int32_t> id(ids.typed_data(), n);
   for (const int32_t i : id) {
     if (i < 0 || i >= vocab) {
       return InvalidArg(kEmbOp, "ids", "rows of the table, in [0, " + std::to_string(vocab) + ")",
                         std::to_string(i));
     }
   }
-  DequantizeGather(static_cast<const uint8_t*>(blocks.untyped_data()), t, dim, id,
-                   static_cast<float*>(y->untyped_data()));
+  DequantizeGather(blocks.typed_data(), t, dim, id, y->typed_data());
   return ffi::Error::Success();
 }
 
@@ -164,23 +166,26 @@ ffi::Error QEmbeddingCpuImpl(ffi::AnyBuffer ids, ffi::AnyBuffer blocks,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQLinearCpu, pij::QLinearCpuImpl,
                               xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // x
-                                  .Arg<xla::ffi::AnyBuffer>()  // blocks
-                                  .Arg<xla::ffi::AnyBuffer>()  // bias
-                                  .Ret<xla::ffi::AnyBuffer>()  // y
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // x
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()   // blocks
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // bias
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // y
                                   .Attr<int32_t>("qtype"));
+PIJ_CPU_TARGET("pij_qlinear", PijQLinearCpu);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQEmbeddingCpu, pij::QEmbeddingCpuImpl,
                               xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // ids
-                                  .Arg<xla::ffi::AnyBuffer>()  // blocks
-                                  .Ret<xla::ffi::AnyBuffer>()  // y
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // ids
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()   // blocks
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // y
                                   .Attr<int32_t>("qtype")
                                   .Attr<int64_t>("dim"));
+PIJ_CPU_TARGET("pij_qembedding", PijQEmbeddingCpu);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQLinearManyCpu, pij::QLinearManyCpuImpl,
                               xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // x
-                                  .RemainingArgs()             // blocks, then biases
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // x
+                                  .RemainingArgs()  // uint8 blocks, then float32 biases
                                   .RemainingRets()             // one y per blocks
                                   .Attr<xla::ffi::Span<const int32_t>>("qtypes"));
+PIJ_CPU_TARGET("pij_qlinear_many", PijQLinearManyCpu);

@@ -20,7 +20,7 @@
 #include "cpu_backend/qsparse_ffn.h"
 #include "cpu_backend/quant_interleaved.h"
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_targets.h"
 #include "xla_ffi/cpu_runtime.h"
 #include "xla_ffi/ffi_util.h"
 #include "xla_ffi/quant_args.h"
@@ -33,10 +33,12 @@ using Dims = ffi::Span<const int64_t>;
 
 Dims Leading(Dims dims) { return Dims(dims.begin(), dims.size() == 0 ? 0 : dims.size() - 1); }
 
-ffi::Error QSparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuffer up,
-                             ffi::AnyBuffer down, ffi::AnyBuffer b_up, ffi::AnyBuffer b_down,
-                             ffi::AnyBuffer scores, ffi::Result<ffi::AnyBuffer> y,
-                             ffi::Result<ffi::AnyBuffer> n_active, int32_t gate_qtype,
+// Every operand has one dtype (typed: XLA checks it); shapes and type ids are checked here.
+ffi::Error QSparseFfnCpuImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> gate,
+                             ffi::Buffer<ffi::U8> up, ffi::Buffer<ffi::U8> down,
+                             ffi::Buffer<ffi::F32> b_up, ffi::Buffer<ffi::F32> b_down,
+                             ffi::Buffer<ffi::F32> scores, ffi::ResultBuffer<ffi::F32> y,
+                             ffi::ResultBuffer<ffi::S32> n_active, int32_t gate_qtype,
                              int32_t up_qtype, int32_t down_qtype, float threshold,
                              std::string_view activation, std::string_view criterion,
                              std::string_view down_layout, float gate_floor) {
@@ -53,10 +55,7 @@ ffi::Error QSparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuff
   }
   p.gate_floor = gate_floor;
   const Dims x_dims = x.dimensions();
-  if (x.element_type() != ffi::DataType::F32 || x_dims.size() == 0) {
-    return InvalidArg(kOp, "x", "float32 [..., D]",
-                      std::string(DtypeName(x.element_type())) + " " + ShapeString(x_dims));
-  }
+  if (x_dims.size() == 0) return InvalidArg(kOp, "x", "float32 [..., D]", "float32 []");
   const int64_t dim = x_dims.back();
   int64_t f = -1;
   // gate and up rows interleaved by 16 (quant_interleaved.h): criterion oracle (every neuron's
@@ -74,7 +73,7 @@ ffi::Error QSparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuff
         e.failure()) {
       return e;
     }
-    w.gate = static_cast<const uint8_t*>(gate.untyped_data());
+    w.gate = gate.typed_data();
   }
   w.gate_interleaved = w.gate != nullptr && gate_interleaved;
   if (w.up_interleaved || w.gate_interleaved) {
@@ -121,14 +120,13 @@ ffi::Error QSparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuff
   }
   if (ffi::Error e = DecodeOptionalF32(kOp, "b_up", b_up, f, w.b_up); e.failure()) return e;
   if (ffi::Error e = DecodeOptionalF32(kOp, "b_down", b_down, dim, w.b_down); e.failure()) return e;
-  w.up = static_cast<const uint8_t*>(up.untyped_data());
-  w.down = static_cast<const uint8_t*>(down.untyped_data());
+  w.up = up.typed_data();
+  w.down = down.typed_data();
   w.num_neurons = f;
   w.dim = dim;
 
   const Dims y_dims = y->dimensions();
-  if (y->element_type() != ffi::DataType::F32 || y_dims.size() == 0 || y_dims.back() != dim ||
-      n_active->element_type() != ffi::DataType::S32 ||
+  if (y_dims.size() == 0 || y_dims.back() != dim ||
       n_active->element_count() * dim != y->element_count()) {
     return InvalidArg(kOp, "results", "float32 [..., " + std::to_string(dim) + "] and int32 [...]",
                       ShapeString(y_dims) + ", " + ShapeString(n_active->dimensions()));
@@ -144,27 +142,26 @@ ffi::Error QSparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuff
     }
     const bool by_scores = p.criterion == Criterion::kScores;
     const Dims s_dims = scores.dimensions();
-    const bool scores_ok = scores.element_type() == ffi::DataType::F32 && s_dims.size() > 0 &&
-                           s_dims.back() == f &&
+    const bool scores_ok = s_dims.size() > 0 && s_dims.back() == f &&
                            BroadcastRows(Leading(s_dims), rows_dims, rt.score_src);
     if (by_scores && !scores_ok) {
       return InvalidArg(kOp, "scores",
                         "float32 [..., " + std::to_string(f) + "] broadcastable to the rows " +
                             ShapeString(rows_dims) + " (criterion scores)",
-                        std::string(DtypeName(scores.element_type())) + " " + ShapeString(s_dims));
+                        "float32 " + ShapeString(s_dims));
     }
     if (rows == 0) return ffi::Error::Success();
-    const float* xp = static_cast<const float*>(x.untyped_data());
+    const float* xp = x.typed_data();
     rt.x_rows.resize(rows);
     for (int64_t r = 0; r < rows; ++r) rt.x_rows[r] = xp + rt.x_src[r] * dim;
     rt.score_rows.clear();
     if (by_scores) {
-      const float* sp = static_cast<const float*>(scores.untyped_data());
+      const float* sp = scores.typed_data();
       rt.score_rows.resize(rows);
       for (int64_t r = 0; r < rows; ++r) rt.score_rows[r] = sp + rt.score_src[r] * f;
     }
-    QSparseFfn(w, rt.x_rows, rt.score_rows, p, static_cast<float*>(y->untyped_data()),
-               static_cast<int32_t*>(n_active->untyped_data()), rt.qsparse_ffn, rt.pool);
+    QSparseFfn(w, rt.x_rows, rt.score_rows, p, y->typed_data(), n_active->typed_data(),
+               rt.qsparse_ffn, rt.pool);
     return ffi::Error::Success();
   } catch (const std::exception& e) {  // bad_alloc growing scratch: report, never abort
     return ffi::Error::Internal(std::string("qsparse_ffn: ") + e.what());
@@ -176,15 +173,15 @@ ffi::Error QSparseFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuff
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQSparseFfnCpu, pij::QSparseFfnCpuImpl,
                               xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // x
-                                  .Arg<xla::ffi::AnyBuffer>()  // gate
-                                  .Arg<xla::ffi::AnyBuffer>()  // up
-                                  .Arg<xla::ffi::AnyBuffer>()  // down
-                                  .Arg<xla::ffi::AnyBuffer>()  // b_up
-                                  .Arg<xla::ffi::AnyBuffer>()  // b_down
-                                  .Arg<xla::ffi::AnyBuffer>()  // scores
-                                  .Ret<xla::ffi::AnyBuffer>()  // y
-                                  .Ret<xla::ffi::AnyBuffer>()  // n_active
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // x
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()   // gate
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()   // up
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()   // down
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // b_up
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // b_down
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // scores
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // y
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // n_active
                                   .Attr<int32_t>("gate_qtype")
                                   .Attr<int32_t>("up_qtype")
                                   .Attr<int32_t>("down_qtype")
@@ -193,3 +190,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQSparseFfnCpu, pij::QSparseFfnCpuImpl,
                                   .Attr<std::string_view>("criterion")
                                   .Attr<std::string_view>("down_layout")
                                   .Attr<float>("gate_floor"));
+PIJ_CPU_TARGET("pij_qsparse_ffn", PijQSparseFfnCpu);

@@ -7,7 +7,7 @@
 
 namespace pij {
 
-ffi::Error DecodeQWeight(std::string_view op, std::string_view what, ffi::AnyBuffer blocks,
+ffi::Error DecodeQWeight(std::string_view op, std::string_view what, ffi::Buffer<ffi::U8> blocks,
                          int32_t qtype_id, int64_t dim, int64_t& rows, QType& qtype) {
   const std::string w(what);
   if (!IsQType(qtype_id)) {
@@ -28,19 +28,20 @@ ffi::Error DecodeQWeight(std::string_view op, std::string_view what, ffi::AnyBuf
   const auto dims = blocks.dimensions();
   const bool shape_ok = dims.size() >= 2 && LeadingOnes(dims, 2) && dims.back() == row_bytes &&
                         (rows < 0 || dims[dims.size() - 2] == rows);
-  if (blocks.element_type() != ffi::DataType::U8 || !shape_ok) {
+  if (!shape_ok) {
     return InvalidArg(op, w,
                       "uint8 [" + (rows < 0 ? std::string("R") : std::to_string(rows)) + ", " +
                           std::to_string(row_bytes) + "] (" + std::to_string(dim / info.block) +
                           " " + info.name + " blocks of " + std::to_string(info.bytes) +
                           " bytes per row of D = " + std::to_string(dim) + ")",
-                      std::string(DtypeName(blocks.element_type())) + " " + ShapeString(dims));
+                      "uint8 " + ShapeString(dims));
   }
   rows = dims[dims.size() - 2];
   return ffi::Error::Success();
 }
 
-ffi::Error DecodeColumnsWeight(std::string_view op, std::string_view what, ffi::AnyBuffer blocks,
+ffi::Error DecodeColumnsWeight(std::string_view op, std::string_view what,
+                               ffi::Buffer<ffi::U8> blocks,
                                int32_t qtype_id, int64_t dim, int64_t& rows, QType& qtype) {
   const std::string w(what);
   if (!IsQType(qtype_id) || !ColumnsType(static_cast<QType>(qtype_id))) {
@@ -60,12 +61,12 @@ ffi::Error DecodeColumnsWeight(std::string_view op, std::string_view what, ffi::
   const int64_t row_bytes = r > 0 && r % kColTile == 0 ? ColumnsRowBytes(qtype, r, dim) : -1;
   const bool shape_ok = dims.size() >= 2 && LeadingOnes(dims, 2) && row_bytes > 0 &&
                         dims.back() == row_bytes && (rows < 0 || r == rows);
-  if (blocks.element_type() != ffi::DataType::U8 || !shape_ok) {
+  if (!shape_ok) {
     return InvalidArg(op, w,
                       "uint8 [R, columns row bytes] with R a positive multiple of " +
                           std::to_string(kColTile) + " (" + info.name +
                           " in the columns layout, D = " + std::to_string(dim) + ")",
-                      std::string(DtypeName(blocks.element_type())) + " " + ShapeString(dims));
+                      "uint8 " + ShapeString(dims));
   }
   rows = dims[dims.size() - 2];
   return ffi::Error::Success();

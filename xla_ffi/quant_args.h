@@ -13,13 +13,15 @@ namespace pij {
 namespace ffi = xla::ffi;
 
 // `qtype_id` a block format of quant_formats.h, `dim` a multiple of its block, and `blocks` uint8
-// [1.., R, QRowBytes(qtype, dim)]. rows: R to require, or -1 to read it from blocks.
-ffi::Error DecodeQWeight(std::string_view op, std::string_view what, ffi::AnyBuffer blocks,
+// (typed: XLA checks it) [1.., R, QRowBytes(qtype, dim)]. rows: R to require, or -1 to read it
+// from blocks.
+ffi::Error DecodeQWeight(std::string_view op, std::string_view what, ffi::Buffer<ffi::U8> blocks,
                          int32_t qtype_id, int64_t dim, int64_t& rows, QType& qtype);
 
 // The same for a matrix in the columns layout (cpu_backend/qcolumns.h): uint8 [1.., R,
 // ColumnsRowBytes(qtype, dim)], R a positive multiple of 64, qtype a format with that layout.
-ffi::Error DecodeColumnsWeight(std::string_view op, std::string_view what, ffi::AnyBuffer blocks,
+ffi::Error DecodeColumnsWeight(std::string_view op, std::string_view what,
+                               ffi::Buffer<ffi::U8> blocks,
                                int32_t qtype_id, int64_t dim, int64_t& rows, QType& qtype);
 
 }  // namespace pij

@@ -7,7 +7,7 @@
 
 #include "cpu_backend/sparse_ffn.h"
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/cpu_handlers.h"
+#include "xla_ffi/cpu_targets.h"
 #include "xla_ffi/cpu_runtime.h"
 #include "xla_ffi/ffi_util.h"
 #include "xla_ffi/sparse_ffn_args.h"
@@ -91,3 +91,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijSparseFfnCpu, pij::SparseFfnCpuImpl,
                                   .Attr<std::string_view>("activation")
                                   .Attr<std::string_view>("criterion")
                                   .Attr<float>("gate_floor"));
+PIJ_CPU_TARGET("pij_sparse_ffn", PijSparseFfnCpu);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU burst's whole path on this CPU with a tiny budget, as the lead's two device calls run it:
+# The GPU burst's whole path on this CPU with a tiny budget, as the two runner calls run it:
 # prepare (when .burst/ is missing) -> train_burst.sh stage -> train_burst.sh run with the
 # compiled extension blocked (benchmarks/gpu/noext) and the carried wheels installed into a temp
 # folder -> files in a fake $OUT (limits checked) -> import-burst -> evaluation rows.
@@ -15,7 +15,7 @@ bash benchmarks/gpu/train_burst.sh stage
 PYTHONPATH=$PWD/benchmarks/gpu/noext bash benchmarks/gpu/train_burst.sh run \
   --budget "${BUDGET:-20}" --deadline 900 --batch 2 --seq-len 128 --samples 4 --sample-batch 4 \
   --eval-chunks 2 --eval-points 1 --refit-tokens 256 --warmup-steps 2 "$@"
-$PY -m powerinfer_jax.sparsify import-burst "$OUT" --out "$WORK/model" --no-progress \
+$PY -m benchmarks.gpu.burst_import "$OUT" --out "$WORK/model" --no-progress \
   ${PIJ_TRAIN_TEXT:+--corpus "$PIJ_TRAIN_TEXT"} ${PIJ_VALID_TEXT:+--eval-text "$PIJ_VALID_TEXT"} \
   --curve "$WORK/curve.jsonl"
 echo "dry run done: $WORK (out: $OUT, model: $WORK/model, rows: $WORK/curve.jsonl)"

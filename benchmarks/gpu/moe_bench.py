@@ -45,10 +45,10 @@ MODEL_KEYS = ("arch", "config", "hot_fraction", "hot_share", "neuron_sparsity", 
 
 def write_expert_profile(d: Path, cfg) -> tuple[Path, np.ndarray]:
     """The generator's calibrated routing frequencies as the model's expert profile, where the
-    session's placement reads it (runtime/placing.py `expert_frequencies`: <artifacts root>/
+    session's placement reads it (runtime/vram_budget.py `expert_frequencies`: <artifacts root>/
     experts.npz), so the session does not profile the routers again. Returns the file and the
     frequencies [L, E]."""
-    from powerinfer_jax.runtime.placing import EXPERT_PROFILE_NAME
+    from powerinfer_jax.runtime.vram_budget import EXPERT_PROFILE_NAME
 
     with np.load(d / "frequencies.npz") as z:
         freq = np.asarray(z["calibrated"], np.float64)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run HERE (the build machine) before a GPU burst (train_burst.sh): stage what the GPU machine
-# lacks into .burst/ (git-ignored), in two parts that each fit a device call's 64 MiB:
+# lacks into .burst/ (git-ignored), in two parts that each fit a runner call's 64 MiB:
 #   .burst/p1/teacher.gguf.part1   the first half of SmolLM2-135M-Instruct.Q4_1.gguf (~47 MiB)
 #   .burst/p2/teacher.gguf.part2   the second half
 #   .burst/p2/manifest.json        the whole file's and each part's size and sha256

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-command GPU check (issue 39 item 5), run from the repo root on a lent H100/H200 (the
+# The one-command GPU check (issue 39 item 5), run from the repo root on a remote H100/H200 (the
 # `device` tool), inside one command's 10 minutes; stops cleanly before PIJ_CHECK_BUDGET_S.
 #   1. build    our modules with CUDA (build_and_test.sh, PIJ_BUILD_ONLY=1)
 #   2. llama    llama.cpp CUDA for sm_90 (CPU backend native to the machine) from the carried

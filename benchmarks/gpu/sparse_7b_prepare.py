@@ -111,7 +111,7 @@ def tree_bytes(path: Path) -> int:
 
 
 def worktree_bytes() -> int:
-    """What the device tool carries of this checkout besides `carry`: tracked files and untracked
+    """What the remote runner carries of this checkout besides `carry`: tracked files and untracked
     ones git does not ignore."""
     out = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others",
                           "--exclude-standard"], capture_output=True)
@@ -257,7 +257,7 @@ def main(argv=None) -> None:
     carried = total + worktree_bytes() if out.resolve().is_relative_to(REPO) else 0
     if carried > CARRY_LIMIT:
         sys.exit(f"{out}: expected at most {CARRY_LIMIT >> 20} MiB with the working tree (the "
-                 f"device tool's carry), got {carried / 2 ** 20:.1f} MiB "
+                 f"remote runner's carry), got {carried / 2 ** 20:.1f} MiB "
                  f"({total / 2 ** 20:.1f} MiB of it here): pack less (--no-llama-bin)")
     for name, r in report.items():
         print(f"{name}: {r}")

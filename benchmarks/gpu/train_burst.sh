@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A GPU burst of sparsification training (powerinfer_jax/sparsify/burst.py says what and why), on
-# the device tool's GPU machine, from the repo root, in two calls on the same warm machine (the
+# A GPU burst of sparsification training (benchmarks/gpu/burst.py says what and why), on
+# the remote runner's GPU machine, from the repo root, in two calls on the same warm machine (the
 # teacher GGUF does not fit in one call's 64 MiB). First, here: bash benchmarks/gpu/prepare_burst.sh
 #
 #   call 1: bash benchmarks/gpu/train_burst.sh stage         carry [".burst/p1"]      ~1 min
@@ -11,7 +11,7 @@
 #           by --deadline (default 420 s after this script started) and writes the weights'
 #           change and burst.json into $OUT (<= 8 files, <= 64 MiB), then burst.log
 #
-# Back here: python -m powerinfer_jax.sparsify import-burst <the fetched $OUT folder>
+# Back here: python -m benchmarks.gpu.burst_import <the fetched $OUT folder>
 # A dry run on the CPU (tiny budget): benchmarks/gpu/dry_run_burst.sh.
 set -uo pipefail
 STARTED=$(date +%s.%N)
@@ -47,7 +47,7 @@ case "$mode" in
     got=$(sha256sum "$STAGE/teacher.gguf" | cut -d' ' -f1)
     [ "$want" = "$got" ] || { echo "teacher: sha256 $got, expected $want"; exit 1; }
     echo "teacher joined, sha256 ok; starting the burst at +$(elapsed) s"
-    $PY -m powerinfer_jax.sparsify.burst --teacher "$STAGE/teacher.gguf" --data .burst/p2 \
+    $PY -m benchmarks.gpu.burst --teacher "$STAGE/teacher.gguf" --data .burst/p2 \
       --out "$OUT" --started-at "$STARTED" "$@" 2>&1 | tee "$OUT/burst.log"
     rc=${PIPESTATUS[0]}
     ls -l "$OUT"

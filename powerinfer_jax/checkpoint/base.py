@@ -104,16 +104,22 @@ class QuantTensor:
     def dequantize(self) -> np.ndarray:
         """The canonical param as float32."""
         from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
-        from powerinfer_jax.ops._ffi import _pij_ext  # lazy: optional C++ extension
 
         stored = self.stored_shape
         cols = stored[-1]
         blocks = np.ascontiguousarray(self.blocks, dtype=np.uint8).reshape(
             -1, quants.row_bytes(self.qtype, cols))
-        values = np.empty((blocks.shape[0], cols), np.float32)
-        # the kernels' unpacking: equal to quants.dequantize bit for bit (test_checkpoint_quants)
-        # and ~10x faster than the gguf package's numpy; it runs at load for every down matrix
-        _pij_ext.dequantize_into(blocks, quants.type_id(self.qtype), values)
+        try:
+            # the extension itself, not ops._ffi: a checkpoint imports nothing of ops
+            from powerinfer_jax import _pij_ext  # lazy: optional C++ extension
+        except ImportError:  # a checkout without the compiled kernels: the same values
+            values = quants.dequantize(blocks, self.qtype)
+        else:
+            values = np.empty((blocks.shape[0], cols), np.float32)
+            # the kernels' unpacking: equal to quants.dequantize bit for bit
+            # (test_checkpoint_quants) and ~10x faster than the gguf package's numpy; it runs at
+            # load for every down matrix
+            _pij_ext.dequantize_into(blocks, quants.type_id(self.qtype), values)
         values = values.reshape(stored)
         return np.ascontiguousarray(np.swapaxes(values, -1, -2)) if self.transposed else values
 

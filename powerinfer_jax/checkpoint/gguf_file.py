@@ -53,10 +53,11 @@ _U64 = struct.Struct("<Q")
 
 
 def _compiled_strings():
-    """The compiled extension's string-array reader (`_pij_ext.gguf_strings`, loaded as every
-    use of the extension is, through ops._ffi), or None on a checkout where it is not built."""
+    """The compiled extension's string-array reader (`_pij_ext.gguf_strings`; the extension
+    itself, not ops._ffi: a checkpoint imports nothing of ops), or None on a checkout where it is
+    not built."""
     try:
-        from powerinfer_jax.ops._ffi import _pij_ext  # lazy: optional C++ extension
+        from powerinfer_jax import _pij_ext  # lazy: optional C++ extension
     except ImportError:
         return None
     return _pij_ext.gguf_strings

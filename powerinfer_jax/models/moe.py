@@ -19,7 +19,7 @@ Executions (`MoE.execution`, chosen at build, never by a string test per call):
     custom call that groups the tokens by expert (ops.moe_ffn; SiLU experts).
   * "dense": every expert on every token, unrouted ones weighted 0: the reference the routed
     execution is checked against (tests/test_moe.py).
-Placement (--vram-budget, runtime/placing.py; issue 35): `permute` reorders the experts hot-first
+Placement (--vram-budget, runtime/vram_budget.py; issue 35): `permute` reorders the experts hot-first
 (their stacked rows and the router's rows: the output is unchanged), `split(n_hot)` keeps experts
 [0, n_hot) as floats (`hot`: the accelerator's, computed with XLA; in `hot_dtype`) and leaves the
 others in `experts` as they were loaded (a quantized file's blocks: the host pool's custom call,

@@ -201,7 +201,7 @@ class _Load:
         (`_pij_ext.interleave_many`, one per tensor) hold no GIL, each file view's pages dropped
         once its copy is made; `interleaved` hands each copy out when asked for it.
         Without quantized tensors it imports nothing: a float model builds without the compiled
-        extension (the GPU burst, sparsify/burst.py)."""
+        extension (an accelerator without it, e.g. benchmarks/gpu/burst.py)."""
         self.finish()  # one batch on the pool at a time
         jobs = []
         for blocks, qtype in tensors:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from powerinfer_jax.errors import check_choice, fail  # noqa: F401  (the ops' validators)
-from powerinfer_jax.ops.q4 import PAIR_BYTES, num_pairs
+from powerinfer_jax.ops.nibble_rows import PAIR_BYTES, num_pairs
 
 ACTIVATIONS = ("silu", "relu", "gelu", "drelu")
 CRITERIA = ("scores", "oracle", "activations")

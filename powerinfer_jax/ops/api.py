@@ -77,7 +77,7 @@ def q4_scores(x, q, dm, b_up=None, *, activation="silu", signed=False, impl="ffi
     """The q4 predictor's estimate of every neuron's |a_i| from 4-bit gate/up rows.
 
     x: [..., T, D] any float dtype (cast to f32, then quantized per 32-block to int8).
-    q: uint8 [F, G, P * 32], dm: float16 [F, G, 4P] from `ops.q4.quantize_rows` of the stacked
+    q: uint8 [F, G, P * 32], dm: float16 [F, G, 4P] from `ops.nibble_rows.quantize` of the stacked
     (gate, up) rows (G = 2) or the up rows alone (G = 1); b_up [F]. Returns float32 [..., T, F]:
     |act(gate.x) * (up.x + b_up)| (G = 2) or |act(up.x + b_up)| (G = 1), estimated; with
     signed=True the estimates a themselves (sparse_ffn's "activations" criterion takes them).

@@ -5,7 +5,7 @@ cpu_backend/quant_act.h, and the q4 predictor's QuantizeQ8, cpu_backend/q4_estim
 reference that rounds activations calls it. `dequantize_rows` turns GGML blocks into float32 (jnp
 for the common 32-value formats, bit for bit the gguf package's values; the gguf package on the
 host for the rest), and `q4_1_values` is the 4-bit affine decode it shares with the q4
-predictor's rows (ops/q4.py).
+predictor's rows (ops/nibble_rows.py).
 """
 from __future__ import annotations
 

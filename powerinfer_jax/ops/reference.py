@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from powerinfer_jax.ops import q4
+from powerinfer_jax.ops import nibble_rows
 from powerinfer_jax.ops.qblocks import dequantize_rows, round_activations
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -90,8 +90,8 @@ def q4_scores(x, q, dm, b_up=None, *, activation="silu", signed=False):
     """The q4 predictor's estimates |a| (or a if signed) [..., T, F] float32. See
     ops.api.q4_scores."""
     x = jnp.asarray(x, jnp.float32)
-    w_fgd = q4.dequantize_rows(q, dm, x.shape[-1])
-    xq = round_activations(x, q4.BLOCK)
+    w_fgd = nibble_rows.dequantize(q, dm, x.shape[-1])
+    xq = round_activations(x, nibble_rows.BLOCK)
     proj = jnp.einsum("...d,fgd->...fg", xq, w_fgd, precision=_HIGHEST)
     b = 0.0 if b_up is None else jnp.asarray(b_up, jnp.float32)
     if w_fgd.shape[1] == 2:

@@ -154,7 +154,7 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     runtime.threads sizes the kernels' thread pool in every mode (the CLIs also pin the process
     before XLA starts: `_cli.configure_threads`). Calibrated modes load their sparsity artifacts
     from `artifacts_root` (default: next to the model; for a registry model built on first use).
-    With a memory budget (or on a GPU) FFN neurons are placed hot/cold (runtime/placing.py).
+    With a memory budget (or on a GPU) FFN neurons are placed hot/cold (runtime/vram_budget.py).
     checkpoint: an already loaded Checkpoint of `model` (experiments that build several variants).
     """
     t0 = time.perf_counter()
@@ -284,7 +284,7 @@ def _build(model, runtime, sparsity, placement, artifacts_root, max_batch, progr
     # places, per mesh: hot rows split over the devices, cold rows on the host).
     if accel is not None and placement.budget_bytes is None and runtime.devices is None:
         # lazy: start-up (gguf only for GGUF files)
-        from powerinfer_jax.runtime.placing import default_budget_bytes
+        from powerinfer_jax.runtime.vram_budget import default_budget_bytes
 
         default_budget = default_budget_bytes()
     with _on_host(accel):
@@ -632,7 +632,7 @@ def _place(model_arg, ckpt, m, runtime, sparsity, placement, artifacts_root, def
     if placement.budget_bytes is None and default_budget is None:
         return None  # CPU-only without --vram-budget: every FFN row runs on the FFI pool
     # lazy: start-up (gguf only for GGUF files)
-    from powerinfer_jax.runtime.placing import place_model
+    from powerinfer_jax.runtime.vram_budget import place_model
     from powerinfer_jax.sparsity.artifacts import artifacts_root as default_root  # lazy: start-up
     from powerinfer_jax.sparsity.artifacts import model_fingerprint, target_dir  # lazy: start-up
 

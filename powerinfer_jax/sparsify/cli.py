@@ -1,8 +1,7 @@
 """Make a dense model sparse by self-distillation:
 `python -m powerinfer_jax.sparsify [--model NAME|PATH] [--variant threshold|relu|drelu|fatrelu]
 [--recipe prosparse] [--target-sparsity 0.85] [--tokens N] [--seed S] [--out DIR] [--resume]
-[--time-budget SECONDS]`, and `python -m powerinfer_jax.sparsify import-burst DIR` (a GPU burst's
-weights, benchmarks/gpu/train_burst.sh, made into a model and evaluated).
+[--time-budget SECONDS]`.
 
 The student is the model with a sparsity-inducing FFN (see --variant); the teacher is the dense
 model. Loss: KL on the logits (plus optional activation L1 and hidden-state MSE). Data: the
@@ -10,10 +9,12 @@ corpus (default: the project's wiki.train.txt; never wiki.valid) and the teacher
 from varied prompts. Before training, each layer's down rows are refit by least squares under the
 sparse activations. The result is a Hugging Face directory (default:
 <cache>/models/<model>-sparse-<variant>-<target>) that every CLI loads with --model DIR, with its
-sparsity artifacts in DIR/sparsity; rerunning the same command reuses it. An interrupted run
-(Ctrl-C, SIGTERM) saves its last finished step: rerun with --resume to continue. A long run goes
-in pieces: the same command with --resume --time-budget S trains for at most S seconds per call
-(checkpoint and curve rows in the model cache, beside the output) until it is done.
+sparsity artifacts in DIR/sparsity; rerunning the same command reuses it. Training runs through
+XLA on whatever jax runs on (CPU, GPU, TPU). An interrupted run (Ctrl-C, SIGTERM) saves its last
+finished step: rerun with --resume to continue; a resumed run ends with the weights an
+uninterrupted one would have (on the CPU bit for bit). A run can also stop on purpose after
+--stop-after STEPS or --time-budget SECONDS (a job with a wall-clock limit) and go on with the
+same command and --resume (checkpoint and curve rows in the model cache, beside the output).
 """
 from __future__ import annotations
 
@@ -171,11 +172,6 @@ def main(argv=None) -> None:
     import sys
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["import-burst"]:
-        # lazy: start-up (sparsify CLI)
-        from powerinfer_jax.sparsify.burst_import import main as import_main
-
-        return import_main(argv[1:])
     args = parse_args(argv)
     cfg = config_from_args(args)  # validate flags before anything heavy starts
     threads = _cli.configure_threads(args.threads)

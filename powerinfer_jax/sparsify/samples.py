@@ -10,7 +10,7 @@ Two generators: `generate_samples_engine` drives the runtime's batched Engine (c
 over `max_batch` slots, the CPU's quantized kernels: ~4x the XLA loop's tokens/s on 2 cores) and
 packs whole turns (prompt + reply up to its end-of-turn token) into rows; `generate_samples`
 steps a float model's jitted decode loop over all rows at once (no compiled extension needed:
-the GPU burst uses it, where one compiled step serves every position).
+an accelerator, or benchmarks/gpu/burst.py; one compiled step serves every position).
 """
 from __future__ import annotations
 

@@ -92,7 +92,7 @@ class L1Controller:
 
     def update(self, step: int, sparsity: float) -> None:
         """One move of the multiplier from the sparsity measured up to `step` (observe calls it
-        every EVERY steps; the GPU burst, which reads its metrics every few steps, directly)."""
+        every EVERY steps; a loop that reads its metrics every few steps, directly)."""
         if not self.cfg.l1_target_sparsity:
             return
         if self.start is None:

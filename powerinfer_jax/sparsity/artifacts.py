@@ -24,7 +24,7 @@ from powerinfer_jax.errors import UserError
 from powerinfer_jax.sparsity import artifact_files as files
 from powerinfer_jax.sparsity import corpus as corpus_mod
 from powerinfer_jax.sparsity import predictor as pred
-from powerinfer_jax.sparsity import q4_predictor as q4p
+from powerinfer_jax.sparsity import nibble_predictor as q4p
 from powerinfer_jax.sparsity import profile as prof
 from powerinfer_jax.sparsity import thresholds
 

@@ -220,12 +220,12 @@ def _threshold(model, cfg, arts):
 def _predictor(model, cfg, arts):
     from powerinfer_jax.sparsity import selectors as S  # lazy: start-up
     from powerinfer_jax.sparsity.artifacts import check_predictor_shape, model_shape  # lazy
-    from powerinfer_jax.sparsity.q4_predictor import Q4Predictor  # lazy: start-up
+    from powerinfer_jax.sparsity.nibble_predictor import NibblePredictor  # lazy: start-up
 
     ffn = model.layers[0].ffn
     check_weights(cfg, ffn.up.qtype if ffn.quantized else None)
     if cfg.predictor == "q4":
-        preds = [Q4Predictor.from_ffn(l.ffn, kernels=model.kernels) for l in model.layers]
+        preds = [NibblePredictor.from_ffn(l.ffn, kernels=model.kernels) for l in model.layers]
         if cfg.gate_up == "q4":
             return [S.Q4Activations(p, t) for p, t in zip(preds, arts.thresholds_q4)]
         return [S.Scores(p, t) for p, t in zip(preds, arts.thresholds_q4)]

@@ -352,7 +352,7 @@ def place(mode: str, frequency, sizes: ModelBytes, budget_bytes: int, **kwargs) 
 
 
 # ------------------------------------------------------------------------------------------------
-# Cache keys and serialization (the placement cache's I/O lives in sparsity/placement_cache.py)
+# Cache keys and serialization (the placement cache's I/O lives in runtime/vram_budget.py)
 # ------------------------------------------------------------------------------------------------
 
 def stats_fingerprint(frequency: Sequence[np.ndarray]) -> str:

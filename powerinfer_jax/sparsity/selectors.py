@@ -64,12 +64,12 @@ class Scores(Selector):
 
 
 class Q4Activations(Selector):
-    """The q4 predictor's signed estimates a_i as the activations (sparsity/q4_predictor.py): a
+    """The q4 predictor's signed estimates a_i as the activations (sparsity/nibble_predictor.py): a
     float model's neurons whose 4-bit estimate clears the threshold contribute that estimate,
     and only their down rows are read (--gate-up q4)."""
 
     def __init__(self, predictor, threshold: float):
-        self.predictor = predictor  # a Q4Predictor
+        self.predictor = predictor  # a NibblePredictor
         self.threshold = float(threshold)
 
     def select(self, ffn, x_btd) -> Selection:

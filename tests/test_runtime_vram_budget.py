@@ -87,13 +87,13 @@ def test_accelerator_path_builds_on_the_host_then_moves_what_stays(tiny_dir, siz
     is read before the model is built, the model is built and placed on the host, then moved."""
     import jax
 
-    from powerinfer_jax.runtime import placing, session
+    from powerinfer_jax.runtime import session, vram_budget
 
     want = tokens(build(str(tiny_dir), RUNTIME, ORACLE, progress=False))
     calls = []
     budget = sizes.dense + int(0.3 * sizes.ffn)
     monkeypatch.setattr(session, "_accelerator", lambda: jax.devices()[0])
-    monkeypatch.setattr(placing, "default_budget_bytes", lambda: calls.append(1) or budget)
+    monkeypatch.setattr(vram_budget, "default_budget_bytes", lambda: calls.append(1) or budget)
     moved = []
     real_move = session._to_accelerator
     monkeypatch.setattr(session, "_to_accelerator", lambda m, d: (moved.append(d),

@@ -1,4 +1,6 @@
-"""The q4 predictor: each neuron's |a_i| estimated from 4-bit copies of its gate and up rows.
+"""The nibble predictor (`--predictor q4`, the artifacts' kind "q4"): each neuron's |a_i|
+estimated from 4-bit copies of its gate and up rows, in nibble rows (ops/nibble_rows.py; not
+GGUF Q4_x blocks).
 
 Why a second predictor: a gated (SwiGLU) FFN's contribution is the product act(gate.x) * (up.x),
 which a low-rank MLP fits poorly (on SmolLM2 the trained R=128 predictors need ~80% of the neurons
@@ -7,7 +9,7 @@ for 0.9 recall). Computing the product itself from Q4_1-style weights and Q8 act
 |a_i|. No training: the rows are quantized from the model's own weights at load; only the per-layer
 decision thresholds are calibrated (`calibrate_thresholds`, on profiled FFN inputs).
 
-`Q4Predictor(x)` returns scores = estimated |a_i|; "active" is scores > the layer's threshold
+`NibblePredictor(x)` returns scores = estimated |a_i|; "active" is scores > the layer's threshold
 (SparsityArtifacts.thresholds_for("predictor") with kind "q4").
 """
 from __future__ import annotations
@@ -18,29 +20,29 @@ from flax import nnx
 
 from powerinfer_jax import ops
 from powerinfer_jax.models.layers import Module, op_impl
-from powerinfer_jax.ops import q4
+from powerinfer_jax.ops import nibble_rows
 from powerinfer_jax.sparsity.predictor import COST_BYTES_PER_PARAM, mask_quality
 
-class Q4Rows(nnx.Variable):
+class NibbleRows(nnx.Variable):
     """Packed 4-bit rows (not trained, not a checkpoint parameter)."""
 
 
-class Q4Predictor(Module):
+class NibblePredictor(Module):
     def __init__(self, q, dm, b_up, *, activation: str, kernels: str = "xla"):
-        self.q = Q4Rows(jnp.asarray(q, jnp.uint8))  # [F, G, P * 32]
-        self.dm = Q4Rows(jnp.asarray(dm, jnp.float16))  # [F, G, 4P]
-        self.b_up = None if b_up is None else Q4Rows(jnp.asarray(b_up, jnp.float32))
+        self.q = NibbleRows(jnp.asarray(q, jnp.uint8))  # [F, G, P * 32]
+        self.dm = NibbleRows(jnp.asarray(dm, jnp.float16))  # [F, G, 4P]
+        self.b_up = None if b_up is None else NibbleRows(jnp.asarray(b_up, jnp.float32))
         self.activation = activation
         self.kernels = kernels
 
     @classmethod
-    def from_ffn(cls, ffn, *, kernels: str = "xla") -> "Q4Predictor":
+    def from_ffn(cls, ffn, *, kernels: str = "xla") -> "NibblePredictor":
         """Quantize an (unplaced) FFN's gate and up rows."""
         if ffn.placed:
-            raise ValueError("Q4Predictor.from_ffn: expected an unsplit FFN, got a placed one "
+            raise ValueError("NibblePredictor.from_ffn: expected an unsplit FFN, got a placed one "
                              "(attach predictors before placement)")
         lins = [ffn.up] if ffn.gate is None else [ffn.gate, ffn.up]
-        q, dm = q4.quantize_rows(np.stack([_float_rows(l) for l in lins], axis=1))
+        q, dm = nibble_rows.quantize(np.stack([_float_rows(l) for l in lins], axis=1))
         b = None if ffn.up.bias is None else ffn.up.bias[...]
         return cls(q, dm, b, activation=ffn.activation, kernels=kernels)
 
@@ -90,7 +92,7 @@ def layer_scores(model, x_lnd: np.ndarray, *, batch: int = 512, progress: bool =
 
         layers = tqdm(layers, desc=desc, unit="layer")
     for l, layer in enumerate(layers):
-        fn = jax.jit(Q4Predictor.from_ffn(layer.ffn, kernels=model.kernels).__call__)
+        fn = jax.jit(NibblePredictor.from_ffn(layer.ffn, kernels=model.kernels).__call__)
         out.append(np.concatenate([np.asarray(fn(jnp.asarray(x_lnd[l, i:i + batch])))
                                    for i in range(0, x_lnd.shape[1], batch)], axis=0))
     return np.stack(out)
@@ -110,8 +112,8 @@ def cost(*, d_model: int, d_ff: int, gated: bool) -> dict:
     """Bytes and multiply-adds per token of one layer's q4 predictor vs its dense FFN (at
     predictor.COST_BYTES_PER_PARAM, like every predictor's report)."""
     g = 2 if gated else 1
-    p = q4.num_pairs(d_model)
-    pred_bytes = d_ff * g * (p * q4.PAIR_BYTES + 4 * p * 2)
+    p = nibble_rows.num_pairs(d_model)
+    pred_bytes = d_ff * g * (p * nibble_rows.PAIR_BYTES + 4 * p * 2)
     ffn_params = (g + 1) * d_model * d_ff
     return {"bytes_fraction": pred_bytes / (COST_BYTES_PER_PARAM * ffn_params),
             "flops_fraction": g * d_model * d_ff / ffn_params,

@@ -1,4 +1,4 @@
-"""The training forward as one `lax.scan` over the blocks, for the GPU burst (sparsify/burst.py).
+"""The training forward as one `lax.scan` over the blocks, for the GPU burst (benchmarks/gpu/burst.py).
 
 forward.forward unrolls the blocks in Python: XLA then compiles L copies of the block, which on a
 GPU costs about a minute of a burst's few minutes. Here the blocks' states are stacked on a leading

@@ -1,9 +1,9 @@
 """A GPU burst: the relu student of SmolLM2 distilled with the ProSparse schedule for a fixed
-wall-clock budget on a lent H100/H200, its changed weights written within the device tool's
+wall-clock budget on a remote H100/H200, its changed weights written within the remote runner's
 limits (burst_files.py). Run by benchmarks/gpu/train_burst.sh; made into a model and evaluated
-here by `python -m powerinfer_jax.sparsify import-burst DIR`.
+here by `python -m benchmarks.gpu.burst_import DIR`.
 
-  python -m powerinfer_jax.sparsify.burst --teacher T.gguf --data DIR --out DIR [--budget 390]
+  python -m benchmarks.gpu.burst --teacher T.gguf --data DIR --out DIR [--budget 390]
 
 Needs jax (any backend), flax, optax, numpy, tokenizers and gguf; not the compiled extension (the
 student and teacher run through XLA; the GGUF is dequantized by the gguf package's numpy).
@@ -55,13 +55,13 @@ DEFAULT_STAGES = "0.15:0,0.35:0.01,0.55:0.03,0.75:0.06"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m powerinfer_jax.sparsify.burst",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu.burst",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--teacher", required=True, help="the teacher GGUF (SmolLM2-135M Q4_1)")
     p.add_argument("--data", required=True,
                    help="folder with train_ids.npy (and valid_ids.npy for the evaluation)")
-    p.add_argument("--out", required=True, help="output folder (the device tool's $OUT)")
+    p.add_argument("--out", required=True, help="output folder (the remote runner's $OUT)")
     p.add_argument("--budget", type=float, default=390.0, help="seconds of training steps")
     p.add_argument("--deadline", type=float, default=420.0,
                    help="seconds after --started-at by which training stops")
@@ -104,7 +104,7 @@ def main(argv=None) -> None:
     stop_wall = started + args.deadline
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from powerinfer_jax.sparsify.burst_run import Burst  # lazy: start-up (gguf only for GGUF files)
+    from benchmarks.gpu.burst_run import Burst  # lazy: start-up (gguf only for GGUF files)
 
     burst = Burst(args, started=started, stop_wall=stop_wall)
     try:

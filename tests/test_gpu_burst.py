@@ -1,17 +1,39 @@
-"""The GPU burst's CPU side (powerinfer_jax.sparsify burst, burst_files, import-burst) on tiny
-random models: what it writes stays within the device tool's limits and reads back as the student
-it trained, and the model import-burst makes scores what the burst said it would. Also the teacher
-samples made through the runtime's batched Engine."""
+"""The GPU burst (benchmarks/gpu/burst*.py: the run, its files, their import) on tiny random
+models: what it writes stays within the limits of the runner it was made for and reads back as
+the student it trained, the model burst_import makes scores what the burst said it would, and its
+scanned forward (burst_scan.py) equals the library's unrolled one."""
 import json
 import shutil
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from helpers_models import CORPUS, save_hf_llama
+from benchmarks.gpu import burst_files as bf
+from benchmarks.gpu import burst_scan as scan
+from helpers_models import CORPUS, save_hf_llama, tiny_llama_config
+from helpers_tolerances import assert_close
 from powerinfer_jax.checkpoint import load_checkpoint
 from powerinfer_jax.errors import UserError
-from powerinfer_jax.sparsify import burst_files as bf
+from powerinfer_jax.models.transformer import Transformer, from_params
+from powerinfer_jax.sparsify import DistillConfig
+from powerinfer_jax.sparsify import forward as fw
+from powerinfer_jax.sparsify.export import canonical_params
+from powerinfer_jax.sparsify.train import Distiller
+
+CONFIG = dict(d_model=48, d_ff=37, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12)
+
+
+def tiny(activation="silu", seed=0):
+    config = tiny_llama_config(activation=activation, **CONFIG)
+    params = canonical_params(Transformer(config, rngs=nnx.Rngs(seed), kernels="xla"))
+    return config, params
+
+
+def tokens(config, batch=2, seq=16, seed=0):
+    return np.random.default_rng(seed).integers(0, config.vocab_size, (batch, seq)).astype(np.int32)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +122,7 @@ def test_limits_name_the_rule_broken(tmp_path):
 # ---------------------------------------------------------------- the burst, end to end (tiny)
 @pytest.fixture(scope="module")
 def burst_out(tiny_dir, tmp_path_factory):
-    from powerinfer_jax.sparsify import burst
+    from benchmarks.gpu import burst
 
     d = tmp_path_factory.mktemp("burst")
     tok = load_checkpoint(tiny_dir).tokenizer
@@ -122,7 +144,7 @@ def test_burst_writes_what_import_burst_rebuilds(burst_out, tiny_dir, cache, tmp
     from powerinfer_jax.runtime import perplexity as evaluate
     from powerinfer_jax.config import RuntimeConfig, SparsityConfig
     from powerinfer_jax.runtime.session import build
-    from powerinfer_jax.sparsify.burst_import import import_burst
+    from benchmarks.gpu.burst_import import import_burst
 
     out, data = burst_out
     log = json.loads((out / bf.LOG).read_text())
@@ -152,7 +174,7 @@ def test_burst_writes_what_import_burst_rebuilds(burst_out, tiny_dir, cache, tmp
 
 
 def test_import_burst_refuses_another_teacher(burst_out, tmp_path, cache):
-    from powerinfer_jax.sparsify.burst_import import import_burst
+    from benchmarks.gpu.burst_import import import_burst
 
     out, _ = burst_out
     other = tmp_path / "other"
@@ -163,28 +185,53 @@ def test_import_burst_refuses_another_teacher(burst_out, tmp_path, cache):
         import_burst(tmp_path, model_arg=str(other), out=tmp_path / "m", progress=False)
 
 
-# ------------------------------------------------------------------------- samples by Engine
-def test_engine_samples_are_whole_turns_and_reproducible(tiny_dir):
-    from powerinfer_jax.config import RuntimeConfig
-    from powerinfer_jax.runtime.session import build
-    from powerinfer_jax.sparsify.samples import generate_samples_engine, prompt_texts
+# --------------------------------------------------------------------------- scanned forward
+def test_scanned_forward_matches_the_unrolled_one():
+    config, params = tiny("silu")
+    model = from_params(config, params, kernels="xla")
+    x = jnp.asarray(tokens(config, seed=7))
+    spec = fw.FFNSpec("relu")
+    gate = jnp.float32(0.02)
+    defs, p, f = scan.split(model, "ffn+norms")
+    got, aux = scan.forward(defs, p, f, x, spec, gate_threshold=gate, collect_hidden=True)
+    want, want_aux = fw.forward(model, x, spec, gate_threshold=gate, collect_hidden=True)
+    assert_close(got, want, "regrouped")
+    for k in ("zero_frac", "l1", "l1_gate", "hidden"):
+        assert_close(aux[k], want_aux[k], "training_aux", err_msg=k)
+    # the gradient of a loss, for every trained matrix and norm: one step of +grad each way
+    def loss(logits):
+        return jnp.mean(logits ** 2)
 
-    s = build(str(tiny_dir), RuntimeConfig(max_seq_len=24), max_batch=4, progress=False)
-    tok = s.tokenizer
-    a = generate_samples_engine(s.engine, tok, n=5, seq_len=24, seed=1, progress=False)
-    b = generate_samples_engine(s.engine, tok, n=5, seq_len=24, seed=1, progress=False)
-    c = generate_samples_engine(s.engine, tok, n=5, seq_len=24, seed=2, progress=False)
-    np.testing.assert_array_equal(a, b)
-    assert not np.array_equal(a, c)
-    assert a.shape == (5, 24) and a.dtype == np.int32
-    starts = {tuple(tok.encode(t)[:4]) for t in prompt_texts(tok)}
-    assert all(tuple(row[:4]) in starts for row in a)  # every row starts at a turn's prompt
+    def add(a, b):
+        return a + b
+
+    g_scan = jax.grad(lambda p: loss(scan.forward(defs, p, f, x, spec)[0]))(p)
+    d = Distiller(from_params(config, params, kernels="xla"),
+                  from_params(config, params, kernels="xla"),
+                  DistillConfig(variant="relu", train="ffn+norms", tokens=32, batch=2, seq_len=16,
+                                refit=False, samples=0, sample_fraction=0.0))
+    g_ref = jax.grad(lambda p: loss(fw.forward(nnx.merge(d.graphdef, p, d.frozen), x,
+                                               spec)[0]))(d.params)
+    ref = canonical_params(nnx.merge(d.graphdef, jax.tree.map(add, d.params, g_ref), d.frozen))
+    scan.update(model, defs, jax.tree.map(add, p, g_scan))
+    got_params = canonical_params(model)
+    names = ["final_norm.scale"] + [f"layers.{i}.{n}" for i in range(config.n_layers) for n in (
+        "ffn.gate.weight", "ffn.up.weight", "ffn.down_t.weight", "ffn_norm.scale",
+        "attn_norm.scale")]
+    for name in names:
+        assert_close(got_params[name] - params[name], ref[name] - params[name], "weight_updates",
+                     err_msg=name)
+    assert np.abs(ref["layers.0.ffn.gate.weight"] - params["layers.0.ffn.gate.weight"]).max() > 0
+    np.testing.assert_array_equal(got_params["layers.0.attn.q.weight"],
+                                  params["layers.0.attn.q.weight"])  # frozen
+    with pytest.raises(ValueError, match="scope"):
+        scan.split(model, "all")
 
 
 # ------------------------------------------------------------------ the device-side script
 @pytest.mark.slow
 def test_train_burst_script_stages_joins_checks_and_runs(tmp_path):
-    """benchmarks/gpu/train_burst.sh as the two device calls run it, on a tiny GGUF split in two
+    """benchmarks/gpu/train_burst.sh as the two runner calls run it, on a tiny GGUF split in two
     parts: call 1 stages part 1, call 2 joins, checks the sha256 and runs the burst; a changed
     part is refused before anything trains."""
     import hashlib

@@ -1,7 +1,7 @@
-"""The GPU burst's run (the entry point and its reasons: sparsify/burst.py).
+"""The GPU burst's run (the entry point and its reasons: benchmarks/gpu/burst.py).
 
   load the GGUF teacher -> [refit the down rows] -> teacher samples on the device -> compile the
-  scanned step (sparsify/scan.py) -> time PROBE_STEPS steps, fix the step count for the budget ->
+  scanned step (benchmarks/gpu/burst_scan.py) -> time PROBE_STEPS steps, fix the step count for the budget ->
   train (ProSparse schedule, FATReLU from fatrelu_at) with curve points and a snapshot -> evaluate
   (wiki.valid perplexity and sparsity: plain ReLU, FATReLU, and the model rebuilt from the written
   files) -> write the files (burst_files.py)
@@ -21,7 +21,8 @@ import optax
 
 from powerinfer_jax.checkpoint import load_checkpoint
 from powerinfer_jax.models.transformer import from_params
-from powerinfer_jax.sparsify import burst_files, samples as smp, scan
+from benchmarks.gpu import burst_files, burst_scan as scan
+from powerinfer_jax.sparsify import samples as smp
 from powerinfer_jax.sparsify import forward as fw
 from powerinfer_jax.sparsify.recipe import DistillConfig
 from powerinfer_jax.sparsify.export import canonical_params

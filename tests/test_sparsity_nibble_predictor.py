@@ -1,6 +1,7 @@
-"""The q4 predictor: 4-bit row format (exact on llama.cpp Q4_1 data), the q4_scores custom call vs
-its jnp twin and vs an independent numpy estimate, determinism, recall vs the exact |a_i|,
-predictor mode end to end against a numpy FFN, placement permutation, calibration, bad input."""
+"""The nibble predictor (`--predictor q4`): its 4-bit nibble rows (exact on llama.cpp Q4_1
+data), the q4_scores custom call vs its jnp twin and vs an independent numpy estimate,
+determinism, recall vs the exact |a_i|, predictor mode end to end against a numpy FFN, placement
+permutation, calibration, bad input."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,10 +15,10 @@ from powerinfer_jax.checkpoint.quants import dequantize
 from powerinfer_jax.config import SparsityConfig
 from powerinfer_jax.models.transformer import Transformer
 from powerinfer_jax.ops import _ffi
-from powerinfer_jax.ops import q4
+from powerinfer_jax.ops import nibble_rows
 from powerinfer_jax.sparsity import artifacts as A
 from powerinfer_jax.sparsity import profile as P
-from powerinfer_jax.sparsity import q4_predictor as Q4
+from powerinfer_jax.sparsity import nibble_predictor as npred
 
 
 def _silu(v):
@@ -40,18 +41,18 @@ def _random_q4_1_rows(rng, rows, dim):
 
 def test_q4_1_checkpoint_rows_are_reproduced_exactly():
     w = _random_q4_1_rows(np.random.default_rng(0), 6, 192)
-    q, dm = q4.quantize_rows(w)
+    q, dm = nibble_rows.quantize(w)
     assert q.shape == (6, 3 * 32) and q.dtype == np.uint8 and dm.shape == (6, 12)
-    np.testing.assert_array_equal(np.asarray(q4.dequantize_rows(q, dm, 192)), w)
+    np.testing.assert_array_equal(np.asarray(nibble_rows.dequantize(q, dm, 192)), w)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dim", [32, 64, 100, 576])
 def test_round_trip_error_is_within_half_a_step(dim):
     w = np.random.default_rng(1).standard_normal((5, dim)).astype(np.float32)
-    q, dm = q4.quantize_rows(w)
-    back = np.asarray(q4.dequantize_rows(q, dm, dim))
-    p = q4.num_pairs(dim)
+    q, dm = nibble_rows.quantize(w)
+    back = np.asarray(nibble_rows.dequantize(q, dm, dim))
+    p = nibble_rows.num_pairs(dim)
     step = np.repeat(dm[:, :2 * p].astype(np.float32), 32, axis=1)[:, :dim]
     # half a step, plus the fp16 rounding of the stored minimum
     assert np.all(np.abs(back - w) <= 0.5 * step + 1e-3 * np.abs(w).max())
@@ -68,7 +69,7 @@ def _numpy_scores(x, w_gate, w_up, b_up=None, *, signed=False):
     s = (np.abs(xb).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
     inv = np.where(s > 0, np.float32(1) / np.where(s > 0, s, 1), 0).astype(np.float32)
     xq = (np.clip(np.rint(xb * inv), -127, 127) * s).reshape(t, -1)[:, :d]
-    deq = lambda w: np.asarray(q4.dequantize_rows(*q4.quantize_rows(w), d), np.float64)
+    deq = lambda w: np.asarray(nibble_rows.dequantize(*nibble_rows.quantize(w), d), np.float64)
     up = xq @ deq(w_up).T + (0 if b_up is None else b_up)
     a = up if w_gate is None else _silu(xq @ deq(w_gate).T) * up
     return a if signed else np.abs(a)
@@ -80,7 +81,7 @@ def _operands(seed, *, t=3, d=100, f=37, gated=True, bias=True):
     gate = (rng.standard_normal((f, d)) / np.sqrt(d)).astype(np.float32)
     up = (rng.standard_normal((f, d)) / np.sqrt(d)).astype(np.float32)
     b = (0.1 * rng.standard_normal(f)).astype(np.float32) if bias else None
-    q, dm = q4.quantize_rows(np.stack([gate, up], 1) if gated else up[:, None])
+    q, dm = nibble_rows.quantize(np.stack([gate, up], 1) if gated else up[:, None])
     return x, gate if gated else None, up, b, q, dm
 
 
@@ -195,7 +196,7 @@ def test_gate_up_q4_is_close_to_full_rows_on_a_q4_1_checkpoint():
     for w in (ffn.gate.weight, ffn.up.weight):
         w.set_value(jnp.asarray(_random_q4_1_rows(rng, 96, 64), jnp.float32))
     x = jnp.asarray(rng.standard_normal((1, 7, 64)), jnp.float32)
-    thr = float(np.quantile(np.asarray(Q4.Q4Predictor.from_ffn(ffn)(x)), 0.5))
+    thr = float(np.quantile(np.asarray(npred.NibblePredictor.from_ffn(ffn)(x)), 0.5))
     ffn.set_selector(q4_selector(ffn, thr))
     full, n_full = ffn_run(ffn, x)
     ffn.set_selector(q4_selector(ffn, thr, gate_up="q4"))
@@ -335,7 +336,7 @@ def test_from_placed_ffn_is_an_error():
     model = _tiny_model()
     model.layers[0].ffn.split(48)
     with pytest.raises(ValueError, match="expected an unsplit FFN"):
-        Q4.Q4Predictor.from_ffn(model.layers[0].ffn)
+        npred.NibblePredictor.from_ffn(model.layers[0].ffn)
 
 
 @pytest.mark.parametrize("change,match", [

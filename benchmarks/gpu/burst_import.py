@@ -1,4 +1,4 @@
-"""`python -m powerinfer_jax.sparsify import-burst DIR`: a GPU burst's output (burst_files.py) made
+"""`python -m benchmarks.gpu.burst_import DIR`: a GPU burst's output (benchmarks/gpu/burst_files.py) made
 into a model every CLI loads, then evaluated.
 
 The teacher (default: the registry's SmolLM2, checked against the sha256 the burst trained from)
@@ -32,7 +32,7 @@ def default_out(model_arg: str, log_path: Path, variant: str) -> Path:
 
 def teacher_sha256(model_arg: str, source: Path) -> str:
     # lazy: start-up (gguf only for GGUF files)
-    from powerinfer_jax.sparsify.burst_files import digest
+    from benchmarks.gpu.burst_files import digest
 
     if str(model_arg) in KNOWN_MODELS:
         return KNOWN_MODELS[str(model_arg)].sha256
@@ -44,13 +44,14 @@ def import_burst(directory, *, model_arg: str, out=None, target: float = 0.85, c
     """Rebuild the burst's student from the teacher and write it (with its artifacts) to `out`;
     returns (out, the burst's log)."""
     # lazy: start-up (gguf only for GGUF files)
-    from powerinfer_jax.sparsify import burst_files, export
+    from benchmarks.gpu import burst_files
+    from powerinfer_jax.sparsify import export
 
     directory = Path(directory)
     log_path = directory / burst_files.LOG
     if not log_path.is_file():
-        fail("import-burst DIR", f"a burst output folder with {burst_files.LOG}", str(directory),
-             "the folder the device tool returned for $OUT")
+        fail("burst_import DIR", f"a burst output folder with {burst_files.LOG}", str(directory),
+             "the folder the remote runner returned for $OUT")
     log = json.loads(log_path.read_text())
     ckpt = load_checkpoint(model_arg)
     want = log.get("teacher_sha256")
@@ -76,7 +77,7 @@ def import_burst(directory, *, model_arg: str, out=None, target: float = 0.85, c
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m powerinfer_jax.sparsify import-burst",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu.burst_import",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", help="the burst's output folder ($OUT of train_burst.sh run)")

@@ -1,4 +1,4 @@
-"""What a GPU burst (sparsify/burst.py) brings back, within the device tool's limits: at most 8
+"""What a GPU burst (benchmarks/gpu/burst.py) brings back, within the remote runner's limits: at most 8
 files, each <= 16 MiB, <= 64 MiB together, names of [A-Za-z0-9._-], at most 2 folders deep.
 
   ffn_delta.000.bin ...   one byte stream cut into shards of <= SHARD_BYTES: per FFN matrix the
@@ -115,7 +115,7 @@ def write(out: Path, student: dict, teacher: dict, n_layers: int, log: dict,
 
 
 def check_limits(out: Path) -> dict:
-    """The device tool's limits on what comes back from $OUT; returns {"files", "bytes"}."""
+    """The remote runner's limits on what comes back from $OUT; returns {"files", "bytes"}."""
     out = Path(out)
     paths = [p for p in out.rglob("*")]
     files = [p for p in paths if p.is_file()]
@@ -144,7 +144,7 @@ def read(directory: Path, teacher: dict, n_layers: int) -> tuple[dict, dict]:
     directory = Path(directory)
     log_path = directory / LOG
     if not log_path.is_file():
-        fail("import-burst DIR", f"a burst output folder with {LOG}", str(directory))
+        fail("burst_import DIR", f"a burst output folder with {LOG}", str(directory))
     log = json.loads(log_path.read_text())
     if not log.get("shards") or not log.get("tensors"):
         fail(f"burst log {log_path}", "'shards' and 'tensors' entries", sorted(log),

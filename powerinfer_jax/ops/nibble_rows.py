@@ -1,4 +1,6 @@
-"""The 4-bit row format of the q4 predictor (see cpu_backend/q4_estimate.h), in numpy and jnp.
+"""Nibble rows: the 4-bit row format of the predictor `--predictor q4` selects and of the FFN
+`--gate-up q4` runs (cpu_backend/q4_estimate.h, q4_ffn.h), in numpy and jnp. Not a GGUF Q4_x
+block (ops/qblocks.py): its own layout, below.
 
 Rows of D weights are padded with zeros to P = ceil(D / 64) pairs of 32-weight blocks. Each block
 has an fp16 scale d and minimum m (weight = m + d * q, q in 0..15: llama.cpp's Q4_1 grid, so a
@@ -22,7 +24,7 @@ def num_pairs(dim: int) -> int:
     return -(-int(dim) // (2 * BLOCK))
 
 
-def quantize_rows(w) -> tuple[np.ndarray, np.ndarray]:
+def quantize(w) -> tuple[np.ndarray, np.ndarray]:
     """w [..., D] (any float) -> (q uint8 [..., P * 32], dm float16 [..., 4P])."""
     w = np.asarray(w, np.float32)
     lead, d = w.shape[:-1], w.shape[-1]
@@ -43,7 +45,7 @@ def quantize_rows(w) -> tuple[np.ndarray, np.ndarray]:
             np.concatenate([scale16, min16], axis=-1))
 
 
-def dequantize_rows(q, dm, dim: int):
+def dequantize(q, dm, dim: int):
     """(q [..., P * 32], dm [..., 4P]) -> float32 [..., dim] (jnp; works on numpy inputs too)."""
     q = jnp.asarray(q, jnp.uint8)
     lead, p = q.shape[:-1], q.shape[-1] // PAIR_BYTES
