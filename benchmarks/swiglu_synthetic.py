@@ -46,8 +46,16 @@ def random_blocks(shape: tuple[int, int], qtype: str, rng: np.random.Generator) 
     unit-variance input (a code's spread times the scale is ~ 1 / sqrt(columns))."""
     rows, cols = shape
     block, nbytes = quants.block_size(qtype)
-    b = rng.integers(0, 256, size=(rows, cols // block, nbytes), dtype=np.uint8)
-    spread = {"Q4_0": 4.6, "Q4_1": 4.6, "Q8_0": 73.0}[qtype]  # std of the codes
+    if qtype == "Q4_0":  # both nibbles in [1, 15]: codes - 8 of mean 0 (a mean would add one
+        # shared component to every row, and through the layers make all activations alike)
+        lo = rng.integers(1, 16, size=(rows, cols // block, nbytes), dtype=np.uint8)
+        b = lo | (rng.integers(1, 16, size=lo.shape, dtype=np.uint8) << 4)
+    elif qtype == "Q8_0":  # int8 codes in [-127, 127]
+        b = rng.integers(-127, 128, size=(rows, cols // block, nbytes)).astype(np.int8).view(
+            np.uint8)
+    else:  # Q4_1: codes in [0, 15] with the minimum at -7.5 scales: mean 0
+        b = rng.integers(0, 256, size=(rows, cols // block, nbytes), dtype=np.uint8)
+    spread = {"Q4_0": 4.3, "Q4_1": 4.6, "Q8_0": 73.0}[qtype]  # std of the codes
     b[:, :, 0:2] = np.frombuffer(np.float16(1.0 / (spread * np.sqrt(cols))).tobytes(), np.uint8)
     if qtype == "Q4_1":
         b[:, :, 2:4] = np.frombuffer(np.float16(-7.5 / (spread * np.sqrt(cols))).tobytes(),

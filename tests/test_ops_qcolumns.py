@@ -42,7 +42,7 @@ def test_arranging_keeps_the_files_values(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("t", [1, 2, 5])
+@pytest.mark.parametrize("t", [1, pytest.param(2, marks=pytest.mark.slow), 5])
 def test_product_equals_rows_kernel_reference_and_portable(qtype, t):
     blocks, x, d = _case(qtype, t, t=t)
     w = columns(blocks, qtype)

@@ -64,7 +64,7 @@ def _chunks(n=6, t=32, seed=0):
     return np.random.default_rng(seed).integers(3, 250, size=(n, t)).astype(np.int32)
 
 
-@pytest.mark.parametrize("which", ["q4_gguf", "kquant_gguf"])
+@pytest.mark.parametrize("which", ["q4_gguf", pytest.param("kquant_gguf", marks=pytest.mark.slow)])
 def test_every_matrix_takes_columns_and_target_zero_is_the_dense_model(which, request):
     path = request.getfixturevalue(which)
     dense, cols = _model(path, DENSE_LAYOUT), _model(path, INPUTS_LAYOUT)
@@ -74,7 +74,7 @@ def test_every_matrix_takes_columns_and_target_zero_is_the_dense_model(which, re
     assert_close(np.asarray(cols(TOKENS)), np.asarray(dense(TOKENS)), "other_path")
 
 
-@pytest.mark.parametrize("which", ["q4_gguf", "kquant_gguf"])
+@pytest.mark.parametrize("which", ["q4_gguf", pytest.param("kquant_gguf", marks=pytest.mark.slow)])
 def test_columns_kernels_equal_the_files_rows_on_the_same_masks(which, request):
     """Masks at 40%: the kernels that skip zeroed channels' bytes compute what the file's rows
     compute on the same zeroed inputs."""
@@ -91,8 +91,8 @@ def test_columns_kernels_equal_the_files_rows_on_the_same_masks(which, request):
 
 def test_calibration_reaches_its_target(q4_gguf):
     model = _model(q4_gguf, INPUTS_LAYOUT)
-    chunks = _chunks(8)
-    inputs = isp.collect_inputs(model, chunks, sample_tokens=256)
+    chunks = _chunks(4)
+    inputs = isp.collect_inputs(model, chunks, sample_tokens=128)
     for how in ("uniform", "loss"):
         arts = isp.calibrate(model, chunks, rule="magnitude", target=0.4, inputs=inputs, how=how)
         assert arts.model_sparsity() >= 0.4 - 1e-9 and arts.model_sparsity() < 0.5
@@ -134,7 +134,11 @@ def test_a_lossy_mode_needs_a_target_in_range(q4_gguf):
 
 
 @pytest.mark.slow
-def test_batched_decode_equals_single_and_a_corrupt_file_is_rebuilt(q4_gguf):
+def test_batched_decode_equals_single_and_a_corrupt_file_is_rebuilt(q4_gguf, monkeypatch):
+    # a small calibration (the runtime's own, on the calibration text)
+    monkeypatch.setattr(isp, "DEFAULT_SAMPLE_TOKENS", 128)
+    monkeypatch.setattr(isp, "DEFAULT_CTX", 32)
+    monkeypatch.setattr(isp, "LOSS_CHUNKS", 1)
     llm = pij.load(str(q4_gguf), sparsity="input_magnitude", target_sparsity=0.4, max_batch=3,
                    max_seq_len=64, progress=False)
     eng = llm.session.engine

@@ -460,9 +460,8 @@ def load(path: Path, fingerprint: dict, model) -> InputThresholds:
 
 
 def ensure(model, tokenizer, *, rule: str, target: float, root: Path, fingerprint: dict,
-           corpus_files=None, ctx: int = DEFAULT_CTX,
-           sample_tokens: int = DEFAULT_SAMPLE_TOKENS, progress: bool = False
-           ) -> InputThresholds:
+           corpus_files=None, ctx: int | None = None, sample_tokens: int | None = None,
+           progress: bool = False) -> InputThresholds:
     """The calibrated thresholds for (rule, target): loaded when saved for this model, else
     calibrated on the corpus (default: the calibration text, never the validation text) and
     saved."""
@@ -473,8 +472,10 @@ def ensure(model, tokenizer, *, rule: str, target: float, root: Path, fingerprin
                 return load(path, fingerprint, model)
             except errors.UserError as e:
                 cache.note(f"{e}; calibrating again")
+        ctx = DEFAULT_CTX if ctx is None else ctx
+        sample_tokens = DEFAULT_SAMPLE_TOKENS if sample_tokens is None else sample_tokens
         text = corpus_mod.read_corpus(corpus_files or corpus_mod.default_corpus_files())
-        ids = tokenizer.encode(text)
+        ids = tokenizer.encode(text[:(sample_tokens * 4 + ctx) * 16])  # ~4 characters a token
         chunks = corpus_mod.corpus_chunks(ids, ctx, max_tokens=max(sample_tokens * 4, ctx))
         arts = calibrate(model, chunks, rule=rule, target=target, sample_tokens=sample_tokens,
                          progress=progress)
