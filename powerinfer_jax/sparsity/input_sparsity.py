@@ -35,7 +35,12 @@ FORMAT_VERSION = 1
 DEFAULT_SAMPLE_TOKENS = 2048  # calibration tokens kept per site (a site's inputs [N, d])
 DEFAULT_CTX = 256
 LOSS_CHUNKS = 4  # calibration chunks whose loss steers the allocation
-LOSS_STEP = 2  # grid steps a kind of site moves per round (0.05 sparsity)
+LOSS_STEP = 2  # grid steps a unit moves per round (0.05 sparsity)
+# The loss-guided allocation's groups of consecutive layers, each with its own sparsities: one
+# (a sparsity per site kind for every layer). The path's evaluations grow with the square of the
+# units (each step tries every unit; the steps to a target grow with them too): 3 groups cost ~9x
+# the forwards of 1, which is minutes on SmolLM2's 2 cores and was not measured for quality.
+LAYER_GROUPS = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,19 +230,25 @@ def _channel_thresholds(tau: float, norms: np.ndarray) -> np.ndarray:
         return np.where(norms > 0, tau / norms, np.inf).astype(np.float32)
 
 
+def _group(layer: int, n_layers: int) -> int:
+    """Which of LAYER_GROUPS consecutive groups of layers `layer` is in."""
+    return layer * LAYER_GROUPS // n_layers
+
+
 def loss_path(model, chunks_nt: np.ndarray, thr_grid: list[dict], norms: list[dict],
               site_bytes: list[dict], target: float, step: int = 2) -> list[tuple[float, dict]]:
-    """The greedy path of one sparsity per site kind (for every layer), chosen on the model's
-    own loss: from all-dense, each round tries one more `step` of each kind's sparsity (the
-    per-layer quantiles of its inputs) and keeps the one whose next-token loss on the
-    calibration chunks grows least per byte it saves, until the bytes-weighted sparsity reaches
-    `target`. Returns [(model-wide sparsity, {site: grid index})] from dense on; every target up
-    to `target` takes its allocation from the one path. The masks' thresholds are state of one
-    compiled forward: no recompile."""
+    """The greedy path of one sparsity per site kind and group of layers (LAYER_GROUPS groups of
+    consecutive layers), chosen on the model's own loss: from all-dense, each round tries one
+    more `step` of each unit's sparsity (the per-layer quantiles of its inputs) and keeps the one
+    whose next-token loss on the calibration chunks grows least per byte it saves, until the
+    bytes-weighted sparsity reaches `target`. Returns [(model-wide sparsity, {(site, group):
+    grid index})] from dense on; every target up to `target` takes its allocation from the one
+    path. The masks' thresholds are state of one compiled forward: no recompile."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
+    n_layers = len(model.layers)
     install(model, zero_thresholds(model))
     graphdef, _ = nnx.split(model)
 
@@ -251,28 +262,31 @@ def loss_path(model, chunks_nt: np.ndarray, thr_grid: list[dict], norms: list[di
 
     def loss(levels: dict) -> float:
         for l, layer in enumerate(model.layers):
+            g = _group(l, n_layers)
             for s, mask in (("attn_in", layer.attn.in_mask), ("attn_out", layer.attn.out_mask),
                             ("ffn_in", layer.ffn.in_mask), ("ffn_mid", layer.ffn.mid_mask)):
                 mask.threshold.set_value(jnp.asarray(_channel_thresholds(
-                    float(thr_grid[l][s][levels[s]]), norms[l][s])))
+                    float(thr_grid[l][s][levels[(s, g)]]), norms[l][s])))
         return float(nll(nnx.state(model), tokens))
 
-    kind_bytes = {s: sum(b[s] for b in site_bytes) for s in SITES}
-    total = sum(kind_bytes.values())
-    levels = {s: 0 for s in SITES}
-    reached = lambda lv: sum(kind_bytes[s] * GRID[lv[s]] for s in SITES) / total  # noqa: E731
+    units = sorted({(s, _group(l, n_layers)) for l in range(n_layers) for s in SITES})
+    unit_bytes = {u: sum(site_bytes[l][u[0]] for l in range(n_layers)
+                         if _group(l, n_layers) == u[1]) for u in units}
+    total = sum(unit_bytes.values())
+    levels = {u: 0 for u in units}
+    reached = lambda lv: sum(unit_bytes[u] * GRID[lv[u]] for u in units) / total  # noqa: E731
     path = [(0.0, dict(levels))]
     current = loss(levels)
     while reached(levels) < target - 1e-9:
         best = None
-        for s in SITES:
-            if levels[s] + step >= len(GRID):
+        for u in units:
+            if levels[u] + step >= len(GRID):
                 continue
-            trial = dict(levels, **{s: levels[s] + step})
+            trial = {**levels, u: levels[u] + step}
             got = loss(trial)
-            per_byte = (got - current) / (kind_bytes[s] * (GRID[trial[s]] - GRID[levels[s]]))
+            per_byte = (got - current) / (unit_bytes[u] * (GRID[trial[u]] - GRID[levels[u]]))
             if best is None or per_byte < best[0]:
-                best = (per_byte, s, got)
+                best = (per_byte, u, got)
         if best is None:
             break
         levels[best[1]] += step
@@ -283,11 +297,10 @@ def loss_path(model, chunks_nt: np.ndarray, thr_grid: list[dict], norms: list[di
 
 
 def _from_path(path: list[tuple[float, dict]], target: float, n_layers: int) -> list[dict]:
-    """The first allocation on the path that reaches the target (the last one if none does)."""
-    for reached, levels in path:
-        if reached >= target - 1e-9:
-            return [dict(levels) for _ in range(n_layers)]
-    return [dict(path[-1][1]) for _ in range(n_layers)]
+    """Per layer {site: grid index}: the first allocation on the path that reaches the target
+    (the last one if none does)."""
+    levels = next((lv for reached, lv in path if reached >= target - 1e-9), path[-1][1])
+    return [{s: levels[(s, _group(l, n_layers))] for s in SITES} for l in range(n_layers)]
 
 
 def _site_curves(model, inputs: list[dict], rule: str):
