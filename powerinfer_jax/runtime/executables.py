@@ -57,12 +57,13 @@ def _key_from_name(name: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in name.split("-"))
 
 
-@functools.lru_cache(maxsize=1)
-def _code_digest() -> str:
-    """Size and mtime of every source file of this package and of its compiled extension: an
-    edited or rebuilt checkout never loads executables compiled from the old code."""
+_DIGEST_MEMO = ".code-digests.json"  # in the store's root: file stats -> content digest
+_DIGEST_MEMO_ENTRIES = 8  # checkouts (or venvs) sharing one cache, each with its own stats
+
+
+def _code_files() -> tuple[Path, list[Path]]:
+    """(the package's root, every source file of this package and its compiled extension)."""
     root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
     files = sorted(root.rglob("*.py"))
     try:
         from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
@@ -70,14 +71,58 @@ def _code_digest() -> str:
         files.append(Path(_ffi._pij_ext.__file__))
     except (ImportError, AttributeError):
         pass
+    return root, files
+
+
+@functools.lru_cache(maxsize=1)
+def _code_digest() -> str:
+    """The contents of every source file of this package and of its compiled extension: an
+    edited or rebuilt checkout never loads executables compiled from other code, while a
+    re-install that rebuilt nothing (pip writes the same extension again, with a new mtime) or
+    a fresh clone of the same commit loads them. Hashing ~4 MB at every start would cost
+    ~10-20 ms, so the digest is memoized under the files' stats (name, size, mtime, inode):
+    only a changed stat hashes the contents again."""
+    root, files = _code_files()
+    stats, named = [], []
     for f in files:
         try:
             st = f.stat()
         except OSError:
             continue
-        h.update(f"{f.relative_to(root) if f.is_relative_to(root) else f}:{st.st_size}:"
-                 f"{st.st_mtime_ns};".encode())
-    return h.hexdigest()
+        name = str(f.relative_to(root) if f.is_relative_to(root) else f)
+        named.append((name, f))
+        stats.append(f"{name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}")
+    key = hashlib.sha256(";".join(stats).encode()).hexdigest()
+    memo_path = _root() / _DIGEST_MEMO
+    memo = _read_memo(memo_path)
+    if key in memo:
+        return memo[key]
+    h = hashlib.sha256()
+    for name, f in named:
+        try:
+            data = f.read_bytes()
+        except OSError:
+            continue
+        h.update(f"{name}:{len(data)};".encode())
+        h.update(data)
+    digest = h.hexdigest()
+    memo.pop(key, None)
+    memo[key] = digest
+    try:
+        cache.write_text(memo_path, json.dumps(dict(list(memo.items())[-_DIGEST_MEMO_ENTRIES:])))
+    except OSError:  # a read-only cache: hashed again next time
+        pass
+    return digest
+
+
+def _read_memo(path: Path) -> dict:
+    try:
+        memo = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(memo, dict):
+        return {}
+    return {k: v for k, v in memo.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def environment() -> dict:
