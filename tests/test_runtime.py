@@ -177,7 +177,8 @@ def test_prefill_bucket():
 
 @pytest.mark.parametrize("field,value,match", [
     ("dtype", "float16", r"dtype: expected one of \['float32', 'bfloat16'\], got 'float16'"),
-    ("threads", 0, "threads: expected a positive integer, got 0"),
+    ("threads", 0, r"threads: expected an integer in \[1, \d+\] \(the CPUs this process may "
+                   r"run on\), got 0"),
     ("decode_block", 0, r"decode_block: expected an integer in \[1, 64\], got 0"),
     ("decode_block", 2.0, r"decode_block: expected an integer in \[1, 64\], got 2\.0"),
 ])

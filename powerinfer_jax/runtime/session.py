@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Callable
 
 from powerinfer_jax.config import (DEFAULT_CONTEXT_CAP, DEFAULT_MODEL, DEFAULT_TARGET_SPARSITY,
-                                   ModelConfig, PlacementConfig, RuntimeConfig, SparsityConfig)
+                                   ModelConfig, PlacementConfig, RuntimeConfig, SparsityConfig,
+                                   check_threads)
 from powerinfer_jax.errors import fail
 
 
@@ -569,7 +570,7 @@ def _size_thread_pool(threads: int | None) -> int:
     dense decode runs through the custom calls too."""
     import os
 
-    n = threads or len(os.sched_getaffinity(0))
+    n = len(os.sched_getaffinity(0)) if threads is None else check_threads(threads)
     try:
         from powerinfer_jax import ops  # lazy: start-up
 
