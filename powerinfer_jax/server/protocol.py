@@ -35,7 +35,8 @@ _NO_OP_VALUES: dict[str, tuple] = {
 class ApiError(Exception):
     """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
 
-    TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+             404: "invalid_request_error",
              405: "invalid_request_error", 413: "invalid_request_error",
              429: "rate_limit_error", 500: "server_error", 503: "unavailable_error"}
 
