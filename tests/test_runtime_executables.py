@@ -126,20 +126,6 @@ def test_the_cache_switch_turns_the_store_off(tiny_dir, cache, monkeypatch):
     assert engine.store is None and not (cache / "executables").exists()
 
 
-def test_old_identities_are_pruned(tmp_path, monkeypatch):
-    monkeypatch.setattr(executables, "MAX_IDENTITIES", 2)
-    for i in range(4):
-        d = tmp_path / f"id{i}"
-        d.mkdir()
-        (d / "step.exe").write_bytes(b"x" * 100)
-        os.utime(d, (i, i))
-    executables._prune(tmp_path, keep=tmp_path / "id0")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["id0", "id2", "id3"]
-    monkeypatch.setattr(executables, "MAX_BYTES", 150)  # the newest, then over the byte cap
-    executables._prune(tmp_path, keep=tmp_path / "id0")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["id0", "id3"]
-
-
 @pytest.mark.slow
 def test_generate_json_reports_where_start_up_went(tiny_dir, tmp_path):
     """Two processes: the second loads both steps (startup.executables) and prints the tokens

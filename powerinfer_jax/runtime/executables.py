@@ -19,6 +19,7 @@ Two keys keep a stale executable from running:
 A file that does not load (truncated, from another version) is compiled again the same way. Only a
 CPU-only process with one device and no placement uses the store (placed or sharded models hold
 per-process handles and devices). `POWERINFER_JAX_XLA_CACHE=0` turns it off with jax's cache.
+The cache's size cap (cache_limit.py) evicts whole identities, the least recently used first.
 """
 from __future__ import annotations
 
@@ -34,13 +35,11 @@ import shutil
 import time
 from pathlib import Path
 
-from powerinfer_jax import cache
+from powerinfer_jax import cache, cache_limit
 from powerinfer_jax._machine import cpu_features
 from powerinfer_jax.cache import cache_dir
 
 FORMAT = 2  # bump when the file layout or the structure digest changes
-MAX_IDENTITIES = 48  # identity directories kept; the least recently used go first...
-MAX_BYTES = 2 << 30  # ...and while they hold more than this (a server's ~46 steps: ~70 MB)
 _SUFFIX = ".exe"
 
 
@@ -204,6 +203,7 @@ class Store:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._used: list[tuple] = []
         self.background_s = 0.0  # time the background loads took (beside the main thread)
+        cache_limit.mark_used(self.dir)  # most recently used: the last the cap evicts
 
     # ------------------------------------------------------------------ reading
     def recent_keys(self) -> list[tuple]:
@@ -277,7 +277,7 @@ class Store:
         except Exception:
             return
         self._note_used(key)
-        _prune(self.dir.parent, keep=self.dir)
+        cache_limit.enforce(keep=[self.dir])  # the cache's cap (cache_limit.py)
 
     def _note_used(self, key: tuple) -> None:
         """Remember the steps this process uses, for the next one's prefetch."""
@@ -289,19 +289,3 @@ class Store:
                              json.dumps([key_name(k) for k in self._used]))
         except OSError:
             pass
-
-
-def _prune(root: Path, keep: Path) -> None:
-    """Keep the MAX_IDENTITIES most recently written identity directories, and fewer while they
-    hold more than MAX_BYTES (`keep`, the one just written, always stays)."""
-    try:
-        dirs = sorted((d for d in root.iterdir() if d.is_dir()),
-                      key=lambda d: d.stat().st_mtime, reverse=True)
-        sizes = [sum(f.stat().st_size for f in d.iterdir()) for d in dirs]
-    except OSError:
-        return
-    total = 0
-    for i, (d, size) in enumerate(zip(dirs, sizes)):
-        total += size
-        if d != keep and (i >= MAX_IDENTITIES or total > MAX_BYTES):
-            shutil.rmtree(d, ignore_errors=True)

@@ -80,7 +80,7 @@ def make_scorer(model, oracle_thresholds=None, *, first: int = 0):
     import jax.numpy as jnp
     from flax import nnx
 
-    from powerinfer_jax.models.transformer import capture
+    from powerinfer_jax.models.transformer import capture  # lazy: start-up
 
     graphdef, state = nnx.split(model)
     d_ff = model.config.d_ff

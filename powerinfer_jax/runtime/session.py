@@ -409,8 +409,10 @@ def _executable_store(model, runtime, sparsity, placement, max_batch, artifacts_
 
     import jax
 
+    from powerinfer_jax import cache_limit  # lazy: start-up
     from powerinfer_jax.runtime import executables  # lazy: start-up
 
+    cache_limit.check_limit()  # a malformed $POWERINFER_JAX_CACHE_LIMIT: one line, now
     if (not executables.enabled() or accel is not None or placement.budget_bytes is not None
             or placement.ram_budget_bytes is not None  # the store's handle is in the steps
             or runtime.devices is not None or len(jax.devices()) != 1):
