@@ -49,10 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes a request body may have; more get 413 (default: %(default)s)")
     _cli.add_chat_template_flag(p)
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="before /health answers 200, compile (or load, when an earlier start "
-                        "compiled them) the prefill step of every prompt-length bucket and the "
-                        "decode step of every batch size and cache-length bucket, greedy and "
-                        "sampled, so that no request waits for a compile (default: on)")
+                   help="compile (or load, when an earlier start compiled them) the prefill "
+                        "step of every prompt-length bucket and the decode step of every batch "
+                        "size and cache-length bucket: those of short prompts before /health "
+                        "answers 200, the rest beside the running server (a request whose "
+                        "steps are not ready yet gets 503 with Retry-After), so that no request "
+                        "waits for a compile (default: on)")
     p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
                    help="on SIGINT/SIGTERM, seconds running requests may take to finish before "
                         "they are cancelled (default: %(default)s)")
@@ -102,7 +104,7 @@ def main(argv=None) -> None:
         return session
 
     app = create_app(load, slots=args.parallel, model_name=args.alias, queue_size=args.queue,
-                     warmup=("greedy", "sample") if args.warmup else (),
+                     warmup=args.warmup,
                      max_body=args.max_body_bytes, api_key=api_key)
     Server(app, host=args.host, port=args.port, grace_s=args.shutdown_grace,
            log_level=args.log_level).run()

@@ -31,7 +31,7 @@ import json
 import os
 import pickle
 import secrets
-import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -178,15 +178,27 @@ def compiling_for_store():
     1.01 MB, loaded in 0.12 s instead of 0.15; the same code and tokens)."""
     import jax
 
-    saved = (jax.config.jax_persistent_cache_min_compile_time_secs,
-             jax.config.jax_include_full_tracebacks_in_locations)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
-    jax.config.update("jax_include_full_tracebacks_in_locations", False)
+    global _saved_config
+    with _config_lock:  # threads compiling at once (the server's warm-up beside its engine)
+        if _compiling[0] == 0:
+            _saved_config = (jax.config.jax_persistent_cache_min_compile_time_secs,
+                             jax.config.jax_include_full_tracebacks_in_locations)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+            jax.config.update("jax_include_full_tracebacks_in_locations", False)
+        _compiling[0] += 1
     try:
         yield
     finally:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[0])
-        jax.config.update("jax_include_full_tracebacks_in_locations", saved[1])
+        with _config_lock:
+            _compiling[0] -= 1
+            if _compiling[0] == 0:
+                jax.config.update("jax_persistent_cache_min_compile_time_secs", _saved_config[0])
+                jax.config.update("jax_include_full_tracebacks_in_locations", _saved_config[1])
+
+
+_config_lock = threading.Lock()
+_compiling = [0]  # compiles inside compiling_for_store now: the last one out restores
+_saved_config: tuple = ()
 
 
 def _root() -> Path:

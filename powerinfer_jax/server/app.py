@@ -54,7 +54,7 @@ class ServerState:
     """What the handlers share: the loaded model (None while loading), its worker and metrics."""
 
     def __init__(self, loader, *, slots: int, model_name: str | None, queue_size: int,
-                 warmup: tuple[str, ...], max_body: int, api_key: str | None = None):
+                 warmup: bool, max_body: int, api_key: str | None = None):
         self.loader = loader
         self.api_key = api_key
         self.metrics = Metrics(slots)
@@ -71,13 +71,18 @@ class ServerState:
 
     # ------------------------------------------------------------------ loading
     def load(self) -> None:
-        """Build the model (the loader), warm it up and start the engine thread."""
+        """Build the model (the loader), warm the first tier of its steps, start the engine
+        thread (/health says 200), then warm the rest beside it (worker.warm_plan)."""
         try:
             session = self.loader() if callable(self.loader) else self.loader
             engine = session.engine
-            self.warmth = Warmth(engine, warm_plan(engine, self.warmup) if self.warmup else ())
+            engine.one_kind = True  # one step per shape for greedy and sampled batches
+            self.warmth = Warmth(engine, warm_plan(engine, (engine.kind_of(()),))
+                                 if self.warmup else ())
             self.metrics.watch_warmth(self.warmth)
-            self.warmth.warm()
+            self.warmth.warm(0, self.warmth.first)
+            if not self.warmth.complete():
+                engine.make_compilable()  # before the engine thread runs beside the compiles
             arg = str(session.model_arg)
             self.model_name = self.model_name or arg
             self.names = {self.model_name, arg, Path(arg).name}
@@ -94,6 +99,11 @@ class ServerState:
             log.error("loading the model failed: %s", e)
             if self.stop_server is not None:
                 self.stop_server()
+            return
+        try:
+            self.warmth.warm(self.warmth.first)
+        except Exception:  # a request that needs the step compiles it (or fails with a 500)
+            log.exception("warming the remaining compiled steps failed")
 
     def begin_shutdown(self, grace_s: float) -> None:
         if self.worker is not None:
@@ -134,16 +144,17 @@ class ServerState:
 
 
 def create_app(loader, *, slots: int = 1, model_name: str | None = None, queue_size: int = 16,
-               warmup: tuple[str, ...] = ("greedy", "sample"),
+               warmup: bool = True,
                max_body: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None) -> FastAPI:
     """The server's ASGI app. loader: a built Session (runtime.session.build), or a callable
     returning one, run in a thread at start-up while /health answers 503. slots: the Session's
-    max_batch (shown before it is built). warmup: the sampling kinds whose every prefill and
-    decode step is compiled (or loaded) before /health answers 200 (worker.warm_plan).
+    max_batch (shown before it is built). warmup: compile (or load) every prefill and decode
+    step a request can need, the short prompts' before /health answers 200 and the rest beside
+    the engine (worker.warm_plan); without it steps compile when a request first needs them.
     max_body: bytes a request body may have (more: 413). api_key: the key every /v1 route wants
     as `Authorization: Bearer <key>` (None: open; the module docstring says what stays open)."""
     state = ServerState(loader, slots=slots, model_name=model_name, queue_size=queue_size,
-                        warmup=tuple(warmup), max_body=max_body, api_key=api_key)
+                        warmup=bool(warmup), max_body=max_body, api_key=api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -161,7 +172,8 @@ def create_app(loader, *, slots: int = 1, model_name: str | None = None, queue_s
     @app.exception_handler(P.ApiError)
     async def api_error(request: Request, e: P.ApiError):
         state.count(request.url.path, e.status)
-        headers = ({"Retry-After": "1"} if e.status in (429, 503) else
+        retry = max(1, min(60, round(e.retry_after or 1)))
+        headers = ({"Retry-After": str(retry)} if e.status in (429, 503) else
                    {"WWW-Authenticate": "Bearer"} if e.status == 401 else None)
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
@@ -252,6 +264,7 @@ async def _generate(state: ServerState, request: Request, *, chat: bool):
     s = P.sampling(req)
     ids = await run_in_threadpool(_prompt_ids, session, req, chat)
     max_tokens = _max_tokens(session.engine, req, len(ids), chat)
+    _check_warm(state, len(ids), chat)
     job = Job(session.tokenizer, ids, max_tokens=max_tokens,
               sampling=_sampling_params(s), stream=s.stream,
               seed=secrets.randbelow(MAX_SEED + 1) if s.seed is None else s.seed, stop=s.stop,
@@ -403,6 +416,20 @@ def _prompt_ids(session, req, chat: bool) -> list[int]:
         raise P.ApiError(400, f"prompt: expected token ids in [0, {v}), got {bad[0]}",
                          param="prompt", code="invalid_value")
     return list(req.prompt)
+
+
+def _check_warm(state: ServerState, n_prompt: int, chat: bool) -> None:
+    """503 while the steps this request starts with are still being warmed (the server answers
+    /health 200 once short prompts can run; longer ones wait for their tier)."""
+    warm = state.warmth
+    missing = warm.missing(n_prompt, warm.engine.kind_of(())) if warm is not None else []
+    if missing:
+        what = "messages" if chat else "prompt"
+        eta = warm.eta_s(missing)
+        raise P.ApiError(503, f"{what}: the compiled steps for a {n_prompt}-token prompt are "
+                         f"being prepared ({warm.ready()} of {len(warm.plan)} steps ready, about "
+                         f"{eta:.0f} s to go); retry then", param=what, code="warming",
+                         retry_after=eta)
 
 
 def _check_text(text: str, param: str) -> str:

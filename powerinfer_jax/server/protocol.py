@@ -41,9 +41,10 @@ class ApiError(Exception):
              429: "rate_limit_error", 500: "server_error", 503: "unavailable_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, retry_after: float | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after  # seconds, for a 429 or 503's Retry-After (default 1)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
