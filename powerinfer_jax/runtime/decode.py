@@ -243,6 +243,11 @@ class Engine:
             with self._lock:
                 self._readying.pop(key).set()
 
+    def stored(self, key: tuple) -> bool:
+        """Whether the step of `key` is ready or can be loaded from the store (not compiled)."""
+        return self.is_ready(key) or (self.store is not None
+                                      and self.store.has((*key, self.max_seq_len)))
+
     def make_compilable(self) -> None:
         """Build the model now if this engine runs a snapshot's weights (a step to compile needs
         it): the server does it before its engine thread runs while other steps still compile,

@@ -259,6 +259,10 @@ class Store:
         except Exception:  # a truncated or foreign file: compiled again and replaced
             return None
 
+    def has(self, key: tuple) -> bool:
+        """Whether a file for `key` is stored (it may still fail to load, then it compiles)."""
+        return key in self._pending or (self.dir / (key_name(key) + _SUFFIX)).is_file()
+
     def is_loading(self, key: tuple) -> bool:
         """Whether `key` was prefetched and not taken yet."""
         return key in self._pending

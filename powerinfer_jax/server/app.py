@@ -81,7 +81,7 @@ class ServerState:
                                  if self.warmup else ())
             self.metrics.watch_warmth(self.warmth)
             self.warmth.warm(0, self.warmth.first)
-            if not self.warmth.complete():
+            if not all(engine.stored(k) for k in self.warmth.plan):
                 engine.make_compilable()  # before the engine thread runs beside the compiles
             arg = str(session.model_arg)
             self.model_name = self.model_name or arg
