@@ -3,13 +3,15 @@
 A new user runs `python3 -m pip install -e . && python3 -m powerinfer_jax.generate ...` (the
 README's first command, read from README.md), then runs it again. Here: a fresh clone of this
 checkout's commit, a new virtual environment, an empty cache (POWERINFER_JAX_CACHE in a temporary
-folder) holding only a copy of the default model's own entry (no download); the command twice,
-each half timed on its own (pip, then generate, as the `&&` runs them); then the generate half
-alone --repeats times on the warm cache (the bare `generate` the second run is compared with).
+folder) holding only a copy of the default model's own entry (no download); the command once
+(the first run), then --rounds rounds of the command again (a second run) and the generate half
+alone on the warm cache (the bare `generate` a second run is compared with), each half of the
+command timed on its own (pip, then generate, as the `&&` runs them). A second run also counts
+the compiled steps its generate wrote (`steps_recompiled`: 0 when the re-install kept them).
 Rows in benchmarks/startup.jsonl: kind "readme_first_run", "readme_second_run",
-"bare_generate_warm" and one "readme_second_run_summary" with the ratios.
+"bare_generate_warm" and one "readme_second_run_summary" with the medians and ratios.
 
-    python benchmarks/second_run.py [--repeats 3] [--out benchmarks/startup.jsonl]
+    python benchmarks/second_run.py [--rounds 3] [--out benchmarks/startup.jsonl]
 """
 from __future__ import annotations
 
@@ -48,6 +50,11 @@ def timed(cmd: str, env: dict, cwd: Path) -> tuple[float, str]:
     return wall, out.stdout
 
 
+def _steps(cache: Path) -> dict:
+    """Every stored compiled step of the cache: path -> mtime (a rewritten one is recompiled)."""
+    return {str(p): p.stat().st_mtime_ns for p in (cache / "executables").glob("*/*.exe")}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,7 +62,8 @@ def main(argv=None) -> None:
     p.add_argument("--model-cache", default=str(Path.home() / ".cache" / "powerinfer_jax"),
                    help="the cache whose models/<model> is copied into the empty one")
     p.add_argument("--python", default="python3", help="the interpreter the venv is made from")
-    p.add_argument("--repeats", type=int, default=3, help="bare generate runs (default: 3)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="second runs, each followed by a bare generate (default: 3)")
     p.add_argument("--keep", action="store_true", help="keep the temporary folder")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -85,30 +93,43 @@ def main(argv=None) -> None:
                            "new_venv": True, "cache": "empty but for the model's file"},
                 "system": "ours"}
         rows = []
-        for kind in ("readme_first_run", "readme_second_run"):
+
+        def readme_run(kind: str) -> dict:
+            before = _steps(cache)
             pip_s, _ = timed(pip_cmd, env, clone)
             gen_s, text = timed(gen_cmd, env, clone)
-            rows.append({**base, "kind": kind, "wall_s": pip_s + gen_s, "pip_s": pip_s,
-                         "generate_s": gen_s, "loadavg": os.getloadavg()[0],
-                         "text": text.strip()[-200:]})
-            print(f"{kind}: {pip_s + gen_s:.1f} s (pip {pip_s:.1f} s, generate {gen_s:.1f} s)",
-                  file=sys.stderr)
-        bare = []
-        for i in range(args.repeats):
+            after = _steps(cache)
+            row = {**base, "kind": kind, "wall_s": pip_s + gen_s, "pip_s": pip_s,
+                   "generate_s": gen_s, "loadavg": os.getloadavg()[0],
+                   "steps_recompiled": sum(after.get(k) != v for k, v in before.items())
+                   + len(set(after) - set(before)), "text": text.strip()[-200:]}
+            print(f"{kind}: {pip_s + gen_s:.1f} s (pip {pip_s:.1f} s, generate {gen_s:.1f} s, "
+                  f"{row['steps_recompiled']} steps compiled)", file=sys.stderr)
+            return row
+
+        rows.append(readme_run("readme_first_run"))
+        for r in range(args.rounds):
+            rows.append({**readme_run("readme_second_run"), "round": r})
             gen_s, text = timed(gen_cmd, env, clone)
-            bare.append(gen_s)
-            rows.append({**base, "kind": "bare_generate_warm", "repeat": i, "wall_s": gen_s,
+            rows.append({**base, "kind": "bare_generate_warm", "round": r, "wall_s": gen_s,
                          "loadavg": os.getloadavg()[0], "text": text.strip()[-200:]})
-        med = statistics.median(bare)
-        second = rows[1]
+            print(f"bare generate: {gen_s:.1f} s", file=sys.stderr)
+        seconds = [x for x in rows if x["kind"] == "readme_second_run"]
+        med = statistics.median(x["wall_s"] for x in rows if x["kind"] == "bare_generate_warm")
+        total = statistics.median(x["wall_s"] for x in seconds)
+        gen = statistics.median(x["generate_s"] for x in seconds)
         rows.append({**base, "kind": "readme_second_run_summary", "summary": True,
-                     "first_run_s": rows[0]["wall_s"], "second_run_s": second["wall_s"],
-                     "second_run_pip_s": second["pip_s"],
-                     "second_run_generate_s": second["generate_s"],
-                     "bare_generate_median_s": med, "repeats": args.repeats,
-                     "second_run_to_bare": second["wall_s"] / med,
-                     "second_run_generate_to_bare": second["generate_s"] / med,
-                     "same_text": len({r["text"] for r in rows if "text" in r}) == 1})
+                     "rounds": args.rounds, "first_run_s": rows[0]["wall_s"],
+                     "first_run_pip_s": rows[0]["pip_s"],
+                     "median_second_run_s": total,
+                     "median_second_run_pip_s": statistics.median(x["pip_s"] for x in seconds),
+                     "median_second_run_generate_s": gen,
+                     "median_bare_generate_s": med,
+                     "second_run_to_bare": total / med,
+                     "second_run_generate_to_bare": gen / med,
+                     "steps_recompiled_in_second_runs": sum(x["steps_recompiled"]
+                                                            for x in seconds),
+                     "same_text": len({x["text"] for x in rows if "text" in x}) == 1})
         print(json.dumps(rows[-1], indent=1))
         if args.out:
             with open(args.out, "a", encoding="utf-8") as f:

@@ -24,6 +24,8 @@ foreach(var IN LISTS pij_vars)
     get_property(type CACHE "${var}" PROPERTY TYPE)
     if(type STREQUAL "INTERNAL" OR type STREQUAL "STATIC")
       continue()
+    elseif(type STREQUAL "UNINITIALIZED")  # given as -DNAME=value, without a type
+      set(type STRING)
     endif()
     list(APPEND pij_forward "-D${var}:${type}=${${var}}")
   endif()

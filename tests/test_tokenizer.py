@@ -207,8 +207,8 @@ def test_invalid_utf8_is_refused_naming_the_position(text, got):
     """A command line's invalid bytes reach Python as surrogate escapes; the tokenizer would
     raise a TypeError from inside the tokenizers library (issue 53)."""
     tok = Tokenizer(trained_bpe(), bos_id=1, eos_ids=[2])
-    with pytest.raises(UserError, match=rf"^prompt: expected valid UTF-8 text, got {re.escape(got)} "
-                       r"\(invalid UTF-8 cannot be tokenized"):
+    with pytest.raises(UserError, match=rf"^prompt: expected valid UTF-8 text, got "
+                       rf"{re.escape(got)} \(invalid UTF-8 cannot be tokenized"):
         tok.encode(text, what="prompt")
     with pytest.raises(UserError, match=r"^text: expected text \(a str\), got bytes b'ab'$"):
         check_text(b"ab")
