@@ -156,3 +156,6 @@ def test_the_key_comes_from_the_flag_or_the_environment():
         serve.api_key_from(None, "has key")
     with pytest.raises(UserError, match=r"^--max-body-bytes: expected a positive integer"):
         serve.main(["--max-body-bytes", "0"])
+    with pytest.raises(UserError, match=r"^--chat-template: expected \"chatml\" or an existing "
+                       r"jinja file, got '/no/such.jinja'$"):  # before the model loads
+        serve.main(["--chat-template", "/no/such.jinja"])

@@ -295,6 +295,8 @@ class Warmth:
         at least every `log_every_s` seconds while it takes. The first call also makes the KV
         cache (every slot's rows at the longest context: hundreds of MB zeroed and placed),
         which the first request would otherwise pay for (0.3 s of a 0.2-s request)."""
+        if not self.plan:
+            return
         steps = self.plan[start:stop]
         if self._started is None:
             self._started = time.perf_counter()
