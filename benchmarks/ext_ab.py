@@ -6,7 +6,8 @@ Build the other side with CMake into a folder of its own (BUILD.md, "A/B of a ke
 
     cmake -S <checkout at the old commit> -B /tmp/before -G Ninja -DCMAKE_BUILD_TYPE=Release \
         -DPython_EXECUTABLE=$(which python) && cmake --build /tmp/before -j2
-    python -m benchmarks.ext_ab --before /tmp/before/_pij_ext*.so --after build/cp311-*/_pij_ext*.so \
+    python -m benchmarks.ext_ab --before /tmp/before/_pij_ext*.so \
+        --after build/cp311-*/native/_pij_ext*.so \
         --rounds 3 --model /work/models/s90/...powerinfer.gguf --out benchmarks/ext_ab.jsonl
 
 Per round, each side in turn (the order swapped every other round; this VM drifts 20-30% over

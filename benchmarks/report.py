@@ -38,6 +38,7 @@ METRIC_KEYS = ("status", "median_ratio", "median_ratio_to_llama_q4_1", "median_r
                "decode_ratio_median", "prefill_ratio_median", "vs_llama_cpp_median",
                "ratio_to_sequential", "median_tok_s", "decode_tok_s_median", "decode_tok_s", "tok_s",
                "aggregate_tok_s", "agg_tok_s_median", "prefill_tok_s", "load_plus_build_s", "ppl",
+               "llama_ppl", "relative_diff", "score",
                "ppl_ours", "ppl_powerinfer", "ppl_ratio", "ppl_x_dense", "ffn_sparsity",
                "predictor_recall", "heldout_recall", "speedup", "speedup_vs_bf16", "us", "gbps",
                "achieved_gb_s", "achieved_gbs", "effective_gbs", "bandwidth_fraction", "step_ms",

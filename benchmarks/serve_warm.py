@@ -12,16 +12,28 @@ runs the same way: what the first requests paid before (its prefill steps compil
 
 Each server starts twice: the first start fills the caches (compiled steps), the second is the
 one measured.
+
+--cold (issue 53): a first start on an empty cache, as a new user's: each start gets a new
+POWERINFER_JAX_CACHE holding only a copy of the model's own entry (no download), rounds
+alternate the baseline and ours. Per start, rows of kind "cold_start": /health 200 after
+`ready_s` (what the user waits for), a short request's time right after (`first_request_s`),
+every planned step ready after `complete_s`; then one "cold_start_summary" row (medians, ratio).
+
+    flock -x /tmp/pij_cpu.lock python benchmarks/serve_warm.py --cold --rounds 2 \
+        --baseline-src /tmp/pij_base [--out benchmarks/serve_warm.jsonl]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,11 +52,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(args, baseline: bool):
+def cold_cache(args) -> Path:
+    """A new, empty cache holding only a copy of the model's own entry (the downloaded file)."""
+    root = Path(tempfile.mkdtemp(prefix="pij-cold-"))
+    src = Path(args.model_cache) / "models" / args.model
+    shutil.copytree(src, root / "models" / args.model,
+                    ignore=shutil.ignore_patterns("sparsity", ".*lock"))
+    return root
+
+
+def start(args, baseline: bool, cache_root: Path | None = None):
     port = free_port()
     argv = ["-m", "powerinfer_jax.serve", "--model", args.model, "--port", str(port),
             "--parallel", str(args.parallel), "--dtype", args.dtype, "--log-level", "warning"]
     env = dict(os.environ)
+    if cache_root is not None:
+        env["POWERINFER_JAX_CACHE"] = str(cache_root)
     if baseline:  # another source tree, past the editable install's redirect (startup.py)
         env["PYTHONPATH"] = os.pathsep.join([str(args.baseline_src),
                                              sysconfig.get_paths()["purelib"]])
@@ -77,6 +100,51 @@ def stop(proc) -> None:
         proc.wait()
 
 
+def wait_complete(url: str, timeout: float = 1800.0) -> float:
+    """Seconds until /health says every planned step is ready (at once where it has no such
+    field: a server that warms everything before it answers 200)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        warm = httpx.get(url + "/health", timeout=30).json().get("warm") or {}
+        if warm.get("complete", True):
+            return time.perf_counter() - t0
+        time.sleep(0.2)
+    raise SystemExit(f"the server's warm-up did not complete within {timeout} s")
+
+
+def cold(args, base: dict) -> list[dict]:
+    """--cold: first starts on empty caches, rounds alternating baseline and ours."""
+    rows = []
+    modes = ["ours"] + (["baseline"] if args.baseline_src is not None else [])
+    for r in range(args.rounds):
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
+            root = cold_cache(args)
+            try:
+                proc, url, ready_s, health = start(args, mode == "baseline", root)
+                try:
+                    first = request_s(url, args.model, 8)
+                    complete = ready_s + first + wait_complete(url)
+                    after = httpx.get(url + "/health").json()
+                finally:
+                    stop(proc)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            rows.append({**base, "kind": "cold_start", "mode": mode, "round": r,
+                         "ready_s": ready_s, "first_request_s": first, "complete_s": complete,
+                         "warm_at_ready": health.get("warm"), "warm_after": after.get("warm"),
+                         "loadavg": os.getloadavg()[0]})
+            print(f"{mode:8s} round {r}: /health 200 after {ready_s:.1f} s, a short request "
+                  f"{first:.2f} s, every step ready after {complete:.1f} s", file=sys.stderr)
+    med = {m: statistics.median(x["ready_s"] for x in rows if x["mode"] == m) for m in modes}
+    summary = {**base, "kind": "cold_start_summary", "summary": True, "rounds": args.rounds,
+               "median_ready_s": med,
+               "median_complete_s": {m: statistics.median(x["complete_s"] for x in rows
+                                                          if x["mode"] == m) for m in modes}}
+    if "baseline" in med:
+        summary["ready_ratio_baseline_to_ours"] = med["baseline"] / med["ours"]
+    return rows + [summary]
+
+
 def request_s(url: str, model: str, n: int) -> float:
     body = {"model": model, "prompt": [100 + i % 1000 for i in range(n)], "max_tokens": 1,
             "temperature": 0}
@@ -100,6 +168,11 @@ def main(argv=None) -> None:
     p.add_argument("--fill-only", action="store_true",
                    help="only the first starts (fill the caches, untimed: run it outside the "
                         "exclusive lock first)")
+    p.add_argument("--cold", action="store_true",
+                   help="first starts on empty caches (see the module docstring)")
+    p.add_argument("--rounds", type=int, default=2, help="--cold: rounds (default: 2)")
+    p.add_argument("--model-cache", default=str(Path.home() / ".cache" / "powerinfer_jax"),
+                   help="--cold: the cache whose models/<model> is copied into each empty one")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     base = {"bench": "serve_warm", "run_id": time.strftime("%Y%m%dT%H%M%S"),
@@ -107,11 +180,18 @@ def main(argv=None) -> None:
             "threads": len(os.sched_getaffinity(0)),
             "config": {"model": args.model, "dtype": args.dtype, "parallel": args.parallel,
                        "max_tokens": 1, "lengths": list(LENGTHS)}}
+    if args.cold:
+        base["config"] = {**base["config"], "cache": "cold", "lengths": [8]}
+        rows = cold(args, base)
+        print(json.dumps(rows[-1], indent=1))
+        _write(args.out, rows)
+        return
     rows = []
     for mode in ["ours"] + (["baseline"] if args.baseline_src is not None else []):
         for attempt in ("fills the caches",) + (() if args.fill_only else ("measured",)):
             proc, url, ready_s, health = start(args, mode == "baseline")
             try:
+                wait_complete(url)  # the steps warmed beside a ready server (loaded: quick)
                 if attempt == "measured":
                     for n in LENGTHS:
                         first = request_s(url, args.model, n)
@@ -134,8 +214,12 @@ def main(argv=None) -> None:
             finally:
                 stop(proc)
     print(json.dumps([r for r in rows if r.get("summary")], indent=1))
-    if args.out:
-        with open(args.out, "a", encoding="utf-8") as f:
+    _write(args.out, rows)
+
+
+def _write(out, rows) -> None:
+    if out:
+        with open(out, "a", encoding="utf-8") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
 

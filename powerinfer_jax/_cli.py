@@ -21,7 +21,7 @@ from powerinfer_jax.config import (DEFAULT_CONTEXT_CAP, DEFAULT_MODEL, DEFAULT_T
                                    DTYPES, GATE_UP_SOURCES, IMPLS, KERNELS, MAX_SEED,
                                    NEURON_CACHES, OFFLOADS, WEIGHTS,
                                    PREDICTOR_KINDS, PlacementConfig, RuntimeConfig, SamplingParams,
-                                   SparsityConfig, sparsity_modes)
+                                   SparsityConfig, check_threads, sparsity_modes)
 from powerinfer_jax.errors import UserError, check, fail
 from powerinfer_jax.runtime.session import build
 
@@ -134,6 +134,22 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help=f"in [0, {MAX_SEED}]")
 
 
+def add_chat_template_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", default=None, metavar="chatml|FILE",
+                   help="the chat template for chat on a model that ships none (a base model; "
+                        "without one chat is refused) or in place of the model's own: chatml, "
+                        "or a jinja file")
+
+
+def chat_template_from_args(args) -> str | None:
+    """--chat-template's text (checked before the model loads), or None."""
+    if args.chat_template is None:
+        return None
+    from powerinfer_jax.tokenizer import resolve_chat_template  # lazy: start-up
+
+    return resolve_chat_template(args.chat_template)
+
+
 def check_sampling_flags(args) -> None:
     """add_sampling_flags' errors before the model loads (the engine checks each request again)."""
     check(args.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1", args.max_new_tokens)
@@ -146,8 +162,7 @@ def configure_threads(threads: int | None) -> int:
     available = sorted(os.sched_getaffinity(0))
     if threads is None:
         return len(available)
-    if threads < 1 or threads > len(available):
-        fail("--threads", f"an integer in [1, {len(available)}] (the CPUs available)", threads)
+    check_threads(threads)  # the API's rule and message (flag_words names the flag)
     os.sched_setaffinity(0, available[:threads])
     return threads
 

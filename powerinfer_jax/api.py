@@ -20,7 +20,7 @@ import numpy as np
 
 from powerinfer_jax.config import (DEFAULT_MODEL, PlacementConfig, RuntimeConfig,
                                    SamplingParams, SparsityConfig)
-from powerinfer_jax.errors import check, shown
+from powerinfer_jax.errors import check, raw, shown
 from powerinfer_jax.runtime.session import build
 
 
@@ -45,7 +45,8 @@ def load(model: str = DEFAULT_MODEL, *, dtype: str = "float32", sparsity: str = 
          threads: int | None = None, max_seq_len: int | None = None, max_batch: int = 1,
          kernels: str = "auto", weights: str = "auto", artifacts: str | None = None,
          progress: bool = True, devices: int | None = None,
-         decode_block: int = RuntimeConfig.decode_block) -> "LLM":
+         decode_block: int = RuntimeConfig.decode_block,
+         chat_template: str | None = None) -> "LLM":
     """Load `model` (registry name, .gguf file or Hugging Face directory) ready to run.
 
     dtype: compute and weight dtype ("float32" or "bfloat16"). sparsity: a registered mode
@@ -62,7 +63,12 @@ def load(model: str = DEFAULT_MODEL, *, dtype: str = "float32", sparsity: str = 
     artifacts live (default: next to the model). devices: tensor parallel over the first N
     devices (attention heads and FFN neurons split, runtime/mesh.py); None: one device.
     decode_block: decode steps per executable call (generate and stream; runtime/decode.py).
+    chat_template: "chatml" or a jinja file, for chat=True on a model that ships no template
+    (a base model; without one chat is refused) or to replace the model's own.
     """
+    from powerinfer_jax.tokenizer import resolve_chat_template  # lazy: start-up
+
+    template = None if chat_template is None else resolve_chat_template(chat_template)
     runtime = RuntimeConfig(dtype=dtype, threads=threads, max_seq_len=max_seq_len,
                             kernels=kernels, weights=weights, devices=devices,
                             decode_block=decode_block)
@@ -71,8 +77,11 @@ def load(model: str = DEFAULT_MODEL, *, dtype: str = "float32", sparsity: str = 
                         target_sparsity=None if target_sparsity is None else float(target_sparsity))
     place = PlacementConfig(vram_budget_gib=vram_budget, offload=offload,
                             ram_budget_gib=ram_budget, neuron_cache=neuron_cache)
-    return LLM(build(model, runtime, sp, placement=place, artifacts_root=artifacts,
-                     max_batch=max_batch, progress=progress))
+    llm = LLM(build(model, runtime, sp, placement=place, artifacts_root=artifacts,
+                    max_batch=max_batch, progress=progress))
+    if template is not None:
+        llm.tokenizer.chat_template = template
+    return llm
 
 
 class LLM:
@@ -105,8 +114,12 @@ class LLM:
                 "such prompts", shown(prompt))
             return [int(t) for t in ids]
         check(bool(prompt), "prompt", "non-empty text", prompt)
+        from powerinfer_jax.tokenizer import check_text  # lazy: start-up
+
+        check_text(prompt, "prompt")  # before a chat template moves its characters
         tok = self.tokenizer
-        return tok.encode(tok.apply_chat([{"role": "user", "content": prompt}]) if chat else prompt)
+        text = tok.apply_chat([{"role": "user", "content": prompt}]) if chat else prompt
+        return tok.encode(text, what="prompt")
 
     def _request(self, prompt, *, max_new_tokens, temperature, top_k, top_p, seed, stop, chat,
                  on_text=None):
@@ -161,16 +174,28 @@ class LLM:
 
     # ------------------------------------------------------------------ scoring and hooks
     def perplexity(self, text: str, *, ctx: int = 512, max_chunks: int | None = None,
-                   progress: bool = False) -> dict:
-        """Perplexity over non-overlapping ctx-token chunks (no BOS; every token but a chunk's
-        first is scored) with the model's sparsity mode; also the measured FFN sparsity and, in
-        predictor mode, the predictor's recall of the oracle active set."""
-        from powerinfer_jax.runtime.perplexity import perplexity  # lazy: start-up
+                   progress: bool = False, score: str = "all", bos: bool | None = None) -> dict:
+        """Perplexity over non-overlapping ctx-token chunks with the model's sparsity mode;
+        also the measured FFN sparsity and, in predictor mode, the predictor's recall of the
+        oracle active set. score: "all" (every token of a chunk but its first; every text token
+        after a BOS) or "second-half" (as llama.cpp's llama-perplexity: the tokens after the
+        first ctx/2 of each chunk); bos: whether each chunk starts with BOS (None: as the
+        model's tokenizer says, e.g. a GGUF's tokenizer.ggml.add_bos_token). The result says
+        which ("score", "bos"); runtime/perplexity.py has the details."""
+        from powerinfer_jax.runtime.perplexity import check_scoring, perplexity  # lazy: start-up
 
         check(isinstance(text, str), "text", "a str", shown(text))
-        ids = self.tokenizer.encode(text, add_bos=False)
+        check_scoring(ctx, max_chunks, score)
+        tok = self.tokenizer
+        check(bos is None or isinstance(bos, bool), "bos", "True, False or None (the model's "
+              "own flag)", bos)
+        check(not bos or tok.bos_id is not None, "bos", "a model with a BOS token",
+              raw("a tokenizer without one"))
+        use_bos = (tok.add_bos and tok.bos_id is not None) if bos is None else bos
+        ids = tok.encode(text, add_bos=False)
         return perplexity(self.model, ids, ctx=ctx, max_chunks=max_chunks,
-                          oracle_thresholds=self.session.oracle_thresholds, progress=progress)
+                          oracle_thresholds=self.session.oracle_thresholds, progress=progress,
+                          bos_id=tok.bos_id if use_bos else None, score=score)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Next-token logits [T, V] (float32) of a token sequence, with the model's mode."""

@@ -334,3 +334,9 @@ def check_dir(directory: Path) -> str | None:
         if reason is not None:
             return f"{directory / name} is {reason}"
     return None
+
+
+if __name__ == "__main__":  # python -m powerinfer_jax.cache {list,size,prune}: cache_cli.py
+    from powerinfer_jax import cache_cli  # lazy: the command, run only as __main__
+
+    cache_cli.run()

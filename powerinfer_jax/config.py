@@ -38,6 +38,8 @@ DEFAULT_CONTEXT_CAP = 2048  # KV cache slots unless max_seq_len says otherwise
 DEFAULT_TARGET_SPARSITY = 0.5  # threshold/predictor modes without a target
 MAX_SEED = 2 ** 32 - 1  # seeds are folded into a 32-bit PRNG key
 MAX_DECODE_BLOCK = 64  # decode steps per executable call (RuntimeConfig.decode_block), at most
+# the server's request bodies (serve --max-body-bytes): a prompt of ~1M tokens is past any context
+DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
 # The names a SparsityConfig accepts: the built-in modes of sparsity/modes.py, and any mode a
@@ -348,6 +350,20 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+MAX_THREADS = 256  # the kernels' thread pool's cap (cpu_backend ThreadPool::MaxThreads)
+
+
+def check_threads(value) -> int:
+    """A thread count for this process (the CLIs' --threads, load(threads=)): an integer in
+    [1, the CPUs this process may run on], one rule and one message for both."""
+    import os
+
+    most = min(len(os.sched_getaffinity(0)), MAX_THREADS)
+    _check(isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= most,
+           "threads", f"an integer in [1, {most}] (the CPUs this process may run on)", value)
+    return value
+
+
 def check_decode_block(name: str, value) -> None:
     """A number of decode steps per executable call: an integer in [1, MAX_DECODE_BLOCK]."""
     _check(isinstance(value, int) and 1 <= value <= MAX_DECODE_BLOCK, name,
@@ -383,7 +399,7 @@ class RuntimeConfig:
         _check_choice("weights", self.weights, WEIGHTS)
         check_decode_block("decode_block", self.decode_block)
         if self.threads is not None:
-            _check_positive("threads", self.threads)
+            check_threads(self.threads)
         if self.max_seq_len is not None:
             _check_positive("max_seq_len", self.max_seq_len)
 

@@ -28,7 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when this text is generated (repeatable; excluded from the output)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=False,
-                   help="wrap the prompt in the model's chat template as a user message")
+                   help="wrap the prompt in the model's chat template as a user message (a "
+                        "model without a template is refused: see --chat-template)")
+    _cli.add_chat_template_flag(p)
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                    help="print text as it is generated")
     return p
@@ -41,11 +43,17 @@ def main(argv=None) -> None:
 
     if not args.prompt:
         raise UserError("--prompt: expected non-empty text, got ''")
-    # flag errors (sampling, seed) before the model loads
+    # flag errors (prompt, sampling, seed, template) before the model loads
+    from powerinfer_jax.tokenizer import check_text  # lazy: start-up
+
+    check_text(args.prompt, "prompt")
+    template = _cli.chat_template_from_args(args)
     _cli.check_sampling_flags(args)
     _cli.configs_from_args(args)
     started = _cli.process_age()
     llm = LLM(_cli.build_from_args(args))
+    if template is not None:
+        llm.tokenizer.chat_template = template
     ids = llm.encode(args.prompt, chat=args.chat)
     if args.max_seq_len is None:  # a cache for this run only: allocated and zeroed faster
         llm.session.kv_limit = kv_for(len(ids) + args.max_new_tokens)

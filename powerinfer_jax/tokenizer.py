@@ -26,6 +26,8 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
+from powerinfer_jax import errors
+
 # llama.cpp token types (tokenizer.ggml.token_type)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
@@ -52,7 +54,8 @@ _NFC_PRES = ("qwen2",)
 _LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe")
 SUPPORTED_GGUF_TOKENIZERS = ("gpt2", "llama")
 
-# Used when a model ships no chat template (documented in `Tokenizer.apply_chat`).
+# ChatML, for a model without a chat template when the caller asks for it by name
+# (`resolve_chat_template`; `Tokenizer.apply_chat` says why it is never picked silently).
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -74,8 +77,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """Token ids of `text`; special tokens written in the text (e.g. `<|im_start|>`) stay whole."""
+    def encode(self, text: str, add_bos: bool | None = None, *, what: str = "text") -> list[int]:
+        """Token ids of `text`; special tokens written in the text (e.g. `<|im_start|>`) stay whole.
+        Text that is not a str of valid Unicode is refused naming `what` (`check_text`)."""
+        check_text(text, what)
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
@@ -90,15 +95,27 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(int(token_id))
 
-    def apply_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
+                   *, fallback: str | None = None) -> str:
         """Render `messages` ([{"role": ..., "content": ...}]) with the model's jinja chat template,
         in the environment transformers' `apply_chat_template` gives templates (`_chat_env`), with
         the special tokens it passes (bos_token, eos_token, ...).
 
-        Without a template, falls back to ChatML: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per
-        message, then `<|im_start|>assistant\\n` when `add_generation_prompt`.
+        A model without a template (a base model) is refused with a UserError, as transformers
+        and vLLM refuse it: no template is right for every model, and one the model never saw
+        (ChatML's `<|im_start|>` spelled out as plain text in a vocabulary without it) gives
+        fluent-looking garbage, silently. The caller may name one (`chat_template="chatml"`:
+        `resolve_chat_template`); `fallback` is the template used instead of refusing (the
+        sparsify samples render their chat prompts with ChatML on a base model).
         """
-        template = _chat_env().from_string(self.chat_template or CHATML_TEMPLATE)
+        source = self.chat_template or fallback
+        if source is None:
+            errors.fail("chat", "a model with a chat template (tokenizer.chat_template in a GGUF, "
+                        "or the template in a Hugging Face directory's tokenizer_config.json)",
+                        errors.raw("a model without one"),
+                        "a base model: leave chat off, or name a template: "
+                        "chat_template=chatml or a jinja file")
+        template = _chat_env().from_string(source)
         special = {name: self.id_to_token(i) if i is not None else ""
                    for name, i in (("bos_token", self.bos_id),
                                    ("eos_token", self.eos_ids[0] if self.eos_ids else None))}
@@ -216,6 +233,48 @@ def _chat_env():
     env.globals.update(raise_exception=raise_exception,
                        strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
     return env
+
+
+def check_text(text, what: str = "text") -> str:
+    """`text` as the tokenizer takes it: a str of valid Unicode. Text that came from invalid UTF-8
+    holds lone surrogates (Python decodes a command line's bad bytes to U+DC80..U+DCFF, and JSON's
+    "\\udc80" escapes make them too), which no UTF-8 tokenizer can encode: refused naming the
+    position and the byte (or code point), not a TypeError from inside the tokenizer."""
+    if not isinstance(text, str):
+        errors.fail(what, "text (a str)", errors.shown(text))
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        got = (f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF
+               else f"a lone surrogate U+{c:04X}")
+        errors.fail(what, "valid UTF-8 text", errors.raw(f"{got} at character {e.start}"),
+                    "invalid UTF-8 cannot be tokenized: fix or re-encode the text")
+    return text
+
+
+def resolve_chat_template(value: str) -> str:
+    """A chat template the caller names: "chatml" (ChatML, `CHATML_TEMPLATE`) or the path of a
+    jinja file; refused in one line when it is neither, or when jinja cannot parse it."""
+    if value == "chatml":
+        return CHATML_TEMPLATE
+    path = Path(str(value)).expanduser()
+    if not path.is_file():
+        errors.fail("chat_template", "\"chatml\" or an existing jinja file", value)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        errors.fail("chat_template", "a readable UTF-8 jinja file", str(path),
+                    f"{type(e).__name__}: {e}")
+    import jinja2  # lazy: start-up (only chat rendering needs it)
+
+    try:
+        _chat_env().from_string(text)
+    except jinja2.TemplateSyntaxError as e:
+        errors.fail("chat_template", "a jinja template", str(path), f"line {e.lineno}: {e.message}")
+    return text
 
 
 class StreamDecoder:

@@ -14,6 +14,7 @@ import numpy as np
 
 from powerinfer_jax.checkpoint.base import expected_shapes
 from powerinfer_jax.config import ModelConfig
+from powerinfer_jax.tokenizer import CHATML_TEMPLATE
 
 VOCAB = 300
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -137,7 +138,10 @@ def write_tiny_gguf(path: Path, config: ModelConfig | None = None, tensor_types=
 def _save_tokenizer(d: Path, bos: str = "<|im_start|>", eos: str = "<|im_end|>"):
     from transformers import PreTrainedTokenizerFast
 
-    fast = PreTrainedTokenizerFast(tokenizer_object=trained_bpe(), bos_token=bos, eos_token=eos)
+    # ChatML, as an instruct model's tokenizer carries it (its tokens are in the vocabulary):
+    # chat on a model without a template is refused
+    fast = PreTrainedTokenizerFast(tokenizer_object=trained_bpe(), bos_token=bos, eos_token=eos,
+                                   chat_template=CHATML_TEMPLATE)
     fast.save_pretrained(d)
 
 

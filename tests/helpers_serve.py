@@ -21,11 +21,11 @@ def load(model_dir, *, max_batch: int):
 
 @contextlib.contextmanager
 def serving(session_or_loader, *, slots: int, queue_size: int = 64, grace_s: float = 5.0,
-            warmup=(), wait_ready: bool = True):
-    """A running server (ServerThread) for a Session or a loader; stopped (and checked to stop
-    within 30 s) on exit."""
+            warmup=(), wait_ready: bool = True, **app_kw):
+    """A running server (ServerThread) for a Session or a loader (app_kw: create_app's other
+    arguments, e.g. api_key, max_body); stopped (and checked to stop within 30 s) on exit."""
     app = create_app(session_or_loader, slots=slots, model_name=MODEL, queue_size=queue_size,
-                     warmup=warmup)
+                     warmup=warmup, **app_kw)
     srv = ServerThread(app, grace_s=grace_s).start()
     try:
         if wait_ready:

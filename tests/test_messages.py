@@ -15,6 +15,7 @@ from powerinfer_jax import _cli, calibrate, evaluate, generate, serve
 from powerinfer_jax.sparsity import corpus
 
 REPO = Path(__file__).resolve().parents[1]
+CPUS = min(len(os.sched_getaffinity(0)), 256)
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +65,14 @@ def one_line_exit(argv) -> str:
      "estimate supplies the activations), got 'q4' (--sparsity 'dense', --predictor 'q4')"),
     (dict(decode_block=0), ["--decode-block", "0"], "decode_block: expected an integer in [1, 64]",
      "--decode-block: expected an integer in [1, 64]"),
-    (dict(threads=0), ["--threads", "0"], "threads: expected a positive integer, got 0",
-     "--threads: expected an integer in [1, "),
+    # one rule and one message for the thread count (issue 53: the API named an internal
+    # function and the pool's cap of 256, the CLI the CPUs available)
+    (dict(threads=0), ["--threads", "0"], f"threads: expected an integer in [1, {CPUS}] (the "
+     "CPUs this process may run on), got 0", f"--threads: expected an integer in [1, {CPUS}] "
+     "(the CPUs this process may run on), got 0"),
+    (dict(threads=999), ["--threads", "999"], f"threads: expected an integer in [1, {CPUS}] (the "
+     "CPUs this process may run on), got 999", f"--threads: expected an integer in [1, {CPUS}] "
+     "(the CPUs this process may run on), got 999"),
 ])
 def test_the_same_check_speaks_the_api_or_the_cli(tiny_dir, api_kw, argv, api_msg, cli_msg):
     msg = api_error(lambda: pij.load(str(tiny_dir), progress=False, **api_kw))
@@ -192,3 +199,58 @@ def test_readme_stream_snippet_ends_its_line():
     loop = readme.split("for piece in llm.stream(", 1)[1]
     assert loop.splitlines()[1].strip() == 'print(piece, end="", flush=True)'
     assert loop.splitlines()[2].strip() == "print()"
+
+
+# ---------------------------------------------------------------------------- prompts (issue 53)
+BAD_UTF8 = "ab" + b"\xff\xfe".decode("utf-8", "surrogateescape") + "cd"  # as argv decodes it
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: m.generate(BAD_UTF8, max_new_tokens=2),
+    lambda m: m.generate(["fine", BAD_UTF8], max_new_tokens=2),
+    lambda m: m.encode(BAD_UTF8, chat=True),
+    lambda m: list(m.stream(BAD_UTF8, max_new_tokens=2)),
+])
+def test_invalid_utf8_in_a_prompt_is_one_user_error(llm, call):
+    msg = api_error(lambda: call(llm))
+    assert msg.startswith("prompt: expected valid UTF-8 text, got byte 0xff at character 2")
+
+
+def test_invalid_utf8_on_the_command_line_is_one_line_before_the_load(tiny_dir):
+    line = one_line_exit(["powerinfer_jax.generate", "--model", str(tiny_dir), "--prompt",
+                          b"ab\xff\xfecd"])
+    assert line.startswith("error: --prompt: expected valid UTF-8 text, got byte 0xff at "
+                           "character 2")
+
+
+@pytest.fixture(scope="module")
+def base_gguf(tmp_path_factory):
+    """A model that ships no chat template (a base model)."""
+    from helpers_models import gpt2_tokenizer_meta, write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("base") / "base.gguf"
+    meta = gpt2_tokenizer_meta()
+    del meta["chat_template"]
+    write_tiny_gguf(path, tokenizer_meta=meta)
+    return path
+
+
+def test_chat_on_a_base_model_is_refused_unless_a_template_is_named(base_gguf, tmp_path):
+    """It silently used ChatML (issue 53): refused in one line, as transformers and vLLM refuse
+    it; --chat-template / chat_template= names one."""
+    msg = cli_error(generate.main, ["--model", str(base_gguf), "--prompt", "hi", "--chat",
+                                    "--max-new-tokens", "2"])
+    assert msg.startswith("--chat: expected a model with a chat template (tokenizer.chat_template "
+                          "in a GGUF, or the template in a Hugging Face directory's "
+                          "tokenizer_config.json), got a model without one")
+    assert msg.endswith("(a base model: leave chat off, or name a template: --chat-template "
+                        "chatml or a jinja file)")
+    llm = pij.load(str(base_gguf), progress=False)
+    assert "chat_template=chatml" in api_error(lambda: llm.generate("hi", chat=True))
+    named = pij.load(str(base_gguf), progress=False, chat_template="chatml")
+    assert named.encode("hi", chat=True) == named.encode(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    missing = tmp_path / "none.jinja"
+    assert cli_error(generate.main, ["--model", str(base_gguf), "--prompt", "hi", "--chat",
+                                     "--chat-template", str(missing)]) == \
+        f"--chat-template: expected \"chatml\" or an existing jinja file, got '{missing}'"

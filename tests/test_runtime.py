@@ -177,7 +177,8 @@ def test_prefill_bucket():
 
 @pytest.mark.parametrize("field,value,match", [
     ("dtype", "float16", r"dtype: expected one of \['float32', 'bfloat16'\], got 'float16'"),
-    ("threads", 0, "threads: expected a positive integer, got 0"),
+    ("threads", 0, r"threads: expected an integer in \[1, \d+\] \(the CPUs this process may "
+                   r"run on\), got 0"),
     ("decode_block", 0, r"decode_block: expected an integer in \[1, 64\], got 0"),
     ("decode_block", 2.0, r"decode_block: expected an integer in \[1, 64\], got 2\.0"),
 ])
@@ -214,3 +215,23 @@ def test_bf16_cache_is_stored_as_bits_and_round_trips_exactly():
     np.testing.assert_array_equal(np.asarray(from_cache(to_cache(x, storage))),
                                   np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32)))
     assert init_cache(TINY, batch=1, max_len=8, dtype=jnp.bfloat16)[0][0].dtype == jnp.uint16
+
+
+def test_the_any_kind_gives_the_tokens_of_the_greedy_and_sample_kinds():
+    """The server's one step per shape (kind "any": a branch on whether any row samples) picks
+    what the two compiled kinds pick, row by row, for greedy, sampled and mixed batches."""
+    import jax
+    import jax.numpy as jnp
+
+    from powerinfer_jax.runtime import sampling as smp
+
+    logits = jax.random.normal(jax.random.key(0), (3, 97)) * 3
+    keys = smp.row_keys(jnp.asarray([1, 2, 3], jnp.uint32), jnp.asarray([5, 6, 7], jnp.int32))
+    top_k, top_p = jnp.asarray([0, 5, 0], jnp.int32), jnp.asarray([1.0, 1.0, 0.9], jnp.float32)
+    run = jax.jit(smp.sample_rows, static_argnames="kind")
+    for temps in ([0.0, 0.0, 0.0], [0.8, 1.2, 0.5], [0.0, 1.2, 0.0]):
+        t = jnp.asarray(temps, jnp.float32)
+        want = run(logits, keys, t, top_k, top_p, kind="sample" if any(temps) else "greedy")
+        assert run(logits, keys, t, top_k, top_p, kind="any").tolist() == want.tolist()
+    greedy = run(logits, keys, jnp.zeros(3), top_k, top_p, kind="greedy")
+    assert greedy.tolist() == jnp.argmax(logits, -1).tolist()

@@ -126,20 +126,6 @@ def test_the_cache_switch_turns_the_store_off(tiny_dir, cache, monkeypatch):
     assert engine.store is None and not (cache / "executables").exists()
 
 
-def test_old_identities_are_pruned(tmp_path, monkeypatch):
-    monkeypatch.setattr(executables, "MAX_IDENTITIES", 2)
-    for i in range(4):
-        d = tmp_path / f"id{i}"
-        d.mkdir()
-        (d / "step.exe").write_bytes(b"x" * 100)
-        os.utime(d, (i, i))
-    executables._prune(tmp_path, keep=tmp_path / "id0")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["id0", "id2", "id3"]
-    monkeypatch.setattr(executables, "MAX_BYTES", 150)  # the newest, then over the byte cap
-    executables._prune(tmp_path, keep=tmp_path / "id0")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["id0", "id3"]
-
-
 @pytest.mark.slow
 def test_generate_json_reports_where_start_up_went(tiny_dir, tmp_path):
     """Two processes: the second loads both steps (startup.executables) and prints the tokens
@@ -185,3 +171,36 @@ def test_a_cache_sized_to_the_run_gives_the_tokens_of_the_full_cache():
         sized = Engine(m, max_seq_len=kv_for(len(prompt) + 40)).generate(
             prompt, max_new_tokens=40, sampling=sampling, seed=3).tokens
         assert sized == full
+
+
+def test_the_code_digest_follows_contents_not_mtimes(tmp_path, monkeypatch):
+    """A re-install that rebuilt nothing writes the same extension with a new mtime: its
+    compiled steps stay valid. An edit changes the digest; unchanged stats skip the hashing."""
+    root = tmp_path / "pkg"
+    root.mkdir()
+    files = [root / "a.py", root / "_ext.so"]
+    files[0].write_text("x = 1\n")
+    files[1].write_bytes(b"\x7fELF" + bytes(range(256)) * 64)
+    monkeypatch.setattr(executables, "_code_files", lambda: (root, list(files)))
+    monkeypatch.setenv("POWERINFER_JAX_CACHE", str(tmp_path / "cache"))
+
+    def digest():
+        executables._code_digest.cache_clear()
+        return executables._code_digest()
+
+    first = digest()
+    try:
+        os.utime(files[1], (1, 1))  # re-installed: same bytes, another mtime
+        again = files[1].with_name("copy")
+        again.write_bytes(files[1].read_bytes())
+        os.replace(again, files[1])  # and another inode, as pip writes it
+        assert digest() == first
+        real = Path.read_bytes
+        monkeypatch.setattr(Path, "read_bytes", lambda self: (_ for _ in ()).throw(
+            AssertionError(f"hashed {self} again with unchanged stats")))
+        assert digest() == first  # memoized under the stats
+        monkeypatch.setattr(Path, "read_bytes", real)
+        files[0].write_text("x = 2\n")  # an edit
+        assert digest() != first
+    finally:
+        executables._code_digest.cache_clear()

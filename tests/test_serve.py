@@ -366,12 +366,13 @@ def test_engine_failure_is_500_and_the_server_keeps_serving(spare, ref, monkeypa
     monkeypatch.setattr(eng, "decode_step", broken)
     with serving(spare, slots=2) as srv:
         body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0}
-        r = httpx.post(srv.url + "/v1/completions", json=body)
+        # the first request may compile its steps (seconds on a busy machine)
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 500, r.text
         err = r.json()["error"]
         assert err["type"] == "server_error" and "injected failure" in err["message"]
         for _ in range(2):
-            r = httpx.post(srv.url + "/v1/completions", json=body)
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
             assert r.status_code == 200
             assert r.json()["choices"][0]["text"] == ref.generate(PROMPTS[0],
                                                                   max_new_tokens=10).text

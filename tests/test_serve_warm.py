@@ -1,14 +1,17 @@
-"""The server warms every step it can need before /health answers 200 (server/worker.py
-warm_plan): after that no request of any prompt length, batch size or sampling kind waits for a
-compile, and /health and /metrics say how warm it is."""
+"""The server warms every step it can need (server/worker.py warm_plan), short prompts' first:
+/health answers 200 once those are ready, the rest warm beside the running engine, a request
+whose first steps are not ready yet gets 503 with Retry-After, and once warm no request of any
+prompt length, batch size or sampling kind waits for a compile; /health and /metrics say how warm
+it is. One step per shape serves greedy and sampled batches (sampling kind "any")."""
 import threading
 
 import httpx
 import pytest
 
-from helpers_models import save_hf_llama
+import powerinfer_jax as pij
+from helpers_models import save_hf_llama, tiny_llama_config, write_tiny_gguf
 from helpers_serve import MODEL, health, load, metric, serving, wait_for
-from powerinfer_jax.server.worker import Warmth, warm_plan
+from powerinfer_jax.server.worker import Warmth, first_tier, warm_plan
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +23,38 @@ def session(tmp_path_factory):
 
 def test_the_plan_covers_every_bucket(session):
     engine = session.engine  # max_seq_len 128, 2 slots
-    plan = warm_plan(engine, ("greedy", "sample"))
+    plan = warm_plan(engine)
     b = engine.buckets()
     assert b == {"prefill": [4, 8, 16, 32, 64, 128], "kv": [128], "batch": [1, 2]}
-    assert sorted(k for k in plan if k[0] == "prefill") == sorted(
-        ("prefill", t, kind) for t in (4, 8, 16, 32, 64, 128) for kind in ("greedy", "sample"))
-    assert sorted(k for k in plan if k[0] == "decode") == sorted(
-        ("decode", n, 128, kind, 1) for n in (1, 2) for kind in ("greedy", "sample"))
+    assert plan == [("decode", 1, 128, "any", 1), ("decode", 2, 128, "any", 1)] + [
+        ("prefill", t, "any") for t in (4, 8, 16, 32, 64, 128)]
+    assert first_tier(plan) == len(plan)
+
+
+def test_short_prompts_come_first_and_a_request_waits_only_for_its_own_steps():
+    """On a longer context the plan goes cache bucket by cache bucket; `missing` names what a
+    request's start needs that is not ready (nothing is compiled here)."""
+    from powerinfer_jax.runtime.decode import Engine
+
+    class Buckets:  # an engine's bucket arithmetic, without a model
+        max_seq_len, max_batch = 512, 4
+        buckets, kv_bucket, batch_bucket = Engine.buckets, Engine.kv_bucket, Engine.batch_bucket
+
+    engine = Buckets()
+    plan = warm_plan(engine)
+    dec = [("decode", n, kv, "any", 1) for kv in (128, 256, 512) for n in (1, 2, 4)]
+    pre = [("prefill", t, "any") for t in (4, 8, 16, 32, 64, 128, 256, 512)]
+    assert plan == dec[:3] + pre[:6] + dec[3:6] + pre[6:7] + dec[6:] + pre[7:]
+    warm = Warmth(engine, plan)
+    assert warm.first == 9
+    ready = set(plan[:warm.first])
+    engine.is_ready = lambda k: k in ready
+    assert warm.missing(100, "any") == []  # prefill 128, first token at position 100
+    assert warm.missing(127, "any") == []
+    assert warm.missing(128, "any") == dec[3:6]  # its first new token is in the 256 bucket
+    assert warm.missing(200, "any") == [pre[6]] + dec[3:6]
+    ready.update(plan[warm.first:])
+    assert warm.missing(500, "any") == [] and warm.complete()
 
 
 @pytest.mark.slow
@@ -42,16 +70,16 @@ def test_health_turns_200_warm_and_requests_compile_nothing(session, monkeypatch
 
     monkeypatch.setattr(Warmth, "warm", held_warm)
     session.engine.reset_cache()  # as a fresh server's: made by the warm-up, checked below
-    with serving(lambda: session, slots=2, warmup=("greedy", "sample"),
-                 wait_ready=False) as srv:
+    with serving(lambda: session, slots=2, warmup=True, wait_ready=False) as srv:
         wait_for(lambda: "warming" in httpx.get(srv.url + "/health").text, 60, "warming")
         r = httpx.get(srv.url + "/health")
-        assert r.status_code == 503 and "of 16 ready" in r.json()["error"]["message"]
+        assert r.status_code == 503 and "of 8 ready" in r.json()["error"]["message"]
         gate.set()
         wait_for(lambda: httpx.get(srv.url + "/health").status_code == 200, 120, "ready")
+        wait_for(lambda: health(srv.url)["warm"]["complete"], 120, "the rest warmed")
         warm = health(srv.url)["warm"]
-        assert warm["steps_planned"] == warm["steps_ready"] == 16
-        assert metric(srv.url, "pij_warm_steps_ready") == 16
+        assert warm["steps_planned"] == warm["steps_ready"] == 8
+        assert metric(srv.url, "pij_warm_steps_ready") == 8
         # the KV cache is made before /health says 200, not by the first request
         assert session.engine._cache is not None
         cache_before = session.engine._cache
@@ -72,3 +100,39 @@ def test_health_turns_200_warm_and_requests_compile_nothing(session, monkeypatch
             t.join(60)
         assert health(srv.url)["warm"]["steps_outside_plan"] == 0
         assert metric(srv.url, "pij_steps_outside_plan") == 0
+
+
+@pytest.mark.slow
+def test_health_says_200_after_the_first_tier_and_longer_prompts_wait_for_theirs(
+        tmp_path, monkeypatch):
+    """A 256-token context: /health 200 once the 128-token tier is ready; a 200-token prompt
+    meanwhile gets 503 with Retry-After (its steps are not ready), and 200 once they are."""
+    gguf = tmp_path / "tiny256.gguf"
+    write_tiny_gguf(gguf, tiny_llama_config(max_seq_len=256))
+    s = pij.load(str(gguf), max_batch=1, max_seq_len=256, progress=False).session
+    gate = threading.Event()
+    real = Warmth.warm
+
+    def held_rest(self, start=0, stop=None, **kw):
+        if start > 0:
+            gate.wait(120)
+        return real(self, start, stop, **kw)
+
+    monkeypatch.setattr(Warmth, "warm", held_rest)
+    long = {"model": MODEL, "prompt": [7] * 200, "max_tokens": 2, "temperature": 0}
+    with serving(lambda: s, slots=1, warmup=True, wait_ready=True) as srv:
+        warm = health(srv.url)["warm"]
+        assert warm["steps_ready"] == 7 and warm["steps_planned"] == 9 and not warm["complete"]
+        short = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": [7] * 20, "max_tokens": 3, "temperature": 0.7})
+        assert short.status_code == 200, short.text
+        r = httpx.post(srv.url + "/v1/completions", json=long, timeout=60)
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+        err = r.json()["error"]
+        assert err["code"] == "warming" and err["message"].startswith(
+            "prompt: the compiled steps for a 200-token prompt are being prepared (7 of 9")
+        gate.set()
+        wait_for(lambda: health(srv.url)["warm"]["complete"], 120, "the rest warmed")
+        r = httpx.post(srv.url + "/v1/completions", json=long, timeout=60)
+        assert r.status_code == 200, r.text
+        assert health(srv.url)["warm"]["steps_outside_plan"] == 0

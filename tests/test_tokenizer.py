@@ -1,4 +1,5 @@
 """Tokenizer: ids equal to transformers' GGUF tokenizer, streaming decode, chat templates."""
+import re
 import shutil
 
 import numpy as np
@@ -7,7 +8,9 @@ import pytest
 from helpers_models import (SAMPLE_TEXTS, gpt2_tokenizer_meta, real_gguf_path, spm_tokenizer_meta,
                             tiny_llama_config, trained_bpe, write_tiny_gguf)
 from powerinfer_jax.checkpoint.gguf import _open, read_metadata
-from powerinfer_jax.tokenizer import StreamDecoder, Tokenizer
+from powerinfer_jax.errors import UserError
+from powerinfer_jax.tokenizer import (CHATML_TEMPLATE, StreamDecoder, Tokenizer, check_text,
+                                      resolve_chat_template)
 
 REAL_TEXTS = SAMPLE_TEXTS + [
     "Hello world 12345 héllo 日本語 🙂 <|im_start|>user\n  hi  there\t\n\nit's",
@@ -114,8 +117,17 @@ def test_chat_template_and_fallback():
     backend = trained_bpe()
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     plain = Tokenizer(backend, bos_id=1, eos_ids=[2])
-    assert plain.apply_chat(msgs) == ("<|im_start|>system\nbe brief<|im_end|>\n"
-                                      "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    # a base model (no template) is refused, never silently given ChatML...
+    with pytest.raises(UserError, match=r"^chat: expected a model with a chat template .*got a "
+                       r"model without one \(a base model: leave chat off, or name a template"):
+        plain.apply_chat(msgs)
+    # ...unless ChatML is named (the sparsify samples' fallback, or chat_template="chatml")
+    chatml = ("<|im_start|>system\nbe brief<|im_end|>\n"
+              "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert plain.apply_chat(msgs, fallback=CHATML_TEMPLATE) == chatml
+    named = Tokenizer(backend, bos_id=1, eos_ids=[2],
+                      chat_template=resolve_chat_template("chatml"))
+    assert named.apply_chat(msgs) == chatml
     custom = Tokenizer(backend, bos_id=1, eos_ids=[2],
                        chat_template="{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}"
                                      "{% endfor %}{{ eos_token }}")
@@ -171,3 +183,33 @@ def test_respelling_outside_the_byte_alphabet_matches_the_per_token_rule():
         assert _respell_outside_alphabet(tokens) == per_token(tokens)
     clean = ["a", "Ġb", ""]
     assert _respell_outside_alphabet(clean) is clean
+
+
+def test_a_named_chat_template_is_checked(tmp_path):
+    good = tmp_path / "t.jinja"
+    good.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert resolve_chat_template(str(good)) == good.read_text()
+    with pytest.raises(UserError, match=r"^chat_template: expected \"chatml\" or an existing "
+                       r"jinja file, got 'chatlm'$"):
+        resolve_chat_template("chatlm")
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    with pytest.raises(UserError, match=r"^chat_template: expected a jinja template, got .*bad"
+                       r"\.jinja' \(line 1: "):
+        resolve_chat_template(str(bad))
+
+
+@pytest.mark.parametrize("text,got", [
+    ("ab" + b"\xff\xfe".decode("utf-8", "surrogateescape") + "cd", "byte 0xff at character 2"),
+    ("x\ud83d", "a lone surrogate U+D83D at character 1"),
+])
+def test_invalid_utf8_is_refused_naming_the_position(text, got):
+    """A command line's invalid bytes reach Python as surrogate escapes; the tokenizer would
+    raise a TypeError from inside the tokenizers library (issue 53)."""
+    tok = Tokenizer(trained_bpe(), bos_id=1, eos_ids=[2])
+    with pytest.raises(UserError, match=rf"^prompt: expected valid UTF-8 text, got "
+                       rf"{re.escape(got)} \(invalid UTF-8 cannot be tokenized"):
+        tok.encode(text, what="prompt")
+    with pytest.raises(UserError, match=r"^text: expected text \(a str\), got bytes b'ab'$"):
+        check_text(b"ab")
+    assert tok.encode("fine \u00e9\U0001f642") == tok.encode("fine \u00e9\U0001f642")

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from powerinfer_jax import cache
+from powerinfer_jax import cache, cache_limit
 from powerinfer_jax.checkpoint.base import QuantTensor
 from powerinfer_jax.errors import UserError, fail
 
@@ -374,6 +374,7 @@ def ensure(ckpt, frequencies=None, *, progress: bool = True, note=cache.note
                 note(f"neuron bundle file unusable ({e}); rebuilding it")
                 continue
             if spec.same_model(want):
+                cache_limit.mark_used(path)
                 return path, spec, order
             note(f"neuron bundle file {path} is for another model or format; rebuilding it")
     problems = []
@@ -390,7 +391,8 @@ def ensure(ckpt, frequencies=None, *, progress: bool = True, note=cache.note
                      "once)")
                 order = _order(frequencies, want.n_layers, want.n_neurons)
                 spec = _write_file(path, ckpt, want, order, progress)
-                return path, spec, order
+            cache_limit.enforce_after_write(path)  # the cache's cap (cache_limit.py)
+            return path, spec, order
         except (OSError, UserError) as e:  # UserError: cache.lock's unwritable directory
             reason = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
             problems.append(f"{path.parent} ({reason})")

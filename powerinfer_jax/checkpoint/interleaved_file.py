@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from powerinfer_jax import cache
+from powerinfer_jax import cache, cache_limit
 from powerinfer_jax.checkpoint.base import aligned_empty
 from powerinfer_jax.errors import UserError
 
@@ -105,6 +105,7 @@ class InterleavedFile:
                 try:
                     self._data, self._tensors = _read(path, self.key)
                     self.path = path
+                    cache_limit.mark_used(path)
                     return True
                 except (OSError, ValueError, KeyError, TypeError) as e:
                     reason = f"unreadable ({type(e).__name__}: {e})"
@@ -194,7 +195,8 @@ class InterleavedFile:
                         except (OSError, ValueError, KeyError, TypeError):
                             pass
                     self._write(path)
-                    return path
+                cache_limit.enforce_after_write(path)  # the cache's cap (cache_limit.py)
+                return path
             except (OSError, UserError) as e:  # UserError: cache.lock's unwritable directory
                 reason = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
                 then = ("; trying the cache directory" if i + 1 < len(self.places)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -107,7 +108,14 @@ class Engine:
         self.compile_count = 0  # steps compiled by this engine
         self.loaded_count = 0  # steps loaded compiled from the store (runtime/executables.py)
         self.compile_s = 0.0  # time spent getting steps ready: compiling or loading them
+        # one executable per shape for every batch (sampling kind "any": runtime/sampling.py)
+        # instead of a greedy and a sampled one: the server's choice (half the steps to warm)
+        self.one_kind = False
         self._executables: dict = {}
+        # A step may be readied by two threads at once (the server warms steps in the background
+        # while its engine thread runs): the second waits for the first's compile.
+        self._lock = threading.Lock()
+        self._readying: dict = {}  # key -> threading.Event set when its step is ready (or not)
         self._cache = None
         # Compiled steps kept across processes (a Store of runtime/executables.py, or None):
         # loaded when this model's structure is the one they were compiled for.
@@ -219,15 +227,42 @@ class Engine:
         Explicit executables make compilation visible: it happens outside the timed region, is
         counted (`compile_count`, `loaded_count`, `compile_s`), and a new shape can never silently
         recompile."""
-        exe = self._executables.get(key)
-        if exe is not None:
-            return exe
+        while True:
+            with self._lock:
+                exe = self._executables.get(key)
+                if exe is not None:
+                    return exe
+                busy = self._readying.get(key)
+                if busy is None:
+                    self._readying[key] = threading.Event()
+                    break
+            busy.wait()  # another thread compiles or loads it; if that failed, try here
+        try:
+            return self._make_executable(key)
+        finally:
+            with self._lock:
+                self._readying.pop(key).set()
+
+    def stored(self, key: tuple) -> bool:
+        """Whether the step of `key` is ready or can be loaded from the store (not compiled)."""
+        return self.is_ready(key) or (self.store is not None
+                                      and self.store.has((*key, self.max_seq_len)))
+
+    def make_compilable(self) -> None:
+        """Build the model now if this engine runs a snapshot's weights (a step to compile needs
+        it): the server does it before its engine thread runs while other steps still compile,
+        so that the weights never change under a running step."""
+        with self._lock:
+            if self._snapshot is not None:
+                self._thaw()
+
+    def _make_executable(self, key: tuple):
+        """_executable's work, in the one thread readying `key`."""
         t0 = time.perf_counter()
         stored = (*key, self.max_seq_len)  # one identity's engines may size their caches apart
         exe = None if self.store is None else self.store.take(stored, self._structure)
         if exe is None:
-            if self._snapshot is not None:
-                self._thaw()
+            self.make_compilable()
             if self.progress:
                 print(f"powerinfer_jax: compiling {describe_step(key)} (once for this model, "
                       "mode and shape; later runs load it compiled)", file=sys.stderr, flush=True)
@@ -237,11 +272,14 @@ class Engine:
                 with executables.compiling_for_store():
                     exe = self._compile(key, executables.fresh_name(key[0]))
                 self.store.save(stored, exe, self._structure)
-            self.compile_count += 1
+            with self._lock:
+                self.compile_count += 1
         else:
-            self.loaded_count += 1
-        self._executables[key] = exe
-        self.compile_s += time.perf_counter() - t0
+            with self._lock:
+                self.loaded_count += 1
+        with self._lock:
+            self._executables[key] = exe
+            self.compile_s += time.perf_counter() - t0
         return exe
 
     def _jit(self, step: str, name: str | None = None):
@@ -280,6 +318,10 @@ class Engine:
 
     def is_ready(self, key: tuple) -> bool:
         return key in self._executables
+
+    def kind_of(self, params) -> str:
+        """The sampling kind a step for these SamplingParams is compiled for."""
+        return "any" if self.one_kind else smp.sampling_kind(params)
 
     @property
     def ready_steps(self) -> int:
@@ -369,7 +411,7 @@ class Engine:
             return
         r = requests[0]
         n = len(r.prompt_ids)
-        kind = smp.sampling_kind([r.sampling])
+        kind = self.kind_of([r.sampling])
         self._executable(("prefill", prefill_bucket(n, self.max_seq_len), kind))
         position, made = n, 1  # the Scheduler's calls when no stop token comes first
         while made < r.max_new_tokens:
@@ -409,7 +451,7 @@ class Engine:
         """Prefill `r`'s prompt into cache row `slot`; returns its first token (a device scalar)."""
         n = len(r.prompt_ids)
         bucket = prefill_bucket(n, self.max_seq_len)
-        kind = smp.sampling_kind([r.sampling])
+        kind = self.kind_of([r.sampling])
         exe = self._executable(("prefill", bucket, kind))
         tokens = np.zeros((1, bucket), np.int32)
         tokens[0, :n] = r.prompt_ids
@@ -427,7 +469,7 @@ class Engine:
         and a squeeze, each traced, lowered and looked up in jax's cache on the main thread
         (~50-60 ms of a short CLI run, most of it the first lowering's imports)."""
         b = positions_b.shape[0]
-        kind = smp.sampling_kind(params)
+        kind = self.kind_of(params)
         kv_len = self.kv_bucket(int(positions_b.max()) + steps - 1)
         exe = self._executable(("decode", b, kv_len, kind, steps))
         temp, top_k, top_p = smp.rows(params)

@@ -19,6 +19,7 @@ Two keys keep a stale executable from running:
 A file that does not load (truncated, from another version) is compiled again the same way. Only a
 CPU-only process with one device and no placement uses the store (placed or sharded models hold
 per-process handles and devices). `POWERINFER_JAX_XLA_CACHE=0` turns it off with jax's cache.
+The cache's size cap (cache_limit.py) evicts whole identities, the least recently used first.
 """
 from __future__ import annotations
 
@@ -30,17 +31,15 @@ import json
 import os
 import pickle
 import secrets
-import shutil
+import threading
 import time
 from pathlib import Path
 
-from powerinfer_jax import cache
+from powerinfer_jax import cache, cache_limit
 from powerinfer_jax._machine import cpu_features
 from powerinfer_jax.cache import cache_dir
 
 FORMAT = 2  # bump when the file layout or the structure digest changes
-MAX_IDENTITIES = 48  # identity directories kept; the least recently used go first...
-MAX_BYTES = 2 << 30  # ...and while they hold more than this (a server's ~46 steps: ~70 MB)
 _SUFFIX = ".exe"
 
 
@@ -57,12 +56,13 @@ def _key_from_name(name: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in name.split("-"))
 
 
-@functools.lru_cache(maxsize=1)
-def _code_digest() -> str:
-    """Size and mtime of every source file of this package and of its compiled extension: an
-    edited or rebuilt checkout never loads executables compiled from the old code."""
+_DIGEST_MEMO = ".code-digests.json"  # in the store's root: file stats -> content digest
+_DIGEST_MEMO_ENTRIES = 8  # checkouts (or venvs) sharing one cache, each with its own stats
+
+
+def _code_files() -> tuple[Path, list[Path]]:
+    """(the package's root, every source file of this package and its compiled extension)."""
     root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
     files = sorted(root.rglob("*.py"))
     try:
         from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
@@ -70,14 +70,58 @@ def _code_digest() -> str:
         files.append(Path(_ffi._pij_ext.__file__))
     except (ImportError, AttributeError):
         pass
+    return root, files
+
+
+@functools.lru_cache(maxsize=1)
+def _code_digest() -> str:
+    """The contents of every source file of this package and of its compiled extension: an
+    edited or rebuilt checkout never loads executables compiled from other code, while a
+    re-install that rebuilt nothing (pip writes the same extension again, with a new mtime) or
+    a fresh clone of the same commit loads them. Hashing ~4 MB at every start would cost
+    ~10-20 ms, so the digest is memoized under the files' stats (name, size, mtime, inode):
+    only a changed stat hashes the contents again."""
+    root, files = _code_files()
+    stats, named = [], []
     for f in files:
         try:
             st = f.stat()
         except OSError:
             continue
-        h.update(f"{f.relative_to(root) if f.is_relative_to(root) else f}:{st.st_size}:"
-                 f"{st.st_mtime_ns};".encode())
-    return h.hexdigest()
+        name = str(f.relative_to(root) if f.is_relative_to(root) else f)
+        named.append((name, f))
+        stats.append(f"{name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}")
+    key = hashlib.sha256(";".join(stats).encode()).hexdigest()
+    memo_path = _root() / _DIGEST_MEMO
+    memo = _read_memo(memo_path)
+    if key in memo:
+        return memo[key]
+    h = hashlib.sha256()
+    for name, f in named:
+        try:
+            data = f.read_bytes()
+        except OSError:
+            continue
+        h.update(f"{name}:{len(data)};".encode())
+        h.update(data)
+    digest = h.hexdigest()
+    memo.pop(key, None)
+    memo[key] = digest
+    try:
+        cache.write_text(memo_path, json.dumps(dict(list(memo.items())[-_DIGEST_MEMO_ENTRIES:])))
+    except OSError:  # a read-only cache: hashed again next time
+        pass
+    return digest
+
+
+def _read_memo(path: Path) -> dict:
+    try:
+        memo = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(memo, dict):
+        return {}
+    return {k: v for k, v in memo.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def environment() -> dict:
@@ -134,15 +178,27 @@ def compiling_for_store():
     1.01 MB, loaded in 0.12 s instead of 0.15; the same code and tokens)."""
     import jax
 
-    saved = (jax.config.jax_persistent_cache_min_compile_time_secs,
-             jax.config.jax_include_full_tracebacks_in_locations)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
-    jax.config.update("jax_include_full_tracebacks_in_locations", False)
+    global _saved_config
+    with _config_lock:  # threads compiling at once (the server's warm-up beside its engine)
+        if _compiling[0] == 0:
+            _saved_config = (jax.config.jax_persistent_cache_min_compile_time_secs,
+                             jax.config.jax_include_full_tracebacks_in_locations)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+            jax.config.update("jax_include_full_tracebacks_in_locations", False)
+        _compiling[0] += 1
     try:
         yield
     finally:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[0])
-        jax.config.update("jax_include_full_tracebacks_in_locations", saved[1])
+        with _config_lock:
+            _compiling[0] -= 1
+            if _compiling[0] == 0:
+                jax.config.update("jax_persistent_cache_min_compile_time_secs", _saved_config[0])
+                jax.config.update("jax_include_full_tracebacks_in_locations", _saved_config[1])
+
+
+_config_lock = threading.Lock()
+_compiling = [0]  # compiles inside compiling_for_store now: the last one out restores
+_saved_config: tuple = ()
 
 
 def _root() -> Path:
@@ -159,6 +215,7 @@ class Store:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._used: list[tuple] = []
         self.background_s = 0.0  # time the background loads took (beside the main thread)
+        cache_limit.mark_used(self.dir)  # most recently used: the last the cap evicts
 
     # ------------------------------------------------------------------ reading
     def recent_keys(self) -> list[tuple]:
@@ -202,6 +259,10 @@ class Store:
         except Exception:  # a truncated or foreign file: compiled again and replaced
             return None
 
+    def has(self, key: tuple) -> bool:
+        """Whether a file for `key` is stored (it may still fail to load, then it compiles)."""
+        return key in self._pending or (self.dir / (key_name(key) + _SUFFIX)).is_file()
+
     def is_loading(self, key: tuple) -> bool:
         """Whether `key` was prefetched and not taken yet."""
         return key in self._pending
@@ -232,7 +293,7 @@ class Store:
         except Exception:
             return
         self._note_used(key)
-        _prune(self.dir.parent, keep=self.dir)
+        cache_limit.enforce(keep=[self.dir])  # the cache's cap (cache_limit.py)
 
     def _note_used(self, key: tuple) -> None:
         """Remember the steps this process uses, for the next one's prefetch."""
@@ -244,19 +305,3 @@ class Store:
                              json.dumps([key_name(k) for k in self._used]))
         except OSError:
             pass
-
-
-def _prune(root: Path, keep: Path) -> None:
-    """Keep the MAX_IDENTITIES most recently written identity directories, and fewer while they
-    hold more than MAX_BYTES (`keep`, the one just written, always stays)."""
-    try:
-        dirs = sorted((d for d in root.iterdir() if d.is_dir()),
-                      key=lambda d: d.stat().st_mtime, reverse=True)
-        sizes = [sum(f.stat().st_size for f in d.iterdir()) for d in dirs]
-    except OSError:
-        return
-    total = 0
-    for i, (d, size) in enumerate(zip(dirs, sizes)):
-        total += size
-        if d != keep and (i >= MAX_IDENTITIES or total > MAX_BYTES):
-            shutil.rmtree(d, ignore_errors=True)

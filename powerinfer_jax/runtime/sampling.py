@@ -2,8 +2,11 @@
 
 Every sequence of a batch has its own parameters (`SamplingParams`, passed as per-row arrays) and
 its own PRNG key: key(seed) folded with the token's position, so a sequence draws the same tokens
-whatever else shares its batch. Two static kinds keep greedy batches free of the sort that top-k /
-top-p need: "greedy" (argmax only) and "sample" (rows with temperature 0 still take the argmax).
+whatever else shares its batch. Static kinds keep greedy batches free of the sort that top-k /
+top-p need: "greedy" (argmax only) and "sample" (rows with temperature 0 still take the argmax);
+"any" decides at run time (a branch XLA takes or skips): the sample path where a row samples,
+the argmax alone where none does, the tokens of the other two kinds either way. The server
+compiles "any" only: one step per shape instead of two (half its warm-up).
 """
 from __future__ import annotations
 
@@ -45,6 +48,15 @@ def sample_rows(logits_bv, keys_b, temperature_b, top_k_b, top_p_b, kind: str):
     best = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     if kind == "greedy":
         return best
+    if kind == "any":
+        return jax.lax.cond(jnp.any(temperature_b > 0),
+                            lambda: _sampled(logits_bv, keys_b, temperature_b, top_k_b, top_p_b,
+                                             best), lambda: best)
+    return _sampled(logits_bv, keys_b, temperature_b, top_k_b, top_p_b, best)
+
+
+def _sampled(logits_bv, keys_b, temperature_b, top_k_b, top_p_b, best):
+    """The "sample" kind's tokens: drawn where a row's temperature is above 0, else `best`."""
     v = logits_bv.shape[-1]
     t = jnp.where(temperature_b > 0, temperature_b, 1.0)
     logits = logits_bv.astype(jnp.float32) / t[:, None]

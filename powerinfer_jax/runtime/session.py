@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Callable
 
 from powerinfer_jax.config import (DEFAULT_CONTEXT_CAP, DEFAULT_MODEL, DEFAULT_TARGET_SPARSITY,
-                                   ModelConfig, PlacementConfig, RuntimeConfig, SparsityConfig)
+                                   ModelConfig, PlacementConfig, RuntimeConfig, SparsityConfig,
+                                   check_threads)
 from powerinfer_jax.errors import fail
 
 
@@ -408,8 +409,10 @@ def _executable_store(model, runtime, sparsity, placement, max_batch, artifacts_
 
     import jax
 
+    from powerinfer_jax import cache_limit  # lazy: start-up
     from powerinfer_jax.runtime import executables  # lazy: start-up
 
+    cache_limit.check_limit()  # a malformed $POWERINFER_JAX_CACHE_LIMIT: one line, now
     if (not executables.enabled() or accel is not None or placement.budget_bytes is not None
             or placement.ram_budget_bytes is not None  # the store's handle is in the steps
             or runtime.devices is not None or len(jax.devices()) != 1):
@@ -569,7 +572,7 @@ def _size_thread_pool(threads: int | None) -> int:
     dense decode runs through the custom calls too."""
     import os
 
-    n = threads or len(os.sched_getaffinity(0))
+    n = len(os.sched_getaffinity(0)) if threads is None else check_threads(threads)
     try:
         from powerinfer_jax import ops  # lazy: start-up
 

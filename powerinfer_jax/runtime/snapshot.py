@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from powerinfer_jax import cache, errors
+from powerinfer_jax import cache, cache_limit, errors
 from powerinfer_jax.runtime import executables
 from powerinfer_jax.tokenizer import Tokenizer, gguf_recipe
 
@@ -40,9 +40,9 @@ _MAGIC = b"PIJSNAP\0"
 _HEAD = struct.Struct("<8sQ")  # magic, header bytes
 ALIGN = 64  # XLA's CPU client keeps a 64-byte aligned host array as it is (no copy)
 # Larger models are not kept: a snapshot is a second copy of the weights on disk (a 7B Q4_0:
-# 3.8 GB written and hashed after the build), beyond what the executables store keeps
-# (executables.MAX_BYTES), and their start-up is the file's read, not the build.
-MAX_BYTES = executables.MAX_BYTES // 4
+# 3.8 GB written and hashed after the build), a large share of the cache's cap
+# (cache_limit.DEFAULT_LIMIT), and their start-up is the file's read, not the build.
+MAX_BYTES = 512 << 20
 
 
 @dataclasses.dataclass
@@ -111,7 +111,8 @@ def save(directory: Path, model, tokenizer, report: dict) -> None:
                     pos = start + at + data.nbytes
             cache.write_record(dest, h.hexdigest())
     except (OSError, errors.UserError):  # an unwritable cache (the lock says so)
-        pass
+        return
+    cache_limit.enforce(keep=[directory])  # the cache's cap (cache_limit.py)
 
 
 def _tokenizer_recipe(source: str, tokenizer) -> tuple:

@@ -5,10 +5,17 @@ against the context, then queued as a Job for the engine thread (worker.py); its
 as events, streamed as server-sent events or gathered into one response. A client that goes away
 cancels its job, which frees its slot before the next decode step.
 
-Statuses: 400 bad request (every field error names the field, the rule and the value), 404 unknown
-route, 405 wrong method, 413 body too large, 429 slots and queue full, 503 loading or shutting
-down, 500 engine failure (the request fails with a message; the engine is reset and keeps
-serving). 499 in the metrics: the client disconnected.
+Statuses: 400 bad request (every field error names the field, the rule and the value), 401 a /v1
+route without the server's API key (when it has one), 404 unknown route, 405 wrong method, 413
+body too large, 429 slots and queue full, 503 loading or shutting down, 500 engine failure (the
+request fails with a message; the engine is reset and keeps serving). 499 in the metrics: the
+client disconnected.
+
+Access: with an API key (`serve --api-key`, or $POWERINFER_JAX_API_KEY) every /v1 route wants
+`Authorization: Bearer <key>`, checked before the body is read; /health and /metrics stay open,
+as vLLM leaves them, for load balancers and Prometheus (they say whether the server is ready
+and how busy, never a prompt or a completion). A request's `model` is only compared, as a
+string, with the names of the one model the server runs: it never opens a path.
 """
 from __future__ import annotations
 
@@ -28,16 +35,17 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from powerinfer_jax.config import MAX_SEED, SamplingParams
+from powerinfer_jax.config import DEFAULT_MAX_BODY_BYTES, MAX_SEED, SamplingParams
+from powerinfer_jax.errors import UserError
 from powerinfer_jax.server import protocol as P
 from powerinfer_jax.server.metrics import Metrics
 from powerinfer_jax.server.offload_metrics import OffloadCollector
 from powerinfer_jax.server.worker import (Job, Overloaded, Unavailable, Warmth, Worker,
                                           warm_plan)
+from powerinfer_jax.tokenizer import check_text
 
 log = logging.getLogger("powerinfer_jax.server")
 
-DEFAULT_MAX_BODY = 4 << 20  # bytes of a request body (a prompt of ~1M tokens is past any context)
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
               "/v1/models": "models", "/health": "health", "/metrics": "metrics"}
 
@@ -46,8 +54,9 @@ class ServerState:
     """What the handlers share: the loaded model (None while loading), its worker and metrics."""
 
     def __init__(self, loader, *, slots: int, model_name: str | None, queue_size: int,
-                 warmup: tuple[str, ...], max_body: int):
+                 warmup: bool, max_body: int, api_key: str | None = None):
         self.loader = loader
+        self.api_key = api_key
         self.metrics = Metrics(slots)
         self.model_name = model_name
         self.queue_size = queue_size
@@ -62,13 +71,18 @@ class ServerState:
 
     # ------------------------------------------------------------------ loading
     def load(self) -> None:
-        """Build the model (the loader), warm it up and start the engine thread."""
+        """Build the model (the loader), warm the first tier of its steps, start the engine
+        thread (/health says 200), then warm the rest beside it (worker.warm_plan)."""
         try:
             session = self.loader() if callable(self.loader) else self.loader
             engine = session.engine
-            self.warmth = Warmth(engine, warm_plan(engine, self.warmup) if self.warmup else ())
+            engine.one_kind = True  # one step per shape for greedy and sampled batches
+            self.warmth = Warmth(engine, warm_plan(engine, (engine.kind_of(()),))
+                                 if self.warmup else ())
             self.metrics.watch_warmth(self.warmth)
-            self.warmth.warm()
+            self.warmth.warm(0, self.warmth.first)
+            if not all(engine.stored(k) for k in self.warmth.plan):
+                engine.make_compilable()  # before the engine thread runs beside the compiles
             arg = str(session.model_arg)
             self.model_name = self.model_name or arg
             self.names = {self.model_name, arg, Path(arg).name}
@@ -85,6 +99,11 @@ class ServerState:
             log.error("loading the model failed: %s", e)
             if self.stop_server is not None:
                 self.stop_server()
+            return
+        try:
+            self.warmth.warm(self.warmth.first)
+        except Exception:  # a request that needs the step compiles it (or fails with a 500)
+            log.exception("warming the remaining compiled steps failed")
 
     def begin_shutdown(self, grace_s: float) -> None:
         if self.worker is not None:
@@ -102,19 +121,40 @@ class ServerState:
                              code="loading")
         return self.session
 
+    def authorize(self, request: Request) -> None:
+        """401 unless the request carries `Authorization: Bearer <the API key>` (when the server
+        has one). The key given is never echoed."""
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization")
+        scheme, _, token = (header or "").partition(" ")
+        if header is None:
+            got = "no Authorization header"
+        elif scheme.lower() != "bearer" or not token.strip():
+            got = "an Authorization header that is not \"Bearer <key>\""
+        elif secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
+            return
+        else:
+            got = "another key"
+        raise P.ApiError(401, f"Authorization: expected \"Bearer <the server's API key>\", got "
+                         f"{got}", code="invalid_api_key")
+
     def count(self, path: str, status: int | str) -> None:
         self.metrics.requests.labels(_ENDPOINTS.get(path, "other"), str(status)).inc()
 
 
 def create_app(loader, *, slots: int = 1, model_name: str | None = None, queue_size: int = 16,
-               warmup: tuple[str, ...] = ("greedy", "sample"),
-               max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
+               warmup: bool = True,
+               max_body: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None) -> FastAPI:
     """The server's ASGI app. loader: a built Session (runtime.session.build), or a callable
     returning one, run in a thread at start-up while /health answers 503. slots: the Session's
-    max_batch (shown before it is built). warmup: the sampling kinds whose every prefill and
-    decode step is compiled (or loaded) before /health answers 200 (worker.warm_plan)."""
+    max_batch (shown before it is built). warmup: compile (or load) every prefill and decode
+    step a request can need, the short prompts' before /health answers 200 and the rest beside
+    the engine (worker.warm_plan); without it steps compile when a request first needs them.
+    max_body: bytes a request body may have (more: 413). api_key: the key every /v1 route wants
+    as `Authorization: Bearer <key>` (None: open; the module docstring says what stays open)."""
     state = ServerState(loader, slots=slots, model_name=model_name, queue_size=queue_size,
-                        warmup=tuple(warmup), max_body=max_body)
+                        warmup=bool(warmup), max_body=max_body, api_key=api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -132,11 +172,18 @@ def create_app(loader, *, slots: int = 1, model_name: str | None = None, queue_s
     @app.exception_handler(P.ApiError)
     async def api_error(request: Request, e: P.ApiError):
         state.count(request.url.path, e.status)
-        headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+        retry = max(1, min(60, round(e.retry_after or 1)))
+        headers = ({"Retry-After": str(retry)} if e.status in (429, 503) else
+                   {"WWW-Authenticate": "Bearer"} if e.status == 401 else None)
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
+        if request.url.path.startswith("/v1"):  # an unknown /v1 route says nothing to a stranger
+            try:
+                state.authorize(request)
+            except P.ApiError as denied:
+                return await api_error(request, denied)
         msg = (f"route: expected one of {sorted(_ENDPOINTS)}, got {request.url.path!r}"
                if e.status_code == 404 else
                f"method: expected another method for {request.url.path}, got {request.method}"
@@ -167,7 +214,8 @@ def create_app(loader, *, slots: int = 1, model_name: str | None = None, queue_s
         return Response(body, media_type=ctype)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        state.authorize(request)
         s = state.ready()
         state.count("/v1/models", 200)
         return {"object": "list", "data": [{
@@ -202,6 +250,7 @@ async def _guarded(handler):
 async def _generate(state: ServerState, request: Request, *, chat: bool):
     arrived = time.perf_counter()
     path = request.url.path
+    state.authorize(request)  # before the body is read
     try:
         raw = await _read_body(request, state.max_body)
     except ClientDisconnect:
@@ -215,6 +264,7 @@ async def _generate(state: ServerState, request: Request, *, chat: bool):
     s = P.sampling(req)
     ids = await run_in_threadpool(_prompt_ids, session, req, chat)
     max_tokens = _max_tokens(session.engine, req, len(ids), chat)
+    _check_warm(state, len(ids), chat)
     job = Job(session.tokenizer, ids, max_tokens=max_tokens,
               sampling=_sampling_params(s), stream=s.stream,
               seed=secrets.randbelow(MAX_SEED + 1) if s.seed is None else s.seed, stop=s.stop,
@@ -343,21 +393,52 @@ async def _read_body(request: Request, limit: int) -> bytes:
 def _prompt_ids(session, req, chat: bool) -> list[int]:
     tok = session.tokenizer
     if chat:
+        messages = P.chat_messages(req)
+        for i, m in enumerate(messages):
+            _check_text(m["content"], f"messages.{i}.content")
+        if tok.chat_template is None:
+            raise P.ApiError(400, "messages: expected a model with a chat template, got a model "
+                             "without one (a base model: send its text to /v1/completions, or "
+                             "start the server with --chat-template chatml or a jinja file)",
+                             param="messages", code="chat_template")
         try:
-            text = tok.apply_chat(P.chat_messages(req))
+            text = tok.apply_chat(messages)
         except Exception as e:  # the model's jinja template refused the conversation
             raise P.ApiError(400, f"messages: expected a conversation the model's chat template "
                              f"accepts, got an error from it: {e}", param="messages",
                              code="chat_template") from None
         return tok.encode(text)
     if isinstance(req.prompt, str):
-        return tok.encode(req.prompt)
+        return tok.encode(_check_text(req.prompt, "prompt"))
     v = session.config.vocab_size
     bad = [t for t in req.prompt if not 0 <= t < v]
     if bad:
         raise P.ApiError(400, f"prompt: expected token ids in [0, {v}), got {bad[0]}",
                          param="prompt", code="invalid_value")
     return list(req.prompt)
+
+
+def _check_warm(state: ServerState, n_prompt: int, chat: bool) -> None:
+    """503 while the steps this request starts with are still being warmed (the server answers
+    /health 200 once short prompts can run; longer ones wait for their tier)."""
+    warm = state.warmth
+    missing = warm.missing(n_prompt, warm.engine.kind_of(())) if warm is not None else []
+    if missing:
+        what = "messages" if chat else "prompt"
+        eta = warm.eta_s(missing)
+        raise P.ApiError(503, f"{what}: the compiled steps for a {n_prompt}-token prompt are "
+                         f"being prepared ({warm.ready()} of {len(warm.plan)} steps ready, about "
+                         f"{eta:.0f} s to go); retry then", param=what, code="warming",
+                         retry_after=eta)
+
+
+def _check_text(text: str, param: str) -> str:
+    """A 400 naming the field for text the tokenizer cannot take (invalid UTF-8 that reached a
+    str: JSON's parser refuses most of it first, as invalid JSON)."""
+    try:
+        return check_text(text, param)
+    except UserError as e:
+        raise P.ApiError(400, str(e), param=param, code="invalid_value") from None
 
 
 def _max_tokens(engine, req, n_prompt: int, chat: bool) -> int:

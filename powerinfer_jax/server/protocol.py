@@ -35,14 +35,16 @@ _NO_OP_VALUES: dict[str, tuple] = {
 class ApiError(Exception):
     """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
 
-    TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+             404: "invalid_request_error",
              405: "invalid_request_error", 413: "invalid_request_error",
              429: "rate_limit_error", 500: "server_error", 503: "unavailable_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, retry_after: float | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after  # seconds, for a 429 or 503's Retry-After (default 1)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),

@@ -20,6 +20,7 @@ from typing import Sequence
 from powerinfer_jax.api import _StopText
 from powerinfer_jax.config import SamplingParams
 from powerinfer_jax.errors import UserError
+from powerinfer_jax.runtime.decode import prefill_bucket
 from powerinfer_jax.runtime.scheduler import GenerationResult, Request, Scheduler
 
 log = logging.getLogger("powerinfer_jax.server")
@@ -249,49 +250,101 @@ class Worker:
         self.engine.reset_cache()  # a failed step may have consumed (donated) the cache
 
 
-def warm_plan(engine, kinds: Sequence[str] = ("greedy", "sample")) -> list[tuple]:
-    """The compiled steps a server warms before it answers /health 200, for each sampling kind:
-    prefill at every prompt-length bucket, and decode (one token a call, the server's Scheduler
-    block) at every batch size and cache-length bucket, so that no request waits for a step to
-    be compiled. Decode first: every request needs the short-cache steps."""
+def warm_plan(engine, kinds: Sequence[str] = ("any",)) -> list[tuple]:
+    """The compiled steps a server warms, in the order requests need them: for each cache-length
+    bucket from the shortest, the decode steps (one token a call, the server's Scheduler block)
+    of every batch size, then the prefill buckets a prompt starting in that cache bucket can
+    have. The first tier (`first_tier`) serves short prompts; /health answers 200 once it is
+    ready and the rest warm in the background, each request waiting (503) only while the steps
+    of its own start are not ready (`Warmth.missing`). kinds: the server compiles "any" only
+    (runtime/sampling.py), one step per shape for greedy and sampled batches."""
     b = engine.buckets()
-    decode = [("decode", n, kv, kind, 1) for kind in kinds for kv in b["kv"] for n in b["batch"]]
-    return [("prefill", t, kind) for kind in kinds for t in b["prefill"]] + decode
+    plan, prefilled = [], set()
+    for kv in b["kv"]:
+        plan += [("decode", n, kv, kind, 1) for kind in kinds for n in b["batch"]]
+        fits = [t for t in b["prefill"] if t <= kv and t not in prefilled]
+        plan += [("prefill", t, kind) for kind in kinds for t in fits]
+        prefilled.update(fits)
+    return plan
+
+
+def first_tier(plan: Sequence[tuple]) -> int:
+    """How many of `plan`'s steps (warm_plan's order) come before its second cache bucket."""
+    kvs = [k[2] for k in plan if k[0] == "decode"]
+    if not kvs:
+        return len(plan)
+    second = [i for i, k in enumerate(plan) if k[0] == "decode" and k[2] > min(kvs)]
+    return second[0] if second else len(plan)
 
 
 class Warmth:
     """The server's warm state: which planned steps are ready (/health and /metrics report it).
-    `warm` runs on the loading thread before the engine thread starts; any thread may read."""
+    `warm` runs on the loading thread: the first tier before the engine thread starts (and
+    /health says 200), the rest after, beside it; any thread may read."""
 
     def __init__(self, engine, plan: Sequence[tuple]):
         self.engine = engine
         self.plan = list(plan)
-        self.seconds = 0.0
+        self.first = first_tier(self.plan)
+        self.seconds = 0.0  # the first tier's (what a first start waits for /health 200)
+        self.seconds_all = 0.0  # every planned step's
+        self._started: float | None = None
 
-    def warm(self, log_every_s: float = 2.0) -> None:
-        """Ready every planned step (loaded from the store or compiled), with a log line at
-        least every `log_every_s` seconds while it takes."""
+    def warm(self, start: int = 0, stop: int | None = None, log_every_s: float = 2.0) -> None:
+        """Ready planned steps [start, stop) (loaded from the store or compiled), with a log line
+        at least every `log_every_s` seconds while it takes. The first call also makes the KV
+        cache (every slot's rows at the longest context: hundreds of MB zeroed and placed),
+        which the first request would otherwise pay for (0.3 s of a 0.2-s request)."""
         if not self.plan:
             return
+        steps = self.plan[start:stop]
+        if self._started is None:
+            self._started = time.perf_counter()
         t0 = last = time.perf_counter()
-        log.info("warming %d compiled steps (every prompt and cache bucket up to %d tokens, "
-                 "%s)", len(self.plan), self.engine.max_seq_len,
-                 ", ".join(sorted({k[-1] if k[0] == "prefill" else k[3] for k in self.plan})))
-        for i, key in enumerate(self.plan):
+        if steps:
+            log.info("warming %d of %d compiled steps (%s)", len(steps), len(self.plan),
+                     "short prompts first: /health says 200 once they are ready" if start == 0
+                     else "longer prompts, in the background: until their steps are ready they "
+                     "get 503")
+        for i, key in enumerate(steps):
             self.engine.prepare(key)
             if time.perf_counter() - last > log_every_s:
                 last = time.perf_counter()
-                log.info("warming compiled steps: %d of %d ready", i + 1, len(self.plan))
-        # the KV cache too (every slot's rows at the longest context: hundreds of MB zeroed and
-        # placed), which the first request would otherwise pay for (0.3 s of a 0.2-s request)
-        self.engine.cache()
-        self.seconds = time.perf_counter() - t0
-        log.info("warm: %d compiled steps ready in %.1f s (%d loaded, %d compiled)",
-                 len(self.plan), self.seconds, self.engine.loaded_count,
-                 self.engine.compile_count)
+                log.info("warming compiled steps: %d of %d ready", self.ready(), len(self.plan))
+        if start == 0:
+            self.engine.cache()
+            self.seconds = time.perf_counter() - t0
+        if self.complete():
+            self.seconds_all = time.perf_counter() - self._started
+        if steps:
+            log.info("warm: %d of %d compiled steps ready after %.1f s (%d loaded, %d compiled)",
+                     self.ready(), len(self.plan), time.perf_counter() - self._started,
+                     self.engine.loaded_count, self.engine.compile_count)
 
     def ready(self) -> int:
         return sum(self.engine.is_ready(k) for k in self.plan)
+
+    def complete(self) -> bool:
+        return all(self.engine.is_ready(k) for k in self.plan)
+
+    def missing(self, n_prompt: int, kind: str) -> list[tuple]:
+        """The planned steps a request of `n_prompt` tokens needs to start that are not ready:
+        its prefill bucket, and the decode steps of every batch size at the cache bucket of its
+        first new token (later ones are warmed before it gets there, or compiled then)."""
+        e = self.engine
+        need = [("prefill", prefill_bucket(n_prompt, e.max_seq_len), kind)] + [
+            ("decode", b, e.kv_bucket(n_prompt), kind, 1) for b in e.buckets()["batch"]]
+        planned = set(self.plan)
+        return [k for k in need if k in planned and not e.is_ready(k)]
+
+    def eta_s(self, keys: Sequence[tuple]) -> float:
+        """Seconds until the planned `keys` should be ready, at the pace of the steps so far."""
+        if not keys or self._started is None:
+            return 0.0
+        last = max(self.plan.index(k) for k in keys)
+        left = sum(not self.engine.is_ready(k) for k in self.plan[:last + 1])
+        done = max(self.ready(), 1)
+        return left * (time.perf_counter() - self._started) / done
 
     def describe(self) -> dict:
         """/health's "warm" object: planned steps, those ready, and steps compiled or loaded
@@ -299,4 +352,5 @@ class Warmth:
         ready = self.ready()
         return {"steps_planned": len(self.plan), "steps_ready": ready,
                 "steps_outside_plan": self.engine.ready_steps - ready,
-                "warm_s": round(self.seconds, 3)}
+                "complete": ready == len(self.plan),
+                "warm_s": round(self.seconds, 3), "warm_all_s": round(self.seconds_all, 3)}

@@ -85,7 +85,11 @@ def sample_top(logits_bv, key):
 
 def prompt_texts(tokenizer) -> list[str]:
     """Every prompt as the text the model sees (chat prompts through the chat template)."""
-    chats = [tokenizer.apply_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+    # a base model's prompts in ChatML, as they were before base models were refused a chat
+    from powerinfer_jax.tokenizer import CHATML_TEMPLATE  # lazy: start-up
+
+    chats = [tokenizer.apply_chat([{"role": "user", "content": p}], fallback=CHATML_TEMPLATE)
+             for p in CHAT_PROMPTS]
     return chats + list(TEXT_PROMPTS)
 
 
