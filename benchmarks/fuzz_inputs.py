@@ -65,14 +65,18 @@ def messages():
                     max_size=3)
 
 
-def check_tokenizer(tok, text: str, msgs) -> tuple[str, str]:
-    """("ok", "") | ("error", one-line message) | ("finding", what went wrong)."""
+def check_tokenizer(tok, text: str, msgs, *, round_trip: bool = True) -> tuple[str, str]:
+    """("ok", "") | ("error", one-line message) | ("finding", what went wrong). round_trip:
+    decode(encode(text)) must give the text back: true of a byte-level BPE whose vocabulary
+    holds all 256 bytes (the tests' tiny one), not of every real vocabulary (SmolLM2's lacks
+    some control bytes, which no tokenizer of it can encode) nor of SentencePiece's leading
+    space."""
     try:
-        ids = tok.encode(text)
+        ids = tok.encode(text, add_bos=False)
         if not all(isinstance(i, int) and 0 <= i < tok.vocab_size for i in ids):
             return "finding", f"ids outside [0, {tok.vocab_size}) for {text[:60]!r}"
         back = tok.decode(ids)
-        if back != text:
+        if round_trip and back != text:
             return "finding", f"decode(encode(text)) != text for {text[:60]!r}: {back[:60]!r}"
         rendered = tok.apply_chat(msgs)
         if not isinstance(rendered, str):

@@ -174,11 +174,11 @@ def create_app(loader, *, slots: int = 1, model_name: str | None = None, queue_s
             "id": state.model_name, "object": "model", "created": 0, "owned_by": "powerinfer_jax",
             "meta": {k: v for k, v in s.describe().items() if k != "placement"}}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=P.openapi_body(P.CompletionRequest))
     async def completions(request: Request):
         return await _guarded(_generate(state, request, chat=False))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=P.openapi_body(P.ChatRequest))
     async def chat(request: Request):
         return await _guarded(_generate(state, request, chat=True))
 
