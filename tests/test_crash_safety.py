@@ -51,6 +51,7 @@ def _step(i: int):
         return jax.jit(f).lower(jnp.zeros(64, jnp.float32)).compile()
 
 
+@pytest.mark.slow  # a child process with jax: ~5-10 s
 def test_kill_during_executable_cache_writes(tmp_path):
     root = tmp_path / "executables"
     (root / "ident").mkdir(parents=True)
@@ -83,6 +84,7 @@ def test_kill_during_executable_cache_writes(tmp_path):
     assert mine.read_text() == "the user's own file"
 
 
+@pytest.mark.slow  # a child process with jax: ~5-10 s
 def test_kill_during_artifact_writes(tmp_path):
     from powerinfer_jax.sparsity import artifacts as A
     from test_robustness import FP, make_artifacts
