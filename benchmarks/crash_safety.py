@@ -146,9 +146,18 @@ def driver(step: str, work: Path) -> None:
         result = {"tokens": list(out.token_ids)}
     cache = Path(os.environ["POWERINFER_JAX_CACHE"])
     result["cache_files"] = sorted(  # what the run left: the same after a kill and a rerun
-        str(p.relative_to(cache)) for p in cache.rglob("*")
+        _shown(p.relative_to(cache)) for p in cache.rglob("*")
         if p.is_file() and not p.name.startswith(".") and "xla" not in p.relative_to(cache).parts)
     print("RESULT " + json.dumps(result, sort_keys=True), flush=True)
+
+
+def _shown(rel: Path) -> str:
+    """A cache path as compared between caches: the executables' identity folder named by its
+    role (its digest covers the cache's own path where the artifacts live there)."""
+    parts = list(rel.parts)
+    if parts[0] == "executables" and len(parts) > 2:
+        parts[1] = "<identity>"
+    return "/".join(parts)
 
 
 def _least_budget(pij) -> int:
@@ -261,7 +270,25 @@ def trial_row(step: str, k: int, kill_after: float, killed: dict, again: dict, r
             "user_files_intact": users_after == users_before, "half_written_read": half_read,
             "debris": len(left),
             "debris_examples": left[:3], "next_wall_s": round(again["wall_s"], 2), "ok": ok,
+            "differs": _differs(again["result"], ref["result"]),
             "next_stderr_tail": "" if ok else again["stderr_tail"]}
+
+
+def _differs(got, want) -> dict:
+    """Where a run's result differs from the reference's (for the row)."""
+    if got is None or want is None:
+        return {"result": "missing" if got is None else "no reference"}
+    out = {}
+    for k in sorted(set(got) | set(want)):
+        if got.get(k) != want.get(k):
+            if isinstance(got.get(k), list) and isinstance(want.get(k), list):
+                out[k] = {"extra": sorted(set(map(str, got[k])) - set(map(str, want[k])))[:5],
+                          "missing": sorted(set(map(str, want[k])) - set(map(str, got[k])))[:5]}
+                if not out[k]["extra"] and not out[k]["missing"]:
+                    out[k] = {"got": got[k][:10], "want": want[k][:10]}
+            else:
+                out[k] = {"got": got.get(k), "want": want.get(k)}
+    return out
 
 
 def run_step(step: str, work: Path, trials: int, rng: random.Random, head: dict) -> list[dict]:
@@ -291,10 +318,13 @@ def run_step(step: str, work: Path, trials: int, rng: random.Random, head: dict)
 
 
 def run_concurrent(work: Path, base: Path, ref_cache: Path) -> list[dict]:
-    """Two processes at once on one empty cache, then a third on the cache they left."""
+    """Two processes at once on one empty cache, then a third on the cache they left: the two
+    must give what one run on that cache gives, the third what a second run gives (a run on a
+    warm cache keeps the compiled steps the first, which built the artifacts, did not)."""
     from concurrent.futures import ThreadPoolExecutor
 
     ref = run_child("concurrent", work, ref_cache)
+    ref_warm = run_child("concurrent", work, ref_cache)  # a second run keeps more (executables)
     cache = work / "trial"
     shutil.rmtree(cache, ignore_errors=True)
     shutil.copytree(base, cache, symlinks=True)
@@ -304,7 +334,8 @@ def run_concurrent(work: Path, base: Path, ref_cache: Path) -> list[dict]:
     third = run_child("concurrent", work, cache)
     rows = []
     for k, r in enumerate(both + [third]):
-        row = trial_row("concurrent", k, 0.0, {"killed": False}, r, ref, cache, work, before)
+        row = trial_row("concurrent", k, 0.0, {"killed": False}, r, ref_warm if k == 2 else ref,
+                        cache, work, before)
         row["role"] = "third, after the two" if k == 2 else "one of two at once"
         rows.append(row)
         print(f"concurrent run {k}: {'ok' if row['ok'] else 'FAILED'}", flush=True)
