@@ -88,6 +88,19 @@ def test_metadata_of_the_wrong_type_names_key_and_file(tmp_path, key, value, rul
     assert "bad.gguf" in msg and key in msg and f"expected {rule}" in msg and "\n" not in msg
 
 
+def test_a_block_count_past_the_files_tensors_fails_at_once(tmp_path):
+    """Found: block_count 2**32 - 1 built a per-layer layout of billions of entries (a
+    MemoryError after a minute under a 4 GiB limit; without a limit, the machine's memory)."""
+    from helpers_gguf_edit import rewrite
+
+    src = tmp_path / "good.gguf"
+    write_tiny_gguf(src)
+    bad = rewrite(src, tmp_path / "many.gguf", set_keys={"llama.block_count": 2 ** 32 - 1})
+    with pytest.raises(UserError, match=r"many.gguf': metadata llama.block_count: expected at "
+                                        r"most \d+ \(the file's tensors"):
+        gguf.load_gguf(bad)
+
+
 def test_config_and_tokenizer_errors_name_the_file(tmp_path):
     """Found: ModelConfig's and the tokenizer's own checks ("ModelConfig.n_heads: expected a
     positive integer, got 0") did not say which file held the value."""

@@ -183,6 +183,12 @@ def _config(path: Path, meta: dict, tensors: dict) -> ModelConfig:
         raise unsupported_architecture(arch, f"{source}: general.architecture")
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{source}: expected tensor 'token_embd.weight', got none")
+    blocks = meta.get(f"{arch}.block_count")
+    if isinstance(blocks, int) and blocks > len(tensors):  # each layer has tensors of its own:
+        # a corrupt count must fail here, not after a per-layer layout of billions of entries
+        raise UserError(f"{source}: metadata {arch}.block_count: expected at most {len(tensors)} "
+                        f"(the file's tensors; every layer has its own), got {blocks} (a "
+                        "corrupt or hand-edited file)")
     pos = tensors.get("position_embd.weight")
     freqs = tensors.get("rope_freqs.weight")  # Llama-3's scaled RoPE (gguf_families.py)
     with _naming(source):
