@@ -222,6 +222,7 @@ def main(argv=None) -> None:
     from experiments import _common
 
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pij-soak-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     argv_server = [sys.executable, "-m", "powerinfer_jax.serve", "--model", args.model,
                    "--parallel", str(args.parallel), "--queue", "256", "--max-seq-len",
@@ -282,6 +283,8 @@ def main(argv=None) -> None:
                                          for r in unexpected[:5]],
                  "server_alive_at_end": alive, "tracebacks_in_log":
                      log.count("Traceback (most recent call last)"),
+                 "error_lines_in_log": [line for line in log.splitlines()
+                                        if line.startswith(("ERROR", "CRITICAL"))][:20],
                  "rss_baseline_after_s": round(base["t_s"] - (t_load - t0), 1),
                  "generated_tokens": sum(r["tokens"] for r in results),
                  "fds_start_end": [base["fds"], end["fds"]],

@@ -312,10 +312,13 @@ async def _next(job: Job, watch: asyncio.Future):
     if not job.events.empty():
         return job.events.get_nowait()
     get = asyncio.ensure_future(job.events.get())
-    done, _ = await asyncio.wait((get, watch), return_when=asyncio.FIRST_COMPLETED)
+    try:
+        done, _ = await asyncio.wait((get, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this coroutine is cancelled (the client gone mid-stream): a pending
+        if not get.done():  # task dropped unfinished is logged as "Task was destroyed"
+            get.cancel()
     if get in done:
         return get.result()
-    get.cancel()
     return None
 
 
