@@ -151,7 +151,10 @@ def _stopped_before_work():
 
     with contextlib.ExitStack() as stack:
         for target in STOPS:
-            stack.enter_context(mock.patch(target, stop))
+            try:
+                stack.enter_context(mock.patch(target, stop))
+            except (ImportError, AttributeError):  # a command this version does not have
+                continue
         stack.enter_context(mock.patch("os.sched_setaffinity", lambda *a: None))
         yield
 
