@@ -147,6 +147,7 @@ def run(cases: int, work: Path, hang_s: float, findings: list) -> dict:
             str(port), "--log-level", "warning"]
     server = Child("powerinfer_jax", argv, port, work / "server.log")
     counts = {"cases": 0, "crashes": 0, "hangs": 0, "rule": 0}
+    statuses: dict[str, int] = {}  # answers by status (and "stream"), for the run row
     try:
         server.wait_ready(1800)
         client = httpx.Client(base_url=server.url, timeout=hang_s)
@@ -178,6 +179,8 @@ def run(cases: int, work: Path, hang_s: float, findings: list) -> dict:
                                  "detail": f"{type(e).__name__}: {e}"})
                 return
             kind, detail = classify(r)
+            status = "200 stream" if detail == "200 stream" else str(r.status_code)
+            statuses[status] = statuses.get(status, 0) + 1
             if kind != "ok":
                 counts["crashes" if kind == "crash" else "rule"] += 1
                 findings.append({"target": "server", "what": kind, "input": repr(req)[:2000],
@@ -198,4 +201,4 @@ def run(cases: int, work: Path, hang_s: float, findings: list) -> dict:
         counts["crashes"] += tracebacks
         findings.append({"target": "server", "what": "traceback in the log", "input": None,
                          "detail": log[log.index("Traceback"):][:3000]})
-    return counts
+    return {**counts, "statuses": dict(sorted(statuses.items()))}
