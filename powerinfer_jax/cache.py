@@ -10,7 +10,8 @@ corpus, the placement cache) goes through this module:
 * **Atomic writes.** `atomic_file(dest)` / `atomic_dir(dest)` yield a unique temporary path in the
   same directory and rename it onto `dest` only when the block finishes without an exception: a
   reader sees the old entry or the complete new one, never a half-written one, and an interrupted
-  build leaves no debris where the entry belongs.
+  build leaves no debris where the entry belongs. A writer killed outright (kill -9, power off)
+  leaves its temporary behind; the next write of the same entry deletes it (`sweep_debris`).
 * **Verified reuse.** `write_record(dest)` stores, at write time, the size, mtime, sha256 of the
   file's header and a sample of its blocks, and its full sha256 (`.<name>.record.json`; for a
   directory `record.json` inside it, one record per file). `check_file` / `check_dir` compare
@@ -132,6 +133,46 @@ def _temp_name(dest: Path, suffix: str) -> Path:
     return dest.with_name(f".{dest.name}.{os.getpid()}.{secrets.token_hex(4)}{suffix}")
 
 
+def sweep_debris(dest: Path) -> int:
+    """Delete what a killed writer of `dest` left: its temporary file or directory
+    (`.<name>.<pid>.<8 hex>.tmp` / `.old`) whose process no longer runs. Only those exact
+    names, never anything else; a live writer's temporary stays (the cache is assumed local to
+    this machine, as its flock locks are). Returns how many were deleted."""
+    dest = Path(dest)
+    prefix = f".{dest.name}."
+    swept = 0
+    try:
+        names = [n for n in os.listdir(dest.parent) if n.startswith(prefix)]
+    except OSError:
+        return 0
+    for name in names:
+        pid, _, rest = name[len(prefix):].partition(".")
+        token, _, suffix = rest.partition(".")
+        if not (pid.isdigit() and len(token) == 8 and suffix in ("tmp", "old")
+                and all(c in "0123456789abcdef" for c in token)) or _alive(int(pid)):
+            continue
+        path = dest.parent / name
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            swept += 1
+        except OSError:
+            pass
+    return swept
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def atomic_file(dest: Path) -> Iterator[Path]:
     """Yield a fresh temporary path next to `dest`; on success it is renamed onto `dest`. The
@@ -139,6 +180,7 @@ def atomic_file(dest: Path) -> Iterator[Path]:
     cache shared between users stays readable."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    sweep_debris(dest)
     while True:
         tmp = _temp_name(dest, ".tmp")
         try:
@@ -165,6 +207,7 @@ def atomic_dir(dest: Path) -> Iterator[Path]:
     renames, atomic for readers that verify what they read, not for two concurrent writers."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    sweep_debris(dest)
     tmp = _make_dir(dest, ".tmp")
     old = None
     try:

@@ -106,3 +106,25 @@ def test_random_bytes_are_400(server):
         check(r)
 
     fuzz()
+
+
+@pytest.mark.slow
+def test_openapi_schema_fuzz_every_endpoint(server):
+    """schemathesis: cases that fit and that break the server's own /openapi.json, for every
+    endpoint (benchmarks/fuzz_server.py); each answer a well-formed success or a 4xx in
+    OpenAI's error shape, never a 5xx. Bounded: 6 cases per endpoint."""
+    from benchmarks import fuzz_server as FS
+
+    url = str(server.base_url).rstrip("/")
+    ops = FS.operations(url, MODEL)
+    assert {label for label, *_ in ops} == {
+        "GET /health", "GET /metrics", "GET /v1/models", "POST /v1/completions",
+        "POST /v1/chat/completions"}
+    for label, positive, negative in ops:
+        @settings(FUZZ, max_examples=6)
+        @given(case=st.one_of(positive, negative))
+        def fuzz(case):
+            kind, detail = FS.classify(FS.send(server, case))
+            assert kind == "ok", (label, case.body, detail)
+
+        fuzz()

@@ -17,13 +17,14 @@ Tensor types read: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
-from powerinfer_jax.checkpoint import gguf_arch, quants
+from powerinfer_jax.checkpoint import gguf_arch, gguf_keys, quants
 from powerinfer_jax.checkpoint.gguf_file import (GGUFFile, GGUFFormatError,
                                                  release_mapped_pages)
 from powerinfer_jax.checkpoint.base import (Checkpoint, DeferredQuantTensor, QuantTensor,
@@ -72,6 +73,7 @@ def _open(path: Path) -> GGUFFile:
             raise UserError(f"GGUF file {str(path)!r}: tensor {t.name!r}: expected its data to end "
                             f"within the file ({size} bytes), got an end at byte "
                             f"{int(t.data_offset) + int(t.n_bytes)}: the file is truncated; {fix}")
+    gguf_keys.check_types(reader.metadata, f"GGUF file {str(path)!r}")
     return reader
 
 
@@ -181,16 +183,42 @@ def _config(path: Path, meta: dict, tensors: dict) -> ModelConfig:
         raise unsupported_architecture(arch, f"{source}: general.architecture")
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{source}: expected tensor 'token_embd.weight', got none")
+    blocks = meta.get(f"{arch}.block_count")
+    if isinstance(blocks, int) and blocks > len(tensors):  # each layer has tensors of its own:
+        # a corrupt count must fail here, not after a per-layer layout of billions of entries
+        raise UserError(f"{source}: metadata {arch}.block_count: expected at most {len(tensors)} "
+                        f"(the file's tensors; every layer has its own), got {blocks} (a "
+                        "corrupt or hand-edited file)")
     pos = tensors.get("position_embd.weight")
     freqs = tensors.get("rope_freqs.weight")  # Llama-3's scaled RoPE (gguf_families.py)
-    return gguf_arch.config_from_metadata(
-        meta, source, vocab_size=int(tensors["token_embd.weight"].shape[1]),  # ne = [D, V]
-        tied=arch == "opt" or _tied(tensors), powerinfer=powerinfer,
-        has_bias="blk.0.attn_qkv.bias" in tensors,
-        n_positions=None if pos is None else int(pos.shape[1]),
-        rope_freqs=None if freqs is None else _read_stored(
-            freqs, (int(np.prod(freqs.shape)),), source, keep_quantized=False),
-        tensor_names=tuple(tensors))
+    with _naming(source):
+        return gguf_arch.config_from_metadata(
+            meta, source, vocab_size=_vocab_rows(tensors["token_embd.weight"], source),
+            tied=arch == "opt" or _tied(tensors), powerinfer=powerinfer,
+            has_bias="blk.0.attn_qkv.bias" in tensors,
+            n_positions=None if pos is None else int(pos.shape[-1]),
+            rope_freqs=None if freqs is None else _read_stored(
+                freqs, (int(np.prod(freqs.shape)),), source, keep_quantized=False),
+            tensor_names=tuple(tensors))
+
+
+def _vocab_rows(t, source: str) -> int:
+    """The vocabulary size from token_embd's `ne` = [D, V]."""
+    if len(t.shape) != 2:
+        raise UserError(f"{source}: tensor 'token_embd.weight': expected 2 dimensions [D, V], "
+                        f"got {len(t.shape)}")
+    return int(t.shape[1])
+
+
+@contextlib.contextmanager
+def _naming(source: str):
+    """A ValueError raised inside (ModelConfig's checks, the tokenizer's) names the file."""
+    try:
+        yield
+    except ValueError as e:
+        if source in str(e):
+            raise
+        raise UserError(f"{source}: {e}") from None
 
 
 def load_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> Checkpoint:
@@ -218,7 +246,8 @@ def load_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> Check
             read[src.gguf] = _read_stored(tensors[src.gguf], stored, source, keep_quantized)
         params[name] = _canonical(read[src.gguf], src)
     check_params(config, params, source)
-    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    with _naming(source):
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
     return Checkpoint(config=config, params=params, tokenizer=tokenizer, source=str(path))
 
 

@@ -28,6 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 MAGICS = (b"GGUF", b"PWRI")
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+MAX_ARRAY_DEPTH = 8  # arrays of arrays: none of the keys read nests; a deep one is corruption
 
 _SCALARS = {  # value type -> struct format (little-endian)
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
@@ -203,7 +204,7 @@ class GGUFFile:
         self._off = off
         return got
 
-    def _value(self, vtype: int):
+    def _value(self, vtype: int, depth: int = 0):
         if vtype == GGUFValueType.STRING:
             return self._string()
         if vtype == GGUFValueType.ARRAY:
@@ -220,7 +221,10 @@ class GGUFFile:
                 return out
             if item == GGUFValueType.ARRAY:
                 self._check_count(count, 12, "array length")
-                return [self._value(GGUFValueType.ARRAY) for _ in range(count)]
+                if depth + 1 >= MAX_ARRAY_DEPTH:
+                    raise GGUFFormatError(f"array at byte {self._off - 12}: expected arrays "
+                                          f"nested at most {MAX_ARRAY_DEPTH} deep, got more")
+                return [self._value(GGUFValueType.ARRAY, depth + 1) for _ in range(count)]
             raise GGUFFormatError(f"array item type: expected a GGUF value type id, got {item}")
         if vtype in _SCALARS:
             value = self._scalar(_SCALARS[vtype])

@@ -222,11 +222,11 @@ def create_app(loader, *, slots: int = 1, model_name: str | None = None, queue_s
             "id": state.model_name, "object": "model", "created": 0, "owned_by": "powerinfer_jax",
             "meta": {k: v for k, v in s.describe().items() if k != "placement"}}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=P.openapi_body(P.CompletionRequest))
     async def completions(request: Request):
         return await _guarded(_generate(state, request, chat=False))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=P.openapi_body(P.ChatRequest))
     async def chat(request: Request):
         return await _guarded(_generate(state, request, chat=True))
 
@@ -362,10 +362,13 @@ async def _next(job: Job, watch: asyncio.Future):
     if not job.events.empty():
         return job.events.get_nowait()
     get = asyncio.ensure_future(job.events.get())
-    done, _ = await asyncio.wait((get, watch), return_when=asyncio.FIRST_COMPLETED)
+    try:
+        done, _ = await asyncio.wait((get, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this coroutine is cancelled (the client gone mid-stream): a pending
+        if not get.done():  # task dropped unfinished is logged as "Task was destroyed"
+            get.cancel()
     if get in done:
         return get.result()
-    get.cancel()
     return None
 
 

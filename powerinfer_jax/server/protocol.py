@@ -133,6 +133,27 @@ class ChatRequest(_Generation):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # OpenAI's newer name
 
 
+def openapi_body(model: type[BaseModel]) -> dict:
+    """The OpenAPI `requestBody` of a request model (its JSON schema with the nested models
+    written in place), for the routes that read their body themselves: the server's own
+    /openapi.json documents what they take, and schema-driven fuzzers generate from it."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref[len("#/$defs/"):]])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": inline(schema)}}}}
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """A request's generation settings, defaults filled in."""
