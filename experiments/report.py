@@ -20,6 +20,7 @@ FILES = {  # experiment -> JSONL file name under the results directory
     "ablation": "ablation.jsonl", "peers": "peers.jsonl", "cost_breakdown": "cost_breakdown.jsonl",
     "prompt_length": "prompt_length.jsonl",
     "gpu_hybrid": "gpu_hybrid.jsonl",  # section 7, with benchmarks/gpu_hybrid.jsonl
+    "stock_sparsity_quality": "stock_sparsity_quality.jsonl",
 }
 STATUS_FILE = "run_all.jsonl"
 
@@ -301,12 +302,27 @@ def section_prompt_length(rows, fig) -> str:
         + "\n" + fig)
 
 
+def section_stock_sparsity(rows, fig) -> str:
+    """Input sparsity's quality: the newest row of each (rule, target)."""
+    latest = {}
+    for r in rows:  # rows in file order: a later row replaces an earlier one
+        latest[(r["rule"], r["target_sparsity"])] = r
+    body = [[rule, f"{t:.2f}", f"{r['measured_sparsity']:.3f}", f"{r['ppl']:.3f}",
+             f"{r['ppl_over_dense']:.4f}", f"{r['greedy_agreement']:.3f}", r["commit"][:7]]
+            for (rule, t), r in sorted(latest.items())]
+    return ("## Input sparsity on the real SmolLM2 (quality)\n\n" + (rows[-1].get("text", "")
+            + "\n\n") + table(["rule", "target", "measured", "ppl", "x dense",
+                                "greedy agreement", "commit"], body) + "\n" + fig)
+
+
 SECTIONS = (("power_law", section_power_law, "Sorted activation frequency per layer"),
             ("quality_vs_sparsity", section_quality, "Perplexity vs FFN sparsity"),
             ("ablation", section_ablation, "Decode tokens/s per ablation step"),
             ("peers", section_peers, "Decode tokens/s vs peers"),
             ("cost_breakdown", section_cost, "Decode time per component"),
-            ("prompt_length", section_prompt_length, "Prefill and decode vs prompt length"))
+            ("prompt_length", section_prompt_length, "Prefill and decode vs prompt length"),
+            ("stock_sparsity_quality", section_stock_sparsity,
+             "Perplexity vs model-wide input sparsity"))
 
 
 GPU_HYBRID_FILE = _common.REPO / "benchmarks" / "gpu_hybrid.jsonl"

@@ -44,6 +44,9 @@ REGISTRY = (
                ("--targets", "0.5", "--chunks", "4", "--max-tokens", "8192", "--steps", "150",
                 "--impl", "ffi", "--no-save-artifacts"), (600, 240)),
     Experiment("ablation", (), ("--quick",), (360, 150)),
+    # input sparsity's quality on the real SmolLM2 (three rules, five model-wide targets); the
+    # loss-guided allocation runs ~100 forwards of 1024 tokens per rule
+    Experiment("stock_sparsity_quality", (), ("--quick",), (1500, 400)),
     Experiment("peers", (), ("--quick",), (300, 150)),
     Experiment("cost_breakdown", (), ("--quick", "--dtypes", "bfloat16"), (90, 60)),
     Experiment("prompt_length", (), ("--quick",), (180, 40)),
