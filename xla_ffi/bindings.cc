@@ -26,6 +26,7 @@
 namespace nb = nanobind;
 
 void RegisterNeuronStore(nb::module_& m);  // neuron_store_bindings.cc
+void RegisterExpertStore(nb::module_& m);  // expert_store_bindings.cc
 
 namespace {
 
@@ -127,6 +128,7 @@ NB_MODULE(_pij_ext, m) {
     d["pij_qsparse_ffn"] = Capsule(PijQSparseFfnCpu);
     d["pij_qembedding"] = Capsule(PijQEmbeddingCpu);
     d["pij_disk_ffn"] = Capsule(PijDiskFfnCpu);
+    d["pij_expert_ffn"] = Capsule(PijExpertFfnCpu);
     return d;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target(platform='cpu').");
   m.def("set_num_threads", [](int n) {
@@ -213,6 +215,7 @@ NB_MODULE(_pij_ext, m) {
   }, nb::arg("x"), nb::arg("blocks"), nb::arg("qtype"), nb::arg("y"),
         "Tests: y = x . rows of interleaved blocks through the portable loops (bitwise the vector kernels').");
   RegisterNeuronStore(m);
+  RegisterExpertStore(m);
   m.def("dequantize_into", [](nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> blocks,
                               int32_t qtype,
                               nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {

@@ -171,7 +171,7 @@ ffi::Error MoeFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer we
     std::lock_guard<std::mutex> lock(rt.mutex);
     SetContiguousRows(rt, static_cast<const float*>(x.untyped_data()), n, d);
     MoeFfn(w, rt.x_rows, id, static_cast<const float*>(weights.untyped_data()), k,
-           static_cast<float*>(y->untyped_data()), rt.moe, rt.pool);
+           static_cast<float*>(y->untyped_data()), rt.moe, rt.pool);  // stacked: nothing to read
     return ffi::Error::Success();
   } catch (const std::exception& ex) {  // bad_alloc growing scratch: report, never abort
     return ffi::Error::Internal(std::string("moe_ffn: ") + ex.what());
