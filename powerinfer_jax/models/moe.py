@@ -190,21 +190,29 @@ _HANDLES = itertools.count(1)
 
 class ColdExperts:
     """A placed layer's cold experts kept on the host when the model runs on an accelerator:
-    their blocks (committed to the CPU device) and what ops.moe_ffn needs to run them there.
-    Registered by handle (the model holds only the integer), released with the layer."""
+    their weights as the file has them (committed to the CPU device) and what runs them there:
+    a quantized file's blocks through ops.moe_ffn (the host pool), float experts (F32, F16,
+    BF16: the model's dtype) through XLA on the CPU, each routed pair alone at decode
+    (`_CpuFloatExperts`: MoE's float paths). Registered by handle (the model holds only the
+    integer), released with the layer."""
 
-    def __init__(self, experts: "Experts", activation: str):
+    def __init__(self, experts: "Experts", activation: str, n_used: int):
         cpu = jax.devices("cpu")[0]
         self.blocks = tuple(jax.device_put(np.asarray(jax.device_get(m.weight[...])), cpu)
                             for m in (experts.gate, experts.up, experts.down_t))
+        self.quantized = experts.gate.qtype is not None
         self.kw = dict(gate_qtype=experts.gate.qtype, up_qtype=experts.up.qtype,
                        down_qtype=experts.down_t.qtype, activation=activation,
                        down_layout="groups" if experts.down_t.layout == "groups" else "rows")
+        self.n_used = n_used
         self.cpu = cpu
 
     @functools.cached_property
     def _run(self):
         kw = self.kw
+        if not self.quantized:
+            floats = _CpuFloatExperts(self.n_used, kw["activation"])
+            return jax.jit(lambda x, ids, w, g, u, d: floats._xla(x, ids, w, (g, u, d)))
         return jax.jit(lambda x, ids, w, g, u, d: ops.moe_ffn(x, ids, w, g, u, d, **kw))
 
     def __call__(self, x, ids, weights):
@@ -348,16 +356,12 @@ class MoE(Module):
             fail("MoE.split store", "'auto', 'operands' or 'host'", store)
         n_hot = int(n_hot)
         x = self.experts
-        if n_hot < e and store == "host" and x.gate.qtype is None:
-            fail("MoE.split cold experts on the host", "a quantized file's blocks (the host "
-                 "pool's custom call runs those)", "float experts",
-                 "load a quantized GGUF, or raise --vram-budget to hold every expert")
         if n_hot:
             self.hot = HotExperts(*x.floats(0, n_hot, hot_dtype(self.dtype)))
         for m in (x.gate, x.up, x.down_t):
             m.weight.set_value(m.weight[...][n_hot:])
         if n_hot < e and store == "host":
-            self.host_handle = _register_host(ColdExperts(x, self.activation))
+            self.host_handle = _register_host(ColdExperts(x, self.activation, self.n_used))
             weakref.finalize(self, _HOST.pop, self.host_handle, None)
             for m in (x.gate, x.up, x.down_t):  # nothing of them stays in the model's state
                 m.weight.set_value(m.weight[...][:0])
@@ -515,3 +519,17 @@ class MoE(Module):
         u = jnp.einsum("nd,nkfd->nkf", x_nd, up, preferred_element_type=F32)
         a = self._act(g, u) * weights[..., None]
         return jnp.einsum("nkf,nkfd->nd", a, down, preferred_element_type=F32)
+
+
+class _CpuFloatExperts:
+    """MoE's float-expert paths (`MoE._xla`: each routed pair alone at decode, every expert on
+    every token for long calls) outside a module, as a CPU runs them: a host store's cold float
+    experts (`ColdExperts`)."""
+
+    execution = "routed"
+    per_pair = True
+    _xla, _pairs, _dense, _gathered, _act = (MoE._xla, MoE._pairs, MoE._dense, MoE._gathered,
+                                             MoE._act)
+
+    def __init__(self, n_used: int, activation: str):
+        self.n_used, self.activation = n_used, activation
