@@ -385,6 +385,7 @@ class MoE(Module):
         ids, weights = route(logits, self.n_used, self.normalize)
         named = ids if self.order is None else jnp.asarray(self.order)[ids]  # the file's ids
         sow(self, "expert_ids", named.reshape(lead + (self.n_used,)))  # [B, T, k] under capture
+        sow(self, "router_logits", logits.reshape(lead + (self.n_experts,)))  # [B, T, E]
         if self.on_disk is not None:
             y = self._on_disk(x, ids, weights, logits)
             if self.shared is not None:

@@ -11,12 +11,13 @@ same. The GGUF's own extents (three per expert, in the file's row order) would n
 rearrangement on every read. Written once next to the model (or, when that directory is not
 writable, in the cache directory), never into the model file.
 
-Layout (little endian; every offset a multiple of ALIGN = 4096):
+Layout (little endian):
   [0, 48)         magic b"PIJEXPRT", version u32, header JSON length u32, sha256 of the JSON
   [48, ...)       the header JSON (`ExpertSpec`: the model's fingerprint, shapes, formats,
                   offsets)
-  data_offset     L * E slots of slot_bytes: at (l * E + e) * slot_bytes expert e of layer l,
-                  its gate at + gate_offset, up at + up_offset, down at + down_offset, zero padded
+  data_offset     (4096) L * E slots of slot_bytes (a multiple of 512, O_DIRECT's unit): at
+                  (l * E + e) * slot_bytes expert e of layer l, its gate at + gate_offset, up at
+                  + up_offset, down at + down_offset (each on a 64-byte line), zero padded
 
 A file is used only if its header is intact (magic, version, checksum), names this model (the
 fingerprint: checkpoint/bundles.py's, of the model file's size, header and sampled blocks) and
@@ -46,6 +47,8 @@ from powerinfer_jax.models.moe import arrange_stacked, stacked_format
 MAGIC = b"PIJEXPRT"
 VERSION = 1
 ALIGN = 4096
+SLOT_ALIGN = 512  # O_DIRECT's unit (cpu_backend/bundle_reader.h kDirectAlign): one extent a slot
+MATRIX_ALIGN = 64  # a cache line: each matrix of a slot starts on one, as numpy's arrays do
 SUFFIX = ".pij-experts"
 MATRICES = ("gate", "up", "down_t")
 _PREFIX = struct.Struct("<8sII32s")
@@ -153,9 +156,9 @@ def plan(ckpt, fingerprint: str) -> ExpertSpec:
                       if fmt["down_t"][1] == "groups" else "rows", gate_offset=0, up_offset=0,
                       down_offset=0, slot_bytes=0, data_offset=ALIGN, file_bytes=0)
     gate, up, down = (_matrix_bytes(spec, m) for m in MATRICES)
-    up_at = _round_up(gate, ALIGN)
-    down_at = up_at + _round_up(up, ALIGN)
-    slot = down_at + _round_up(down, ALIGN)
+    up_at = _round_up(gate, MATRIX_ALIGN)
+    down_at = up_at + _round_up(up, MATRIX_ALIGN)
+    slot = _round_up(down_at + down, SLOT_ALIGN)
     return dataclasses.replace(spec, up_offset=up_at, down_offset=down_at, slot_bytes=slot,
                                file_bytes=ALIGN + c.n_layers * c.n_experts * slot)
 
