@@ -54,7 +54,9 @@ std::unique_ptr<ExpertStore> ExpertStore::Open(ExpertStoreOptions o, std::string
   int64_t n_pinned = 0, most_unpinned = 0;
   for (int64_t layer = 0; layer < l.num_layers; ++layer) {
     int64_t unpinned = 0;
-    for (int64_t e = 0; e < l.num_experts; ++e) unpinned += o.pinned[layer * l.num_experts + e] == 0;
+    for (int64_t e = 0; e < l.num_experts; ++e) {
+      unpinned += o.pinned[layer * l.num_experts + e] == 0;
+    }
     n_pinned += l.num_experts - unpinned;
     most_unpinned = std::max(most_unpinned, unpinned);
   }
@@ -182,7 +184,8 @@ void ExpertStore::ReadInto(int64_t key, int32_t slot, std::vector<ReadJob>& jobs
     flag->store(kSlotLoading, std::memory_order_release);
     ReadJob job;
     job.offset = at + off;
-    job.iov.push_back({dst + off, static_cast<size_t>(std::min(o_.read_bytes, l.slot_bytes - off))});
+    job.iov.push_back(
+        {dst + off, static_cast<size_t>(std::min(o_.read_bytes, l.slot_bytes - off))});
     job.done.push_back(flag);
     jobs.push_back(std::move(job));
   }

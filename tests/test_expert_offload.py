@@ -6,6 +6,7 @@ in-memory run's tokens; budgets too small, foreign or truncated expert files and
 one-line errors or rebuilds, and the model file is never written. The cgroup measurements are
 benchmarks/moe_offload.py's."""
 import hashlib
+import json
 import os
 from types import SimpleNamespace
 
@@ -251,8 +252,11 @@ def test_tokens_equal_in_memory_at_the_minimum_budget(model):
     """64 greedy tokens at the smallest budget (the cache holds one layer's experts, nothing
     pinned) equal the in-memory run's; the budget below it is refused naming the bytes, as a
     mode that selects neurons."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
     from powerinfer_jax.config import PlacementConfig, RuntimeConfig, SparsityConfig
     from powerinfer_jax.runtime import session
+    from powerinfer_jax.server.offload_metrics import OffloadCollector
 
     before = _sha256(model)
     want = _tokens(_build(model))
@@ -273,7 +277,27 @@ def test_tokens_equal_in_memory_at_the_minimum_budget(model):
                                         "expected dense"):
         session.build(model, RuntimeConfig(max_seq_len=MAX_SEQ), SparsityConfig(mode="oracle"),
                       placement=PlacementConfig(ram_budget_gib=lo / GIB), progress=False)
+    # the server's metrics read the expert store
+    reg = CollectorRegistry()
+    reg.register(OffloadCollector(s.offload))
+    text = generate_latest(reg).decode()
+    for name in ("pij_expert_misses_total", "pij_expert_hit_rate", "pij_expert_readahead_recall",
+                 "pij_expert_read_bytes_per_token"):
+        assert name in text
     assert _sha256(model) == before  # nothing written to the model file
+
+
+@pytest.mark.slow
+def test_the_cli_reports_the_store_in_json(model, capsys):
+    from powerinfer_jax import generate
+
+    generate.main(["--model", model, "--prompt", "Hello there", "--max-new-tokens", "6",
+                   "--max-seq-len", str(MAX_SEQ), "--ram-budget", "0.0105", "--neuron-cache",
+                   "score", "--json", "--no-stream"])
+    off = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["offload"]
+    assert off["mode"] == "disk" and off["kind"] == "experts" and off["policy"] == "score"
+    pt = off["stats"]["per_token"]
+    assert pt["tokens"] > 0 and 0 <= pt["hit_rate"] <= 1 and 0 <= pt["readahead_recall"] <= 1
 
 
 @pytest.mark.slow

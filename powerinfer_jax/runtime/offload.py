@@ -126,8 +126,10 @@ def file_bytes(ckpt) -> int:
 
 
 # a GGUF's FFN matrices of a dense layer (llama.cpp's ffn_down [D, F] or PowerInfer's ffn_down_t
-# [F, D], gguf_arch.sources): the only tensors a neuron store keeps on disk
-_GGUF_FFN = re.compile(r"blk\.\d+\.ffn_(gate|up|down|down_t|gate_exps|up_exps|down_exps)\.weight")
+# [F, D], gguf_arch.sources) and an MoE layer's routed experts: the only tensors a neuron or
+# expert store keeps on disk
+_GGUF_FFN = re.compile(r"blk\.\d+\.ffn_(gate|up|down|down_t|gate_exps|up_exps|down_exps)"
+                       r"\.weight")
 
 
 def check_budget_from_header(model, budget: int) -> None:

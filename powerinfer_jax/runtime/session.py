@@ -346,7 +346,8 @@ def _ram_mode(ckpt, runtime, sparsity, placement, max_batch, accel) -> str:
 
     from powerinfer_jax.checkpoint.bundles import check_quantized  # lazy: start-up
     from powerinfer_jax.runtime import offload  # lazy: start-up
-    from powerinfer_jax.runtime.expert_file import check_quantized as check_experts  # lazy: start-up
+    # lazy: start-up
+    from powerinfer_jax.runtime.expert_file import check_quantized as check_experts
 
     if accel is not None or runtime.devices is not None:
         fail("--ram-budget", "a CPU-only run on one device (the GPU tier of a disk-offloaded "
