@@ -246,15 +246,19 @@ bool ExpertStore::Acquire(int64_t layer, std::span<const int32_t> experts, int64
     stats_.one_token.guessed_routed += static_cast<int64_t>(n);
     guessed_[layer] = 0;
   }
+  // Two passes: every expert in memory (or being read ahead) is pinned before any miss takes a
+  // slot, so a miss never evicts an expert this very call needs (under "frequency" a read-ahead
+  // expert, rarely routed, is the first victim otherwise).
+  std::vector<int32_t>& slot = slot_scratch_;
+  slot.assign(n, -1);
   for (size_t k = 0; k < n; ++k) {
     const int64_t key = layer * l.num_experts + experts[k];
-    lease.flag_begin[k] = static_cast<int32_t>(lease.flags.size());
     if (const int32_t ps = pinned_slot_[key]; ps >= 0) {
       lease.base[k] = pinned_->data + ps * l.slot_bytes;
       ++stats_.pinned_hits;
       continue;
     }
-    int32_t s = cache_->Find(key);
+    const int32_t s = cache_->Find(key);
     if (s >= 0 && !Failed(s)) {
       cache_->Touch(s, tick_);
       cache_->Pin(s);
@@ -263,24 +267,36 @@ bool ExpertStore::Acquire(int64_t layer, std::span<const int32_t> experts, int64
         ++stats_.prefetch_hits;
         by_prefetch_[s] = 0;
       }
-    } else {
-      if (s >= 0) {
-        cache_->Pin(s);  // a failed read's slot: read again
-      } else {
-        s = SlotFor(key, /*demand=*/true);  // pinned
-      }
-      if (s < 0) {  // only with fewer slots than Open requires: undo and report
-        for (const int32_t p : lease.pinned) cache_->Unpin(p);
-        lease.pinned.clear();
-        *error = "expert store: no slot free for a missing expert (cache_slots " +
-                 std::to_string(o_.cache_slots) + ")";
-        return false;
-      }
-      ++stats_.misses;
-      by_prefetch_[s] = 0;
-      ReadInto(key, s, jobs_);
+      slot[k] = s;
+      lease.pinned.push_back(s);
     }
+  }
+  for (size_t k = 0; k < n; ++k) {
+    const int64_t key = layer * l.num_experts + experts[k];
+    if (lease.base[k] != nullptr || slot[k] >= 0) continue;
+    int32_t s = cache_->Find(key);
+    if (s >= 0) {
+      cache_->Pin(s);  // a failed read's slot: read again
+    } else {
+      s = SlotFor(key, /*demand=*/true);  // pinned
+    }
+    if (s < 0) {  // only with fewer slots than Open requires: undo and report
+      for (const int32_t p : lease.pinned) cache_->Unpin(p);
+      lease.pinned.clear();
+      *error = "expert store: no slot free for a missing expert (cache_slots " +
+               std::to_string(o_.cache_slots) + ")";
+      return false;
+    }
+    ++stats_.misses;
+    by_prefetch_[s] = 0;
+    ReadInto(key, s, jobs_);
+    slot[k] = s;
     lease.pinned.push_back(s);
+  }
+  for (size_t k = 0; k < n; ++k) {
+    lease.flag_begin[k] = static_cast<int32_t>(lease.flags.size());
+    if (slot[k] < 0) continue;  // pinned: in memory
+    const int32_t s = slot[k];
     lease.base[k] = dynamic_->data + s * l.slot_bytes;
     for (int64_t p = 0; p < pieces_; ++p) {
       const std::atomic<uint32_t>* f = &state_[s * pieces_ + p];

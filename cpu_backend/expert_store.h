@@ -144,6 +144,7 @@ class ExpertStore {
   ExpertStoreStats stats_;  // under mutex_
   std::atomic<int64_t> wait_ns_{0};
   std::vector<ReadJob> jobs_;
+  std::vector<int32_t> slot_scratch_;  // Acquire's: each requested expert's cache slot or -1
   ReaderStats reader_base_;
 };
 
