@@ -1,7 +1,9 @@
 #include "cpu_backend/moe_ffn.h"
 
 #include <algorithm>
+#include <chrono>
 
+#include "cpu_backend/bundle_reader.h"
 #include "cpu_backend/pij_math.h"
 #include "cpu_backend/qlinear.h"
 
@@ -21,19 +23,60 @@ struct Task {
 
 int64_t MinGroup(QType t) { return GetQTypeInfo(t).block == 256 ? 16 : 32; }
 
-// (expert, row range) tasks over the experts that have tokens, `passes` matrices each of
-// `rows` rows, about kTasksPerThread per thread.
-void MakeTasks(const std::vector<int32_t>& start, int64_t rows, int passes, int threads,
+// Expert e's matrices: stacked, or where its source says.
+const uint8_t* GateOf(const MoeExperts& w, int64_t e, int64_t bytes) {
+  return w.sources != nullptr ? w.sources[e].gate : w.gate + e * bytes;
+}
+const uint8_t* UpOf(const MoeExperts& w, int64_t e, int64_t bytes) {
+  return w.sources != nullptr ? w.sources[e].up : w.up + e * bytes;
+}
+const uint8_t* DownOf(const MoeExperts& w, int64_t e, int64_t bytes) {
+  return w.sources != nullptr ? w.sources[e].down : w.down + e * bytes;
+}
+
+bool Pending(const MoeExperts& w, int64_t e) {
+  if (w.sources == nullptr) return false;
+  for (const std::atomic<uint32_t>* f : w.sources[e].pending) {
+    if (f->load(std::memory_order_acquire) != kSlotReady) return true;
+  }
+  return false;
+}
+
+// Waits for expert e's reads (if any); false (and s.failed) when one failed.
+bool Ready(const MoeExperts& w, int64_t e, MoeScratch& s) {
+  if (w.sources == nullptr) return true;
+  bool ok = true;
+  const auto t0 = std::chrono::steady_clock::now();
+  bool waited = false;
+  for (const std::atomic<uint32_t>* f : w.sources[e].pending) {
+    uint32_t v = f->load(std::memory_order_acquire);
+    while (v == kSlotLoading) {
+      waited = true;
+      f->wait(kSlotLoading, std::memory_order_acquire);
+      v = f->load(std::memory_order_acquire);
+    }
+    ok &= v == kSlotReady;
+  }
+  if (waited) {
+    s.wait_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::steady_clock::now() - t0).count(),
+                        std::memory_order_relaxed);
+  }
+  if (!ok) s.failed.store(true, std::memory_order_relaxed);
+  return ok;
+}
+
+// (expert, row range) tasks over s.experts (the experts that have tokens, in the order they
+// are computed), `passes` matrices each of `rows` rows, about kTasksPerThread per thread.
+void MakeTasks(const MoeScratch& s, int64_t rows, int passes, int threads,
                std::vector<Task>& tasks) {
   tasks.clear();
-  int64_t active = 0;
-  for (size_t e = 0; e + 1 < start.size(); ++e) active += start[e + 1] > start[e];
+  const int64_t active = static_cast<int64_t>(s.experts.size());
   if (active == 0) return;
   const int64_t want = std::max<int64_t>(1, threads * kTasksPerThread);
   // a multiple of 16 rows: an interleaved matrix's tasks start and end on its groups
   const int64_t per = (std::max(kMinTaskRows, rows * active * passes / want) + 15) / 16 * 16;
-  for (size_t e = 0; e + 1 < start.size(); ++e) {
-    if (start[e + 1] == start[e]) continue;
+  for (const int32_t e : s.experts) {
     for (int which = 0; which < passes; ++which) {
       for (int64_t lo = 0; lo < rows; lo += per) {
         tasks.push_back({static_cast<int32_t>(e), which, lo, std::min(rows, lo + per)});
@@ -103,27 +146,29 @@ void DenseExperts(const MoeExperts& w, int64_t pairs, MoeScratch& s, ThreadPool&
   const int64_t rb_d_gate = QRowBytes(w.gate_t, d), rb_d_up = QRowBytes(w.up_t, d);
   const int64_t rb_f = QRowBytes(w.down_t, f);
   std::vector<Task> tasks;
-  MakeTasks(s.start, f, 2, pool.NumThreads(), tasks);
+  MakeTasks(s, f, 2, pool.NumThreads(), tasks);
   pool.Run(0, static_cast<int64_t>(tasks.size()), [&](int64_t ti, int /*worker*/) {
     const Task& t = tasks[ti];
+    if (!Ready(w, t.expert, s)) return;
     const int64_t a = s.start[t.expert], count = s.start[t.expert + 1] - a;
     const bool gate = t.which == 0;
-    QLinearOut out{(gate ? w.gate : w.up) + t.expert * f * (gate ? rb_d_gate : rb_d_up),
+    QLinearOut out{gate ? GateOf(w, t.expert, f * rb_d_gate) : UpOf(w, t.expert, f * rb_d_up),
                    gate ? w.gate_t : w.up_t, nullptr, f, (gate ? s.g : s.u).data() + a * f,
                    gate ? w.gate_il : w.up_il};
     const auto& views = gate ? s.v_gate : s.v_up;
     QLinearRows(out, d, std::span<const QActView>(views.data() + a, count), t.lo, t.hi);
   });
+  if (s.failed.load(std::memory_order_relaxed)) return;
   // h = act(g) * u, quantized for down's blocks.
   for (int64_t i = 0; i < pairs * f; ++i) s.g[i] = GatedActivate(w.activation, s.g[i], s.u[i]);
   for (int64_t i = 0; i < pairs; ++i) s.rows[i] = s.g.data() + i * f;  // x is quantized
   Quantize(s.rows, f, w.down_t, s.h, s.v_h, pool);
   // Down rows of each routed expert for its group.
-  MakeTasks(s.start, d, 1, pool.NumThreads(), tasks);
+  MakeTasks(s, d, 1, pool.NumThreads(), tasks);
   pool.Run(0, static_cast<int64_t>(tasks.size()), [&](int64_t ti, int /*worker*/) {
     const Task& t = tasks[ti];
     const int64_t a = s.start[t.expert], count = s.start[t.expert + 1] - a;
-    QLinearOut out{w.down + t.expert * d * rb_f, w.down_t, nullptr, d, s.y.data() + a * d,
+    QLinearOut out{DownOf(w, t.expert, d * rb_f), w.down_t, nullptr, d, s.y.data() + a * d,
                    w.down_il};
     QLinearRows(out, f, std::span<const QActView>(s.v_h.data() + a, count), t.lo, t.hi);
   });
@@ -137,13 +182,13 @@ void SparseExperts(const MoeExperts& w, int64_t pairs, MoeScratch& s, ThreadPool
   const int64_t group_bytes = d * GetQTypeInfo(w.down_t).bytes;  // 32 neurons' down blocks
   s.n_active.resize(pairs);
   const QSparseFfnParams params{w.activation, Criterion::kOracle, 0.0f};
-  for (int64_t e = 0; e < w.n_experts; ++e) {
+  for (const int32_t e : s.experts) {
     const int64_t a = s.start[e], count = s.start[e + 1] - a;
-    if (count == 0) continue;
+    if (!Ready(w, e, s)) return;
     QFfnWeights q;
-    q.gate = w.gate + e * f * rb_gate;
-    q.up = w.up + e * f * rb_up;
-    q.down = w.down + e * (f / 32) * group_bytes;
+    q.gate = GateOf(w, e, f * rb_gate);
+    q.up = UpOf(w, e, f * rb_up);
+    q.down = DownOf(w, e, (f / 32) * group_bytes);
     q.gate_type = w.gate_t;
     q.up_type = w.up_t;
     q.down_type = w.down_t;
@@ -159,18 +204,32 @@ void SparseExperts(const MoeExperts& w, int64_t pairs, MoeScratch& s, ThreadPool
 
 }  // namespace
 
-void MoeFfn(const MoeExperts& w, std::span<const float* const> x_rows, const int32_t* ids,
+bool MoeFfn(const MoeExperts& w, std::span<const float* const> x_rows, const int32_t* ids,
             const float* weights, int64_t k, float* y, MoeScratch& s, ThreadPool& pool) {
   const int64_t n = static_cast<int64_t>(x_rows.size());
-  if (n == 0) return;
+  s.failed.store(false);
+  s.wait_ns.store(0);
+  if (n == 0) return true;
   const int64_t pairs = GroupPairs(w.n_experts, x_rows, ids, k, s);
   s.y.resize(pairs * w.dim);
+  // the routed experts, those in memory first (their tasks are taken first: the others' reads
+  // run meanwhile), each part in id order
+  s.experts.clear();
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int64_t e = 0; e < w.n_experts; ++e) {
+      if (s.start[e + 1] > s.start[e] && Pending(w, e) == (pass == 1)) {
+        s.experts.push_back(static_cast<int32_t>(e));
+      }
+    }
+  }
   if (w.down_groups) {
     SparseExperts(w, pairs, s, pool);
   } else {
     DenseExperts(w, pairs, s, pool);
   }
+  if (s.failed.load()) return false;
   SumExperts(n, k, w.dim, weights, s, y);
+  return true;
 }
 
 }  // namespace pij

@@ -4,10 +4,14 @@
 // formats, int8 activations as llama.cpp computes; AVX-512, AVX2 and portable paths there).
 // ReLU experts with their down projection in down groups are sparse inside as well: each routed
 // expert is the dense FFN's exact oracle (qsparse_ffn.h), so only the neurons whose gate fires
-// read their up row and their down group. Knows nothing of XLA or Python.
+// read their up row and their down group. The experts are stacked (a layer's arrays) or each
+// where an expert store keeps it (expert_store.h: `sources`, whose reads may still be running:
+// the experts in memory are computed first, each other one once its reads end; the result is
+// the same bits either way). Knows nothing of XLA or Python.
 #ifndef PIJ_CPU_BACKEND_MOE_FFN_H_
 #define PIJ_CPU_BACKEND_MOE_FFN_H_
 
+#include <atomic>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -24,8 +28,18 @@ namespace pij {
 // [E, D, QRowBytes(t, F)] (expert e's D rows of F weights), each expert's rows as the GGUF file
 // stores them or, where the flag says so, interleaved by 16 (quant_interleaved.h: Q4_0, Q4_1,
 // Q8_0; the matvec layout, ~3x the file rows' speed at one token).
+// Expert e's matrices when they are not stacked: its gate, up and down bytes (each in its
+// stacked layout, one expert's part), and the read flags (bundle_reader.h) to wait for before
+// they are read (none: in memory).
+struct MoeExpertSource {
+  const uint8_t* gate = nullptr;
+  const uint8_t* up = nullptr;
+  const uint8_t* down = nullptr;
+  std::span<const std::atomic<uint32_t>* const> pending;
+};
+
 struct MoeExperts {
-  const uint8_t* gate;
+  const uint8_t* gate;  // stacked, unless `sources`
   const uint8_t* up;
   const uint8_t* down;
   QType gate_t, up_t, down_t;
@@ -36,6 +50,8 @@ struct MoeExperts {
   // .down_groups; a 32-weight format): the sparse path, relu only. Up rows may then be the
   // file's (only the neurons whose gate fires read theirs) under an interleaved gate.
   bool down_groups = false;
+  // [E] where each expert is (the routed ones set), or nullptr: stacked at gate, up, down.
+  const MoeExpertSource* sources = nullptr;
 };
 
 // Reused across calls (grows, never shrinks).
@@ -47,6 +63,9 @@ struct MoeScratch {
   std::vector<QActView> v_gate, v_up, v_h;
   QSparseFfnScratch sparse;  // the sparse path's, one routed expert at a time
   std::vector<int32_t> n_active;  // [P] the sparse path's active neurons per (token, expert)
+  std::vector<int32_t> experts;   // the routed experts, those in memory first
+  std::atomic<bool> failed{false};
+  std::atomic<int64_t> wait_ns{0};  // time spent waiting for sources' reads
 };
 
 // y[t] = sum_j weights[t, j] * down[e]^T (act(gate[e] . x_t) * (up[e] . x_t)), e = ids[t, j],
@@ -54,7 +73,9 @@ struct MoeScratch {
 // expert another shard holds (expert parallelism): that pair adds nothing here. Preconditions
 // (checked by the caller): ids in [-1, E); D a multiple of gate's and up's blocks, F of down's; with
 // down_groups: relu, a 32-weight down format, D and F multiples of 32.
-void MoeFfn(const MoeExperts& w, std::span<const float* const> x_rows, const int32_t* ids,
+// Returns false when a source's read failed (y is then unspecified); s.wait_ns counts the time
+// the call waited for reads.
+bool MoeFfn(const MoeExperts& w, std::span<const float* const> x_rows, const int32_t* ids,
             const float* weights, int64_t k, float* y, MoeScratch& s, ThreadPool& pool);
 
 }  // namespace pij

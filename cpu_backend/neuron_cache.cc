@@ -9,6 +9,7 @@ NeuronCache::NeuronCache(int64_t num_keys, int64_t num_slots, CachePolicy policy
                          std::span<const float> prior)
     : policy_(policy),
       prior_(prior.begin(), prior.end()),
+      score_(policy == CachePolicy::kScore ? num_keys : 0, -kInf),
       slot_of_(num_keys, -1),
       key_of_(num_slots, -1),
       last_use_(num_slots, 0),
@@ -26,6 +27,7 @@ NeuronCache::Entry NeuronCache::Current(int32_t slot) const {
   switch (policy_) {
     case CachePolicy::kLfu: primary = static_cast<float>(uses_[slot]); break;
     case CachePolicy::kFrequency: primary = prior_.empty() ? 0.0f : prior_[key_of_[slot]]; break;
+    case CachePolicy::kScore: primary = score_[key_of_[slot]]; break;
     case CachePolicy::kLru:
     default: break;
   }

@@ -9,6 +9,13 @@
 //   kFrequency  (prior frequency, last use)        least frequent by the profile, ties LRU: the
 //               static part's order carried on into the dynamic part (PowerInfer-2's neuron
 //               cache keeps the profile's hot neurons; this is that with recency for ties)
+//   kScore      (router score, last use)          least router probability mass, decayed: an
+//               MoE expert store's policy (expert_store.h). Every call credits each key of its
+//               layer with the router's probability p of it, whether routed or not: score =
+//               log sum_i p_i exp(t_i / tau) (t_i the call's time in tokens), which only grows,
+//               and compared at one time it orders keys as the decayed sums sum_i p_i
+//               exp(-(t - t_i) / tau) do. Kept per key, not per slot: an expert read again
+//               keeps what it had.
 // Ties after those: the smaller key. A total order: the same sequence of calls gives the same
 // slots and victims.
 //
@@ -27,17 +34,19 @@
 #ifndef PIJ_CPU_BACKEND_NEURON_CACHE_H_
 #define PIJ_CPU_BACKEND_NEURON_CACHE_H_
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
 namespace pij {
 
-enum class CachePolicy : int32_t { kLru = 0, kLfu = 1, kFrequency = 2 };
+enum class CachePolicy : int32_t { kLru = 0, kLfu = 1, kFrequency = 2, kScore = 3 };
 
 class NeuronCache {
  public:
-  // num_keys: L * F; prior: [num_keys] (kFrequency; may be empty for the others).
+  // num_keys: L * F (or L * E); prior: [num_keys] (kFrequency; may be empty for the others).
   NeuronCache(int64_t num_keys, int64_t num_slots, CachePolicy policy, std::span<const float> prior);
   NeuronCache(const NeuronCache&) = delete;
   NeuronCache& operator=(const NeuronCache&) = delete;
@@ -57,6 +66,12 @@ class NeuronCache {
   // slot is pinned or kept.
   template <typename Keep>
   int32_t Insert(int64_t key, uint64_t tick, bool pin, const Keep& keep, int64_t* evicted);
+  // kScore: adds exp(log_mass) to `key`'s score (in the log domain; the module comment).
+  void Credit(int64_t key, float log_mass) {
+    float& s = score_[key];
+    const float hi = s > log_mass ? s : log_mass, lo = s > log_mass ? log_mass : s;
+    s = lo == -kInf ? hi : hi + std::log1p(std::exp(lo - hi));
+  }
   // Pins count: a pinned slot is never a victim.
   void Pin(int32_t slot) { ++pins_[slot]; }
   void Unpin(int32_t slot) {
@@ -88,8 +103,10 @@ class NeuronCache {
   template <typename Keep>
   int32_t PopVictim(const Keep& keep);
 
+  static constexpr float kInf = std::numeric_limits<float>::infinity();
   CachePolicy policy_;
   std::vector<float> prior_;
+  std::vector<float> score_;      // [num_keys] kScore's, else empty
   std::vector<int32_t> slot_of_;  // [num_keys]
   std::vector<int64_t> key_of_;   // [slots], -1: free
   std::vector<uint64_t> last_use_, uses_;

@@ -105,14 +105,19 @@ def add_sparsity_flags(p: argparse.ArgumentParser, *, predictor_choice: bool = T
                    help="host memory for the model in GiB (dense parts, KV cache, resident FFN "
                         "neurons; not the process's own runtime): FFN neurons beyond it are read "
                         "per token from a neuron bundle file written once next to the model "
-                        "(quantized GGUF; --sparsity dense, oracle or powerinfer). A model that "
-                        "fits loads as without the flag (default: no limit)")
+                        "(quantized GGUF; --sparsity dense, oracle or powerinfer); a "
+                        "mixture-of-experts model keeps its most routed experts and a cache, "
+                        "and reads the other routed experts from an expert file written once "
+                        "next to it (--sparsity dense). A model that fits loads as without the "
+                        "flag (default: no limit)")
     p.add_argument("--neuron-cache", default="frequency", choices=NEURON_CACHES,
-                   help="--ram-budget: eviction policy of the neuron cache's dynamic part "
+                   help="--ram-budget: eviction policy of the neuron or expert cache's dynamic "
+                        "part (score: the router's decayed probabilities, MoE models only) "
                         "(default: %(default)s)")
     p.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
                    help="--ram-budget with --sparsity powerinfer: read ahead the neurons the next "
-                        "layer's predictor picks on this layer's input (default: on)")
+                        "layer's predictor picks on this layer's input; on an MoE model the "
+                        "experts the next layer's router picks on it (default: on)")
     p.add_argument("--offload", default="hybrid", choices=OFFLOADS,
                    help="what stays off the accelerator: hybrid (cold FFN neurons, by activation "
                         "frequency) or layers (whole trailing layers, llama.cpp -ngl style) "

@@ -54,8 +54,10 @@ def load(model: str = DEFAULT_MODEL, *, dtype: str = "float32", sparsity: str = 
     (default 0.5 where the mode needs one), predictor ("q4" or "lowrank") and gate_up ("full" or
     "q4"); predictors: the GGUF holding PowerInfer-form predictors (sparsity "powerinfer").
     vram_budget (GiB) and offload place FFN neurons hot/cold. ram_budget (GiB): host memory for
-    the model; FFN neurons beyond it are read from disk per token (runtime/offload.py), the
-    dynamic part of the neuron cache evicting by `neuron_cache`. threads: the kernels' thread
+    the model; FFN neurons beyond it are read from disk per token (runtime/offload.py), and of a
+    mixture-of-experts model the routed experts (runtime/expert_offload.py), the dynamic part of
+    the neuron or expert cache evicting by `neuron_cache` ("score", the router's decayed
+    probabilities: experts only). threads: the kernels' thread
     pool (XLA's own pool is sized when JAX starts: pin the process first to limit it, as the CLIs
     do). max_seq_len: KV cache length per sequence; max_batch: sequences decoded together (each
     gets a cache row). weights: "auto" keeps a quantized GGUF's matrices in its block format

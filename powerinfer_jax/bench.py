@@ -61,6 +61,9 @@ def bench_model(session, *, prompt_tokens: int, new_tokens: int, repeats: int) -
         raise ValueError(f"--prompt-tokens + --new-tokens: expected at most {eng.max_seq_len} "
                          f"(--max-seq-len), got {len(ids) + new_tokens}")
     cold = eng.generate(ids, max_new_tokens=new_tokens)
+    offload = getattr(session, "offload", None)
+    if offload is not None and offload.store is not None:
+        offload.store.reset_stats()  # --ram-budget: the store's counts cover the timed runs
     read0 = _proc_read_bytes()
     runs = [eng.generate(ids, max_new_tokens=new_tokens) for _ in range(repeats)]
     read1 = _proc_read_bytes()

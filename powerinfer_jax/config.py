@@ -30,7 +30,8 @@ KERNELS = ("auto", "xla", "ffi")
 WEIGHTS = ("auto", "dtype")  # RuntimeConfig.weights
 IMPLS = ("ffi", "reference")
 OFFLOADS = ("hybrid", "layers")
-NEURON_CACHES = ("lru", "lfu", "frequency")  # --neuron-cache: the eviction policies
+# --neuron-cache: the eviction policies ("score": the router's, MoE models only)
+NEURON_CACHES = ("lru", "lfu", "frequency", "score")
 
 # Defaults every entry point shares (CLIs, powerinfer_jax.load, experiments).
 DEFAULT_MODEL = "smollm2-135m"

@@ -393,8 +393,9 @@ def test_prepare_packs_a_portable_llama_build(tmp_path):
 @pytest.mark.skipif(_cpu_llama_bench() is None,
                     reason="no CPU llama-bench ($PIJ_LLAMA_CPP_BIN or the peers' native build)")
 def test_moe_check_dry_run(tmp_path):
-    """The --moe check's pipeline on this CPU at a tiny shape: the synthetic MoE is generated
-    from the carried tokenizer and text, and our hot experts are timed against llama-bench
+    """The --moe check's pipeline on this CPU at a tiny shape: the synthetic MoE (F16) is
+    generated from the carried tokenizer and text, its cold experts run from the host store (as
+    on an accelerator), and our hot experts are timed against llama-bench
     -ngl all --n-cpu-moe N at the same budget, N > 0 (some experts left on the host), into
     moe.jsonl rows that say SYNTHETIC; no CUDA step runs and each says why. ~1 min."""
     from benchmarks.gpu import sparse_7b_prepare as prep
@@ -431,6 +432,8 @@ def test_moe_check_dry_run(tmp_path):
     assert llama["bytes_device"] <= llama["budget_bytes"]
     ours = next(r for r in rows if r["system"] == "powerinfer_jax")
     assert 0 < ours["hot_fraction"] < 1 and ours["served_fraction"] > ours["hot_fraction"]
+    # the F16 file's cold experts ran from the host store, the accelerator's path
+    assert ours["model"]["qtype"] == "F16" and ours["host_store_layers"] == 4
     assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "moe.jsonl", "steps.jsonl",
                                                      "summary.txt"]
 

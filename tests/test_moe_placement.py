@@ -14,9 +14,9 @@ machine both parts run on the CPU: the same code, checked here on tiny synthetic
   * the host store an accelerator uses (cold blocks out of the model's state, run through a host
     callback) gives the inline placement's logits and tokens, jitted too, and is released with
     the model; on an accelerator everything but the experts is dequantized at load;
+  * float experts (F32, F16, BF16) in the host store run there too (XLA on the CPU);
   * bad input: a budget below the dense parts, a bad permutation, hot count or store, devices
-    with a budget, float experts for the host store: one-line errors; a damaged kept profile is
-    named and measured again.
+    with a budget: one-line errors; a damaged kept profile is named and measured again.
 """
 from __future__ import annotations
 
@@ -75,12 +75,31 @@ def test_bad_permutations_and_hot_counts_are_one_line_errors(monkeypatch):
     with pytest.raises(ValueError, match=r"MoE.split store: expected 'auto', 'operands' or "
                                          r"'host', got 'disk'"):
         _moe().split(3, store="disk")
-    # on an accelerator the cold experts go to the host store, which runs a file's blocks only
+    # on an accelerator the cold experts go to the host store: float experts too (below)
+    m = _moe()
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    with pytest.raises(ValueError, match=r"MoE.split cold experts on the host: expected a "
-                                         r"quantized file's blocks .* got 'float experts'"):
-        _moe().split(3)
+    m.split(3)
+    assert m.host_handle is not None
     _moe().split(E)  # every expert on the device: nothing runs on the host
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("tokens", [(1, 1), (2, 3), (2, 20)])
+def test_float_cold_experts_run_from_the_host_store(dtype, tokens):
+    """An F32/F16/BF16 file's cold experts in the host store an accelerator uses (kept in the
+    model's dtype, run by XLA on the CPU through the host callback) give the inline placement's
+    output: the GPU check's F16 file, dry-run on the CPU."""
+    def placed(store):
+        m = MoE(d_model=D, d_ff=F, n_experts=E, n_used=2, norm_topk_prob=True,
+                activation="silu", d_ff_shared=16, dtype=dtype, rngs=nnx.Rngs(0), kernels="xla")
+        m.split(3, store=store)
+        return m
+
+    host, inline = placed("host"), placed("operands")
+    assert host.host_handle is not None and host.experts.gate.weight[...].shape[0] == 0
+    x = jax.random.normal(jax.random.key(5), tokens + (D,))
+    want = nnx.jit(lambda m, x: m(x))(inline, x)
+    assert_close(nnx.jit(lambda m, x: m(x))(host, x), want, "regrouped")
 
 
 # ------------------------------------------------------------------ tiny synthetic MoE files

@@ -26,6 +26,7 @@
 namespace nb = nanobind;
 
 void RegisterNeuronStore(nb::module_& m);  // neuron_store_bindings.cc
+void RegisterExpertStore(nb::module_& m);  // expert_store_bindings.cc
 void RegisterColumns(nb::module_& m);  // qcolumns_bindings.cc
 
 namespace {
@@ -209,6 +210,7 @@ NB_MODULE(_pij_ext, m) {
   }, nb::arg("x"), nb::arg("blocks"), nb::arg("qtype"), nb::arg("y"),
         "Tests: y = x . rows of interleaved blocks through the portable loops (bitwise the vector kernels').");
   RegisterNeuronStore(m);
+  RegisterExpertStore(m);
   RegisterColumns(m);
   m.def("dequantize_into", [](nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> blocks,
                               int32_t qtype,

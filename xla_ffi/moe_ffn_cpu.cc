@@ -163,7 +163,7 @@ ffi::Error MoeFfnCpuImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
     CpuRuntime& rt = GetCpuRuntime();
     std::lock_guard<std::mutex> lock(rt.mutex);
     SetContiguousRows(rt, x.typed_data(), n, d);
-    MoeFfn(w, rt.x_rows, id, weights.typed_data(), k, y->typed_data(), rt.moe, rt.pool);
+    MoeFfn(w, rt.x_rows, id, weights.typed_data(), k, y->typed_data(), rt.moe, rt.pool);  // stacked: nothing to read
     return ffi::Error::Success();
   } catch (const std::exception& ex) {  // bad_alloc growing scratch: report, never abort
     return ffi::Error::Internal(std::string("moe_ffn: ") + ex.what());

@@ -20,7 +20,9 @@ last layers' experts whole, ours the hottest experts of every layer. Rounds alte
 order; --deadline stops before a run that would not finish, with a row saying so.
 
 With --device cpu (moe_check.sh --dry-run) the same path runs on a CPU: the placement's hot
-experts run through XLA on the CPU and llama-bench is a CPU build: no GPU figure.
+experts run through XLA on the CPU, the cold ones from the host store through its callback, as
+an accelerator runs them (MoE.split's store "host", which a CPU-only run would not choose), and
+llama-bench is a CPU build: no GPU figure.
 
     python -m benchmarks.gpu.moe_bench --model-dir DIR --llama-bin BIN --budget 0.25 \
         --threads 16 --out $OUT/moe.jsonl --commit ABC
@@ -63,7 +65,18 @@ def write_expert_profile(d: Path, cfg) -> tuple[Path, np.ndarray]:
 
 def build_ours(rec: dict, d: Path, args, budget: int):
     from powerinfer_jax.config import PlacementConfig, RuntimeConfig, SparsityConfig
+    from powerinfer_jax.models.moe import MoE
     from powerinfer_jax.runtime.session import build
+
+    if args.device == "cpu" and not getattr(MoE.split, "_host_store", False):
+        # the dry run: the cold experts through the host store, the accelerator's path
+        split = MoE.split
+
+        def host_split(self, n_hot, *, store="auto"):
+            return split(self, n_hot, store="host" if store == "auto" else store)
+
+        host_split._host_store = True
+        MoE.split = host_split
 
     runtime = RuntimeConfig(dtype=args.dtype, threads=args.threads, max_seq_len=args.max_seq_len)
     placement = PlacementConfig(vram_budget_gib=budget / 2 ** 30, offload="hybrid")
@@ -78,8 +91,10 @@ def placement_row(session, cfg, freq: np.ndarray) -> dict:
         return {"placement": None}
     hot = [int(h) for h in p.hot]
     served = [float(np.sort(f)[::-1][:h].sum() / max(f.sum(), 1e-30)) for f, h in zip(freq, hot)]
+    # layers whose cold experts are in the host store (run through its callback)
+    host = sum(layer.ffn.host_handle is not None for layer in session.model.layers)
     return {"hot_per_layer": hot, "hot_fraction": sum(hot) / (cfg.n_experts * cfg.n_layers),
-            "served_fraction": float(np.mean(served))}
+            "served_fraction": float(np.mean(served)), "host_store_layers": host}
 
 
 def main(argv=None) -> None:

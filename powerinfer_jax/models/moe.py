@@ -33,6 +33,7 @@ D model.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import weakref
@@ -44,7 +45,7 @@ from flax import nnx
 
 from powerinfer_jax import ops
 from powerinfer_jax.errors import fail
-from powerinfer_jax.models.ffn import FFN
+from powerinfer_jax.models.ffn import FFN, block_residual
 from powerinfer_jax.models.layers import F32, Linear, Module, _param, op_impl, sow
 from powerinfer_jax.models.qweights import host_blocks, interleaved
 from powerinfer_jax.ops.reference import gated_activate
@@ -79,27 +80,46 @@ class Stacked(Module):
 
     def load(self, t) -> None:
         """Keep a stacked QuantTensor's blocks (checkpoint.base.QuantTensor, 3-D) in this
-        matrix's layout. matvec: each expert's rows interleaved by 16 where the format and row
-        count allow (qweights.interleaved: ~3x the file rows' speed at one token; the type
-        becomes e.g. "Q4_0x16"). groups: where the format has 32-weight blocks, else matvec (the
-        dense path)."""
-        from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
-
-        blocks, qtype = t.blocks, t.qtype
-        e, rows = blocks.shape[:2]
-        if self.layout == "groups":
-            d, f = t.stored_shape[1:]
-            if qtype in quants.DOWN_GROUP_TYPES and t.transposed and d % 32 == f % 32 == 0:
-                blocks = np.stack([quants.down_groups(np.asarray(b), qtype, d, f)
-                                   for b in blocks])
-            else:  # no groups in this format: every neuron's down row read (the dense path)
-                self.layout = "matvec"
-        if self.layout == "matvec" and rows % 16 == 0:
-            # groups of 16 rows never span two experts
-            flat, qtype = interleaved(blocks.reshape(e * rows, blocks.shape[2]), qtype)
-            blocks = flat.reshape(blocks.shape)
+        matrix's layout (`arrange_stacked`)."""
+        blocks, qtype, self.layout = arrange_stacked(t.blocks, t.qtype, self.layout,
+                                                     t.stored_shape, t.transposed)
         self.weight.set_value(host_blocks(blocks))
         self.qtype = qtype
+
+
+def stacked_format(qtype: str, layout: str, stored_shape, transposed: bool) -> tuple[str, str]:
+    """(qtype, layout) a stacked matrix of experts ends in once arranged (`arrange_stacked`),
+    from its file format and shape alone: no bytes read (the expert file's plan)."""
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
+
+    rows = stored_shape[-2]
+    if layout == "groups":
+        d, f = stored_shape[-2:]
+        if not (qtype in quants.DOWN_GROUP_TYPES and transposed and d % 32 == f % 32 == 0):
+            layout = "matvec"  # no groups in this format: every neuron's down row read
+    if layout == "matvec" and rows % 16 == 0 and quants.can_interleave(qtype, rows):
+        return qtype + quants.INTERLEAVED_SUFFIX, layout
+    return qtype, layout
+
+
+def arrange_stacked(blocks, qtype: str, layout: str, stored_shape, transposed: bool):
+    """(blocks, qtype, layout) of stacked expert blocks uint8 [E, rows, row_bytes] (the file's)
+    in `layout`. matvec: each expert's rows interleaved by 16 where the format and row count
+    allow (qweights.interleaved: ~3x the file rows' speed at one token; the type becomes e.g.
+    "Q4_0x16"). groups: a transposed down projection in a 32-weight format as each expert's
+    down groups [E, F / 32, D * block bytes], else matvec (the dense path). The same bytes
+    whether the experts are arranged all at once or a few at a time (the expert file's)."""
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
+
+    want_qtype, layout = stacked_format(qtype, layout, stored_shape, transposed)
+    e, rows = blocks.shape[:2]
+    if layout == "groups":
+        d, f = stored_shape[-2:]
+        blocks = np.stack([quants.down_groups(np.asarray(b), qtype, d, f) for b in blocks])
+    if want_qtype != qtype:  # groups of 16 rows never span two experts
+        flat, qtype = interleaved(np.asarray(blocks).reshape(e * rows, blocks.shape[2]), qtype)
+        blocks = flat.reshape(blocks.shape)
+    return blocks, qtype, layout
 
 
 class Experts(Module):
@@ -170,21 +190,29 @@ _HANDLES = itertools.count(1)
 
 class ColdExperts:
     """A placed layer's cold experts kept on the host when the model runs on an accelerator:
-    their blocks (committed to the CPU device) and what ops.moe_ffn needs to run them there.
-    Registered by handle (the model holds only the integer), released with the layer."""
+    their weights as the file has them (committed to the CPU device) and what runs them there:
+    a quantized file's blocks through ops.moe_ffn (the host pool), float experts (F32, F16,
+    BF16: the model's dtype) through XLA on the CPU, each routed pair alone at decode
+    (`_CpuFloatExperts`: MoE's float paths). Registered by handle (the model holds only the
+    integer), released with the layer."""
 
-    def __init__(self, experts: "Experts", activation: str):
+    def __init__(self, experts: "Experts", activation: str, n_used: int):
         cpu = jax.devices("cpu")[0]
         self.blocks = tuple(jax.device_put(np.asarray(jax.device_get(m.weight[...])), cpu)
                             for m in (experts.gate, experts.up, experts.down_t))
+        self.quantized = experts.gate.qtype is not None
         self.kw = dict(gate_qtype=experts.gate.qtype, up_qtype=experts.up.qtype,
                        down_qtype=experts.down_t.qtype, activation=activation,
                        down_layout="groups" if experts.down_t.layout == "groups" else "rows")
+        self.n_used = n_used
         self.cpu = cpu
 
     @functools.cached_property
     def _run(self):
         kw = self.kw
+        if not self.quantized:
+            floats = _CpuFloatExperts(self.n_used, kw["activation"])
+            return jax.jit(lambda x, ids, w, g, u, d: floats._xla(x, ids, w, (g, u, d)))
         return jax.jit(lambda x, ids, w, g, u, d: ops.moe_ffn(x, ids, w, g, u, d, **kw))
 
     def __call__(self, x, ids, weights):
@@ -201,6 +229,37 @@ def _register_host(experts) -> int:
 
 def _host_part(handle: int, x, ids, weights):
     return _HOST[int(handle)](x, ids, weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class OnDisk:
+    """Where an offloaded layer's experts are (runtime/expert_offload.py): the expert store's
+    handle, this layer's index in it, the experts' formats as the store keeps them; credit:
+    pass the router's probabilities (the "score" cache policy); ahead: experts per token the
+    read-ahead guesses for the next layer (0: none)."""
+
+    store: int
+    layer: int
+    d_ff: int
+    gate_qtype: str
+    up_qtype: str
+    down_qtype: str
+    down_layout: str
+    credit: bool = False
+    ahead: int = 0
+
+
+class Lookahead(Module):
+    """The next layer's ffn_norm and router (shared with that layer, not copies): on this
+    layer's residual they guess the next layer's experts, which the store reads ahead."""
+
+    def __init__(self, norm, router):
+        self.norm, self.router = norm, router
+
+    def __call__(self, residual_btd, k: int):
+        x = self.norm(residual_btd)
+        x = x.reshape(-1, x.shape[-1]).astype(F32)
+        return jax.lax.top_k(self.router(x), k)[1].astype(jnp.int32)  # [N, k]
 
 
 class MoE(Module):
@@ -242,6 +301,9 @@ class MoE(Module):
         self.n_hot = n_experts
         self.placed = False
         self.host_handle = None  # the cold experts in the host store (`split(store="host")`)
+        # --ram-budget: the experts in an expert store (OnDisk), the read-ahead's Lookahead
+        self.on_disk = None
+        self.lookahead = None
 
     # ------------------------------------------------------------ the build steps' interface
     quantized = False
@@ -294,16 +356,12 @@ class MoE(Module):
             fail("MoE.split store", "'auto', 'operands' or 'host'", store)
         n_hot = int(n_hot)
         x = self.experts
-        if n_hot < e and store == "host" and x.gate.qtype is None:
-            fail("MoE.split cold experts on the host", "a quantized file's blocks (the host "
-                 "pool's custom call runs those)", "float experts",
-                 "load a quantized GGUF, or raise --vram-budget to hold every expert")
         if n_hot:
             self.hot = HotExperts(*x.floats(0, n_hot, hot_dtype(self.dtype)))
         for m in (x.gate, x.up, x.down_t):
             m.weight.set_value(m.weight[...][n_hot:])
         if n_hot < e and store == "host":
-            self.host_handle = _register_host(ColdExperts(x, self.activation))
+            self.host_handle = _register_host(ColdExperts(x, self.activation, self.n_used))
             weakref.finalize(self, _HOST.pop, self.host_handle, None)
             for m in (x.gate, x.up, x.down_t):  # nothing of them stays in the model's state
                 m.weight.set_value(m.weight[...][:0])
@@ -323,9 +381,16 @@ class MoE(Module):
     def __call__(self, x_btd):
         lead, d = x_btd.shape[:-1], x_btd.shape[-1]
         x = x_btd.reshape(-1, d).astype(F32)  # [N, D]
-        ids, weights = self.routing(x_btd)
+        logits = self.router(x)
+        ids, weights = route(logits, self.n_used, self.normalize)
         named = ids if self.order is None else jnp.asarray(self.order)[ids]  # the file's ids
         sow(self, "expert_ids", named.reshape(lead + (self.n_used,)))  # [B, T, k] under capture
+        sow(self, "router_logits", logits.reshape(lead + (self.n_experts,)))  # [B, T, E]
+        if self.on_disk is not None:
+            y = self._on_disk(x, ids, weights, logits)
+            if self.shared is not None:
+                y = y + jax.nn.sigmoid(self.shared_gate(x)) * self.shared(x[None])[0]
+            return y.reshape(lead + (d,))
         first_shard = True
         if self.expert_axis is not None:  # this device's experts only; -1 marks the others
             n_local = self.experts.up.weight.shape[0]
@@ -355,6 +420,20 @@ class MoE(Module):
             scale = jax.nn.sigmoid(self.shared_gate(x))  # [N, 1]
             y = y + jnp.where(first_shard, scale, 0.0) * self.shared(x[None])[0]
         return y.reshape(lead + (d,))
+
+    def _on_disk(self, x, ids, weights, logits):
+        """The routed experts from the expert store, in one custom call (its `OnDisk`)."""
+        from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
+
+        o = self.on_disk
+        probs = jax.nn.softmax(logits.astype(F32), axis=-1) if o.credit else None
+        ahead = None
+        if o.ahead and self.lookahead is not None:
+            ahead = self.lookahead(block_residual(), o.ahead)
+        return _ffi.expert_ffn(x, ids, weights, store=o.store, layer=o.layer, d_ff=o.d_ff,
+                               gate_qtype=o.gate_qtype, up_qtype=o.up_qtype,
+                               down_qtype=o.down_qtype, activation=self.activation,
+                               down_layout=o.down_layout, probs=probs, next_ids=ahead)
 
     def _loaded(self, x, ids, weights):
         """The experts in `experts` (ids index them; -1: none, with weight 0), as loaded: a
@@ -441,3 +520,17 @@ class MoE(Module):
         u = jnp.einsum("nd,nkfd->nkf", x_nd, up, preferred_element_type=F32)
         a = self._act(g, u) * weights[..., None]
         return jnp.einsum("nkf,nkfd->nd", a, down, preferred_element_type=F32)
+
+
+class _CpuFloatExperts:
+    """MoE's float-expert paths (`MoE._xla`: each routed pair alone at decode, every expert on
+    every token for long calls) outside a module, as a CPU runs them: a host store's cold float
+    experts (`ColdExperts`)."""
+
+    execution = "routed"
+    per_pair = True
+    _xla, _pairs, _dense, _gathered, _act = (MoE._xla, MoE._pairs, MoE._dense, MoE._gathered,
+                                             MoE._act)
+
+    def __init__(self, n_used: int, activation: str):
+        self.n_used, self.activation = n_used, activation

@@ -283,3 +283,25 @@ def disk_ffn(x, scores, *, store: int, layer: int, threshold, activation, criter
                 store=np.int64(store),
                 layer=np.int64(layer), threshold=np.float32(threshold), activation=activation,
                 criterion=criterion, gate_floor=np.float32(gate_floor))
+
+
+EXPERT_FFN_TARGET = "pij_expert_ffn"
+
+
+def expert_ffn(x, ids, weights, *, store: int, layer: int, d_ff: int, gate_qtype, up_qtype,
+               down_qtype, activation, down_layout, probs=None, next_ids=None):
+    """The MoE FFN of one layer of an expert store (cpu_backend/expert_store.h): its experts are
+    read where they live (memory or the expert file), not passed. x [N, D]; ids, weights
+    [N, k]; probs [N, E] (the router's probabilities: the "score" cache policy's credit) or
+    None; next_ids [N, k'] (a guess at layer + 1's experts, read ahead) or None. Returns y
+    [N, D] float32. A side effect for XLA (the store's cache and reads): never dropped or
+    merged."""
+    x32 = jnp.asarray(x, jnp.float32)
+    call = jax.ffi.ffi_call(EXPERT_FFN_TARGET, jax.ShapeDtypeStruct(x32.shape, jnp.float32),
+                            vmap_method="sequential", has_side_effect=True)
+    empty_i = jnp.zeros((0,), jnp.int32)
+    return call(x32, jnp.asarray(ids, jnp.int32), jnp.asarray(weights, jnp.float32),
+                _opt_f32(probs), empty_i if next_ids is None else jnp.asarray(next_ids, jnp.int32),
+                store=np.int64(store), layer=np.int64(layer), d_ff=np.int64(d_ff),
+                gate_qtype=_qid(gate_qtype), up_qtype=_qid(up_qtype),
+                down_qtype=_qid(down_qtype), activation=activation, down_layout=down_layout)

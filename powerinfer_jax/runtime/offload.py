@@ -126,14 +126,17 @@ def file_bytes(ckpt) -> int:
 
 
 # a GGUF's FFN matrices of a dense layer (llama.cpp's ffn_down [D, F] or PowerInfer's ffn_down_t
-# [F, D], gguf_arch.sources): the only tensors a neuron store keeps on disk
-_GGUF_FFN = re.compile(r"blk\.\d+\.ffn_(gate|up|down|down_t)\.weight")
+# [F, D], gguf_arch.sources) and an MoE layer's routed experts: the only tensors a neuron or
+# expert store keeps on disk
+_GGUF_FFN = re.compile(r"blk\.\d+\.ffn_(gate|up|down|down_t|gate_exps|up_exps|down_exps)"
+                       r"\.weight")
 
 
 def check_budget_from_header(model, budget: int) -> None:
     """Before anything is loaded: a UserError when `budget` cannot hold the tensors that stay in
-    memory whatever the mode (every tensor of a GGUF file but its FFN matrices: attention,
-    embeddings, output, norms), read from the file's header. The full minimum (the KV cache, the
+    memory whatever the mode (every tensor of a GGUF file but its FFN matrices or, of an MoE
+    model, its routed experts: attention, embeddings, output, norms, routers, shared experts),
+    read from the file's header. The full minimum (the KV cache, the
     store's tables, one layer's neurons) is checked once the model is built (`attach`); this one
     stops a hopeless budget before the loader's own copies take the memory it does not have.
     Registry names and HF directories are checked after loading only."""
@@ -148,7 +151,8 @@ def check_budget_from_header(model, budget: int) -> None:
     if budget < resident:
         gib = 1 << 30
         fail("--ram-budget", f"at least {resident / gib:.3f} GiB ({resident} bytes of tensors "
-             f"that stay in memory: every tensor of {path.name} but its FFN matrices, from its "
+             f"that stay in memory: every tensor of {path.name} but its FFN matrices (routed "
+             "experts), from its "
              "header; the KV cache and the neuron store come on top)", f"{budget / gib:.3f} GiB",
              "raise the budget")
 

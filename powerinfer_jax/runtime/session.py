@@ -300,7 +300,11 @@ def _build(model, runtime, sparsity, placement, artifacts_root, max_batch, progr
                         ffn_layout=layout, external=_offloaded_names(ckpt, ram))
         if copies is not None:
             copies.save()
-        if ram == "disk":
+        if ram == "disk" and ckpt.config.n_experts:
+            from powerinfer_jax.runtime.expert_offload import stub_experts  # lazy: start-up
+
+            stub_experts(m, ckpt)
+        elif ram == "disk":
             from powerinfer_jax.runtime.offload import stub_ffns  # lazy: start-up
 
             stub_ffns(m, ckpt, layout)
@@ -337,11 +341,14 @@ def _build(model, runtime, sparsity, placement, artifacts_root, max_batch, progr
 
 def _ram_mode(ckpt, runtime, sparsity, placement, max_batch, accel) -> str:
     """--ram-budget: "memory" when the whole model fits (it then loads as without the flag),
-    else "disk" (its FFN in a neuron store); clear errors for what cannot be offloaded."""
+    else "disk" (its FFN in a neuron store, an MoE model's routed experts in an expert store);
+    clear errors for what cannot be offloaded."""
     import jax.numpy as jnp
 
     from powerinfer_jax.checkpoint.bundles import check_quantized  # lazy: start-up
     from powerinfer_jax.runtime import offload  # lazy: start-up
+    # lazy: start-up
+    from powerinfer_jax.runtime.expert_file import check_quantized as check_experts
 
     if accel is not None or runtime.devices is not None:
         fail("--ram-budget", "a CPU-only run on one device (the GPU tier of a disk-offloaded "
@@ -351,6 +358,12 @@ def _ram_mode(ckpt, runtime, sparsity, placement, max_batch, accel) -> str:
                               dtype=jnp.dtype(runtime.dtype),
                               extra=offload.predictor_bytes(sparsity, ckpt)):
         return "memory"
+    if ckpt.config.n_experts:
+        if sparsity.mode != "dense":
+            fail("--sparsity with --ram-budget on an MoE model", "dense (the router selects the "
+                 "experts, each read whole)", sparsity.mode)
+        check_experts(ckpt)
+        return "disk"
     offload.check_mode(sparsity)
     check_quantized(ckpt)
     return "disk"
@@ -359,17 +372,22 @@ def _ram_mode(ckpt, runtime, sparsity, placement, max_batch, accel) -> str:
 def _keep_only_ffn(ckpt) -> None:
     """Drop every tensor of a checkpoint this build loaded but its FFN rows and up biases (the
     neuron store's sources)."""
-    from powerinfer_jax.checkpoint.bundles import external_names  # lazy: start-up
-
-    keep = external_names(ckpt.config)
+    keep = _store_names(ckpt.config)
     for name in [n for n in ckpt.params if n not in keep and not n.endswith("ffn.up.bias")]:
         del ckpt.params[name]
 
 
-def _offloaded_names(ckpt, ram) -> frozenset:
+def _store_names(config) -> frozenset:
+    """The tensors a disk-offloaded model's store holds: the FFN matrices (a neuron store) or
+    the stacked routed experts (an MoE model's expert store)."""
     from powerinfer_jax.checkpoint.bundles import external_names  # lazy: start-up
+    from powerinfer_jax.runtime.expert_file import external_names as expert_names  # lazy: start-up
 
-    return external_names(ckpt.config) if ram == "disk" else frozenset()
+    return expert_names(config) if config.n_experts else external_names(config)
+
+
+def _offloaded_names(ckpt, ram) -> frozenset:
+    return _store_names(ckpt.config) if ram == "disk" else frozenset()
 
 
 def _offload(model_arg, ckpt, m, runtime, sparsity, placement, artifacts_root, max_batch, ram,
@@ -393,6 +411,14 @@ def _offload(model_arg, ckpt, m, runtime, sparsity, placement, artifacts_root, m
             "copied_from_file_bytes": copied})
     root = default_root(model_arg, ckpt.source) if artifacts_root is None else artifacts_root
     share = placement.cache_share
+    if ckpt.config.n_experts:
+        from powerinfer_jax.runtime import expert_offload  # lazy: start-up
+
+        return expert_offload.attach(
+            m, ckpt, budget=budget, kv_len=kv_len, batch=max_batch, artifacts_root=root,
+            policy=placement.neuron_cache,
+            cache_share=expert_offload.DEFAULT_CACHE_SHARE if share is None else share,
+            lookahead=placement.lookahead, progress=progress)
     return offload.attach(m, ckpt, budget=budget, kv_len=kv_len, batch=max_batch,
                           artifacts_root=root, policy=placement.neuron_cache,
                           cache_share=offload.DEFAULT_CACHE_SHARE if share is None else share,
