@@ -4,7 +4,8 @@ mixed load on 127.0.0.1 for --minutes, watching its memory, file descriptors and
 The load: --clients concurrent client loops (closed loop: each sends its next request when its
 last one ends), each request drawn from a seeded mix:
   completion / chat, whole or streamed, with different sampling settings (greedy; temperature
-  0.7 or 1.2 with top-p, top-k and a seed), 4-48 new tokens;
+  0.7 or 1.2 with top-p, top-k and a seed), 3 to context/16 words, 4 to min(48, context/4)
+  new tokens;
   a stream the client closes after a few chunks (the server must cancel it and free the slot);
   a prompt longer than the context (a 400 "context_length_exceeded");
   a body that is not JSON (a 400).
@@ -83,8 +84,9 @@ class Sampler(threading.Thread):
 
 # ---------------------------------------------------------------------------- the load
 def request_for(kind: str, rng: random.Random, model: str, ctx: int) -> dict:
-    words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40)))
-    body = {"model": model, "max_tokens": rng.randint(4, 48)}
+    # prompt and output sized to the context, so that only over_context requests exceed it
+    words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, max(3, ctx // 16))))
+    body = {"model": model, "max_tokens": rng.randint(4, min(48, ctx // 4))}
     setting = rng.choice(["greedy", "warm", "hot"])
     if setting == "greedy":
         body["temperature"] = 0
@@ -102,8 +104,22 @@ def request_for(kind: str, rng: random.Random, model: str, ctx: int) -> dict:
     if kind.endswith("stream") or kind == "disconnect":
         body.update(stream=True, stream_options={"include_usage": True})
         if kind == "disconnect":
-            body["max_tokens"] = 48
+            body["max_tokens"] = min(48, ctx // 4)
     return {"path": path, "body": body}
+
+
+async def sse_lines(r: httpx.Response):
+    """The lines of a server-sent event stream, split where the format splits them (CR, LF):
+    httpx's aiter_lines also splits at U+2028, U+0085..., which generated text may hold raw
+    inside an event's JSON."""
+    buf = ""
+    async for chunk in r.aiter_text():
+        buf += chunk.replace("\r\n", "\n").replace("\r", "\n")
+        *lines, buf = buf.split("\n")
+        for line in lines:
+            yield line
+    if buf:
+        yield buf
 
 
 async def one(client: httpx.AsyncClient, kind: str, req: dict, rng: random.Random) -> dict:
@@ -123,7 +139,7 @@ async def one(client: httpx.AsyncClient, kind: str, req: dict, rng: random.Rando
                     out["detail"] = (await r.aread())[:200].decode(errors="replace")
                 else:
                     chunks, stop_after = 0, rng.randint(1, 4)
-                    async for line in r.aiter_lines():
+                    async for line in sse_lines(r):
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             out["ok"] = out["ok"] or line == "data: [DONE]"
                             continue
