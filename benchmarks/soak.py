@@ -21,9 +21,10 @@ Rows appended to benchmarks/soak.jsonl:
   kind "run"     the configuration, totals and where the RSS baseline was taken
   kind "summary" exactly: kind, minutes, parallel, requests, rss_start_bytes, rss_end_bytes,
                  rss_growth, server_errors, p50_s, p99_s, commit
-rss_growth is (rss_end - rss_start) / rss_start, with rss_start the first sample after the
-first 5 minutes of load (after a third of the run when it is shorter than 15 minutes, e.g. the
-3-minute check) and rss_end the last sample under load.
+rss_growth is (rss_end - rss_start) / rss_start, with rss_start the median RSS of the minute
+after the first 5 minutes of load (after a third of the run when it is shorter than 15 minutes,
+e.g. the 3-minute check, whose ends are then 1 minute each) and rss_end the median of the last
+minute under load: single samples swing ~10% with the requests in flight.
 
   python -m benchmarks.soak --minutes 60            # the hour-long soak
   python -m benchmarks.soak --minutes 3             # the short check
@@ -284,8 +285,13 @@ def main(argv=None) -> None:
         server.close()  # SIGTERM: the server drains and stops
     log = (log_dir / "soak.server.log").read_text(errors="replace")
     warm = min(300.0, 60.0 * args.minutes / 3)  # the first 5 minutes (a third of a short run)
-    base = next((s for s in under_load if s["t_s"] >= t_load - t0 + warm), under_load[0])
-    end = under_load[-1]
+    after = [s for s in under_load if s["t_s"] >= t_load - t0 + warm] or under_load
+    span = min(60.0, warm)  # a minute of samples at each end: RSS swings ~10% step to step
+    first = [s for s in after if s["t_s"] < after[0]["t_s"] + span]
+    last = [s for s in under_load if s["t_s"] > under_load[-1]["t_s"] - span]
+    base, end = first[0], last[-1]
+    rss_start = int(statistics.median(s["rss_bytes"] for s in first))
+    rss_end = int(statistics.median(s["rss_bytes"] for s in last))
     gen = sorted(r["latency_s"] for r in results if r["kind"] in GENERATION and r["ok"])
     rows = [{**head, "kind": "sample", **s} for s in sampler.samples]
     rows += [{**head, **r} for r in minute_rows(results, t_load, args.minutes)]
@@ -308,9 +314,8 @@ def main(argv=None) -> None:
                  "rss_peak_bytes": max(s["rss_bytes"] for s in under_load),
                  "tok_s_overall": sum(r["tokens"] for r in results) / (t_end - t_load)})
     summary = {"kind": "summary", "minutes": args.minutes, "parallel": args.parallel,
-               "requests": len(results), "rss_start_bytes": base["rss_bytes"],
-               "rss_end_bytes": end["rss_bytes"],
-               "rss_growth": (end["rss_bytes"] - base["rss_bytes"]) / base["rss_bytes"],
+               "requests": len(results), "rss_start_bytes": rss_start, "rss_end_bytes": rss_end,
+               "rss_growth": (rss_end - rss_start) / rss_start,
                "server_errors": errors, "p50_s": pct(gen, 50), "p99_s": pct(gen, 99),
                "commit": head["commit"]}
     rows.append(summary)
