@@ -4,7 +4,8 @@ mixed load on 127.0.0.1 for --minutes, watching its memory, file descriptors and
 The load: --clients concurrent client loops (closed loop: each sends its next request when its
 last one ends), each request drawn from a seeded mix:
   completion / chat, whole or streamed, with different sampling settings (greedy; temperature
-  0.7 or 1.2 with top-p, top-k and a seed), 4-48 new tokens;
+  0.7 or 1.2 with top-p, top-k and a seed), 3 to context/16 words, 4 to min(48, context/4)
+  new tokens;
   a stream the client closes after a few chunks (the server must cancel it and free the slot);
   a prompt longer than the context (a 400 "context_length_exceeded");
   a body that is not JSON (a 400).
@@ -20,9 +21,10 @@ Rows appended to benchmarks/soak.jsonl:
   kind "run"     the configuration, totals and where the RSS baseline was taken
   kind "summary" exactly: kind, minutes, parallel, requests, rss_start_bytes, rss_end_bytes,
                  rss_growth, server_errors, p50_s, p99_s, commit
-rss_growth is (rss_end - rss_start) / rss_start, with rss_start the first sample after the
-first 5 minutes of load (after a third of the run when it is shorter than 15 minutes, e.g. the
-3-minute check) and rss_end the last sample under load.
+rss_growth is (rss_end - rss_start) / rss_start, with rss_start the median RSS of the minute
+after the first 5 minutes of load (after a third of the run when it is shorter than 15 minutes,
+e.g. the 3-minute check, whose ends are then 1 minute each) and rss_end the median of the last
+minute under load: single samples swing ~10% with the requests in flight.
 
   python -m benchmarks.soak --minutes 60            # the hour-long soak
   python -m benchmarks.soak --minutes 3             # the short check
@@ -83,8 +85,9 @@ class Sampler(threading.Thread):
 
 # ---------------------------------------------------------------------------- the load
 def request_for(kind: str, rng: random.Random, model: str, ctx: int) -> dict:
-    words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40)))
-    body = {"model": model, "max_tokens": rng.randint(4, 48)}
+    # prompt and output sized to the context, so that only over_context requests exceed it
+    words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, max(3, ctx // 16))))
+    body = {"model": model, "max_tokens": rng.randint(4, min(48, ctx // 4))}
     setting = rng.choice(["greedy", "warm", "hot"])
     if setting == "greedy":
         body["temperature"] = 0
@@ -102,8 +105,22 @@ def request_for(kind: str, rng: random.Random, model: str, ctx: int) -> dict:
     if kind.endswith("stream") or kind == "disconnect":
         body.update(stream=True, stream_options={"include_usage": True})
         if kind == "disconnect":
-            body["max_tokens"] = 48
+            body["max_tokens"] = min(48, ctx // 4)
     return {"path": path, "body": body}
+
+
+async def sse_lines(r: httpx.Response):
+    """The lines of a server-sent event stream, split where the format splits them (CR, LF):
+    httpx's aiter_lines also splits at U+2028, U+0085..., which generated text may hold raw
+    inside an event's JSON."""
+    buf = ""
+    async for chunk in r.aiter_text():
+        buf += chunk.replace("\r\n", "\n").replace("\r", "\n")
+        *lines, buf = buf.split("\n")
+        for line in lines:
+            yield line
+    if buf:
+        yield buf
 
 
 async def one(client: httpx.AsyncClient, kind: str, req: dict, rng: random.Random) -> dict:
@@ -123,7 +140,7 @@ async def one(client: httpx.AsyncClient, kind: str, req: dict, rng: random.Rando
                     out["detail"] = (await r.aread())[:200].decode(errors="replace")
                 else:
                     chunks, stop_after = 0, rng.randint(1, 4)
-                    async for line in r.aiter_lines():
+                    async for line in sse_lines(r):
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             out["ok"] = out["ok"] or line == "data: [DONE]"
                             continue
@@ -268,8 +285,13 @@ def main(argv=None) -> None:
         server.close()  # SIGTERM: the server drains and stops
     log = (log_dir / "soak.server.log").read_text(errors="replace")
     warm = min(300.0, 60.0 * args.minutes / 3)  # the first 5 minutes (a third of a short run)
-    base = next((s for s in under_load if s["t_s"] >= t_load - t0 + warm), under_load[0])
-    end = under_load[-1]
+    after = [s for s in under_load if s["t_s"] >= t_load - t0 + warm] or under_load
+    span = min(60.0, warm)  # a minute of samples at each end: RSS swings ~10% step to step
+    first = [s for s in after if s["t_s"] < after[0]["t_s"] + span]
+    last = [s for s in under_load if s["t_s"] > under_load[-1]["t_s"] - span]
+    base, end = first[0], last[-1]
+    rss_start = int(statistics.median(s["rss_bytes"] for s in first))
+    rss_end = int(statistics.median(s["rss_bytes"] for s in last))
     gen = sorted(r["latency_s"] for r in results if r["kind"] in GENERATION and r["ok"])
     rows = [{**head, "kind": "sample", **s} for s in sampler.samples]
     rows += [{**head, **r} for r in minute_rows(results, t_load, args.minutes)]
@@ -292,9 +314,8 @@ def main(argv=None) -> None:
                  "rss_peak_bytes": max(s["rss_bytes"] for s in under_load),
                  "tok_s_overall": sum(r["tokens"] for r in results) / (t_end - t_load)})
     summary = {"kind": "summary", "minutes": args.minutes, "parallel": args.parallel,
-               "requests": len(results), "rss_start_bytes": base["rss_bytes"],
-               "rss_end_bytes": end["rss_bytes"],
-               "rss_growth": (end["rss_bytes"] - base["rss_bytes"]) / base["rss_bytes"],
+               "requests": len(results), "rss_start_bytes": rss_start, "rss_end_bytes": rss_end,
+               "rss_growth": (rss_end - rss_start) / rss_start,
                "server_errors": errors, "p50_s": pct(gen, 50), "p99_s": pct(gen, 99),
                "commit": head["commit"]}
     rows.append(summary)
