@@ -324,8 +324,7 @@ class SparsityConfig:
             low_ok = self.mode.startswith("input_")
             _check(isinstance(self.target_sparsity, float) and 1 > self.target_sparsity >= 0
                    and (low_ok or self.target_sparsity > 0), "target_sparsity",
-                   "a float in [0, 1) for input sparsity, (0, 1) otherwise",
-                   self.target_sparsity, f"sparsity={self.mode!r}")
+                   "a float in [0, 1)" if low_ok else "a float in (0, 1)", self.target_sparsity)
 
 
 @dataclasses.dataclass(frozen=True)
