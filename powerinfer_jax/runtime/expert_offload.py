@@ -57,9 +57,9 @@ from powerinfer_jax.runtime.offload import HUGE_MIN, HUGE_PAGE, make_anonymous
 # experts in memory, nothing pinned); with "frequency" every share from 0 to 0.25 is within 0.3
 # points at 20-60% of the experts in memory (0.6 at 75%), a share of 1 (nothing pinned) loses
 # 0.4-3.5. The SYNTHETIC Qwen3-30B-A3B shape's replays (the same file) agree: "frequency" and
-# "score" within 0.7 points of each other everywhere, LRU up to 10 points lower, nothing pinned
-# 1.5-6 points lower. A quarter stays dynamic for text whose routing
-# drifts from the profile (real models; the synthetic one routes by a fixed prior), as the neuron
+# "score" within 1.3 points of each other everywhere, LRU up to 10 points lower, nothing pinned
+# 0.7-6.5 points lower. A quarter stays dynamic for text whose routing drifts from the profile
+# (real models; the synthetic one routes by a fixed prior), as the neuron
 # store's (runtime/offload.py).
 DEFAULT_CACHE_SHARE = 0.25
 DEFAULT_POLICY = "frequency"
