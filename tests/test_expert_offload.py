@@ -34,19 +34,21 @@ SHAPE = ["--d-model", "128", "--n-layers", "3", "--n-heads", "4", "--n-kv-heads"
 # ------------------------------------------------------------------------------ the kernel alone
 def fake_ckpt(tmp_path, gate_t, down_t, activation, *, n_layers=2, e=7, k=2, d=256, f=None,
               seed=0):
-    """Stacked expert blocks as a loaded GGUF holds them, and a model file to fingerprint."""
+    """Stacked expert blocks as a loaded GGUF holds them, and a model file to fingerprint.
+    down_t: one format, or one per layer (as llama.cpp's Q4_K_M mixes Q4_K and Q6_K)."""
     rng = np.random.default_rng(seed)
-    f = f or (256 if down_t.endswith("_K") else 64)
+    downs = (down_t,) * n_layers if isinstance(down_t, str) else tuple(down_t)
+    f = f or (256 if any(t.endswith("_K") for t in downs) else 64)
     params = {}
     for l in range(n_layers):
         names = expert_file.expert_names(l)
         for m, t in (("gate", gate_t), ("up", gate_t)):
             params[names[m]] = QuantTensor(np.stack([random_blocks(t, f, d, rng)
                                                      for _ in range(e)]), t, (e, f, d))
-        params[names["down_t"]] = QuantTensor(np.stack([random_blocks(down_t, d, f, rng)
-                                                        for _ in range(e)]), down_t, (e, f, d),
-                                              transposed=True)
-    source = tmp_path / f"fake-{gate_t}-{down_t}-{activation}.gguf"
+        params[names["down_t"]] = QuantTensor(np.stack([random_blocks(downs[l], d, f, rng)
+                                                        for _ in range(e)]), downs[l],
+                                              (e, f, d), transposed=True)
+    source = tmp_path / f"fake-{gate_t}-{'-'.join(downs)}-{activation}.gguf"
     source.write_bytes(rng.integers(0, 256, 8192, dtype=np.uint8).tobytes())
     config = SimpleNamespace(n_layers=n_layers, n_experts=e, n_experts_used=k, d_model=d,
                              d_ff=f, activation=activation)
@@ -62,33 +64,35 @@ def _reference(ckpt, spec, layer, x, ids, w):
         t = ckpt.params[name]
         mats.append(arrange_stacked(np.asarray(t.blocks), t.qtype, layouts[m], t.stored_shape,
                                     t.transposed)[0])
-    return np.asarray(ops.moe_ffn(x, ids, w, *mats, gate_qtype=spec.gate_qtype,
-                                  up_qtype=spec.up_qtype, down_qtype=spec.down_qtype,
-                                  activation=c.activation, down_layout=spec.down_layout))
+    return np.asarray(ops.moe_ffn(x, ids, w, *mats, activation=c.activation,
+                                  **spec.layer_formats(layer)))
 
 
 def _store_call(store, spec, ckpt, layer, x, ids, w, **kw):
     c = ckpt.config
     return np.asarray(_ffi.expert_ffn(x, ids, w, store=store.handle, layer=layer, d_ff=c.d_ff,
-                                      gate_qtype=spec.gate_qtype, up_qtype=spec.up_qtype,
-                                      down_qtype=spec.down_qtype, activation=c.activation,
-                                      down_layout=spec.down_layout, **kw))
+                                      activation=c.activation, **spec.layer_formats(layer),
+                                      **kw))
 
 
 @pytest.mark.parametrize("gate_t,down_t,activation", [("Q4_0", "Q4_0", "silu"),
                                                       ("Q8_0", "Q8_0", "silu"),
-                                                      ("Q4_K", "Q6_K", "silu"),
-                                                      ("Q4_0", "Q4_0", "relu")])
+                                                      ("Q4_K", ("Q6_K", "Q4_K"), "silu"),
+                                                      ("Q4_0", "Q4_0", "relu"),
+                                                      ("Q4_0", ("Q6_K", "Q4_0"), "relu")])
 def test_store_kernel_bitwise_equals_moe_ffn(tmp_path, gate_t, down_t, activation):
     """Calls of 1, 3 and 12 tokens, one after another through a store with two pinned experts
     and the minimum cache (misses, evictions, reads ahead, pieces of 4 KiB in flight): each
-    call's y is ops.moe_ffn's bits on the in-memory arrangement of the same experts."""
+    call's y is ops.moe_ffn's bits on the in-memory arrangement of the same experts; formats
+    mixed by layer (a Q4_K_M file's Q4_K and Q6_K down projections) too."""
     ckpt = fake_ckpt(tmp_path, gate_t, down_t, activation)
     c = ckpt.config
-    if c.activation == "relu" or gate_t != "Q4_K":
-        assert expert_file.plan(ckpt, "x").gate_qtype.endswith("x16")  # interleaved experts
+    if gate_t != "Q4_K":
+        assert expert_file.plan(ckpt, "x").formats[0][0].endswith("x16")  # interleaved
     path, spec = expert_file.ensure(ckpt, progress=False)
-    assert spec.down_layout == ("groups" if activation == "relu" else "rows")
+    downs = (down_t,) * 2 if isinstance(down_t, str) else down_t
+    for l, fmt in enumerate(spec.formats):  # groups where a ReLU expert's down format has them
+        assert fmt[3] == ("groups" if activation == "relu" and downs[l] != "Q6_K" else "rows")
     pinned = np.zeros((c.n_layers, c.n_experts), bool)
     pinned[0, 1] = pinned[1, 5] = True
     store = ExpertStore(path, spec, pinned, c.n_experts - 1,

@@ -45,7 +45,7 @@ from powerinfer_jax.errors import UserError, fail
 from powerinfer_jax.models.moe import arrange_stacked, stacked_format
 
 MAGIC = b"PIJEXPRT"
-VERSION = 1
+VERSION = 2  # 2: formats per layer (a Q4_K_M file's down projections are Q4_K or Q6_K)
 ALIGN = 4096
 SLOT_ALIGN = 512  # O_DIRECT's unit (cpu_backend/bundle_reader.h kDirectAlign): one extent a slot
 MATRIX_ALIGN = 64  # a cache line: each matrix of a slot starts on one, as numpy's arrays do
@@ -61,8 +61,10 @@ class ExpertFileError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class ExpertSpec:
-    """What an expert file holds (its header). Formats are the arranged ones ("Q4_0x16": rows
-    interleaved by 16); down_layout "rows" (D rows of F weights) or "groups" (ReLU experts)."""
+    """What an expert file holds (its header). formats: per layer (gate qtype, up qtype, down
+    qtype, down layout), the arranged formats ("Q4_0x16": rows interleaved by 16; a file may
+    mix them by layer, as llama.cpp's Q4_K_M does), down layout "rows" (D rows of F weights) or
+    "groups" (ReLU experts). Every layer's slots have the same offsets (the largest layer's)."""
 
     model_fingerprint: str
     n_layers: int
@@ -70,10 +72,7 @@ class ExpertSpec:
     d_model: int
     d_ff: int
     activation: str
-    gate_qtype: str
-    up_qtype: str
-    down_qtype: str
-    down_layout: str
+    formats: tuple[tuple[str, str, str, str], ...]
     gate_offset: int
     up_offset: int
     down_offset: int
@@ -85,10 +84,19 @@ class ExpertSpec:
         """Whether a file with header `self` serves a model whose plan is `other`."""
         return dataclasses.replace(self, file_bytes=other.file_bytes) == other
 
+    def __post_init__(self):  # from JSON: lists
+        object.__setattr__(self, "formats", tuple(tuple(f) for f in self.formats))
+
+    def layer_formats(self, layer: int) -> dict:
+        """Layer `layer`'s formats as ops._ffi.expert_ffn takes them."""
+        gate, up, down, layout = self.formats[layer]
+        return dict(gate_qtype=gate, up_qtype=up, down_qtype=down, down_layout=layout)
+
     @property
     def expert_bytes(self) -> int:
-        """One expert's matrices (without the slot's padding)."""
-        return sum(_matrix_bytes(self, m) for m in MATRICES)
+        """One expert's matrices (without the slot's padding), the largest layer's."""
+        return max(sum(_matrix_bytes(self, m, l) for m in MATRICES)
+                   for l in range(self.n_layers))
 
 
 def _round_up(n: int, m: int) -> int:
@@ -112,11 +120,11 @@ def _layouts(activation: str) -> dict[str, str]:
             "down_t": "groups" if relu else "matvec"}
 
 
-def _matrix_bytes(spec: ExpertSpec, m: str) -> int:
+def _matrix_bytes(spec: ExpertSpec, m: str, layer: int) -> int:
     from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     d, f = spec.d_model, spec.d_ff
-    qtype = getattr(spec, {"gate": "gate_qtype", "up": "up_qtype", "down_t": "down_qtype"}[m])
+    qtype = spec.formats[layer][MATRICES.index(m)]
     base = quants.interleaved_base(qtype) or qtype
     if m == "down_t":
         return d * quants.row_bytes(base, f)  # rows or groups: the same bytes
@@ -144,18 +152,21 @@ def plan(ckpt, fingerprint: str) -> ExpertSpec:
     """The expert file for this checkpoint: formats, offsets (before any writing)."""
     check_quantized(ckpt)
     c = ckpt.config
-    names = expert_names(0)
-    fmt = {}
-    for m, layout in _layouts(c.activation).items():
-        t = ckpt.params[names[m]]
-        fmt[m] = stacked_format(t.qtype, layout, t.stored_shape, t.transposed)
+    formats = []
+    for l in range(c.n_layers):
+        fmt = {}
+        for m, name in expert_names(l).items():
+            t = ckpt.params[name]
+            fmt[m] = stacked_format(t.qtype, _layouts(c.activation)[m], t.stored_shape,
+                                    t.transposed)
+        formats.append((fmt["gate"][0], fmt["up"][0], fmt["down_t"][0],
+                        "groups" if fmt["down_t"][1] == "groups" else "rows"))
     spec = ExpertSpec(model_fingerprint=fingerprint, n_layers=c.n_layers, n_experts=c.n_experts,
                       d_model=c.d_model, d_ff=c.d_ff, activation=c.activation,
-                      gate_qtype=fmt["gate"][0], up_qtype=fmt["up"][0],
-                      down_qtype=fmt["down_t"][0], down_layout="groups"
-                      if fmt["down_t"][1] == "groups" else "rows", gate_offset=0, up_offset=0,
-                      down_offset=0, slot_bytes=0, data_offset=ALIGN, file_bytes=0)
-    gate, up, down = (_matrix_bytes(spec, m) for m in MATRICES)
+                      formats=tuple(formats), gate_offset=0, up_offset=0, down_offset=0,
+                      slot_bytes=0, data_offset=ALIGN, file_bytes=0)
+    gate, up, down = (max(_matrix_bytes(spec, m, l) for l in range(c.n_layers))
+                      for m in MATRICES)
     up_at = _round_up(gate, MATRIX_ALIGN)
     down_at = up_at + _round_up(up, MATRIX_ALIGN)
     slot = _round_up(down_at + down, SLOT_ALIGN)
