@@ -56,3 +56,16 @@ def families_built():
 
     pytest.importorskip("sentencepiece")
     return fam.built_set("families", fam.FAMILIES, fam.build)
+
+
+@pytest.fixture(autouse=True)
+def _restore_cpu_affinity():
+    """The CLIs pin their process to --threads CPUs (_cli.configure_threads), and a CLI test runs
+    main() inside the test process: without this, a test asking for 2 threads after one that ran
+    `--threads 1` in the same worker is refused (only 1 CPU left to it)."""
+    import os
+
+    before = os.sched_getaffinity(0)
+    yield
+    if os.sched_getaffinity(0) != before:
+        os.sched_setaffinity(0, before)

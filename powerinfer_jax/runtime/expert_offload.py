@@ -26,7 +26,7 @@ offloaded (runtime/offload.py's rule, shared with dense models).
 Where the routing profile comes from (it decides the pinned experts and the "frequency"
 policy's order):
   1. <artifacts>/experts.npz: the routers' counts on the calibration corpus
-     (runtime/placing.py `expert_frequencies`, which --vram-budget's placement writes; or
+     (runtime/vram_budget.py `expert_frequencies`, which --vram-budget's placement writes; or
      `profile_experts` below);
   2. a synthetic model's `frequencies.npz` beside it (powerinfer_jax.synthetic.moe: the
      routing measured on its calibration text), when its synthetic.json names the model file;
@@ -129,7 +129,7 @@ class ExpertOffload:
 
 def routing_frequencies(ckpt, artifacts_root) -> tuple[np.ndarray | None, str]:
     """[L, E] routing frequencies and where they came from (module docstring)."""
-    from powerinfer_jax.runtime.placing import EXPERT_PROFILE_NAME  # lazy: start-up (placing
+    from powerinfer_jax.runtime.vram_budget import EXPERT_PROFILE_NAME  # lazy: start-up (vram_budget
     # pulls in the placement solver)
 
     c = ckpt.config
