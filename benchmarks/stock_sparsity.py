@@ -110,6 +110,7 @@ def main(argv=None) -> int:
         "POWERINFER_JAX_CACHE", Path.home() / ".cache" / "powerinfer_jax")) / "peers" /
         "llamacpp-cpu-native" / "bin" / "llama-bench"))
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--note", default="", help="what else ran on the machine (kept in each row)")
     ap.add_argument("--prepare-only", metavar="MODEL", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     targets = [float(t) for t in args.targets.split(",")]
@@ -124,10 +125,12 @@ def main(argv=None) -> int:
     files = [f.split(":", 2) for f in args.file]
     base = {"machine": machine(), "commit": git_commit(), "rule": args.rule,
             "new_tokens": args.new_tokens, "synthetic": True,
-            "note": "machine shared with other work; medians of interleaved rounds"}
+            "note": args.note}
     out = open(args.out, "a", encoding="utf-8")
 
     def emit(row: dict) -> None:
+        if row.get("kind") == "run":  # the 1-minute load average as the run ended
+            row = {**row, "loadavg_1m": round(os.getloadavg()[0], 2)}
         out.write(json.dumps(row) + "\n")
         out.flush()
         print(json.dumps(row), file=sys.stderr)
