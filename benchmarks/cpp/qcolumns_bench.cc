@@ -1,7 +1,9 @@
 // Standalone timing of the columns-layout matvec (cpu_backend/qcolumns.h) against the rows kernel
 // (interleaved by 16 where the format has it) on one [O, I] matrix, decode (one token), at
-// several input sparsities, best of $REPS passes each, alternated. Random valid blocks; the
-// matrix is larger than the caches at 7B shapes, so the figures are memory-bound like a model's.
+// several input sparsities, best of $REPS passes each, alternated. Random valid blocks; before
+// each timed call a 96 MiB buffer is read (EVICT=0: not), so the matrix comes from memory as a
+// model's layers do (without it a 66 MB matrix partly stays in a 32 MiB L3 between passes and the
+// columns kernel looked 1.7x the rows kernel at 40% where it is 1.24x from memory).
 //   g++ -O3 -march=native -std=gnu++20 -I. -o /tmp/qcolumns_bench benchmarks/cpp/qcolumns_bench.cc \
 //     cpu_backend/q{linear,columns}.cc cpu_backend/quant_{act,formats}.cc \
 //     cpu_backend/thread_pool.cc -lpthread
@@ -22,6 +24,18 @@
 #include "cpu_backend/quant_interleaved.h"
 
 using namespace pij;
+
+// Reads a buffer three times the last-level cache before each timed call (EVICT=0: not), so
+// the matrix comes from memory as a model's layers do, not from the cache of the last pass.
+static void Evict() {
+  static std::vector<uint8_t> junk(96 << 20, 1);
+  static const bool on = !(getenv("EVICT") && atoi(getenv("EVICT")) == 0);
+  if (!on) return;
+  uint64_t acc = 0;
+  for (size_t i = 0; i < junk.size(); i += 64) acc += junk[i];
+  static volatile uint64_t sink;
+  sink = acc;
+}
 
 static QType Parse(const char* s) {
   for (int id = 0; id < 16; ++id) {
@@ -100,6 +114,7 @@ int main(int argc, char** argv) {
     const int64_t nbk = ColumnsBlocks(t, I);
     for (int rep = 0; rep < reps; ++rep) {
       {
+        Evict();
         const auto t0 = std::chrono::steady_clock::now();
         QuantizeActs({&xr, 1}, I, info.block, acts, pool);
         pool.Run(0, threads, [&](int64_t task, int) {
@@ -118,6 +133,7 @@ int main(int argc, char** argv) {
       for (int which = 0; which < 2; ++which) {
         QLinearOut out{which == 0 ? inter.data() : cols.data(), t,
                        nullptr, O, y.data(), which == 0 && can_inter, which == 1};
+        Evict();
         const auto t0 = std::chrono::steady_clock::now();
         QLinearMany({&out, 1}, I, {&xr, 1}, scratch, pool);
         const double dt =
