@@ -290,6 +290,8 @@ def main(argv=None) -> None:
         v = [r[key] for r in rows if r.get("ok") and r.get(key) is not None]
         return statistics.median(v) if v else None
 
+    if not a.llama:  # a summary compares with llama.cpp: without it the run rows are the result
+        return
     for frac in a.limits:
         ours, llama = runs.get(("ours", frac), []), runs.get(("llama.cpp", frac), [])
         ratios = [o["decode_tok_s"] / l["decode_tok_s"] for o, l in zip(ours, llama)
