@@ -186,6 +186,7 @@ def test_import_burst_refuses_another_teacher(burst_out, tmp_path, cache):
 
 
 # --------------------------------------------------------------------------- scanned forward
+@pytest.mark.slow
 def test_scanned_forward_matches_the_unrolled_one():
     config, params = tiny("silu")
     model = from_params(config, params, kernels="xla")

@@ -147,7 +147,7 @@ def _float_experts(path, tokens):
     return np.asarray(model(jnp.asarray([tokens])))
 
 
-@pytest.mark.parametrize("act", ["silu", "relu"])
+@pytest.mark.parametrize("act", ["silu", pytest.param("relu", marks=pytest.mark.slow)])
 def test_placed_file_logits_and_tokens(files, sizes, act):
     path = files[act]
     unplaced = _load(path)
@@ -229,7 +229,7 @@ def _placed_model(path, n_hot, store):
     return model
 
 
-@pytest.mark.parametrize("act", ["silu", "relu"])
+@pytest.mark.parametrize("act", ["silu", pytest.param("relu", marks=pytest.mark.slow)])
 def test_the_host_store_gives_the_inline_placement(files, act):
     """What an accelerator runs (the cold experts' blocks in the host store, one host callback
     per layer and call) equals the CPU-only placement (the same custom call inline)."""
@@ -267,7 +267,8 @@ def test_an_accelerator_load_keeps_only_the_experts_as_blocks(files):
     assert sum(kinds.values()) == 3 * ck.config.n_layers
 
 
-@pytest.mark.parametrize("damage", [b"not a zip file", "shape", "nan"])
+@pytest.mark.parametrize("damage", [pytest.param(b"not a zip file", marks=pytest.mark.slow),
+                                    pytest.param("shape", marks=pytest.mark.slow), "nan"])
 def test_a_damaged_expert_profile_is_measured_again(files, sizes, tmp_path, damage, capsys):
     """A kept experts.npz that is truncated, of another model's shape or not finite is named on
     stderr and measured again: the placement equals the one from a fresh profile."""

@@ -140,7 +140,8 @@ def test_kernel_bitwise_equals_qsparse_ffn(model, hot_fraction, which):
     assert spec.planes_stride > 0 if which == "gguf" else spec.planes_stride == 0
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", [pytest.param("Q4_1", marks=pytest.mark.slow),
+                                   pytest.param("Q5_0", marks=pytest.mark.slow), "Q8_0"])
 def test_kernel_down_groups_of_every_format(qtype, tmp_path):
     """Down groups from code rows and planes for the other 32-weight formats: pairs (Q4_1, with
     minimums) and neuron rows (Q5_0, Q8_0)."""
@@ -272,6 +273,7 @@ def test_tokens_equal_in_memory_at_several_budgets(model, which):
     assert _sha256(gguf) == before  # nothing written to the model file
 
 
+@pytest.mark.slow
 def test_a_fatrelu_model_runs_from_the_store_as_in_memory(model, tmp_path):
     """The store's layers apply a FATReLU model's per-layer gate thresholds (our GGUF key) as
     the in-memory model does: equal tokens, which differ from the same weights' plain ReLU."""

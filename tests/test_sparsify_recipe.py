@@ -143,6 +143,7 @@ def test_default_output_names_keep_every_digit_of_the_target(monkeypatch, tmp_pa
                      0.865: "smollm2-135m-sparse-fatrelu-0.865"}
 
 
+@pytest.mark.slow
 def test_fatrelu_is_the_runtimes_threshold_mode():
     """A relu model with FATReLU at t computes what the engine's threshold mode computes with
     every layer's gate threshold at t: same logits, same share of skipped neurons."""
@@ -193,6 +194,7 @@ def test_topk_kl_bounds_the_full_kl():
     assert float(fw.topk_kl(ids, logp.astype(jnp.float16), s)) == pytest.approx(part, rel=2e-3)
 
 
+@pytest.mark.slow
 def test_topk_cache_fills_once_and_reopens(tmp_path):
     config, params = tiny("silu")
     teacher = from_params(config, params, kernels="xla")
@@ -246,7 +248,7 @@ def small(**changes):
     return DistillConfig(**base)
 
 
-@pytest.mark.parametrize("teacher", ["online", "cached"])
+@pytest.mark.parametrize("teacher", ["online", pytest.param("cached", marks=pytest.mark.slow)])
 def test_pieces_by_time_budget_resume_to_the_uninterrupted_run(tiny_dir, texts, cache,
                                                                tmp_path, teacher, monkeypatch):
     """ProSparse stages and FATReLU from the middle of the run: a run stopped by its time budget
