@@ -27,24 +27,27 @@ SUMMARY_PREFIXES = ("median", "ratio_to")  # other summary keys shown after METR
 # What a row is about, tried in order: the first key present names the experiment.
 EXPERIMENT_KEYS = ("experiment", "bench", "tag", "op")
 # Keys that say which configuration a row measured (shown when they vary within a run).
-CONFIG_KEYS = ("system", "kind", "config", "mode", "sparsity", "variant", "stage", "shape", "op",
-               "format", "formats", "part", "isa", "dtype", "weights", "weight_dtype", "gate_up",
-               "predictor", "target_sparsity", "side", "batch", "concurrency", "d", "f", "o", "t",
-               "active", "prompt_tokens", "new_tokens", "threads", "layer", "tokens", "step",
-               "budget_ffn_fraction", "keep_quantized", "source_type", "down_format")
+CONFIG_KEYS = ("system", "kind", "config", "mode", "sparsity", "rule", "qtype", "limit_fraction",
+               "policy", "variant", "stage", "shape", "op", "format", "formats", "part", "isa",
+               "dtype", "weights", "weight_dtype", "gate_up", "predictor", "target_sparsity",
+               "side", "batch", "concurrency", "d", "f", "o", "t", "active", "prompt_tokens",
+               "new_tokens", "threads", "layer", "tokens", "step", "budget_ffn_fraction",
+               "keep_quantized", "source_type", "down_format")
 # Measured quantities, most telling first.
-METRIC_KEYS = ("status", "median_ratio", "median_ratio_to_llama_q4_1", "median_ratio_to_llama_bf16",
-               "median_ratio_to_native_build", "median_ratio_to_avx2_build", "ratio_to_dense_median",
-               "decode_ratio_median", "prefill_ratio_median", "vs_llama_cpp_median",
-               "ratio_to_sequential", "median_tok_s", "decode_tok_s_median", "decode_tok_s", "tok_s",
-               "aggregate_tok_s", "agg_tok_s_median", "prefill_tok_s", "load_plus_build_s", "ppl",
-               "llama_ppl", "relative_diff", "score",
-               "ppl_ours", "ppl_powerinfer", "ppl_ratio", "ppl_x_dense", "ffn_sparsity",
-               "predictor_recall", "heldout_recall", "speedup", "speedup_vs_bf16", "us", "gbps",
-               "achieved_gb_s", "achieved_gbs", "effective_gbs", "bandwidth_fraction", "step_ms",
-               "neurons_for_80pct", "top10pct_share", "rss_growth_over_file",
-               "weights_resident_over_file", "rel_err_max", "ttft_p50_s_median",
-               "latency_p50_s_median", "errors", "sequences_differing")
+METRIC_KEYS = ("status", "ours_over_llama_cpp", "ours_over_our_dense", "ours_tok_s",
+               "llama_cpp_tok_s", "measured_sparsity", "ppl_over_dense", "greedy_agreement",
+               "over_disk_bound", "hit_rate", "median_ratio", "median_ratio_to_llama_q4_1",
+               "median_ratio_to_llama_bf16", "median_ratio_to_native_build",
+               "median_ratio_to_avx2_build", "ratio_to_dense_median", "decode_ratio_median",
+               "prefill_ratio_median", "vs_llama_cpp_median", "ratio_to_sequential",
+               "median_tok_s", "decode_tok_s_median", "decode_tok_s", "tok_s", "aggregate_tok_s",
+               "agg_tok_s_median", "prefill_tok_s", "load_plus_build_s", "ppl", "llama_ppl",
+               "relative_diff", "score", "ppl_ours", "ppl_powerinfer", "ppl_ratio", "ppl_x_dense",
+               "ffn_sparsity", "predictor_recall", "heldout_recall", "speedup", "speedup_vs_bf16",
+               "us", "gbps", "achieved_gb_s", "achieved_gbs", "effective_gbs",
+               "bandwidth_fraction", "step_ms", "neurons_for_80pct", "top10pct_share",
+               "rss_growth_over_file", "weights_resident_over_file", "rel_err_max",
+               "ttft_p50_s_median", "latency_p50_s_median", "errors", "sequences_differing")
 
 
 class ReportError(ValueError):
@@ -186,8 +189,10 @@ def fmt(v) -> str:
 
 
 def shown_rows(rows: list[dict]) -> tuple[list[dict], str]:
-    """The summary rows of a run where it has them, else its rows; and a note on what is left out."""
-    summaries = [r for r in rows if any(k.startswith("median") for k in r)]
+    """The summary rows of a run (kind "summary", or median fields) where it has them, else its
+    rows; and a note on what is left out."""
+    summaries = [r for r in rows if r.get("kind") == "summary"
+                 or any(k.startswith("median") for k in r)]
     chosen = summaries if summaries and len(summaries) < len(rows) else rows
     note = f"{len(rows) - len(chosen)} per-round rows summarized" if chosen is not rows else ""
     if len(chosen) > MAX_ROWS:
