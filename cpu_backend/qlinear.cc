@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "cpu_backend/qcolumns.h"
@@ -198,20 +199,26 @@ void QLinearMany(std::span<const QLinearOut> outs, int64_t dim,
 
 namespace {
 
-// One (16 rows, block) record from the 16 rows' blocks at `src` (row stride `row_bytes`): the
-// format's sizes are constants, so the field and chunk loops unroll into plain 2- and 4-byte
-// moves (a loop over runtime sizes moved ~1 GB/s per core: most of a model's load copy).
+// One (16 rows, block) record from the 16 rows' blocks at `src` (row stride `row_bytes`): each
+// field of the 16 rows as one plane (quant_interleaved.h Fields). The format's sizes are
+// constants, so the loops unroll into plain 1-, 2- and 4-byte moves (a loop over runtime sizes
+// moved ~1 GB/s per core: most of a model's load copy).
 template <class F>
 void InterleaveRecord(const uint8_t* src, int64_t row_bytes, uint8_t* rec) {
   constexpr int64_t kG = qkern::kInterleave;
-  constexpr int64_t kHead = qkern::InterleavedHead(F::kType) / kG;  // f16 field bytes per block
-  constexpr int64_t kChunks = (F::kBytes - kHead) / 4;
+  constexpr qkern::RecordFields kFields = qkern::Fields(F::kType);
   for (int64_t r = 0; r < kG; ++r) {
     const uint8_t* blk = src + r * row_bytes;
-    for (int64_t f = 0; f < kHead / 2; ++f) std::memcpy(rec + f * 2 * kG + 2 * r, blk + 2 * f, 2);
-    for (int64_t c = 0; c < kChunks; ++c) {
-      std::memcpy(rec + kG * kHead + 64 * c + 4 * r, blk + kHead + 4 * c, 4);
-    }
+    int64_t at = 0;  // the field run's first byte in the block (its planes start at kG * at)
+    [&]<int... kI>(std::integer_sequence<int, kI...>) {
+      (([&] {
+         constexpr int kBytes = kFields.runs[kI].bytes, kW = kFields.runs[kI].width;
+         for (int64_t f = 0; f < kBytes / kW; ++f) {
+           std::memcpy(rec + kG * (at + f * kW) + kW * r, blk + at + f * kW, kW);
+         }
+         at += kBytes;
+       }()), ...);
+    }(std::make_integer_sequence<int, kFields.n>{});
   }
 }
 
@@ -243,14 +250,15 @@ void QLinearInterleavedPortable(const QLinearOut& out, int64_t dim,
                                 std::span<const float* const> x_rows) {
   QActs acts;
   ThreadPool pool(1);
-  QuantizeActs(x_rows, dim, 32, acts, pool);
+  const bool k = GetQTypeInfo(out.qtype).block == 256;
+  QuantizeActs(x_rows, dim, k ? 256 : 32, acts, pool);
   VisitQType(out.qtype, [&]<class F>(F) {
     if constexpr (qkern::Interleavable(F::kType)) {
       constexpr int64_t kG = qkern::kInterleave;
       const int64_t nblocks = dim / F::kBlock;
       float dots[kG];
       for (size_t t = 0; t < x_rows.size(); ++t) {
-        const QActView x = acts.View(static_cast<int64_t>(t), 32);
+        const QActView x = acts.View(static_cast<int64_t>(t), k ? 16 : 32);
         for (int64_t g = 0; g < out.out_dim / kG; ++g) {
           qkern::InterleavedTileScalar<F, 1>(out.w + g * nblocks * F::kBytes * kG, nblocks, &x,
                                              dots);

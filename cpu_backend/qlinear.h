@@ -22,8 +22,8 @@ struct QLinearOut {
   const float* bias;   // [out_dim] or nullptr
   int64_t out_dim;
   float* y;            // [T, out_dim]
-  // The rows interleaved by 16 (quant_interleaved.h: Q4_0, Q4_1, Q8_0; out_dim a multiple of
-  // 16), the same bytes rearranged; false: the file's rows.
+  // The rows interleaved by 16 (quant_interleaved.h: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; out_dim a
+  // multiple of 16), the same bytes rearranged; false: the file's rows.
   bool interleaved = false;
   // The columns layout (qcolumns.h: input-channel-major, out_dim a multiple of 64): only the
   // input channels whose 8-bit activation is nonzero are read.

@@ -1,12 +1,15 @@
 // Matrix rows interleaved by 16 for the decode matvec: the layout ops.qlinear reads fastest.
 //
-// A row-major GGUF matrix [O, nblocks] of 32-weight blocks (Q4_0, Q4_1, Q8_0), O a multiple of
-// 16, is stored as records, one per (group of 16 rows g, block b), in the order (g, b): the 16
-// rows' f16 scales (32 bytes), for Q4_1 their f16 minimums (32 bytes), then the quants in chunks
-// of 4 bytes per row: chunk c holds bytes [4c, 4c + 4) of every row's packed quants, row r at
-// 4r (64 bytes a chunk; 4 chunks of nibbles for the 4-bit formats, 8 of int8 for Q8_0). A record
-// is 16 times the file's block, so the matrix keeps its size (checkpoint/quants.py `interleave`
-// writes it, and knows the same map byte for byte).
+// A row-major GGUF matrix [O, nblocks] of blocks (Q4_0, Q4_1, Q8_0: 32 weights; Q4_K, Q6_K: 256),
+// O a multiple of 16, is stored as records, one per (group of 16 rows g, block b), in the order
+// (g, b). A block is a sequence of fields in the file's order, each of a width per format
+// (RecordFields): f16 scales and minimums 2 bytes, quants in chunks of 4 bytes, Q4_K's packed
+// 6-bit scales in 4-byte words, Q6_K's int8 scales 1 byte; the record holds each field of the 16
+// rows as one plane, planes in the field order, row r at width * r. So for the 32-weight formats:
+// the 16 rows' f16 scales (32 bytes), for Q4_1 their f16 minimums (32 bytes), then the quants,
+// chunk c holding bytes [4c, 4c + 4) of every row's packed quants, row r at 4r (64 bytes a chunk).
+// A record is 16 times the file's block, so the matrix keeps its size (checkpoint/quants.py
+// `interleave` writes it, and knows the same map byte for byte).
 //
 // Why: the file's layout gives each row's blocks in turn, and the dot of one block needs its own
 // scale, unpacking and a horizontal reduction, so the legacy decode dots were bound by shuffles
@@ -19,6 +22,13 @@
 // any token tile. Integer dots are exact, so the bits are too.
 // Q4_0: m = -8 s (its offset through the activations' block sums); Q4_1: the stored m; Q8_0:
 // signed weights, no minimum (mins stays +0).
+// The K-quants (activations quantized per 256, sums per 16): the super-block's sub-block dots
+// times their integer scales summed in int32 (exact: |sum| < 2^31), then
+// acc = fma(float(sum), d * d_x, acc); the minimums per sub-block in turn, m_j = float(min_j) *
+// -dmin (Q4_K) or float(sc_g) * (d * -32) (Q6_K's offset), mins = fma(m_j, c16, mins) once per
+// 16 activations. Prefill runs 4 tokens per pass over a record, as for the 32-weight formats
+// (the file's rows took ~3.5x longer per weight there: a horizontal sum and a float scale per
+// 32 weights and token).
 #ifndef PIJ_CPU_BACKEND_QUANT_INTERLEAVED_H_
 #define PIJ_CPU_BACKEND_QUANT_INTERLEAVED_H_
 
@@ -40,7 +50,8 @@ constexpr int64_t kInterleave = 16;
 constexpr int32_t kInterleavedQTypeFlag = 0x100;
 
 constexpr bool Interleavable(QType t) {
-  return t == QType::kQ4_0 || t == QType::kQ4_1 || t == QType::kQ8_0;
+  return t == QType::kQ4_0 || t == QType::kQ4_1 || t == QType::kQ8_0 || t == QType::kQ4_K ||
+         t == QType::kQ6_K;
 }
 
 // Whether a matrix of `rows` rows in t has the layout (checkpoint/quants.py `can_interleave`).
@@ -48,8 +59,35 @@ constexpr bool CanInterleave(QType t, int64_t rows) {
   return Interleavable(t) && rows > 0 && rows % kInterleave == 0;
 }
 
-// Bytes of a record before its quants: scales, and minimums for Q4_1.
+// Bytes of a 32-weight format's record before its quants: scales, and minimums for Q4_1.
 constexpr int64_t InterleavedHead(QType t) { return t == QType::kQ4_1 ? 64 : 32; }
+
+// A block's fields, in the file's order: `bytes` bytes of fields `width` bytes wide (module doc).
+struct FieldRun {
+  int bytes, width;
+};
+struct RecordFields {
+  FieldRun runs[4];
+  int n;
+};
+constexpr RecordFields Fields(QType t) {
+  switch (t) {
+    case QType::kQ4_0: return {{{2, 2}, {16, 4}}, 2};
+    case QType::kQ4_1: return {{{4, 2}, {16, 4}}, 2};
+    case QType::kQ8_0: return {{{2, 2}, {32, 4}}, 2};
+    case QType::kQ4_K: return {{{4, 2}, {140, 4}}, 2};  // d, dmin; 3 scale words, 32 chunks
+    case QType::kQ6_K: return {{{192, 4}, {16, 1}, {2, 2}}, 3};  // ql, qh; scales; d
+    default: return {{}, 0};
+  }
+}
+
+// Byte offsets of the K-quants' planes in a record (16 rows x the fields above).
+namespace k4 {  // Q4_K: d, dmin, scale words w0 w1 w2, 32 chunks of quants
+constexpr int64_t kD = 0, kDmin = 32, kWords = 64, kQs = 256, kRecord = 2304;
+}
+namespace k6 {  // Q6_K: 32 chunks of low nibbles, 16 of high bits, 16 scale planes, d
+constexpr int64_t kQl = 0, kQh = 2048, kSc = 3072, kD = 3328, kRecord = 3360;
+}
 
 namespace interleaved_detail {
 
@@ -87,6 +125,96 @@ inline void TileScalar(const uint8_t* group, int64_t nblocks, const QActView* xs
         }
         acc[t] = std::fma(static_cast<float>(dot), s * xs[t].d[b], acc[t]);
         if constexpr (F::kType != QType::kQ8_0) mins[t] = std::fma(m, xs[t].c[b], mins[t]);
+      }
+    }
+    for (int t = 0; t < kC; ++t) out[t * kInterleave + r] = acc[t] + mins[t];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The K-quants' records (module doc). Scalar first: the arithmetic every vector path keeps.
+
+// Q4_K's 6-bit scale and minimum of sub-block j from a row's three scale words (llama.cpp's
+// packing: sc[0..3] = w0 & 63, m[0..3] = w1 & 63 bytewise; sc[4..7] = (w2 & 15) | (w0 >> 6) << 4,
+// m[4..7] = (w2 >> 4) | (w1 >> 6) << 4).
+inline int K4Scale(uint32_t w0, uint32_t w2, int j) {
+  if (j < 4) return static_cast<int>((w0 >> (8 * j)) & 63);
+  const int i = 8 * (j - 4);
+  return static_cast<int>(((w2 >> i) & 15) | (((w0 >> (i + 6)) & 3) << 4));
+}
+inline int K4Min(uint32_t w1, uint32_t w2, int j) {
+  if (j < 4) return static_cast<int>((w1 >> (8 * j)) & 63);
+  const int i = 8 * (j - 4);
+  return static_cast<int>(((w2 >> (i + 4)) & 15) | (((w1 >> (i + 6)) & 3) << 4));
+}
+
+template <int kC>
+inline void K4TileScalar(const uint8_t* group, int64_t nblocks, const QActView* xs, float* out) {
+  for (int r = 0; r < kInterleave; ++r) {
+    float acc[kC], mins[kC];
+    for (int t = 0; t < kC; ++t) acc[t] = mins[t] = 0.0f;
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const uint8_t* rec = group + b * k4::kRecord;
+      const float d = qsimd::HalfAt(rec + k4::kD + 2 * r);
+      const float negdmin = qsimd::HalfAt(rec + k4::kDmin + 2 * r) * -1.0f;
+      uint32_t w[3];
+      for (int k = 0; k < 3; ++k) std::memcpy(&w[k], rec + k4::kWords + 64 * k + 4 * r, 4);
+      for (int t = 0; t < kC; ++t) {
+        const int8_t* x = xs[t].q + b * 256;
+        int32_t sum = 0;
+        for (int j = 0; j < 8; ++j) {
+          int32_t dot = 0;
+          for (int i = 0; i < 32; ++i) {
+            const uint8_t v = rec[k4::kQs + 64 * (8 * (j / 2) + i / 4) + 4 * r + i % 4];
+            dot += (j % 2 == 0 ? v & 0x0f : v >> 4) * x[32 * j + i];
+          }
+          sum += dot * K4Scale(w[0], w[2], j);
+        }
+        acc[t] = std::fma(static_cast<float>(sum), d * xs[t].d[b], acc[t]);
+        const float* c = xs[t].c + b * 16;
+        for (int j = 0; j < 8; ++j) {
+          const float m = static_cast<float>(K4Min(w[1], w[2], j)) * negdmin;
+          mins[t] = std::fma(m, c[2 * j], mins[t]);
+          mins[t] = std::fma(m, c[2 * j + 1], mins[t]);
+        }
+      }
+    }
+    for (int t = 0; t < kC; ++t) out[t * kInterleave + r] = acc[t] + mins[t];
+  }
+}
+
+// Q6_K weight w (< 256) of row r: its 6-bit code (0 .. 63; the weight is d * sc * (code - 32)).
+inline int K6Code(const uint8_t* rec, int r, int w) {
+  const int n = w / 128, q = (w % 128) / 32, l = w % 32;
+  const int p = 64 * n + 32 * (q & 1) + l, h = 32 * n + l;
+  const uint8_t lo = rec[k6::kQl + 64 * (p / 4) + 4 * r + p % 4];
+  const uint8_t hi = rec[k6::kQh + 64 * (h / 4) + 4 * r + h % 4];
+  return (q < 2 ? lo & 0x0f : lo >> 4) | (((hi >> (2 * q)) & 3) << 4);
+}
+
+template <int kC>
+inline void K6TileScalar(const uint8_t* group, int64_t nblocks, const QActView* xs, float* out) {
+  for (int r = 0; r < kInterleave; ++r) {
+    float acc[kC], mins[kC];
+    for (int t = 0; t < kC; ++t) acc[t] = mins[t] = 0.0f;
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const uint8_t* rec = group + b * k6::kRecord;
+      const float d = qsimd::HalfAt(rec + k6::kD + 2 * r);
+      const float dm = d * -32.0f;
+      for (int t = 0; t < kC; ++t) {
+        const int8_t* x = xs[t].q + b * 256;
+        int32_t sum = 0;
+        for (int g = 0; g < 16; ++g) {
+          int32_t dot = 0;
+          for (int w = 16 * g; w < 16 * g + 16; ++w) dot += K6Code(rec, r, w) * x[w];
+          sum += dot * static_cast<int8_t>(rec[k6::kSc + 16 * g + r]);
+        }
+        acc[t] = std::fma(static_cast<float>(sum), d * xs[t].d[b], acc[t]);
+        const float* c = xs[t].c + b * 16;
+        for (int g = 0; g < 16; ++g) {
+          const float m = static_cast<float>(static_cast<int8_t>(rec[k6::kSc + 16 * g + r])) * dm;
+          mins[t] = std::fma(m, c[g], mins[t]);
+        }
       }
     }
     for (int t = 0; t < kC; ++t) out[t * kInterleave + r] = acc[t] + mins[t];
@@ -161,7 +289,156 @@ inline void Tile512(const uint8_t* group, int64_t nblocks, const QActView* xs, f
       }
     }
   }
-  for (int t = 0; t < kC; ++t) _mm512_storeu_ps(out + t * kInterleave, _mm512_add_ps(acc[t], mins[t]));
+  for (int t = 0; t < kC; ++t) {
+    _mm512_storeu_ps(out + t * kInterleave, _mm512_add_ps(acc[t], mins[t]));
+  }
+}
+// Q4_K, 16 rows a vector. Per sub-block pair (32 quant bytes a row: 8 chunks) the low nibbles
+// are sub-block 2k, the high ones 2k + 1.
+inline __m512i K4Scale512(__m512i w0, __m512i w2, int j) {
+  const __m512i k63 = _mm512_set1_epi32(63), k15 = _mm512_set1_epi32(15), k3 = _mm512_set1_epi32(3);
+  if (j < 4) return _mm512_and_si512(_mm512_srli_epi32(w0, 8 * j), k63);
+  const int i = 8 * (j - 4);
+  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, i), k15),
+                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w0, i + 6), k3), 4));
+}
+inline __m512i K4Min512(__m512i w1, __m512i w2, int j) {
+  const __m512i k63 = _mm512_set1_epi32(63), k15 = _mm512_set1_epi32(15), k3 = _mm512_set1_epi32(3);
+  if (j < 4) return _mm512_and_si512(_mm512_srli_epi32(w1, 8 * j), k63);
+  const int i = 8 * (j - 4);
+  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, i + 4), k15),
+                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, i + 6), k3), 4));
+}
+
+template <int kC, int64_t kAhead>
+inline void K4Tile512(const uint8_t* group, int64_t nblocks, const QActView* xs, float* out) {
+  __m512 acc[kC], mins[kC];
+  for (int t = 0; t < kC; ++t) acc[t] = mins[t] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* rec = group + b * k4::kRecord;
+    if constexpr (kAhead > 0) {
+      for (int64_t off = 0; off < k4::kRecord; off += 64) {
+        __builtin_prefetch(rec + kAhead + off, 0, 2);
+      }
+    }
+    const __m512i w0 = _mm512_loadu_si512(rec + k4::kWords);
+    const __m512i w1 = _mm512_loadu_si512(rec + k4::kWords + 64);
+    const __m512i w2 = _mm512_loadu_si512(rec + k4::kWords + 128);
+    __m512i sum[kC];
+    for (int t = 0; t < kC; ++t) sum[t] = _mm512_setzero_si512();
+    for (int k = 0; k < 4; ++k) {
+      __m512i lo[8], hi[8];
+      for (int c = 0; c < 8; ++c) {
+        const __m512i v = _mm512_loadu_si512(rec + k4::kQs + 64 * (8 * k + c));
+        lo[c] = _mm512_and_si512(v, low4);
+        hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      const __m512i s_lo = K4Scale512(w0, w2, 2 * k), s_hi = K4Scale512(w0, w2, 2 * k + 1);
+      for (int t = 0; t < kC; ++t) {
+        const int8_t* x = xs[t].q + b * 256 + 64 * k;
+        __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+        for (int c = 0; c < 8; ++c) {
+          d0 = _mm512_dpbusd_epi32(d0, lo[c], Broadcast4(x + 4 * c));
+          d1 = _mm512_dpbusd_epi32(d1, hi[c], Broadcast4(x + 32 + 4 * c));
+        }
+        sum[t] = _mm512_add_epi32(sum[t], _mm512_add_epi32(_mm512_mullo_epi32(d0, s_lo),
+                                                           _mm512_mullo_epi32(d1, s_hi)));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
+    const __m512 negdmin = _mm512_mul_ps(
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + k4::kDmin))),
+        _mm512_set1_ps(-1.0f));
+    for (int t = 0; t < kC; ++t) {
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t]),
+                               _mm512_mul_ps(d, _mm512_set1_ps(xs[t].d[b])), acc[t]);
+    }
+    for (int j = 0; j < 8; ++j) {
+      const __m512 m = _mm512_mul_ps(_mm512_cvtepi32_ps(K4Min512(w1, w2, j)), negdmin);
+      for (int t = 0; t < kC; ++t) {
+        const float* c = xs[t].c + b * 16 + 2 * j;
+        mins[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(c[0]), mins[t]);
+        mins[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(c[1]), mins[t]);
+      }
+    }
+  }
+  for (int t = 0; t < kC; ++t) {
+    _mm512_storeu_ps(out + t * kInterleave, _mm512_add_ps(acc[t], mins[t]));
+  }
+}
+
+// Q6_K: per half n and quarter kk, chunks i < 4 of the low nibbles A (bytes 64n + 16kk + 4i), B
+// (+ 32) and the high bits H (32n + 16kk + 4i) give the codes of four 16-weight groups:
+// q0 = A lo | H bits 0-1, q1 = B lo | bits 2-3, q2 = A hi | bits 4-5, q3 = B hi | bits 6-7
+// (weights 128n + 32q + 16kk + 4i ..; group 8n + 2q + kk).
+template <int kC, int64_t kAhead>
+inline void K6Tile512(const uint8_t* group, int64_t nblocks, const QActView* xs, float* out) {
+  __m512 acc[kC], mins[kC];
+  for (int t = 0; t < kC; ++t) acc[t] = mins[t] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* rec = group + b * k6::kRecord;
+    if constexpr (kAhead > 0) {
+      for (int64_t off = 0; off < k6::kRecord; off += 64) {
+        __builtin_prefetch(rec + kAhead + off, 0, 2);
+      }
+    }
+    __m512i sum[kC];
+    for (int t = 0; t < kC; ++t) sum[t] = _mm512_setzero_si512();
+    for (int n = 0; n < 2; ++n) {
+      for (int kk = 0; kk < 2; ++kk) {
+        __m512i u[4][4];
+        for (int i = 0; i < 4; ++i) {
+          const __m512i A = _mm512_loadu_si512(rec + k6::kQl + 64 * (16 * n + 4 * kk + i));
+          const __m512i B = _mm512_loadu_si512(rec + k6::kQl + 64 * (16 * n + 8 + 4 * kk + i));
+          const __m512i H = _mm512_loadu_si512(rec + k6::kQh + 64 * (8 * n + 4 * kk + i));
+          u[0][i] = _mm512_or_si512(_mm512_and_si512(A, low4),
+                                    _mm512_and_si512(_mm512_slli_epi16(H, 4), bits45));
+          u[1][i] = _mm512_or_si512(_mm512_and_si512(B, low4),
+                                    _mm512_and_si512(_mm512_slli_epi16(H, 2), bits45));
+          u[2][i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(A, 4), low4),
+                                    _mm512_and_si512(H, bits45));
+          u[3][i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(B, 4), low4),
+                                    _mm512_and_si512(_mm512_srli_epi16(H, 2), bits45));
+        }
+        __m512i sc[4];
+        for (int q = 0; q < 4; ++q) {
+          sc[q] = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(rec + k6::kSc + 16 * (8 * n + 2 * q + kk))));
+        }
+        for (int t = 0; t < kC; ++t) {
+          const int8_t* x = xs[t].q + b * 256 + 128 * n + 16 * kk;
+          for (int q = 0; q < 4; ++q) {
+            __m512i dot = _mm512_setzero_si512();
+            for (int i = 0; i < 4; ++i) {
+              dot = _mm512_dpbusd_epi32(dot, u[q][i], Broadcast4(x + 32 * q + 4 * i));
+            }
+            sum[t] = _mm512_add_epi32(sum[t], _mm512_mullo_epi32(dot, sc[q]));
+          }
+        }
+      }
+    }
+    const __m512 d =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + k6::kD)));
+    const __m512 dm = _mm512_mul_ps(d, _mm512_set1_ps(-32.0f));
+    for (int t = 0; t < kC; ++t) {
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t]),
+                               _mm512_mul_ps(d, _mm512_set1_ps(xs[t].d[b])), acc[t]);
+    }
+    for (int g = 0; g < 16; ++g) {
+      const __m512 m = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + k6::kSc + 16 * g)))),
+          dm);
+      for (int t = 0; t < kC; ++t) {
+        mins[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t].c[b * 16 + g]), mins[t]);
+      }
+    }
+  }
+  for (int t = 0; t < kC; ++t) {
+    _mm512_storeu_ps(out + t * kInterleave, _mm512_add_ps(acc[t], mins[t]));
+  }
 }
 #elif defined(PIJ_QSIMD_AVX2)
 inline __m256i Broadcast4(const int8_t* p) { return _mm256_set1_epi32(Chunk4(p)); }
@@ -265,9 +542,184 @@ inline void Tile256(const uint8_t* group, int64_t nblocks, const QActView* xs, f
     }
   }
 }
+// The K-quants on 8 lanes: each half of 8 rows in turn (lanes 8h .. 8h + 7), the planes' bytes of
+// rows 8h .. at width * 8h.
+inline __m256i KDot256(__m256i acc, __m256i u, __m256i x) {
+#if defined(PIJ_QDOT_AVX512VNNI) || defined(PIJ_QDOT_AVXVNNI)
+  return DotAccumulate(acc, u, x);
+#else  // u <= 63: a pair of products fits int16 (2 * 63 * 127)
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(MulPairs(u, x), _mm256_set1_epi16(1)));
+#endif
+}
+inline __m256i K4Scale256(__m256i w0, __m256i w2, int j) {
+  const __m256i k63 = _mm256_set1_epi32(63), k15 = _mm256_set1_epi32(15), k3 = _mm256_set1_epi32(3);
+  if (j < 4) return _mm256_and_si256(_mm256_srli_epi32(w0, 8 * j), k63);
+  const int i = 8 * (j - 4);
+  return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, i), k15),
+                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w0, i + 6), k3), 4));
+}
+inline __m256i K4Min256(__m256i w1, __m256i w2, int j) {
+  const __m256i k63 = _mm256_set1_epi32(63), k15 = _mm256_set1_epi32(15), k3 = _mm256_set1_epi32(3);
+  if (j < 4) return _mm256_and_si256(_mm256_srli_epi32(w1, 8 * j), k63);
+  const int i = 8 * (j - 4);
+  return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, i + 4), k15),
+                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, i + 6), k3), 4));
+}
+inline __m256i Load8x32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline __m256 Halves8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int kC, int64_t kAhead>
+inline void K4Tile256(const uint8_t* group, int64_t nblocks, const QActView* xs, float* out) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[kC], mins[kC];
+    for (int t = 0; t < kC; ++t) acc[t] = mins[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const uint8_t* rec = group + b * k4::kRecord;
+      if constexpr (kAhead > 0) {
+        if (h == 0) {
+          for (int64_t off = 0; off < k4::kRecord; off += 64) {
+            __builtin_prefetch(rec + kAhead + off, 0, 2);
+          }
+        }
+      }
+      const __m256i w0 = Load8x32(rec + k4::kWords + 32 * h);
+      const __m256i w1 = Load8x32(rec + k4::kWords + 64 + 32 * h);
+      const __m256i w2 = Load8x32(rec + k4::kWords + 128 + 32 * h);
+      __m256i sum[kC];
+      for (int t = 0; t < kC; ++t) sum[t] = _mm256_setzero_si256();
+      for (int k = 0; k < 4; ++k) {
+        __m256i lo[8], hi[8];
+        for (int c = 0; c < 8; ++c) {
+          const __m256i v = Load8x32(rec + k4::kQs + 64 * (8 * k + c) + 32 * h);
+          lo[c] = _mm256_and_si256(v, low4);
+          hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+        const __m256i s_lo = K4Scale256(w0, w2, 2 * k), s_hi = K4Scale256(w0, w2, 2 * k + 1);
+        for (int t = 0; t < kC; ++t) {
+          const int8_t* x = xs[t].q + b * 256 + 64 * k;
+          __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
+          for (int c = 0; c < 8; ++c) {
+            d0 = KDot256(d0, lo[c], Broadcast4(x + 4 * c));
+            d1 = KDot256(d1, hi[c], Broadcast4(x + 32 + 4 * c));
+          }
+          sum[t] = _mm256_add_epi32(sum[t], _mm256_add_epi32(_mm256_mullo_epi32(d0, s_lo),
+                                                             _mm256_mullo_epi32(d1, s_hi)));
+        }
+      }
+      const __m256 d = Halves8(rec + k4::kD + 16 * h);
+      const __m256 negdmin =
+          _mm256_mul_ps(Halves8(rec + k4::kDmin + 16 * h), _mm256_set1_ps(-1.0f));
+      for (int t = 0; t < kC; ++t) {
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]),
+                                 _mm256_mul_ps(d, _mm256_set1_ps(xs[t].d[b])), acc[t]);
+      }
+      for (int j = 0; j < 8; ++j) {
+        const __m256 m = _mm256_mul_ps(_mm256_cvtepi32_ps(K4Min256(w1, w2, j)), negdmin);
+        for (int t = 0; t < kC; ++t) {
+          const float* c = xs[t].c + b * 16 + 2 * j;
+          mins[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(c[0]), mins[t]);
+          mins[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(c[1]), mins[t]);
+        }
+      }
+    }
+    for (int t = 0; t < kC; ++t) {
+      _mm256_storeu_ps(out + t * kInterleave + 8 * h, _mm256_add_ps(acc[t], mins[t]));
+    }
+  }
+}
+
+template <int kC, int64_t kAhead>
+inline void K6Tile256(const uint8_t* group, int64_t nblocks, const QActView* xs, float* out) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f), bits45 = _mm256_set1_epi8(0x30);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[kC], mins[kC];
+    for (int t = 0; t < kC; ++t) acc[t] = mins[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const uint8_t* rec = group + b * k6::kRecord;
+      if constexpr (kAhead > 0) {
+        if (h == 0) {
+          for (int64_t off = 0; off < k6::kRecord; off += 64) {
+            __builtin_prefetch(rec + kAhead + off, 0, 2);
+          }
+        }
+      }
+      __m256i sum[kC];
+      for (int t = 0; t < kC; ++t) sum[t] = _mm256_setzero_si256();
+      for (int n = 0; n < 2; ++n) {
+        for (int kk = 0; kk < 2; ++kk) {
+          __m256i u[4][4];
+          for (int i = 0; i < 4; ++i) {
+            const __m256i A = Load8x32(rec + k6::kQl + 64 * (16 * n + 4 * kk + i) + 32 * h);
+            const __m256i B = Load8x32(rec + k6::kQl + 64 * (16 * n + 8 + 4 * kk + i) + 32 * h);
+            const __m256i H = Load8x32(rec + k6::kQh + 64 * (8 * n + 4 * kk + i) + 32 * h);
+            u[0][i] = _mm256_or_si256(_mm256_and_si256(A, low4),
+                                      _mm256_and_si256(_mm256_slli_epi16(H, 4), bits45));
+            u[1][i] = _mm256_or_si256(_mm256_and_si256(B, low4),
+                                      _mm256_and_si256(_mm256_slli_epi16(H, 2), bits45));
+            u[2][i] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), low4),
+                                      _mm256_and_si256(H, bits45));
+            u[3][i] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), low4),
+                                      _mm256_and_si256(_mm256_srli_epi16(H, 2), bits45));
+          }
+          __m256i sc[4];
+          for (int q = 0; q < 4; ++q) {
+            sc[q] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
+                rec + k6::kSc + 16 * (8 * n + 2 * q + kk) + 8 * h)));
+          }
+          for (int t = 0; t < kC; ++t) {
+            const int8_t* x = xs[t].q + b * 256 + 128 * n + 16 * kk;
+            for (int q = 0; q < 4; ++q) {
+              __m256i dot = _mm256_setzero_si256();
+              for (int i = 0; i < 4; ++i) {
+                dot = KDot256(dot, u[q][i], Broadcast4(x + 32 * q + 4 * i));
+              }
+              sum[t] = _mm256_add_epi32(sum[t], _mm256_mullo_epi32(dot, sc[q]));
+            }
+          }
+        }
+      }
+      const __m256 d = Halves8(rec + k6::kD + 16 * h);
+      const __m256 dm = _mm256_mul_ps(d, _mm256_set1_ps(-32.0f));
+      for (int t = 0; t < kC; ++t) {
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]),
+                                 _mm256_mul_ps(d, _mm256_set1_ps(xs[t].d[b])), acc[t]);
+      }
+      for (int g = 0; g < 16; ++g) {
+        const __m256 m = _mm256_mul_ps(
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                reinterpret_cast<const __m128i*>(rec + k6::kSc + 16 * g + 8 * h)))),
+            dm);
+        for (int t = 0; t < kC; ++t) {
+          mins[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[t].c[b * 16 + g]), mins[t]);
+        }
+      }
+    }
+    for (int t = 0; t < kC; ++t) {
+      _mm256_storeu_ps(out + t * kInterleave + 8 * h, _mm256_add_ps(acc[t], mins[t]));
+    }
+  }
+}
 #endif
 
 }  // namespace interleaved_detail
+
+// The portable path on every build (tests compare the vector paths' bits against it).
+template <class F, int kC>
+inline void InterleavedTileScalar(const uint8_t* group, int64_t nblocks, const QActView* xs,
+                                  float* out) {
+  if constexpr (F::kType == QType::kQ4_K) {
+    interleaved_detail::K4TileScalar<kC>(group, nblocks, xs, out);
+  } else if constexpr (F::kType == QType::kQ6_K) {
+    interleaved_detail::K6TileScalar<kC>(group, nblocks, xs, out);
+  } else {
+    interleaved_detail::TileScalar<F, kC>(group, nblocks, xs, out);
+  }
+}
 
 // out[t * 16 + r] = row r of the group . x_t, for kC tokens. group: the group's first record
 // (nblocks records). kAhead > 0: each record's bytes kAhead further on are requested as it is
@@ -275,13 +727,26 @@ inline void Tile256(const uint8_t* group, int64_t nblocks, const QActView* xs, f
 template <class F, int kC, int64_t kAhead = 0>
 inline void InterleavedTile(const uint8_t* group, int64_t nblocks, const QActView* xs,
                             float* out) {
-  static_assert(Interleavable(F::kType), "rows interleaved by 16: Q4_0, Q4_1 and Q8_0 only");
+  static_assert(Interleavable(F::kType), "rows interleaved by 16: Q4_0/Q4_1/Q8_0/Q4_K/Q6_K only");
+  namespace d = interleaved_detail;
 #if defined(PIJ_INTERLEAVED_512)
-  interleaved_detail::Tile512<F, kC, kAhead>(group, nblocks, xs, out);
+  if constexpr (F::kType == QType::kQ4_K) {
+    d::K4Tile512<kC, kAhead>(group, nblocks, xs, out);
+  } else if constexpr (F::kType == QType::kQ6_K) {
+    d::K6Tile512<kC, kAhead>(group, nblocks, xs, out);
+  } else {
+    d::Tile512<F, kC, kAhead>(group, nblocks, xs, out);
+  }
 #elif defined(PIJ_QSIMD_AVX2)
-  interleaved_detail::Tile256<F, kC, kAhead>(group, nblocks, xs, out);
+  if constexpr (F::kType == QType::kQ4_K) {
+    d::K4Tile256<kC, kAhead>(group, nblocks, xs, out);
+  } else if constexpr (F::kType == QType::kQ6_K) {
+    d::K6Tile256<kC, kAhead>(group, nblocks, xs, out);
+  } else {
+    d::Tile256<F, kC, kAhead>(group, nblocks, xs, out);
+  }
 #else
-  interleaved_detail::TileScalar<F, kC>(group, nblocks, xs, out);
+  InterleavedTileScalar<F, kC>(group, nblocks, xs, out);
 #endif
 }
 
@@ -307,12 +772,6 @@ inline int64_t InterleavedTokenTile(const uint8_t* group, int64_t nblocks, const
   return n;
 }
 
-// The portable path on every build (tests compare the vector paths' bits against it).
-template <class F, int kC>
-inline void InterleavedTileScalar(const uint8_t* group, int64_t nblocks, const QActView* xs,
-                                  float* out) {
-  interleaved_detail::TileScalar<F, kC>(group, nblocks, xs, out);
-}
 
 }  // namespace pij::qkern
 

@@ -1,6 +1,6 @@
 """Rows interleaved by 16 (checkpoint.quants.interleave, cpu_backend/quant_interleaved.h): the
-layout ops.qlinear reads fastest, for Q4_0, Q4_1 and Q8_0. Checked against the file's rows (the
-same bytes rearranged), the jnp reference, the portable kernel's bits, and bad input."""
+layout ops.qlinear reads fastest, for Q4_0, Q4_1, Q8_0, Q4_K and Q6_K. Checked against the file's
+rows (the same bytes rearranged), the jnp reference, the portable kernel's bits, and bad input."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,32 +16,48 @@ from powerinfer_jax.ops import _ffi
 TYPES = list(quants.INTERLEAVE_TYPES)
 
 
-def _operands(qtype, seed, *, t, o=48, d=160):
+def _operands(qtype, seed, *, t, o=48, d=None):
+    """d: 5 blocks of a 32-weight format (the AVX-512 block pairs and an odd last one), 2
+    super-blocks of a K-quant."""
+    d = d or (512 if quants.block_size(qtype)[0] == 256 else 160)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((t, d), dtype=np.float32)
     return jnp.asarray(x), random_blocks(qtype, o, d, rng), d
 
 
+def _record_offset(qtype, r, k):
+    """Where byte k of row r's block lies in its record, spelled out per format as the kernels
+    read it (quant_interleaved.h), apart from the generic map in quants.interleave_index."""
+    if qtype in ("Q4_0", "Q4_1", "Q8_0"):  # f16 fields, then 4-byte quant chunks
+        head = 4 if qtype == "Q4_1" else 2
+        if k < head:
+            return 32 * (k // 2) + 2 * r + k % 2
+        j = k - head
+        return 16 * head + 64 * (j // 4) + 4 * r + j % 4
+    if qtype == "Q4_K":  # d, dmin, 3 scale words, 32 quant chunks
+        if k < 4:
+            return 32 * (k // 2) + 2 * r + k % 2
+        j = k - 4
+        return 64 + 64 * (j // 4) + 4 * r + j % 4
+    if k < 192:  # Q6_K: low nibbles and high bits in chunks, 16 int8 scales, d
+        return 64 * (k // 4) + 4 * r + k % 4
+    if k < 208:
+        return 3072 + 16 * (k - 192) + r
+    return 3328 + 2 * r + (k - 208)
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_layout_round_trip_and_byte_map(qtype):
     rng = np.random.default_rng(0)
-    b = random_blocks(qtype, 32, 96, rng)
+    block, nbytes = quants.block_size(qtype)
+    b = random_blocks(qtype, 32, 3 * block, rng)
     packed = quants.interleave(b, qtype)
     assert packed.shape == b.shape and not np.array_equal(packed, b)
     assert np.array_equal(quants.deinterleave(packed, qtype + "x16"), b)
-    # the kernels' map, spelled out: row r's scale at 2r of its record, quant byte j in chunk
-    # j // 4 at 4r + j % 4 after the 16 rows' f16 fields
-    nbytes = quants.block_size(qtype)[1]
-    head = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[qtype]
     rec = packed.reshape(2, 3, 16 * nbytes)  # [group, block, record]
-    g, blk, r = 1, 2, 5
-    row = b[16 * g + r, blk * nbytes:(blk + 1) * nbytes]
-    assert bytes(rec[g, blk, 2 * r:2 * r + 2]) == bytes(row[:2])
-    if head == 4:
-        assert bytes(rec[g, blk, 32 + 2 * r:34 + 2 * r]) == bytes(row[2:4])
-    q = row[head:]
-    for j in range(len(q)):
-        assert rec[g, blk, 16 * head + 64 * (j // 4) + 4 * r + j % 4] == q[j]
+    for g, blk, r in ((1, 2, 5), (0, 0, 15)):
+        row = b[16 * g + r, blk * nbytes:(blk + 1) * nbytes]
+        assert [rec[g, blk, _record_offset(qtype, r, k)] for k in range(nbytes)] == list(row)
     # the C++ packer writes the same bytes
     fast, name = interleaved(b, qtype)
     assert name == qtype + "x16" and np.array_equal(np.asarray(fast), packed)
@@ -107,7 +123,7 @@ def test_bitwise_across_thread_counts_and_many(threads):
 @pytest.mark.parametrize("qtype", TYPES)
 def test_embedding_lookup_reads_the_layout(qtype):
     rng = np.random.default_rng(7)
-    b = random_blocks(qtype, 64, 96, rng)
+    b = random_blocks(qtype, 64, 3 * quants.block_size(qtype)[0], rng)
     packed, name = interleaved(b, qtype)
     ids = jnp.asarray([[0, 17, 63], [5, 5, 40]])
     assert np.array_equal(np.asarray(gather_rows(jnp.asarray(packed), ids, name)),
@@ -124,7 +140,7 @@ def test_non_finite_input_reaches_only_its_token():
 
 def test_shapes_and_types_that_cannot_interleave_stay_as_the_files():
     rng = np.random.default_rng(9)
-    for qtype, rows in (("Q4_0", 37), ("Q5_0", 32), ("Q4_K", 32)):
+    for qtype, rows in (("Q4_0", 37), ("Q5_0", 32), ("Q5_K", 32), ("Q6_K", 40)):
         b = random_blocks(qtype, rows, 256, rng)
         same, name = interleaved(b, qtype)
         assert name == qtype and same is b
@@ -140,9 +156,9 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(UserError, match="multiple of 16"):
         quants.interleave(b[:20], "Q4_0")
     with pytest.raises(UserError, match="interleaved rows type"):
-        quants.interleave_index("Q4_K")
+        quants.interleave_index("Q5_K")
     # the handler checks too (an id with the interleave flag on a format without the layout)
-    with pytest.raises(Exception, match="Q4_0, Q4_1 or Q8_0"):
+    with pytest.raises(Exception, match="Q4_0, Q4_1, Q8_0, Q4_K or Q6_K"):
         _handler_bad(x, d)
     with pytest.raises(ValueError, match="interleave_into"):
         _ffi._pij_ext.interleave_into(np.zeros((20, 18), np.uint8), 2,

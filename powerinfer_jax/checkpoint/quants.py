@@ -249,15 +249,23 @@ def down_groups_to_file(groups: np.ndarray, qtype: str, d: int, f: int) -> np.nd
 
 # Rows interleaved by 16 (cpu_backend/quant_interleaved.h): what ops.qlinear reads fastest. A
 # [O, row_bytes] matrix in one of INTERLEAVE_TYPES, O a multiple of 16, becomes records per
-# (group of 16 rows, block), group-major: the 16 rows' f16 scales, for Q4_1 their f16 minimums,
-# then chunks of 4 quant bytes per row (chunk c: bytes 4c .. 4c + 3 of each row's quants, row r at
-# 4r). Same bytes, same shape [O, row_bytes]; the format's name gains INTERLEAVED_SUFFIX
-# ("Q4_0x16"), its id INTERLEAVED_ID_FLAG, so nothing reads the rows as the file's by mistake.
+# (group of 16 rows, block), group-major. A block is a run of fields in the file's order, each
+# `width` bytes wide (_FIELDS: f16 scales and minimums 2, quants in chunks of 4, Q4_K's packed
+# scales in 4-byte words, Q6_K's int8 scales 1); a record holds each field of its 16 rows as one
+# plane, row r at width * r, planes in the field order. For the 32-weight formats: the 16 rows'
+# f16 scales, for Q4_1 their f16 minimums, then chunks of 4 quant bytes per row (chunk c: bytes
+# 4c .. 4c + 3 of each row's quants, row r at 4r). Same bytes, same shape [O, row_bytes]; the
+# format's name gains INTERLEAVED_SUFFIX ("Q4_0x16"), its id INTERLEAVED_ID_FLAG, so nothing
+# reads the rows as the file's by mistake.
 INTERLEAVE = 16
-INTERLEAVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+INTERLEAVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 INTERLEAVED_SUFFIX = "x16"
 INTERLEAVED_ID_FLAG = 0x100
 INTERLEAVED_TYPES = tuple(t + INTERLEAVED_SUFFIX for t in INTERLEAVE_TYPES)
+# (bytes, width) runs of a block's fields, in the file's order (quant_interleaved.h Fields)
+_FIELDS = {"Q4_0": ((2, 2), (16, 4)), "Q4_1": ((4, 2), (16, 4)), "Q8_0": ((2, 2), (32, 4)),
+           "Q4_K": ((4, 2), (140, 4)),  # d, dmin; 3 words of 6-bit scales, 32 quant chunks
+           "Q6_K": ((192, 4), (16, 1), (2, 2))}  # low nibbles and high bits; scales; d
 
 
 def interleaved_base(qtype: str) -> str | None:
@@ -272,18 +280,22 @@ def can_interleave(qtype: str, rows: int) -> bool:
 
 def interleave_index(qtype: str) -> np.ndarray:
     """int64 [16, block bytes]: where byte k of row r's block lies in its record (the map both
-    directions of the layout use)."""
+    directions of the layout use): field start s, width w -> INTERLEAVE * s + w * r + k - s."""
     base = interleaved_base(qtype) or qtype
     if base not in INTERLEAVE_TYPES:
         fail("interleaved rows type", f"one of {list(INTERLEAVE_TYPES)}", qtype)
-    nbytes = block_size(base)[1]
-    head = _SCALE_BYTES[base]  # bytes of f16 fields before a block's quants
+    start, width = [], []
+    at = 0
+    for nbytes, w in _FIELDS[base]:
+        k = np.arange(nbytes)
+        start.append(at + k - k % w)
+        width.append(np.full(nbytes, w))
+        at += nbytes
+    assert at == block_size(base)[1]
+    s, w = np.concatenate(start)[None, :], np.concatenate(width)[None, :]
+    k = np.arange(at)[None, :]
     r = np.arange(INTERLEAVE)[:, None]
-    k = np.arange(nbytes)[None, :]
-    field = INTERLEAVE * 2 * (k // 2) + 2 * r + k % 2  # f16 field k // 2 of row r: its plane
-    j = k - head  # quant byte j: chunk j // 4, row r, byte j % 4
-    quant = INTERLEAVE * head + 64 * (j // 4) + 4 * r + j % 4
-    return np.where(k < head, field, quant)
+    return INTERLEAVE * s + w * r + (k - s)
 
 
 def _check_interleave(blocks, qtype: str) -> tuple[np.ndarray, int]:
