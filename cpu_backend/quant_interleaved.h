@@ -50,8 +50,8 @@ constexpr int64_t kInterleave = 16;
 constexpr int32_t kInterleavedQTypeFlag = 0x100;
 
 constexpr bool Interleavable(QType t) {
-  return t == QType::kQ4_0 || t == QType::kQ4_1 || t == QType::kQ8_0 || t == QType::kQ4_K ||
-         t == QType::kQ6_K;
+  return t == QType::kQ4_0 || t == QType::kQ4_1 || t == QType::kQ5_0 || t == QType::kQ5_1 ||
+         t == QType::kQ8_0 || t == QType::kQ4_K || t == QType::kQ5_K || t == QType::kQ6_K;
 }
 
 // Whether a matrix of `rows` rows in t has the layout (checkpoint/quants.py `can_interleave`).
@@ -59,8 +59,23 @@ constexpr bool CanInterleave(QType t, int64_t rows) {
   return Interleavable(t) && rows > 0 && rows % kInterleave == 0;
 }
 
-// Bytes of a 32-weight format's record before its quants: scales, and minimums for Q4_1.
-constexpr int64_t InterleavedHead(QType t) { return t == QType::kQ4_1 ? 64 : 32; }
+// Bytes of a 32-weight format's record before its quants: scales, minimums (Q4_1, Q5_1), the
+// 5-bit formats' high bits (a 4-byte word a row, the plane just before the quants).
+constexpr int64_t InterleavedHead(QType t) {
+  switch (t) {
+    case QType::kQ4_1: return 64;
+    case QType::kQ5_0: return 96;
+    case QType::kQ5_1: return 128;
+    default: return 32;
+  }
+}
+// The 5-bit formats: weight j's fifth bit is bit j of the block's 32-bit qh word.
+constexpr bool FiveBit(QType t) { return t == QType::kQ5_0 || t == QType::kQ5_1; }
+// The minimum's ratio to the scale where it is fixed (Q4_0: -8, Q5_0: -16), else 0.
+constexpr float FixedMin(QType t) {
+  return t == QType::kQ4_0 ? -8.0f : t == QType::kQ5_0 ? -16.0f : 0.0f;
+}
+constexpr bool StoredMin(QType t) { return t == QType::kQ4_1 || t == QType::kQ5_1; }
 
 // A block's fields, in the file's order: `bytes` bytes of fields `width` bytes wide (module doc).
 struct FieldRun {
@@ -74,8 +89,11 @@ constexpr RecordFields Fields(QType t) {
   switch (t) {
     case QType::kQ4_0: return {{{2, 2}, {16, 4}}, 2};
     case QType::kQ4_1: return {{{4, 2}, {16, 4}}, 2};
+    case QType::kQ5_0: return {{{2, 2}, {20, 4}}, 2};  // d; the high bits' word, 4 chunks
+    case QType::kQ5_1: return {{{4, 2}, {20, 4}}, 2};
     case QType::kQ8_0: return {{{2, 2}, {32, 4}}, 2};
     case QType::kQ4_K: return {{{4, 2}, {140, 4}}, 2};  // d, dmin; 3 scale words, 32 chunks
+    case QType::kQ5_K: return {{{4, 2}, {172, 4}}, 2};  // and 8 chunks of high bits
     case QType::kQ6_K: return {{{192, 4}, {16, 1}, {2, 2}}, 3};  // ql, qh; scales; d
     default: return {{}, 0};
   }
@@ -84,6 +102,9 @@ constexpr RecordFields Fields(QType t) {
 // Byte offsets of the K-quants' planes in a record (16 rows x the fields above).
 namespace k4 {  // Q4_K: d, dmin, scale words w0 w1 w2, 32 chunks of quants
 constexpr int64_t kD = 0, kDmin = 32, kWords = 64, kQs = 256, kRecord = 2304;
+}
+namespace k5 {  // Q5_K: as Q4_K, the high bits' 8 chunks before the quants
+constexpr int64_t kD = 0, kDmin = 32, kWords = 64, kQh = 256, kQs = 768, kRecord = 2816;
 }
 namespace k6 {  // Q6_K: 32 chunks of low nibbles, 16 of high bits, 16 scale planes, d
 constexpr int64_t kQl = 0, kQh = 2048, kSc = 3072, kD = 3328, kRecord = 3360;
@@ -110,8 +131,10 @@ inline void TileScalar(const uint8_t* group, int64_t nblocks, const QActView* xs
       const uint8_t* rec = group + b * kRecord;
       const float s = qsimd::HalfAt(rec + 2 * r);
       float m = 0.0f;
-      if constexpr (F::kType == QType::kQ4_1) m = qsimd::HalfAt(rec + 32 + 2 * r);
-      if constexpr (F::kType == QType::kQ4_0) m = s * -8.0f;
+      if constexpr (StoredMin(F::kType)) m = qsimd::HalfAt(rec + 32 + 2 * r);
+      if constexpr (FixedMin(F::kType) != 0.0f) m = s * FixedMin(F::kType);
+      uint32_t qh = 0;
+      if constexpr (FiveBit(F::kType)) std::memcpy(&qh, rec + kHead - 64 + 4 * r, 4);
       for (int t = 0; t < kC; ++t) {
         const int8_t* x = xs[t].q + b * 32;
         int32_t dot = 0;
@@ -120,7 +143,9 @@ inline void TileScalar(const uint8_t* group, int64_t nblocks, const QActView* xs
           if constexpr (F::kType == QType::kQ8_0) {
             dot += static_cast<int8_t>(v) * x[j];
           } else {
-            dot += (v & 0x0f) * x[j] + (v >> 4) * x[j + 16];
+            const int lo = (v & 0x0f) | static_cast<int>(((qh >> j) & 1) << 4);
+            const int hi = (v >> 4) | static_cast<int>(((qh >> (j + 16)) & 1) << 4);
+            dot += lo * x[j] + hi * x[j + 16];
           }
         }
         acc[t] = std::fma(static_cast<float>(dot), s * xs[t].d[b], acc[t]);
@@ -148,13 +173,17 @@ inline int K4Min(uint32_t w1, uint32_t w2, int j) {
   return static_cast<int>(((w2 >> (i + 4)) & 15) | (((w1 >> (i + 6)) & 3) << 4));
 }
 
-template <int kC>
+// Q4_K and Q5_K (kFive: the fifth bits' 8 chunks, bit 2k + (0 | 1) of byte l for weight l of
+// sub-block 2k | 2k + 1).
+template <int kC, bool kFive>
 inline void K4TileScalar(const uint8_t* group, int64_t nblocks, const QActView* xs, float* out) {
+  constexpr int64_t kRecord = kFive ? k5::kRecord : k4::kRecord;
+  constexpr int64_t kQs = kFive ? k5::kQs : k4::kQs;
   for (int r = 0; r < kInterleave; ++r) {
     float acc[kC], mins[kC];
     for (int t = 0; t < kC; ++t) acc[t] = mins[t] = 0.0f;
     for (int64_t b = 0; b < nblocks; ++b) {
-      const uint8_t* rec = group + b * k4::kRecord;
+      const uint8_t* rec = group + b * kRecord;
       const float d = qsimd::HalfAt(rec + k4::kD + 2 * r);
       const float negdmin = qsimd::HalfAt(rec + k4::kDmin + 2 * r) * -1.0f;
       uint32_t w[3];
@@ -165,8 +194,10 @@ inline void K4TileScalar(const uint8_t* group, int64_t nblocks, const QActView* 
         for (int j = 0; j < 8; ++j) {
           int32_t dot = 0;
           for (int i = 0; i < 32; ++i) {
-            const uint8_t v = rec[k4::kQs + 64 * (8 * (j / 2) + i / 4) + 4 * r + i % 4];
-            dot += (j % 2 == 0 ? v & 0x0f : v >> 4) * x[32 * j + i];
+            const uint8_t v = rec[kQs + 64 * (8 * (j / 2) + i / 4) + 4 * r + i % 4];
+            int u = j % 2 == 0 ? v & 0x0f : v >> 4;
+            if constexpr (kFive) u |= ((rec[k5::kQh + 64 * (i / 4) + 4 * r + i % 4] >> j) & 1) << 4;
+            dot += u * x[32 * j + i];
           }
           sum += dot * K4Scale(w[0], w[2], j);
         }
@@ -225,6 +256,12 @@ inline void K6TileScalar(const uint8_t* group, int64_t nblocks, const QActView* 
     defined(__AVX512VNNI__)
 #define PIJ_INTERLEAVED_512 1
 inline __m512i Broadcast4(const int8_t* p) { return _mm512_set1_epi32(Chunk4(p)); }
+// Bits 0-3 of each lane to bit 4 of its bytes 0-3 (the multiply puts bit k at 8k: no carries).
+inline __m512i FifthBits512(__m512i v) {
+  const __m512i spread = _mm512_mullo_epi32(_mm512_and_si512(v, _mm512_set1_epi32(15)),
+                                            _mm512_set1_epi32(0x00204081));
+  return _mm512_slli_epi32(_mm512_and_si512(spread, _mm512_set1_epi32(0x01010101)), 4);
+}
 
 template <class F, int kC, int64_t kAhead>
 inline void Tile512(const uint8_t* group, int64_t nblocks, const QActView* xs, float* out) {
@@ -265,16 +302,23 @@ inline void Tile512(const uint8_t* group, int64_t nblocks, const QActView* xs, f
       }
     } else {
       __m512 m;
-      if constexpr (F::kType == QType::kQ4_1) {
+      if constexpr (StoredMin(F::kType)) {
         m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
       } else {
-        m = _mm512_mul_ps(s, _mm512_set1_ps(-8.0f));
+        m = _mm512_mul_ps(s, _mm512_set1_ps(FixedMin(F::kType)));
       }
       __m512i lo[4], hi[4];  // weights j and j + 16 of the chunk's bytes
       for (int c = 0; c < 4; ++c) {
         const __m512i v = _mm512_loadu_si512(q + 64 * c);
         lo[c] = _mm512_and_si512(v, low4);
         hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      if constexpr (FiveBit(F::kType)) {
+        const __m512i qh = _mm512_loadu_si512(rec + kHead - 64);
+        for (int c = 0; c < 4; ++c) {
+          lo[c] = _mm512_or_si512(lo[c], FifthBits512(_mm512_srli_epi32(qh, 4 * c)));
+          hi[c] = _mm512_or_si512(hi[c], FifthBits512(_mm512_srli_epi32(qh, 16 + 4 * c)));
+        }
       }
       for (int t = 0; t < kC; ++t) {
         const int8_t* x = xs[t].q + b * 32;
@@ -310,15 +354,23 @@ inline __m512i K4Min512(__m512i w1, __m512i w2, int j) {
                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, i + 6), k3), 4));
 }
 
-template <int kC, int64_t kAhead>
+// Bit `bit` of each byte to bit 4 (its fifth bit).
+inline __m512i BitTo4_512(__m512i v, int bit) {
+  const __m512i sh = bit <= 4 ? _mm512_slli_epi16(v, 4 - bit) : _mm512_srli_epi16(v, bit - 4);
+  return _mm512_and_si512(sh, _mm512_set1_epi8(0x10));
+}
+
+template <int kC, int64_t kAhead, bool kFive>
 inline void K4Tile512(const uint8_t* group, int64_t nblocks, const QActView* xs, float* out) {
+  constexpr int64_t kRecord = kFive ? k5::kRecord : k4::kRecord;
+  constexpr int64_t kQs = kFive ? k5::kQs : k4::kQs;
   __m512 acc[kC], mins[kC];
   for (int t = 0; t < kC; ++t) acc[t] = mins[t] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   for (int64_t b = 0; b < nblocks; ++b) {
-    const uint8_t* rec = group + b * k4::kRecord;
+    const uint8_t* rec = group + b * kRecord;
     if constexpr (kAhead > 0) {
-      for (int64_t off = 0; off < k4::kRecord; off += 64) {
+      for (int64_t off = 0; off < kRecord; off += 64) {
         __builtin_prefetch(rec + kAhead + off, 0, 2);
       }
     }
@@ -330,9 +382,14 @@ inline void K4Tile512(const uint8_t* group, int64_t nblocks, const QActView* xs,
     for (int k = 0; k < 4; ++k) {
       __m512i lo[8], hi[8];
       for (int c = 0; c < 8; ++c) {
-        const __m512i v = _mm512_loadu_si512(rec + k4::kQs + 64 * (8 * k + c));
+        const __m512i v = _mm512_loadu_si512(rec + kQs + 64 * (8 * k + c));
         lo[c] = _mm512_and_si512(v, low4);
         hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if constexpr (kFive) {
+          const __m512i h = _mm512_loadu_si512(rec + k5::kQh + 64 * c);
+          lo[c] = _mm512_or_si512(lo[c], BitTo4_512(h, 2 * k));
+          hi[c] = _mm512_or_si512(hi[c], BitTo4_512(h, 2 * k + 1));
+        }
       }
       const __m512i s_lo = K4Scale512(w0, w2, 2 * k), s_hi = K4Scale512(w0, w2, 2 * k + 1);
       for (int t = 0; t < kC; ++t) {
@@ -442,6 +499,11 @@ inline void K6Tile512(const uint8_t* group, int64_t nblocks, const QActView* xs,
 }
 #elif defined(PIJ_QSIMD_AVX2)
 inline __m256i Broadcast4(const int8_t* p) { return _mm256_set1_epi32(Chunk4(p)); }
+inline __m256i FifthBits256(__m256i v) {  // as FifthBits512
+  const __m256i spread = _mm256_mullo_epi32(_mm256_and_si256(v, _mm256_set1_epi32(15)),
+                                            _mm256_set1_epi32(0x00204081));
+  return _mm256_slli_epi32(_mm256_and_si256(spread, _mm256_set1_epi32(0x01010101)), 4);
+}
 
 // u (unsigned) times x into int16 pairs (vpmaddubsw; the caller keeps the sums in range).
 inline __m256i MulPairs(__m256i u, __m256i x) { return _mm256_maddubs_epi16(u, x); }
@@ -502,17 +564,25 @@ inline void Tile256(const uint8_t* group, int64_t nblocks, const QActView* xs, f
         }
       } else {
         __m256 m;
-        if constexpr (F::kType == QType::kQ4_1) {
+        if constexpr (StoredMin(F::kType)) {
           m = _mm256_cvtph_ps(
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 16 * h)));
         } else {
-          m = _mm256_mul_ps(s, _mm256_set1_ps(-8.0f));
+          m = _mm256_mul_ps(s, _mm256_set1_ps(FixedMin(F::kType)));
         }
         __m256i lo[4], hi[4];
         for (int c = 0; c < 4; ++c) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c));
           lo[c] = _mm256_and_si256(v, low4);
           hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+        if constexpr (FiveBit(F::kType)) {
+          const __m256i qh =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + kHead - 64 + 32 * h));
+          for (int c = 0; c < 4; ++c) {
+            lo[c] = _mm256_or_si256(lo[c], FifthBits256(_mm256_srli_epi32(qh, 4 * c)));
+            hi[c] = _mm256_or_si256(hi[c], FifthBits256(_mm256_srli_epi32(qh, 16 + 4 * c)));
+          }
         }
         for (int t = 0; t < kC; ++t) {
           const int8_t* x = xs[t].q + b * 32;
@@ -523,13 +593,18 @@ inline void Tile256(const uint8_t* group, int64_t nblocks, const QActView* xs, f
             dot = DotAccumulate(dot, hi[c], Broadcast4(x + 16 + 4 * c));
           }
 #else
-          // the 8 products' int16 pairs summed: |sum| <= 8 * 2 * 15 * 127 = 30480, no saturation
-          __m256i pairs = _mm256_setzero_si256();
+          // the 8 products' int16 pairs summed: |sum| <= 8 * 2 * 15 * 127 = 30480, no saturation;
+          // 5-bit codes (<= 31) go to int32 every chunk (2 * 2 * 31 * 127 = 15748)
+          __m256i pairs = _mm256_setzero_si256(), dot = _mm256_setzero_si256();
           for (int c = 0; c < 4; ++c) {
             pairs = _mm256_add_epi16(pairs, MulPairs(lo[c], Broadcast4(x + 4 * c)));
             pairs = _mm256_add_epi16(pairs, MulPairs(hi[c], Broadcast4(x + 16 + 4 * c)));
+            if constexpr (FiveBit(F::kType)) {
+              dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones16));
+              pairs = _mm256_setzero_si256();
+            }
           }
-          const __m256i dot = _mm256_madd_epi16(pairs, ones16);
+          if constexpr (!FiveBit(F::kType)) dot = _mm256_madd_epi16(pairs, ones16);
 #endif
           acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                    _mm256_mul_ps(s, _mm256_set1_ps(xs[t].d[b])), acc[t]);
@@ -572,17 +647,24 @@ inline __m256 Halves8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-template <int kC, int64_t kAhead>
+inline __m256i BitTo4_256(__m256i v, int bit) {  // as BitTo4_512
+  const __m256i sh = bit <= 4 ? _mm256_slli_epi16(v, 4 - bit) : _mm256_srli_epi16(v, bit - 4);
+  return _mm256_and_si256(sh, _mm256_set1_epi8(0x10));
+}
+
+template <int kC, int64_t kAhead, bool kFive>
 inline void K4Tile256(const uint8_t* group, int64_t nblocks, const QActView* xs, float* out) {
+  constexpr int64_t kRecord = kFive ? k5::kRecord : k4::kRecord;
+  constexpr int64_t kQs = kFive ? k5::kQs : k4::kQs;
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   for (int h = 0; h < 2; ++h) {
     __m256 acc[kC], mins[kC];
     for (int t = 0; t < kC; ++t) acc[t] = mins[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nblocks; ++b) {
-      const uint8_t* rec = group + b * k4::kRecord;
+      const uint8_t* rec = group + b * kRecord;
       if constexpr (kAhead > 0) {
         if (h == 0) {
-          for (int64_t off = 0; off < k4::kRecord; off += 64) {
+          for (int64_t off = 0; off < kRecord; off += 64) {
             __builtin_prefetch(rec + kAhead + off, 0, 2);
           }
         }
@@ -595,9 +677,14 @@ inline void K4Tile256(const uint8_t* group, int64_t nblocks, const QActView* xs,
       for (int k = 0; k < 4; ++k) {
         __m256i lo[8], hi[8];
         for (int c = 0; c < 8; ++c) {
-          const __m256i v = Load8x32(rec + k4::kQs + 64 * (8 * k + c) + 32 * h);
+          const __m256i v = Load8x32(rec + kQs + 64 * (8 * k + c) + 32 * h);
           lo[c] = _mm256_and_si256(v, low4);
           hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          if constexpr (kFive) {
+            const __m256i hb = Load8x32(rec + k5::kQh + 64 * c + 32 * h);
+            lo[c] = _mm256_or_si256(lo[c], BitTo4_256(hb, 2 * k));
+            hi[c] = _mm256_or_si256(hi[c], BitTo4_256(hb, 2 * k + 1));
+          }
         }
         const __m256i s_lo = K4Scale256(w0, w2, 2 * k), s_hi = K4Scale256(w0, w2, 2 * k + 1);
         for (int t = 0; t < kC; ++t) {
@@ -712,8 +799,8 @@ inline void K6Tile256(const uint8_t* group, int64_t nblocks, const QActView* xs,
 template <class F, int kC>
 inline void InterleavedTileScalar(const uint8_t* group, int64_t nblocks, const QActView* xs,
                                   float* out) {
-  if constexpr (F::kType == QType::kQ4_K) {
-    interleaved_detail::K4TileScalar<kC>(group, nblocks, xs, out);
+  if constexpr (F::kType == QType::kQ4_K || F::kType == QType::kQ5_K) {
+    interleaved_detail::K4TileScalar<kC, F::kType == QType::kQ5_K>(group, nblocks, xs, out);
   } else if constexpr (F::kType == QType::kQ6_K) {
     interleaved_detail::K6TileScalar<kC>(group, nblocks, xs, out);
   } else {
@@ -727,19 +814,19 @@ inline void InterleavedTileScalar(const uint8_t* group, int64_t nblocks, const Q
 template <class F, int kC, int64_t kAhead = 0>
 inline void InterleavedTile(const uint8_t* group, int64_t nblocks, const QActView* xs,
                             float* out) {
-  static_assert(Interleavable(F::kType), "rows interleaved by 16: Q4_0/Q4_1/Q8_0/Q4_K/Q6_K only");
+  static_assert(Interleavable(F::kType), "rows interleaved by 16: not in this format");
   namespace d = interleaved_detail;
 #if defined(PIJ_INTERLEAVED_512)
-  if constexpr (F::kType == QType::kQ4_K) {
-    d::K4Tile512<kC, kAhead>(group, nblocks, xs, out);
+  if constexpr (F::kType == QType::kQ4_K || F::kType == QType::kQ5_K) {
+    d::K4Tile512<kC, kAhead, F::kType == QType::kQ5_K>(group, nblocks, xs, out);
   } else if constexpr (F::kType == QType::kQ6_K) {
     d::K6Tile512<kC, kAhead>(group, nblocks, xs, out);
   } else {
     d::Tile512<F, kC, kAhead>(group, nblocks, xs, out);
   }
 #elif defined(PIJ_QSIMD_AVX2)
-  if constexpr (F::kType == QType::kQ4_K) {
-    d::K4Tile256<kC, kAhead>(group, nblocks, xs, out);
+  if constexpr (F::kType == QType::kQ4_K || F::kType == QType::kQ5_K) {
+    d::K4Tile256<kC, kAhead, F::kType == QType::kQ5_K>(group, nblocks, xs, out);
   } else if constexpr (F::kType == QType::kQ6_K) {
     d::K6Tile256<kC, kAhead>(group, nblocks, xs, out);
   } else {

@@ -385,7 +385,7 @@ def test_interleaved_copies_are_made_ahead_and_each_taken(tmp_path, monkeypatch,
 
     monkeypatch.setattr(qweights, "_Load", Recorded)
     m = from_params(q.config, q.params, kernels="ffi", ffn_layout=layout)
-    names = ("attn.q", "attn.k", "attn.v") + (() if sparse else ("ffn.gate", "ffn.up"))
+    names = ("attn.q", "attn.k", "attn.v", "attn.o") + (() if sparse else ("ffn.gate", "ffn.up"))
     modules = {f"layers.{i}.{n}": getattr(getattr(m.layers[i], n.split(".")[0]),
                                           n.split(".")[1])
                for i in range(2) for n in names}

@@ -1,6 +1,7 @@
 """Rows interleaved by 16 (checkpoint.quants.interleave, cpu_backend/quant_interleaved.h): the
-layout ops.qlinear reads fastest, for Q4_0, Q4_1, Q8_0, Q4_K and Q6_K. Checked against the file's
-rows (the same bytes rearranged), the jnp reference, the portable kernel's bits, and bad input."""
+layout ops.qlinear reads fastest, for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K. Checked
+against the file's rows (the same bytes rearranged), the jnp reference, the portable kernel's
+bits, and bad input."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,13 +29,13 @@ def _operands(qtype, seed, *, t, o=48, d=None):
 def _record_offset(qtype, r, k):
     """Where byte k of row r's block lies in its record, spelled out per format as the kernels
     read it (quant_interleaved.h), apart from the generic map in quants.interleave_index."""
-    if qtype in ("Q4_0", "Q4_1", "Q8_0"):  # f16 fields, then 4-byte quant chunks
-        head = 4 if qtype == "Q4_1" else 2
+    if qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):  # f16 fields, then 4-byte chunks
+        head = 4 if qtype in ("Q4_1", "Q5_1") else 2  # (Q5's high bits: the first chunk)
         if k < head:
             return 32 * (k // 2) + 2 * r + k % 2
         j = k - head
         return 16 * head + 64 * (j // 4) + 4 * r + j % 4
-    if qtype == "Q4_K":  # d, dmin, 3 scale words, 32 quant chunks
+    if qtype in ("Q4_K", "Q5_K"):  # d, dmin, 3 scale words, (Q5_K: 8 high-bit chunks), quants
         if k < 4:
             return 32 * (k // 2) + 2 * r + k % 2
         j = k - 4
@@ -140,7 +141,7 @@ def test_non_finite_input_reaches_only_its_token():
 
 def test_shapes_and_types_that_cannot_interleave_stay_as_the_files():
     rng = np.random.default_rng(9)
-    for qtype, rows in (("Q4_0", 37), ("Q5_0", 32), ("Q5_K", 32), ("Q6_K", 40)):
+    for qtype, rows in (("Q4_0", 37), ("Q2_K", 32), ("Q3_K", 32), ("Q6_K", 40)):
         b = random_blocks(qtype, rows, 256, rng)
         same, name = interleaved(b, qtype)
         assert name == qtype and same is b
@@ -152,13 +153,13 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(UserError, match="multiple of 16 rows"):
         ops.qlinear(x, packed[:40], name, d)
     with pytest.raises(UserError, match="qtype"):
-        ops.qlinear(x, packed, "Q5_0x16", d)
+        ops.qlinear(x, packed, "Q3_Kx16", d)
     with pytest.raises(UserError, match="multiple of 16"):
         quants.interleave(b[:20], "Q4_0")
     with pytest.raises(UserError, match="interleaved rows type"):
-        quants.interleave_index("Q5_K")
+        quants.interleave_index("Q3_K")
     # the handler checks too (an id with the interleave flag on a format without the layout)
-    with pytest.raises(Exception, match="Q4_0, Q4_1, Q8_0, Q4_K or Q6_K"):
+    with pytest.raises(Exception, match="a multiple of 16 rows, got Q5_0 with 40 rows"):
         _handler_bad(x, d)
     with pytest.raises(ValueError, match="interleave_into"):
         _ffi._pij_ext.interleave_into(np.zeros((20, 18), np.uint8), 2,
@@ -180,8 +181,8 @@ def test_bad_input_is_a_clear_error():
 def _handler_bad(x, d):
     import jax
 
-    blocks = jnp.asarray(random_blocks("Q5_0", 32, d, np.random.default_rng(1)))
-    out = jax.ShapeDtypeStruct((1, 32), jnp.float32)
+    blocks = jnp.asarray(random_blocks("Q5_0", 40, d, np.random.default_rng(1)))  # 40 rows
+    out = jax.ShapeDtypeStruct((1, 40), jnp.float32)
     call = jax.ffi.ffi_call(_ffi.QLINEAR_TARGET, out, vmap_method="expand_dims")
     return np.asarray(call(x, blocks, jnp.zeros((0,), jnp.float32),
                            qtype=np.int32(quants.type_id("Q5_0") | quants.INTERLEAVED_ID_FLAG)))

@@ -44,7 +44,7 @@ ffi::Error ParseMatrix(std::string_view what, int32_t qtype_id, int64_t rows, in
   const QTypeInfo info = GetQTypeInfo(t);
   if (interleaved && !qkern::CanInterleave(t, rows)) {
     return InvalidArg(kOp, w + " (rows interleaved by 16)",
-                      "Q4_0, Q4_1, Q8_0, Q4_K or Q6_K with a multiple of 16 rows",
+                      "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K with a multiple of 16 rows",
                       std::string(info.name) + " with " + std::to_string(rows) + " rows");
   }
   if (cols % info.block != 0 || (groups && (rows % 32 != 0 || cols % 32 != 0))) {

@@ -36,7 +36,7 @@ ffi::Error CheckStack(std::string_view what, ffi::Buffer<ffi::U8> b, int32_t qty
   const QTypeInfo info = GetQTypeInfo(t);
   if (interleaved && !qkern::CanInterleave(t, rows)) {
     return InvalidArg(kOp, w + " (each expert's rows interleaved by 16)",
-                      "Q4_0, Q4_1, Q8_0, Q4_K or Q6_K with a multiple of 16 rows",
+                      "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K with a multiple of 16 rows",
                       std::string(info.name) + " with " + std::to_string(rows) + " rows");
   }
   if (cols % info.block != 0) {

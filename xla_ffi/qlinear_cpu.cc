@@ -54,7 +54,7 @@ ffi::Error CheckProduct(const std::string& which, int64_t dim, int64_t rows,
   }
   if (out.interleaved && !qkern::CanInterleave(out.qtype, out_dim)) {
     return InvalidArg(kOp, which + "blocks (rows interleaved by 16)",
-                      "Q4_0, Q4_1, Q8_0, Q4_K or Q6_K with a multiple of 16 rows",
+                      "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K with a multiple of 16 rows",
                       std::string(GetQTypeInfo(out.qtype).name) + " with " +
                           std::to_string(out_dim) + " rows");
   }

@@ -258,13 +258,15 @@ def down_groups_to_file(groups: np.ndarray, qtype: str, d: int, f: int) -> np.nd
 # format's name gains INTERLEAVED_SUFFIX ("Q4_0x16"), its id INTERLEAVED_ID_FLAG, so nothing
 # reads the rows as the file's by mistake.
 INTERLEAVE = 16
-INTERLEAVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+INTERLEAVE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 INTERLEAVED_SUFFIX = "x16"
 INTERLEAVED_ID_FLAG = 0x100
 INTERLEAVED_TYPES = tuple(t + INTERLEAVED_SUFFIX for t in INTERLEAVE_TYPES)
 # (bytes, width) runs of a block's fields, in the file's order (quant_interleaved.h Fields)
 _FIELDS = {"Q4_0": ((2, 2), (16, 4)), "Q4_1": ((4, 2), (16, 4)), "Q8_0": ((2, 2), (32, 4)),
+           "Q5_0": ((2, 2), (20, 4)), "Q5_1": ((4, 2), (20, 4)),  # the fifth bits' word first
            "Q4_K": ((4, 2), (140, 4)),  # d, dmin; 3 words of 6-bit scales, 32 quant chunks
+           "Q5_K": ((4, 2), (172, 4)),  # and 8 chunks of fifth bits before the quants
            "Q6_K": ((192, 4), (16, 1), (2, 2))}  # low nibbles and high bits; scales; d
 
 
