@@ -1,4 +1,5 @@
-"""Decode tokens/s of two checkouts, interleaved: a refactor's "no regression beyond noise" check.
+"""Decode (and prefill) tokens/s of two checkouts, interleaved: a refactor's "no regression beyond
+noise" check, or a kernel change's before/after.
 
 Each side is a Python interpreter whose powerinfer_jax is one checkout (a venv with an editable
 install of a worktree at the commit). Every round runs `python -m powerinfer_jax.bench --json` for
@@ -45,7 +46,8 @@ def run_bench(python: str, mode: str, a, side: str) -> dict:
         raise SystemExit(f"{' '.join(cmd)}: exit {out.returncode}: "
                          f"{out.stderr.strip().splitlines()[-1:]}")
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"decode_tok_s": res["decode_tok_s"], "cmd": cmd}
+    return {"decode_tok_s": res["decode_tok_s"], "prefill_tok_s": res.get("prefill_tok_s"),
+            "cmd": cmd}
 
 
 def main(argv=None) -> None:
@@ -82,8 +84,8 @@ def main(argv=None) -> None:
         rows.append(row)
         with open(a.out, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
-        print(json.dumps({k: row[k] for k in ("round", "side", "mode", "decode_tok_s")
-                          if k in row}), flush=True)
+        print(json.dumps({k: row[k] for k in ("round", "side", "mode", "decode_tok_s",
+                                              "prefill_tok_s") if k in row}), flush=True)
 
     for rnd in range(a.rounds):
         order = ["before", "after"] if rnd % 2 == 0 else ["after", "before"]
@@ -93,17 +95,23 @@ def main(argv=None) -> None:
                 emit({**base, "round": rnd, "side": side, "side_commit": commits[side],
                       "mode": mode, **res})
     for mode in a.modes:
-        per = {(r["round"], r["side"]): r["decode_tok_s"] for r in rows if r["mode"] == mode}
-        ratios = [per[(n, "after")] / per[(n, "before")] for n in range(a.rounds)]
-        summary = {**base, "kind": "summary", "mode": mode, "ratio_rounds": ratios,
-                   "ratio_median": statistics.median(ratios),
-                   "before_median": statistics.median(per[(n, "before")] for n in range(a.rounds)),
-                   "after_median": statistics.median(per[(n, "after")] for n in range(a.rounds))}
+        summary = {**base, "kind": "summary", "mode": mode}
+        for metric, prefix in (("decode_tok_s", ""), ("prefill_tok_s", "prefill_")):
+            per = {(r["round"], r["side"]): r[metric] for r in rows if r["mode"] == mode}
+            if any(v is None for v in per.values()):
+                continue
+            ratios = [per[(n, "after")] / per[(n, "before")] for n in range(a.rounds)]
+            summary.update({
+                f"{prefix}ratio_rounds": ratios, f"{prefix}ratio_median": statistics.median(ratios),
+                f"{prefix}before_median": statistics.median(per[(n, "before")]
+                                                            for n in range(a.rounds)),
+                f"{prefix}after_median": statistics.median(per[(n, "after")]
+                                                           for n in range(a.rounds))})
         with open(a.out, "a", encoding="utf-8") as f:
             f.write(json.dumps(summary) + "\n")
         print(json.dumps({k: summary[k] for k in ("mode", "ratio_median", "before_median",
-                                                  "after_median")}), flush=True)
-
+                                                  "after_median", "prefill_ratio_median")
+                          if k in summary}), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -13,7 +13,11 @@ the tied embedding is the lm_head's matrix, the lookup reads one row more), the 
 systems. effective_gbs = bytes x tok/s: the share of the bandwidth each system turns into
 tokens; the rest is compute and per-token fixed cost.
 
-    python -m benchmarks.decode_bandwidth [--threads 1 2] [--rounds 3] [--out FILE]
+    python -m benchmarks.decode_bandwidth [--model NAME_OR_GGUF] [--threads 1 2] [--rounds 3]
+        [--out FILE]
+
+--model: the default model (its Q4_1 file) unless given: any GGUF, e.g. a Q4_K_M file whose
+Q4_K/Q6_K mix is what most users download (prefill there was issue 53's finding).
 """
 from __future__ import annotations
 
@@ -35,6 +39,20 @@ def file_tensor_bytes(path: Path) -> int:
     from powerinfer_jax.checkpoint.gguf_file import GGUFFile
 
     return sum(t.n_bytes for t in GGUFFile(path).tensors)
+
+
+def file_qtypes(path: Path) -> str:
+    """The file's matrix formats by bytes, largest first ("Q4_K 71%, Q6_K 29%")."""
+    from collections import Counter
+
+    from powerinfer_jax.checkpoint.gguf_file import GGUFFile
+
+    by = Counter()
+    for t in GGUFFile(path).tensors:
+        if len(t.shape) >= 2:
+            by[t.tensor_type.name] += t.n_bytes
+    total = sum(by.values()) or 1
+    return ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in by.most_common())
 
 
 def bandwidth_gbs(threads: int, mib: int) -> float:
@@ -76,8 +94,8 @@ def llama(binary: Path, gguf: Path, *, threads: int, prompt: int, new: int) -> t
     return out, cmd + ["&&"] + pcmd
 
 
-def ours(*, threads: int, prompt: int, new: int) -> tuple[dict, list]:
-    cmd = [sys.executable, "-m", "powerinfer_jax.bench", "--model", q4.MODEL, "--dtype",
+def ours(model: str, *, threads: int, prompt: int, new: int) -> tuple[dict, list]:
+    cmd = [sys.executable, "-m", "powerinfer_jax.bench", "--model", model, "--dtype",
            "bfloat16", "--weights", "auto", "--sparsity", "dense", "--prompt-tokens",
            str(prompt), "--new-tokens", str(new), "--threads", str(threads), "--repeats", "2",
            "--json"]
@@ -91,6 +109,8 @@ def ours(*, threads: int, prompt: int, new: int) -> tuple[dict, list]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=q4.MODEL,
+                    help="a model name or GGUF path (default: %(default)s)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=256)
@@ -102,11 +122,12 @@ def main(argv=None) -> None:
 
     from powerinfer_jax.checkpoint import resolve_model
 
-    gguf = Path(resolve_model(q4.MODEL))
+    gguf = Path(resolve_model(args.model))
+    types = file_qtypes(gguf)
     per_token = file_tensor_bytes(gguf)
     base = {"bench": "decode_bandwidth", "run_id": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()),
-            "commit": q4.git_commit(), "machine": q4.machine(), "model": q4.MODEL,
-            "file": gguf.name, "file_bytes": gguf.stat().st_size,
+            "commit": q4.git_commit(), "machine": q4.machine(), "model": args.model,
+            "file": gguf.name, "file_bytes": gguf.stat().st_size, "file_qtypes": types,
             "bytes_per_decode_token": per_token, "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens, "isa": q4.ext_isa(sys.executable)["isa_info"]}
     rows = []
@@ -118,11 +139,11 @@ def main(argv=None) -> None:
                 if system == "llama.cpp":
                     res, cmd = llama(Path(args.llama_bench), gguf, threads=threads,
                                      prompt=args.prompt_tokens, new=args.new_tokens)
-                    extra = {"weights": "Q4_1 (llama.cpp)", "dtype": "f32 compute"}
+                    extra = {"weights": f"{types} (llama.cpp)", "dtype": "f32 compute"}
                 else:
-                    res, cmd = ours(threads=threads, prompt=args.prompt_tokens,
+                    res, cmd = ours(args.model, threads=threads, prompt=args.prompt_tokens,
                                     new=args.new_tokens)
-                    extra = {"weights": "auto (the file's Q4_1 blocks)", "dtype": "bfloat16"}
+                    extra = {"weights": f"auto (the file's {types} blocks)", "dtype": "bfloat16"}
                 eff = per_token * res["decode_tok_s"] / 1e9
                 row = {**base, **extra, "kind": "measure", "round": rnd, "threads": threads,
                        "system": system, **res, **bw, "effective_gbs": eff,

@@ -1,5 +1,7 @@
 """Dense decode tokens/s of our engine against llama.cpp on the families' shapes (issue 34):
-synthetic GGUFs (random weights) of Qwen3-1.7B's and Gemma-2-2B's shapes, Q4_0.
+synthetic GGUFs (random weights) of Qwen3-1.7B's and Gemma-2-2B's shapes, Q4_0; and Gemma-3-1B's
+shape as Q4_K_M (issue 53: its 1152-wide rows are no multiple of 256, so llama-quantize mixes
+Q5_0/Q8_0 into the K-quants, the mix a user's Gemma-3 file has).
 
 Each file is made the way a user's would be: a full-size random model built by transformers
 from the real model's public config values (written below), saved as an HF directory with a
@@ -56,16 +58,30 @@ SHAPES = {
                     attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                     hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
                     vocab_size=256000)),
+    "gemma3-1b": dict(
+        family="gemma3", config_class="Gemma3TextConfig", qtype="Q4_K_M",
+        config=dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                    num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                    max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                    rope_local_base_freq=10000.0, sliding_window=512,
+                    query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh",
+                    tie_word_embeddings=True, vocab_size=262144)),
 }
+
+
+def qtype(shape: str) -> str:
+    """The llama-quantize type of the shape's file (Q4_0 unless the shape names another)."""
+    return SHAPES[shape].get("qtype", "Q4_0")
 
 
 def paths(shape: str) -> dict:
     d = WORK / shape
-    return {"hf": d / "hf", "f16": d / f"{shape}.f16.gguf", "q4_0": d / f"{shape}.q4_0.gguf"}
+    return {"hf": d / "hf", "f16": d / f"{shape}.f16.gguf",
+            "quantized": d / f"{shape}.{qtype(shape).lower()}.gguf"}
 
 
 def make(shape: str) -> Path:
-    """HF directory -> F16 GGUF -> Q4_0 GGUF (each step skipped when its output exists)."""
+    """HF directory -> F16 GGUF -> quantized GGUF (each step skipped when its output exists)."""
     import torch
     import transformers
 
@@ -83,9 +99,9 @@ def make(shape: str) -> Path:
         del model
     if not p["f16"].is_file():
         llamacpp.convert([(p["hf"], p["f16"], fam_pre(shape), "f16")], timeout=3600)
-    if not p["q4_0"].is_file():
-        llamacpp.quantize(p["f16"], p["q4_0"], "Q4_0", threads=2)
-    return p["q4_0"]
+    if not p["quantized"].is_file():
+        llamacpp.quantize(p["f16"], p["quantized"], qtype(shape), threads=2)
+    return p["quantized"]
 
 
 def fam_pre(shape: str) -> str | None:
@@ -123,7 +139,7 @@ def ours(gguf: Path, *, threads: int, new_tokens: int, prompt_tokens: int, repea
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--make", action="store_true", help="make the files and stop")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default="qwen3-1.7b,gemma2-2b")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -146,7 +162,8 @@ def main(argv=None) -> int:
 
     base = {"bench": "families_vs_llamacpp", "run_id": run_id(), "commit": git_commit(),
             "machine": machine(), "threads": args.threads, "synthetic": True,
-            "weights_note": "random weights (transformers init), Q4_0 by llama-quantize"}
+            "weights_note": "random weights (transformers init), quantized by llama-quantize "
+                            "(the shape's qtype)"}
     # untimed warm-up of ours (XLA's compile cache) and of the page cache for llama.cpp
     for s in shapes:
         ours(files[s], threads=args.threads, new_tokens=4, prompt_tokens=args.prompt_tokens,
@@ -182,7 +199,8 @@ def main(argv=None) -> int:
         ratios = [by["powerinfer_jax"][k] / by["llama.cpp"][k] for k in sorted(by["llama.cpp"])]
         nbytes = decode_bytes(files[s])
         med = {k: statistics.median(v.values()) for k, v in by.items()}
-        summary.append({**base, "kind": "summary", "shape": s, "config": SHAPES[s]["config"],
+        summary.append({**base, "kind": "summary", "shape": s, "qtype": qtype(s),
+                        "config": SHAPES[s]["config"],
                         "rounds": args.rounds, "median_tok_s": med,
                         "ratio_per_round": ratios, "median_ratio": statistics.median(ratios),
                         "decode_bytes_per_token": nbytes,
