@@ -28,8 +28,12 @@ def _runtime(name: str) -> str:
                     reason="no sanitizer build (BUILD.md: PIJ_SANITIZE, build/sanitize)")
 def test_an_op_test_under_asan_and_ubsan_reports_nothing(tmp_path):
     python = _sanitizer_python()
+    # reports to files: the inner pytest drops a passing test's stderr, and UBSan goes on
+    logs = tmp_path / "reports"
+    logs.mkdir()
     env = {**os.environ, "LD_PRELOAD": f"{_runtime('libasan.so')} {_runtime('libstdc++.so')}",
-           "ASAN_OPTIONS": "detect_leaks=0", "UBSAN_OPTIONS": "print_stacktrace=1"}
+           "ASAN_OPTIONS": f"detect_leaks=0:log_path={logs}/asan",
+           "UBSAN_OPTIONS": f"print_stacktrace=1:log_path={logs}/ubsan"}
     check = subprocess.run([str(python), "-c", "from powerinfer_jax import _pij_ext; "
                             "print(_pij_ext.__file__)"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=300)
@@ -39,4 +43,6 @@ def test_an_op_test_under_asan_and_ubsan_reports_nothing(tmp_path):
                        text=True, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
+    reports = "".join(f.read_text(errors="replace") for f in logs.iterdir())
     assert "ERROR: AddressSanitizer" not in out and "runtime error:" not in out, out[-3000:]
+    assert not reports, reports[-3000:]
