@@ -174,6 +174,7 @@ def test_predictor_reads_the_residual_and_decides_like_powerinfer():
     assert np.all(np.asarray(n) == config.d_ff)
 
 
+@pytest.mark.slow  # ~6 s
 def test_bias_free_predictors_export_with_the_same_decisions():
     """A bias-free predictor on the FFN input and its export on the residual (fc1 * ffn_norm
     scale) decide alike: RMSNorm is a positive per-token scale, the MLP positively homogeneous."""

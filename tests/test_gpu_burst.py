@@ -173,6 +173,7 @@ def test_burst_writes_what_import_burst_rebuilds(burst_out, tiny_dir, cache, tmp
     assert res["ppl"] == pytest.approx(rebuilt["ppl"], rel=2e-3)
 
 
+@pytest.mark.slow  # its fixture runs a burst (~11 s)
 def test_import_burst_refuses_another_teacher(burst_out, tmp_path, cache):
     from benchmarks.gpu.burst_import import import_burst
 

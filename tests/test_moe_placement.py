@@ -84,7 +84,8 @@ def test_bad_permutations_and_hot_counts_are_one_line_errors(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("tokens", [(1, 1), (2, 3), (2, 20)])
+@pytest.mark.parametrize("tokens", [(1, 1), pytest.param((2, 3), marks=pytest.mark.slow),
+                                    (2, 20)])
 def test_float_cold_experts_run_from_the_host_store(dtype, tokens):
     """An F32/F16/BF16 file's cold experts in the host store an accelerator uses (kept in the
     model's dtype, run by XLA on the CPU through the host callback) give the inline placement's
@@ -147,7 +148,8 @@ def _float_experts(path, tokens):
     return np.asarray(model(jnp.asarray([tokens])))
 
 
-@pytest.mark.parametrize("act", ["silu", pytest.param("relu", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~12 s; the placed file's other checks (hot experts, budgets) stay fast
+@pytest.mark.parametrize("act", ["silu", "relu"])
 def test_placed_file_logits_and_tokens(files, sizes, act):
     path = files[act]
     unplaced = _load(path)
@@ -229,7 +231,8 @@ def _placed_model(path, n_hot, store):
     return model
 
 
-@pytest.mark.parametrize("act", ["silu", pytest.param("relu", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~14 s; test_float_cold_experts_run_from_the_host_store stays fast
+@pytest.mark.parametrize("act", ["silu", "relu"])
 def test_the_host_store_gives_the_inline_placement(files, act):
     """What an accelerator runs (the cold experts' blocks in the host store, one host callback
     per layer and call) equals the CPU-only placement (the same custom call inline)."""

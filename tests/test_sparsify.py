@@ -141,6 +141,7 @@ def test_threshold_student_masks_at_target_and_ste_passes_gradient():
     assert np.all(np.asarray(grad) != 0)  # straight-through: dropped neurons get gradient too
 
 
+@pytest.mark.slow  # ~7 s
 def test_fatrelu_student_masks_the_gate_at_target():
     """fatrelu: relu(g) * u kept only where relu(g) is above the layer's batch quantile; the
     kept activations are ReGLU's exactly, and the straight-through gradient reaches them all."""

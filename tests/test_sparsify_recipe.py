@@ -248,7 +248,8 @@ def small(**changes):
     return DistillConfig(**base)
 
 
-@pytest.mark.parametrize("teacher", ["online", pytest.param("cached", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~7 s a teacher
+@pytest.mark.parametrize("teacher", ["online", "cached"])
 def test_pieces_by_time_budget_resume_to_the_uninterrupted_run(tiny_dir, texts, cache,
                                                                tmp_path, teacher, monkeypatch):
     """ProSparse stages and FATReLU from the middle of the run: a run stopped by its time budget
@@ -309,6 +310,7 @@ def test_fatrelu_threshold_reaches_the_artifacts(tiny_dir, texts, cache, tmp_pat
     assert arts.thresholds_contribution == (0.0,) * ckpt.config.n_layers  # oracle: plain ReLU
 
 
+@pytest.mark.slow  # ~4 s
 def test_filled_teacher_cache_serves_the_whole_run(tiny_dir, texts, cache, tmp_path):
     from powerinfer_jax.sparsify.run import fill_teacher_cache
 
