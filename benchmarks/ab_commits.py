@@ -113,5 +113,6 @@ def main(argv=None) -> None:
                                                   "after_median", "prefill_ratio_median")
                           if k in summary}), flush=True)
 
+
 if __name__ == "__main__":
     main()
