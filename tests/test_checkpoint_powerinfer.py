@@ -362,8 +362,11 @@ def test_quantized_file_keeps_its_predictor_blocks(tmp_path, kind):
     with pytest.raises(UserError, match=r"fc2.weight shape: expected \[F, R\] = \(50, 32\)"):
         pi.load_predictors(path, config.replace(d_ff=50), keep_quantized=True)  # another model
 
+    from powerinfer_jax.models.qweights import SELECTED_LAYOUT
+
     ck = load_checkpoint(path, keep_quantized=True)
-    model = from_params(ck.config, ck.params, kernels="ffi")
+    model = from_params(ck.config, ck.params, kernels="ffi",
+                        ffn_layout=SELECTED_LAYOUT)  # loaded for predictor mode
     assert model.layers[0].ffn.quantized
     sels = pip_.selectors(model, kept)
     pred = sels[0].predictor
@@ -379,6 +382,9 @@ def test_quantized_file_keeps_its_predictor_blocks(tmp_path, kind):
     perm = np.random.default_rng(3).permutation(config.d_ff)
     pred.permute(perm)
     np.testing.assert_array_equal(np.asarray(pred.raw(r)), got[..., perm])
+    back = np.argsort(perm)  # permutes compose (each from the file's rows, none read back)
+    pred.permute(back)
+    np.testing.assert_array_equal(np.asarray(pred.raw(r)), got)
 
     pred_f = pip_.selectors(xla_model, kept)[0].predictor
     assert pred_f.fc1.qtype is None

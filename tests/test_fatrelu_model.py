@@ -208,16 +208,24 @@ class _AllOn(nnx.Module):
         pass
 
 
-def _modes_equal_dense(model, f):
-    with_mode(model, pij.SparsityConfig())
-    dense = np.asarray(model(jnp.asarray(TOKENS)))
+def _modes_equal_dense(ckpt):
+    """Dense's logits and each mode's, the model loaded for each mode (its layouts)."""
+    from powerinfer_jax.sparsity import modes
+
+    def loaded(cfg):
+        return from_params(ckpt.config, ckpt.params, kernels="ffi",
+                           ffn_layout=modes.ffn_layout(cfg, ckpt.config))
+
+    f = ckpt.config.d_ff
+    dense = np.asarray(loaded(pij.SparsityConfig())(jnp.asarray(TOKENS)))
     outs = {}
     for mode in ("oracle", "threshold"):
-        with_mode(model, pij.SparsityConfig(mode=mode), thresholds=(0.0, 0.0))
+        cfg = pij.SparsityConfig(mode=mode)
+        model = with_mode(loaded(cfg), cfg, thresholds=(0.0, 0.0))
         outs[mode] = np.asarray(model(jnp.asarray(TOKENS)))
-    with_mode(model, pij.SparsityConfig(mode="predictor"), predictors=[_AllOn(f), _AllOn(f)])
+    cfg = pij.SparsityConfig(mode="predictor")
+    model = with_mode(loaded(cfg), cfg, predictors=[_AllOn(f), _AllOn(f)])
     outs["predictor"] = np.asarray(model(jnp.asarray(TOKENS)))
-    with_mode(model, pij.SparsityConfig())
     return dense, outs
 
 
@@ -226,9 +234,7 @@ def test_every_mode_runs_the_fatrelu_model(fatrelu_dir):
     """Oracle and threshold modes at 0 and a predictor that selects every neuron compute the
     same model as dense: the predicted neurons' gates are floored in the kernel too (before,
     predictor mode computed relu(gate) for them: plain ReLU)."""
-    ckpt = load_checkpoint(fatrelu_dir)
-    model = from_params(ckpt.config, ckpt.params, kernels="ffi")
-    dense, outs = _modes_equal_dense(model, ckpt.config.d_ff)
+    dense, outs = _modes_equal_dense(load_checkpoint(fatrelu_dir))
     for got in outs.values():
         assert_close(got, dense, "other_path")
 
@@ -251,8 +257,7 @@ def test_quantized_gguf_keeps_the_thresholds_and_every_mode_applies_them(fatrelu
     q = load_checkpoint(path, keep_quantized=True)
     # float32 in the file, as the kernels take them
     np.testing.assert_array_equal(np.float32(q.config.fatrelu_thresholds), np.float32(FLOORS))
-    model = from_params(q.config, q.params, kernels="ffi")
-    dense, outs = _modes_equal_dense(model, q.config.d_ff)
+    dense, outs = _modes_equal_dense(q)
     for got in outs.values():
         assert_close(got, dense, "quantized_model")
     f32 = np.asarray(from_params(ckpt.config, ckpt.params)(jnp.asarray(TOKENS)))

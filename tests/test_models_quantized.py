@@ -159,8 +159,13 @@ def test_weights_auto_keeps_the_file_format_and_dtype_dequantizes(legacy_gguf):
 def test_sparse_modes_run_on_the_blocks(legacy_gguf, mode):
     from helpers_models import with_mode
 
-    quant, _ = _models(legacy_gguf)
-    with_mode(quant, pij.SparsityConfig(mode=mode), thresholds=(0.0,) * 2)
+    from powerinfer_jax.sparsity import modes
+
+    q = load_checkpoint(legacy_gguf, keep_quantized=True)
+    cfg = pij.SparsityConfig(mode=mode)
+    quant = from_params(q.config, q.params, kernels="ffi",
+                        ffn_layout=modes.ffn_layout(cfg, q.config))  # loaded for the mode
+    with_mode(quant, cfg, thresholds=(0.0,) * 2)
     dense_like = np.asarray(quant(TOKENS))  # threshold 0: every non-zero activation
     with_mode(quant, pij.SparsityConfig())
     assert_close(dense_like, quant(TOKENS), "other_path")
@@ -224,11 +229,14 @@ def test_sparsity_auto_times_once_then_reuses_its_decision(legacy_gguf, tmp_path
 
 def test_down_rows_in_the_sparse_layout_refuse_the_dense_call(legacy_gguf):
     """Neuron rows (the sparse kernel's layout) are no matvec: called as one, a one-line error
-    names the layout. Layouts are arranged once, by the build plan (from_params' ffn_layout) or,
-    for a model built for another mode, by qweights.apply_ffn_layout, the one conversion."""
+    names the layout. Layouts are arranged once, at load (from_params' ffn_layout, the build
+    plan's): a model loaded for one mode and configured for another whose layouts it does not
+    serve is refused with a one-line error, never converted back."""
+    from powerinfer_jax.config import SparsityConfig
     from powerinfer_jax.errors import UserError
     from powerinfer_jax.models.qweights import (DENSE_LAYOUT, GROUPS, ROWS, FfnLayout,
-                                                apply_ffn_layout)
+                                                check_ffn_layout, serves)
+    from powerinfer_jax.sparsity import modes
 
     q = load_checkpoint(legacy_gguf, keep_quantized=True)
     groups = FfnLayout(ROWS, ROWS, GROUPS)
@@ -241,23 +249,22 @@ def test_down_rows_in_the_sparse_layout_refuse_the_dense_call(legacy_gguf):
         sparse.layers[0].ffn.down_t(a)
     with pytest.raises(UserError, match=r"got .*neuron rows in Q8_0"):
         rows.layers[0].ffn.down_t(a)
+    assert sparse.layers[0].ffn.layout == groups and sparse.layers[0].ffn.down_t.qtype == "Q4_1"
+    assert rows.layers[0].ffn.layout == rows_layout
+    # rows serve a plan that asks for groups (no second rounding); groups do not serve rows
+    assert serves(rows_layout, groups) and not serves(groups, rows_layout)
+    check_ffn_layout(rows.layers[0].ffn, groups, "test")
     dense = from_params(q.config, q.params, kernels="ffi", ffn_layout=DENSE_LAYOUT)
-    ffn = dense.layers[0].ffn
-    assert ffn.layout == DENSE_LAYOUT
-    apply_ffn_layout(ffn, groups)  # the file's blocks -> down groups, gate/up -> the file's rows
-    assert ffn.layout == groups and ffn.down_t.qtype == "Q4_1"
-    for name in ("gate", "up", "down_t"):
-        np.testing.assert_array_equal(np.asarray(getattr(ffn, name).weight[...]),
-                                      np.asarray(getattr(sparse.layers[0].ffn, name).weight[...]))
-    apply_ffn_layout(ffn, rows_layout)  # groups -> rows (what permuting neurons needs)
-    assert ffn.layout == rows_layout and ffn.down_t.qtype == "Q8_0"
-    np.testing.assert_array_equal(np.asarray(ffn.down_t.weight[...]),
-                                  np.asarray(rows.layers[0].ffn.down_t.weight[...]))
-    apply_ffn_layout(ffn, groups)  # rows serve a sparse plan too: kept (no second rounding)
-    assert ffn.down_t.layout == ROWS and ffn.down_t.qtype == "Q8_0"
-    with pytest.raises(UserError, match="FFN down layout: expected a layout the file's blocks "
-                                        "can be re-arranged into"):
-        apply_ffn_layout(ffn, DENSE_LAYOUT)  # Q8_0 rows hold no Q4_1 blocks any more
+    assert dense.layers[0].ffn.layout == DENSE_LAYOUT
+    assert not serves(DENSE_LAYOUT, groups) and not serves(groups, DENSE_LAYOUT)
+    with pytest.raises(UserError, match=r"sparsity mode 'threshold': the FFN's weight layout: "
+                                        r"expected gate/up/down rows/rows/groups, got "
+                                        r"'matvec/matvec/matvec' \(load the model for this mode"):
+        modes.configure(dense, SparsityConfig(mode="threshold"),
+                        thresholds=[0.0] * q.config.n_layers)
+    assert dense.layers[0].ffn.selector is None  # refused before any FFN changed
+    with pytest.raises(UserError, match="the FFN's weight layout"):
+        check_ffn_layout(rows.layers[0].ffn, DENSE_LAYOUT, "dense")
 
 
 def _mapped_file(address: int) -> str | None:
@@ -326,12 +333,10 @@ def test_aligned_copies_only_when_asked_or_needed():
 def test_gate_up_layout_follows_the_plan(legacy_gguf):
     """Quantized gate/up load interleaved by 16 for a dense plan (the matvecs); the oracle's plan
     computes every neuron from that layout; a selector whose scores pick rows one by one needs
-    the file's rows, which the one conversion (qweights.apply_ffn_layout) gives back byte for
-    byte. Installing a selector never converts: on the wrong layout it is a one-line error. The
-    FFN's output stays the same up to float rounding."""
+    the file's rows, byte for byte, loaded so. Installing a selector never converts: on the wrong
+    layout it is a one-line error. The FFN's output stays the same up to float rounding."""
     from powerinfer_jax.errors import UserError
-    from powerinfer_jax.models.qweights import (GROUPS, MATVEC, ROWS, FfnLayout,
-                                                apply_ffn_layout)
+    from powerinfer_jax.models.qweights import GROUPS, MATVEC, ROWS, FfnLayout
     from powerinfer_jax.sparsity.selectors import GateMagnitude, Oracle
 
     q = load_checkpoint(legacy_gguf, keep_quantized=True)
@@ -345,13 +350,15 @@ def test_gate_up_layout_follows_the_plan(legacy_gguf):
     dense = np.asarray(ffn(x))
     with pytest.raises(UserError, match="FFN layouts for selector Oracle: expected"):
         ffn.set_selector(Oracle(0.0))  # down still the dense matvec's
-    apply_ffn_layout(ffn, FfnLayout(MATVEC, MATVEC, GROUPS))
+    ffn = from_params(q.config, q.params, kernels="ffi",
+                      ffn_layout=FfnLayout(MATVEC, MATVEC, GROUPS)).layers[0].ffn
     ffn.set_selector(Oracle(0.0))  # the oracle at 0: every neuron
     assert ffn.up.interleaved
     oracle = np.asarray(ffn(x))
     with pytest.raises(UserError, match="FFN layouts for selector GateMagnitude"):
         ffn.set_selector(GateMagnitude(0.0))  # scores read rows one by one
-    apply_ffn_layout(ffn, FfnLayout(ROWS, ROWS, GROUPS))
+    ffn = from_params(q.config, q.params, kernels="ffi",
+                      ffn_layout=FfnLayout(ROWS, ROWS, GROUPS)).layers[0].ffn
     ffn.set_selector(GateMagnitude(0.0))
     assert not ffn.up.interleaved and not ffn.gate.interleaved
     np.testing.assert_array_equal(np.asarray(ffn.up.weight[...]), np.asarray(stored.blocks))

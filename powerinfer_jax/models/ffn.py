@@ -445,7 +445,8 @@ class FFN(Module):
         if self.quantized and (self.up.layout != ROWS or self.down_t.layout != ROWS or (
                 self.gate is not None and self.gate.layout != ROWS)):
             fail("FFN.permute layouts", "rows (neurons move whole only as rows)",
-                 self.layout, "arrange them with models.qweights.apply_ffn_layout first")
+                 self.layout, "load the model with rows: from_params(..., "
+                 "ffn_layout=FfnLayout(ROWS, ROWS, ROWS))")
         perm = jnp.asarray(perm, jnp.int32)
         for lin in (self.gate, self.up, self.down_t):
             if lin is not None:

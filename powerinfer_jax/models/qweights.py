@@ -16,9 +16,10 @@ the matrix reads it:
           re-quantized. For the down projection: the file's ffn_down [D, F], its inputs the F
           neurons. A matrix whose format or size has no columns layout stays MATVEC.
 The build plan picks each FFN's layouts from its sparsity mode (`FfnLayout`, sparsity/modes.py)
-before loading, `arrange` makes them from the file's tensors, and `apply_ffn_layout` is the only
-code that changes the layout of a built model (a model configured for another mode). Modules
-(models/layers.py Linear, models/ffn.py DownT) take a QWeight as it is and never convert.
+before loading and `arrange` makes them from the file's tensors, once: nothing converts a built
+model's layout back (a model configured for a mode its layouts do not serve is refused,
+`check_ffn_layout`; load it for that mode). Modules (models/layers.py Linear, models/ffn.py
+DownT) take a QWeight as it is and never convert.
 ops.qlinear and ops.qsparse_ffn compute on the blocks with 8-bit activations, as llama.cpp does.
 The token embedding is looked up by dequantizing only the gathered rows.
 """
@@ -123,44 +124,36 @@ def arrange(t, layout: str, *, down_qtype: str | None = None) -> QWeight:
     return QWeight(t.blocks, t.qtype, ROWS)
 
 
-def file_tensor(w: QWeight, shape: tuple[int, int], *, transposed: bool):
-    """The inverse of `arrange` (up to a re-blocking): the QuantTensor whose blocks `w` holds,
-    canonical `shape`; down rows come back as neuron-major rows in their own format."""
-    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
+def serves(have: FfnLayout | None, want: FfnLayout) -> bool:
+    """Whether an FFN arranged as `have` (FFN.layout; None: float weights) reads its matrices as
+    a mode that wants `want` does. Down rows serve where groups were asked for (a format without
+    down groups gets rows), and rows in any format serve a mode that names none."""
+    if have is None:
+        return True  # float weights have no layout
 
-    blocks = np.asarray(w.blocks)
-    if w.layout == GROUPS:
-        f, d = shape
-        return QuantTensor(quants.down_groups_to_file(blocks, w.qtype, d, f), w.qtype, shape,
-                           transposed=True)
-    if w.interleaved:
-        blocks = quants.deinterleave(blocks, w.kernel_qtype)
-    return QuantTensor(blocks, w.qtype, shape, transposed=transposed and w.layout == MATVEC)
+    def reads(h, w):  # a matrix with no columns layout (its format or size) is read whole
+        return h == w or (w == COLUMNS and h == MATVEC)
+
+    if not (reads(have.gate, want.gate) and reads(have.up, want.up)):
+        return False
+    if reads(have.down, want.down) and have.down != ROWS:
+        return True
+    return have.down == ROWS and want.down in (ROWS, GROUPS) and want.down_qtype in (
+        None, have.down_qtype)
 
 
-def apply_ffn_layout(ffn, layout: FfnLayout) -> None:
-    """Re-arrange a built FFN's quantized matrices for `layout` where they differ (host side,
-    outside jit; a model loaded for one mode and configured for another). Float weights and
-    matrices already in their layout are left alone."""
-    if ffn.up.qtype is None:
-        return
-    d_model = ffn.up.d_in
-    for lin, want in ((ffn.gate, layout.gate), (ffn.up, layout.up)):
-        if lin is not None and lin.layout != want:
-            t = file_tensor(lin.qweight, (lin.weight.shape[0], d_model), transposed=False)
-            lin.load(arrange(t, want))
-    down = ffn.down_t
-    want = layout.down
-    if down.layout == want or (want == GROUPS and down.layout == ROWS
-                               and layout.down_qtype in (None, down.qtype)):
-        return  # rows where groups were asked for: a format without down groups, or rows kept
-    if want == ROWS and down.layout == ROWS and layout.down_qtype in (None, down.qtype):
-        return
-    t = file_tensor(down.qweight, (down.d_ff, d_model), transposed=True)
-    if down.layout == ROWS and want != ROWS:
-        fail("FFN down layout", "a layout the file's blocks can be re-arranged into",
-             f"{want} from neuron rows in {down.qtype}", "load the model for this mode")
-    down.load(arrange(t, want, down_qtype=layout.down_qtype))
+def check_ffn_layout(ffn, want: FfnLayout, what: str) -> None:
+    """Fail unless the built FFN `ffn` is arranged as `want` (`serves`): a model's layouts are
+    decided before its weights are read, never converted after (this module's doc)."""
+    have = ffn.layout
+    if have is not None and ffn.gate is None:  # no gate (a non-gated FFN): nothing to compare
+        want = dataclasses.replace(want, gate=have.gate)
+    if not serves(have, want):
+        fail(f"{what}: the FFN's weight layout", f"gate/up/down {want.gate}/{want.up}/"
+             f"{want.down}", f"{have.gate}/{have.up}/{have.down}",
+             "load the model for this mode (runtime.session.build, or "
+             "models.transformer.from_params(..., ffn_layout=sparsity.modes.ffn_layout(cfg, "
+             "config)))")
 
 
 def host_blocks(blocks) -> jax.Array:

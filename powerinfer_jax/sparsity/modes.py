@@ -177,8 +177,8 @@ def configure(model, cfg, artifacts=None, *, thresholds=None, predictors=None
         impl = "reference"  # the CUDA sparse FFN takes scores or oracle, not activations
     layout = selected_rows() if predictors is not None else ffn_layout(cfg, model.config)
     for layer, sel in zip(model.layers, selectors):
-        if sel is not None:  # loaded for another mode: arranged once more (no-op when right)
-            _qweights().apply_ffn_layout(layer.ffn, layout)
+        if sel is not None:  # layouts are decided at load, never converted after
+            _qweights().check_ffn_layout(layer.ffn, layout, f"sparsity mode {cfg.mode!r}")
         layer.ffn.set_selector(sel, impl=impl)
     return plan(model)
 

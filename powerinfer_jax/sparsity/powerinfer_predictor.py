@@ -33,8 +33,7 @@ from powerinfer_jax.checkpoint.base import QuantTensor
 from powerinfer_jax.errors import fail
 from powerinfer_jax.models.ffn import Selection, Selector
 from powerinfer_jax.models.layers import Linear, Module
-from powerinfer_jax.models.qweights import (MATVEC, SELECTED_LAYOUT, apply_ffn_layout, arrange,
-                                           file_tensor)
+from powerinfer_jax.models.qweights import MATVEC, SELECTED_LAYOUT, arrange, check_ffn_layout
 from powerinfer_jax.models.transformer import block_residual
 from powerinfer_jax.sparsity.predictor import mask_quality, weighted_bce
 
@@ -60,6 +59,9 @@ class PowerInferPredictor(Module):
                           kernels=kernels)
         self.fc2 = Linear(fc2_fr.shape[1], fc2_fr.shape[0], bias=False, dtype=dtype, rngs=None,
                           kernels=kernels)
+        # quantized fc2's output order after `permute` (None: the file's): its interleaved
+        # rows stay as arranged at load, the scores are gathered instead
+        self.order = None
         for lin, w in ((self.fc1, fc1_rd), (self.fc2, fc2_fr)):
             if isinstance(w, QuantTensor) and quantized:
                 if f16_inputs:
@@ -75,22 +77,24 @@ class PowerInferPredictor(Module):
     def raw(self, x_btd):
         """fc2's output [B, T, F] (float32): PowerInfer's `sparse_idx`."""
         r = (lambda v: v.astype(jnp.float16).astype(F32)) if self.f16_inputs else (lambda v: v)
-        return self.fc2(r(jax.nn.relu(self.fc1(r(x_btd)))))
+        y = self.fc2(r(jax.nn.relu(self.fc1(r(x_btd)))))
+        return y if self.order is None else jnp.take(y, self.order[...], axis=-1)
 
     def __call__(self, x_btd):
         return jnp.where(self.raw(x_btd) >= self.threshold, 1.0, -1.0).astype(F32)
 
     def permute(self, perm) -> None:
-        """Reorder the output neurons (FFN.permute): fc2's rows (whole block rows when
-        quantized, re-arranged from the file's layout)."""
+        """Reorder the output neurons (FFN.permute): float fc2's rows move; a quantized fc2
+        keeps its blocks as arranged at load (rows interleaved by 16 are never converted back)
+        and its scores are gathered in the new order (F int32 indices, one gather a token)."""
 
         fc2 = self.fc2
         if fc2.qtype is None:
             fc2.weight.set_value(fc2.weight[...][perm])
             return
-        t = file_tensor(fc2.qweight, (fc2.weight.shape[0], fc2.d_in), transposed=False)
-        fc2.load(arrange(QuantTensor(np.asarray(t.blocks)[np.asarray(perm)], t.qtype, t.shape),
-                         fc2.layout))
+        perm = np.asarray(perm)
+        order = perm if self.order is None else np.asarray(self.order[...])[perm]
+        self.order = nnx.Variable(jnp.asarray(order, jnp.int32))
 
 
 class PowerInferSelector(Selector):
@@ -125,7 +129,8 @@ def attach(model, predictors, *, impl: str = "ffi", f16_inputs: bool = False) ->
     the model). impl: the sparse call's implementation ("ffi" or "reference")."""
 
     for layer, sel in zip(model.layers, selectors(model, predictors, f16_inputs=f16_inputs)):
-        apply_ffn_layout(layer.ffn, SELECTED_LAYOUT)  # rows read per predicted neuron
+        check_ffn_layout(layer.ffn, SELECTED_LAYOUT, "PowerInfer predictors")  # rows read
+        # per predicted neuron: load the model with ffn_layout=SELECTED_LAYOUT
         layer.ffn.set_selector(sel, impl=impl)
 
 
