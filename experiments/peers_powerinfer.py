@@ -304,14 +304,20 @@ def child(args) -> None:
     for mode in MODES + tuple(OURS_ONLY):
         path = Path(spec["files"][file_mode(mode)])
         ck = load_checkpoint(path, keep_quantized=quantized)
+        from powerinfer_jax.config import SparsityConfig
+        from powerinfer_jax.models.qweights import DENSE_LAYOUT, SELECTED_LAYOUT
+        from powerinfer_jax.sparsity import modes
+
+        # each mode's layouts, decided before the weights are read
+        layout = {"predictor": SELECTED_LAYOUT,
+                  "exact": modes.ffn_layout(SparsityConfig(mode="oracle"), ck.config)
+                  }.get(mode, DENSE_LAYOUT)
         for dtype in DTYPES:
-            model = from_params(ck.config, ck.params, dtype=jnp.dtype(dtype), kernels="auto")
+            model = from_params(ck.config, ck.params, dtype=jnp.dtype(dtype), kernels="auto",
+                                ffn_layout=layout)
             if mode == "predictor":  # dense: no selector
                 pp.attach(model, pi.load_predictors(path, ck.config, keep_quantized=True))
-            elif mode == "exact":  # the oracle at 0 (its layouts arranged by configure)
-                from powerinfer_jax.config import SparsityConfig
-                from powerinfer_jax.sparsity import modes
-
+            elif mode == "exact":  # the oracle at 0
                 modes.configure(model, SparsityConfig(mode="oracle"))
             eng = Engine(model, max_seq_len=512)
             eng.generate(ids, max_new_tokens=n_new)  # compiles every bucket

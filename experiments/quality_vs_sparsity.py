@@ -55,8 +55,25 @@ def main() -> None:
     from powerinfer_jax.sparsity import profile as P
     from powerinfer_jax.sparsity.predictor import TrainConfig
 
-    session = build(args.model, RuntimeConfig(threads=threads))  # dense: every mode below is
-    model, tok = session.model, session.tokenizer  # configured on it with in-memory artifacts
+    from powerinfer_jax.checkpoint import load_checkpoint
+    from powerinfer_jax.models.transformer import from_params
+
+    ckpt = load_checkpoint(args.model, keep_quantized=True)
+    session = build(args.model, RuntimeConfig(threads=threads), checkpoint=ckpt)  # dense
+    model, tok = session.model, session.tokenizer
+    dense_layout = modes.ffn_layout(SparsityConfig(), session.config)
+    by_layout = {}
+
+    def model_for(cfg):
+        """The model loaded with `cfg`'s layouts (one per distinct layout, from the same
+        checkpoint: layouts are decided at load), configured with in-memory artifacts."""
+        layout = modes.ffn_layout(cfg, session.config)
+        if layout == dense_layout:
+            return model
+        if layout not in by_layout:
+            by_layout[layout] = from_params(ckpt.config, ckpt.params, dtype=model.dtype,
+                                            kernels=model.kernels, ffn_layout=layout)
+        return by_layout[layout]
     fp = A.model_fingerprint(args.model, session.source, session.config)
     train_files = [DATA / "wiki.train.txt"]
     train_ids = tok.encode(C.read_corpus(train_files), add_bos=False)
@@ -81,8 +98,9 @@ def main() -> None:
         t0 = time.perf_counter()
         cfg = SparsityConfig(mode=mode, impl=args.impl, predictor=predictor, gate_up=gate_up,
                              target_sparsity=target)
-        modes.configure(model, cfg, arts)
-        r = perplexity(model, valid_ids, ctx=args.ctx, max_chunks=args.chunks,
+        m = model_for(cfg)
+        modes.configure(m, cfg, arts)
+        r = perplexity(m, valid_ids, ctx=args.ctx, max_chunks=args.chunks,
                        oracle_thresholds=arts.thresholds_contribution if mode == "predictor"
                        else None, progress=True)
         r["eval_s"] = time.perf_counter() - t0
