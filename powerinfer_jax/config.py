@@ -449,3 +449,9 @@ class PlacementConfig:
     @property
     def ram_budget_bytes(self) -> int | None:
         return None if self.ram_budget_gib is None else int(self.ram_budget_gib * (1 << 30))
+
+
+def kv_length(config: ModelConfig, runtime: RuntimeConfig) -> int:
+    """Positions of the KV cache per sequence: --max-seq-len, else the model's context capped
+    at DEFAULT_CONTEXT_CAP."""
+    return runtime.max_seq_len or min(config.max_seq_len, DEFAULT_CONTEXT_CAP)

@@ -31,13 +31,13 @@ def relu_dir(tmp_path_factory):
 
 def _session(model, mode, budget_frac, tmp_path, *, cpu=False, monkeypatch=None, **runtime):
     from powerinfer_jax.config import PlacementConfig, RuntimeConfig, SparsityConfig
-    from powerinfer_jax.runtime import session
+    from powerinfer_jax.runtime import host, session
 
     rt = RuntimeConfig(max_seq_len=32, **runtime)
     sp = SparsityConfig(mode=mode)
     if cpu:  # the same build with the CPU backend as the only device
         with monkeypatch.context() as mp, jax.default_device(jax.devices("cpu")[0]):
-            mp.setattr(session, "_accelerator", lambda: None)
+            mp.setattr(host, "accelerator", lambda: None)
             return session.build(str(model), rt, sp, artifacts_root=tmp_path / "cpu",
                                  progress=False)
     cfg = PlacementConfig()

@@ -260,11 +260,11 @@ def test_the_host_store_gives_the_inline_placement(files, act):
 def test_an_accelerator_load_keeps_only_the_experts_as_blocks(files):
     from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.checkpoint.base import QuantTensor
-    from powerinfer_jax.runtime.session import _floats_but_experts, _is_moe_gguf
+    from powerinfer_jax.runtime.ram_plan import floats_but_experts, is_moe_gguf
 
-    assert _is_moe_gguf(files["silu"]) and not _is_moe_gguf(files["silu"].parent)
+    assert is_moe_gguf(files["silu"]) and not is_moe_gguf(files["silu"].parent)
     ck = load_checkpoint(files["silu"], keep_quantized=True)
-    _floats_but_experts(ck)
+    floats_but_experts(ck)
     kinds = {name: isinstance(t, QuantTensor) for name, t in ck.params.items()}
     assert all(q == (".ffn.experts." in name) for name, q in kinds.items()), kinds
     assert sum(kinds.values()) == 3 * ck.config.n_layers

@@ -554,7 +554,7 @@ def test_compilation_cache_location_and_switch(tmp_path, case):
         root.write_text("a file where the cache directory would be")
     env = {**__import__("os").environ, "POWERINFER_JAX_CACHE": str(root),
            "POWERINFER_JAX_XLA_CACHE": "0" if case == "off" else "1"}
-    code = ("import jax; from powerinfer_jax.runtime.session import use_compilation_cache; "
+    code = ("import jax; from powerinfer_jax.runtime.host import use_compilation_cache; "
             "use_compilation_cache(); print(jax.config.jax_compilation_cache_dir)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        timeout=120)

@@ -87,17 +87,17 @@ def test_accelerator_path_builds_on_the_host_then_moves_what_stays(tiny_dir, siz
     is read before the model is built, the model is built and placed on the host, then moved."""
     import jax
 
-    from powerinfer_jax.runtime import session, vram_budget
+    from powerinfer_jax.runtime import host, vram_budget
 
     want = tokens(build(str(tiny_dir), RUNTIME, ORACLE, progress=False))
     calls = []
     budget = sizes.dense + int(0.3 * sizes.ffn)
-    monkeypatch.setattr(session, "_accelerator", lambda: jax.devices()[0])
+    monkeypatch.setattr(host, "accelerator", lambda: jax.devices()[0])
     monkeypatch.setattr(vram_budget, "default_budget_bytes", lambda: calls.append(1) or budget)
     moved = []
-    real_move = session._to_accelerator
-    monkeypatch.setattr(session, "_to_accelerator", lambda m, d: (moved.append(d),
-                                                                  real_move(m, d)))
+    real_move = host.to_accelerator
+    monkeypatch.setattr(host, "to_accelerator", lambda m, d: (moved.append(d),
+                                                              real_move(m, d)))
     s = build(str(tiny_dir), RUNTIME, ORACLE, artifacts_root=tmp_path, progress=False)
     assert calls == [1] and moved == [jax.devices()[0]]  # budget read once, model moved once
     assert s.placement is not None and s.placement.budget_bytes == budget

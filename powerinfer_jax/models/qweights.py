@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from powerinfer_jax.checkpoint.base import QuantTensor, aligned, aligned_empty
+from powerinfer_jax.checkpoint.base import aligned, aligned_empty
 from powerinfer_jax.errors import check_choice, fail
 
 _BLOCK = 32

@@ -6,7 +6,6 @@ the experiments, the benchmarks and the server all build through here; defaults 
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import shutil
 import sys
@@ -14,10 +13,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from powerinfer_jax.config import (DEFAULT_CONTEXT_CAP, DEFAULT_MODEL, DEFAULT_TARGET_SPARSITY,
-                                   ModelConfig, PlacementConfig, RuntimeConfig, SparsityConfig,
-                                   check_threads)
+from powerinfer_jax.config import (DEFAULT_MODEL, DEFAULT_TARGET_SPARSITY, ModelConfig,
+                                   PlacementConfig, RuntimeConfig, SparsityConfig, kv_length)
 from powerinfer_jax.errors import fail
+from powerinfer_jax.runtime import host, ram_plan
 
 
 @dataclasses.dataclass
@@ -142,10 +141,6 @@ def weight_formats(model) -> dict[str, int]:
     return counts
 
 
-def kv_length(config: ModelConfig, runtime: RuntimeConfig) -> int:
-    return runtime.max_seq_len or min(config.max_seq_len, DEFAULT_CONTEXT_CAP)
-
-
 def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
           sparsity: SparsityConfig = SparsityConfig(), *,
           placement: PlacementConfig = PlacementConfig(), artifacts_root=None,
@@ -159,15 +154,15 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     checkpoint: an already loaded Checkpoint of `model` (experiments that build several variants).
     """
     t0 = time.perf_counter()
-    threads = _size_thread_pool(runtime.threads)
-    use_compilation_cache()
+    threads = host.size_thread_pool(runtime.threads)
+    host.use_compilation_cache()
     if sparsity.mode == "auto":
         return _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch,
                            progress, checkpoint, threads)
     from powerinfer_jax.sparsity import modes  # lazy: start-up (modes import the model code)
 
     sparsity = modes.with_default_target(sparsity)
-    accel = _accelerator()
+    accel = host.accelerator()
     # before the model code is imported and the model built: the compiled steps load beside
     store = _executable_store(model, runtime, sparsity, placement, max_batch, artifacts_root,
                               accel)
@@ -253,16 +248,16 @@ def _build(model, runtime, sparsity, placement, artifacts_root, max_batch, progr
             from powerinfer_jax.runtime import offload  # lazy: start-up
 
             offload.check_budget_from_header(model, placement.ram_budget_bytes)
-        ckpt = load_checkpoint(model, keep_quantized=_keeps_quantized(runtime, placement, model))
+        ckpt = load_checkpoint(model, keep_quantized=ram_plan.keeps_quantized(runtime, placement, model))
     else:
         ckpt = checkpoint
     if accel is not None and ckpt.config.n_experts:
-        _floats_but_experts(ckpt)
+        ram_plan.floats_but_experts(ckpt)
     t2 = time.perf_counter()
     modes.check_weights(sparsity, _ffn_qtype(ckpt))
     _check_context(runtime, ckpt.config)
     # --ram-budget: "disk" (FFN rows in a neuron store, runtime/offload.py), "memory" (it fits)
-    ram = None if placement.ram_budget_bytes is None else _ram_mode(
+    ram = None if placement.ram_budget_bytes is None else ram_plan.ram_mode(
         ckpt, runtime, sparsity, placement, max_batch, accel)
     if ram == "memory" and store is None and checkpoint is None:
         # it loads as without the flag, so its steps are those (no neuron store's handle in
@@ -288,7 +283,7 @@ def _build(model, runtime, sparsity, placement, artifacts_root, max_batch, progr
         from powerinfer_jax.runtime.vram_budget import default_budget_bytes
 
         default_budget = default_budget_bytes()
-    with _on_host(accel):
+    with host.on_host(accel):
         import jax.numpy as jnp
 
         # quantized matrices arranged once for how the mode reads them (models/qweights.py)
@@ -297,7 +292,7 @@ def _build(model, runtime, sparsity, placement, artifacts_root, max_batch, progr
         m = from_params(ckpt.config, ckpt.params, dtype=jnp.dtype(runtime.dtype),
                         kernels=runtime.kernels, decode_attention=runtime.decode_attention,
                         fuse_qkv=runtime.fuse_qkv, copies=copies,
-                        ffn_layout=layout, external=_offloaded_names(ckpt, ram))
+                        ffn_layout=layout, external=ram_plan.offloaded_names(ckpt, ram))
         if copies is not None:
             copies.save()
         if ram == "disk" and ckpt.config.n_experts:
@@ -315,8 +310,8 @@ def _build(model, runtime, sparsity, placement, artifacts_root, max_batch, progr
             if checkpoint is None and ram == "disk":
                 # the model holds its own copies now: the loader's (Q/K rows in RoPE order, a
                 # fifth of the dense bytes) go before the store takes its memory
-                _keep_only_ffn(ckpt)
-            offloaded = _offload(model, ckpt, m, runtime, sparsity, placement, artifacts_root,
+                ram_plan.keep_only_ffn(ckpt)
+            offloaded = ram_plan.offload(model, ckpt, m, runtime, sparsity, placement, artifacts_root,
                                  max_batch, ram, progress)
             placed = None
         else:
@@ -327,7 +322,7 @@ def _build(model, runtime, sparsity, placement, artifacts_root, max_batch, progr
 
         shard_model(m, runtime.devices)
     elif accel is not None:
-        _to_accelerator(m, accel)
+        host.to_accelerator(m, accel)
     # the build's temporaries (the loader's copies, layouts, predictors) leave glibc's arenas
     # before the first step's buffers are allocated: they would stay in the peak otherwise
     return_freed_memory()
@@ -337,93 +332,6 @@ def _build(model, runtime, sparsity, placement, artifacts_root, max_batch, progr
                    threads=threads, artifacts=arts, placement=placed,
                    max_batch=max_batch, offload=offloaded, store=store, progress=progress,
                    timings={"jax_s": t1 - t0, "load_s": t2 - t1, "build_s": t3 - t2})
-
-
-def _ram_mode(ckpt, runtime, sparsity, placement, max_batch, accel) -> str:
-    """--ram-budget: "memory" when the whole model fits (it then loads as without the flag),
-    else "disk" (its FFN in a neuron store, an MoE model's routed experts in an expert store);
-    clear errors for what cannot be offloaded."""
-    import jax.numpy as jnp
-
-    from powerinfer_jax.checkpoint.bundles import check_quantized  # lazy: start-up
-    from powerinfer_jax.runtime import offload  # lazy: start-up
-    # lazy: start-up
-    from powerinfer_jax.runtime.expert_file import check_quantized as check_experts
-
-    if accel is not None or runtime.devices is not None:
-        fail("--ram-budget", "a CPU-only run on one device (the GPU tier of a disk-offloaded "
-             "model is not built yet)", f"{accel or f'{runtime.devices} devices'}")
-    if offload.fits_in_memory(ckpt, placement.ram_budget_bytes,
-                              kv_len=kv_length(ckpt.config, runtime), batch=max_batch,
-                              dtype=jnp.dtype(runtime.dtype),
-                              extra=offload.predictor_bytes(sparsity, ckpt)):
-        return "memory"
-    if ckpt.config.n_experts:
-        if sparsity.mode != "dense":
-            fail("--sparsity with --ram-budget on an MoE model", "dense (the router selects the "
-                 "experts, each read whole)", sparsity.mode)
-        check_experts(ckpt)
-        return "disk"
-    offload.check_mode(sparsity)
-    check_quantized(ckpt)
-    return "disk"
-
-
-def _keep_only_ffn(ckpt) -> None:
-    """Drop every tensor of a checkpoint this build loaded but its FFN rows and up biases (the
-    neuron store's sources)."""
-    keep = _store_names(ckpt.config)
-    for name in [n for n in ckpt.params if n not in keep and not n.endswith("ffn.up.bias")]:
-        del ckpt.params[name]
-
-
-def _store_names(config) -> frozenset:
-    """The tensors a disk-offloaded model's store holds: the FFN matrices (a neuron store) or
-    the stacked routed experts (an MoE model's expert store)."""
-    from powerinfer_jax.checkpoint.bundles import external_names  # lazy: start-up
-    from powerinfer_jax.runtime.expert_file import external_names as expert_names  # lazy: start-up
-
-    return expert_names(config) if config.n_experts else external_names(config)
-
-
-def _offloaded_names(ckpt, ram) -> frozenset:
-    return _store_names(ckpt.config) if ram == "disk" else frozenset()
-
-
-def _offload(model_arg, ckpt, m, runtime, sparsity, placement, artifacts_root, max_batch, ram,
-             progress):
-    """--ram-budget after the model is built: its arrays out of the file's pages, and (disk)
-    the FFN pointed at a neuron store."""
-    from powerinfer_jax.runtime import offload  # lazy: start-up
-    from powerinfer_jax.sparsity.artifacts import artifacts_root as default_root  # lazy: start-up
-
-    kv_len = kv_length(ckpt.config, runtime)
-    budget = placement.ram_budget_bytes
-    if ram == "memory":
-        copied, _ = offload.make_anonymous(m)
-        import jax.numpy as jnp
-
-        need = offload.in_memory_bytes(ckpt, kv_len=kv_len, batch=max_batch,
-                                       dtype=jnp.dtype(runtime.dtype),
-                                       extra=offload.predictor_bytes(sparsity, ckpt))
-        return offload.Offload(store=None, summary={
-            "mode": "memory", "budget_bytes": budget, "resident_bytes": need,
-            "copied_from_file_bytes": copied})
-    root = default_root(model_arg, ckpt.source) if artifacts_root is None else artifacts_root
-    share = placement.cache_share
-    if ckpt.config.n_experts:
-        from powerinfer_jax.runtime import expert_offload  # lazy: start-up
-
-        return expert_offload.attach(
-            m, ckpt, budget=budget, kv_len=kv_len, batch=max_batch, artifacts_root=root,
-            policy=placement.neuron_cache,
-            cache_share=expert_offload.DEFAULT_CACHE_SHARE if share is None else share,
-            lookahead=placement.lookahead, progress=progress)
-    return offload.attach(m, ckpt, budget=budget, kv_len=kv_len, batch=max_batch,
-                          artifacts_root=root, policy=placement.neuron_cache,
-                          cache_share=offload.DEFAULT_CACHE_SHARE if share is None else share,
-                          lookahead=placement.lookahead, progress=progress)
-
 
 
 def _executable_store(model, runtime, sparsity, placement, max_batch, artifacts_root, accel):
@@ -463,38 +371,6 @@ def _executable_store(model, runtime, sparsity, placement, max_batch, artifacts_
     return store
 
 
-def _keeps_quantized(runtime: RuntimeConfig, placement: PlacementConfig, model=None) -> bool:
-    """Whether a quantized file's blocks stay as they are: placement (a budget, or a GPU) moves
-    float rows between memories and a mesh splits rows over devices, so those dequantize at load.
-    An MoE file that is placed keeps them: its cold experts run on the host pool as stored, and
-    only the hot experts become floats (models/moe.py `split`); on an accelerator everything
-    but its experts is then dequantized after the load (`_floats_but_experts`)."""
-    placed = placement.budget_bytes is not None or _accelerator() is not None
-    if placed and _is_moe_gguf(model):
-        placed = False
-    return runtime.weights == "auto" and not placed and runtime.devices is None
-
-
-def _floats_but_experts(ckpt) -> None:
-    """An MoE file kept quantized for an accelerator: every tensor but the stacked experts as
-    float32 (the device computes them with XLA; the experts are placed hot/cold later)."""
-    from powerinfer_jax.checkpoint.base import QuantTensor  # lazy: start-up
-
-    for name, t in list(ckpt.params.items()):
-        if isinstance(t, QuantTensor) and ".ffn.experts." not in name:
-            ckpt.params[name] = t.dequantize()
-
-
-def _is_moe_gguf(model) -> bool:
-    """Whether `model` names a GGUF file with stacked experts (read from its header)."""
-    path = Path(str(model)) if model is not None else None
-    if path is None or path.suffix != ".gguf" or not path.is_file():
-        return False
-    from powerinfer_jax.checkpoint.gguf import _open  # lazy: start-up
-
-    return any(t.name.endswith("_exps.weight") for t in _open(path).tensors)
-
-
 def _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch, progress,
                 checkpoint, threads) -> Session:
     """--sparsity auto: dense, or the sparse candidate where it is measurably faster here
@@ -505,7 +381,7 @@ def _build_auto(model, runtime, sparsity, placement, artifacts_root, max_batch, 
 
     if checkpoint is None:
         checkpoint = load_checkpoint(
-            model, keep_quantized=_keeps_quantized(runtime, placement, model))
+            model, keep_quantized=ram_plan.keeps_quantized(runtime, placement, model))
     target = sparsity.target_sparsity or DEFAULT_TARGET_SPARSITY
     root_arg = artifacts_root
     root = Path(default_root(model, checkpoint.source) if artifacts_root is None
@@ -569,45 +445,6 @@ def _trial_artifacts(model_arg, dense: Session, root: Path, target: float, progr
     return trial
 
 
-def use_compilation_cache() -> None:
-    """Keep XLA's compiled executables in `<cache>/xla` (jax's persistent compilation cache):
-    a later run of the same model, mode and shapes skips XLA's compile, ~0.9 s of the 2 s to
-    the first token of SmolLM2 on CPU (tracing still runs). A bad entry is jax's to handle: it
-    warns and compiles. Off with POWERINFER_JAX_XLA_CACHE=0; a directory the user set through
-    jax's own config is left as it is."""
-    import os
-
-    import jax
-
-    from powerinfer_jax.cache import cache_dir  # lazy: start-up
-
-    if os.environ.get("POWERINFER_JAX_XLA_CACHE", "1") == "0" or \
-            jax.config.jax_compilation_cache_dir:
-        return
-    path = cache_dir() / "xla"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError:  # a read-only cache: run without it
-        return
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
-
-
-def _size_thread_pool(threads: int | None) -> int:
-    """The kernels' pool gets `threads` (default: the CPUs this process may use) in every mode:
-    dense decode runs through the custom calls too."""
-    import os
-
-    n = len(os.sched_getaffinity(0)) if threads is None else check_threads(threads)
-    try:
-        from powerinfer_jax import ops  # lazy: start-up
-
-        ops.set_num_threads(n)
-    except ImportError:  # an unbuilt checkout runs the jnp references only
-        pass
-    return n
-
-
 def _artifacts(model_arg, ckpt, m, sparsity, root, progress):
     from powerinfer_jax.sparsity import modes  # lazy: start-up
 
@@ -631,29 +468,6 @@ def _artifacts(model_arg, ckpt, m, sparsity, root, progress):
 
     return ensure_artifacts(model_arg, ckpt.source, m, ckpt.tokenizer, sparsity.target_sparsity,
                             need_predictor=need.lowrank, root=root, progress=progress)
-
-
-def _accelerator():
-    """The first non-CPU device, or None on a CPU-only machine."""
-    import jax
-
-    dev = jax.devices()[0]
-    return None if dev.platform == "cpu" else dev
-
-
-def _on_host(accel):
-    import jax
-
-    return contextlib.nullcontext() if accel is None else jax.default_device(jax.devices("cpu")[0])
-
-
-def _to_accelerator(m, device) -> None:
-    """Move every array still in the model (dense parts, hot rows, predictors) to the device; the
-    cold rows already live in the host store and are not in the model's state."""
-    import jax
-    from flax import nnx
-
-    nnx.update(m, jax.device_put(nnx.state(m), device))
 
 
 def _place(model_arg, ckpt, m, runtime, sparsity, placement, artifacts_root, default_budget,

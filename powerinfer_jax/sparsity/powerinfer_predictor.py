@@ -211,9 +211,6 @@ def from_predictor_stack(stack, config, params):
     """Our low-rank PredictorStack as PowerInfer predictors, where it can be: only with every bias
     zero (PowerInfer's fc1/fc2 have none, and our trained stacks keep their decision threshold in
     the output bias) and an RMSNorm model. Otherwise a UserError saying why."""
-    # lazy: start-up (gguf only for GGUF files)
-    from powerinfer_jax.checkpoint.powerinfer import PowerInferPredictors
-
     arrays = stack.arrays()
     worst = max(float(np.abs(arrays[k]).max()) for k in ("b_in_lr", "b_out_lf"))
     if worst != 0.0:
