@@ -10,8 +10,8 @@ Two parts are chosen once, when the model is built, and never by string tests at
   * `selector`: finds the active set (None: dense). A `Selector` subclass (the sparsity modes in
     sparsity/selectors.py: oracle, calibrated gate threshold, predictors) returns a `Selection`:
     ops.sparse_ffn's criterion, the layer's threshold and the scores it compares.
-  * `backend`: computes the rows. `Rows` (every row in the FFN's Params: XLA or the custom call),
-    `CpuHybrid` (placed: hot rows with XLA, cold `HostRows` through the custom call on the host
+  * `backend`: computes the rows. `Unsplit` (every row in the FFN's Params: XLA or the custom call),
+    `CpuHybrid` (placed: hot rows with XLA, cold `ColdRows` through the custom call on the host
     pool, summed), `CudaHybrid` (placed on a GPU: hot rows in CUDA kernels, cold rows in the CUDA
     module's host store behind a handle, one custom call) or `DiskHybrid` (--ram-budget: every row
     in a neuron store, in memory or read from disk, behind a handle). `FFN.split` switches the
@@ -98,7 +98,7 @@ def cuda_hybrid_available() -> bool:
     return _ffi._pij_cuda is not None
 
 
-class HostRows(nnx.Variable):
+class ColdRows(nnx.Variable):
     """FFN rows kept in host memory: the cold part of a placed FFN."""
 
 
@@ -182,7 +182,7 @@ def residual_scope(x_btd):
 
 # ------------------------------------------------------------------------------------ backends
 @dataclasses.dataclass(frozen=True)
-class Rows:
+class Unsplit:
     """Every row in the FFN's Params. Dense: XLA's matmuls, or with kernels "ffi" the custom call
     over every neuron. Sparse: ops.sparse_ffn with `impl` ("ffi" or "reference"), or the
     selector's fused call (`fused`, decided at build: CPU backend, impl "ffi")."""
@@ -197,7 +197,7 @@ class Rows:
             sow(ffn, "ffn_mid", a, InputSample)
             return ffn.down_t(apply_mask(ffn.mid_mask, a))
         if ffn.quantized and ffn.down_t.layout in (MATVEC, COLUMNS):  # three matvecs
-            a = ffn.hot_activations(x_btd)
+            a = ffn.params_activations(x_btd)
             sow(ffn, "ffn_mid", a, InputSample)
             return ffn.down_t(a)
         if ffn.quantized or use_ffi(ffn.kernels, x_btd, ffn.up.weight[...]):
@@ -234,7 +234,7 @@ class Rows:
 @dataclasses.dataclass(frozen=True)
 class CpuHybrid:
     """A placed FFN without a GPU: hot rows [0, n_hot) with XLA (masked by the active set), cold
-    rows (`ffn.cold`, HostRows) through the custom call, the two partial sums added."""
+    rows (`ffn.cold`, ColdRows) through the custom call, the two partial sums added."""
 
     impl: str = "ffi"
 
@@ -251,7 +251,7 @@ class CpuHybrid:
         scores = sel.scores
         if n_hot:
             # [B, T, F_hot]; "activations": the scores are the activations (no gate/up rows read)
-            a = scores[..., :n_hot] if sel.criterion == "activations" else ffn.hot_activations(
+            a = scores[..., :n_hot] if sel.criterion == "activations" else ffn.params_activations(
                 x_btd)
             if not dense:
                 mask = (scores[..., :n_hot] > sel.threshold if sel.criterion == "scores"
@@ -360,7 +360,7 @@ class FFN(Module):
         self.up = Linear(d_model, d_ff, bias=bias, **lin)
         self.down_t = DownT(d_ff, d_model, bias=bias, dtype=dtype, rngs=rngs, kernels=kernels)
         self.selector = nnx.data(None)  # a Selector; None: dense
-        self.backend = Rows()
+        self.backend = Unsplit()
         self.cold = nnx.data(None)  # after split() on the CPU: {"gate", "up", "down_t", "b_up"}
         self.n_cold = 0  # rows in self.cold or behind a CudaHybrid handle
         # input sparsity (sparsity/input_sparsity.py): masks of gate/up's and down's inputs
@@ -394,7 +394,7 @@ class FFN(Module):
             fused = (selector is not None and impl == "ffi" and self.kernels == "ffi"
                      and jax.default_backend() == "cpu"
                      and type(selector).fused is not Selector.fused)
-            self.backend = Rows(impl=impl, fused=fused)
+            self.backend = Unsplit(impl=impl, fused=fused)
         elif isinstance(self.backend, CpuHybrid):
             self.backend = CpuHybrid(impl=impl)
 
@@ -422,7 +422,7 @@ class FFN(Module):
     # ---------------------------------------------------------------- placement
     @property
     def placed(self) -> bool:
-        return not isinstance(self.backend, Rows)
+        return not isinstance(self.backend, Unsplit)
 
     @property
     def cold_handle(self) -> int | None:
@@ -459,7 +459,7 @@ class FFN(Module):
     def split(self, n_hot: int, *, store: str = "auto") -> None:
         """Keep rows [0, n_hot) as the hot Params; move rows [n_hot, F) to host memory.
 
-        store: "operands" (`HostRows`, passed to the CPU custom call: `CpuHybrid`), "cuda" (the
+        store: "operands" (`ColdRows`, passed to the CPU custom call: `CpuHybrid`), "cuda" (the
         CUDA module's host store, referenced by handle: `CudaHybrid`), "auto" ("cuda" on a GPU
         backend with the CUDA build, else "operands"). With "cuda" and no cold rows (n_hot == F)
         the FFN stays unsplit: every row is on the device already."""
@@ -485,7 +485,7 @@ class FFN(Module):
             if var is None:
                 continue
             rows = var[...]
-            cold[key] = HostRows(rows[n_hot:])
+            cold[key] = ColdRows(rows[n_hot:])
             var.set_value(rows[:n_hot])
         self.cold = nnx.data(cold)
         self.n_cold = f - n_hot
@@ -518,7 +518,7 @@ class FFN(Module):
             return activate(self.activation, u)
         return gated_activate(self.activation, proj(gate), u, self.gate_floor)
 
-    def hot_activations(self, x_btd):
+    def params_activations(self, x_btd):
         """Activations of the rows in the Params (all of them when unplaced), with XLA (on a
         quantized FFN: the gate and up projections through ops.qlinear)."""
         if self.quantized:
@@ -544,11 +544,11 @@ class FFN(Module):
     def activations(self, x_btd):
         """The neuron activations a [B, T, F] (float32), computed densely with XLA."""
         if not self.placed:
-            return self.hot_activations(x_btd)
+            return self.params_activations(x_btd)
         self._require_cold_operands("activations")
         c = self.cold
         cold = self._rows_act(x_btd, _value(c.get("gate")), c["up"][...], _value(c.get("b_up")))
-        return jnp.concatenate([self.hot_activations(x_btd), cold], axis=-1)
+        return jnp.concatenate([self.params_activations(x_btd), cold], axis=-1)
 
     def gate_magnitude(self, x_btd):
         """|act(gate . x)| [B, T, F] (non-gated: |a|): the threshold mode's criterion."""

@@ -3,7 +3,7 @@
 After `apply_placement`, layer l's FFN keeps rows [0, hot[l]) as ordinary (accelerator) Params. Rows
 [hot[l], F) go, on a GPU with the CUDA build, into the CUDA module's host store (registered once,
 named by a handle attribute; one hybrid custom call per layer runs hot rows in CUDA kernels and cold
-rows on the host pool), and otherwise into `HostRows` operands (the CPU-only hybrid: hot rows with
+rows on the host pool), and otherwise into `ColdRows` operands (the CPU-only hybrid: hot rows with
 XLA, cold rows through the FFI custom call). See models/ffn.py (FFN.split; CpuHybrid,
 CudaHybrid). No index remapping happens at run time.
 A mixture-of-experts layer (models/moe.py) takes the same two steps with experts for neurons: the
