@@ -292,8 +292,11 @@ def child(args) -> None:
     from powerinfer_jax import ops
     from powerinfer_jax.checkpoint import load_checkpoint
     from powerinfer_jax.checkpoint import powerinfer as pi
+    from powerinfer_jax.config import SparsityConfig
+    from powerinfer_jax.models.qweights import DENSE_LAYOUT, SELECTED_LAYOUT
     from powerinfer_jax.models.transformer import from_params
     from powerinfer_jax.runtime.decode import Engine
+    from powerinfer_jax.sparsity import modes
     from powerinfer_jax.sparsity import powerinfer_predictor as pp
 
     ops.set_num_threads(threads)
@@ -304,10 +307,6 @@ def child(args) -> None:
     for mode in MODES + tuple(OURS_ONLY):
         path = Path(spec["files"][file_mode(mode)])
         ck = load_checkpoint(path, keep_quantized=quantized)
-        from powerinfer_jax.config import SparsityConfig
-        from powerinfer_jax.models.qweights import DENSE_LAYOUT, SELECTED_LAYOUT
-        from powerinfer_jax.sparsity import modes
-
         # each mode's layouts, decided before the weights are read
         layout = {"predictor": SELECTED_LAYOUT,
                   "exact": modes.ffn_layout(SparsityConfig(mode="oracle"), ck.config)

@@ -21,12 +21,13 @@ def _ours(x) -> bool:
 
 def walk(obj, path="model", seen=None, out=None) -> dict:
     """{attribute path: (id, type name)} of every attribute of every module (and library object
-    held by one) reachable from `obj`, through lists, tuples and dicts."""
-    seen = set() if seen is None else seen
+    held by one) reachable from `obj`, through lists, tuples and dicts; `seen` ({id: object})
+    collects the objects walked."""
+    seen = {} if seen is None else seen
     out = {} if out is None else out
     if id(obj) in seen:
         return out
-    seen.add(id(obj))
+    seen[id(obj)] = obj
     for k, v in sorted(vars(obj).items()):
         p = f"{path}.{k}"
         out[p] = (id(v), type(v).__name__)
@@ -55,9 +56,10 @@ def gguf(tmp_path_factory):
 def test_the_first_step_changes_no_module(gguf, mode, monkeypatch):
     llm = pij.load(str(gguf), sparsity=mode, progress=False)
     model = llm.session.model
-    before = walk(model)
+    objects: dict = {}
+    before = walk(model, seen=objects)
     assert len(before) > 100  # the walk reached the layers' modules
-    walked = {id(model)} | {i for i, _ in before.values()}
+    walked = set(objects)  # the ids of the modules and library objects walked
     assigned: set[str] = set()
 
     def recording(original):
@@ -68,7 +70,7 @@ def test_the_first_step_changes_no_module(gguf, mode, monkeypatch):
         return record
 
     monkeypatch.setattr(nnx.Module, "__setattr__", recording(nnx.Module.__setattr__))
-    for cls in {type(x) for x in _objects(model)}:  # the library's plain objects (selectors,
+    for cls in {type(x) for x in objects.values()}:  # the library's objects (selectors,
         if not issubclass(cls, nnx.Module):  # backends): their own __setattr__, recorded
             monkeypatch.setattr(cls, "__setattr__", recording(cls.__setattr__))
     out = llm.generate("hello there", max_new_tokens=4)
@@ -78,11 +80,3 @@ def test_the_first_step_changes_no_module(gguf, mode, monkeypatch):
     after = walk(model)
     assert {k for k in before if before[k] != after.get(k)} == set()
     assert set(after) == set(before)
-
-
-def _objects(model):
-    seen: set = set()
-    walk(model, seen=seen)
-    import gc
-
-    return [o for o in gc.get_objects() if id(o) in seen and _ours(o)]

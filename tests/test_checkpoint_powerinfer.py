@@ -382,7 +382,7 @@ def test_quantized_file_keeps_its_predictor_blocks(tmp_path, kind):
     perm = np.random.default_rng(3).permutation(config.d_ff)
     pred.permute(perm)
     np.testing.assert_array_equal(np.asarray(pred.raw(r)), got[..., perm])
-    back = np.argsort(perm)  # permutes compose (each from the file's rows, none read back)
+    back = np.argsort(perm)  # permutes compose (the gather orders; the blocks never move)
     pred.permute(back)
     np.testing.assert_array_equal(np.asarray(pred.raw(r)), got)
 

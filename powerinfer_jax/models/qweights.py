@@ -136,10 +136,9 @@ def serves(have: FfnLayout | None, want: FfnLayout) -> bool:
 
     if not (reads(have.gate, want.gate) and reads(have.up, want.up)):
         return False
-    if reads(have.down, want.down) and have.down != ROWS:
-        return True
-    return have.down == ROWS and want.down in (ROWS, GROUPS) and want.down_qtype in (
-        None, have.down_qtype)
+    if have.down == ROWS:
+        return want.down in (ROWS, GROUPS) and want.down_qtype in (None, have.down_qtype)
+    return reads(have.down, want.down)
 
 
 def check_ffn_layout(ffn, want: FfnLayout, what: str) -> None:

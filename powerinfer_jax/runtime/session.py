@@ -248,7 +248,8 @@ def _build(model, runtime, sparsity, placement, artifacts_root, max_batch, progr
             from powerinfer_jax.runtime import offload  # lazy: start-up
 
             offload.check_budget_from_header(model, placement.ram_budget_bytes)
-        ckpt = load_checkpoint(model, keep_quantized=ram_plan.keeps_quantized(runtime, placement, model))
+        ckpt = load_checkpoint(model, keep_quantized=ram_plan.keeps_quantized(runtime, placement,
+                                                                              model))
     else:
         ckpt = checkpoint
     if accel is not None and ckpt.config.n_experts:
@@ -311,8 +312,8 @@ def _build(model, runtime, sparsity, placement, artifacts_root, max_batch, progr
                 # the model holds its own copies now: the loader's (Q/K rows in RoPE order, a
                 # fifth of the dense bytes) go before the store takes its memory
                 ram_plan.keep_only_ffn(ckpt)
-            offloaded = ram_plan.offload(model, ckpt, m, runtime, sparsity, placement, artifacts_root,
-                                 max_batch, ram, progress)
+            offloaded = ram_plan.offload(model, ckpt, m, runtime, sparsity, placement,
+                                         artifacts_root, max_batch, ram, progress)
             placed = None
         else:
             placed = _place(model, ckpt, m, runtime, sparsity, placement, artifacts_root,

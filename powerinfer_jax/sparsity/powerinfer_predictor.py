@@ -129,8 +129,8 @@ def attach(model, predictors, *, impl: str = "ffi", f16_inputs: bool = False) ->
     the model). impl: the sparse call's implementation ("ffi" or "reference")."""
 
     for layer, sel in zip(model.layers, selectors(model, predictors, f16_inputs=f16_inputs)):
-        check_ffn_layout(layer.ffn, SELECTED_LAYOUT, "PowerInfer predictors")  # rows read
-        # per predicted neuron: load the model with ffn_layout=SELECTED_LAYOUT
+        # rows read per predicted neuron: the model loaded with ffn_layout=SELECTED_LAYOUT
+        check_ffn_layout(layer.ffn, SELECTED_LAYOUT, "PowerInfer predictors")
         layer.ffn.set_selector(sel, impl=impl)
 
 
