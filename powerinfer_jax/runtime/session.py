@@ -169,15 +169,21 @@ def build(model: str = DEFAULT_MODEL, runtime: RuntimeConfig = RuntimeConfig(),
     t1 = time.perf_counter()
     args = (model, runtime, sparsity, placement, artifacts_root, max_batch, progress, threads,
             store, accel)
+    from powerinfer_jax.runtime import snapshot  # lazy: start-up
+
     kept = store is not None and checkpoint is None and _keeps_snapshot(sparsity)
     if kept:
-        from powerinfer_jax.runtime import snapshot  # lazy: start-up
-
         snap = snapshot.load(store.dir)
         if snap is not None:
             return _from_snapshot(snap, *args, timings={
                 "jax_s": t1 - t0, "load_s": time.perf_counter() - t1, "build_s": 0.0})
     session = _build(*args, checkpoint, times=(t0, t1))
+    if store is None and session.store is None and checkpoint is None:
+        # a registry model this build fetched could not be keyed before: keyed now, its steps
+        # and snapshot are kept, so the next run loads them instead of compiling again
+        session.store = store = _executable_store(model, runtime, sparsity, placement,
+                                                  max_batch, artifacts_root, accel)
+        kept = store is not None and _keeps_snapshot(sparsity)
     if kept:
         snapshot.save(store.dir, session.model, session.tokenizer,
                       {**model_report(session.model), "source": session.source})
