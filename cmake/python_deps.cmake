@@ -2,20 +2,28 @@
 
 # pij_find_python_deps(<ffi include var> <nanobind package dir var>): XLA's FFI headers (inside
 # jaxlib) and nanobind's package directory, from PIJ_XLA_FFI_SRC / PIJ_NANOBIND_SRC where the
-# pip build passed them (cmake/pip_build.cmake), else from ${Python_EXECUTABLE}.
+# pip build passed them (cmake/pip_build.cmake), else from ${Python_EXECUTABLE}. jaxlib from the
+# environment Python runs in, else (`-I`) from the interpreter's own environment: under pip's
+# isolated build that is the environment being installed into, whose jaxlib the build
+# environment does not repeat (cmake/pij_build.py).
+set(pij_jaxlib_include_probe
+    "import os, jaxlib; print(os.path.join(os.path.dirname(os.path.abspath(jaxlib.__file__)), 'include'))")
 function(pij_find_python_deps ffi_var nanobind_var)
   set(ffi "${PIJ_XLA_FFI_SRC}")
-  if(NOT ffi)
+  foreach(isolated IN ITEMS "" "-I")
+    if(ffi)
+      break()
+    endif()
     execute_process(
-      COMMAND "${Python_EXECUTABLE}" -c "import jax.ffi; print(jax.ffi.include_dir())"
-      OUTPUT_VARIABLE ffi OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE result)
-    if(NOT result EQUAL 0)
+      COMMAND "${Python_EXECUTABLE}" ${isolated} -c "${pij_jaxlib_include_probe}"
+      OUTPUT_VARIABLE ffi OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE result ERROR_QUIET)
+    if(NOT result EQUAL 0 OR NOT EXISTS "${ffi}/xla/ffi/api/ffi.h")
       set(ffi "")
     endif()
-  endif()
+  endforeach()
   if(NOT EXISTS "${ffi}/xla/ffi/api/ffi.h")
-    message(FATAL_ERROR "Could not find XLA FFI headers via jax.ffi.include_dir() "
-                        "(is jax installed for ${Python_EXECUTABLE}?)")
+    message(FATAL_ERROR "Could not find XLA FFI headers in jaxlib "
+                        "(is jaxlib installed for ${Python_EXECUTABLE}?)")
   endif()
   set(nb "${PIJ_NANOBIND_SRC}")
   if(NOT nb)
