@@ -46,3 +46,49 @@ def test_the_header_copy_rewrites_only_what_changed(tmp_path):
     assert (dst / "include" / "nanobind" / "nanobind.h").stat().st_mtime == old
     assert (dst / "src.cpp").read_text() == "int y;\n" and (dst / "src.cpp").stat().st_mtime > old
     assert (dst / "new.h").is_file()
+
+
+def _backend():
+    """cmake/pij_build.py, the backend pip runs (it imports scikit-build-core)."""
+    import importlib.util
+
+    pytest.importorskip("scikit_build_core")
+    spec = importlib.util.spec_from_file_location("pij_build", REPO / "cmake" / "pij_build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_backend_asks_for_jaxlib_only_where_the_target_lacks_a_suitable_one(monkeypatch):
+    import jaxlib.version
+
+    backend = _backend()
+    assert backend.installed_jaxlib() == jaxlib.version.__version__  # this environment's
+    for installed, extra in (("0.10.2", []), ("0.11.0", []), (None, [backend.JAXLIB]),
+                             ("0.9.9", [backend.JAXLIB]), ("not a version", [backend.JAXLIB])):
+        monkeypatch.setattr(backend, "installed_jaxlib", lambda v=installed: v)
+        assert backend.get_requires_for_build_editable() == \
+            backend._skbuild.get_requires_for_build_editable() + extra, installed
+        assert backend.get_requires_for_build_wheel() == \
+            backend._skbuild.get_requires_for_build_wheel() + extra, installed
+
+
+def test_cmake_finds_the_ffi_headers_outside_an_isolated_build_environment(tmp_path):
+    """pip's build environment hides the target's packages; a jaxlib that fails to import
+    stands for it here: the headers are then found with `python -I`, the target's."""
+    import sys
+
+    import jax.ffi
+
+    hidden = tmp_path / "isolated" / "jaxlib"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('not in the build environment')\n")
+    script = tmp_path / "find.cmake"
+    script.write_text(f'set(Python_EXECUTABLE "{sys.executable}")\n'
+                      f'include("{REPO / "cmake" / "python_deps.cmake"}")\n'
+                      'pij_find_python_deps(ffi nb)\nmessage(STATUS "FFI=${ffi}")\n')
+    for pythonpath in ("", str(tmp_path / "isolated")):
+        out = subprocess.run(["cmake", "-P", str(script)], capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "PYTHONPATH": pythonpath})
+        assert out.returncode == 0, out.stderr
+        assert f"FFI={jax.ffi.include_dir()}" in out.stdout, (pythonpath, out.stdout)
