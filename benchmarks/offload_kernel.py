@@ -74,7 +74,7 @@ def main(argv=None) -> None:
         down = arrange(ck.params[names["down"]], SELECTED_LAYOUT.down)
         weights.append((jnp.asarray(np.asarray(ck.params[names["gate"]].blocks)),
                         jnp.asarray(np.asarray(ck.params[names["up"]].blocks)),
-                        jnp.asarray(np.asarray(down.blocks)), down.qtype, down.layout))
+                        jnp.asarray(np.asarray(down.blocks)), down.kernel_qtype))
         x = rng.standard_normal((a.tokens, D)).astype(np.float32)
         fires = (ck.params[names["gate"]].dequantize() @ x[0]) > 0
         k = int(a.active * F)
@@ -91,11 +91,11 @@ def main(argv=None) -> None:
 
     def in_memory(ws, xs, ss):
         out = []
-        for (g, u, d, dq, lay), x, s in zip(ws, xs, ss):
+        for (g, u, d, dq), x, s in zip(ws, xs, ss):
             out.append(_ffi.qsparse_ffn(x, u, d, up_qtype=qt["up"], down_qtype=dq, gate=g,
                                         gate_qtype=qt["gate"], b_up=None, b_down=None, scores=s,
-                                        threshold=0.0, activation="relu", criterion="scores",
-                                        down_layout=lay)[0])
+                                        threshold=0.0, activation="relu",
+                                        criterion="scores")[0])
         return out
 
     def from_store(xs, ss):

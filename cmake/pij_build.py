@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 from scikit_build_core import build as _skbuild
-from scikit_build_core.build import (  # noqa: F401  (the hooks pip calls, unchanged)
+from scikit_build_core.build import (  # the hooks pip calls, unchanged
     build_editable,
     build_sdist,
     build_wheel,
@@ -23,6 +23,10 @@ from scikit_build_core.build import (  # noqa: F401  (the hooks pip calls, uncha
     prepare_metadata_for_build_editable,
     prepare_metadata_for_build_wheel,
 )
+
+__all__ = ["build_editable", "build_sdist", "build_wheel", "get_requires_for_build_editable",
+           "get_requires_for_build_sdist", "get_requires_for_build_wheel",
+           "prepare_metadata_for_build_editable", "prepare_metadata_for_build_wheel"]
 
 JAXLIB = "jaxlib>=0.10"  # as [project] dependencies and the headers the sources need
 

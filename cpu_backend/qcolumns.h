@@ -47,8 +47,6 @@
 namespace pij {
 
 constexpr int64_t kColTile = 64;
-// A qtype id with this bit set names a matrix in the columns layout (checkpoint/quants.py).
-constexpr int32_t kColumnsQTypeFlag = 0x200;
 
 // The formats with a columns layout.
 constexpr bool ColumnsType(QType t) {

@@ -11,6 +11,16 @@ bool IsQType(int32_t id) {
   }
 }
 
+const char* ArrangementName(Arrangement a) {
+  switch (a) {
+    case Arrangement::kRows: return "rows";
+    case Arrangement::kInterleaved: return "interleaved by 16";
+    case Arrangement::kColumns: return "columns";
+    case Arrangement::kDownGroups: return "down groups";
+  }
+  return "?";
+}
+
 QTypeInfo GetQTypeInfo(QType t) {
   return VisitQType(t, []<class F>(F) {
     static constexpr const char* kNames[] = {"", "", "Q4_0", "Q4_1", "", "", "Q5_0", "Q5_1", "Q8_0",

@@ -74,6 +74,35 @@ constexpr int64_t DownGroupScaleBytes(QType t) {
 // (AxpyGroup): the 4-bit formats, whose codes fit an int16 sum of 8-bit products.
 constexpr bool DownGroupPairs(QType t) { return t == QType::kQ4_0 || t == QType::kQ4_1; }
 
+// How a matrix handed to a custom call is arranged: the file's rows, or one of the layouts the
+// build makes from them (models/qweights.py). The type id a call takes is the format's id with
+// at most one of these bits, the one encoding of the arrangement from Python to here
+// (checkpoint/quants.py `type_id`: the bit of a type name's suffix).
+enum class Arrangement : int32_t {
+  kRows = 0,               // the file's rows ("Q4_0")
+  kInterleaved = 0x100,    // rows interleaved by 16, quant_interleaved.h ("Q4_0x16")
+  kColumns = 0x200,        // input-channel-major, qcolumns.h ("Q4_0c64")
+  kDownGroups = 0x400,     // ffn_down's blocks per 32 neurons, quant_kernels.h AxpyGroup ("Q4_0g32")
+};
+constexpr int32_t kArrangementBits = 0x700;
+
+struct KernelType {
+  int32_t format;  // the id without its arrangement bit (IsQType says whether it is a format)
+  Arrangement arrangement;
+};
+
+// `id` split into its format and arrangement; false where it sets more than one arrangement bit
+// or any bit above them.
+constexpr bool SplitKernelType(int32_t id, KernelType& out) {
+  const int32_t bits = id & kArrangementBits;
+  if (id < 0 || id > 0x7ff || (bits & (bits - 1)) != 0) return false;
+  out = {id & ~kArrangementBits, static_cast<Arrangement>(bits)};
+  return true;
+}
+
+// "rows", "interleaved by 16", "columns" or "down groups": for messages.
+const char* ArrangementName(Arrangement a);
+
 namespace qfmt {
 
 using qsimd::F32x8;

@@ -45,9 +45,6 @@
 namespace pij::qkern {
 
 constexpr int64_t kInterleave = 16;
-// A qtype id with this bit set names the format's rows interleaved by 16 (ops.qlinear's
-// "Q4_0x16" etc.: checkpoint/quants.py `type_id`).
-constexpr int32_t kInterleavedQTypeFlag = 0x100;
 
 constexpr bool Interleavable(QType t) {
   return t == QType::kQ4_0 || t == QType::kQ4_1 || t == QType::kQ5_0 || t == QType::kQ5_1 ||

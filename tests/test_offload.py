@@ -108,10 +108,11 @@ def _kernel_matches_in_memory(ck, hot_fraction, want_source, *, tokens=(1, 3, 40
                     y, n = _ffi.disk_ffn(x, scores, store=store.handle, layer=l, threshold=0.0,
                                          activation="relu", criterion=crit, gate_floor=floor)
                     want_y, want_n = _ffi.qsparse_ffn(
-                        x, up.blocks, down.blocks, up_qtype=up.qtype, down_qtype=down.qtype,
+                        x, up.blocks, down.blocks, up_qtype=up.qtype,
+                        down_qtype=down.kernel_qtype,
                         gate=gate.blocks, gate_qtype=gate.qtype, b_up=None, b_down=None,
                         scores=scores, threshold=0.0, activation="relu", criterion=crit,
-                        down_layout=down.layout, gate_floor=floor)
+                        gate_floor=floor)
                     np.testing.assert_array_equal(np.asarray(y), np.asarray(want_y))
                     np.testing.assert_array_equal(np.asarray(n), np.asarray(want_n))
                     if floor and crit == "oracle":  # the threshold bites: fewer active

@@ -138,7 +138,7 @@ def test_relu_experts_sparse_inside_equal_the_dense_reference(gate_t, down_t, n)
     x, ids, w, gate, up, down = operands(gate_t, down_t, n, seed=20 + n, d=d, f=f)
     rows_kw = dict(gate_qtype=gate_t, up_qtype=gate_t, down_qtype=down_t, activation="relu")
     sparse_kw = dict(rows_kw, gate_qtype=gate_t + quants.INTERLEAVED_SUFFIX,
-                     down_layout="groups")
+                     down_qtype=down_t + quants.GROUPS_SUFFIX)
     sparse = _relu_layouts(gate, up, down, gate_t, down_t, d, f)
     got = np.asarray(jax.jit(lambda *a: ops.moe_ffn(*a, **sparse_kw))(x, ids, w, *sparse))
     _close(got, ops.moe_ffn(x, ids, w, *sparse, impl="reference", **sparse_kw))
@@ -159,8 +159,7 @@ def test_relu_experts_all_active_equal_dense():
     _, ids, w, _, up, down = operands("Q4_0", "Q4_0", n, seed=6, d=d, f=f)
     g = np.asarray(ops.moe_ffn(x, ids, w, jnp.asarray(gate), up, down, gate_qtype="Q4_0",
                                up_qtype="Q4_0", down_qtype="Q4_0", activation="relu"))
-    kw = dict(gate_qtype="Q4_0x16", up_qtype="Q4_0", down_qtype="Q4_0", activation="relu",
-              down_layout="groups")
+    kw = dict(gate_qtype="Q4_0x16", up_qtype="Q4_0", down_qtype="Q4_0g32", activation="relu")
     got = np.asarray(ops.moe_ffn(x, ids, w, *_relu_layouts(gate, up, down, "Q4_0", "Q4_0", d, f),
                                  **kw))
     _close(got, g)
@@ -188,8 +187,7 @@ def test_relu_neurons_that_do_not_fire_are_not_read():
                 for r in range(d):
                     down_p[e, r, grp * 18:grp * 18 + 2] = nan16
         assert silent.any() and rb_f == (f // 32) * 18
-    kw = dict(gate_qtype="Q4_0x16", up_qtype="Q4_0", down_qtype="Q4_0", activation="relu",
-              down_layout="groups")
+    kw = dict(gate_qtype="Q4_0x16", up_qtype="Q4_0", down_qtype="Q4_0g32", activation="relu")
     before = np.asarray(ops.moe_ffn(x, ids, w, *_relu_layouts(gate, up, down, "Q4_0", "Q4_0",
                                                                 d, f), **kw))
     after = np.asarray(ops.moe_ffn(x, ids, w, *_relu_layouts(gate, jnp.asarray(up_p),
@@ -204,10 +202,11 @@ def test_relu_neurons_that_do_not_fire_are_not_read():
 def test_relu_bad_layouts_are_one_line_errors():
     x, ids, w, gate, up, down = operands("Q4_0", "Q4_0", 2, d=128, f=64)
     kw = dict(gate_qtype="Q4_0", up_qtype="Q4_0", down_qtype="Q4_0")
-    with pytest.raises(ValueError, match=r"moe_ffn down_layout: expected 'rows' for silu"):
-        ops.moe_ffn(x, ids, w, gate, up, down, down_layout="groups", **kw)
+    groups = dict(kw, down_qtype="Q4_0g32")
+    with pytest.raises(ValueError, match=r"moe_ffn down_qtype: expected rows for silu"):
+        ops.moe_ffn(x, ids, w, gate, up, down, **groups)
     with pytest.raises(ValueError, match=r"moe_ffn down \(groups\): expected uint8 \(7, 2, 2304\)"):
-        ops.moe_ffn(x, ids, w, gate, up, down, down_layout="groups", activation="relu", **kw)
+        ops.moe_ffn(x, ids, w, gate, up, down, activation="relu", **groups)
     with pytest.raises(ValueError, match=r"moe_ffn activation: expected one of"):
         ops.moe_ffn(x, ids, w, gate, up, down, activation="gelu", **kw)
 
@@ -223,7 +222,7 @@ def test_ids_of_other_shards_add_nothing(relu):
     kw = dict(gate_qtype="Q4_0", up_qtype="Q4_0", down_qtype="Q4_0")
     mats = (gate, up, down)
     if relu:
-        kw = dict(kw, gate_qtype="Q4_0x16", activation="relu", down_layout="groups")
+        kw = dict(kw, gate_qtype="Q4_0x16", down_qtype="Q4_0g32", activation="relu")
         mats = _relu_layouts(gate, up, down, "Q4_0", "Q4_0", d, f)
     got = np.asarray(ops.moe_ffn(x, jnp.asarray(other), w, *mats, **kw))
     _close(got, ops.moe_ffn(x, ids, jnp.asarray(w0), *mats, impl="reference", **kw))

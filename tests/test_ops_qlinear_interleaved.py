@@ -199,12 +199,14 @@ def _sparse_operands(gu, dn, seed, *, t, f=64, d=160, layout="groups", activatio
     down_rows = random_blocks(dn, f, d, rng)  # [F, D] neuron rows; as the file: [D, F] blocks
     w["down"] = down_rows if layout == "rows" else quants.down_groups(
         quants.quantize(quants.dequantize(down_rows, dn).T.copy(), dn), dn, d, f)
+    if layout == "groups":
+        w["down_qtype"] = dn + quants.GROUPS_SUFFIX
     x = jnp.asarray(rng.standard_normal((t, d), dtype=np.float32))
     thr = threshold if threshold is not None else gap_threshold(
         activations(x, {**w, "gate": w["gate"]}, activation))
     packed = dict(w, up=interleaved(w["up"], gu)[0], gate=interleaved(w["gate"], gu)[0],
                   up_qtype=gu + "x16", gate_qtype=gu + "x16")
-    kw = dict(threshold=thr, activation=activation, criterion="oracle", down_layout=layout)
+    kw = dict(threshold=thr, activation=activation, criterion="oracle")
     return x, w, packed, kw
 
 

@@ -327,14 +327,31 @@ def test_relu_gate_off_rows_are_never_read(activation, criterion, t):
 
 # ------------------------------------------------------------------- down groups (the file's blocks)
 def grouped(seed, gu, dn, *, t, f=96, d=160):
-    """An FFN whose down is a random file-layout ffn_down [D, F] in `dn`, as down groups."""
+    """An FFN whose down is a random file-layout ffn_down [D, F] in `dn`, as down groups (its
+    type the down-groups name, "Q4_1g32")."""
     rng = np.random.default_rng(seed)
     file_down = random_blocks(dn, d, f, rng)
     w = dict(up=random_blocks(gu, f, d, rng), down=quants.down_groups(file_down, dn, d, f),
-             up_qtype=gu, down_qtype=dn, gate=random_blocks(gu, f, d, rng), gate_qtype=gu,
+             up_qtype=gu, down_qtype=dn + quants.GROUPS_SUFFIX, gate=random_blocks(gu, f, d, rng), gate_qtype=gu,
              b_up=None, b_down=rng.standard_normal(d).astype(np.float32))
     x = jnp.asarray(rng.standard_normal((t, d), dtype=np.float32))
     return x, w, file_down, rng
+
+
+def test_one_encoding_of_the_arrangement_from_name_to_id():
+    """A type name's suffix is its arrangement, and the id the kernels take its format's with
+    one bit (cpu_backend/quant_formats.h Arrangement): the file's rows none, x16 0x100, c64
+    0x200, g32 0x400."""
+    for names, flag in (((t for t in quants.QUANTIZED_TYPES), 0),
+                        (quants.INTERLEAVED_TYPES, 0x100), (quants.COLUMNS_TYPES, 0x200),
+                        (quants.GROUPS_TYPES, 0x400)):
+        for name in names:
+            base, bit = quants.arrangement(name)
+            assert bit == flag and quants.type_id(name) == quants.type_id(base) | flag
+            assert quants.block_size(name) == quants.block_size(base)
+    assert quants.groups_base("Q5_1g32") == "Q5_1" and quants.groups_base("Q5_1") is None
+    with pytest.raises(ValueError, match="Q4_Kg32"):  # Q4_K has no down groups
+        quants.type_id("Q4_Kg32")
 
 
 def test_down_groups_round_trip_and_dequantize_as_the_file():
@@ -367,7 +384,7 @@ def test_down_groups_match_the_file_down(dn, t):
     d, f = 160, 96
     thr = gap_threshold(activations(x, w))
     kw = {k: v for k, v in w.items() if k not in ("up", "down")}
-    y, n = ops.qsparse_ffn(x, w["up"], w["down"], threshold=thr, down_layout="groups", **kw)
+    y, n = ops.qsparse_ffn(x, w["up"], w["down"], threshold=thr, **kw)
     dense_down = quants.dequantize(file_down, dn).T  # [F, D]
     a = activations(x, w)
     on = np.abs(a) > thr
@@ -377,15 +394,15 @@ def test_down_groups_match_the_file_down(dn, t):
     want = coef @ dense_down + w["b_down"]
     _close(y, want)
     np.testing.assert_array_equal(np.asarray(n), on.sum(-1))
-    y_ref, n_ref = ops.qsparse_ffn(x, w["up"], w["down"], threshold=thr, down_layout="groups",
-                                   impl="reference", **kw)
+    y_ref, n_ref = ops.qsparse_ffn(x, w["up"], w["down"], threshold=thr, impl="reference",
+                                   **kw)
     _close(y, y_ref)
     np.testing.assert_array_equal(np.asarray(n), np.asarray(n_ref))
     scores = rng.standard_normal((t, f)).astype(np.float32)
-    ys, ns = ops.qsparse_ffn(x, w["up"], w["down"], threshold=0.3, down_layout="groups",
-                             scores=scores, criterion="scores", **kw)
-    ys_ref, ns_ref = ops.qsparse_ffn(x, w["up"], w["down"], threshold=0.3, down_layout="groups",
-                                     scores=scores, criterion="scores", impl="reference", **kw)
+    ys, ns = ops.qsparse_ffn(x, w["up"], w["down"], threshold=0.3, scores=scores,
+                             criterion="scores", **kw)
+    ys_ref, ns_ref = ops.qsparse_ffn(x, w["up"], w["down"], threshold=0.3, scores=scores,
+                                     criterion="scores", impl="reference", **kw)
     _close(ys, ys_ref)
     np.testing.assert_array_equal(np.asarray(ns), np.asarray(ns_ref))
     assert d % 32 == 0
@@ -396,28 +413,31 @@ def test_down_groups_bitwise_deterministic_across_thread_counts(t):
     x, w, _, _ = grouped(40 + t, "Q4_0", "Q4_1", t=t, f=704)
     kw = {k: v for k, v in w.items() if k not in ("up", "down")}
     assert_same_bits_over_threads(lambda: ops.qsparse_ffn(
-        x, w["up"], w["down"], threshold=0.0, down_layout="groups", **kw))
+        x, w["up"], w["down"], threshold=0.0, **kw))
 
 
-def test_down_groups_bad_input():
+def test_down_groups_bad_input(monkeypatch):
     x, w, _, _ = grouped(50, "Q4_1", "Q4_1", t=1)
     kw = {k: v for k, v in w.items() if k not in ("up", "down", "down_qtype")}
-    with pytest.raises(ValueError, match="down_layout"):
-        ops.qsparse_ffn(x, w["up"], w["down"], down_qtype="Q4_1", down_layout="cols", **kw)
+    with pytest.raises(ValueError, match="down_qtype: expected one of"):
+        ops.qsparse_ffn(x, w["up"], w["down"], down_qtype="Q4_1c64", **kw)
     with pytest.raises(ValueError, match=r"groups of 32 neurons.*\(3, 3200\)"):
-        ops.qsparse_ffn(x, w["up"], w["down"][:, :-1], down_qtype="Q4_1", down_layout="groups",
-                        **kw)
-    with pytest.raises(ValueError, match="Q6_K"):
-        ops.qsparse_ffn(x, w["up"], w["down"], down_qtype="Q6_K", down_layout="groups", **kw)
+        ops.qsparse_ffn(x, w["up"], w["down"][:, :-1], down_qtype="Q4_1g32", **kw)
+    with pytest.raises(ValueError, match="Q6_Kg32"):
+        ops.qsparse_ffn(x, w["up"], w["down"], down_qtype="Q6_Kg32", **kw)
     # the handler checks on its own (a caller past ops' checks): a clear error, no crash
+    ffi_kw = dict(up_qtype="Q4_1", gate=None, gate_qtype="Q4_1", b_up=None, b_down=None,
+                  scores=None, threshold=0.0, activation="silu", criterion="oracle")
     with pytest.raises(Exception, match=r"groups of 32 neurons.*\[3, 3200\]"):
-        _ffi.qsparse_ffn(x, w["up"], w["down"][:, :-1], down_qtype="Q4_1", down_layout="groups",
-                         up_qtype="Q4_1", gate=None, gate_qtype="Q4_1", b_up=None, b_down=None,
-                         scores=None, threshold=0.0, activation="silu", criterion="oracle")
-    with pytest.raises(Exception, match="down_qtype .down_layout groups.*got 14"):
-        _ffi.qsparse_ffn(x, w["up"], w["down"], down_qtype="Q6_K", down_layout="groups",
-                         up_qtype="Q4_1", gate=None, gate_qtype="Q4_1", b_up=None, b_down=None,
-                         scores=None, threshold=0.0, activation="silu", criterion="oracle")
+        _ffi.qsparse_ffn(x, w["up"], w["down"][:, :-1], down_qtype="Q4_1g32", **ffi_kw)
+    qid = _ffi._qid
+    monkeypatch.setattr(_ffi, "_qid", lambda q: np.int32(q) if isinstance(q, int) else qid(q))
+    with pytest.raises(Exception, match=r"down_qtype \(down groups\).*got 1038"):
+        _ffi.qsparse_ffn(x, w["up"], w["down"], down_qtype=14 | 0x400, **ffi_kw)  # Q6_K
+    # arrangements the down projection has not (interleaved), or two at once: refused by id
+    for bad in (3 | 0x100, 3 | 0x600, 3 | 0x800):
+        with pytest.raises(Exception, match=rf"down qtype: expected .*rows.*down groups.*got {bad}"):
+            _ffi.qsparse_ffn(x, w["up"], w["down"], down_qtype=bad, **ffi_kw)
 
 
 # ------------------------------------- 4-bit neuron rows: 8-bit coefs per 32 ids (as PowerInfer)
@@ -463,7 +483,6 @@ def test_rounded_coefs_nan_input_reaches_only_its_token(layout, dn):
     else:
         x, w, _ = ffn("Q4_1", dn, 90, t=3, f=64)
     kw = {k: v for k, v in w.items() if k not in ("up", "down")}
-    kw["down_layout"] = layout
     bad = x.at[1, 7].set(jnp.nan)
     y, _ = ops.qsparse_ffn(bad, w["up"], w["down"], threshold=0.0, **kw)
     clean, _ = ops.qsparse_ffn(x, w["up"], w["down"], threshold=0.0, **kw)

@@ -5,9 +5,9 @@
 // probs f32 [N, E] or empty (the router's probabilities: the "score" cache policy's credit);
 // next_ids s32 [N, k'] or empty (a guess at layer + 1's experts, read ahead while this layer
 // computes). Result: y f32 [N, D]. Attributes: store, layer (s64), d_ff (s64), gate_qtype,
-// up_qtype, down_qtype (GGML type ids, | the interleaved flag), activation ("silu" | "relu"),
-// down_layout ("rows" | "groups"), as ops.moe_ffn's for one expert's matrices at the store's
-// offsets. Has side effects (reads, the cache): the Python wrapper declares them.
+// up_qtype, down_qtype (GGML type ids with their arrangement, quant_formats.h: rows, interleaved
+// by 16, down's also down groups), activation ("silu" | "relu"), as ops.moe_ffn's for one
+// expert's matrices at the store's offsets. Has side effects (reads, the cache): the Python wrapper declares them.
 #include <algorithm>
 #include <exception>
 #include <memory>
@@ -22,20 +22,23 @@
 #include "xla_ffi/cpu_targets.h"
 #include "xla_ffi/cpu_runtime.h"
 #include "xla_ffi/ffi_util.h"
+#include "xla_ffi/quant_args.h"
 
 namespace pij {
 namespace {
 
 constexpr std::string_view kOp = "expert_ffn";
 
-// One matrix's format (rows of `cols` weights, `rows` of them) and its bytes per expert.
-ffi::Error ParseMatrix(std::string_view what, int32_t qtype_id, int64_t rows, int64_t cols,
-                       bool groups, QType& t, bool& interleaved, int64_t& bytes) {
+// One matrix's format (rows of `cols` weights, `rows` of them) and its bytes per expert; `kt`
+// its type id, split (down groups: the down projection only).
+ffi::Error ParseMatrix(std::string_view what, KernelType kt, int64_t rows, int64_t cols,
+                       QType& t, bool& interleaved, int64_t& bytes) {
   const std::string w(what);
-  interleaved = (qtype_id & qkern::kInterleavedQTypeFlag) != 0;
-  qtype_id &= ~qkern::kInterleavedQTypeFlag;
-  if (!IsQType(qtype_id) || (groups && (interleaved || DownGroupScaleBytes(
-                                                           static_cast<QType>(qtype_id)) == 0))) {
+  interleaved = kt.arrangement == Arrangement::kInterleaved;
+  const bool groups = kt.arrangement == Arrangement::kDownGroups;
+  const int32_t qtype_id = kt.format;
+  if (!IsQType(qtype_id) ||
+      (groups && DownGroupScaleBytes(static_cast<QType>(qtype_id)) == 0)) {
     return InvalidArg(kOp, w + " qtype", groups ? "a 32-weight format id (down groups)"
                                                 : "a GGML block type id (Q4_0=2 ... Q6_K=14)",
                       std::to_string(qtype_id));
@@ -86,8 +89,7 @@ ffi::Error ExpertFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer
                             ffi::AnyBuffer probs, ffi::AnyBuffer next_ids,
                             ffi::Result<ffi::AnyBuffer> y, int64_t store_handle, int64_t layer,
                             int64_t d_ff, int32_t gate_qtype, int32_t up_qtype,
-                            int32_t down_qtype, std::string_view activation,
-                            std::string_view down_layout) {
+                            int32_t down_qtype, std::string_view activation) {
   const std::shared_ptr<ExpertStore> store = ExpertStores().Get(store_handle);
   if (store == nullptr) {
     return InvalidArg(kOp, "store", "the handle of an open expert store",
@@ -138,26 +140,36 @@ ffi::Error ExpertFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer
   if (w.activation != Activation::kSilu && w.activation != Activation::kRelu) {
     return InvalidArg(kOp, "activation", "silu or relu", std::string(activation));
   }
-  if (down_layout != "rows" && down_layout != "groups") {
-    return InvalidArg(kOp, "down_layout", "one of rows, groups", std::string(down_layout));
+  KernelType gate_kt, up_kt, down_kt;
+  constexpr auto kRows = Arrangement::kRows, kInterleaved = Arrangement::kInterleaved;
+  if (ffi::Error err = DecodeKernelType(kOp, "gate", gate_qtype, {kRows, kInterleaved}, gate_kt);
+      err.failure()) {
+    return err;
   }
-  w.down_groups = down_layout == "groups";
+  if (ffi::Error err = DecodeKernelType(kOp, "up", up_qtype, {kRows, kInterleaved}, up_kt);
+      err.failure()) {
+    return err;
+  }
+  if (ffi::Error err = DecodeKernelType(kOp, "down", down_qtype,
+                                        {kRows, kInterleaved, Arrangement::kDownGroups}, down_kt);
+      err.failure()) {
+    return err;
+  }
+  w.down_groups = down_kt.arrangement == Arrangement::kDownGroups;
   if (w.down_groups && w.activation != Activation::kRelu) {
-    return InvalidArg(kOp, "down_layout groups", "relu experts", std::string(activation));
+    return InvalidArg(kOp, "down groups", "relu experts", std::string(activation));
   }
   int64_t gate_bytes, up_bytes, down_bytes;
   if (f < 1) return InvalidArg(kOp, "d_ff", ">= 1", std::to_string(f));
-  if (ffi::Error err = ParseMatrix("gate", gate_qtype, f, d, false, w.gate_t, w.gate_il,
-                                   gate_bytes);
+  if (ffi::Error err = ParseMatrix("gate", gate_kt, f, d, w.gate_t, w.gate_il, gate_bytes);
       err.failure()) {
     return err;
   }
-  if (ffi::Error err = ParseMatrix("up", up_qtype, f, d, false, w.up_t, w.up_il, up_bytes);
+  if (ffi::Error err = ParseMatrix("up", up_kt, f, d, w.up_t, w.up_il, up_bytes);
       err.failure()) {
     return err;
   }
-  if (ffi::Error err = ParseMatrix("down", down_qtype, d, f, w.down_groups, w.down_t, w.down_il,
-                                   down_bytes);
+  if (ffi::Error err = ParseMatrix("down", down_kt, d, f, w.down_t, w.down_il, down_bytes);
       err.failure()) {
     return err;
   }
@@ -258,6 +270,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijExpertFfnCpu, pij::ExpertFfnCpuImpl,
                                   .Attr<int32_t>("gate_qtype")
                                   .Attr<int32_t>("up_qtype")
                                   .Attr<int32_t>("down_qtype")
-                                  .Attr<std::string_view>("activation")
-                                  .Attr<std::string_view>("down_layout"));
+                                  .Attr<std::string_view>("activation"));
 PIJ_CPU_TARGET("pij_expert_ffn", PijExpertFfnCpu);

@@ -1,9 +1,10 @@
 // CPU FFI handler of the MoE FFN on quantized experts (cpu_backend/moe_ffn.h):
 // x f32 [N, D]; ids s32 [N, k] (each token's experts, in [0, E)); weights f32 [N, k]; gate, up
 // uint8 [E, F, row_bytes(D)]; down uint8 [E, D, row_bytes(F)] (a GGUF file's ffn_*_exps as
-// stored) or, with down_layout "groups", each expert's down groups uint8 [E, F / 32, D * block
-// bytes] (relu experts, sparse inside); attributes gate_qtype, up_qtype, down_qtype (GGML type
-// ids), activation ("silu" | "relu"), down_layout ("rows" | "groups"); y f32 [N, D].
+// stored) or, with down_qtype's arrangement down groups, each expert's down groups uint8 [E,
+// F / 32, D * block bytes] (relu experts, sparse inside); attributes gate_qtype, up_qtype,
+// down_qtype (GGML type ids with their arrangement, quant_formats.h), activation ("silu" |
+// "relu"); y f32 [N, D].
 #include <exception>
 #include <mutex>
 #include <string>
@@ -14,6 +15,7 @@
 #include "xla_ffi/cpu_targets.h"
 #include "xla_ffi/cpu_runtime.h"
 #include "xla_ffi/ffi_util.h"
+#include "xla_ffi/quant_args.h"
 
 namespace pij {
 namespace {
@@ -22,12 +24,12 @@ constexpr std::string_view kOp = "moe_ffn";
 
 // One stacked expert matrix: uint8 [E, rows, row bytes of `cols` weights in its qtype], each
 // expert's rows as the file stores them or interleaved by 16 (the type id's
-// kInterleavedQTypeFlag, quant_interleaved.h).
-ffi::Error CheckStack(std::string_view what, ffi::Buffer<ffi::U8> b, int32_t qtype_id, int64_t e,
+// arrangement, quant_formats.h). `kt`: the id already split.
+ffi::Error CheckStack(std::string_view what, ffi::Buffer<ffi::U8> b, KernelType kt, int64_t e,
                       int64_t rows, int64_t cols, QType& t, bool& interleaved) {
   const std::string w(what);
-  interleaved = (qtype_id & qkern::kInterleavedQTypeFlag) != 0;
-  qtype_id &= ~qkern::kInterleavedQTypeFlag;
+  interleaved = kt.arrangement == Arrangement::kInterleaved;
+  const int32_t qtype_id = kt.format;
   if (!IsQType(qtype_id)) {
     return InvalidArg(kOp, w + " qtype", "a GGML block type id (Q4_0=2 ... Q6_K=14)",
                       std::to_string(qtype_id));
@@ -60,13 +62,13 @@ ffi::Error CheckStack(std::string_view what, ffi::Buffer<ffi::U8> b, int32_t qty
 ffi::Error CheckGroups(ffi::Buffer<ffi::U8> b, int32_t qtype_id, int64_t e, int64_t f, int64_t d,
                        QType& t) {
   if (!IsQType(qtype_id) || DownGroupScaleBytes(static_cast<QType>(qtype_id)) == 0) {
-    return InvalidArg(kOp, "down_qtype (down_layout groups)",
-                      "a 32-weight format id: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8",
+    return InvalidArg(kOp, "down_qtype (down groups)",
+                      "a 32-weight format id: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8 (+1024)",
                       std::to_string(qtype_id));
   }
   t = static_cast<QType>(qtype_id);
   if (f % 32 != 0 || d % 32 != 0) {
-    return InvalidArg(kOp, "F and D (down_layout groups)", "multiples of 32",
+    return InvalidArg(kOp, "F and D (down groups)", "multiples of 32",
                       std::to_string(f) + " and " + std::to_string(d));
   }
   const auto dims = b.dimensions();
@@ -85,8 +87,7 @@ ffi::Error MoeFfnCpuImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
                          ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::U8> gate,
                          ffi::Buffer<ffi::U8> up, ffi::Buffer<ffi::U8> down,
                          ffi::ResultBuffer<ffi::F32> y, int32_t gate_qtype, int32_t up_qtype,
-                         int32_t down_qtype, std::string_view activation,
-                         std::string_view down_layout) {
+                         int32_t down_qtype, std::string_view activation) {
   const auto xd = x.dimensions(), idd = ids.dimensions(), gd = gate.dimensions();
   if (xd.size() != 2) return InvalidArg(kOp, "x", "float32 [N, D]", "float32 " + ShapeString(xd));
   const int64_t n = xd[0], d = xd[1];
@@ -104,35 +105,46 @@ ffi::Error MoeFfnCpuImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
   }
   const int64_t e = gd[0], f = gd[1];
   MoeExperts w{};
-  if (ffi::Error err = CheckStack("gate", gate, gate_qtype, e, f, d, w.gate_t, w.gate_il);
+  KernelType gate_kt, up_kt, down_kt;
+  constexpr auto kRows = Arrangement::kRows, kInterleaved = Arrangement::kInterleaved;
+  if (ffi::Error err = DecodeKernelType(kOp, "gate", gate_qtype, {kRows, kInterleaved}, gate_kt);
       err.failure()) {
     return err;
   }
-  if (ffi::Error err = CheckStack("up", up, up_qtype, e, f, d, w.up_t, w.up_il); err.failure()) {
+  if (ffi::Error err = DecodeKernelType(kOp, "up", up_qtype, {kRows, kInterleaved}, up_kt);
+      err.failure()) {
+    return err;
+  }
+  if (ffi::Error err = DecodeKernelType(kOp, "down", down_qtype,
+                                        {kRows, kInterleaved, Arrangement::kDownGroups}, down_kt);
+      err.failure()) {
+    return err;
+  }
+  if (ffi::Error err = CheckStack("gate", gate, gate_kt, e, f, d, w.gate_t, w.gate_il);
+      err.failure()) {
+    return err;
+  }
+  if (ffi::Error err = CheckStack("up", up, up_kt, e, f, d, w.up_t, w.up_il); err.failure()) {
     return err;
   }
   if (ffi::Error err = ParseActivation(kOp, activation, w.activation); err.failure()) return err;
   if (w.activation != Activation::kSilu && w.activation != Activation::kRelu) {
     return InvalidArg(kOp, "activation", "silu or relu", std::string(activation));
   }
-  if (down_layout == "groups") {
+  if (down_kt.arrangement == Arrangement::kDownGroups) {
     if (w.activation != Activation::kRelu || (w.up_il && !w.gate_il)) {
-      return InvalidArg(kOp, "down_layout groups (the sparse path)",
+      return InvalidArg(kOp, "down groups (the sparse path)",
                         "relu experts, up rows interleaved only under an interleaved gate",
                         std::string(activation) + (w.up_il ? ", up interleaved" : "") +
                             (w.gate_il ? ", gate interleaved" : ""));
     }
-    if (ffi::Error err = CheckGroups(down, down_qtype, e, f, d, w.down_t); err.failure()) {
+    if (ffi::Error err = CheckGroups(down, down_kt.format, e, f, d, w.down_t); err.failure()) {
       return err;
     }
     w.down_groups = true;
-  } else if (down_layout == "rows") {
-    if (ffi::Error err = CheckStack("down", down, down_qtype, e, d, f, w.down_t, w.down_il);
-        err.failure()) {
-      return err;
-    }
-  } else {
-    return InvalidArg(kOp, "down_layout", "one of rows, groups", std::string(down_layout));
+  } else if (ffi::Error err = CheckStack("down", down, down_kt, e, d, f, w.down_t, w.down_il);
+             err.failure()) {
+    return err;
   }
   if (k > e) {
     return InvalidArg(kOp, "ids' k (experts per token)",
@@ -185,6 +197,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijMoeFfnCpu, pij::MoeFfnCpuImpl,
                                   .Attr<int32_t>("gate_qtype")
                                   .Attr<int32_t>("up_qtype")
                                   .Attr<int32_t>("down_qtype")
-                                  .Attr<std::string_view>("activation")
-                                  .Attr<std::string_view>("down_layout"));
+                                  .Attr<std::string_view>("activation"));
 PIJ_CPU_TARGET("pij_moe_ffn", PijMoeFfnCpu);

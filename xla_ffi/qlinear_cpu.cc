@@ -1,8 +1,8 @@
 // CPU FFI handlers for the quantized linear ops (cpu_backend/qlinear.h) and the embedding lookup
 // on a quantized table (qembedding, below): x f32 [..., D]; blocks
 // uint8 [O, row_bytes] (a GGUF tensor's raw rows, extra leading size-1 dims allowed for vmap);
-// bias f32 [O] or zero-size (absent); attribute qtype (GGML type id; with
-// kInterleavedQTypeFlag the rows interleaved by 16, quant_interleaved.h); y f32 [..., O].
+// bias f32 [O] or zero-size (absent); attribute qtype (GGML type id with its arrangement:
+// the file's rows, interleaved by 16 or columns, quant_formats.h Arrangement); y f32 [..., O].
 // qlinear_many: x, then n blocks, then n biases; attribute qtypes (int32 [n]); n results, as one
 // pool job.
 #include <exception>
@@ -38,16 +38,22 @@ ffi::Error CheckProduct(const std::string& which, int64_t dim, int64_t rows,
                         ffi::Buffer<ffi::U8> blocks, int32_t qtype_id, ffi::Buffer<ffi::F32> bias,
                         ffi::Buffer<ffi::F32> y, QLinearOut& out) {
   int64_t out_dim = -1;
-  out.interleaved = (qtype_id & qkern::kInterleavedQTypeFlag) != 0;
-  out.columns = (qtype_id & kColumnsQTypeFlag) != 0;
+  KernelType kt;
+  if (ffi::Error e = DecodeKernelType(kOp, which + "blocks", qtype_id,
+                                      {Arrangement::kRows, Arrangement::kInterleaved,
+                                       Arrangement::kColumns}, kt);
+      e.failure()) {
+    return e;
+  }
+  out.interleaved = kt.arrangement == Arrangement::kInterleaved;
+  out.columns = kt.arrangement == Arrangement::kColumns;
   if (out.columns) {
-    if (ffi::Error e = DecodeColumnsWeight(kOp, which + "blocks", blocks,
-                                           qtype_id & ~kColumnsQTypeFlag, dim, out_dim, out.qtype);
+    if (ffi::Error e = DecodeColumnsWeight(kOp, which + "blocks", blocks, kt.format, dim,
+                                           out_dim, out.qtype);
         e.failure()) {
       return e;
     }
-  } else if (ffi::Error e = DecodeQWeight(kOp, which + "blocks", blocks,
-                                          qtype_id & ~qkern::kInterleavedQTypeFlag, dim, out_dim,
+  } else if (ffi::Error e = DecodeQWeight(kOp, which + "blocks", blocks, kt.format, dim, out_dim,
                                           out.qtype);
              e.failure()) {
     return e;

@@ -3,19 +3,22 @@
 //   x       f32 [..., D]          leading dims broadcast against y's (vmap: size 1 or equal)
 //   gate    u8  [1.., F, Bg] or empty (non-gated)   Bg = QRowBytes(gate_qtype, D)
 //   up      u8  [1.., F, Bu]
-//   down    u8  [1.., F, Bd]      neuron i's down row, blocked along D (down_layout "rows"), or
-//           u8  [1.., F/32, D*b]  the file's blocks in groups of 32 neurons ("groups", b: a block's
-//                                 bytes; cpu_backend/quant_kernels.h AxpyGroup)
+//   down    u8  [1.., F, Bd]      neuron i's down row, blocked along D (down_qtype's arrangement
+//                                 rows), or
+//           u8  [1.., F/32, D*b]  the file's blocks in groups of 32 neurons (down groups, b: a
+//                                 block's bytes; cpu_backend/quant_kernels.h AxpyGroup)
 //   b_up    f32 [F] or empty;  b_down f32 [D] or empty
 //   scores  f32 [..., F]          criterion "scores"; empty for "oracle"
 // Results: y f32 [..., D], n_active s32 [...]. Attributes: gate_qtype, up_qtype, down_qtype
-// (GGML type ids; gate's and up's with kInterleavedQTypeFlag: rows interleaved by 16, criterion
-// "oracle" only), threshold (f32, finite, >= 0), activation, criterion ("scores" | "oracle"),
-// down_layout ("rows" | "groups"), gate_floor (f32: FATReLU's gate threshold, 0 = none).
+// (GGML type ids with their arrangement, quant_formats.h: gate's and up's rows or interleaved by
+// 16 (criterion "oracle" only), down's rows or down groups), threshold (f32, finite, >= 0),
+// activation, criterion ("scores" | "oracle"), gate_floor (f32: FATReLU's gate threshold, 0 =
+// none).
 #include <cmath>
 #include <exception>
 #include <mutex>
 #include <string>
+#include <tuple>
 
 #include "cpu_backend/qsparse_ffn.h"
 #include "cpu_backend/quant_interleaved.h"
@@ -41,7 +44,7 @@ ffi::Error QSparseFfnCpuImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> gate,
                              ffi::ResultBuffer<ffi::S32> n_active, int32_t gate_qtype,
                              int32_t up_qtype, int32_t down_qtype, float threshold,
                              std::string_view activation, std::string_view criterion,
-                             std::string_view down_layout, float gate_floor) {
+                             float gate_floor) {
   QFfnWeights w;
   QSparseFfnParams p;
   if (ffi::Error e = ParseActivation(kOp, activation, p.activation); e.failure()) return e;
@@ -61,15 +64,27 @@ ffi::Error QSparseFfnCpuImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> gate,
   // gate and up rows interleaved by 16 (quant_interleaved.h): criterion oracle (every neuron's
   // gate is computed, a group at a time); both, or the gate alone on a relu/drelu FFN (whose
   // up rows are read only for the neurons whose gate fires)
-  constexpr int32_t kFlag = qkern::kInterleavedQTypeFlag;
-  w.up_interleaved = (up_qtype & kFlag) != 0;
-  if (ffi::Error e = DecodeQWeight(kOp, "up", up, up_qtype & ~kFlag, dim, f, w.up_type);
+  KernelType up_kt, gate_kt, down_kt;
+  for (auto [what, id, kt] : {std::tuple("up", up_qtype, &up_kt),
+                              std::tuple("gate", gate_qtype, &gate_kt)}) {
+    if (ffi::Error e = DecodeKernelType(kOp, what, id,
+                                        {Arrangement::kRows, Arrangement::kInterleaved}, *kt);
+        e.failure()) {
+      return e;
+    }
+  }
+  if (ffi::Error e = DecodeKernelType(kOp, "down", down_qtype,
+                                      {Arrangement::kRows, Arrangement::kDownGroups}, down_kt);
       e.failure()) {
     return e;
   }
-  const bool gate_interleaved = (gate_qtype & kFlag) != 0;
+  w.up_interleaved = up_kt.arrangement == Arrangement::kInterleaved;
+  if (ffi::Error e = DecodeQWeight(kOp, "up", up, up_kt.format, dim, f, w.up_type); e.failure()) {
+    return e;
+  }
+  const bool gate_interleaved = gate_kt.arrangement == Arrangement::kInterleaved;
   if (gate.element_count() != 0) {
-    if (ffi::Error e = DecodeQWeight(kOp, "gate", gate, gate_qtype & ~kFlag, dim, f, w.gate_type);
+    if (ffi::Error e = DecodeQWeight(kOp, "gate", gate, gate_kt.format, dim, f, w.gate_type);
         e.failure()) {
       return e;
     }
@@ -93,30 +108,27 @@ ffi::Error QSparseFfnCpuImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> gate,
                             std::to_string(f) + ", criterion " + std::string(criterion));
     }
   }
-  if (down_layout == "groups") {  // [F / 32, D * block bytes]: a [F / 32] x (32 D) weight
-    if (!IsQType(down_qtype) || DownGroupScaleBytes(static_cast<QType>(down_qtype)) == 0) {
-      return InvalidArg(kOp, "down_qtype (down_layout groups)",
-                        "a 32-weight format id: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8",
+  if (down_kt.arrangement == Arrangement::kDownGroups) {  // [F / 32, D * block bytes]
+    if (!IsQType(down_kt.format) ||
+        DownGroupScaleBytes(static_cast<QType>(down_kt.format)) == 0) {
+      return InvalidArg(kOp, "down_qtype (down groups)",
+                        "a 32-weight format id: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8 (+1024)",
                         std::to_string(down_qtype));
     }
     if (f % 32 != 0 || dim % 32 != 0) {
-      return InvalidArg(kOp, "F and D (down_layout groups)", "multiples of 32",
+      return InvalidArg(kOp, "F and D (down groups)", "multiples of 32",
                         std::to_string(f) + " and " + std::to_string(dim));
     }
     int64_t groups = f / 32;
-    if (ffi::Error e = DecodeQWeight(kOp, "down (groups of 32 neurons)", down, down_qtype,
+    if (ffi::Error e = DecodeQWeight(kOp, "down (groups of 32 neurons)", down, down_kt.format,
                                      32 * dim, groups, w.down_type);
         e.failure()) {
       return e;
     }
     w.down_groups = true;
-  } else if (down_layout == "rows") {
-    if (ffi::Error e = DecodeQWeight(kOp, "down", down, down_qtype, dim, f, w.down_type);
-        e.failure()) {
-      return e;
-    }
-  } else {
-    return InvalidArg(kOp, "down_layout", "one of rows, groups", down_layout);
+  } else if (ffi::Error e = DecodeQWeight(kOp, "down", down, down_kt.format, dim, f, w.down_type);
+             e.failure()) {
+    return e;
   }
   if (ffi::Error e = DecodeOptionalF32(kOp, "b_up", b_up, f, w.b_up); e.failure()) return e;
   if (ffi::Error e = DecodeOptionalF32(kOp, "b_down", b_down, dim, w.b_down); e.failure()) return e;
@@ -188,6 +200,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijQSparseFfnCpu, pij::QSparseFfnCpuImpl,
                                   .Attr<float>("threshold")
                                   .Attr<std::string_view>("activation")
                                   .Attr<std::string_view>("criterion")
-                                  .Attr<std::string_view>("down_layout")
                                   .Attr<float>("gate_floor"));
 PIJ_CPU_TARGET("pij_qsparse_ffn", PijQSparseFfnCpu);

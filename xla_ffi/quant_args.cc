@@ -7,6 +7,24 @@
 
 namespace pij {
 
+ffi::Error DecodeKernelType(std::string_view op, std::string_view what, int32_t id,
+                            std::initializer_list<Arrangement> allowed, KernelType& out) {
+  bool ok = SplitKernelType(id, out);
+  if (ok) {
+    ok = false;
+    for (Arrangement a : allowed) ok = ok || a == out.arrangement;
+  }
+  if (ok) return ffi::Error::Success();
+  std::string takes = "a format id (Q4_0=2 ... Q6_K=14) in ";
+  const char* sep = "";
+  for (Arrangement a : allowed) {
+    takes += sep + std::string(ArrangementName(a)) + " (+" +
+             std::to_string(static_cast<int32_t>(a)) + ")";
+    sep = " or ";
+  }
+  return InvalidArg(op, std::string(what) + " qtype", takes, std::to_string(id));
+}
+
 ffi::Error DecodeQWeight(std::string_view op, std::string_view what, ffi::Buffer<ffi::U8> blocks,
                          int32_t qtype_id, int64_t dim, int64_t& rows, QType& qtype) {
   const std::string w(what);

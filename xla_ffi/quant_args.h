@@ -3,6 +3,7 @@
 #define PIJ_XLA_FFI_QUANT_ARGS_H_
 
 #include <cstdint>
+#include <initializer_list>
 #include <string_view>
 
 #include "cpu_backend/quant_formats.h"
@@ -11,6 +12,12 @@
 namespace pij {
 
 namespace ffi = xla::ffi;
+
+// A type id (a format and its arrangement, quant_formats.h SplitKernelType) split, its
+// arrangement one of `allowed`; else an InvalidArg naming `what`, the arrangements it takes and
+// the id. The format is checked by the Decode* below.
+ffi::Error DecodeKernelType(std::string_view op, std::string_view what, int32_t id,
+                            std::initializer_list<Arrangement> allowed, KernelType& out);
 
 // `qtype_id` a block format of quant_formats.h, `dim` a multiple of its block, and `blocks` uint8
 // (typed: XLA checks it) [1.., R, QRowBytes(qtype, dim)]. rows: R to require, or -1 to read it

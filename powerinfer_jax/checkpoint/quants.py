@@ -34,24 +34,32 @@ def _kind(qtype: str) -> GGMLQuantizationType:
     return GGMLQuantizationType[qtype]
 
 
+def arrangement(qtype: str) -> tuple[str, int]:
+    """A type name the kernels take -> (its file format, its arrangement's id bit): the one
+    encoding of how a matrix is arranged, a suffix here and a bit of the id in C++
+    (cpu_backend/quant_formats.h Arrangement): "Q4_0" the file's rows (0), "Q4_0x16" rows
+    interleaved by 16 (INTERLEAVED_ID_FLAG), "Q4_0c64" the columns layout (COLUMNS_ID_FLAG),
+    "Q4_0g32" ffn_down's down groups (GROUPS_ID_FLAG)."""
+    for names, suffix, flag in ((INTERLEAVED_TYPES, INTERLEAVED_SUFFIX, INTERLEAVED_ID_FLAG),
+                                (COLUMNS_TYPES, COLUMNS_SUFFIX, COLUMNS_ID_FLAG),
+                                (GROUPS_TYPES, GROUPS_SUFFIX, GROUPS_ID_FLAG)):
+        if qtype in names:
+            return qtype[:-len(suffix)], flag
+    return qtype, 0
+
+
 def type_id(qtype: str) -> int:
-    """GGML's id of the type (what a GGUF tensor header stores, what the kernels take); an
-    interleaved name's is its format's with INTERLEAVED_ID_FLAG, a columns name's with
-    COLUMNS_ID_FLAG."""
-    base = interleaved_base(qtype)
-    if base is not None:
-        return int(_kind(base).value) | INTERLEAVED_ID_FLAG
-    base = columns_base(qtype)
-    if base is not None:
-        return int(_kind(base).value) | COLUMNS_ID_FLAG
-    return int(_kind(qtype).value)
+    """GGML's id of the type (what a GGUF tensor header stores, what the kernels take), with
+    its arrangement's bit (`arrangement`)."""
+    base, flag = arrangement(qtype)
+    return int(_kind(base).value) | flag
 
 
 def block_size(qtype: str) -> tuple[int, int]:
-    """(values per block, bytes per block) from the gguf package's table (an interleaved or a
-    columns name: its format's; the columns layout's row bytes also depend on the row count:
+    """(values per block, bytes per block) from the gguf package's table (an arranged name: its
+    format's; the columns layout's row bytes also depend on the row count:
     `columns_row_bytes`)."""
-    return GGML_QUANT_SIZES[_kind(interleaved_base(qtype) or columns_base(qtype) or qtype)]
+    return GGML_QUANT_SIZES[_kind(arrangement(qtype)[0])]
 
 
 def row_bytes(qtype: str, cols: int) -> int:
@@ -164,6 +172,11 @@ F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0"
 # D * block bytes per group: the file's size, nothing re-quantized.
 DOWN_GROUP_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 DOWN_PAIR_TYPES = ("Q4_0", "Q4_1")
+# The kernels' name of down groups: the format's with GROUPS_SUFFIX ("Q4_0g32"), its id with
+# GROUPS_ID_FLAG (`arrangement`).
+GROUPS_SUFFIX = "g32"
+GROUPS_ID_FLAG = 0x400
+GROUPS_TYPES = tuple(t + GROUPS_SUFFIX for t in DOWN_GROUP_TYPES)
 _SCALE_BYTES = {"Q4_0": 2, "Q5_0": 2, "Q8_0": 2, "Q4_1": 4, "Q5_1": 4}
 
 
@@ -272,7 +285,8 @@ _FIELDS = {"Q4_0": ((2, 2), (16, 4)), "Q4_1": ((4, 2), (16, 4)), "Q8_0": ((2, 2)
 
 def interleaved_base(qtype: str) -> str | None:
     """The file's format of an interleaved type name ("Q4_0x16" -> "Q4_0"), else None."""
-    return qtype[:-len(INTERLEAVED_SUFFIX)] if qtype in INTERLEAVED_TYPES else None
+    base, flag = arrangement(qtype)
+    return base if flag == INTERLEAVED_ID_FLAG else None
 
 
 def can_interleave(qtype: str, rows: int) -> bool:
@@ -352,7 +366,14 @@ COLUMNS_TYPES = tuple(t + COLUMNS_SUFFIX for t in COLUMNS_BASE_TYPES)
 
 def columns_base(qtype: str) -> str | None:
     """The file's format of a columns type name ("Q4_0c64" -> "Q4_0"), else None."""
-    return qtype[:-len(COLUMNS_SUFFIX)] if qtype in COLUMNS_TYPES else None
+    base, flag = arrangement(qtype)
+    return base if flag == COLUMNS_ID_FLAG else None
+
+
+def groups_base(qtype: str) -> str | None:
+    """The file's format of a down-groups type name ("Q4_0g32" -> "Q4_0"), else None."""
+    base, flag = arrangement(qtype)
+    return base if flag == GROUPS_ID_FLAG else None
 
 
 def can_columns(qtype: str, rows: int, cols: int) -> bool:

@@ -133,11 +133,6 @@ class DownT(Module):
     def qweight(self) -> QWeight:
         return QWeight(self.weight[...], self.qtype, self.layout, self.interleaved)
 
-    @property
-    def down_layout(self) -> str:
-        """ops.qsparse_ffn's down_layout for these blocks."""
-        return "groups" if self.layout == GROUPS else "rows"
-
     def __call__(self, a_btf):
         if self.qtype is not None and self.layout in (MATVEC, COLUMNS):
             return ops.qlinear(a_btf, self.weight[...], self.qweight.kernel_qtype, self.d_ff,
@@ -215,13 +210,14 @@ class Unsplit:
         if ffn.quantized:  # on the file's blocks; "activations" are the file's own: oracle
             return ops.qsparse_ffn(
                 x_btd, ffn.up.weight[...], ffn.down_t.weight[...], up_qtype=ffn.up.kernel_qtype,
-                down_qtype=ffn.down_t.qtype, gate=_value(ffn.gate and ffn.gate.weight),
+                down_qtype=ffn.down_t.qweight.kernel_qtype,
+                gate=_value(ffn.gate and ffn.gate.weight),
                 gate_qtype=ffn.gate and ffn.gate.kernel_qtype, b_up=_value(ffn.up.bias),
                 b_down=_value(ffn.down_t.bias),
                 scores=sel.scores if sel.criterion == "scores" else None,
                 threshold=float(sel.threshold), activation=ffn.activation,
                 criterion="scores" if sel.criterion == "scores" else "oracle",
-                down_layout=ffn.down_t.down_layout, gate_floor=ffn.gate_floor,
+                gate_floor=ffn.gate_floor,
                 impl=impl or self.impl)
         return ops.sparse_ffn(
             x_btd, ffn.up.weight[...], ffn.down_t.weight[...], w_gate=_value(ffn.gate and

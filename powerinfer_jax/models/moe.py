@@ -86,6 +86,20 @@ class Stacked(Module):
         self.weight.set_value(host_blocks(blocks))
         self.qtype = qtype
 
+    @property
+    def kernel_qtype(self) -> str | None:
+        """The type name the custom calls take: `qtype` ("Q4_0x16" where interleaved), with
+        the down groups' suffix for groups ("Q4_0g32")."""
+        return _kernel_type(self.qtype, self.layout)
+
+
+def _kernel_type(qtype: str | None, layout: str) -> str | None:
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
+
+    if qtype is None or layout != "groups":
+        return qtype
+    return qtype + quants.GROUPS_SUFFIX
+
 
 def stacked_format(qtype: str, layout: str, stored_shape, transposed: bool) -> tuple[str, str]:
     """(qtype, layout) a stacked matrix of experts ends in once arranged (`arrange_stacked`),
@@ -202,8 +216,7 @@ class ColdExperts:
                             for m in (experts.gate, experts.up, experts.down_t))
         self.quantized = experts.gate.qtype is not None
         self.kw = dict(gate_qtype=experts.gate.qtype, up_qtype=experts.up.qtype,
-                       down_qtype=experts.down_t.qtype, activation=activation,
-                       down_layout="groups" if experts.down_t.layout == "groups" else "rows")
+                       down_qtype=experts.down_t.kernel_qtype, activation=activation)
         self.n_used = n_used
         self.cpu = cpu
 
@@ -243,8 +256,7 @@ class OnDisk:
     d_ff: int
     gate_qtype: str
     up_qtype: str
-    down_qtype: str
-    down_layout: str
+    down_qtype: str  # with the down groups' suffix where grouped ("Q4_0g32")
     credit: bool = False
     ahead: int = 0
 
@@ -433,7 +445,7 @@ class MoE(Module):
         return _ffi.expert_ffn(x, ids, weights, store=o.store, layer=o.layer, d_ff=o.d_ff,
                                gate_qtype=o.gate_qtype, up_qtype=o.up_qtype,
                                down_qtype=o.down_qtype, activation=self.activation,
-                               down_layout=o.down_layout, probs=probs, next_ids=ahead)
+                               probs=probs, next_ids=ahead)
 
     def _loaded(self, x, ids, weights):
         """The experts in `experts` (ids index them; -1: none, with weight 0), as loaded: a
@@ -448,8 +460,7 @@ class MoE(Module):
         impl = "reference" if self.execution == "dense" else op_impl(self.kernels)
         return ops.moe_ffn(x, ids, weights, e.gate.weight[...], e.up.weight[...],
                            e.down_t.weight[...], gate_qtype=e.gate.qtype, up_qtype=e.up.qtype,
-                           down_qtype=e.down_t.qtype, activation=self.activation,
-                           down_layout="groups" if e.down_t.layout == "groups" else "rows",
+                           down_qtype=e.down_t.kernel_qtype, activation=self.activation,
                            impl=impl)
 
     def _xla(self, x, ids, weights, mats):

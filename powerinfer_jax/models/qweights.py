@@ -56,7 +56,7 @@ class QWeight:
     @property
     def kernel_qtype(self) -> str:
         """The type name the custom calls take ("Q4_0x16" for interleaved rows, "Q4_0c64" for
-        the columns layout)."""
+        the columns layout, "Q4_0g32" for down groups)."""
         return kernel_type(self.qtype, self.layout, self.interleaved)
 
 
@@ -66,6 +66,8 @@ def kernel_type(qtype: str, layout: str, interleaved: bool) -> str:
 
     if layout == COLUMNS:
         return qtype + quants.COLUMNS_SUFFIX
+    if layout == GROUPS:
+        return qtype + quants.GROUPS_SUFFIX
     return qtype + quants.INTERLEAVED_SUFFIX if interleaved else qtype
 
 

@@ -186,6 +186,29 @@ def check_qlinear_type(qtype, what: str = "qtype") -> str:
     return check_qtype(what, qtype)
 
 
+def check_down_type(qtype, what: str = "down_qtype", *, interleaved: bool = False) -> str:
+    """A down projection's formats: the block types or their down groups ("Q4_0g32",
+    checkpoint.quants.down_groups), with `interleaved` also rows interleaved by 16 -> the
+    name."""
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
+
+    if isinstance(qtype, str) and (qtype in quants.GROUPS_TYPES
+                                   or interleaved and qtype in quants.INTERLEAVED_TYPES):
+        return qtype
+    return check_qtype(what, qtype)
+
+
+def check_down_groups(what: str, down, qtype: str, d: int, f: int, lead: tuple = ()) -> None:
+    """down groups in `qtype` ("Q4_0g32") of a [D, F] down projection: uint8 lead + [F / 32,
+    D * block bytes]."""
+    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
+
+    block_bytes, _ = quants.check_down_groups(quants.groups_base(qtype), d, f)
+    want = tuple(lead) + (f // 32, d * block_bytes)
+    if _shape(down) != want or jnp.result_type(down) != jnp.uint8:
+        fail(what, f"uint8 {want}", f"{jnp.result_type(down)} {_shape(down)}")
+
+
 def check_qweight(what: str, blocks, qtype: str, in_features: int, rows: int | None = None) -> int:
     """blocks: uint8 [R, row_bytes] for rows of in_features values in qtype; returns R."""
     from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
@@ -231,8 +254,7 @@ def check_qlinear(x, blocks, qtype, in_features, b) -> tuple[str, int]:
 
 
 def check_qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_up, b_down,
-                      scores, threshold, activation, criterion,
-                      down_layout="rows") -> tuple[float, str, str, str]:
+                      scores, threshold, activation, criterion) -> tuple[float, str, str, str]:
     """Validates the quantized sparse FFN's operands; returns (threshold, gate, up and down type
     names; gate's is up's when absent)."""
     from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
@@ -259,16 +281,11 @@ def check_qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_
                  "relu/drelu), F a multiple of 16, criterion 'oracle'",
                  f"up {u}, gate {g}, F {f}, criterion {criterion!r}",
                  "a selector that reads rows per neuron takes the file's rows")
-    dn = check_qtype("down_qtype", down_qtype)
-    check_choice("down_layout", down_layout, ("rows", "groups"))
-    if down_layout == "rows":
+    dn = check_down_type(down_qtype)
+    if quants.groups_base(dn) is None:
         check_qweight("down (down_t rows blocked along D)", down, dn, d, rows=f)
     else:
-        block_bytes, _ = quants.check_down_groups(dn, d, f)
-        want = (f // 32, d * block_bytes)
-        if _shape(down) != want or jnp.result_type(down) != jnp.uint8:
-            fail("down (groups of 32 neurons)", f"uint8 {want}",
-                 f"{jnp.result_type(down)} {_shape(down)}")
+        check_down_groups("down (groups of 32 neurons)", down, dn, d, f)
     for name, b, n in (("b_up", b_up, f), ("b_down", b_down, d)):
         if b is not None and _shape(b) != (n,):
             fail(f"{name} shape", f"[{n}]", _shape(b))

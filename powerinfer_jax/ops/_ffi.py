@@ -166,17 +166,17 @@ def qembedding(ids, blocks, qtype, in_features):
 
 
 def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype,
-            activation="silu", down_layout="rows"):
+            activation="silu"):
     x32 = jnp.asarray(x, jnp.float32)
     out = jax.ShapeDtypeStruct(x32.shape, jnp.float32)
     call = jax.ffi.ffi_call(MOE_FFN_TARGET, out, vmap_method="sequential")
     return call(x32, jnp.asarray(ids, jnp.int32), jnp.asarray(weights, jnp.float32), gate, up,
                 down, gate_qtype=_qid(gate_qtype), up_qtype=_qid(up_qtype),
-                down_qtype=_qid(down_qtype), activation=activation, down_layout=down_layout)
+                down_qtype=_qid(down_qtype), activation=activation)
 
 
 def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_up, b_down, scores,
-                threshold, activation, criterion, down_layout="rows", gate_floor=0.0):
+                threshold, activation, criterion, gate_floor=0.0):
     x32 = jnp.asarray(x, jnp.float32)
     rows = x32.shape[:-1]
     call = jax.ffi.ffi_call(
@@ -188,7 +188,7 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_up, b_
     return call(x32, gate_op, up, down, _opt_f32(b_up), _opt_f32(b_down), scores_op,
                 gate_qtype=_qid(gate_qtype), up_qtype=_qid(up_qtype), down_qtype=_qid(down_qtype),
                 threshold=np.float32(threshold), activation=activation, criterion=criterion,
-                down_layout=down_layout, gate_floor=np.float32(gate_floor))
+                gate_floor=np.float32(gate_floor))
 
 
 def decode_attention(q, k_new, v_new, k_cache, v_cache, where, *, kv_len, inv_freq,
@@ -289,7 +289,7 @@ EXPERT_FFN_TARGET = "pij_expert_ffn"
 
 
 def expert_ffn(x, ids, weights, *, store: int, layer: int, d_ff: int, gate_qtype, up_qtype,
-               down_qtype, activation, down_layout, probs=None, next_ids=None):
+               down_qtype, activation, probs=None, next_ids=None):
     """The MoE FFN of one layer of an expert store (cpu_backend/expert_store.h): its experts are
     read where they live (memory or the expert file), not passed. x [N, D]; ids, weights
     [N, k]; probs [N, E] (the router's probabilities: the "score" cache policy's credit) or
@@ -304,4 +304,4 @@ def expert_ffn(x, ids, weights, *, store: int, layer: int, d_ff: int, gate_qtype
                 _opt_f32(probs), empty_i if next_ids is None else jnp.asarray(next_ids, jnp.int32),
                 store=np.int64(store), layer=np.int64(layer), d_ff=np.int64(d_ff),
                 gate_qtype=_qid(gate_qtype), up_qtype=_qid(up_qtype),
-                down_qtype=_qid(down_qtype), activation=activation, down_layout=down_layout)
+                down_qtype=_qid(down_qtype), activation=activation)

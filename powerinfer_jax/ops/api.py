@@ -148,7 +148,7 @@ def qlinear_many(x, blocks_list, qtypes, in_features: int, bs=None, *, impl="ffi
 
 
 def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype,
-            activation="silu", down_layout="rows", impl="ffi"):
+            activation="silu", impl="ffi"):
     """The MoE FFN on quantized experts: y[n] = sum_j weights[n, j] * down[e]^T (act(gate[e] .
     x_n) * (up[e] . x_n)), e = ids[n, j], act silu or relu, as llama.cpp computes it (int8
     activations).
@@ -160,18 +160,18 @@ def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype
     interleaved by 16 (a "Q4_0x16" type name, as ops.qlinear takes). With impl "ffi" only the
     routed experts' rows are read, the tokens grouped by expert (each expert's rows read once
     per call); "reference" runs every expert on every token (unrouted ones weighted 0).
-    down_layout "groups" (relu only): down is each expert's down groups, uint8 [E, F / 32,
-    D * block bytes] (checkpoint.quants.down_groups, a 32-weight format), and each routed
+    down_qtype a down-groups name ("Q4_0g32", relu only): down is each expert's down groups,
+    uint8 [E, F / 32, D * block bytes] (checkpoint.quants.down_groups, a 32-weight format), and
+    each routed
     expert is sparse inside: only the neurons whose gate fires read their up row and down group
     (the exact oracle); the gate may be interleaved over the up's file rows."""
     from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     _checks.check_choice("impl", impl, _checks.IMPLS)
     _checks.check_choice("moe_ffn activation", activation, ("silu", "relu"))
-    _checks.check_choice("moe_ffn down_layout", down_layout, ("rows", "groups"))
     names = [_checks.check_qlinear_type(t, w) for w, t in (("gate_qtype", gate_qtype),
-                                                          ("up_qtype", up_qtype),
-                                                          ("down_qtype", down_qtype))]
+                                                          ("up_qtype", up_qtype))]
+    names.append(_checks.check_down_type(down_qtype, interleaved=True))
     x_shape = tuple(np.shape(x))
     if len(x_shape) != 2:
         _checks.fail("moe_ffn x", "float32 [N, D]", x_shape)
@@ -180,16 +180,13 @@ def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype
         _checks.fail("moe_ffn gate", "uint8 [E, F, row_bytes]", tuple(np.shape(gate)))
     e, f = np.shape(gate)[:2]
     mats = [("gate", gate, names[0], f, d), ("up", up, names[1], f, d)]
-    if down_layout == "rows":
+    if quants.groups_base(names[2]) is None:
         mats.append(("down", down, names[2], d, f))
     else:
         if activation != "relu":
-            _checks.fail("moe_ffn down_layout", "'rows' for silu experts (groups: the sparse "
-                         "path of relu experts)", down_layout)
-        block_bytes, _ = quants.check_down_groups(names[2], d, f)
-        want = (e, f // 32, d * block_bytes)
-        if tuple(np.shape(down)) != want or jnp.result_type(down) != jnp.uint8:
-            _checks.fail("moe_ffn down (groups)", f"uint8 {want}", tuple(np.shape(down)))
+            _checks.fail("moe_ffn down_qtype", "rows for silu experts (down groups: the sparse "
+                         "path of relu experts)", names[2])
+        _checks.check_down_groups("moe_ffn down (groups)", down, names[2], d, f, lead=(e,))
     for what, w, t, rows, cols in mats:
         if tuple(np.shape(w))[:1] != (e,):
             _checks.fail(f"moe_ffn {what}", f"{e} experts first (as gate)", tuple(np.shape(w)))
@@ -201,8 +198,7 @@ def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype
         _checks.fail("moe_ffn ids", f"int32 [{n}, k] with 1 <= k <= {e} (experts)", k_shape)
     if tuple(np.shape(weights)) != k_shape:
         _checks.fail("moe_ffn weights", f"float32 {k_shape} (as ids)", tuple(np.shape(weights)))
-    kw = dict(gate_qtype=names[0], up_qtype=names[1], down_qtype=names[2], activation=activation,
-              down_layout=down_layout)
+    kw = dict(gate_qtype=names[0], up_qtype=names[1], down_qtype=names[2], activation=activation)
     if impl == "reference":
         return reference.moe_ffn(x, ids, weights, gate, up, down, **kw)
     from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
@@ -227,16 +223,17 @@ def qembedding(ids, blocks, qtype, in_features: int, *, impl="ffi"):
 
 def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None, b_up=None,
                 b_down=None, scores=None, threshold=0.0, activation="silu", criterion="oracle",
-                down_layout="rows", gate_floor=0.0, impl="ffi"):
+                gate_floor=0.0, impl="ffi"):
     """The sparse FFN on quantized weights, in one custom call.
 
     up, gate: the file's ffn_up / ffn_gate blocks, uint8 [F, row_bytes] (neuron-major rows of D
     values; gate None: non-gated FFN); down: neuron i's down row (down_t [F, D]) blocked along D,
-    uint8 [F, row_bytes], e.g. `QuantTensor.reblocked("Q8_0").blocks` of ffn.down_t.weight
-    (down_layout "rows"), or the file's own ffn_down blocks in groups of 32 neurons, uint8
-    [F / 32, D * block bytes], `checkpoint.quants.down_groups` (down_layout "groups"; Q4_0, Q4_1,
-    Q5_0, Q5_1, Q8_0: nothing re-quantized, and a group's scales read once for all its active
-    neurons). The types are GGML block type names or ids (gate_qtype defaults to up_qtype).
+    uint8 [F, row_bytes], e.g. `QuantTensor.reblocked("Q8_0").blocks` of ffn.down_t.weight, or
+    the file's own ffn_down blocks in groups of 32 neurons, uint8 [F / 32, D * block bytes],
+    `checkpoint.quants.down_groups`, named by the format's down-groups name ("Q4_0g32", "Q4_1g32",
+    "Q5_0g32", "Q5_1g32", "Q8_0g32": nothing re-quantized, and a group's scales read once for
+    all its active neurons). The types are GGML block type names or ids (gate_qtype defaults
+    to up_qtype; gate and up rows may be interleaved by 16, "Q4_0x16", as ops.qlinear takes).
     a = act(gate.x) * (up.x + b_up) (gated) or act(up.x + b_up) from int8-rounded x (as qlinear);
     active: criterion "oracle": |a| > threshold (threshold 0 with every neuron active is the dense
     quantized FFN); "scores": scores [..., F] > threshold, and only those neurons' gate/up rows
@@ -248,10 +245,9 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
     t, g, u, dn = _checks.check_qsparse_ffn(
         x, up, down, up_qtype=up_qtype, down_qtype=down_qtype, gate=gate, gate_qtype=gate_qtype,
         b_up=b_up, b_down=b_down, scores=scores, threshold=threshold, activation=activation,
-        criterion=criterion, down_layout=down_layout)
+        criterion=criterion)
     kwargs = dict(up_qtype=u, down_qtype=dn, gate=gate, gate_qtype=g, b_up=b_up, b_down=b_down,
                   scores=scores, threshold=t, activation=activation, criterion=criterion,
-                  down_layout=down_layout,
                   gate_floor=_checks.check_gate_floor(gate_floor, activation, gate is not None))
     if impl == "reference":
         return reference.qsparse_ffn(x, up, down, **kwargs)

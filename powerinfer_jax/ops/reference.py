@@ -123,7 +123,7 @@ def qlinear(x, blocks, qtype: str, in_features: int, b=None):
 
 
 def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype: str, up_qtype: str,
-            down_qtype: str, activation: str = "silu", down_layout: str = "rows"):
+            down_qtype: str, activation: str = "silu"):
     """Every expert on every token through qlinear (rounded activations), weighted by the
     routing (unrouted experts 0), every neuron computed (a relu neuron that does not fire adds
     0: the sparse path's oracle). Down groups go back to the file's rows. See ops.api.moe_ffn."""
@@ -132,7 +132,9 @@ def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype: str, up_qtype: str,
     x = jnp.asarray(x, jnp.float32)
     n, d = x.shape
     e, f = gate.shape[0], gate.shape[1]
-    if down_layout == "groups":
+    grouped = quants.groups_base(down_qtype) is not None
+    down_qtype = quants.groups_base(down_qtype) or down_qtype
+    if grouped:
         def file_rows(g):
             return np.stack([quants.down_groups_to_file(np.asarray(b), down_qtype, d, f)
                              for b in g])
@@ -145,7 +147,7 @@ def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype: str, up_qtype: str,
     y = jnp.zeros((n, d), jnp.float32)
     # down groups of the 8-bit formats sum float coefficients (AxpyGroup), unrounded; the
     # 4-bit ones round them to 8 bits per 32 neurons, as the dense matvec rounds its input
-    float_coefs = down_layout == "groups" and down_qtype not in quants.DOWN_PAIR_TYPES
+    float_coefs = grouped and down_qtype not in quants.DOWN_PAIR_TYPES
     for i in range(e):  # the reference: a loop over experts, not over neurons
         h = gated_activate(activation, qlinear(x, gate[i], gate_qtype, d),
                            qlinear(x, up[i], up_qtype, d))
@@ -167,7 +169,7 @@ def qembedding(ids, blocks, qtype: str, in_features: int):
 
 def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None, b_up=None,
                 b_down=None, scores=None, threshold=0.0, activation="silu", criterion="oracle",
-                down_layout="rows", gate_floor=0.0):
+                gate_floor=0.0):
     """The quantized sparse FFN, from dequantized weights and rounded activations. See
     ops.api.qsparse_ffn."""
     from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
@@ -183,7 +185,9 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
         mask_tf = ~(jnp.asarray(scores, jnp.float32) <= threshold)
     else:
         mask_tf = ~(jnp.abs(act_tf) <= threshold)
-    if down_layout == "groups":  # back to the file's ffn_down [D, F] blocks, dequantized, as [F, D]
+    grouped = quants.groups_base(down_qtype) is not None
+    down_qtype = quants.groups_base(down_qtype) or down_qtype
+    if grouped:  # back to the file's ffn_down [D, F] blocks, dequantized, as [F, D]
         f = down.shape[0] * 32
 
         def file_blocks(g):
@@ -194,7 +198,7 @@ def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate=None, gate_qtype=None
     else:
         w_down = dequantize_rows(down, down_qtype, d)
     coef_tf = jnp.where(mask_tf, act_tf, 0.0)
-    if down_qtype in quants.DOWN_PAIR_TYPES and (down_layout == "groups" or down.shape[0] % 32 == 0):
+    if down_qtype in quants.DOWN_PAIR_TYPES and (grouped or down.shape[0] % 32 == 0):
         # 8-bit coefs per 32 neurons (AxpyPairs; 4-bit rows as PowerInfer's Q4_0 axpy)
         coef_tf = round_activations(coef_tf, 32)
     y = jnp.einsum("...F,FD->...D", coef_tf, w_down, precision=_HIGHEST)

@@ -88,9 +88,12 @@ class ExpertSpec:
         object.__setattr__(self, "formats", tuple(tuple(f) for f in self.formats))
 
     def layer_formats(self, layer: int) -> dict:
-        """Layer `layer`'s formats as ops._ffi.expert_ffn takes them."""
+        """Layer `layer`'s formats as ops._ffi.expert_ffn takes them (the header's down layout
+        as the down type's arrangement: "Q4_0g32" for groups)."""
+        from powerinfer_jax.models.moe import _kernel_type  # lazy: start-up
+
         gate, up, down, layout = self.formats[layer]
-        return dict(gate_qtype=gate, up_qtype=up, down_qtype=down, down_layout=layout)
+        return dict(gate_qtype=gate, up_qtype=up, down_qtype=_kernel_type(down, layout))
 
     @property
     def expert_bytes(self) -> int:
