@@ -229,7 +229,33 @@ def _residual(model, l):
         r = x + layer.attn(layer.attn_norm(x), pos)[0]
         if i == l:
             return r
-        x = r + layer.ffn(layer.ffn_norm(r))
+        x = r + layer.ffn(layer.ffn_norm(r), residual=r)
+
+
+def test_predictor_mode_reads_the_residual_it_is_passed(tmp_path):
+    """The block hands its residual to the FFN as an argument (no side channel): the API's
+    active masks in predictor mode are PowerInfer's decisions on that residual, layer by layer,
+    and an FFN called on its own, without one, is refused in one line."""
+    import powerinfer_jax as pij
+
+    config = _tiny("reglu")
+    preds = _random_predictors(config, rank=8, seed=3, threshold=0.1)
+    path = pi.write_powerinfer_gguf(tmp_path / "m.powerinfer.gguf", config,
+                                    random_params(config), gpt2_tokenizer_meta(), preds,
+                                    weight_type="F32")
+    llm = pij.load(str(path), sparsity="powerinfer", progress=False)
+    masks = llm.active_masks(TOKENS[0].tolist())  # [L, T, F]
+    for l in range(config.n_layers):
+        r = np.asarray(_residual(llm.model, l), np.float64)[0]
+        score = np.maximum(r @ preds.fc1[l].T, 0) @ preds.fc2[l].T
+        clear = np.abs(score - preds.threshold) > 1e-4  # float32 vs float64 at the threshold
+        assert clear.mean() > 0.95
+        np.testing.assert_array_equal(masks[l][clear], (score >= preds.threshold)[clear])
+        assert 0 < masks[l].mean() < 1
+    ffn = llm.model.layers[0].ffn
+    with pytest.raises(UserError, match=r"the PowerInfer predictor's input: expected the "
+                                        r"block's residual.*got 'none'"):
+        ffn(jnp.zeros((1, 2, config.d_model), jnp.float32))
 
 
 def test_training_bias_free_predictors_learns_the_masks():

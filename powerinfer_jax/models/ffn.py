@@ -22,8 +22,6 @@ Dependencies point one way: this module knows only the Selector interface; spars
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import weakref
 from typing import NamedTuple
@@ -67,7 +65,14 @@ class Selector(Module):
     """Finds one FFN layer's active neurons (implementations: sparsity/selectors.py)."""
 
     def select(self, ffn: "FFN", x_btd) -> Selection:
+        """The active set for the FFN input x_btd [B, T, D]."""
         raise NotImplementedError
+
+    def select_in_block(self, ffn: "FFN", x_btd, residual) -> Selection:
+        """What the FFN's backends call: `select` on the FFN input. A selector that reads the
+        block's residual instead (the tensor ffn_norm normalized, which Block passes to its
+        FFN: PowerInfer's predictors) overrides this."""
+        return self.select(ffn, x_btd)
 
     def fused(self, ffn: "FFN", x_btd):
         """(y, n_active) in one call on an unplaced CPU FFN, or None when this selector has no
@@ -150,29 +155,13 @@ def _value(var):
     return None if var is None else var[...]
 
 
-_RESIDUAL = contextvars.ContextVar("ffn_residual")
-
-
-def block_residual():
-    """Inside an FFN call made by a Block: the tensor its ffn_norm normalized [B, T, D] (the
-    residual after attention; a parallel block's input). Selectors that read the residual rather
-    than the FFN input (PowerInfer's predictors: sparsity/powerinfer_predictor.py) and an
-    offloaded FFN's lookahead take it here (models.transformer re-exports it)."""
-    try:
-        return _RESIDUAL.get()
-    except LookupError:
-        fail("block_residual", "a call from inside Block.__call__ (the FFN's block provides it)",
-             "an FFN called on its own", "run the FFN through its Transformer block")
-
-
-@contextlib.contextmanager
-def residual_scope(x_btd):
-    """What `block_residual()` returns inside (the Block's FFN call)."""
-    token = _RESIDUAL.set(x_btd)
-    try:
-        yield
-    finally:
-        _RESIDUAL.reset(token)
+def require_residual(residual, what: str):
+    """The block's residual an FFN call was given, for `what` that reads it; one line if none."""
+    if residual is None:
+        fail(f"{what}'s input", "the block's residual (the tensor ffn_norm normalized), which "
+             "Block passes as FFN(x, residual=...)", "none", "run the FFN through its "
+             "Transformer block, or pass residual=")
+    return residual
 
 
 # ------------------------------------------------------------------------------------ backends
@@ -185,7 +174,7 @@ class Unsplit:
     impl: str = "ffi"
     fused: bool = False
 
-    def dense(self, ffn, x_btd):
+    def dense(self, ffn, x_btd, residual=None):
         if ffn.in_mask is not None or ffn.mid_mask is not None:  # input sparsity: the matvecs
             # read their inputs' nonzero channels (columns layout); floats run masked, densely
             a = ffn.activations(apply_mask(ffn.in_mask, x_btd))
@@ -201,10 +190,10 @@ class Unsplit:
             return self.sparse(ffn, x_btd, Selection("oracle", 0.0), impl="ffi")[0]
         return ffn.down_t(ffn.activations(x_btd))
 
-    def run(self, ffn, x_btd, selector):
+    def run(self, ffn, x_btd, selector, residual=None):
         if self.fused:
             return selector.fused(ffn, x_btd)
-        return self.sparse(ffn, x_btd, selector.select(ffn, x_btd))
+        return self.sparse(ffn, x_btd, selector.select_in_block(ffn, x_btd, residual))
 
     def sparse(self, ffn, x_btd, sel: Selection, impl: str | None = None):
         if ffn.quantized:  # on the file's blocks; "activations" are the file's own: oracle
@@ -234,11 +223,12 @@ class CpuHybrid:
 
     impl: str = "ffi"
 
-    def dense(self, ffn, x_btd):
+    def dense(self, ffn, x_btd, residual=None):
         return self._compute(ffn, x_btd, Selection("oracle", 0.0), dense=True)[0]
 
-    def run(self, ffn, x_btd, selector):
-        return self._compute(ffn, x_btd, selector.select(ffn, x_btd), dense=False)
+    def run(self, ffn, x_btd, selector, residual=None):
+        return self._compute(ffn, x_btd, selector.select_in_block(ffn, x_btd, residual),
+                             dense=False)
 
     def _compute(self, ffn, x_btd, sel: Selection, *, dense: bool):
         n_hot, c = ffn.n_hot, ffn.cold
@@ -277,11 +267,11 @@ class CudaHybrid:
 
     handle: int
 
-    def dense(self, ffn, x_btd):
+    def dense(self, ffn, x_btd, residual=None):
         return self._compute(ffn, x_btd, Selection("oracle", 0.0))[0]
 
-    def run(self, ffn, x_btd, selector):
-        sel = selector.select(ffn, x_btd)
+    def run(self, ffn, x_btd, selector, residual=None):
+        sel = selector.select_in_block(ffn, x_btd, residual)
         if sel.criterion == "activations":
             fail("FFN (GPU hybrid) criterion", "'scores' or 'oracle'", sel.criterion,
                  "--gate-up q4 runs on the CPU backend only")
@@ -316,22 +306,22 @@ class DiskHybrid:
     store: int
     layer: int
 
-    def dense(self, ffn, x_btd):
-        return self._compute(ffn, x_btd, Selection("oracle", 0.0))[0]
+    def dense(self, ffn, x_btd, residual=None):
+        return self._compute(ffn, x_btd, Selection("oracle", 0.0), residual)[0]
 
-    def run(self, ffn, x_btd, selector):
-        sel = selector.select(ffn, x_btd)
+    def run(self, ffn, x_btd, selector, residual=None):
+        sel = selector.select_in_block(ffn, x_btd, residual)
         if sel.criterion == "activations":
             fail("FFN (neuron store) criterion", "'scores' or 'oracle'", sel.criterion,
                  "the selector's activations come from rows the store holds")
-        return self._compute(ffn, x_btd, sel)
+        return self._compute(ffn, x_btd, sel, residual)
 
-    def _compute(self, ffn, x_btd, sel: Selection):
+    def _compute(self, ffn, x_btd, sel: Selection, residual):
         from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
         ahead = getattr(ffn, "lookahead", None)
         if ahead is not None:
-            ahead = ahead(block_residual())
+            ahead = ahead(require_residual(residual, "the neuron store's read-ahead"))
         y, count = _ffi.disk_ffn(x_btd, sel.scores, store=self.store, layer=self.layer,
                                  threshold=float(sel.threshold), activation=ffn.activation,
                                  criterion=sel.criterion, next_scores=ahead,
@@ -364,11 +354,14 @@ class FFN(Module):
         self.mid_mask = nnx.data(None)
 
     # ---------------------------------------------------------------- the call: one path
-    def __call__(self, x_btd):
-        """y [B, T, D] float32; records "n_active" [B, T] int32 in sparse modes (under capture)."""
+    def __call__(self, x_btd, residual=None):
+        """y [B, T, D] float32; records "n_active" [B, T] int32 in sparse modes (under capture).
+        residual: the tensor the block's ffn_norm normalized [B, T, D] (the residual after
+        attention; a parallel block's input), which Block passes: PowerInfer's predictors and an
+        offloaded FFN's read-ahead read it instead of x_btd."""
         if self.selector is None:
-            return self.backend.dense(self, x_btd)
-        y, n_active = self.backend.run(self, x_btd, self.selector)
+            return self.backend.dense(self, x_btd, residual)
+        y, n_active = self.backend.run(self, x_btd, self.selector, residual)
         sow(self, "n_active", n_active)
         return y
 

@@ -45,7 +45,7 @@ from flax import nnx
 
 from powerinfer_jax import ops
 from powerinfer_jax.errors import fail
-from powerinfer_jax.models.ffn import FFN, block_residual
+from powerinfer_jax.models.ffn import FFN, require_residual
 from powerinfer_jax.models.layers import F32, Linear, Module, _param, op_impl, sow
 from powerinfer_jax.models.qweights import host_blocks, interleaved
 from powerinfer_jax.ops.reference import gated_activate
@@ -390,7 +390,8 @@ class MoE(Module):
         x = x_btd.reshape(-1, x_btd.shape[-1]).astype(F32)
         return route(self.router(x), self.n_used, self.normalize)
 
-    def __call__(self, x_btd):
+    def __call__(self, x_btd, residual=None):
+        """residual: the block's (as FFN.__call__ takes it), for the expert store's read-ahead."""
         lead, d = x_btd.shape[:-1], x_btd.shape[-1]
         x = x_btd.reshape(-1, d).astype(F32)  # [N, D]
         logits = self.router(x)
@@ -399,7 +400,7 @@ class MoE(Module):
         sow(self, "expert_ids", named.reshape(lead + (self.n_used,)))  # [B, T, k] under capture
         sow(self, "router_logits", logits.reshape(lead + (self.n_experts,)))  # [B, T, E]
         if self.on_disk is not None:
-            y = self._on_disk(x, ids, weights, logits)
+            y = self._on_disk(x, ids, weights, logits, residual)
             if self.shared is not None:
                 y = y + jax.nn.sigmoid(self.shared_gate(x)) * self.shared(x[None])[0]
             return y.reshape(lead + (d,))
@@ -433,7 +434,7 @@ class MoE(Module):
             y = y + jnp.where(first_shard, scale, 0.0) * self.shared(x[None])[0]
         return y.reshape(lead + (d,))
 
-    def _on_disk(self, x, ids, weights, logits):
+    def _on_disk(self, x, ids, weights, logits, residual):
         """The routed experts from the expert store, in one custom call (its `OnDisk`)."""
         from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
@@ -441,7 +442,8 @@ class MoE(Module):
         probs = jax.nn.softmax(logits.astype(F32), axis=-1) if o.credit else None
         ahead = None
         if o.ahead and self.lookahead is not None:
-            ahead = self.lookahead(block_residual(), o.ahead)
+            ahead = self.lookahead(require_residual(residual, "the expert store's read-ahead"),
+                                   o.ahead)
         return _ffi.expert_ffn(x, ids, weights, store=o.store, layer=o.layer, d_ff=o.d_ff,
                                gate_qtype=o.gate_qtype, up_qtype=o.up_qtype,
                                down_qtype=o.down_qtype, activation=self.activation,

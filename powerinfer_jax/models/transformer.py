@@ -18,8 +18,7 @@ from powerinfer_jax import ops
 from powerinfer_jax.checkpoint.base import QuantTensor, expected_shapes
 from powerinfer_jax.config import ModelConfig
 from powerinfer_jax.errors import fail
-# block_residual: re-exported, the name the selectors read it by (sparsity/powerinfer_predictor.py)
-from powerinfer_jax.models.ffn import FFN, block_residual, residual_scope  # noqa: F401
+from powerinfer_jax.models.ffn import FFN
 from powerinfer_jax.models.kv_cache import init_cache  # noqa: F401  (re-exported)
 from powerinfer_jax.models.moe import MoE
 from powerinfer_jax.models.qweights import (COLUMNS, DENSE_LAYOUT, FfnLayout, MATVEC, QWeight,
@@ -37,8 +36,9 @@ class Block(Module):
     config.post_norms (Gemma-2/3) each sublayer's output is normed before it joins the residual,
     x + attn_post_norm(attn(attn_norm(x))); with config.parallel_block (Falcon):
     x + attn(attn_norm(x)) + ffn(ffn_norm(x)). Sows the FFN's input (after ffn_norm) as "ffn_in"
-    [B, T, D] under `capture` (profiling, predictor training); the tensor ffn_norm normalized is
-    available to the FFN's selector as `block_residual()`."""
+    [B, T, D] under `capture` (profiling, predictor training), and the tensor ffn_norm
+    normalized as "ffn_residual"; the FFN gets that tensor as its `residual` (PowerInfer's
+    predictors read it)."""
 
     def __init__(self, c: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs | None, kernels: str,
                  **attention_options):
@@ -76,8 +76,8 @@ class Block(Module):
         ffn_in = self.ffn_norm(x_btd)
         sow(self, "ffn_in", ffn_in)
         sow(self, "ffn_in", ffn_in, InputSample)
-        with residual_scope(x_btd):
-            ffn_out = self.ffn(ffn_in)
+        sow(self, "ffn_residual", x_btd)
+        ffn_out = self.ffn(ffn_in, residual=x_btd)
         if self.parallel:  # Falcon: attention and FFN both read the block's input
             return x_btd + self._sum_shards(attn_out + ffn_out), new_cache
         return x_btd + self._post(self.ffn_post_norm, self._sum_shards(ffn_out)), new_cache

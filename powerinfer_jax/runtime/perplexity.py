@@ -96,20 +96,21 @@ def make_scorer(model, oracle_thresholds=None, *, first: int = 0):
         frac = jnp.float32(1.0) if n_active is None else n_active.mean() / d_ff
         hits = None
         if oracle_thresholds is not None:
-            hits = jnp.stack([_recall_counts(layer.ffn, x, oracle_thresholds[i])
-                              for i, (layer, x) in enumerate(zip(m.layers, sown["ffn_in"]))])
+            hits = jnp.stack([_recall_counts(layer.ffn, x, r, oracle_thresholds[i])
+                              for i, (layer, x, r) in enumerate(zip(
+                                  m.layers, sown["ffn_in"], sown["ffn_residual"]))])
         return nll, frac, hits
 
     return lambda tokens: score(state, tokens)
 
 
-def _recall_counts(ffn, x_btd, oracle_threshold):
+def _recall_counts(ffn, x_btd, residual, oracle_threshold):
     """[true positives, oracle positives] of the layer's selection vs the oracle's active set."""
     import jax.numpy as jnp
 
     a = ffn.activations(x_btd)
     oracle = jnp.abs(a) > oracle_threshold
-    chosen = ffn.selector.select(ffn, x_btd).active(a)
+    chosen = ffn.selector.select_in_block(ffn, x_btd, residual).active(a)
     return jnp.stack([jnp.sum(oracle & chosen), jnp.sum(oracle)]).astype(jnp.float32)
 
 

@@ -4,8 +4,8 @@
 the neuron (fc2 output >= its sparse threshold), -1 elsewhere, so "scores > 0 = active" reproduces
 PowerInfer's decision exactly, ">=" included (a zero predictor marks every neuron active).
 `PowerInferSelector` (a models.ffn.Selector) runs it: unlike the Scores selector, which feeds its
-predictor the FFN input (after ffn_norm), it reads `models.transformer.block_residual()`, the
-tensor the FFN's norm normalizes (the residual after attention; a parallel block's input), as
+predictor the FFN input (after ffn_norm), it reads the block's residual (the `residual` a Block
+passes to its FFN), the tensor the FFN's norm normalizes (the residual after attention; a parallel block's input), as
 PowerInfer's llama.cpp does (`ffn_inp` for llama/bamboo/opt, `inpL` for falcon).
 
 Attach: `attach(model, predictors)` with a checkpoint.powerinfer.PowerInferPredictors (e.g. from
@@ -31,10 +31,9 @@ from flax import nnx
 
 from powerinfer_jax.checkpoint.base import QuantTensor
 from powerinfer_jax.errors import fail
-from powerinfer_jax.models.ffn import Selection, Selector
+from powerinfer_jax.models.ffn import Selection, Selector, require_residual
 from powerinfer_jax.models.layers import Linear, Module
 from powerinfer_jax.models.qweights import MATVEC, SELECTED_LAYOUT, arrange, check_ffn_layout
-from powerinfer_jax.models.transformer import block_residual
 from powerinfer_jax.sparsity.predictor import mask_quality, weighted_bce
 
 F32 = jnp.float32
@@ -104,7 +103,11 @@ class PowerInferSelector(Selector):
         self.predictor = predictor
 
     def select(self, ffn, x_btd) -> Selection:
-        return Selection("scores", 0.0, self.predictor(block_residual()))
+        return self.select_in_block(ffn, x_btd, None)
+
+    def select_in_block(self, ffn, x_btd, residual) -> Selection:
+        return Selection("scores", 0.0,
+                         self.predictor(require_residual(residual, "the PowerInfer predictor")))
 
     def permute(self, perm) -> None:
         self.predictor.permute(perm)
