@@ -78,11 +78,11 @@ class Stacked(Module):
         self.qtype = None
         self.layout = layout
 
-    def load(self, t) -> None:
+    def load(self, t, load=None) -> None:
         """Keep a stacked QuantTensor's blocks (checkpoint.base.QuantTensor, 3-D) in this
-        matrix's layout (`arrange_stacked`)."""
+        matrix's layout (`arrange_stacked`; load: the model's qweights.batched_load, if any)."""
         blocks, qtype, self.layout = arrange_stacked(t.blocks, t.qtype, self.layout,
-                                                     t.stored_shape, t.transposed)
+                                                     t.stored_shape, t.transposed, load)
         self.weight.set_value(host_blocks(blocks))
         self.qtype = qtype
 
@@ -116,7 +116,8 @@ def stacked_format(qtype: str, layout: str, stored_shape, transposed: bool) -> t
     return qtype, layout
 
 
-def arrange_stacked(blocks, qtype: str, layout: str, stored_shape, transposed: bool):
+def arrange_stacked(blocks, qtype: str, layout: str, stored_shape, transposed: bool,
+                    load=None):
     """(blocks, qtype, layout) of stacked expert blocks uint8 [E, rows, row_bytes] (the file's)
     in `layout`. matvec: each expert's rows interleaved by 16 where the format and row count
     allow (qweights.interleaved: ~3x the file rows' speed at one token; the type becomes e.g.
@@ -131,7 +132,8 @@ def arrange_stacked(blocks, qtype: str, layout: str, stored_shape, transposed: b
         d, f = stored_shape[-2:]
         blocks = np.stack([quants.down_groups(np.asarray(b), qtype, d, f) for b in blocks])
     if want_qtype != qtype:  # groups of 16 rows never span two experts
-        flat, qtype = interleaved(np.asarray(blocks).reshape(e * rows, blocks.shape[2]), qtype)
+        flat, qtype = interleaved(np.asarray(blocks).reshape(e * rows, blocks.shape[2]), qtype,
+                                  load)
         blocks = flat.reshape(blocks.shape)
     return blocks, qtype, layout
 

@@ -26,7 +26,6 @@ The token embedding is looked up by dequantizing only the gathered rows.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import threading
 
@@ -97,31 +96,33 @@ SELECTED_LAYOUT = FfnLayout(gate=ROWS, up=ROWS, down=GROUPS)
 INPUTS_LAYOUT = FfnLayout(gate=COLUMNS, up=COLUMNS, down=COLUMNS, attention=COLUMNS)
 
 
-def arrange(t, layout: str, *, down_qtype: str | None = None) -> QWeight:
+def arrange(t, layout: str, *, down_qtype: str | None = None, load: _Load | None = None
+            ) -> QWeight:
     """A file tensor (checkpoint.base.QuantTensor) in `layout`: the one conversion from the
     file's blocks. ffn_down as the file stores it (t.transposed) takes MATVEC, GROUPS (where its
     format has down groups, else ROWS) or ROWS (re-blocked per neuron in `down_qtype`); a
-    neuron-major tensor (every other matrix, PowerInfer's ffn_down_t) MATVEC or ROWS."""
+    neuron-major tensor (every other matrix, PowerInfer's ffn_down_t) MATVEC or ROWS.
+    load: the model's `batched_load`, if any (copies made ahead, file pages dropped at its end)."""
     from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     if layout not in LAYOUTS:
         fail("weight layout", f"one of {list(LAYOUTS)}", layout)
     if layout == COLUMNS:
-        w = columns(t.blocks, t.qtype)
-        return w if w is not None else arrange(t, MATVEC)  # no such layout: read whole
+        w = columns(t.blocks, t.qtype, load)
+        return w if w is not None else arrange(t, MATVEC, load=load)  # no such layout: whole
     if t.transposed:
         if layout == GROUPS and t.qtype in quants.DOWN_GROUP_TYPES:
             groups = t.down_groups()
-            release_later(t.blocks)  # the file's ffn_down pages were read once for the copy
+            release_later(t.blocks, load)  # the file's ffn_down pages were read once for the copy
             return QWeight(groups, t.qtype, GROUPS)
         if layout in (GROUPS, ROWS):
             rows = t.reblocked(down_qtype or DOWN_ROWS_QTYPE)
-            release_later(t.blocks)  # the file's ffn_down pages were read once for the copy
+            release_later(t.blocks, load)  # the file's ffn_down pages were read once for the copy
             return QWeight(rows.blocks, rows.qtype, ROWS)
     elif layout == GROUPS:  # neuron rows already (a PowerInfer file's ffn_down_t)
         return QWeight(t.blocks, t.qtype, ROWS)
     if layout == MATVEC:
-        blocks, qtype = interleaved(t.blocks, t.qtype)
+        blocks, qtype = interleaved(t.blocks, t.qtype, load)
         return QWeight(blocks, t.qtype, MATVEC, interleaved=qtype != t.qtype)
     return QWeight(t.blocks, t.qtype, ROWS)
 
@@ -247,49 +248,42 @@ class _Load:
             raise error
 
 
-_LOAD: contextvars.ContextVar[_Load | None] = contextvars.ContextVar("batched_load", default=None)
-
-
 @contextlib.contextmanager
 def batched_load():
     """One model's load: yields the `_Load` whose `interleave_ahead` starts the copies early;
-    within it `interleaved` takes those copies and keeps the file rows it read, dropping their
-    pages from the resident set once at the end (one read of the process's mappings for a whole
-    model; the arrays stay alive until then, so their mappings do too)."""
+    given it, `arrange` and `interleaved` take those copies and keep the file rows they read,
+    dropping their pages from the resident set once at the end (one read of the process's
+    mappings for a whole model; the arrays stay alive until then, so their mappings do too)."""
     # lazy: start-up (gguf only for GGUF files)
     from powerinfer_jax.checkpoint.gguf_file import release_mapped_pages
 
     load = _Load()
-    token = _LOAD.set(load)
     try:
         yield load
         load.finish()
     finally:
-        _LOAD.reset(token)
         if load._thread is not None:  # an error left the pool writing: wait for it
             load._thread.join()
         release_mapped_pages(*load.pending)
 
 
-def release_later(array) -> None:
+def release_later(array, load: _Load | None = None) -> None:
     """Drop a file view's pages from the resident set (gguf_file.release_mapped_pages): now, or
-    at the end of the enclosing `batched_load`."""
+    at the end of `load` (a `batched_load`)."""
     # lazy: start-up (gguf only for GGUF files)
     from powerinfer_jax.checkpoint.gguf_file import release_mapped_pages
 
-    load = _LOAD.get()
     if load is None:
         release_mapped_pages(array)
     else:
         load.pending.append(array)
 
 
-def interleaved(blocks, qtype: str):
+def interleaved(blocks, qtype: str, load: _Load | None = None):
     """(blocks, qtype) with the rows interleaved by 16 where the format and row count allow
     (checkpoint.quants.interleave: ops.qlinear's fastest layout, the same bytes rearranged; the
-    type becomes e.g. "Q4_0x16"), else as given. Within `batched_load`, a copy started by
-    `interleave_ahead` is taken, not made again."""
-    load = _LOAD.get()
+    type becomes e.g. "Q4_0x16"), else as given. Given a `batched_load`, a copy its
+    `interleave_ahead` started is taken, not made again."""
     ready = load.take(blocks) if load is not None else None
     if ready is not None:
         return ready
@@ -299,7 +293,7 @@ def interleaved(blocks, qtype: str):
     from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
     _ffi._pij_ext.interleave_into(*job[:3])
-    release_later(blocks)  # the file's rows were read once to build the copy
+    release_later(blocks, load)  # the file's rows were read once to build the copy
     return job[2], job[3]
 
 
@@ -316,7 +310,7 @@ def _interleave_job(blocks, qtype: str):
             qtype + quants.INTERLEAVED_SUFFIX)
 
 
-def columns(blocks, qtype: str) -> QWeight | None:
+def columns(blocks, qtype: str, load: _Load | None = None) -> QWeight | None:
     """The file's rows (uint8 [O, row_bytes], any [O, I] matrix as stored, ffn_down included)
     arranged in the columns layout on the kernels' pool, or None where the format or the row
     count has none (quants.can_columns)."""
@@ -332,7 +326,7 @@ def columns(blocks, qtype: str) -> QWeight | None:
     out = aligned_empty((b.shape[0], quants.columns_row_bytes(qtype, b.shape[0], cols)), np.uint8)
     _ffi._pij_ext.arrange_columns(np.ascontiguousarray(b, np.uint8), quants.type_id(qtype), cols,
                                   out)
-    release_later(blocks)  # the file's rows were read once to build the copy
+    release_later(blocks, load)  # the file's rows were read once to build the copy
     return QWeight(out, qtype, COLUMNS)
 
 

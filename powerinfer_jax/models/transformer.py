@@ -297,14 +297,14 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
                 w = QWeight(mapped_columns[name], t.qtype, COLUMNS)
             else:
                 w = arrange(t, _layout(name, t, config, ffn_layout),
-                            down_qtype=ffn_layout.down_qtype)
+                            down_qtype=ffn_layout.down_qtype, load=load)
                 if copies is not None and name in matvec and w.interleaved:
                     copies.add(name, w.blocks, w.qtype)
                 if copies is not None and w.layout == COLUMNS:
                     copies.add(name, w.blocks, w.qtype, layout=COLUMNS)
             _load_quantized(model, name, w)
         for name, t in expert_blocks.items():
-            _at(model, name.rsplit(".", 1)[0]).load(t)  # the experts' Stacked matrix
+            _at(model, name.rsplit(".", 1)[0]).load(t, load)  # the experts' Stacked matrix
     return model
 
 
