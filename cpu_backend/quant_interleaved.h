@@ -334,93 +334,36 @@ inline void Tile512(const uint8_t* group, int64_t nblocks, const QActView* xs, f
     _mm512_storeu_ps(out + t * kInterleave, _mm512_add_ps(acc[t], mins[t]));
   }
 }
-// Q4_K, 16 rows a vector. Per sub-block pair (32 quant bytes a row: 8 chunks) the low nibbles
-// are sub-block 2k, the high ones 2k + 1.
-inline __m512i K4Scale512(__m512i w0, __m512i w2, int j) {
-  const __m512i k63 = _mm512_set1_epi32(63), k15 = _mm512_set1_epi32(15), k3 = _mm512_set1_epi32(3);
-  if (j < 4) return _mm512_and_si512(_mm512_srli_epi32(w0, 8 * j), k63);
-  const int i = 8 * (j - 4);
-  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, i), k15),
-                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w0, i + 6), k3), 4));
-}
-inline __m512i K4Min512(__m512i w1, __m512i w2, int j) {
-  const __m512i k63 = _mm512_set1_epi32(63), k15 = _mm512_set1_epi32(15), k3 = _mm512_set1_epi32(3);
-  if (j < 4) return _mm512_and_si512(_mm512_srli_epi32(w1, 8 * j), k63);
-  const int i = 8 * (j - 4);
-  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, i + 4), k15),
-                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(w1, i + 6), k3), 4));
-}
-
-// Bit `bit` of each byte to bit 4 (its fifth bit).
-inline __m512i BitTo4_512(__m512i v, int bit) {
-  const __m512i sh = bit <= 4 ? _mm512_slli_epi16(v, 4 - bit) : _mm512_srli_epi16(v, bit - 4);
-  return _mm512_and_si512(sh, _mm512_set1_epi8(0x10));
-}
-
-template <int kC, int64_t kAhead, bool kFive>
-inline void K4Tile512(const uint8_t* group, int64_t nblocks, const QActView* xs, float* out) {
-  constexpr int64_t kRecord = kFive ? k5::kRecord : k4::kRecord;
-  constexpr int64_t kQs = kFive ? k5::kQs : k4::kQs;
-  __m512 acc[kC], mins[kC];
-  for (int t = 0; t < kC; ++t) acc[t] = mins[t] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(0x0f);
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const uint8_t* rec = group + b * kRecord;
-    if constexpr (kAhead > 0) {
-      for (int64_t off = 0; off < kRecord; off += 64) {
-        __builtin_prefetch(rec + kAhead + off, 0, 2);
-      }
-    }
-    const __m512i w0 = _mm512_loadu_si512(rec + k4::kWords);
-    const __m512i w1 = _mm512_loadu_si512(rec + k4::kWords + 64);
-    const __m512i w2 = _mm512_loadu_si512(rec + k4::kWords + 128);
-    __m512i sum[kC];
-    for (int t = 0; t < kC; ++t) sum[t] = _mm512_setzero_si512();
-    for (int k = 0; k < 4; ++k) {
-      __m512i lo[8], hi[8];
-      for (int c = 0; c < 8; ++c) {
-        const __m512i v = _mm512_loadu_si512(rec + kQs + 64 * (8 * k + c));
-        lo[c] = _mm512_and_si512(v, low4);
-        hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        if constexpr (kFive) {
-          const __m512i h = _mm512_loadu_si512(rec + k5::kQh + 64 * c);
-          lo[c] = _mm512_or_si512(lo[c], BitTo4_512(h, 2 * k));
-          hi[c] = _mm512_or_si512(hi[c], BitTo4_512(h, 2 * k + 1));
-        }
-      }
-      const __m512i s_lo = K4Scale512(w0, w2, 2 * k), s_hi = K4Scale512(w0, w2, 2 * k + 1);
-      for (int t = 0; t < kC; ++t) {
-        const int8_t* x = xs[t].q + b * 256 + 64 * k;
-        __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
-        for (int c = 0; c < 8; ++c) {
-          d0 = _mm512_dpbusd_epi32(d0, lo[c], Broadcast4(x + 4 * c));
-          d1 = _mm512_dpbusd_epi32(d1, hi[c], Broadcast4(x + 32 + 4 * c));
-        }
-        sum[t] = _mm512_add_epi32(sum[t], _mm512_add_epi32(_mm512_mullo_epi32(d0, s_lo),
-                                                           _mm512_mullo_epi32(d1, s_hi)));
-      }
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
-    const __m512 negdmin = _mm512_mul_ps(
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + k4::kDmin))),
-        _mm512_set1_ps(-1.0f));
-    for (int t = 0; t < kC; ++t) {
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t]),
-                               _mm512_mul_ps(d, _mm512_set1_ps(xs[t].d[b])), acc[t]);
-    }
-    for (int j = 0; j < 8; ++j) {
-      const __m512 m = _mm512_mul_ps(_mm512_cvtepi32_ps(K4Min512(w1, w2, j)), negdmin);
-      for (int t = 0; t < kC; ++t) {
-        const float* c = xs[t].c + b * 16 + 2 * j;
-        mins[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(c[0]), mins[t]);
-        mins[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(c[1]), mins[t]);
-      }
-    }
+// The vector primitives the width-generic tiles below take (K4Tile): 16 rows a vector.
+struct V512 {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int kLanes = 16;
+  static I Load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I Zero() { return _mm512_setzero_si512(); }
+  static I Set8(char v) { return _mm512_set1_epi8(v); }
+  static I Set32(int v) { return _mm512_set1_epi32(v); }
+  static I And(I a, I b) { return _mm512_and_si512(a, b); }
+  static I Or(I a, I b) { return _mm512_or_si512(a, b); }
+  static I Srl16(I a, int n) { return _mm512_srli_epi16(a, n); }
+  static I Sll16(I a, int n) { return _mm512_slli_epi16(a, n); }
+  static I Srl32(I a, int n) { return _mm512_srli_epi32(a, n); }
+  static I Sll32(I a, int n) { return _mm512_slli_epi32(a, n); }
+  static I Add32(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I Mul32(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I Dot(I acc, I u, I x) { return _mm512_dpbusd_epi32(acc, u, x); }  // u unsigned
+  static I Bcast4(const int8_t* p) { return Broadcast4(p); }
+  static F ZeroF() { return _mm512_setzero_ps(); }
+  static F SetF(float v) { return _mm512_set1_ps(v); }
+  static F ToF(I a) { return _mm512_cvtepi32_ps(a); }
+  static F Mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F Add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F Fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F Halves(const uint8_t* p) {  // kLanes float16
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  for (int t = 0; t < kC; ++t) {
-    _mm512_storeu_ps(out + t * kInterleave, _mm512_add_ps(acc[t], mins[t]));
-  }
-}
+  static void Store(float* p, F a) { _mm512_storeu_ps(p, a); }
+};
 
 // Q6_K: per half n and quarter kk, chunks i < 4 of the low nibbles A (bytes 64n + 16kk + 4i), B
 // (+ 32) and the high bits H (32n + 16kk + 4i) give the codes of four 16-weight groups:
@@ -623,20 +566,6 @@ inline __m256i KDot256(__m256i acc, __m256i u, __m256i x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(MulPairs(u, x), _mm256_set1_epi16(1)));
 #endif
 }
-inline __m256i K4Scale256(__m256i w0, __m256i w2, int j) {
-  const __m256i k63 = _mm256_set1_epi32(63), k15 = _mm256_set1_epi32(15), k3 = _mm256_set1_epi32(3);
-  if (j < 4) return _mm256_and_si256(_mm256_srli_epi32(w0, 8 * j), k63);
-  const int i = 8 * (j - 4);
-  return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, i), k15),
-                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w0, i + 6), k3), 4));
-}
-inline __m256i K4Min256(__m256i w1, __m256i w2, int j) {
-  const __m256i k63 = _mm256_set1_epi32(63), k15 = _mm256_set1_epi32(15), k3 = _mm256_set1_epi32(3);
-  if (j < 4) return _mm256_and_si256(_mm256_srli_epi32(w1, 8 * j), k63);
-  const int i = 8 * (j - 4);
-  return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, i + 4), k15),
-                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, i + 6), k3), 4));
-}
 inline __m256i Load8x32(const uint8_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
@@ -644,78 +573,35 @@ inline __m256 Halves8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-inline __m256i BitTo4_256(__m256i v, int bit) {  // as BitTo4_512
-  const __m256i sh = bit <= 4 ? _mm256_slli_epi16(v, 4 - bit) : _mm256_srli_epi16(v, bit - 4);
-  return _mm256_and_si256(sh, _mm256_set1_epi8(0x10));
-}
-
-template <int kC, int64_t kAhead, bool kFive>
-inline void K4Tile256(const uint8_t* group, int64_t nblocks, const QActView* xs, float* out) {
-  constexpr int64_t kRecord = kFive ? k5::kRecord : k4::kRecord;
-  constexpr int64_t kQs = kFive ? k5::kQs : k4::kQs;
-  const __m256i low4 = _mm256_set1_epi8(0x0f);
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[kC], mins[kC];
-    for (int t = 0; t < kC; ++t) acc[t] = mins[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const uint8_t* rec = group + b * kRecord;
-      if constexpr (kAhead > 0) {
-        if (h == 0) {
-          for (int64_t off = 0; off < kRecord; off += 64) {
-            __builtin_prefetch(rec + kAhead + off, 0, 2);
-          }
-        }
-      }
-      const __m256i w0 = Load8x32(rec + k4::kWords + 32 * h);
-      const __m256i w1 = Load8x32(rec + k4::kWords + 64 + 32 * h);
-      const __m256i w2 = Load8x32(rec + k4::kWords + 128 + 32 * h);
-      __m256i sum[kC];
-      for (int t = 0; t < kC; ++t) sum[t] = _mm256_setzero_si256();
-      for (int k = 0; k < 4; ++k) {
-        __m256i lo[8], hi[8];
-        for (int c = 0; c < 8; ++c) {
-          const __m256i v = Load8x32(rec + kQs + 64 * (8 * k + c) + 32 * h);
-          lo[c] = _mm256_and_si256(v, low4);
-          hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-          if constexpr (kFive) {
-            const __m256i hb = Load8x32(rec + k5::kQh + 64 * c + 32 * h);
-            lo[c] = _mm256_or_si256(lo[c], BitTo4_256(hb, 2 * k));
-            hi[c] = _mm256_or_si256(hi[c], BitTo4_256(hb, 2 * k + 1));
-          }
-        }
-        const __m256i s_lo = K4Scale256(w0, w2, 2 * k), s_hi = K4Scale256(w0, w2, 2 * k + 1);
-        for (int t = 0; t < kC; ++t) {
-          const int8_t* x = xs[t].q + b * 256 + 64 * k;
-          __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
-          for (int c = 0; c < 8; ++c) {
-            d0 = KDot256(d0, lo[c], Broadcast4(x + 4 * c));
-            d1 = KDot256(d1, hi[c], Broadcast4(x + 32 + 4 * c));
-          }
-          sum[t] = _mm256_add_epi32(sum[t], _mm256_add_epi32(_mm256_mullo_epi32(d0, s_lo),
-                                                             _mm256_mullo_epi32(d1, s_hi)));
-        }
-      }
-      const __m256 d = Halves8(rec + k4::kD + 16 * h);
-      const __m256 negdmin =
-          _mm256_mul_ps(Halves8(rec + k4::kDmin + 16 * h), _mm256_set1_ps(-1.0f));
-      for (int t = 0; t < kC; ++t) {
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]),
-                                 _mm256_mul_ps(d, _mm256_set1_ps(xs[t].d[b])), acc[t]);
-      }
-      for (int j = 0; j < 8; ++j) {
-        const __m256 m = _mm256_mul_ps(_mm256_cvtepi32_ps(K4Min256(w1, w2, j)), negdmin);
-        for (int t = 0; t < kC; ++t) {
-          const float* c = xs[t].c + b * 16 + 2 * j;
-          mins[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(c[0]), mins[t]);
-          mins[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(c[1]), mins[t]);
-        }
-      }
-    }
-    for (int t = 0; t < kC; ++t) {
-      _mm256_storeu_ps(out + t * kInterleave + 8 * h, _mm256_add_ps(acc[t], mins[t]));
-    }
-  }
-}
+// The vector primitives the width-generic tiles below take (K4Tile): 8 rows a vector, each half
+// of a group in turn.
+struct V256 {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int kLanes = 8;
+  static I Load(const uint8_t* p) { return Load8x32(p); }
+  static I Zero() { return _mm256_setzero_si256(); }
+  static I Set8(char v) { return _mm256_set1_epi8(v); }
+  static I Set32(int v) { return _mm256_set1_epi32(v); }
+  static I And(I a, I b) { return _mm256_and_si256(a, b); }
+  static I Or(I a, I b) { return _mm256_or_si256(a, b); }
+  static I Srl16(I a, int n) { return _mm256_srli_epi16(a, n); }
+  static I Sll16(I a, int n) { return _mm256_slli_epi16(a, n); }
+  static I Srl32(I a, int n) { return _mm256_srli_epi32(a, n); }
+  static I Sll32(I a, int n) { return _mm256_slli_epi32(a, n); }
+  static I Add32(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I Mul32(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I Dot(I acc, I u, I x) { return KDot256(acc, u, x); }  // u unsigned, <= 63
+  static I Bcast4(const int8_t* p) { return Broadcast4(p); }
+  static F ZeroF() { return _mm256_setzero_ps(); }
+  static F SetF(float v) { return _mm256_set1_ps(v); }
+  static F ToF(I a) { return _mm256_cvtepi32_ps(a); }
+  static F Mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F Add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F Fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F Halves(const uint8_t* p) { return Halves8(p); }  // kLanes float16
+  static void Store(float* p, F a) { _mm256_storeu_ps(p, a); }
+};
 
 template <int kC, int64_t kAhead>
 inline void K6Tile256(const uint8_t* group, int64_t nblocks, const QActView* xs, float* out) {
@@ -790,6 +676,100 @@ inline void K6Tile256(const uint8_t* group, int64_t nblocks, const QActView* xs,
 }
 #endif
 
+#if defined(PIJ_INTERLEAVED_512) || defined(PIJ_QSIMD_AVX2)
+// Q4_K / Q5_K, written once for a vector width V (V512: the group's 16 rows in one vector; V256:
+// each half of 8 rows in turn, lanes kLanes * h ..). Per sub-block pair (32 quant bytes a row:
+// 8 chunks) the low nibbles are sub-block 2k, the high ones 2k + 1; the 6-bit scales and mins
+// of sub-block j unpacked from the scale words w0 w1 w2 (as llama.cpp's get_scale_min_k4).
+template <class V>
+inline typename V::I K4Scale(typename V::I w0, typename V::I w2, int j) {
+  const auto k63 = V::Set32(63), k15 = V::Set32(15), k3 = V::Set32(3);
+  if (j < 4) return V::And(V::Srl32(w0, 8 * j), k63);
+  const int i = 8 * (j - 4);
+  return V::Or(V::And(V::Srl32(w2, i), k15), V::Sll32(V::And(V::Srl32(w0, i + 6), k3), 4));
+}
+template <class V>
+inline typename V::I K4Min(typename V::I w1, typename V::I w2, int j) {
+  const auto k63 = V::Set32(63), k15 = V::Set32(15), k3 = V::Set32(3);
+  if (j < 4) return V::And(V::Srl32(w1, 8 * j), k63);
+  const int i = 8 * (j - 4);
+  return V::Or(V::And(V::Srl32(w2, i + 4), k15), V::Sll32(V::And(V::Srl32(w1, i + 6), k3), 4));
+}
+// Bit `bit` of each byte to bit 4 (its fifth bit).
+template <class V>
+inline typename V::I BitTo4(typename V::I v, int bit) {
+  return V::And(bit <= 4 ? V::Sll16(v, 4 - bit) : V::Srl16(v, bit - 4), V::Set8(0x10));
+}
+
+template <class V, int kC, int64_t kAhead, bool kFive>
+inline void K4Tile(const uint8_t* group, int64_t nblocks, const QActView* xs, float* out) {
+  using I = typename V::I;
+  using F = typename V::F;
+  constexpr int64_t kRecord = kFive ? k5::kRecord : k4::kRecord;
+  constexpr int64_t kQs = kFive ? k5::kQs : k4::kQs;
+  const I low4 = V::Set8(0x0f);
+  for (int h = 0; h < kInterleave / V::kLanes; ++h) {
+    const int64_t lane4 = 4 * V::kLanes * h, lane2 = 2 * V::kLanes * h;  // this half's bytes
+    F acc[kC], mins[kC];
+    for (int t = 0; t < kC; ++t) acc[t] = mins[t] = V::ZeroF();
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const uint8_t* rec = group + b * kRecord;
+      if constexpr (kAhead > 0) {
+        if (h == 0) {
+          for (int64_t off = 0; off < kRecord; off += 64) {
+            __builtin_prefetch(rec + kAhead + off, 0, 2);
+          }
+        }
+      }
+      const I w0 = V::Load(rec + k4::kWords + lane4);
+      const I w1 = V::Load(rec + k4::kWords + 64 + lane4);
+      const I w2 = V::Load(rec + k4::kWords + 128 + lane4);
+      I sum[kC];
+      for (int t = 0; t < kC; ++t) sum[t] = V::Zero();
+      for (int k = 0; k < 4; ++k) {
+        I lo[8], hi[8];
+        for (int c = 0; c < 8; ++c) {
+          const I v = V::Load(rec + kQs + 64 * (8 * k + c) + lane4);
+          lo[c] = V::And(v, low4);
+          hi[c] = V::And(V::Srl16(v, 4), low4);
+          if constexpr (kFive) {
+            const I hb = V::Load(rec + k5::kQh + 64 * c + lane4);
+            lo[c] = V::Or(lo[c], BitTo4<V>(hb, 2 * k));
+            hi[c] = V::Or(hi[c], BitTo4<V>(hb, 2 * k + 1));
+          }
+        }
+        const I s_lo = K4Scale<V>(w0, w2, 2 * k), s_hi = K4Scale<V>(w0, w2, 2 * k + 1);
+        for (int t = 0; t < kC; ++t) {
+          const int8_t* x = xs[t].q + b * 256 + 64 * k;
+          I d0 = V::Zero(), d1 = V::Zero();
+          for (int c = 0; c < 8; ++c) {
+            d0 = V::Dot(d0, lo[c], V::Bcast4(x + 4 * c));
+            d1 = V::Dot(d1, hi[c], V::Bcast4(x + 32 + 4 * c));
+          }
+          sum[t] = V::Add32(sum[t], V::Add32(V::Mul32(d0, s_lo), V::Mul32(d1, s_hi)));
+        }
+      }
+      const F d = V::Halves(rec + k4::kD + lane2);
+      const F negdmin = V::Mul(V::Halves(rec + k4::kDmin + lane2), V::SetF(-1.0f));
+      for (int t = 0; t < kC; ++t) {
+        acc[t] = V::Fma(V::ToF(sum[t]), V::Mul(d, V::SetF(xs[t].d[b])), acc[t]);
+      }
+      for (int j = 0; j < 8; ++j) {
+        const F m = V::Mul(V::ToF(K4Min<V>(w1, w2, j)), negdmin);
+        for (int t = 0; t < kC; ++t) {
+          const float* c = xs[t].c + b * 16 + 2 * j;
+          mins[t] = V::Fma(m, V::SetF(c[0]), mins[t]);
+          mins[t] = V::Fma(m, V::SetF(c[1]), mins[t]);
+        }
+      }
+    }
+    for (int t = 0; t < kC; ++t) {
+      V::Store(out + t * kInterleave + V::kLanes * h, V::Add(acc[t], mins[t]));
+    }
+  }
+}
+#endif
+
 }  // namespace interleaved_detail
 
 // The portable path on every build (tests compare the vector paths' bits against it).
@@ -815,7 +795,7 @@ inline void InterleavedTile(const uint8_t* group, int64_t nblocks, const QActVie
   namespace d = interleaved_detail;
 #if defined(PIJ_INTERLEAVED_512)
   if constexpr (F::kType == QType::kQ4_K || F::kType == QType::kQ5_K) {
-    d::K4Tile512<kC, kAhead, F::kType == QType::kQ5_K>(group, nblocks, xs, out);
+    d::K4Tile<d::V512, kC, kAhead, F::kType == QType::kQ5_K>(group, nblocks, xs, out);
   } else if constexpr (F::kType == QType::kQ6_K) {
     d::K6Tile512<kC, kAhead>(group, nblocks, xs, out);
   } else {
@@ -823,7 +803,7 @@ inline void InterleavedTile(const uint8_t* group, int64_t nblocks, const QActVie
   }
 #elif defined(PIJ_QSIMD_AVX2)
   if constexpr (F::kType == QType::kQ4_K || F::kType == QType::kQ5_K) {
-    d::K4Tile256<kC, kAhead, F::kType == QType::kQ5_K>(group, nblocks, xs, out);
+    d::K4Tile<d::V256, kC, kAhead, F::kType == QType::kQ5_K>(group, nblocks, xs, out);
   } else if constexpr (F::kType == QType::kQ6_K) {
     d::K6Tile256<kC, kAhead>(group, nblocks, xs, out);
   } else {
