@@ -199,7 +199,9 @@ def test_relu_neurons_that_do_not_fire_are_not_read():
                                            down_qtype="Q4_0", activation="relu"))).any()
 
 
-def test_relu_bad_layouts_are_one_line_errors():
+def test_relu_bad_layouts_are_one_line_errors(monkeypatch):
+    qid = _ffi._qid
+    monkeypatch.setattr(_ffi, "_qid", lambda q: np.int32(q) if isinstance(q, int) else qid(q))
     x, ids, w, gate, up, down = operands("Q4_0", "Q4_0", 2, d=128, f=64)
     kw = dict(gate_qtype="Q4_0", up_qtype="Q4_0", down_qtype="Q4_0")
     groups = dict(kw, down_qtype="Q4_0g32")
@@ -209,6 +211,11 @@ def test_relu_bad_layouts_are_one_line_errors():
         ops.moe_ffn(x, ids, w, gate, up, down, activation="relu", **groups)
     with pytest.raises(ValueError, match=r"moe_ffn activation: expected one of"):
         ops.moe_ffn(x, ids, w, gate, up, down, activation="gelu", **kw)
+    # the handler on its own refuses an arrangement a matrix cannot take, by id
+    with pytest.raises(Exception, match=r"gate qtype: expected .*rows.*interleaved by 16.*got 1026"):
+        _ffi.moe_ffn(x, ids, w, gate, up, down, **dict(kw, gate_qtype=2 | 0x400))
+    with pytest.raises(Exception, match=r"down qtype: expected .*down groups.*got 514"):
+        _ffi.moe_ffn(x, ids, w, gate, up, down, **dict(kw, down_qtype=2 | 0x200))
 
 
 @pytest.mark.parametrize("relu", [False, True])

@@ -141,17 +141,8 @@ ffi::Error ExpertFfnCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer
     return InvalidArg(kOp, "activation", "silu or relu", std::string(activation));
   }
   KernelType gate_kt, up_kt, down_kt;
-  constexpr auto kRows = Arrangement::kRows, kInterleaved = Arrangement::kInterleaved;
-  if (ffi::Error err = DecodeKernelType(kOp, "gate", gate_qtype, {kRows, kInterleaved}, gate_kt);
-      err.failure()) {
-    return err;
-  }
-  if (ffi::Error err = DecodeKernelType(kOp, "up", up_qtype, {kRows, kInterleaved}, up_kt);
-      err.failure()) {
-    return err;
-  }
-  if (ffi::Error err = DecodeKernelType(kOp, "down", down_qtype,
-                                        {kRows, kInterleaved, Arrangement::kDownGroups}, down_kt);
+  if (ffi::Error err = DecodeExpertTypes(kOp, gate_qtype, up_qtype, down_qtype, gate_kt, up_kt,
+                                         down_kt);
       err.failure()) {
     return err;
   }

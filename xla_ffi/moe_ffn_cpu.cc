@@ -106,17 +106,8 @@ ffi::Error MoeFfnCpuImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
   const int64_t e = gd[0], f = gd[1];
   MoeExperts w{};
   KernelType gate_kt, up_kt, down_kt;
-  constexpr auto kRows = Arrangement::kRows, kInterleaved = Arrangement::kInterleaved;
-  if (ffi::Error err = DecodeKernelType(kOp, "gate", gate_qtype, {kRows, kInterleaved}, gate_kt);
-      err.failure()) {
-    return err;
-  }
-  if (ffi::Error err = DecodeKernelType(kOp, "up", up_qtype, {kRows, kInterleaved}, up_kt);
-      err.failure()) {
-    return err;
-  }
-  if (ffi::Error err = DecodeKernelType(kOp, "down", down_qtype,
-                                        {kRows, kInterleaved, Arrangement::kDownGroups}, down_kt);
+  if (ffi::Error err = DecodeExpertTypes(kOp, gate_qtype, up_qtype, down_qtype, gate_kt, up_kt,
+                                         down_kt);
       err.failure()) {
     return err;
   }

@@ -25,6 +25,21 @@ ffi::Error DecodeKernelType(std::string_view op, std::string_view what, int32_t 
   return InvalidArg(op, std::string(what) + " qtype", takes, std::to_string(id));
 }
 
+ffi::Error DecodeExpertTypes(std::string_view op, int32_t gate_id, int32_t up_id,
+                             int32_t down_id, KernelType& gate, KernelType& up,
+                             KernelType& down) {
+  constexpr auto kRows = Arrangement::kRows, kInterleaved = Arrangement::kInterleaved;
+  if (ffi::Error e = DecodeKernelType(op, "gate", gate_id, {kRows, kInterleaved}, gate);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = DecodeKernelType(op, "up", up_id, {kRows, kInterleaved}, up); e.failure()) {
+    return e;
+  }
+  return DecodeKernelType(op, "down", down_id, {kRows, kInterleaved, Arrangement::kDownGroups},
+                          down);
+}
+
 ffi::Error DecodeQWeight(std::string_view op, std::string_view what, ffi::Buffer<ffi::U8> blocks,
                          int32_t qtype_id, int64_t dim, int64_t& rows, QType& qtype) {
   const std::string w(what);
