@@ -362,81 +362,12 @@ struct V512 {
   static F Halves(const uint8_t* p) {  // kLanes float16
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  static I Int8s(const uint8_t* p) {  // kLanes int8, sign-extended to int32
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static void Store(float* p, F a) { _mm512_storeu_ps(p, a); }
 };
 
-// Q6_K: per half n and quarter kk, chunks i < 4 of the low nibbles A (bytes 64n + 16kk + 4i), B
-// (+ 32) and the high bits H (32n + 16kk + 4i) give the codes of four 16-weight groups:
-// q0 = A lo | H bits 0-1, q1 = B lo | bits 2-3, q2 = A hi | bits 4-5, q3 = B hi | bits 6-7
-// (weights 128n + 32q + 16kk + 4i ..; group 8n + 2q + kk).
-template <int kC, int64_t kAhead>
-inline void K6Tile512(const uint8_t* group, int64_t nblocks, const QActView* xs, float* out) {
-  __m512 acc[kC], mins[kC];
-  for (int t = 0; t < kC; ++t) acc[t] = mins[t] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const uint8_t* rec = group + b * k6::kRecord;
-    if constexpr (kAhead > 0) {
-      for (int64_t off = 0; off < k6::kRecord; off += 64) {
-        __builtin_prefetch(rec + kAhead + off, 0, 2);
-      }
-    }
-    __m512i sum[kC];
-    for (int t = 0; t < kC; ++t) sum[t] = _mm512_setzero_si512();
-    for (int n = 0; n < 2; ++n) {
-      for (int kk = 0; kk < 2; ++kk) {
-        __m512i u[4][4];
-        for (int i = 0; i < 4; ++i) {
-          const __m512i A = _mm512_loadu_si512(rec + k6::kQl + 64 * (16 * n + 4 * kk + i));
-          const __m512i B = _mm512_loadu_si512(rec + k6::kQl + 64 * (16 * n + 8 + 4 * kk + i));
-          const __m512i H = _mm512_loadu_si512(rec + k6::kQh + 64 * (8 * n + 4 * kk + i));
-          u[0][i] = _mm512_or_si512(_mm512_and_si512(A, low4),
-                                    _mm512_and_si512(_mm512_slli_epi16(H, 4), bits45));
-          u[1][i] = _mm512_or_si512(_mm512_and_si512(B, low4),
-                                    _mm512_and_si512(_mm512_slli_epi16(H, 2), bits45));
-          u[2][i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(A, 4), low4),
-                                    _mm512_and_si512(H, bits45));
-          u[3][i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(B, 4), low4),
-                                    _mm512_and_si512(_mm512_srli_epi16(H, 2), bits45));
-        }
-        __m512i sc[4];
-        for (int q = 0; q < 4; ++q) {
-          sc[q] = _mm512_cvtepi8_epi32(_mm_loadu_si128(
-              reinterpret_cast<const __m128i*>(rec + k6::kSc + 16 * (8 * n + 2 * q + kk))));
-        }
-        for (int t = 0; t < kC; ++t) {
-          const int8_t* x = xs[t].q + b * 256 + 128 * n + 16 * kk;
-          for (int q = 0; q < 4; ++q) {
-            __m512i dot = _mm512_setzero_si512();
-            for (int i = 0; i < 4; ++i) {
-              dot = _mm512_dpbusd_epi32(dot, u[q][i], Broadcast4(x + 32 * q + 4 * i));
-            }
-            sum[t] = _mm512_add_epi32(sum[t], _mm512_mullo_epi32(dot, sc[q]));
-          }
-        }
-      }
-    }
-    const __m512 d =
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + k6::kD)));
-    const __m512 dm = _mm512_mul_ps(d, _mm512_set1_ps(-32.0f));
-    for (int t = 0; t < kC; ++t) {
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t]),
-                               _mm512_mul_ps(d, _mm512_set1_ps(xs[t].d[b])), acc[t]);
-    }
-    for (int g = 0; g < 16; ++g) {
-      const __m512 m = _mm512_mul_ps(
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + k6::kSc + 16 * g)))),
-          dm);
-      for (int t = 0; t < kC; ++t) {
-        mins[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t].c[b * 16 + g]), mins[t]);
-      }
-    }
-  }
-  for (int t = 0; t < kC; ++t) {
-    _mm512_storeu_ps(out + t * kInterleave, _mm512_add_ps(acc[t], mins[t]));
-  }
-}
 #elif defined(PIJ_QSIMD_AVX2)
 inline __m256i Broadcast4(const int8_t* p) { return _mm256_set1_epi32(Chunk4(p)); }
 inline __m256i FifthBits256(__m256i v) {  // as FifthBits512
@@ -600,80 +531,12 @@ struct V256 {
   static F Add(F a, F b) { return _mm256_add_ps(a, b); }
   static F Fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F Halves(const uint8_t* p) { return Halves8(p); }  // kLanes float16
+  static I Int8s(const uint8_t* p) {  // kLanes int8, sign-extended to int32
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
   static void Store(float* p, F a) { _mm256_storeu_ps(p, a); }
 };
 
-template <int kC, int64_t kAhead>
-inline void K6Tile256(const uint8_t* group, int64_t nblocks, const QActView* xs, float* out) {
-  const __m256i low4 = _mm256_set1_epi8(0x0f), bits45 = _mm256_set1_epi8(0x30);
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[kC], mins[kC];
-    for (int t = 0; t < kC; ++t) acc[t] = mins[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const uint8_t* rec = group + b * k6::kRecord;
-      if constexpr (kAhead > 0) {
-        if (h == 0) {
-          for (int64_t off = 0; off < k6::kRecord; off += 64) {
-            __builtin_prefetch(rec + kAhead + off, 0, 2);
-          }
-        }
-      }
-      __m256i sum[kC];
-      for (int t = 0; t < kC; ++t) sum[t] = _mm256_setzero_si256();
-      for (int n = 0; n < 2; ++n) {
-        for (int kk = 0; kk < 2; ++kk) {
-          __m256i u[4][4];
-          for (int i = 0; i < 4; ++i) {
-            const __m256i A = Load8x32(rec + k6::kQl + 64 * (16 * n + 4 * kk + i) + 32 * h);
-            const __m256i B = Load8x32(rec + k6::kQl + 64 * (16 * n + 8 + 4 * kk + i) + 32 * h);
-            const __m256i H = Load8x32(rec + k6::kQh + 64 * (8 * n + 4 * kk + i) + 32 * h);
-            u[0][i] = _mm256_or_si256(_mm256_and_si256(A, low4),
-                                      _mm256_and_si256(_mm256_slli_epi16(H, 4), bits45));
-            u[1][i] = _mm256_or_si256(_mm256_and_si256(B, low4),
-                                      _mm256_and_si256(_mm256_slli_epi16(H, 2), bits45));
-            u[2][i] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), low4),
-                                      _mm256_and_si256(H, bits45));
-            u[3][i] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), low4),
-                                      _mm256_and_si256(_mm256_srli_epi16(H, 2), bits45));
-          }
-          __m256i sc[4];
-          for (int q = 0; q < 4; ++q) {
-            sc[q] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
-                rec + k6::kSc + 16 * (8 * n + 2 * q + kk) + 8 * h)));
-          }
-          for (int t = 0; t < kC; ++t) {
-            const int8_t* x = xs[t].q + b * 256 + 128 * n + 16 * kk;
-            for (int q = 0; q < 4; ++q) {
-              __m256i dot = _mm256_setzero_si256();
-              for (int i = 0; i < 4; ++i) {
-                dot = KDot256(dot, u[q][i], Broadcast4(x + 32 * q + 4 * i));
-              }
-              sum[t] = _mm256_add_epi32(sum[t], _mm256_mullo_epi32(dot, sc[q]));
-            }
-          }
-        }
-      }
-      const __m256 d = Halves8(rec + k6::kD + 16 * h);
-      const __m256 dm = _mm256_mul_ps(d, _mm256_set1_ps(-32.0f));
-      for (int t = 0; t < kC; ++t) {
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]),
-                                 _mm256_mul_ps(d, _mm256_set1_ps(xs[t].d[b])), acc[t]);
-      }
-      for (int g = 0; g < 16; ++g) {
-        const __m256 m = _mm256_mul_ps(
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                reinterpret_cast<const __m128i*>(rec + k6::kSc + 16 * g + 8 * h)))),
-            dm);
-        for (int t = 0; t < kC; ++t) {
-          mins[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[t].c[b * 16 + g]), mins[t]);
-        }
-      }
-    }
-    for (int t = 0; t < kC; ++t) {
-      _mm256_storeu_ps(out + t * kInterleave + 8 * h, _mm256_add_ps(acc[t], mins[t]));
-    }
-  }
-}
 #endif
 
 #if defined(PIJ_INTERLEAVED_512) || defined(PIJ_QSIMD_AVX2)
@@ -768,6 +631,76 @@ inline void K4Tile(const uint8_t* group, int64_t nblocks, const QActView* xs, fl
     }
   }
 }
+
+// Q6_K (written once for both widths, as K4Tile): per half n and quarter kk, chunks i < 4 of the low nibbles A (bytes 64n + 16kk + 4i), B
+// (+ 32) and the high bits H (32n + 16kk + 4i) give the codes of four 16-weight groups:
+// q0 = A lo | H bits 0-1, q1 = B lo | bits 2-3, q2 = A hi | bits 4-5, q3 = B hi | bits 6-7
+// (weights 128n + 32q + 16kk + 4i ..; group 8n + 2q + kk).
+template <class V, int kC, int64_t kAhead>
+inline void K6Tile(const uint8_t* group, int64_t nblocks, const QActView* xs, float* out) {
+  using I = typename V::I;
+  using F = typename V::F;
+  const I low4 = V::Set8(0x0f), bits45 = V::Set8(0x30);
+  for (int h = 0; h < kInterleave / V::kLanes; ++h) {
+    const int64_t lane4 = 4 * V::kLanes * h, lane2 = 2 * V::kLanes * h, lane1 = V::kLanes * h;
+    F acc[kC], mins[kC];
+    for (int t = 0; t < kC; ++t) acc[t] = mins[t] = V::ZeroF();
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const uint8_t* rec = group + b * k6::kRecord;
+      if constexpr (kAhead > 0) {
+        if (h == 0) {
+          for (int64_t off = 0; off < k6::kRecord; off += 64) {
+            __builtin_prefetch(rec + kAhead + off, 0, 2);
+          }
+        }
+      }
+      I sum[kC];
+      for (int t = 0; t < kC; ++t) sum[t] = V::Zero();
+      for (int n = 0; n < 2; ++n) {
+        for (int kk = 0; kk < 2; ++kk) {
+          I u[4][4];
+          for (int i = 0; i < 4; ++i) {
+            const I A = V::Load(rec + k6::kQl + 64 * (16 * n + 4 * kk + i) + lane4);
+            const I B = V::Load(rec + k6::kQl + 64 * (16 * n + 8 + 4 * kk + i) + lane4);
+            const I H = V::Load(rec + k6::kQh + 64 * (8 * n + 4 * kk + i) + lane4);
+            u[0][i] = V::Or(V::And(A, low4), V::And(V::Sll16(H, 4), bits45));
+            u[1][i] = V::Or(V::And(B, low4), V::And(V::Sll16(H, 2), bits45));
+            u[2][i] = V::Or(V::And(V::Srl16(A, 4), low4), V::And(H, bits45));
+            u[3][i] = V::Or(V::And(V::Srl16(B, 4), low4), V::And(V::Srl16(H, 2), bits45));
+          }
+          I sc[4];
+          for (int q = 0; q < 4; ++q) {
+            sc[q] = V::Int8s(rec + k6::kSc + 16 * (8 * n + 2 * q + kk) + lane1);
+          }
+          for (int t = 0; t < kC; ++t) {
+            const int8_t* x = xs[t].q + b * 256 + 128 * n + 16 * kk;
+            for (int q = 0; q < 4; ++q) {
+              I dot = V::Zero();
+              for (int i = 0; i < 4; ++i) {
+                dot = V::Dot(dot, u[q][i], V::Bcast4(x + 32 * q + 4 * i));
+              }
+              sum[t] = V::Add32(sum[t], V::Mul32(dot, sc[q]));
+            }
+          }
+        }
+      }
+      const F d = V::Halves(rec + k6::kD + lane2);
+      const F dm = V::Mul(d, V::SetF(-32.0f));
+      for (int t = 0; t < kC; ++t) {
+        acc[t] = V::Fma(V::ToF(sum[t]), V::Mul(d, V::SetF(xs[t].d[b])), acc[t]);
+      }
+      for (int g = 0; g < 16; ++g) {
+        const F m = V::Mul(V::ToF(V::Int8s(rec + k6::kSc + 16 * g + lane1)), dm);
+        for (int t = 0; t < kC; ++t) {
+          mins[t] = V::Fma(m, V::SetF(xs[t].c[b * 16 + g]), mins[t]);
+        }
+      }
+    }
+    for (int t = 0; t < kC; ++t) {
+      V::Store(out + t * kInterleave + V::kLanes * h, V::Add(acc[t], mins[t]));
+    }
+  }
+}
 #endif
 
 }  // namespace interleaved_detail
@@ -797,7 +730,7 @@ inline void InterleavedTile(const uint8_t* group, int64_t nblocks, const QActVie
   if constexpr (F::kType == QType::kQ4_K || F::kType == QType::kQ5_K) {
     d::K4Tile<d::V512, kC, kAhead, F::kType == QType::kQ5_K>(group, nblocks, xs, out);
   } else if constexpr (F::kType == QType::kQ6_K) {
-    d::K6Tile512<kC, kAhead>(group, nblocks, xs, out);
+    d::K6Tile<d::V512, kC, kAhead>(group, nblocks, xs, out);
   } else {
     d::Tile512<F, kC, kAhead>(group, nblocks, xs, out);
   }
@@ -805,7 +738,7 @@ inline void InterleavedTile(const uint8_t* group, int64_t nblocks, const QActVie
   if constexpr (F::kType == QType::kQ4_K || F::kType == QType::kQ5_K) {
     d::K4Tile<d::V256, kC, kAhead, F::kType == QType::kQ5_K>(group, nblocks, xs, out);
   } else if constexpr (F::kType == QType::kQ6_K) {
-    d::K6Tile256<kC, kAhead>(group, nblocks, xs, out);
+    d::K6Tile<d::V256, kC, kAhead>(group, nblocks, xs, out);
   } else {
     d::Tile256<F, kC, kAhead>(group, nblocks, xs, out);
   }
