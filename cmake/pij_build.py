@@ -30,12 +30,17 @@ __all__ = ["build_editable", "build_sdist", "build_wheel", "get_requires_for_bui
 
 JAXLIB = "jaxlib>=0.10"  # as [project] dependencies and the headers the sources need
 
-# -I: the interpreter's own environment, not the isolated build environment pip put on its path
-_PROBE = "import jaxlib.version as v; print(v.__version__)"
+# -I: the interpreter's own environment, not the isolated build environment pip put on its path;
+# the version only where the FFI headers are there too (what cmake/python_deps.cmake looks for)
+_PROBE = ("import os, jaxlib, jaxlib.version as v; "
+          "h = os.path.join(os.path.dirname(os.path.abspath(jaxlib.__file__)), "
+          "'include', 'xla', 'ffi', 'api', 'ffi.h'); "
+          "print(v.__version__ if os.path.isfile(h) else '')")
 
 
 def installed_jaxlib() -> str | None:
-    """The version of jaxlib in the environment pip installs into, or None."""
+    """The version of jaxlib in the environment pip installs into, or None (none there, or one
+    without the XLA FFI headers)."""
     try:
         out = subprocess.run([sys.executable, "-I", "-c", _PROBE], capture_output=True,
                              text=True, timeout=60, check=False)

@@ -6,24 +6,31 @@
 # environment Python runs in, else (`-I`) from the interpreter's own environment: under pip's
 # isolated build that is the environment being installed into, whose jaxlib the build
 # environment does not repeat (cmake/pij_build.py).
-set(pij_jaxlib_include_probe
-    "import os, jaxlib; print(os.path.join(os.path.dirname(os.path.abspath(jaxlib.__file__)), 'include'))")
+string(CONCAT pij_jaxlib_include_probe
+       "import os, jaxlib; print(os.path.join(os.path.dirname(os.path.abspath(jaxlib.__file__)), "
+       "'include'))")
 function(pij_find_python_deps ffi_var nanobind_var)
   set(ffi "${PIJ_XLA_FFI_SRC}")
+  if(ffi AND NOT EXISTS "${ffi}/xla/ffi/api/ffi.h")
+    message(FATAL_ERROR "PIJ_XLA_FFI_SRC=${ffi}: expected a folder with xla/ffi/api/ffi.h")
+  endif()
+  set(why "")
   foreach(isolated IN ITEMS "" "-I")
     if(ffi)
       break()
     endif()
     execute_process(
       COMMAND "${Python_EXECUTABLE}" ${isolated} -c "${pij_jaxlib_include_probe}"
-      OUTPUT_VARIABLE ffi OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE result ERROR_QUIET)
+      OUTPUT_VARIABLE ffi OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE result
+      ERROR_VARIABLE err ERROR_STRIP_TRAILING_WHITESPACE)
     if(NOT result EQUAL 0 OR NOT EXISTS "${ffi}/xla/ffi/api/ffi.h")
+      string(APPEND why "\n  ${Python_EXECUTABLE} ${isolated}: ${err}${ffi}")
       set(ffi "")
     endif()
   endforeach()
   if(NOT EXISTS "${ffi}/xla/ffi/api/ffi.h")
     message(FATAL_ERROR "Could not find XLA FFI headers in jaxlib "
-                        "(is jaxlib installed for ${Python_EXECUTABLE}?)")
+                        "(is jaxlib installed for ${Python_EXECUTABLE}?):${why}")
   endif()
   set(nb "${PIJ_NANOBIND_SRC}")
   if(NOT nb)

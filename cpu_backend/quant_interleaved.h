@@ -632,8 +632,9 @@ inline void K4Tile(const uint8_t* group, int64_t nblocks, const QActView* xs, fl
   }
 }
 
-// Q6_K (written once for both widths, as K4Tile): per half n and quarter kk, chunks i < 4 of the low nibbles A (bytes 64n + 16kk + 4i), B
-// (+ 32) and the high bits H (32n + 16kk + 4i) give the codes of four 16-weight groups:
+// Q6_K (written once for both widths, as K4Tile): per half n and quarter kk, chunks i < 4 of
+// the low nibbles A (bytes 64n + 16kk + 4i), B (+ 32) and the high bits H (32n + 16kk + 4i)
+// give the codes of four 16-weight groups:
 // q0 = A lo | H bits 0-1, q1 = B lo | bits 2-3, q2 = A hi | bits 4-5, q3 = B hi | bits 6-7
 // (weights 128n + 32q + 16kk + 4i ..; group 8n + 2q + kk).
 template <class V, int kC, int64_t kAhead>

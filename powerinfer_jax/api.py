@@ -220,10 +220,12 @@ class LLM:
             import jax.numpy as jnp
 
             out = []
-            for layer, x, r in zip(m.layers, sown["ffn_in"], sown["ffn_residual"]):
+            residuals = sown.get("ffn_residual", [None] * len(m.layers))
+            for layer, x, r in zip(m.layers, sown["ffn_in"], residuals):
                 a = layer.ffn.activations(x)
                 sel = layer.ffn.selector
-                out.append((a != 0 if sel is None else sel.select_in_block(layer.ffn, x, r).active(a))[0])
+                out.append((a != 0 if sel is None
+                            else sel.select_in_block(layer.ffn, x, r).active(a))[0])
             return jnp.stack(out)
         return np.asarray(self._forward(self._ids(text_or_ids), masks))
 

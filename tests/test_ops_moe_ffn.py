@@ -216,6 +216,12 @@ def test_relu_bad_layouts_are_one_line_errors(monkeypatch):
         _ffi.moe_ffn(x, ids, w, gate, up, down, **dict(kw, gate_qtype=2 | 0x400))
     with pytest.raises(Exception, match=r"down qtype: expected .*down groups.*got 514"):
         _ffi.moe_ffn(x, ids, w, gate, up, down, **dict(kw, down_qtype=2 | 0x200))
+    with pytest.raises(Exception, match=r"down_qtype \(down groups\): expected .*got 1038"):
+        _ffi.moe_ffn(x, ids, w, gate, up, down, **dict(kw, down_qtype=14 | 0x400,
+                                                       activation="relu"))  # Q6_K: no groups
+    # the op's own check names the down-groups names a down projection takes
+    with pytest.raises(ValueError, match=r"down_qtype: expected one of .*'Q4_0g32'.*got 'Q4_Kg32'"):
+        ops.moe_ffn(x, ids, w, gate, up, down, **dict(kw, down_qtype="Q4_Kg32"))
 
 
 @pytest.mark.parametrize("relu", [False, True])

@@ -59,12 +59,13 @@ ffi::Error CheckStack(std::string_view what, ffi::Buffer<ffi::U8> b, KernelType 
 }
 
 // Each expert's down groups: uint8 [E, F / 32, D * block bytes] of a 32-weight format.
-ffi::Error CheckGroups(ffi::Buffer<ffi::U8> b, int32_t qtype_id, int64_t e, int64_t f, int64_t d,
-                       QType& t) {
+// qtype_id: the format's id; id: the type id as given (for the message).
+ffi::Error CheckGroups(ffi::Buffer<ffi::U8> b, int32_t qtype_id, int32_t id, int64_t e, int64_t f,
+                       int64_t d, QType& t) {
   if (!IsQType(qtype_id) || DownGroupScaleBytes(static_cast<QType>(qtype_id)) == 0) {
     return InvalidArg(kOp, "down_qtype (down groups)",
                       "a 32-weight format id: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8 (+1024)",
-                      std::to_string(qtype_id));
+                      std::to_string(id));
   }
   t = static_cast<QType>(qtype_id);
   if (f % 32 != 0 || d % 32 != 0) {
@@ -129,7 +130,8 @@ ffi::Error MoeFfnCpuImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
                         std::string(activation) + (w.up_il ? ", up interleaved" : "") +
                             (w.gate_il ? ", gate interleaved" : ""));
     }
-    if (ffi::Error err = CheckGroups(down, down_kt.format, e, f, d, w.down_t); err.failure()) {
+    if (ffi::Error err = CheckGroups(down, down_kt.format, down_qtype, e, f, d, w.down_t);
+        err.failure()) {
       return err;
     }
     w.down_groups = true;

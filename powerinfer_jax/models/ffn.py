@@ -64,6 +64,10 @@ class Selection(NamedTuple):
 class Selector(Module):
     """Finds one FFN layer's active neurons (implementations: sparsity/selectors.py)."""
 
+    # whether `select_in_block` reads the block's residual (Block then also sows it under
+    # capture, as "ffn_residual", for diagnostics that select outside the block's call)
+    reads_residual = False
+
     def select(self, ffn: "FFN", x_btd) -> Selection:
         """The active set for the FFN input x_btd [B, T, D]."""
         raise NotImplementedError

@@ -36,9 +36,9 @@ class Block(Module):
     config.post_norms (Gemma-2/3) each sublayer's output is normed before it joins the residual,
     x + attn_post_norm(attn(attn_norm(x))); with config.parallel_block (Falcon):
     x + attn(attn_norm(x)) + ffn(ffn_norm(x)). Sows the FFN's input (after ffn_norm) as "ffn_in"
-    [B, T, D] under `capture` (profiling, predictor training), and the tensor ffn_norm
-    normalized as "ffn_residual"; the FFN gets that tensor as its `residual` (PowerInfer's
-    predictors read it)."""
+    [B, T, D] under `capture` (profiling, predictor training); the FFN gets the tensor ffn_norm
+    normalized as its `residual` (PowerInfer's predictors read it), sown as "ffn_residual" too
+    where the FFN's selector reads it."""
 
     def __init__(self, c: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs | None, kernels: str,
                  **attention_options):
@@ -76,7 +76,8 @@ class Block(Module):
         ffn_in = self.ffn_norm(x_btd)
         sow(self, "ffn_in", ffn_in)
         sow(self, "ffn_in", ffn_in, InputSample)
-        sow(self, "ffn_residual", x_btd)
+        if getattr(getattr(self.ffn, "selector", None), "reads_residual", False):
+            sow(self, "ffn_residual", x_btd)
         ffn_out = self.ffn(ffn_in, residual=x_btd)
         if self.parallel:  # Falcon: attention and FFN both read the block's input
             return x_btd + self._sum_shards(attn_out + ffn_out), new_cache

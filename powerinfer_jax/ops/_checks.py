@@ -192,9 +192,11 @@ def check_down_type(qtype, what: str = "down_qtype", *, interleaved: bool = Fals
     name."""
     from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
-    if isinstance(qtype, str) and (qtype in quants.GROUPS_TYPES
-                                   or interleaved and qtype in quants.INTERLEAVED_TYPES):
+    arranged = quants.GROUPS_TYPES + (quants.INTERLEAVED_TYPES if interleaved else ())
+    if isinstance(qtype, str) and qtype in arranged:
         return qtype
+    if isinstance(qtype, str) and qtype not in quants.SUPPORTED_TYPES:
+        fail(what, f"one of {list(quants.QUANTIZED_TYPES)} or {list(arranged)}", qtype)
     return check_qtype(what, qtype)
 
 

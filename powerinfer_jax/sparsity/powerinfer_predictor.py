@@ -99,6 +99,8 @@ class PowerInferPredictor(Module):
 class PowerInferSelector(Selector):
     """Active where the PowerInfer predictor, on the block's residual, says so (module doc)."""
 
+    reads_residual = True
+
     def __init__(self, predictor: PowerInferPredictor):
         self.predictor = predictor
 
