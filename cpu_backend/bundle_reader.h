@@ -75,6 +75,22 @@ class BundleReader {
   std::string error_;  // under mutex_
 };
 
+// A store's read figures since `base` (the reader's at the store's last ResetStats), its
+// callers' wait and the read mode, into its stats (NeuronStoreStats, ExpertStoreStats: the
+// fields they share).
+template <class StoreStats>
+void AddReadStats(const BundleReader& reader, const ReaderStats& base, int64_t wait_ns,
+                  StoreStats& out) {
+  const ReaderStats r = reader.Stats();
+  out.read_jobs = r.jobs - base.jobs;
+  out.read_syscalls = r.syscalls - base.syscalls;
+  out.bytes_read = r.bytes - base.bytes;
+  out.read_failures = r.failures - base.failures;
+  out.read_busy_ns = r.busy_ns - base.busy_ns;
+  out.wait_ns = wait_ns;
+  out.direct = reader.direct();
+}
+
 }  // namespace pij
 
 #endif  // PIJ_CPU_BACKEND_BUNDLE_READER_H_

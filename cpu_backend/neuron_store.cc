@@ -378,14 +378,7 @@ NeuronStoreStats NeuronStore::Stats() const {
     std::lock_guard<std::mutex> lock(mutex_);
     out = stats_;
   }
-  const ReaderStats r = reader_->Stats();
-  out.read_jobs = r.jobs - reader_base_.jobs;
-  out.read_syscalls = r.syscalls - reader_base_.syscalls;
-  out.bytes_read = r.bytes - reader_base_.bytes;
-  out.read_failures = r.failures - reader_base_.failures;
-  out.read_busy_ns = r.busy_ns - reader_base_.busy_ns;
-  out.wait_ns = wait_ns_.load(std::memory_order_relaxed);
-  out.direct = reader_->direct();
+  AddReadStats(*reader_, reader_base_, wait_ns_.load(std::memory_order_relaxed), out);
   return out;
 }
 
