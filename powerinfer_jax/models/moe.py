@@ -47,7 +47,7 @@ from powerinfer_jax import ops
 from powerinfer_jax.errors import fail
 from powerinfer_jax.models.ffn import FFN, require_residual
 from powerinfer_jax.models.layers import F32, Linear, Module, _param, op_impl, sow
-from powerinfer_jax.models.qweights import host_blocks, interleaved
+from powerinfer_jax.models.qweights import host_blocks, interleaved, kernel_type
 from powerinfer_jax.ops.reference import gated_activate
 
 EXECUTIONS = ("routed", "dense")
@@ -89,16 +89,8 @@ class Stacked(Module):
     @property
     def kernel_qtype(self) -> str | None:
         """The type name the custom calls take: `qtype` ("Q4_0x16" where interleaved), with
-        the down groups' suffix for groups ("Q4_0g32")."""
-        return _kernel_type(self.qtype, self.layout)
-
-
-def _kernel_type(qtype: str | None, layout: str) -> str | None:
-    from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
-
-    if qtype is None or layout != "groups":
-        return qtype
-    return qtype + quants.GROUPS_SUFFIX
+        the down groups' suffix for groups ("Q4_0g32"; qweights.kernel_type, the one map)."""
+        return None if self.qtype is None else kernel_type(self.qtype, self.layout, False)
 
 
 def stacked_format(qtype: str, layout: str, stored_shape, transposed: bool) -> tuple[str, str]:

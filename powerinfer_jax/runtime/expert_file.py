@@ -90,10 +90,10 @@ class ExpertSpec:
     def layer_formats(self, layer: int) -> dict:
         """Layer `layer`'s formats as ops._ffi.expert_ffn takes them (the header's down layout
         as the down type's arrangement: "Q4_0g32" for groups)."""
-        from powerinfer_jax.models.moe import _kernel_type  # lazy: start-up
+        from powerinfer_jax.models.qweights import kernel_type  # lazy: start-up
 
         gate, up, down, layout = self.formats[layer]
-        return dict(gate_qtype=gate, up_qtype=up, down_qtype=_kernel_type(down, layout))
+        return dict(gate_qtype=gate, up_qtype=up, down_qtype=kernel_type(down, layout, False))
 
     @property
     def expert_bytes(self) -> int:
