@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 
 #include "cpu_backend/bundle_reader.h"
 #include "cpu_backend/pij_math.h"
+#include "cpu_backend/qcolumns.h"
 #include "cpu_backend/qlinear.h"
 
 namespace pij {
@@ -68,14 +70,17 @@ bool Ready(const MoeExperts& w, int64_t e, MoeScratch& s) {
 
 // (expert, row range) tasks over s.experts (the experts that have tokens, in the order they
 // are computed), `passes` matrices each of `rows` rows, about kTasksPerThread per thread.
-void MakeTasks(const MoeScratch& s, int64_t rows, int passes, int threads,
+// grain: the rows a task's range is a multiple of (16: interleaved groups; 64: columns tiles).
+void MakeTasks(const MoeScratch& s, int64_t rows, int passes, int threads, int64_t grain,
                std::vector<Task>& tasks) {
   tasks.clear();
   const int64_t active = static_cast<int64_t>(s.experts.size());
   if (active == 0) return;
   const int64_t want = std::max<int64_t>(1, threads * kTasksPerThread);
-  // a multiple of 16 rows: an interleaved matrix's tasks start and end on its groups
-  const int64_t per = (std::max(kMinTaskRows, rows * active * passes / want) + 15) / 16 * 16;
+  // a multiple of the grain: an interleaved (columns) matrix's tasks start and end on its
+  // groups (tiles)
+  const int64_t per =
+      (std::max(kMinTaskRows, rows * active * passes / want) + grain - 1) / grain * grain;
   for (const int32_t e : s.experts) {
     for (int which = 0; which < passes; ++which) {
       for (int64_t lo = 0; lo < rows; lo += per) {
@@ -143,10 +148,11 @@ void DenseExperts(const MoeExperts& w, int64_t pairs, MoeScratch& s, ThreadPool&
   Quantize(s.rows, d, w.up_t, s.x_up, s.v_up, pool);
   s.g.resize(pairs * f);
   s.u.resize(pairs * f);
-  const int64_t rb_d_gate = QRowBytes(w.gate_t, d), rb_d_up = QRowBytes(w.up_t, d);
-  const int64_t rb_f = QRowBytes(w.down_t, f);
+  const int64_t rb_d_gate = w.gate_col ? ColumnsRowBytes(w.gate_t, f, d) : QRowBytes(w.gate_t, d);
+  const int64_t rb_d_up = w.up_col ? ColumnsRowBytes(w.up_t, f, d) : QRowBytes(w.up_t, d);
+  const int64_t rb_f = w.down_col ? ColumnsRowBytes(w.down_t, d, f) : QRowBytes(w.down_t, f);
   std::vector<Task> tasks;
-  MakeTasks(s, f, 2, pool.NumThreads(), tasks);
+  MakeTasks(s, f, 2, pool.NumThreads(), w.gate_col || w.up_col ? kColTile : 16, tasks);
   pool.Run(0, static_cast<int64_t>(tasks.size()), [&](int64_t ti, int /*worker*/) {
     const Task& t = tasks[ti];
     if (!Ready(w, t.expert, s)) return;
@@ -154,22 +160,35 @@ void DenseExperts(const MoeExperts& w, int64_t pairs, MoeScratch& s, ThreadPool&
     const bool gate = t.which == 0;
     QLinearOut out{gate ? GateOf(w, t.expert, f * rb_d_gate) : UpOf(w, t.expert, f * rb_d_up),
                    gate ? w.gate_t : w.up_t, nullptr, f, (gate ? s.g : s.u).data() + a * f,
-                   gate ? w.gate_il : w.up_il};
+                   gate ? w.gate_il : w.up_il, gate ? w.gate_col : w.up_col};
     const auto& views = gate ? s.v_gate : s.v_up;
     QLinearRows(out, d, std::span<const QActView>(views.data() + a, count), t.lo, t.hi);
   });
   if (s.failed.load(std::memory_order_relaxed)) return;
-  // h = act(g) * u, quantized for down's blocks.
+  // h = act(g) * u (zeroed below its expert's thresholds), quantized for down's blocks.
   for (int64_t i = 0; i < pairs * f; ++i) s.g[i] = GatedActivate(w.activation, s.g[i], s.u[i]);
+  s.n_active.resize(pairs);
+  for (const int32_t e : s.experts) {
+    const float* thr = w.mid_thresholds != nullptr ? w.mid_thresholds + int64_t{e} * f : nullptr;
+    for (int64_t i = s.start[e]; i < s.start[e + 1]; ++i) {
+      float* h = s.g.data() + i * f;
+      int32_t nonzero = 0;
+      for (int64_t j = 0; j < f; ++j) {
+        if (thr != nullptr && std::fabs(h[j]) < thr[j]) h[j] = 0.0f;  // NaN stays (as in JAX)
+        nonzero += h[j] != 0.0f;
+      }
+      s.n_active[i] = nonzero;
+    }
+  }
   for (int64_t i = 0; i < pairs; ++i) s.rows[i] = s.g.data() + i * f;  // x is quantized
   Quantize(s.rows, f, w.down_t, s.h, s.v_h, pool);
   // Down rows of each routed expert for its group.
-  MakeTasks(s, d, 1, pool.NumThreads(), tasks);
+  MakeTasks(s, d, 1, pool.NumThreads(), w.down_col ? kColTile : 16, tasks);
   pool.Run(0, static_cast<int64_t>(tasks.size()), [&](int64_t ti, int /*worker*/) {
     const Task& t = tasks[ti];
     const int64_t a = s.start[t.expert], count = s.start[t.expert + 1] - a;
     QLinearOut out{DownOf(w, t.expert, d * rb_f), w.down_t, nullptr, d, s.y.data() + a * d,
-                   w.down_il};
+                   w.down_il, w.down_col};
     QLinearRows(out, f, std::span<const QActView>(s.v_h.data() + a, count), t.lo, t.hi);
   });
 }
@@ -205,7 +224,8 @@ void SparseExperts(const MoeExperts& w, int64_t pairs, MoeScratch& s, ThreadPool
 }  // namespace
 
 bool MoeFfn(const MoeExperts& w, std::span<const float* const> x_rows, const int32_t* ids,
-            const float* weights, int64_t k, float* y, MoeScratch& s, ThreadPool& pool) {
+            const float* weights, int64_t k, float* y, MoeScratch& s, ThreadPool& pool,
+            int32_t* kept) {
   const int64_t n = static_cast<int64_t>(x_rows.size());
   s.failed.store(false);
   s.wait_ns.store(0);
@@ -229,6 +249,16 @@ bool MoeFfn(const MoeExperts& w, std::span<const float* const> x_rows, const int
   }
   if (s.failed.load()) return false;
   SumExperts(n, k, w.dim, weights, s, y);
+  if (kept != nullptr) {  // each token's pairs' nonzero h channels (sparse: active neurons)
+    for (int64_t t = 0; t < n; ++t) {
+      int32_t sum = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t slot = s.slot[t * k + j];
+        if (slot >= 0) sum += s.n_active[slot];
+      }
+      kept[t] = sum;
+    }
+  }
   return true;
 }
 

@@ -2,7 +2,10 @@
 // experts' rows are read and computed, the tokens of a call grouped by expert so each expert's
 // rows are read once for all its tokens. Built from qlinear.h's row products (the file's block
 // formats, int8 activations as llama.cpp computes; AVX-512, AVX2 and portable paths there).
-// ReLU experts with their down projection in down groups are sparse inside as well: each routed
+// Under input sparsity each expert's matrices are in the columns layout (qcolumns.h) and read
+// only the channels of their inputs that are nonzero (x masked by the caller, h here by
+// per-expert thresholds). ReLU experts with their down projection in down groups are sparse
+// inside as well: each routed
 // expert is the dense FFN's exact oracle (qsparse_ffn.h), so only the neurons whose gate fires
 // read their up row and their down group. The experts are stacked (a layer's arrays) or each
 // where an expert store keeps it (expert_store.h: `sources`, whose reads may still be running:
@@ -45,7 +48,14 @@ struct MoeExperts {
   QType gate_t, up_t, down_t;
   int64_t n_experts, d_ff, dim;
   bool gate_il = false, up_il = false, down_il = false;
+  // Each expert's matrix in the columns layout instead (qcolumns.h: [E, rows, ColumnsRowBytes],
+  // rows a multiple of 64): only the input channels whose 8-bit activation is nonzero are read
+  // (input sparsity, sparsity/input_sparsity.py; gate and up read the x they are given).
+  bool gate_col = false, up_col = false, down_col = false;
   Activation activation = Activation::kSilu;  // silu or relu: act(gate . x) * (up . x)
+  // [E, F] or nullptr: down's input h = act(g) * u is zeroed where |h| < mid_thresholds[e, j]
+  // (input sparsity of the experts' down projections; the dense path only).
+  const float* mid_thresholds = nullptr;
   // down as each expert's down groups, [E, F / 32, D * block bytes] (checkpoint.quants
   // .down_groups; a 32-weight format): the sparse path, relu only. Up rows may then be the
   // file's (only the neurons whose gate fires read theirs) under an interleaved gate.
@@ -74,9 +84,11 @@ struct MoeScratch {
 // (checked by the caller): ids in [-1, E); D a multiple of gate's and up's blocks, F of down's; with
 // down_groups: relu, a 32-weight down format, D and F multiples of 32.
 // Returns false when a source's read failed (y is then unspecified); s.wait_ns counts the time
-// the call waited for reads.
+// the call waited for reads. kept [N] (or nullptr): per token the nonzero channels of down's
+// input (after mid_thresholds; the sparse path: the neurons that fire) summed over its pairs.
 bool MoeFfn(const MoeExperts& w, std::span<const float* const> x_rows, const int32_t* ids,
-            const float* weights, int64_t k, float* y, MoeScratch& s, ThreadPool& pool);
+            const float* weights, int64_t k, float* y, MoeScratch& s, ThreadPool& pool,
+            int32_t* kept = nullptr);
 
 }  // namespace pij
 

@@ -214,8 +214,10 @@ def test_relu_bad_layouts_are_one_line_errors(monkeypatch):
     # the handler on its own refuses an arrangement a matrix cannot take, by id
     with pytest.raises(Exception, match=r"gate qtype: expected .*rows.*interleaved by 16.*got 1026"):
         _ffi.moe_ffn(x, ids, w, gate, up, down, **dict(kw, gate_qtype=2 | 0x400))
-    with pytest.raises(Exception, match=r"down qtype: expected .*down groups.*got 514"):
-        _ffi.moe_ffn(x, ids, w, gate, up, down, **dict(kw, down_qtype=2 | 0x200))
+    with pytest.raises(Exception, match=r"down qtype: expected .*down groups.*columns.*got 1538"):
+        _ffi.moe_ffn(x, ids, w, gate, up, down, **dict(kw, down_qtype=2 | 0x600))  # two bits
+    with pytest.raises(Exception, match=r"gate: expected uint8 \[7, 64, 136\] \(Q4_0 in columns"):
+        _ffi.moe_ffn(x, ids, w, gate, up, down, **dict(kw, gate_qtype=2 | 0x200))  # file rows
     with pytest.raises(Exception, match=r"down_qtype \(down groups\): expected .*got 1038"):
         _ffi.moe_ffn(x, ids, w, gate, up, down, **dict(kw, down_qtype=14 | 0x400,
                                                        activation="relu"))  # Q6_K: no groups
@@ -240,3 +242,56 @@ def test_ids_of_other_shards_add_nothing(relu):
     got = np.asarray(ops.moe_ffn(x, jnp.asarray(other), w, *mats, **kw))
     _close(got, ops.moe_ffn(x, ids, jnp.asarray(w0), *mats, impl="reference", **kw))
     _close(got, ops.moe_ffn(x, jnp.asarray(other), w, *mats, impl="reference", **kw))
+
+
+def _columns_experts(stack, qtype):
+    """Each expert in the columns layout (models/moe.py's "columns": input sparsity)."""
+    from powerinfer_jax.models.qweights import columns
+
+    return jnp.asarray(np.stack([columns(np.asarray(m), qtype).blocks for m in np.asarray(stack)]))
+
+
+@pytest.mark.parametrize("gate_t,down_t", [("Q4_0", "Q4_0"), ("Q4_1", "Q8_0"),
+                                           ("Q4_K", "Q6_K")])
+@pytest.mark.parametrize("n", [1, 4])
+def test_columns_experts_with_masks_match_the_reference(gate_t, down_t, n):
+    """Input sparsity inside experts: gate, up and down in the columns layout ("Q4_0c64"), x with
+    zeroed channels and down's input zeroed below random per-expert thresholds, against the
+    reference (every expert, the same masks); without masks they equal the file rows' result;
+    each token's kept channels equal the reference's count and fall as the thresholds rise; one
+    thread and two give the same bits."""
+    big = quants.block_size(gate_t)[0] == 256 or quants.block_size(down_t)[0] == 256
+    d, f = (256, 256) if big else (128, 128)
+    x, ids, w, gate, up, down = operands(gate_t, down_t, n, seed=20 + n, d=d, f=f)
+    rows_kw = dict(gate_qtype=gate_t, up_qtype=gate_t, down_qtype=down_t)
+    col_kw = {k: v + quants.COLUMNS_SUFFIX for k, v in rows_kw.items()}
+    col = [_columns_experts(gate, gate_t), _columns_experts(up, gate_t),
+           _columns_experts(down, down_t)]
+    dense = np.asarray(ops.moe_ffn(x, ids, w, gate, up, down, **rows_kw))
+    _close(ops.moe_ffn(x, ids, w, *col, **col_kw), dense)
+    rng = np.random.default_rng(n)
+    xm = jnp.where(jnp.asarray(rng.random(x.shape) < 0.5), 0.0, x)  # half the channels zeroed
+    thr = jnp.asarray(rng.uniform(0.0, 2.0, (E, f)).astype(np.float32))
+    mkw = dict(col_kw, mid_thresholds=thr, return_kept=True)
+    got, kept = jax.jit(lambda *a: ops.moe_ffn(*a, **mkw))(xm, ids, w, *col)
+    want, want_kept = ops.moe_ffn(xm, ids, w, *col, impl="reference", **mkw)
+    _close(got, want)
+    np.testing.assert_array_equal(np.asarray(kept), np.asarray(want_kept))
+    assert 0 < int(np.asarray(kept).sum()) < n * K * f  # some channels zeroed, some kept
+    _, none_kept = ops.moe_ffn(xm, ids, w, *col, **dict(col_kw, return_kept=True))
+    assert (np.asarray(kept) <= np.asarray(none_kept)).all()
+    one = _on_one_thread(lambda: ops.moe_ffn(xm, ids, w, *col, **mkw)[0])
+    np.testing.assert_array_equal(one, np.asarray(got))
+
+
+def test_columns_experts_bad_operands_are_one_line_errors():
+    x, ids, w, gate, up, down = operands("Q4_0", "Q4_0", 2, d=128, f=128)
+    col = [_columns_experts(m, "Q4_0") for m in (gate, up, down)]
+    kw = dict(gate_qtype="Q4_0c64", up_qtype="Q4_0c64", down_qtype="Q4_0c64")
+    with pytest.raises(ValueError, match=r"moe_ffn mid_thresholds: expected float32 \[7, 128\]"):
+        ops.moe_ffn(x, ids, w, *col, mid_thresholds=jnp.zeros((7, 64), jnp.float32), **kw)
+    with pytest.raises(ValueError, match=r"moe_ffn down groups: expected rows for gate and up"):
+        ops.moe_ffn(x, ids, w, *col[:2], down, activation="relu",
+                    **dict(kw, down_qtype="Q4_0g32"))
+    with pytest.raises(Exception, match=r"mid_thresholds: expected float32 \[7, 128\] or \[0\]"):
+        _ffi.moe_ffn(x, ids, w, *col, mid_thresholds=jnp.zeros((3,), jnp.float32), **kw)

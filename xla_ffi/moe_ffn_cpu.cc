@@ -1,15 +1,20 @@
 // CPU FFI handler of the MoE FFN on quantized experts (cpu_backend/moe_ffn.h):
 // x f32 [N, D]; ids s32 [N, k] (each token's experts, in [0, E)); weights f32 [N, k]; gate, up
 // uint8 [E, F, row_bytes(D)]; down uint8 [E, D, row_bytes(F)] (a GGUF file's ffn_*_exps as
-// stored) or, with down_qtype's arrangement down groups, each expert's down groups uint8 [E,
-// F / 32, D * block bytes] (relu experts, sparse inside); attributes gate_qtype, up_qtype,
-// down_qtype (GGML type ids with their arrangement, quant_formats.h), activation ("silu" |
-// "relu"); y f32 [N, D].
+// stored; each expert's rows interleaved by 16, or in the columns layout: [E, rows,
+// ColumnsRowBytes]) or, with down_qtype's arrangement down groups, each expert's down groups
+// uint8 [E, F / 32, D * block bytes] (relu experts, sparse inside); mid_thresholds f32 [E, F]
+// (down's input zeroed below them: input sparsity) or [0] (none); attributes gate_qtype,
+// up_qtype, down_qtype (GGML type ids with their arrangement, quant_formats.h), activation
+// ("silu" | "relu"); results y f32 [N, D] and kept s32 [N] (each token's nonzero channels of
+// down's input, summed over its routed experts).
+#include <algorithm>
 #include <exception>
 #include <mutex>
 #include <string>
 
 #include "cpu_backend/moe_ffn.h"
+#include "cpu_backend/qcolumns.h"
 #include "cpu_backend/quant_interleaved.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/cpu_targets.h"
@@ -23,12 +28,13 @@ namespace {
 constexpr std::string_view kOp = "moe_ffn";
 
 // One stacked expert matrix: uint8 [E, rows, row bytes of `cols` weights in its qtype], each
-// expert's rows as the file stores them or interleaved by 16 (the type id's
-// arrangement, quant_formats.h). `kt`: the id already split.
+// expert's rows as the file stores them, interleaved by 16 or in the columns layout (the type
+// id's arrangement, quant_formats.h). `kt`: the id already split.
 ffi::Error CheckStack(std::string_view what, ffi::Buffer<ffi::U8> b, KernelType kt, int64_t e,
-                      int64_t rows, int64_t cols, QType& t, bool& interleaved) {
+                      int64_t rows, int64_t cols, QType& t, bool& interleaved, bool& columns) {
   const std::string w(what);
   interleaved = kt.arrangement == Arrangement::kInterleaved;
+  columns = kt.arrangement == Arrangement::kColumns;
   const int32_t qtype_id = kt.format;
   if (!IsQType(qtype_id)) {
     return InvalidArg(kOp, w + " qtype", "a GGML block type id (Q4_0=2 ... Q6_K=14)",
@@ -41,17 +47,23 @@ ffi::Error CheckStack(std::string_view what, ffi::Buffer<ffi::U8> b, KernelType 
                       "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K with a multiple of 16 rows",
                       std::string(info.name) + " with " + std::to_string(rows) + " rows");
   }
+  if (columns && !CanArrangeColumns(t, rows, cols)) {
+    return InvalidArg(kOp, w + " (each expert in the columns layout)",
+                      "Q4_0, Q4_1, Q8_0, Q4_K or Q6_K with a multiple of 64 rows",
+                      std::string(info.name) + " with " + std::to_string(rows) + " rows");
+  }
   if (cols % info.block != 0) {
     return InvalidArg(kOp, w + " row length", "a multiple of the " + std::string(info.name) +
                                                    " block (" + std::to_string(info.block) + ")",
                       std::to_string(cols));
   }
   const auto dims = b.dimensions();
-  const int64_t rb = QRowBytes(t, cols);
+  const int64_t rb = columns ? ColumnsRowBytes(t, rows, cols) : QRowBytes(t, cols);
   if (dims.size() != 3 || dims[0] != e || dims[1] != rows || dims[2] != rb) {
     return InvalidArg(kOp, w,
                       "uint8 [" + std::to_string(e) + ", " + std::to_string(rows) + ", " +
-                          std::to_string(rb) + "] (" + info.name + " rows of " +
+                          std::to_string(rb) + "] (" + info.name +
+                          (columns ? " in columns, rows of " : " rows of ") +
                           std::to_string(cols) + ")",
                       "uint8 " + ShapeString(dims));
   }
@@ -87,7 +99,8 @@ ffi::Error CheckGroups(ffi::Buffer<ffi::U8> b, int32_t qtype_id, int32_t id, int
 ffi::Error MoeFfnCpuImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
                          ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::U8> gate,
                          ffi::Buffer<ffi::U8> up, ffi::Buffer<ffi::U8> down,
-                         ffi::ResultBuffer<ffi::F32> y, int32_t gate_qtype, int32_t up_qtype,
+                         ffi::Buffer<ffi::F32> mid_thresholds, ffi::ResultBuffer<ffi::F32> y,
+                         ffi::ResultBuffer<ffi::S32> kept, int32_t gate_qtype, int32_t up_qtype,
                          int32_t down_qtype, std::string_view activation) {
   const auto xd = x.dimensions(), idd = ids.dimensions(), gd = gate.dimensions();
   if (xd.size() != 2) return InvalidArg(kOp, "x", "float32 [N, D]", "float32 " + ShapeString(xd));
@@ -108,15 +121,17 @@ ffi::Error MoeFfnCpuImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
   MoeExperts w{};
   KernelType gate_kt, up_kt, down_kt;
   if (ffi::Error err = DecodeExpertTypes(kOp, gate_qtype, up_qtype, down_qtype, gate_kt, up_kt,
-                                         down_kt);
+                                         down_kt, /*columns=*/true);
       err.failure()) {
     return err;
   }
-  if (ffi::Error err = CheckStack("gate", gate, gate_kt, e, f, d, w.gate_t, w.gate_il);
+  if (ffi::Error err = CheckStack("gate", gate, gate_kt, e, f, d, w.gate_t, w.gate_il,
+                                  w.gate_col);
       err.failure()) {
     return err;
   }
-  if (ffi::Error err = CheckStack("up", up, up_kt, e, f, d, w.up_t, w.up_il); err.failure()) {
+  if (ffi::Error err = CheckStack("up", up, up_kt, e, f, d, w.up_t, w.up_il, w.up_col);
+      err.failure()) {
     return err;
   }
   if (ffi::Error err = ParseActivation(kOp, activation, w.activation); err.failure()) return err;
@@ -124,20 +139,31 @@ ffi::Error MoeFfnCpuImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
     return InvalidArg(kOp, "activation", "silu or relu", std::string(activation));
   }
   if (down_kt.arrangement == Arrangement::kDownGroups) {
-    if (w.activation != Activation::kRelu || (w.up_il && !w.gate_il)) {
+    if (w.activation != Activation::kRelu || (w.up_il && !w.gate_il) || w.gate_col ||
+        w.up_col || mid_thresholds.element_count() != 0) {
       return InvalidArg(kOp, "down groups (the sparse path)",
-                        "relu experts, up rows interleaved only under an interleaved gate",
+                        "relu experts, up rows interleaved only under an interleaved gate, no "
+                        "columns layout, no mid_thresholds",
                         std::string(activation) + (w.up_il ? ", up interleaved" : "") +
-                            (w.gate_il ? ", gate interleaved" : ""));
+                            (w.gate_il ? ", gate interleaved" : "") +
+                            (w.gate_col || w.up_col ? ", columns" : "") +
+                            (mid_thresholds.element_count() ? ", mid_thresholds" : ""));
     }
     if (ffi::Error err = CheckGroups(down, down_kt.format, down_qtype, e, f, d, w.down_t);
         err.failure()) {
       return err;
     }
     w.down_groups = true;
-  } else if (ffi::Error err = CheckStack("down", down, down_kt, e, d, f, w.down_t, w.down_il);
+  } else if (ffi::Error err =
+                 CheckStack("down", down, down_kt, e, d, f, w.down_t, w.down_il, w.down_col);
              err.failure()) {
     return err;
+  }
+  const auto md = mid_thresholds.dimensions();
+  if (mid_thresholds.element_count() != 0 && (md.size() != 2 || md[0] != e || md[1] != f)) {
+    return InvalidArg(kOp, "mid_thresholds",
+                      "float32 [" + std::to_string(e) + ", " + std::to_string(f) + "] or [0]",
+                      "float32 " + ShapeString(md));
   }
   if (k > e) {
     return InvalidArg(kOp, "ids' k (experts per token)",
@@ -149,6 +175,10 @@ ffi::Error MoeFfnCpuImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
                                              std::to_string(d) + "]",
                       ShapeString(y->dimensions()));
   }
+  if (static_cast<int64_t>(kept->element_count()) != n) {
+    return InvalidArg(kOp, "kept (result)", "int32 [" + std::to_string(n) + "]",
+                      ShapeString(kept->dimensions()));
+  }
   const int32_t* id = ids.typed_data();
   for (int64_t p = 0; p < n * k; ++p) {
     if (id[p] < -1 || id[p] >= e) {
@@ -157,7 +187,11 @@ ffi::Error MoeFfnCpuImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
                         std::to_string(id[p]));
     }
   }
-  if (n == 0 || d == 0 || f == 0) return ffi::Error::Success();
+  if (n == 0 || d == 0 || f == 0) {
+    std::fill_n(kept->typed_data(), n, 0);
+    return ffi::Error::Success();
+  }
+  if (mid_thresholds.element_count() != 0) w.mid_thresholds = mid_thresholds.typed_data();
   w.gate = gate.typed_data();
   w.up = up.typed_data();
   w.down = down.typed_data();
@@ -168,7 +202,8 @@ ffi::Error MoeFfnCpuImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
     CpuRuntime& rt = GetCpuRuntime();
     std::lock_guard<std::mutex> lock(rt.mutex);
     SetContiguousRows(rt, x.typed_data(), n, d);
-    MoeFfn(w, rt.x_rows, id, weights.typed_data(), k, y->typed_data(), rt.moe, rt.pool);  // stacked: nothing to read
+    MoeFfn(w, rt.x_rows, id, weights.typed_data(), k, y->typed_data(), rt.moe, rt.pool,
+           kept->typed_data());  // stacked: nothing to read
     return ffi::Error::Success();
   } catch (const std::exception& ex) {  // bad_alloc growing scratch: report, never abort
     return ffi::Error::Internal(std::string("moe_ffn: ") + ex.what());
@@ -186,7 +221,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PijMoeFfnCpu, pij::MoeFfnCpuImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()   // gate
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()   // up
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()   // down
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // mid_thresholds
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // y
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // kept
                                   .Attr<int32_t>("gate_qtype")
                                   .Attr<int32_t>("up_qtype")
                                   .Attr<int32_t>("down_qtype")

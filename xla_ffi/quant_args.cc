@@ -1,6 +1,7 @@
 #include "xla_ffi/quant_args.h"
 
 #include <string>
+#include <tuple>
 
 #include "cpu_backend/qcolumns.h"
 #include "xla_ffi/ffi_util.h"
@@ -27,17 +28,17 @@ ffi::Error DecodeKernelType(std::string_view op, std::string_view what, int32_t 
 
 ffi::Error DecodeExpertTypes(std::string_view op, int32_t gate_id, int32_t up_id,
                              int32_t down_id, KernelType& gate, KernelType& up,
-                             KernelType& down) {
+                             KernelType& down, bool columns) {
   constexpr auto kRows = Arrangement::kRows, kInterleaved = Arrangement::kInterleaved;
-  if (ffi::Error e = DecodeKernelType(op, "gate", gate_id, {kRows, kInterleaved}, gate);
-      e.failure()) {
-    return e;
+  constexpr auto kColumns = Arrangement::kColumns, kGroups = Arrangement::kDownGroups;
+  for (auto [what, id, out] : {std::tuple{"gate", gate_id, &gate}, {"up", up_id, &up}}) {
+    ffi::Error e = columns ? DecodeKernelType(op, what, id, {kRows, kInterleaved, kColumns}, *out)
+                           : DecodeKernelType(op, what, id, {kRows, kInterleaved}, *out);
+    if (e.failure()) return e;
   }
-  if (ffi::Error e = DecodeKernelType(op, "up", up_id, {kRows, kInterleaved}, up); e.failure()) {
-    return e;
-  }
-  return DecodeKernelType(op, "down", down_id, {kRows, kInterleaved, Arrangement::kDownGroups},
-                          down);
+  return columns ? DecodeKernelType(op, "down", down_id, {kRows, kInterleaved, kGroups, kColumns},
+                                    down)
+                 : DecodeKernelType(op, "down", down_id, {kRows, kInterleaved, kGroups}, down);
 }
 
 ffi::Error DecodeQWeight(std::string_view op, std::string_view what, ffi::Buffer<ffi::U8> blocks,

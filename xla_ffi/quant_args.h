@@ -20,9 +20,10 @@ ffi::Error DecodeKernelType(std::string_view op, std::string_view what, int32_t 
                             std::initializer_list<Arrangement> allowed, KernelType& out);
 
 // The type ids of a gated FFN's experts (moe_ffn, expert_ffn), split: gate and up the file's
-// rows or interleaved by 16, down also down groups.
+// rows or interleaved by 16 (or, where `columns`, in the columns layout), down also down groups.
 ffi::Error DecodeExpertTypes(std::string_view op, int32_t gate_id, int32_t up_id,
-                             int32_t down_id, KernelType& gate, KernelType& up, KernelType& down);
+                             int32_t down_id, KernelType& gate, KernelType& up, KernelType& down,
+                             bool columns = false);
 
 // `qtype_id` a block format of quant_formats.h, `dim` a multiple of its block, and `blocks` uint8
 // (typed: XLA checks it) [1.., R, QRowBytes(qtype, dim)]. rows: R to require, or -1 to read it

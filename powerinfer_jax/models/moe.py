@@ -46,8 +46,9 @@ from flax import nnx
 from powerinfer_jax import ops
 from powerinfer_jax.errors import fail
 from powerinfer_jax.models.ffn import FFN, require_residual
-from powerinfer_jax.models.layers import F32, Linear, Module, _param, op_impl, sow
-from powerinfer_jax.models.qweights import host_blocks, interleaved, kernel_type
+from powerinfer_jax.models.layers import (F32, Linear, Module, _param, apply_mask, op_impl,
+                                          sow)
+from powerinfer_jax.models.qweights import columns, host_blocks, interleaved, kernel_type
 from powerinfer_jax.ops.reference import gated_activate
 
 EXECUTIONS = ("routed", "dense")
@@ -61,8 +62,10 @@ _MAX_PAIRS = 32
 # How a stacked matrix's blocks are kept (Stacked.layout): "matvec" each expert's rows
 # interleaved by 16 where the format allows; "rows" the file's rows (a relu expert's up: only the
 # neurons whose gate fires read theirs); "groups" the down projection's down groups (a relu
-# expert's down: read per group of 32 neurons with one that fires; quants.down_groups).
-LAYOUTS = ("matvec", "rows", "groups")
+# expert's down: read per group of 32 neurons with one that fires; quants.down_groups); "columns"
+# each expert input-channel-major (qweights.columns: input sparsity reads only the nonzero
+# channels of its input), where the format and row count allow, else matvec.
+LAYOUTS = ("matvec", "rows", "groups", "columns")
 
 
 class Stacked(Module):
@@ -78,9 +81,14 @@ class Stacked(Module):
         self.qtype = None
         self.layout = layout
 
-    def load(self, t, load=None) -> None:
+    def load(self, t, load=None, layout: str | None = None) -> None:
         """Keep a stacked QuantTensor's blocks (checkpoint.base.QuantTensor, 3-D) in this
-        matrix's layout (`arrange_stacked`; load: the model's qweights.batched_load, if any)."""
+        matrix's layout, or in `layout` (the build plan's: "columns" under input sparsity;
+        `arrange_stacked`; load: the model's qweights.batched_load, if any)."""
+        if layout is not None:
+            if layout not in LAYOUTS:
+                fail("Stacked layout", f"one of {list(LAYOUTS)}", layout)
+            self.layout = layout
         blocks, qtype, self.layout = arrange_stacked(t.blocks, t.qtype, self.layout,
                                                      t.stored_shape, t.transposed, load)
         self.weight.set_value(host_blocks(blocks))
@@ -89,7 +97,8 @@ class Stacked(Module):
     @property
     def kernel_qtype(self) -> str | None:
         """The type name the custom calls take: `qtype` ("Q4_0x16" where interleaved), with
-        the down groups' suffix for groups ("Q4_0g32"; qweights.kernel_type, the one map)."""
+        the down groups' or the columns' suffix ("Q4_0g32", "Q4_0c64"; qweights.kernel_type,
+        the one map)."""
         return None if self.qtype is None else kernel_type(self.qtype, self.layout, False)
 
 
@@ -98,7 +107,11 @@ def stacked_format(qtype: str, layout: str, stored_shape, transposed: bool) -> t
     from its file format and shape alone: no bytes read (the expert file's plan)."""
     from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
-    rows = stored_shape[-2]
+    rows, cols = stored_shape[-2], stored_shape[-1]
+    if layout == "columns":
+        if quants.can_columns(qtype, rows, cols):
+            return qtype, layout
+        layout = "matvec"  # no columns layout for this format or row count: read whole
     if layout == "groups":
         d, f = stored_shape[-2:]
         if not (qtype in quants.DOWN_GROUP_TYPES and transposed and d % 32 == f % 32 == 0):
@@ -120,6 +133,9 @@ def arrange_stacked(blocks, qtype: str, layout: str, stored_shape, transposed: b
 
     want_qtype, layout = stacked_format(qtype, layout, stored_shape, transposed)
     e, rows = blocks.shape[:2]
+    if layout == "columns":  # each expert arranged on the kernels' pool
+        blocks = np.stack([columns(np.asarray(b), qtype, load).blocks for b in blocks])
+        return blocks, qtype, layout
     if layout == "groups":
         d, f = stored_shape[-2:]
         blocks = np.stack([quants.down_groups(np.asarray(b), qtype, d, f) for b in blocks])
@@ -157,7 +173,11 @@ class Experts(Module):
                 if m.layout == "groups":  # [n, F / 32, D * block bytes] -> the file's [n, D, .]
                     w = np.stack([quants.down_groups_to_file(g, m.qtype, self.d_model, self.d_ff)
                                   for g in w])
-                w = np.stack([quants.dequantize(e, m.qtype) for e in w])  # [n, rows, cols]
+                if m.layout == "columns":
+                    cols = self.d_ff if m is self.down_t else self.d_model
+                    w = np.stack([quants.columns_to_float(e, m.qtype, cols) for e in w])
+                else:
+                    w = np.stack([quants.dequantize(e, m.qtype) for e in w])  # [n, rows, cols]
                 if m is self.down_t:  # the file's ffn_down [D, F]: neuron-major as the floats
                     w = np.swapaxes(w, 1, 2)
             out.append(np.ascontiguousarray(w).astype(dtype))
@@ -310,6 +330,11 @@ class MoE(Module):
         # --ram-budget: the experts in an expert store (OnDisk), the read-ahead's Lookahead
         self.on_disk = None
         self.lookahead = None
+        # input sparsity (sparsity/input_sparsity.py): the experts' (and the shared expert's)
+        # input mask [D] (the router reads x whole) and the experts' down-input thresholds
+        # (an InputMask of [E, F]: each expert's own)
+        self.in_mask = nnx.data(None)
+        self.mid_mask = nnx.data(None)
 
     # ------------------------------------------------------------ the build steps' interface
     quantized = False
@@ -389,6 +414,9 @@ class MoE(Module):
         lead, d = x_btd.shape[:-1], x_btd.shape[-1]
         x = x_btd.reshape(-1, d).astype(F32)  # [N, D]
         logits = self.router(x)
+        if self.in_mask is not None or self.mid_mask is not None:
+            self._check_input_sparsity()
+            x = apply_mask(self.in_mask, x_btd).reshape(-1, d).astype(F32)  # the experts' x
         ids, weights = route(logits, self.n_used, self.normalize)
         named = ids if self.order is None else jnp.asarray(self.order)[ids]  # the file's ids
         sow(self, "expert_ids", named.reshape(lead + (self.n_used,)))  # [B, T, k] under capture
@@ -407,7 +435,7 @@ class MoE(Module):
             ids, weights = jnp.where(here, local, -1), jnp.where(here, weights, 0.0)
             first_shard = shard == 0
         if not self.placed:
-            y = self._loaded(x, ids, weights)
+            y = self._loaded(x, ids, weights, lead)
         else:  # hot experts [0, n_hot) with XLA, the others as loaded, each by the ids it holds
             hot = ids < self.n_hot
             y = jnp.zeros_like(x)
@@ -443,90 +471,139 @@ class MoE(Module):
                                down_qtype=o.down_qtype, activation=self.activation,
                                probs=probs, next_ids=ahead)
 
-    def _loaded(self, x, ids, weights):
+    def _check_input_sparsity(self) -> None:
+        """Input sparsity runs on the experts as loaded, in memory, on one device."""
+        if self.placed or self.on_disk is not None or self.expert_axis is not None:
+            fail("MoE input sparsity", "experts in memory on one device (no placement, "
+                 "--ram-budget or expert mesh)", "placed" if self.placed else
+                 "an expert store" if self.on_disk is not None else "an expert mesh")
+
+    def _mid(self):
+        """The experts' down-input thresholds [E, F], or None."""
+        return None if self.mid_mask is None else self.mid_mask.threshold[...]
+
+    def _sow_mid(self, kept, lead) -> None:
+        """Under capture: the nonzero channels of down's input per routed expert [B, T]
+        (`ffn_mid_active`, as an InputMask records its own)."""
+        if self.mid_mask is not None:
+            sow(self.mid_mask, "ffn_mid_active",
+                (kept.astype(F32) / self.n_used).reshape(lead))
+
+    def _loaded(self, x, ids, weights, lead=None):
         """The experts in `experts` (ids index them; -1: none, with weight 0), as loaded: a
         file's blocks in one custom call grouped by expert, floats with XLA."""
         e = self.experts
         if e.gate.qtype is None:
-            return self._xla(x, ids, weights, (e.gate.weight[...], e.up.weight[...],
-                                               e.down_t.weight[...]))
-        if self.activation not in ("silu", "relu"):
-            fail("MoE quantized experts' activation", "'silu' or 'relu' (ops.moe_ffn's)",
-                 self.activation, "load the file with weights='dtype'")
-        impl = "reference" if self.execution == "dense" else op_impl(self.kernels)
-        return ops.moe_ffn(x, ids, weights, e.gate.weight[...], e.up.weight[...],
-                           e.down_t.weight[...], gate_qtype=e.gate.qtype, up_qtype=e.up.qtype,
-                           down_qtype=e.down_t.kernel_qtype, activation=self.activation,
-                           impl=impl)
+            y, kept = self._xla(x, ids, weights, (e.gate.weight[...], e.up.weight[...],
+                                                  e.down_t.weight[...]), self._mid(),
+                                with_kept=True)
+        else:
+            if self.activation not in ("silu", "relu"):
+                fail("MoE quantized experts' activation", "'silu' or 'relu' (ops.moe_ffn's)",
+                     self.activation, "load the file with weights='dtype'")
+            impl = "reference" if self.execution == "dense" else op_impl(self.kernels)
+            y, kept = ops.moe_ffn(x, ids, weights, e.gate.weight[...], e.up.weight[...],
+                                  e.down_t.weight[...], gate_qtype=e.gate.kernel_qtype,
+                                  up_qtype=e.up.kernel_qtype, down_qtype=e.down_t.kernel_qtype,
+                                  activation=self.activation, mid_thresholds=self._mid(),
+                                  return_kept=True, impl=impl)
+        if lead is not None:
+            self._sow_mid(kept, lead)
+        return y
 
-    def _xla(self, x, ids, weights, mats):
+    def _xla(self, x, ids, weights, mats, mid=None, with_kept=False):
         """Float experts `mats` (gate, up, down_t: [E', F, D]) with XLA: one routed pair at a
         time on a CPU at decode, gathered per token elsewhere, or every expert on every token
-        (the dense reference, and long prefills)."""
+        (the dense reference, and long prefills). mid: down-input thresholds [E', F] (input
+        sparsity) or None. with_kept: (y, each token's nonzero down-input channels [N])."""
         if self.execution == "dense":
-            return self._dense(x, ids, weights, mats)
-        if self.per_pair and x.shape[0] * self.n_used <= _MAX_PAIRS:
-            return self._pairs(x, ids, weights, mats)
-        if x.shape[0] * self.n_used * mats[1][0].size <= _MAX_GATHER:
-            return self._gathered(x, ids, weights, mats)
-        return self._dense(x, ids, weights, mats)  # XLA has no routed grouping on CPU
+            out = self._dense(x, ids, weights, mats, mid)
+        elif self.per_pair and x.shape[0] * self.n_used <= _MAX_PAIRS:
+            out = self._pairs(x, ids, weights, mats, mid)
+        elif x.shape[0] * self.n_used * mats[1][0].size <= _MAX_GATHER:
+            out = self._gathered(x, ids, weights, mats, mid)
+        else:
+            out = self._dense(x, ids, weights, mats, mid)  # XLA has no routed grouping on CPU
+        return out if with_kept else out[0]
 
-    def _pairs(self, x_nd, ids, weights, mats):
+    def _pairs(self, x_nd, ids, weights, mats, mid=None):
         """Each (token, routed expert) pair alone: that expert's rows sliced in place and
         multiplied, skipped when its weight is 0 (an expert held elsewhere). XLA's CPU
         gather copies every gathered row first: one SYNTHETIC OLMoE-shaped layer at one token,
         8 bfloat16 experts of 1024 x 2048, took 180 ms gathered, 10.5 ms this way (4.3 with
         half the pairs elsewhere)."""
         gate, up, down = mats
-        rows = []
+        rows, kept = [], []
         for n in range(x_nd.shape[0]):
-            y = jnp.zeros((x_nd.shape[1],), F32)
+            y, c = jnp.zeros((x_nd.shape[1],), F32), jnp.zeros((), jnp.int32)
             for j in range(self.n_used):
                 e, w = jnp.maximum(ids[n, j], 0), weights[n, j]
 
-                def one(y, e=e, w=w, xn=x_nd[n]):
+                def one(yc, e=e, w=w, xn=x_nd[n]):
                     g, u, d = (jax.lax.dynamic_index_in_dim(m, e, keepdims=False)
                                for m in (gate, up, down))
                     a = self._act(jnp.dot(g, xn.astype(g.dtype), preferred_element_type=F32),
                                   jnp.dot(u, xn.astype(u.dtype), preferred_element_type=F32))
-                    return y + jnp.dot((a * w).astype(d.dtype), d, preferred_element_type=F32)
+                    if mid is not None:
+                        a = _mask_mid(a, jax.lax.dynamic_index_in_dim(mid, e, keepdims=False))
+                    return (yc[0] + jnp.dot((a * w).astype(d.dtype), d,
+                                            preferred_element_type=F32),
+                            yc[1] + jnp.sum(a != 0, dtype=jnp.int32))
 
-                y = jax.lax.cond(w != 0, one, lambda y: y, y)
+                y, c = jax.lax.cond(w != 0, one, lambda yc: yc, (y, c))
             rows.append(y)
-        return jnp.stack(rows)
+            kept.append(c)
+        return jnp.stack(rows), jnp.stack(kept)
 
     def _act(self, g, u):
         return gated_activate(self.activation, g, u)
 
-    def _dense(self, x_nd, ids, weights, mats):
+    def _dense(self, x_nd, ids, weights, mats, mid=None):
         """Every expert on every token; unrouted ones weighted 0 (the reference). On a CPU one
         expert at a time (a scan): 16 float32 experts of 1024 x 2048 at 16 tokens took 68 ms so
         against 208 ms as three batched einsums (bfloat16: 180 against 210 ms; 2 threads)."""
         gate, up, down = mats
-        w_ne = jnp.sum(jax.nn.one_hot(ids, gate.shape[0], dtype=F32) * weights[..., None],
-                       axis=1)  # [N, E']; an id of -1 is a zero row
+        hot = jax.nn.one_hot(ids, gate.shape[0], dtype=F32)  # [N, k, E']; -1: a zero row
+        w_ne = jnp.sum(hot * weights[..., None], axis=1)  # [N, E']
+        routed = jnp.sum(hot * (weights[..., None] != 0), axis=1)  # [N, E'] (as _pairs counts)
         if self.per_pair:
-            def one(y, e):
-                g, u, d, w = (jax.lax.dynamic_index_in_dim(m, e, keepdims=False)
-                              for m in (gate, up, down, w_ne.T))
+            def one(yc, e):
+                g, u, d, w, r = (jax.lax.dynamic_index_in_dim(m, e, keepdims=False)
+                                 for m in (gate, up, down, w_ne.T, routed.T))
                 a = self._act(jnp.dot(x_nd, g.T.astype(F32)), jnp.dot(x_nd, u.T.astype(F32)))
-                return y + jnp.dot(a * w[:, None], d.astype(F32)), None
+                if mid is not None:
+                    a = _mask_mid(a, jax.lax.dynamic_index_in_dim(mid, e, keepdims=False))
+                c = (r * jnp.sum(a != 0, axis=-1)).astype(jnp.int32)
+                return (yc[0] + jnp.dot(a * w[:, None], d.astype(F32)), yc[1] + c), None
 
-            y0 = jnp.zeros(x_nd.shape, F32)
+            y0 = (jnp.zeros(x_nd.shape, F32), jnp.zeros(x_nd.shape[:1], jnp.int32))
             return jax.lax.scan(one, y0, jnp.arange(gate.shape[0]))[0]
         g = jnp.einsum("nd,efd->nef", x_nd, gate, preferred_element_type=F32)
         u = jnp.einsum("nd,efd->nef", x_nd, up, preferred_element_type=F32)
-        a = self._act(g, u) * w_ne[..., None]
-        return jnp.einsum("nef,efd->nd", a, down, preferred_element_type=F32)
+        a = self._act(g, u)
+        if mid is not None:
+            a = _mask_mid(a, mid[None])
+        kept = jnp.sum(routed * jnp.sum(a != 0, axis=-1), axis=-1).astype(jnp.int32)
+        return jnp.einsum("nef,efd->nd", a * w_ne[..., None], down,
+                          preferred_element_type=F32), kept
 
-    def _gathered(self, x_nd, ids, weights, mats):
+    def _gathered(self, x_nd, ids, weights, mats, mid=None):
         """Each token's k experts' rows gathered and computed: [N, k, F, D] read, no more."""
         ids = jnp.maximum(ids, 0)  # -1 (an expert held elsewhere) comes with weight 0
         gate, up, down = (w[ids] for w in mats)
         g = jnp.einsum("nd,nkfd->nkf", x_nd, gate, preferred_element_type=F32)
         u = jnp.einsum("nd,nkfd->nkf", x_nd, up, preferred_element_type=F32)
-        a = self._act(g, u) * weights[..., None]
-        return jnp.einsum("nkf,nkfd->nd", a, down, preferred_element_type=F32)
+        a = self._act(g, u)
+        if mid is not None:
+            a = _mask_mid(a, mid[ids])
+        kept = jnp.sum((weights != 0) * jnp.sum(a != 0, axis=-1), axis=-1).astype(jnp.int32)
+        return jnp.einsum("nkf,nkfd->nd", a * weights[..., None], down,
+                          preferred_element_type=F32), kept
+
+
+def _mask_mid(a, thresholds):
+    """Down's input a zeroed where |a| < its expert's thresholds (NaN stays, as InputMask)."""
+    return jnp.where(jnp.abs(a) < thresholds, jnp.zeros((), a.dtype), a)
 
 
 class _CpuFloatExperts:

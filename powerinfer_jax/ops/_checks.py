@@ -186,13 +186,15 @@ def check_qlinear_type(qtype, what: str = "qtype") -> str:
     return check_qtype(what, qtype)
 
 
-def check_down_type(qtype, what: str = "down_qtype", *, interleaved: bool = False) -> str:
+def check_down_type(qtype, what: str = "down_qtype", *, interleaved: bool = False,
+                    columns: bool = False) -> str:
     """A down projection's formats: the block types or their down groups ("Q4_0g32",
-    checkpoint.quants.down_groups), with `interleaved` also rows interleaved by 16 -> the
-    name."""
+    checkpoint.quants.down_groups), with `interleaved` also rows interleaved by 16, with
+    `columns` also the columns layout ("Q4_0c64") -> the name."""
     from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
-    arranged = quants.GROUPS_TYPES + (quants.INTERLEAVED_TYPES if interleaved else ())
+    arranged = (quants.GROUPS_TYPES + (quants.INTERLEAVED_TYPES if interleaved else ())
+                + (quants.COLUMNS_TYPES if columns else ()))
     if isinstance(qtype, str) and qtype in arranged:
         return qtype
     if isinstance(qtype, str) and qtype not in quants.SUPPORTED_TYPES:

@@ -166,13 +166,15 @@ def qembedding(ids, blocks, qtype, in_features):
 
 
 def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype,
-            activation="silu"):
+            activation="silu", mid_thresholds=None):
+    """(y [N, D], kept int32 [N]); mid_thresholds None is passed as [0] (absent)."""
     x32 = jnp.asarray(x, jnp.float32)
-    out = jax.ShapeDtypeStruct(x32.shape, jnp.float32)
+    out = (jax.ShapeDtypeStruct(x32.shape, jnp.float32),
+           jax.ShapeDtypeStruct(x32.shape[:1], jnp.int32))
     call = jax.ffi.ffi_call(MOE_FFN_TARGET, out, vmap_method="sequential")
     return call(x32, jnp.asarray(ids, jnp.int32), jnp.asarray(weights, jnp.float32), gate, up,
-                down, gate_qtype=_qid(gate_qtype), up_qtype=_qid(up_qtype),
-                down_qtype=_qid(down_qtype), activation=activation)
+                down, _opt_f32(mid_thresholds), gate_qtype=_qid(gate_qtype),
+                up_qtype=_qid(up_qtype), down_qtype=_qid(down_qtype), activation=activation)
 
 
 def qsparse_ffn(x, up, down, *, up_qtype, down_qtype, gate, gate_qtype, b_up, b_down, scores,

@@ -148,7 +148,7 @@ def qlinear_many(x, blocks_list, qtypes, in_features: int, bs=None, *, impl="ffi
 
 
 def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype,
-            activation="silu", impl="ffi"):
+            activation="silu", mid_thresholds=None, return_kept=False, impl="ffi"):
     """The MoE FFN on quantized experts: y[n] = sum_j weights[n, j] * down[e]^T (act(gate[e] .
     x_n) * (up[e] . x_n)), e = ids[n, j], act silu or relu, as llama.cpp computes it (int8
     activations).
@@ -164,14 +164,19 @@ def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype
     uint8 [E, F / 32, D * block bytes] (checkpoint.quants.down_groups, a 32-weight format), and
     each routed
     expert is sparse inside: only the neurons whose gate fires read their up row and down group
-    (the exact oracle); the gate may be interleaved over the up's file rows."""
+    (the exact oracle); the gate may be interleaved over the up's file rows.
+    Input sparsity: gate, up and down in the columns layout ("Q4_0c64", each expert arranged as
+    ops.qlinear's columns) read only the channels of their input that are nonzero (x as given;
+    down's h = act(gate . x) * (up . x) zeroed where |h| < mid_thresholds[e] (float32 [E, F]).
+    return_kept: also each token's nonzero channels of down's input summed over its routed
+    experts (int32 [N]: the sparse path's firing neurons), as (y, kept)."""
     from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     _checks.check_choice("impl", impl, _checks.IMPLS)
     _checks.check_choice("moe_ffn activation", activation, ("silu", "relu"))
     names = [_checks.check_qlinear_type(t, w) for w, t in (("gate_qtype", gate_qtype),
                                                           ("up_qtype", up_qtype))]
-    names.append(_checks.check_down_type(down_qtype, interleaved=True))
+    names.append(_checks.check_down_type(down_qtype, interleaved=True, columns=True))
     x_shape = tuple(np.shape(x))
     if len(x_shape) != 2:
         _checks.fail("moe_ffn x", "float32 [N, D]", x_shape)
@@ -186,7 +191,16 @@ def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype
         if activation != "relu":
             _checks.fail("moe_ffn down_qtype", "rows for silu experts (down groups: the sparse "
                          "path of relu experts)", names[2])
+        if mid_thresholds is not None or any(quants.columns_base(t) for t in names[:2]):
+            _checks.fail("moe_ffn down groups", "rows for gate and up and no mid_thresholds "
+                         "(the sparse path of relu experts reads its own neurons)",
+                         f"{names[:2]}, mid_thresholds {mid_thresholds is not None}")
         _checks.check_down_groups("moe_ffn down (groups)", down, names[2], d, f, lead=(e,))
+    if mid_thresholds is not None and (tuple(np.shape(mid_thresholds)) != (e, f) or
+                                       jnp.result_type(mid_thresholds) != jnp.float32):
+        _checks.fail("moe_ffn mid_thresholds", f"float32 [{e}, {f}] (a threshold per expert "
+                     "and neuron)", f"{jnp.result_type(mid_thresholds)} "
+                     f"{tuple(np.shape(mid_thresholds))}")
     for what, w, t, rows, cols in mats:
         if tuple(np.shape(w))[:1] != (e,):
             _checks.fail(f"moe_ffn {what}", f"{e} experts first (as gate)", tuple(np.shape(w)))
@@ -198,11 +212,14 @@ def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype
         _checks.fail("moe_ffn ids", f"int32 [{n}, k] with 1 <= k <= {e} (experts)", k_shape)
     if tuple(np.shape(weights)) != k_shape:
         _checks.fail("moe_ffn weights", f"float32 {k_shape} (as ids)", tuple(np.shape(weights)))
-    kw = dict(gate_qtype=names[0], up_qtype=names[1], down_qtype=names[2], activation=activation)
+    kw = dict(gate_qtype=names[0], up_qtype=names[1], down_qtype=names[2], activation=activation,
+              mid_thresholds=mid_thresholds)
     if impl == "reference":
-        return reference.moe_ffn(x, ids, weights, gate, up, down, **kw)
-    from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
-    return _ffi.moe_ffn(x, ids, weights, gate, up, down, **kw)
+        y, kept = reference.moe_ffn(x, ids, weights, gate, up, down, **kw)
+    else:
+        from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
+        y, kept = _ffi.moe_ffn(x, ids, weights, gate, up, down, **kw)
+    return (y, kept) if return_kept else y
 
 
 def qembedding(ids, blocks, qtype, in_features: int, *, impl="ffi"):

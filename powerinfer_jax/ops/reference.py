@@ -123,10 +123,11 @@ def qlinear(x, blocks, qtype: str, in_features: int, b=None):
 
 
 def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype: str, up_qtype: str,
-            down_qtype: str, activation: str = "silu"):
+            down_qtype: str, activation: str = "silu", mid_thresholds=None):
     """Every expert on every token through qlinear (rounded activations), weighted by the
     routing (unrouted experts 0), every neuron computed (a relu neuron that does not fire adds
-    0: the sparse path's oracle). Down groups go back to the file's rows. See ops.api.moe_ffn."""
+    0: the sparse path's oracle). Down groups go back to the file's rows. Returns (y, kept): see
+    ops.api.moe_ffn."""
     from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     x = jnp.asarray(x, jnp.float32)
@@ -148,16 +149,22 @@ def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype: str, up_qtype: str,
     # down groups of the 8-bit formats sum float coefficients (AxpyGroup), unrounded; the
     # 4-bit ones round them to 8 bits per 32 neurons, as the dense matvec rounds its input
     float_coefs = grouped and down_qtype not in quants.DOWN_PAIR_TYPES
+    routed = jnp.zeros((n, e), jnp.int32).at[jnp.arange(n)[:, None], jnp.where(
+        ids < 0, e, ids)].add(1, mode="drop")
+    kept = jnp.zeros((n,), jnp.int32)
     for i in range(e):  # the reference: a loop over experts, not over neurons
         h = gated_activate(activation, qlinear(x, gate[i], gate_qtype, d),
                            qlinear(x, up[i], up_qtype, d))
+        if mid_thresholds is not None:
+            h = jnp.where(jnp.abs(h) < mid_thresholds[i], 0.0, h)
+        kept = kept + routed[:, i] * jnp.sum(h != 0, axis=-1, dtype=jnp.int32)
         if float_coefs:
             down_e = jnp.einsum("nf,df->nd", h, dequantize_rows(down[i], down_qtype, f),
                                 precision=_HIGHEST)
         else:
             down_e = qlinear(h, down[i], down_qtype, f)
         y = y + w_ne[:, i:i + 1] * down_e
-    return y
+    return y, kept
 
 
 def qembedding(ids, blocks, qtype: str, in_features: int):
