@@ -312,3 +312,30 @@ def test_bad_moe_gguf_files_name_what_is_wrong(built, tmp_path):
         with pytest.raises(ValueError, match=match) as e:
             load_checkpoint(path)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_input_sparsity_at_target_zero_is_the_dense_model(built, name):
+    """Input sparsity on the float experts of each family's HF directory: with every threshold
+    0 the logits are the model's own; with calibrated thresholds (both rules) the routed
+    executions (a batch's experts gathered, one token's pairs alone) equal every expert on every
+    token under the same masks, up to a down input on its threshold's edge (the executions sum
+    in other orders), and the masks change the logits."""
+    from powerinfer_jax.sparsity import input_sparsity as isp
+
+    toks = tokens(name, built)
+    got, _, model = ours(built["dirs"][name], toks)
+    isp.install(model, isp.zero_thresholds(model))
+    assert_close(model(jnp.asarray(toks)), got, "regrouped")
+    for rule in isp.RULES:
+        arts = isp.calibrate(model, toks.astype(np.int32), rule=rule, target=0.4,
+                             sample_tokens=48, how="uniform")
+        isp.install(model, arts)
+        routed, one = model(jnp.asarray(toks)), model(jnp.asarray(toks[:1, :2]))
+        for layer in model.layers:
+            layer.ffn.set_execution("dense")
+        assert_close(model(jnp.asarray(toks)), routed, "one_neuron")
+        assert_close(model(jnp.asarray(toks[:1, :2])), one, "one_neuron")
+        for layer in model.layers:
+            layer.ffn.set_execution("routed")
+        assert np.abs(np.asarray(routed) - got).max() > 1e-2

@@ -13,7 +13,10 @@ dropped share of the input's energy (sum of score^2), and the sparsity of every 
 greedily for a model-wide target: repeatedly the site whose next step adds the least error per
 byte it saves (TEAL's per-layer greedy allocation, on all four sites of every layer at once).
 "Model-wide sparsity" is the share of the blocks' matrix bytes skipped (the embedding and the LM
-head are read whole). Thresholds are saved beside the other sparsity artifacts, tied to the
+head are read whole). In an MoE layer (models/moe.py) ffn_in is the routed experts' (and a shared
+expert's) gate and up input, the router reading it whole; ffn_mid is each routed expert's own
+down input, with a threshold per expert and neuron ([E, F]); a site's bytes are what one token
+reads (its n_used routed experts of E). Thresholds are saved beside the other sparsity artifacts, tied to the
 model file by its fingerprint; a lossy mode runs only with a target the user gives.
 """
 from __future__ import annotations
@@ -69,29 +72,62 @@ class InputThresholds:
 
 
 # ------------------------------------------------------------------------- the model's sites
+def _is_moe(layer) -> bool:
+    from powerinfer_jax.models.moe import MoE  # lazy: start-up
+
+    return isinstance(layer.ffn, MoE)
+
+
 def site_matrices(layer) -> dict[str, list]:
-    """The modules (models/layers.py Linear, models/ffn.py DownT) reading each site's input."""
+    """The modules (models/layers.py Linear, models/ffn.py DownT, models/moe.py Stacked) reading
+    each site's input."""
     attn, ffn = layer.attn, layer.ffn
+    if _is_moe(layer):
+        x = ffn.experts
+        shared = [] if ffn.shared is None else [ffn.shared.gate, ffn.shared.up]
+        return {"attn_in": [attn.q, attn.k, attn.v], "attn_out": [attn.o],
+                "ffn_in": [x.gate, x.up] + shared, "ffn_mid": [x.down_t]}
     return {"attn_in": [attn.q, attn.k, attn.v], "attn_out": [attn.o],
             "ffn_in": [m for m in (ffn.gate, ffn.up) if m is not None], "ffn_mid": [ffn.down_t]}
 
 
 def check_model(model) -> None:
-    """Input sparsity needs dense FFNs (an MoE layer's experts have no masks yet)."""
+    """Input sparsity needs dense FFNs or MoE layers whose experts are in memory, unplaced."""
     from powerinfer_jax.models.ffn import FFN  # lazy: start-up
+    from powerinfer_jax.models.moe import MoE  # lazy: start-up
 
     for i, layer in enumerate(model.layers):
-        if not isinstance(layer.ffn, FFN):
-            errors.fail(f"input sparsity, layer {i}", "a dense FFN",
-                        type(layer.ffn).__name__, "mixture-of-experts layers are not supported")
+        ffn = layer.ffn
+        if isinstance(ffn, MoE):
+            if ffn.placed or ffn.on_disk is not None or ffn.expert_axis is not None:
+                errors.fail(f"input sparsity, layer {i}", "experts in memory on one device",
+                            "placed, offloaded or split experts",
+                            "run without --vram-budget / --ram-budget / an expert mesh")
+        elif not isinstance(ffn, FFN):
+            errors.fail(f"input sparsity, layer {i}", "a dense FFN or an MoE layer",
+                        type(ffn).__name__)
 
 
 def _weight(m):
     return np.asarray(m.weight[...])
 
 
-def matrix_bytes(m) -> int:
-    return int(_weight(m).nbytes)
+def matrix_bytes(m, share: float = 1.0) -> int:
+    """A matrix's bytes; `share` of them for stacked experts (n_used / E: what a token reads)."""
+    return int(_weight(m).nbytes * share)
+
+
+def _share(layer, m) -> float:
+    """The share of matrix m one token reads: n_used / E of a layer's stacked experts, else 1."""
+    from powerinfer_jax.models.moe import Stacked  # lazy: start-up
+
+    return layer.ffn.n_used / layer.ffn.n_experts if isinstance(m, Stacked) else 1.0
+
+
+def site_bytes(layer) -> dict[str, int]:
+    """Per site the matrix bytes one token reads (dense)."""
+    return {s: sum(matrix_bytes(m, _share(layer, m)) for m in mats)
+            for s, mats in site_matrices(layer).items()}
 
 
 def column_sq_norms(m, d_in: int) -> np.ndarray:
@@ -112,10 +148,63 @@ def column_sq_norms(m, d_in: int) -> np.ndarray:
     return (f * f).sum(axis=0)
 
 
-def _dims(layer) -> dict[str, int]:
+def site_sq_norms(layer, site: str) -> np.ndarray:
+    """Sum over a site's matrices and their rows of W[:, j]^2 per input channel: float64 of the
+    site's threshold shape (an MoE layer's experts: gate/up summed over the experts, down per
+    expert and neuron [E, F])."""
+    if not _is_moe(layer) or site not in ("ffn_in", "ffn_mid"):
+        d = _dims(layer)[site]
+        return sum(column_sq_norms(m, d) for m in site_matrices(layer)[site])
+    moe = layer.ffn
+    per = [[(w.astype(np.float64) ** 2) for w in moe.experts.floats(e, e + 1, np.float32)]
+           for e in range(moe.n_experts)]  # per expert (gate, up, down_t) [1, F, D]
+    if site == "ffn_mid":
+        return np.concatenate([p[2].sum(axis=2) for p in per])  # [E, F]
+    total = sum(p[0][0].sum(axis=0) + p[1][0].sum(axis=0) for p in per)  # [D]
+    if moe.shared is not None:
+        total = total + sum(column_sq_norms(m, moe.experts.d_model)
+                            for m in (moe.shared.gate, moe.shared.up))
+    return total
+
+
+def _shapes(layer) -> dict[str, tuple]:
+    """Each site's threshold shape: [d] of its input, [E, F] for an MoE layer's ffn_mid."""
     attn, ffn = layer.attn, layer.ffn
-    return {"attn_in": attn.q.d_in, "attn_out": attn.o.d_in, "ffn_in": ffn.up.d_in,
-            "ffn_mid": ffn.down_t.d_ff}
+    if _is_moe(layer):
+        x = ffn.experts
+        mid = (ffn.n_experts, x.d_ff)
+        ffn_in = x.d_model
+    else:
+        mid = (ffn.down_t.d_ff,)
+        ffn_in = ffn.up.d_in
+    return {"attn_in": (attn.q.d_in,), "attn_out": (attn.o.d_in,), "ffn_in": (ffn_in,),
+            "ffn_mid": mid}
+
+
+def _dims(layer) -> dict[str, int]:
+    """Each site's input channels (per expert for an MoE layer's ffn_mid)."""
+    return {s: shape[-1] for s, shape in _shapes(layer).items()}
+
+
+def expert_mids(layer, x_nd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An MoE layer's down inputs for tokens x [N, D] (its ffn_in, as the experts read it):
+    (h [P, F] for every routed (token, expert) pair, the pair's expert [P]), computed from the
+    experts' floats (each routed expert dequantized once)."""
+    import jax.numpy as jnp
+
+    from powerinfer_jax.ops.reference import gated_activate  # lazy: start-up
+
+    moe = layer.ffn
+    ids = np.asarray(moe.routing(jnp.asarray(x_nd[None], jnp.float32))[0])  # [N, k]
+    hs, es = [], []
+    for e in np.unique(ids):
+        tok = np.nonzero((ids == e).any(axis=1))[0]
+        gate, up, _ = moe.experts.floats(int(e), int(e) + 1, np.float32)
+        xe = x_nd[tok].astype(np.float32)
+        hs.append(np.asarray(gated_activate(moe.activation, jnp.asarray(xe @ gate[0].T),
+                                            jnp.asarray(xe @ up[0].T))))
+        es.append(np.full(len(tok), e, np.int32))
+    return np.concatenate(hs), np.concatenate(es)
 
 
 # ------------------------------------------------------------------------- masks on the model
@@ -127,7 +216,7 @@ def install(model, arts: InputThresholds | None) -> None:
 
     for i, layer in enumerate(model.layers):
         t = None if arts is None else arts.thresholds[i]
-        mask = (lambda site: None if t is None else InputMask(t[site], name=site))
+        mask = (lambda site: None if t is None else InputMask(t[site], name=site))  # noqa: B023
         layer.attn.in_mask = nnx.data(mask("attn_in"))
         layer.attn.out_mask = nnx.data(mask("attn_out"))
         layer.ffn.in_mask = nnx.data(mask("ffn_in"))
@@ -136,20 +225,20 @@ def install(model, arts: InputThresholds | None) -> None:
 
 def zero_thresholds(model) -> InputThresholds:
     """Thresholds of 0: every channel kept (the dense model through the masks)."""
-    dims = [_dims(l) for l in model.layers]
+    shapes = [_shapes(l) for l in model.layers]
     return InputThresholds(
         rule="magnitude", target=0.0,
-        thresholds=tuple({s: np.zeros(d[s], np.float32) for s in SITES} for d in dims),
-        sparsity=tuple({s: 0.0 for s in SITES} for _ in dims),
-        site_bytes=tuple({s: sum(matrix_bytes(m) for m in mats)
-                          for s, mats in site_matrices(l).items()} for l in model.layers))
+        thresholds=tuple({s: np.zeros(d[s], np.float32) for s in SITES} for d in shapes),
+        sparsity=tuple({s: 0.0 for s in SITES} for _ in shapes),
+        site_bytes=tuple(site_bytes(l) for l in model.layers))
 
 
 # ------------------------------------------------------------------------- calibration
 def collect_inputs(model, chunks_nt: np.ndarray, *, sample_tokens: int,
                    progress: bool = False) -> list[dict]:
     """Every layer's site inputs over the token chunks (the dense model): per layer {site: float32
-    [N, d]}, N <= sample_tokens tokens spread evenly over the chunks."""
+    [N, d]}, N <= sample_tokens tokens spread evenly over the chunks; an MoE layer's ffn_mid
+    the routed pairs' down inputs with their experts (expert_mids: ([P, F], [P]))."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -163,21 +252,34 @@ def collect_inputs(model, chunks_nt: np.ndarray, *, sample_tokens: int,
     install(model, zero_thresholds(model))  # every path through the masks: every site sown
     graphdef, state = nnx.split(model)
 
+    sites = [s for s in SITES if s != "ffn_mid"]
+    moe = [_is_moe(l) for l in model.layers]
+
     @jax.jit
     def run(state, tokens_bt):
         positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         _, sown = capture(lambda m: m.hidden(tokens_bt, positions), nnx.merge(graphdef, state),
                           kind=InputSample)
-        return {s: sown[s][:, 0, idx] for s in SITES}  # [L, keep, d]
+        out = {s: sown[s][:, 0, idx] for s in sites}  # [L, keep, d]
+        if not all(moe):  # the dense FFNs' down inputs (an MoE layer's: expert_mids)
+            out["ffn_mid"] = sown["ffn_mid"][:, 0, idx]  # [L_dense, keep, F]
+        return out
 
     parts: dict[str, list] = {s: [] for s in SITES}
     for chunk in _bar(chunks_nt, progress, "input sparsity: dense forward"):
         out = run(state, jnp.asarray(chunk[None]))
-        for s in SITES:
+        for s in out:
             parts[s].append(np.asarray(out[s], np.float32))
     install(model, None)
-    stacked = {s: np.concatenate(parts[s], axis=1) for s in SITES}  # [L, N, d]
-    return [{s: stacked[s][l] for s in SITES} for l in range(len(model.layers))]
+    stacked = {s: np.concatenate(parts[s], axis=1) for s in SITES if parts[s]}  # [L, N, d]
+    dense_pos = np.cumsum([not m for m in moe]) - 1  # a dense layer's row of stacked ffn_mid
+    per_layer = []
+    for l, layer in enumerate(model.layers):
+        got = {s: stacked[s][l] for s in sites}
+        got["ffn_mid"] = (expert_mids(layer, got["ffn_in"]) if moe[l]
+                          else stacked["ffn_mid"][dense_pos[l]])
+        per_layer.append(got)
+    return per_layer
 
 
 def _curve(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -308,23 +410,31 @@ def _from_path(path: list[tuple[float, dict]], target: float, n_layers: int) -> 
     return [{s: levels[(s, _group(l, n_layers))] for s in SITES} for l in range(n_layers)]
 
 
+def _scores(x, norms: np.ndarray) -> np.ndarray:
+    """A site's scores |x_j| * norm_j: x [N, d] with norms [d], or an MoE layer's down inputs
+    (h [P, F], experts [P]) with norms [E, F] (each pair its expert's)."""
+    if isinstance(x, tuple):
+        h, experts = x
+        return np.abs(h) * norms[experts]
+    return np.abs(x) * norms[None, :]
+
+
 def _site_curves(model, inputs: list[dict], rule: str):
     """Per layer: the sites' matrix bytes, dropped-energy curves and score thresholds over GRID,
     and the per-channel norms of the rule's score (ones for magnitude)."""
-    site_bytes, curves, thr_grid, norms = [], [], [], []
+    site_bytes_, curves, thr_grid, norms = [], [], [], []
     for layer, x in zip(model.layers, inputs):
-        mats = site_matrices(layer)
-        dims = _dims(layer)
-        site_bytes.append({s: sum(matrix_bytes(m) for m in mats[s]) for s in SITES})
-        n = {s: (np.sqrt(sum(column_sq_norms(m, dims[s]) for m in mats[s]))
-                 if rule == "weighted" else np.ones(dims[s])) for s in SITES}
+        shapes = _shapes(layer)
+        site_bytes_.append(site_bytes(layer))
+        n = {s: (np.sqrt(site_sq_norms(layer, s)) if rule == "weighted" else np.ones(shapes[s]))
+             for s in SITES}
         norms.append(n)
         per_thr, per_curve = {}, {}
         for s in SITES:
-            per_thr[s], per_curve[s] = _curve(np.abs(x[s]) * n[s][None, :])
+            per_thr[s], per_curve[s] = _curve(_scores(x[s], n[s]))
         thr_grid.append(per_thr)
         curves.append(per_curve)
-    return site_bytes, curves, thr_grid, norms
+    return site_bytes_, curves, thr_grid, norms
 
 
 def allocation_path(model, chunks_nt: np.ndarray, *, rule: str, target: float,
@@ -414,13 +524,17 @@ def bytes_per_token(model, measured: list[dict] | None) -> int:
             zeroed = 0.0 if measured is None else measured[l][s]
             for m in mats:
                 w = _weight(m)
-                rows = w.shape[0]
-                if m.qtype is None or not quants.can_columns(m.qtype, rows, dims[s]):
-                    total += w.nbytes
+                share = _share(layer, m)  # stacked experts: n_used of them read, each whole
+                rows = w.shape[-2]
+                base = None if m.qtype is None else quants.arrangement(m.qtype)[0]
+                if base is None or not quants.can_columns(base, rows, dims[s]) or \
+                        (w.ndim == 3 and m.layout == "groups"):
+                    total += int(w.nbytes * share)
                     continue
-                block, _, head, wide = quants._COLUMNS_FORMATS[m.qtype]
+                block, _, head, wide = quants._COLUMNS_FORMATS[base]
                 codes = block * (rows if wide else rows // 2)
-                total += int(dims[s] // block * (head * rows + codes * (1.0 - zeroed)))
+                one = dims[s] // block * (head * rows + codes * (1.0 - zeroed))
+                total += int(one * (share * w.shape[0] if w.ndim == 3 else 1))
     head = model.lm_head.weight[...] if model.lm_head is not None else model.tok_embed[...]
     embed = model.tok_embed[...]
     return int(total + np.asarray(head).nbytes + np.asarray(embed).nbytes // embed.shape[0])
@@ -461,15 +575,15 @@ def load(path: Path, fingerprint: dict, model) -> InputThresholds:
     if meta.get("fingerprint") != fingerprint:
         bad("thresholds calibrated for this model file (its fingerprint)",
             "another model's or another file's")
-    dims = [_dims(l) for l in model.layers]
+    shapes = [_shapes(l) for l in model.layers]
     thresholds = []
-    for l, d in enumerate(dims):
+    for l, d in enumerate(shapes):
         t = {}
         for s in SITES:
             a = arrays.get(f"{l}.{s}")
-            if a is None or a.shape != (d[s],) or a.dtype != np.float32 or np.isnan(a).any() \
+            if a is None or a.shape != d[s] or a.dtype != np.float32 or np.isnan(a).any() \
                     or (a < 0).any():
-                bad(f"layer {l} {s}: float32 [{d[s]}] >= 0", None if a is None else
+                bad(f"layer {l} {s}: float32 {list(d[s])} >= 0", None if a is None else
                     f"{a.dtype} {a.shape}")
             t[s] = a
         thresholds.append(t)
