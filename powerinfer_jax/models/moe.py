@@ -28,6 +28,10 @@ added; CPU-only the same code runs both parts on the CPU. On an accelerator the 
 blocks leave the model's state for a host-side store (`ColdExperts`, by handle) and each layer's
 cold part runs there through one host callback per call (the same custom call, on the CPU, with
 the host pool), its partial sum returned to the device.
+Input sparsity (sparsity/input_sparsity.py, `in_mask` / `mid_mask`): the experts' (and a shared
+expert's) input is masked, the router reading it whole; each expert's down input is zeroed below
+its own thresholds ([E, F]) on every path, in the custom call with the experts in the columns
+layout (only nonzero input channels read); the kept channels are sown as `ffn_mid_active`.
 Axis letters: N tokens (B * T flattened), E experts, k routed per token, F expert neurons,
 D model.
 """
