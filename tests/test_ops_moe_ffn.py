@@ -214,9 +214,11 @@ def test_relu_bad_layouts_are_one_line_errors(monkeypatch):
     # the handler on its own refuses an arrangement a matrix cannot take, by id
     with pytest.raises(Exception, match=r"gate qtype: expected .*rows.*interleaved by 16.*got 1026"):
         _ffi.moe_ffn(x, ids, w, gate, up, down, **dict(kw, gate_qtype=2 | 0x400))
-    with pytest.raises(Exception, match=r"down qtype: expected .*down groups.*columns.*got 1538"):
+    with pytest.raises(Exception,
+                       match=r"down qtype: expected .*down groups.*columns.*got 1538"):
         _ffi.moe_ffn(x, ids, w, gate, up, down, **dict(kw, down_qtype=2 | 0x600))  # two bits
-    with pytest.raises(Exception, match=r"gate: expected uint8 \[7, 64, 136\] \(Q4_0 in columns"):
+    with pytest.raises(Exception,
+                       match=r"gate: expected uint8 \[7, 64, 136\] \(Q4_0 in columns"):
         _ffi.moe_ffn(x, ids, w, gate, up, down, **dict(kw, gate_qtype=2 | 0x200))  # file rows
     with pytest.raises(Exception, match=r"down_qtype \(down groups\): expected .*got 1038"):
         _ffi.moe_ffn(x, ids, w, gate, up, down, **dict(kw, down_qtype=14 | 0x400,
@@ -248,7 +250,8 @@ def _columns_experts(stack, qtype):
     """Each expert in the columns layout (models/moe.py's "columns": input sparsity)."""
     from powerinfer_jax.models.qweights import columns
 
-    return jnp.asarray(np.stack([columns(np.asarray(m), qtype).blocks for m in np.asarray(stack)]))
+    return jnp.asarray(np.stack([columns(np.asarray(m), qtype).blocks
+                                 for m in np.asarray(stack)]))
 
 
 @pytest.mark.parametrize("gate_t,down_t", [("Q4_0", "Q4_0"), ("Q4_1", "Q8_0"),

@@ -16,8 +16,9 @@ byte it saves (TEAL's per-layer greedy allocation, on all four sites of every la
 head are read whole). In an MoE layer (models/moe.py) ffn_in is the routed experts' (and a shared
 expert's) gate and up input, the router reading it whole; ffn_mid is each routed expert's own
 down input, with a threshold per expert and neuron ([E, F]); a site's bytes are what one token
-reads (its n_used routed experts of E). Thresholds are saved beside the other sparsity artifacts, tied to the
-model file by its fingerprint; a lossy mode runs only with a target the user gives.
+reads (its n_used routed experts of E). Thresholds are saved beside the other sparsity
+artifacts, tied to the model file by its fingerprint; a lossy mode runs only with a target the
+user gives.
 """
 from __future__ import annotations
 
@@ -41,7 +42,10 @@ DEFAULT_CTX = 256
 # measured on SmolLM2: 1.003x / 1.125x dense perplexity at 25% / 40% against 1.007x / 1.113x
 # (results/input_sparsity_allocation.jsonl): no better where it matters, so 4 stay
 LOSS_CHUNKS = 4
-LOSS_STEP = 2  # grid steps a unit moves per round (0.05 sparsity)
+# grid steps a unit moves per round (0.05 sparsity); 1 step (0.025) was measured on SmolLM2 at
+# 1.008x / 1.172x dense perplexity at 25% / 40% (results/input_sparsity_allocation.jsonl): the
+# finer path follows the calibration chunks' noise, so 2 stay
+LOSS_STEP = 2
 # The loss-guided allocation's groups of consecutive layers, each with its own sparsities: one
 # (a sparsity per site kind for every layer). The path's evaluations grow with the square of the
 # units (each step tries every unit; the steps to a target grow with them too). Measured on
@@ -156,11 +160,16 @@ def site_sq_norms(layer, site: str) -> np.ndarray:
         d = _dims(layer)[site]
         return sum(column_sq_norms(m, d) for m in site_matrices(layer)[site])
     moe = layer.ffn
-    per = [[(w.astype(np.float64) ** 2) for w in moe.experts.floats(e, e + 1, np.float32)]
-           for e in range(moe.n_experts)]  # per expert (gate, up, down_t) [1, F, D]
+    mid, total = [], 0.0
+    for e in range(moe.n_experts):  # one expert's floats at a time: [1, F, D] each
+        gate, up, down_t = (w[0].astype(np.float64) ** 2
+                            for w in moe.experts.floats(e, e + 1, np.float32))
+        if site == "ffn_mid":
+            mid.append(down_t.sum(axis=1))  # [F]
+        else:
+            total = total + gate.sum(axis=0) + up.sum(axis=0)  # [D]
     if site == "ffn_mid":
-        return np.concatenate([p[2].sum(axis=2) for p in per])  # [E, F]
-    total = sum(p[0][0].sum(axis=0) + p[1][0].sum(axis=0) for p in per)  # [D]
+        return np.stack(mid)  # [E, F]
     if moe.shared is not None:
         total = total + sum(column_sq_norms(m, moe.experts.d_model)
                             for m in (moe.shared.gate, moe.shared.up))
