@@ -173,3 +173,52 @@ def test_auto_picks_a_mode_on_a_family_model(families_built, tmp_path, capsys):
     assert info["chosen"] in ("dense", "predictor_q4gu"), info
     out = s.engine.generate(s.tokenizer.encode("The history of"), max_new_tokens=8)
     assert len(out.tokens) == 8
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_input_sparsity_at_target_zero_is_the_dense_model(families_built, loaded, name):
+    """Input sparsity at target 0 (every threshold 0) is the dense model from the HF directory
+    (floats: the masks pass every channel); calibrated at 0.4 it skips about that share of the
+    blocks' bytes and moves the logits. From llama.cpp's Q4_0 GGUF every block matrix in the
+    columns layout computes what the dense arrangement computes on the same inputs (each
+    layer's site inputs of the dense model; whole models are not compared: an 8-bit activation
+    on a rounding edge moves one step after float32 sums in another order, and gemma3 carries
+    such a step to 0.6% of its logits)."""
+    from powerinfer_jax.models.qweights import DENSE_LAYOUT, INPUTS_LAYOUT
+    from powerinfer_jax.sparsity import input_sparsity as isp
+
+    ck, chunks, toks = loaded[name]
+    model = _model(ck)
+    dense, _ = _run(model, toks)
+    isp.install(model, isp.zero_thresholds(model))
+    np.testing.assert_array_equal(_run(model, toks)[0], dense)
+    arts = isp.calibrate(model, chunks.astype(np.int32), rule="magnitude", target=0.4,
+                         sample_tokens=128, how="uniform")
+    measured = isp.measure(model, arts, chunks[:2])
+    assert arts.model_sparsity(measured) == pytest.approx(0.4, abs=0.1)
+    assert np.abs(_run(model, toks)[0] - dense).max() > 1e-2
+    if not families_built["q"]:
+        pytest.skip(families_built["why_q"])
+    q = load_checkpoint(families_built["q"][name], keep_quantized=True)
+    rows = from_params(q.config, q.params, kernels="ffi", ffn_layout=DENSE_LAYOUT)
+    q = load_checkpoint(families_built["q"][name], keep_quantized=True)
+    cols = from_params(q.config, q.params, kernels="ffi", ffn_layout=INPUTS_LAYOUT)
+    from powerinfer_jax.models.layers import InputSample
+    from powerinfer_jax.models.transformer import capture
+
+    isp.install(rows, isp.zero_thresholds(rows))  # every site's input sown
+    positions = jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape)
+    _, sown = capture(lambda m: m.hidden(jnp.asarray(toks), positions), rows, kind=InputSample)
+    from powerinfer_jax.checkpoint import quants
+
+    for i, (lr, lc) in enumerate(zip(rows.layers, cols.layers)):
+        want, got = isp.site_matrices(lr), isp.site_matrices(lc)
+        for site in isp.SITES:
+            x = jnp.asarray(sown[site][i])
+            for mr, mc in zip(want[site], got[site]):
+                # columns wherever the format and the row count allow (this family's odd
+                # sizes: some matrices have no multiple of 64 rows and are read whole)
+                rows_n = mc.weight[...].shape[0]
+                assert mc.qweight.kernel_qtype.endswith(quants.COLUMNS_SUFFIX) == \
+                    quants.can_columns(mc.qtype, rows_n, isp._dims(lc)[site]), (i, site)
+                assert_close(mc(x), mr(x), "quantized_layouts", err_msg=f"{i} {site}")
