@@ -23,6 +23,9 @@ from powerinfer_jax.models.transformer import capture, from_params
 from powerinfer_jax.runtime.decode import Request
 from powerinfer_jax.sparsity import input_sparsity as isp
 
+pytestmark = pytest.mark.slow  # a synthetic MoE file and three calibrations (~25 s); the
+# columns experts' kernel is in the fast tier (test_ops_moe_ffn.py)
+
 # 16 experts of 128 neurons (a multiple of 64: every expert matrix takes the columns layout)
 TINY = ["--d-model", "128", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "4",
         "--head-dim", "32", "--d-ff", "128", "--n-experts", "16", "--top-k", "4"]
@@ -129,7 +132,6 @@ def test_placed_experts_are_refused_in_one_line(moe_gguf):
         isp.calibrate(model, _chunks(2), rule="magnitude", target=0.4, sample_tokens=64)
 
 
-@pytest.mark.slow
 def test_the_mode_decodes_batches_as_single_sequences(moe_gguf, monkeypatch):
     monkeypatch.setattr(isp, "DEFAULT_SAMPLE_TOKENS", 128)
     monkeypatch.setattr(isp, "DEFAULT_CTX", 32)
