@@ -235,7 +235,8 @@ def _residual(model, l):
 def test_predictor_mode_reads_the_residual_it_is_passed(tmp_path):
     """The block hands its residual to the FFN as an argument (no side channel): the API's
     active masks in predictor mode are PowerInfer's decisions on that residual, layer by layer,
-    and an FFN called on its own, without one, is refused in one line."""
+    evaluate's predictor recall is theirs against the oracle set, and an FFN called on its own,
+    without one, is refused in one line."""
     import powerinfer_jax as pij
 
     config = _tiny("reglu")
@@ -252,6 +253,21 @@ def test_predictor_mode_reads_the_residual_it_is_passed(tmp_path):
         assert clear.mean() > 0.95
         np.testing.assert_array_equal(masks[l][clear], (score >= preds.threshold)[clear])
         assert 0 < masks[l].mean() < 1
+    # evaluate's predictor recall reads the same residuals: PowerInfer's decisions (numpy, as
+    # above) against the oracle set |a_i| > 0, per layer, averaged
+    from powerinfer_jax.runtime.perplexity import perplexity
+
+    res = perplexity(llm.model, TOKENS[0].tolist(), ctx=TOKENS.shape[1], max_chunks=1,
+                     oracle_thresholds=[0.0] * config.n_layers)
+    want = []
+    for l, layer in enumerate(llm.model.layers):
+        r = _residual(llm.model, l)
+        a = np.asarray(layer.ffn.activations(layer.ffn_norm(r)))[0]
+        score = np.maximum(np.asarray(r, np.float64)[0] @ preds.fc1[l].T, 0) @ preds.fc2[l].T
+        oracle = np.abs(a) > 0
+        want.append((oracle & (score >= preds.threshold)).sum() / max(oracle.sum(), 1))
+    assert 0 < np.mean(want) < 1
+    assert res["predictor_recall"] == pytest.approx(float(np.mean(want)), abs=0.02)
     ffn = llm.model.layers[0].ffn
     with pytest.raises(UserError, match=r"the PowerInfer predictor's input: expected the "
                                         r"block's residual.*got 'none'"):
