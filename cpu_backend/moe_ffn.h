@@ -72,7 +72,9 @@ struct MoeScratch {
   QActs x_gate, x_up, h;
   std::vector<QActView> v_gate, v_up, v_h;
   QSparseFfnScratch sparse;  // the sparse path's, one routed expert at a time
-  std::vector<int32_t> n_active;  // [P] the sparse path's active neurons per (token, expert)
+  // [P] per (token, expert): the nonzero channels of down's input (the sparse path: the
+  // neurons that fire)
+  std::vector<int32_t> n_active;
   std::vector<int32_t> experts;   // the routed experts, those in memory first
   std::atomic<bool> failed{false};
   std::atomic<int64_t> wait_ns{0};  // time spent waiting for sources' reads

@@ -325,6 +325,22 @@ def test_input_sparsity_at_target_zero_is_the_dense_model(built, name):
 
     toks = tokens(name, built)
     got, _, model = ours(built["dirs"][name], toks)
+    # bytes a dense token reads, from the parameters themselves: every block matrix (experts:
+    # n_used of E), the LM head, one embedding row; a shared expert's down and the router
+    # included (read whole, outside the masks' sites)
+    from flax import nnx
+
+    want = 0
+    for layer in model.layers:
+        share = layer.ffn.n_used / layer.ffn.n_experts
+        for path, v in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
+            a = np.asarray(v.get_value())
+            if a.ndim >= 2:
+                want += a.nbytes * (share if "experts" in map(str, path) else 1)
+    head = model.lm_head.weight[...] if model.lm_head is not None else model.tok_embed[...]
+    embed = np.asarray(model.tok_embed[...])
+    want += np.asarray(head).nbytes + embed.nbytes // embed.shape[0]
+    assert isp.bytes_per_token(model, None) == pytest.approx(want, abs=8 * len(model.layers))
     isp.install(model, isp.zero_thresholds(model))
     assert_close(model(jnp.asarray(toks)), got, "regrouped")
     for rule in isp.RULES:

@@ -47,15 +47,15 @@ ffi::Error CheckStack(std::string_view what, ffi::Buffer<ffi::U8> b, KernelType 
                       "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K with a multiple of 16 rows",
                       std::string(info.name) + " with " + std::to_string(rows) + " rows");
   }
-  if (columns && !CanArrangeColumns(t, rows, cols)) {
-    return InvalidArg(kOp, w + " (each expert in the columns layout)",
-                      "Q4_0, Q4_1, Q8_0, Q4_K or Q6_K with a multiple of 64 rows",
-                      std::string(info.name) + " with " + std::to_string(rows) + " rows");
-  }
   if (cols % info.block != 0) {
     return InvalidArg(kOp, w + " row length", "a multiple of the " + std::string(info.name) +
                                                    " block (" + std::to_string(info.block) + ")",
                       std::to_string(cols));
+  }
+  if (columns && !CanArrangeColumns(t, rows, cols)) {  // cols is a multiple of the block here
+    return InvalidArg(kOp, w + " (each expert in the columns layout)",
+                      "Q4_0, Q4_1, Q8_0, Q4_K or Q6_K with a multiple of 64 rows",
+                      std::string(info.name) + " with " + std::to_string(rows) + " rows");
   }
   const auto dims = b.dimensions();
   const int64_t rb = columns ? ColumnsRowBytes(t, rows, cols) : QRowBytes(t, cols);

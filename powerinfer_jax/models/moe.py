@@ -32,6 +32,7 @@ Input sparsity (sparsity/input_sparsity.py, `in_mask` / `mid_mask`): the experts
 expert's) input is masked, the router reading it whole; each expert's down input is zeroed below
 its own thresholds ([E, F]) on every path, in the custom call with the experts in the columns
 layout (only nonzero input channels read); the kept channels are sown as `ffn_mid_active`.
+The router and a shared expert's gate read x whole, its down projection its whole input.
 Axis letters: N tokens (B * T flattened), E experts, k routed per token, F expert neurons,
 D model.
 """
@@ -233,7 +234,7 @@ class ColdExperts:
         self.blocks = tuple(jax.device_put(np.asarray(jax.device_get(m.weight[...])), cpu)
                             for m in (experts.gate, experts.up, experts.down_t))
         self.quantized = experts.gate.qtype is not None
-        self.kw = dict(gate_qtype=experts.gate.qtype, up_qtype=experts.up.qtype,
+        self.kw = dict(gate_qtype=experts.gate.kernel_qtype, up_qtype=experts.up.kernel_qtype,
                        down_qtype=experts.down_t.kernel_qtype, activation=activation)
         self.n_used = n_used
         self.cpu = cpu
@@ -418,6 +419,7 @@ class MoE(Module):
         lead, d = x_btd.shape[:-1], x_btd.shape[-1]
         x = x_btd.reshape(-1, d).astype(F32)  # [N, D]
         logits = self.router(x)
+        x_whole = x  # what the router and a shared expert's gate read
         if self.in_mask is not None or self.mid_mask is not None:
             self._check_input_sparsity()
             x = apply_mask(self.in_mask, x_btd).reshape(-1, d).astype(F32)  # the experts' x
@@ -428,7 +430,7 @@ class MoE(Module):
         if self.on_disk is not None:
             y = self._on_disk(x, ids, weights, logits, residual)
             if self.shared is not None:
-                y = y + jax.nn.sigmoid(self.shared_gate(x)) * self.shared(x[None])[0]
+                y = y + jax.nn.sigmoid(self.shared_gate(x_whole)) * self.shared(x[None])[0]
             return y.reshape(lead + (d,))
         first_shard = True
         if self.expert_axis is not None:  # this device's experts only; -1 marks the others
@@ -456,7 +458,7 @@ class MoE(Module):
                         functools.partial(_host_part, self.host_handle),
                         jax.ShapeDtypeStruct(x.shape, F32), *cold, vmap_method="sequential")
         if self.shared is not None:  # whole on every device: added by the first shard
-            scale = jax.nn.sigmoid(self.shared_gate(x))  # [N, 1]
+            scale = jax.nn.sigmoid(self.shared_gate(x_whole))  # [N, 1]
             y = y + jnp.where(first_shard, scale, 0.0) * self.shared(x[None])[0]
         return y.reshape(lead + (d,))
 
@@ -532,7 +534,7 @@ class MoE(Module):
 
     def _pairs(self, x_nd, ids, weights, mats, mid=None):
         """Each (token, routed expert) pair alone: that expert's rows sliced in place and
-        multiplied, skipped when its weight is 0 (an expert held elsewhere). XLA's CPU
+        multiplied, skipped when its id is -1 (an expert held elsewhere, weight 0). XLA's CPU
         gather copies every gathered row first: one SYNTHETIC OLMoE-shaped layer at one token,
         8 bfloat16 experts of 1024 x 2048, took 180 ms gathered, 10.5 ms this way (4.3 with
         half the pairs elsewhere)."""
@@ -554,7 +556,7 @@ class MoE(Module):
                                             preferred_element_type=F32),
                             yc[1] + jnp.sum(a != 0, dtype=jnp.int32))
 
-                y, c = jax.lax.cond(w != 0, one, lambda yc: yc, (y, c))
+                y, c = jax.lax.cond(ids[n, j] >= 0, one, lambda yc: yc, (y, c))
             rows.append(y)
             kept.append(c)
         return jnp.stack(rows), jnp.stack(kept)
@@ -569,7 +571,7 @@ class MoE(Module):
         gate, up, down = mats
         hot = jax.nn.one_hot(ids, gate.shape[0], dtype=F32)  # [N, k, E']; -1: a zero row
         w_ne = jnp.sum(hot * weights[..., None], axis=1)  # [N, E']
-        routed = jnp.sum(hot * (weights[..., None] != 0), axis=1)  # [N, E'] (as _pairs counts)
+        routed = jnp.sum(hot, axis=1)  # [N, E'] the pairs routed here (kept counts them)
         if self.per_pair:
             def one(yc, e):
                 g, u, d, w, r = (jax.lax.dynamic_index_in_dim(m, e, keepdims=False)
@@ -593,14 +595,14 @@ class MoE(Module):
 
     def _gathered(self, x_nd, ids, weights, mats, mid=None):
         """Each token's k experts' rows gathered and computed: [N, k, F, D] read, no more."""
-        ids = jnp.maximum(ids, 0)  # -1 (an expert held elsewhere) comes with weight 0
+        ids_in, ids = ids, jnp.maximum(ids, 0)  # -1 (an expert held elsewhere): weight 0
         gate, up, down = (w[ids] for w in mats)
         g = jnp.einsum("nd,nkfd->nkf", x_nd, gate, preferred_element_type=F32)
         u = jnp.einsum("nd,nkfd->nkf", x_nd, up, preferred_element_type=F32)
         a = self._act(g, u)
         if mid is not None:
             a = _mask_mid(a, mid[ids])
-        kept = jnp.sum((weights != 0) * jnp.sum(a != 0, axis=-1), axis=-1).astype(jnp.int32)
+        kept = jnp.sum((ids_in >= 0) * jnp.sum(a != 0, axis=-1), axis=-1).astype(jnp.int32)
         return jnp.einsum("nkf,nkfd->nd", a * weights[..., None], down,
                           preferred_element_type=F32), kept
 

@@ -166,8 +166,8 @@ def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype, up_qtype, down_qtype
     expert is sparse inside: only the neurons whose gate fires read their up row and down group
     (the exact oracle); the gate may be interleaved over the up's file rows.
     Input sparsity: gate, up and down in the columns layout ("Q4_0c64", each expert arranged as
-    ops.qlinear's columns) read only the channels of their input that are nonzero (x as given;
-    down's h = act(gate . x) * (up . x) zeroed where |h| < mid_thresholds[e] (float32 [E, F]).
+    ops.qlinear's columns) read only the channels of their input that are nonzero (x as given);
+    down's h = act(gate . x) * (up . x) is zeroed where |h| < mid_thresholds[e] (float32 [E, F]).
     return_kept: also each token's nonzero channels of down's input summed over its routed
     experts (int32 [N]: the sparse path's firing neurons), as (y, kept)."""
     from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)

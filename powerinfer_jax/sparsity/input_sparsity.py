@@ -100,6 +100,10 @@ def check_model(model) -> None:
     from powerinfer_jax.models.ffn import FFN  # lazy: start-up
     from powerinfer_jax.models.moe import MoE  # lazy: start-up
 
+    kinds = {isinstance(layer.ffn, MoE) for layer in model.layers}
+    if len(kinds) > 1:  # collect_inputs stacks the dense FFNs' down inputs by position
+        errors.fail("input sparsity", "every layer's FFN dense, or every one an MoE layer",
+                    "a model mixing the two")
     for i, layer in enumerate(model.layers):
         ffn = layer.ffn
         if isinstance(ffn, MoE):
@@ -128,10 +132,26 @@ def _share(layer, m) -> float:
     return layer.ffn.n_used / layer.ffn.n_experts if isinstance(m, Stacked) else 1.0
 
 
+WHOLE = "whole"  # site_bytes' key for a block's matrices outside every site (read whole)
+
+
+def whole_matrices(layer) -> list:
+    """A block's matrices every token reads whole, outside the sites: an MoE layer's router and
+    a shared expert's gate scalar and down projection (its input has no mask)."""
+    if not _is_moe(layer):
+        return []
+    moe = layer.ffn
+    extra = [] if moe.shared is None else [moe.shared_gate, moe.shared.down_t]
+    return [moe.router] + extra
+
+
 def site_bytes(layer) -> dict[str, int]:
-    """Per site the matrix bytes one token reads (dense)."""
-    return {s: sum(matrix_bytes(m, _share(layer, m)) for m in mats)
-            for s, mats in site_matrices(layer).items()}
+    """Per site the matrix bytes one token reads (dense), and under WHOLE those of the block's
+    matrices outside every site: part of the model-wide total, never skipped."""
+    out = {s: sum(matrix_bytes(m, _share(layer, m)) for m in mats)
+           for s, mats in site_matrices(layer).items()}
+    out[WHOLE] = sum(matrix_bytes(m) for m in whole_matrices(layer))
+    return out
 
 
 def column_sq_norms(m, d_in: int) -> np.ndarray:
@@ -388,7 +408,7 @@ def loss_path(model, chunks_nt: np.ndarray, thr_grid: list[dict], norms: list[di
     units = sorted({(s, _group(l, n_layers)) for l in range(n_layers) for s in SITES})
     unit_bytes = {u: sum(site_bytes[l][u[0]] for l in range(n_layers)
                          if _group(l, n_layers) == u[1]) for u in units}
-    total = sum(unit_bytes.values())
+    total = sum(unit_bytes.values()) + sum(b.get(WHOLE, 0) for b in site_bytes)
     levels = {u: 0 for u in units}
     reached = lambda lv: sum(unit_bytes[u] * GRID[lv[u]] for u in units) / total  # noqa: E731
     path = [(0.0, dict(levels))]
@@ -522,13 +542,16 @@ def measure(model, arts: InputThresholds, chunks_nt: np.ndarray) -> list[dict]:
 def bytes_per_token(model, measured: list[dict] | None) -> int:
     """Weight bytes one decode token reads in the columns layout: each block matrix's scale
     planes and the codes of its input's nonzero channels (`measured` per layer {site: zeroed
-    fraction}; None: dense), a matrix with no columns layout whole, plus the LM head and one
-    embedding row. The same figure whatever layout `model` was built in."""
+    fraction}; None: dense), a matrix with no columns layout and those outside every site
+    (WHOLE) whole, n_used of an MoE layer's experts, plus the LM head and one embedding row.
+    The same figure whether `model` was built dense or in the columns layout (relu experts in
+    down groups are counted whole)."""
     from powerinfer_jax.checkpoint import quants  # lazy: start-up (gguf only for GGUF files)
 
     total = 0
     for l, layer in enumerate(model.layers):
         dims = _dims(layer)
+        total += site_bytes(layer)[WHOLE]
         for s, mats in site_matrices(layer).items():
             zeroed = 0.0 if measured is None else measured[l][s]
             for m in mats:
