@@ -254,9 +254,12 @@ def _columns_experts(stack, qtype):
                                  for m in np.asarray(stack)]))
 
 
-@pytest.mark.parametrize("gate_t,down_t", [("Q4_0", "Q4_0"), ("Q4_1", "Q8_0"),
-                                           ("Q4_K", "Q6_K")])
-@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("gate_t,down_t,n", [
+    ("Q4_0", "Q4_0", 1), ("Q4_K", "Q6_K", 4),  # the fast tier: both block sizes
+    pytest.param("Q4_0", "Q4_0", 4, marks=pytest.mark.slow),
+    pytest.param("Q4_1", "Q8_0", 1, marks=pytest.mark.slow),
+    pytest.param("Q4_1", "Q8_0", 4, marks=pytest.mark.slow),
+    pytest.param("Q4_K", "Q6_K", 1, marks=pytest.mark.slow)])
 def test_columns_experts_with_masks_match_the_reference(gate_t, down_t, n):
     """Input sparsity inside experts: gate, up and down in the columns layout ("Q4_0c64"), x with
     zeroed channels and down's input zeroed below random per-expert thresholds, against the
