@@ -232,10 +232,8 @@ def _residual(model, l):
         x = r + layer.ffn(layer.ffn_norm(r), residual=r)
 
 
-def test_predictor_mode_reads_the_residual_it_is_passed(tmp_path):
-    """The block hands its residual to the FFN as an argument (no side channel): the API's
-    active masks in predictor mode are PowerInfer's decisions on that residual, layer by layer,
-    and an FFN called on its own, without one, is refused in one line."""
+def _powerinfer_llm(tmp_path):
+    """(config, predictors, LLM in "powerinfer" mode) of a tiny ReGLU PowerInfer file."""
     import powerinfer_jax as pij
 
     config = _tiny("reglu")
@@ -243,7 +241,14 @@ def test_predictor_mode_reads_the_residual_it_is_passed(tmp_path):
     path = pi.write_powerinfer_gguf(tmp_path / "m.powerinfer.gguf", config,
                                     random_params(config), gpt2_tokenizer_meta(), preds,
                                     weight_type="F32")
-    llm = pij.load(str(path), sparsity="powerinfer", progress=False)
+    return config, preds, pij.load(str(path), sparsity="powerinfer", progress=False)
+
+
+def test_predictor_mode_reads_the_residual_it_is_passed(tmp_path):
+    """The block hands its residual to the FFN as an argument (no side channel): the API's
+    active masks in predictor mode are PowerInfer's decisions on that residual, layer by layer,
+    and an FFN called on its own, without one, is refused in one line."""
+    config, preds, llm = _powerinfer_llm(tmp_path)
     masks = llm.active_masks(TOKENS[0].tolist())  # [L, T, F]
     for l in range(config.n_layers):
         r = np.asarray(_residual(llm.model, l), np.float64)[0]
@@ -263,15 +268,9 @@ def test_evaluates_predictor_recall_reads_the_residual(tmp_path):
     """evaluate's predictor recall (runtime/perplexity.py) takes each block's residual: it is
     PowerInfer's decisions on that residual (numpy) against the oracle set |a_i| > 0, per layer,
     averaged (fed the FFN input instead, it measured 0.446 against 0.504)."""
-    import powerinfer_jax as pij
     from powerinfer_jax.runtime.perplexity import perplexity
 
-    config = _tiny("reglu")
-    preds = _random_predictors(config, rank=8, seed=3, threshold=0.1)
-    path = pi.write_powerinfer_gguf(tmp_path / "m.powerinfer.gguf", config,
-                                    random_params(config), gpt2_tokenizer_meta(), preds,
-                                    weight_type="F32")
-    llm = pij.load(str(path), sparsity="powerinfer", progress=False)
+    config, preds, llm = _powerinfer_llm(tmp_path)
     res = perplexity(llm.model, TOKENS[0].tolist(), ctx=TOKENS.shape[1], max_chunks=1,
                      oracle_thresholds=[0.0] * config.n_layers)
     want = []
