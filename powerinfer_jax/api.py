@@ -219,9 +219,10 @@ class LLM:
         def masks(m, h, sown):
             import jax.numpy as jnp
 
+            from powerinfer_jax.models.transformer import block_residuals  # lazy: start-up
+
             out = []
-            residuals = sown.get("ffn_residual", [None] * len(m.layers))
-            for layer, x, r in zip(m.layers, sown["ffn_in"], residuals):
+            for layer, x, r in zip(m.layers, sown["ffn_in"], block_residuals(sown, len(m.layers))):
                 a = layer.ffn.activations(x)
                 sel = layer.ffn.selector
                 out.append((a != 0 if sel is None

@@ -217,3 +217,27 @@ def q4_selector(ffn, threshold, *, gate_up="full"):
 
     pred = nibble_predictor.NibblePredictor.from_ffn(ffn)
     return (selectors.Q4Activations if gate_up == "q4" else selectors.Scores)(pred, threshold)
+
+
+def small_input_calibration(monkeypatch) -> None:
+    """Input sparsity's runtime calibration made small (128 tokens of 32, one loss chunk)."""
+    from powerinfer_jax.sparsity import input_sparsity as isp
+
+    monkeypatch.setattr(isp, "DEFAULT_SAMPLE_TOKENS", 128)
+    monkeypatch.setattr(isp, "DEFAULT_CTX", 32)
+    monkeypatch.setattr(isp, "LOSS_CHUNKS", 1)
+
+
+BATCH_PROMPTS = ("the quick brown fox", "hello", "a b c d e f")
+
+
+def assert_batch_decodes_as_single(llm, new_tokens: int = 6):
+    """Three prompts decoded together give each one's tokens decoded alone; returns (prompt ids,
+    the tokens alone)."""
+    from powerinfer_jax.runtime.decode import Request
+
+    eng = llm.session.engine
+    prompts = [llm.encode(p) for p in BATCH_PROMPTS]
+    alone = [eng.generate(p, max_new_tokens=new_tokens).tokens for p in prompts]
+    assert [r.tokens for r in eng.run([Request(p, new_tokens) for p in prompts])] == alone
+    return prompts, alone

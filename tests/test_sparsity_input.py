@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 import powerinfer_jax as pij
-from helpers_models import gpt2_tokenizer_meta, random_params, tiny_llama_config, write_tiny_gguf
+from helpers_models import (assert_batch_decodes_as_single, gpt2_tokenizer_meta, random_params,
+                            small_input_calibration, tiny_llama_config, write_tiny_gguf)
 from helpers_quant import random_blocks
 from helpers_tolerances import assert_close
 from powerinfer_jax.checkpoint import load_checkpoint
 from powerinfer_jax.errors import UserError
 from powerinfer_jax.models.qweights import COLUMNS, DENSE_LAYOUT, INPUTS_LAYOUT
 from powerinfer_jax.models.transformer import from_params
-from powerinfer_jax.runtime.decode import Request
 from powerinfer_jax.sparsity import input_sparsity as isp
 
 TOKENS = np.asarray([[5, 17, 99, 3, 250, 42, 7, 11, 60, 61, 62, 63]])
@@ -135,16 +135,10 @@ def test_a_lossy_mode_needs_a_target_in_range(q4_gguf):
 
 @pytest.mark.slow
 def test_batched_decode_equals_single_and_a_corrupt_file_is_rebuilt(q4_gguf, monkeypatch):
-    # a small calibration (the runtime's own, on the calibration text)
-    monkeypatch.setattr(isp, "DEFAULT_SAMPLE_TOKENS", 128)
-    monkeypatch.setattr(isp, "DEFAULT_CTX", 32)
-    monkeypatch.setattr(isp, "LOSS_CHUNKS", 1)
+    small_input_calibration(monkeypatch)  # the runtime's own, on the calibration text
     llm = pij.load(str(q4_gguf), sparsity="input_magnitude", target_sparsity=0.4, max_batch=3,
                    max_seq_len=64, progress=False)
-    eng = llm.session.engine
-    prompts = [llm.encode(p) for p in ("the quick brown fox", "hello", "a b c d e f")]
-    alone = [eng.generate(p, max_new_tokens=6).tokens for p in prompts]
-    assert [r.tokens for r in eng.run([Request(p, 6) for p in prompts])] == alone
+    prompts, alone = assert_batch_decodes_as_single(llm)
     path = next(q4_gguf.parent.glob("*.sparsity/input_sparsity/magnitude_0.400.npz"))
     path.write_bytes(b"not an npz")
     again = pij.load(str(q4_gguf), sparsity="input_magnitude", target_sparsity=0.4,

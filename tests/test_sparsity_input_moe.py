@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 import powerinfer_jax as pij
+from helpers_models import assert_batch_decodes_as_single, small_input_calibration
 from helpers_tolerances import assert_close
 from powerinfer_jax.checkpoint import load_checkpoint
 from powerinfer_jax.errors import UserError
 from powerinfer_jax.models.qweights import DENSE_LAYOUT, INPUTS_LAYOUT
 from powerinfer_jax.models.transformer import capture, from_params
-from powerinfer_jax.runtime.decode import Request
 from powerinfer_jax.sparsity import input_sparsity as isp
 
 pytestmark = pytest.mark.slow  # a synthetic MoE file and three calibrations (~25 s); the
@@ -133,12 +133,7 @@ def test_placed_experts_are_refused_in_one_line(moe_gguf):
 
 
 def test_the_mode_decodes_batches_as_single_sequences(moe_gguf, monkeypatch):
-    monkeypatch.setattr(isp, "DEFAULT_SAMPLE_TOKENS", 128)
-    monkeypatch.setattr(isp, "DEFAULT_CTX", 32)
-    monkeypatch.setattr(isp, "LOSS_CHUNKS", 1)
+    small_input_calibration(monkeypatch)
     llm = pij.load(str(moe_gguf), sparsity="input_weighted", target_sparsity=0.4, max_batch=3,
                    max_seq_len=64, progress=False)
-    eng = llm.session.engine
-    prompts = [llm.encode(p) for p in ("the quick brown fox", "hello", "a b c d e f")]
-    alone = [eng.generate(p, max_new_tokens=6).tokens for p in prompts]
-    assert [r.tokens for r in eng.run([Request(p, 6) for p in prompts])] == alone
+    assert_batch_decodes_as_single(llm)

@@ -211,6 +211,13 @@ def capture(fn, model, *args, kind=nnx.Intermediate):
                     for name, vals in per_name.items()}
 
 
+def block_residuals(sown, n_layers: int):
+    """The blocks' residuals a `capture` sowed ("ffn_residual" [L, ...]: where the FFNs'
+    selectors read them), else one None per layer (what `Selector.select_in_block` takes)."""
+    r = sown.get("ffn_residual")
+    return [None] * n_layers if r is None else r
+
+
 def _embedding(shape, dtype, rngs):
     return _param(shape, dtype, rngs, scale=0.02)
 

@@ -80,7 +80,7 @@ def make_scorer(model, oracle_thresholds=None, *, first: int = 0):
     import jax.numpy as jnp
     from flax import nnx
 
-    from powerinfer_jax.models.transformer import capture  # lazy: start-up
+    from powerinfer_jax.models.transformer import block_residuals, capture  # lazy: start-up
 
     graphdef, state = nnx.split(model)
     d_ff = model.config.d_ff
@@ -98,16 +98,10 @@ def make_scorer(model, oracle_thresholds=None, *, first: int = 0):
         if oracle_thresholds is not None:
             hits = jnp.stack([_recall_counts(layer.ffn, x, r, oracle_thresholds[i])
                               for i, (layer, x, r) in enumerate(zip(
-                                  m.layers, sown["ffn_in"], _residuals(sown, len(m.layers))))])
+                                  m.layers, sown["ffn_in"], block_residuals(sown, len(m.layers))))])
         return nll, frac, hits
 
     return lambda tokens: score(state, tokens)
-
-
-def _residuals(sown, n_layers: int):
-    """The blocks' residuals a capture sowed (selectors that read them), else Nones."""
-    r = sown.get("ffn_residual")
-    return [None] * n_layers if r is None else r
 
 
 def _recall_counts(ffn, x_btd, residual, oracle_threshold):
