@@ -81,19 +81,24 @@ class FfnLayout:
     down: str = MATVEC
     down_qtype: str | None = None
     attention: str = MATVEC  # q, k, v and o: MATVEC or COLUMNS (input sparsity)
+    # an MoE layer's stacked experts (models/moe.py Stacked): None, the layouts the experts take
+    # for their activation (matvec; a relu expert's up rows and down groups), or COLUMNS
+    experts: str | None = None
 
     def __post_init__(self):
         check_choice("FfnLayout.gate", self.gate, (MATVEC, ROWS, COLUMNS))
         check_choice("FfnLayout.up", self.up, (MATVEC, ROWS, COLUMNS))
         check_choice("FfnLayout.down", self.down, LAYOUTS)
         check_choice("FfnLayout.attention", self.attention, (MATVEC, COLUMNS))
+        check_choice("FfnLayout.experts", self.experts, (None, COLUMNS))
 
 
 DENSE_LAYOUT = FfnLayout()
 # A selector's neurons: gate and up rows read one by one, down rows per active neuron.
 SELECTED_LAYOUT = FfnLayout(gate=ROWS, up=ROWS, down=GROUPS)
 # Input sparsity: every matrix of a block reads only its input's nonzero channels.
-INPUTS_LAYOUT = FfnLayout(gate=COLUMNS, up=COLUMNS, down=COLUMNS, attention=COLUMNS)
+INPUTS_LAYOUT = FfnLayout(gate=COLUMNS, up=COLUMNS, down=COLUMNS, attention=COLUMNS,
+                          experts=COLUMNS)
 
 
 def arrange(t, layout: str, *, down_qtype: str | None = None, load: _Load | None = None

@@ -312,9 +312,8 @@ def from_params(config: ModelConfig, params: Mapping[str, np.ndarray], *, dtype=
                     copies.add(name, w.blocks, w.qtype, layout=COLUMNS)
             _load_quantized(model, name, w)
         for name, t in expert_blocks.items():
-            # the experts' Stacked matrix: each expert in columns under input sparsity
-            _at(model, name.rsplit(".", 1)[0]).load(
-                t, load, layout="columns" if ffn_layout.gate == COLUMNS else None)
+            # the experts' Stacked matrix, in the plan's experts layout (input sparsity: columns)
+            _at(model, name.rsplit(".", 1)[0]).load(t, load, layout=ffn_layout.experts)
     return model
 
 
