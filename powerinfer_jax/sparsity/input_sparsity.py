@@ -101,7 +101,7 @@ def check_model(model) -> None:
     from powerinfer_jax.models.moe import MoE  # lazy: start-up
 
     kinds = {isinstance(layer.ffn, MoE) for layer in model.layers}
-    if len(kinds) > 1:  # collect_inputs stacks the dense FFNs' down inputs by position
+    if len(kinds) > 1:  # collect_inputs takes the sown down inputs of all layers or none
         errors.fail("input sparsity", "every layer's FFN dense, or every one an MoE layer",
                     "a model mixing the two")
     for i, layer in enumerate(model.layers):
@@ -275,39 +275,34 @@ def collect_inputs(model, chunks_nt: np.ndarray, *, sample_tokens: int,
     from powerinfer_jax.models.layers import InputSample  # lazy: start-up
     from powerinfer_jax.models.transformer import capture  # lazy: start-up
 
+    check_model(model)  # every FFN dense or every one MoE (no mix)
     n, t = chunks_nt.shape
     keep = max(1, min(t, sample_tokens // max(1, n)))
     idx = np.linspace(1, t - 1, keep).astype(np.int64)  # not the first token (attention sink)
     install(model, zero_thresholds(model))  # every path through the masks: every site sown
     graphdef, state = nnx.split(model)
-
-    sites = [s for s in SITES if s != "ffn_mid"]
-    moe = [_is_moe(l) for l in model.layers]
+    moe = _is_moe(model.layers[0])
+    # the sown sites: an MoE layer's down inputs are its routed pairs' (expert_mids, below)
+    sites = [s for s in SITES if not (moe and s == "ffn_mid")]
 
     @jax.jit
     def run(state, tokens_bt):
         positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         _, sown = capture(lambda m: m.hidden(tokens_bt, positions), nnx.merge(graphdef, state),
                           kind=InputSample)
-        out = {s: sown[s][:, 0, idx] for s in sites}  # [L, keep, d]
-        if not all(moe):  # the dense FFNs' down inputs (an MoE layer's: expert_mids)
-            out["ffn_mid"] = sown["ffn_mid"][:, 0, idx]  # [L_dense, keep, F]
-        return out
+        return {s: sown[s][:, 0, idx] for s in sites}  # [L, keep, d]
 
-    parts: dict[str, list] = {s: [] for s in SITES}
+    parts: dict[str, list] = {s: [] for s in sites}
     for chunk in _bar(chunks_nt, progress, "input sparsity: dense forward"):
         out = run(state, jnp.asarray(chunk[None]))
-        for s in out:
+        for s in sites:
             parts[s].append(np.asarray(out[s], np.float32))
     install(model, None)
-    stacked = {s: np.concatenate(parts[s], axis=1) for s in SITES if parts[s]}  # [L, N, d]
-    dense_pos = np.cumsum([not m for m in moe]) - 1  # a dense layer's row of stacked ffn_mid
-    per_layer = []
-    for l, layer in enumerate(model.layers):
-        got = {s: stacked[s][l] for s in sites}
-        got["ffn_mid"] = (expert_mids(layer, got["ffn_in"]) if moe[l]
-                          else stacked["ffn_mid"][dense_pos[l]])
-        per_layer.append(got)
+    stacked = {s: np.concatenate(parts[s], axis=1) for s in sites}  # [L, N, d]
+    per_layer = [{s: stacked[s][l] for s in sites} for l in range(len(model.layers))]
+    if moe:
+        for layer, got in zip(model.layers, per_layer):
+            got["ffn_mid"] = expert_mids(layer, got["ffn_in"])
     return per_layer
 
 
