@@ -143,14 +143,13 @@ def moe_ffn(x, ids, weights, gate, up, down, *, gate_qtype: str, up_qtype: str,
         down = jax.pure_callback(file_rows, jax.ShapeDtypeStruct(
             (e, d, quants.row_bytes(down_qtype, f)), jnp.uint8), down)
     ids = jnp.asarray(ids, jnp.int32)  # -1: another shard's expert, adds nothing (dropped)
-    w_ne = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], jnp.where(
-        ids < 0, e, ids)].add(weights, mode="drop")
+    pair = (jnp.arange(n)[:, None], jnp.where(ids < 0, e, ids))  # [N, E] cells of each pair
+    w_ne = jnp.zeros((n, e), jnp.float32).at[pair].add(weights, mode="drop")
+    routed = jnp.zeros((n, e), jnp.int32).at[pair].add(1, mode="drop")  # pairs, for kept
     y = jnp.zeros((n, d), jnp.float32)
     # down groups of the 8-bit formats sum float coefficients (AxpyGroup), unrounded; the
     # 4-bit ones round them to 8 bits per 32 neurons, as the dense matvec rounds its input
     float_coefs = grouped and down_qtype not in quants.DOWN_PAIR_TYPES
-    routed = jnp.zeros((n, e), jnp.int32).at[jnp.arange(n)[:, None], jnp.where(
-        ids < 0, e, ids)].add(1, mode="drop")
     kept = jnp.zeros((n,), jnp.int32)
     for i in range(e):  # the reference: a loop over experts, not over neurons
         h = gated_activate(activation, qlinear(x, gate[i], gate_qtype, d),
