@@ -28,7 +28,10 @@
 // The product, per token: activations quantized per block as for the row kernels (quant_act.h);
 // per block the nonzero channels in groups of four (a zero-activation channel pads a group);
 // per 64-row tile and group: the four channels' codes interleaved per row and one integer dot
-// per 16 rows; per (sub-)block the integer sums scaled in float as llama.cpp scales them. A thread
+// per 16 rows (one token and at most 2048 rows: each group's channels read whole, one after
+// another, the sums kept in memory between groups, the next block's runs prefetched meanwhile;
+// else the tiles in turn, each a line of every channel); per (sub-)block the integer sums
+// scaled in float as llama.cpp scales them. A thread
 // takes whole tiles; every y element is computed in one fixed order whatever the thread count and
 // the sparsity: results are bitwise the same for the same x.
 #ifndef PIJ_CPU_BACKEND_QCOLUMNS_H_

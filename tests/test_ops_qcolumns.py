@@ -63,6 +63,24 @@ def test_product_equals_rows_kernel_reference_and_portable(qtype, t):
         np.testing.assert_array_equal(one, portable)
 
 
+@pytest.mark.parametrize("qtype", [q if q in ("Q4_0", "Q6_K") else pytest.param(
+    q, marks=pytest.mark.slow) for q in TYPES])
+@pytest.mark.parametrize("o", [2048, 2112])
+def test_one_token_short_and_long_ranges_equal_portable(qtype, o):
+    """One token reads a range of at most 2048 rows channel after channel (its sums in memory
+    between channel groups) and a longer one line after line: either way the portable loops'
+    bits, and the dense rows kernel's values."""
+    blocks, x, d = _case(qtype, o, o=o, t=1, zero=0.4)
+    w = columns(blocks, qtype)
+    portable = np.zeros((1, o), np.float32)
+    _ffi._pij_ext.qlinear_columns_portable(x, np.asarray(w.blocks), quants.type_id(qtype),
+                                           portable)
+    with _one_thread():
+        one = np.asarray(ops.qlinear(x, w.blocks, w.kernel_qtype, d))
+    np.testing.assert_array_equal(one, portable)
+    assert_close(one, np.asarray(ops.qlinear(x, blocks, qtype, d)), "quantized")
+
+
 class _one_thread:
     def __enter__(self):
         self.before = _ffi.get_num_threads()
