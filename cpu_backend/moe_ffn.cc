@@ -1,6 +1,7 @@
 #include "cpu_backend/moe_ffn.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 
@@ -142,10 +143,30 @@ void SumExperts(int64_t n, int64_t k, int64_t d, const float* weights, const Moe
 }
 
 // Every routed expert's neurons: gate and up rows for its group, then down rows.
-void DenseExperts(const MoeExperts& w, int64_t pairs, MoeScratch& s, ThreadPool& pool) {
+void DenseExperts(const MoeExperts& w, std::span<const float* const> x_rows, int64_t k,
+                  int64_t pairs, MoeScratch& s, ThreadPool& pool) {
   const int64_t f = w.d_ff, d = w.dim;
-  Quantize(s.rows, d, w.gate_t, s.x_gate, s.v_gate, pool);
-  Quantize(s.rows, d, w.up_t, s.x_up, s.v_up, pool);
+  // Each token quantized once for all its pairs (decode: one row, not k copies of it), and
+  // once for gate and up when their formats' blocks agree: the same rows give the same bits.
+  const int64_t gate_block = GetQTypeInfo(w.gate_t).block;
+  const bool up_shares = GetQTypeInfo(w.up_t).block == gate_block;
+  QuantizeActs(x_rows, d, gate_block, s.x_gate, pool);
+  if (!up_shares) QuantizeActs(x_rows, d, GetQTypeInfo(w.up_t).block, s.x_up, pool);
+  const QActs& x_up = up_shares ? s.x_gate : s.x_up;
+  // ids: a token's views name its values for this call, so the columns kernels derive what
+  // they need from them once per thread, not once per routed expert and matrix
+  static std::atomic<uint64_t> next_id{1};
+  const int64_t n = static_cast<int64_t>(x_rows.size());
+  const uint64_t id0 = next_id.fetch_add(2 * n, std::memory_order_relaxed);
+  s.v_gate.resize(pairs);
+  s.v_up.resize(pairs);
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t token = s.order[i] / k;
+    s.v_gate[i] = s.x_gate.View(token, MinGroup(w.gate_t));
+    s.v_gate[i].id = id0 + token;
+    s.v_up[i] = x_up.View(token, MinGroup(w.up_t));
+    s.v_up[i].id = up_shares ? id0 + token : id0 + n + token;
+  }
   s.g.resize(pairs * f);
   s.u.resize(pairs * f);
   const int64_t rb_d_gate = w.gate_col ? ColumnsRowBytes(w.gate_t, f, d) : QRowBytes(w.gate_t, d);
@@ -245,7 +266,7 @@ bool MoeFfn(const MoeExperts& w, std::span<const float* const> x_rows, const int
   if (w.down_groups) {
     SparseExperts(w, pairs, s, pool);
   } else {
-    DenseExperts(w, pairs, s, pool);
+    DenseExperts(w, x_rows, k, pairs, s, pool);
   }
   if (s.failed.load()) return false;
   SumExperts(n, k, w.dim, weights, s, y);

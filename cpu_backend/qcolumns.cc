@@ -160,6 +160,28 @@ void BuildLists(const ColFmt& f, int64_t b, const QActView* xs, int nt, SubList*
   }
 }
 
+// The lists of one token's blocks, kept per thread for the token its id names (QActView::id).
+struct ListCache {
+  uint64_t id = 0;
+  int64_t block = 0, sub = 0, nblocks = 0;
+  std::vector<SubList> lists;  // [nblocks * (block / sub)]
+  std::vector<uint8_t> built;  // [nblocks]
+};
+
+ListCache& Cached(const QActView& x, const ColFmt& f, int64_t nblocks) {
+  thread_local ListCache cache;
+  if (cache.id != x.id || cache.block != f.block || cache.sub != f.sub ||
+      cache.nblocks != nblocks) {
+    cache.id = x.id;
+    cache.block = f.block;
+    cache.sub = f.sub;
+    cache.nblocks = nblocks;
+    cache.lists.resize(nblocks * (f.block / f.sub));
+    cache.built.assign(nblocks, 0);
+  }
+  return cache;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The integer sums of one sub-block over one 64-row tile: S[t][r] = sum over the list's channels
 // of code[r] * q_t (codes as stored). `tile` points at the block's codes shifted to this tile;
@@ -638,7 +660,21 @@ void Rows(const uint8_t* w, int64_t rows, int64_t cols, std::span<const QActView
     constexpr bool channel_order = false;
 #endif
     const QActView* xg = xs.data() + t0;
-    if (b_lo < b_hi) BuildLists(f, b_lo, xg, nt, next);
+    // One token whose view has an id: its lists from this thread's cache (an MoE token's
+    // gate and up of every routed expert share them), else built into lists / next in turn.
+    ListCache* cache = nt == 1 && xg[0].id != 0 ? &Cached(xg[0], f, nblocks) : nullptr;
+    const auto build = [&](int64_t b, SubList*& out) {
+      if (cache == nullptr) {
+        BuildLists(f, b, xg, nt, out);
+        return;
+      }
+      out = cache->lists.data() + b * kNsub;
+      if (!cache->built[b]) {
+        BuildLists(f, b, xg, 1, out);
+        cache->built[b] = 1;
+      }
+    };
+    if (b_lo < b_hi) build(b_lo, next);
     for (int64_t b = b_lo; b < b_hi; ++b) {
       const uint8_t* head = w + b * block_bytes;
       const uint8_t* codes = head + HeadBytes(f, rows);
@@ -646,7 +682,7 @@ void Rows(const uint8_t* w, int64_t rows, int64_t cols, std::span<const QActView
       if (b + 1 < b_hi) {
         // The next block's channels: their first lines requested now, so its streams start
         // warm (a task's run of a channel can be only a few lines: a 4096-row matrix, 2 KiB).
-        BuildLists(f, b + 1, xg, nt, next);
+        build(b + 1, next);
         if (!portable && !channel_order) {
           PrefetchStarts(w + (b + 1) * block_bytes + HeadBytes(f, rows), chan_bytes,
                          lo * kTileBytes / kColTile, next, kNsub);

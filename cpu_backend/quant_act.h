@@ -21,6 +21,10 @@ struct QActView {
   const int8_t* q;
   const float* d;
   const float* c;
+  // Nonzero: names this token's values for as long as they stay unchanged, so a kernel called
+  // on it again may reuse what it derived from them (qcolumns.cc: the nonzero channels); 0:
+  // nothing is reused.
+  uint64_t id = 0;
 };
 
 // T rows quantized for one block size. Grows, never shrinks (reused across calls).
