@@ -256,6 +256,18 @@ inline __m256i Load256(const uint8_t* p) {
 #endif
 
 #if defined(PIJ_QSIMD_AVX512)
+// Four channels' 64-byte lines -> their bytes interleaved per row (TilePairSums4 / TileSumsN).
+inline void Unpack4(const uint8_t* const p[4], int64_t off, __m512i R[4]) {
+  const __m512i A = _mm512_loadu_si512(p[0] + off), B = _mm512_loadu_si512(p[1] + off);
+  const __m512i C = _mm512_loadu_si512(p[2] + off), D = _mm512_loadu_si512(p[3] + off);
+  const __m512i ab_lo = _mm512_unpacklo_epi8(A, B), ab_hi = _mm512_unpackhi_epi8(A, B);
+  const __m512i cd_lo = _mm512_unpacklo_epi8(C, D), cd_hi = _mm512_unpackhi_epi8(C, D);
+  R[0] = _mm512_unpacklo_epi16(ab_lo, cd_lo);
+  R[1] = _mm512_unpackhi_epi16(ab_lo, cd_lo);
+  R[2] = _mm512_unpacklo_epi16(ab_hi, cd_hi);
+  R[3] = _mm512_unpackhi_epi16(ab_hi, cd_hi);
+}
+
 inline __m512i Dot512(__m512i acc, __m512i u, __m512i s) {
 #if defined(__AVX512VNNI__)
   return _mm512_dpbusd_epi32(acc, u, s);
@@ -285,14 +297,9 @@ inline void TileSumsN(const uint8_t* tile, int64_t chan_bytes, const SubList& L,
     Ahead(p3);
     __m512i u[4];
     if constexpr (kWide) {  // 64 bytes a channel: the unpacks per 128-bit lane
-      const __m512i A = _mm512_loadu_si512(p0), B = _mm512_loadu_si512(p1);
-      const __m512i C = _mm512_loadu_si512(p2), D = _mm512_loadu_si512(p3);
-      const __m512i ab_lo = _mm512_unpacklo_epi8(A, B), ab_hi = _mm512_unpackhi_epi8(A, B);
-      const __m512i cd_lo = _mm512_unpacklo_epi8(C, D), cd_hi = _mm512_unpackhi_epi8(C, D);
-      u[0] = _mm512_unpacklo_epi16(ab_lo, cd_lo);  // rows 0-7, 32-39 (TileRow8 order)
-      u[1] = _mm512_unpackhi_epi16(ab_lo, cd_lo);  // rows 8-15, 40-47
-      u[2] = _mm512_unpacklo_epi16(ab_hi, cd_hi);  // rows 16-23, 48-55
-      u[3] = _mm512_unpackhi_epi16(ab_hi, cd_hi);  // rows 24-31, 56-63
+      // u[q]: rows 8q .. 8q + 7 and 32 + 8q .. (TileRow8 order)
+      const uint8_t* const p[4] = {p0, p1, p2, p3};
+      Unpack4(p, 0, u);
       if constexpr (kQ8 && kQ8Offset == 0) {
         for (int i = 0; i < 4; ++i) u[i] = _mm512_xor_si512(u[i], _mm512_set1_epi8(-128));
       }
@@ -348,12 +355,8 @@ inline void TilePairSums4(const uint8_t* tile, int64_t chan_bytes, const SubList
       p[k] = tile + L.chan[4 * g + k] * chan_bytes;
       Ahead(p[k]);
     }
-    const __m512i A = _mm512_loadu_si512(p[0]), B = _mm512_loadu_si512(p[1]);
-    const __m512i C = _mm512_loadu_si512(p[2]), D = _mm512_loadu_si512(p[3]);
-    const __m512i ab_lo = _mm512_unpacklo_epi8(A, B), ab_hi = _mm512_unpackhi_epi8(A, B);
-    const __m512i cd_lo = _mm512_unpacklo_epi8(C, D), cd_hi = _mm512_unpackhi_epi8(C, D);
-    const __m512i R[4] = {_mm512_unpacklo_epi16(ab_lo, cd_lo), _mm512_unpackhi_epi16(ab_lo, cd_lo),
-                          _mm512_unpacklo_epi16(ab_hi, cd_hi), _mm512_unpackhi_epi16(ab_hi, cd_hi)};
+    __m512i R[4];
+    Unpack4(p, 0, R);
     __m512i u[4], v[4];
     for (int q = 0; q < 4; ++q) {
       u[q] = _mm512_and_si512(R[q], low4);
@@ -453,18 +456,6 @@ inline void PrefetchStarts(const uint8_t*, int64_t, int64_t, const SubList*, int
 constexpr int64_t kChannelRows = 2048;  // acc: 8 KiB
 
 #if defined(PIJ_QSIMD_AVX512)
-// Four channels' 64-byte lines -> their bytes interleaved per row (TilePairSums4 / TileSumsN).
-inline void Unpack4(const uint8_t* const p[4], int64_t off, __m512i R[4]) {
-  const __m512i A = _mm512_loadu_si512(p[0] + off), B = _mm512_loadu_si512(p[1] + off);
-  const __m512i C = _mm512_loadu_si512(p[2] + off), D = _mm512_loadu_si512(p[3] + off);
-  const __m512i ab_lo = _mm512_unpacklo_epi8(A, B), ab_hi = _mm512_unpackhi_epi8(A, B);
-  const __m512i cd_lo = _mm512_unpacklo_epi8(C, D), cd_hi = _mm512_unpackhi_epi8(C, D);
-  R[0] = _mm512_unpacklo_epi16(ab_lo, cd_lo);
-  R[1] = _mm512_unpackhi_epi16(ab_lo, cd_lo);
-  R[2] = _mm512_unpacklo_epi16(ab_hi, cd_hi);
-  R[3] = _mm512_unpackhi_epi16(ab_hi, cd_hi);
-}
-
 template <bool kWide, bool kQ8>
 void ChannelSums(const uint8_t* tile, int64_t chan_bytes, const SubList& L, int64_t ntiles,
                  int32_t* acc, const uint8_t* ahead, const SubList* ahead_list) {
