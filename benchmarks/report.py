@@ -32,7 +32,7 @@ CONFIG_KEYS = ("system", "kind", "config", "mode", "sparsity", "rule", "qtype", 
                "dtype", "weights", "weight_dtype", "gate_up", "predictor", "target_sparsity",
                "side", "batch", "concurrency", "d", "f", "o", "t", "active", "prompt_tokens",
                "new_tokens", "threads", "layer", "tokens", "step", "budget_ffn_fraction",
-               "keep_quantized", "source_type", "down_format")
+               "keep_quantized", "source_type", "down_format", "run_bytes", "keep")
 # Measured quantities, most telling first.
 METRIC_KEYS = ("status", "ours_over_llama_cpp", "ours_over_our_dense", "ours_tok_s",
                "llama_cpp_tok_s", "measured_sparsity", "ppl_over_dense", "greedy_agreement",
@@ -47,7 +47,8 @@ METRIC_KEYS = ("status", "ours_over_llama_cpp", "ours_over_our_dense", "ours_tok
                "us", "gbps", "achieved_gb_s", "achieved_gbs", "effective_gbs",
                "bandwidth_fraction", "step_ms", "neurons_for_80pct", "top10pct_share",
                "rss_growth_over_file", "weights_resident_over_file", "rel_err_max",
-               "ttft_p50_s_median", "latency_p50_s_median", "errors", "sequences_differing")
+               "ttft_p50_s_median", "latency_p50_s_median", "errors", "sequences_differing",
+               "time_over_stream", "time_over_keep1", "over_stream", "gbs")
 
 
 class ReportError(ValueError):

@@ -66,6 +66,29 @@ def read_bandwidth_gbs(repeats: int = 5, nbytes: int = _BANDWIDTH_BYTES) -> floa
     return data.nbytes / best / 1e9
 
 
+def runs_bandwidth_gbs(run_bytes: int, stride_bytes: int, keep: float, *, repeats: int = 5,
+                       nbytes: int = _BANDWIDTH_BYTES, seed: int = 0) -> tuple[float, int]:
+    """The bandwidth (GB/s of the bytes read) of input sparsity's read pattern: runs of
+    `run_bytes` every `stride_bytes` (a columns matrix's channels), a random `keep` of them read,
+    each whole, over `nbytes`, with the kernel thread pool's current thread count. Returns
+    (GB/s, bytes read)."""
+    from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
+
+    if not 0.0 < keep <= 1.0:
+        raise ValueError(f"keep: expected a fraction in (0, 1], got {keep}")
+    stride = stride_bytes // 4
+    data = np.ones(nbytes // 4 // stride * stride, np.float32)
+    flags = (np.random.default_rng(seed).random(data.size // stride) < keep).astype(np.uint8)
+    _ffi._pij_ext.runs_sum(data, run_bytes // 4, stride, flags)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _ffi._pij_ext.runs_sum(data, run_bytes // 4, stride, flags)
+        best = min(best, time.perf_counter() - t0)
+    read = int(flags.sum()) * run_bytes
+    return read / best / 1e9, read
+
+
 def bench_sparse_ffn(*, d: int, f: int, t: int, active: float, dtype: str, gated: bool,
                      repeats: int) -> dict:
     if not 0.0 < active <= 1.0:

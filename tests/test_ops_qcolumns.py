@@ -137,3 +137,19 @@ def test_bad_operands_are_one_line_errors():
     with pytest.raises(ValueError, match="arrange_columns"):
         _ffi._pij_ext.arrange_columns(blocks[:100], quants.type_id("Q4_0"), d,
                                       np.zeros((100, 10), np.uint8))
+
+
+def test_runs_sum_reads_the_kept_runs_only():
+    """benchmarks/columns_access.py times this read: it must sum the kept runs and nothing
+    else (a run read short, or a skipped one read, would time the wrong bytes)."""
+    rng = np.random.default_rng(0)
+    run, stride, n = 48, 64, 37
+    data = rng.standard_normal(n * stride).astype(np.float32)
+    keep = (rng.random(n) < 0.6).astype(np.uint8)
+    want = data.reshape(n, stride)[keep.astype(bool), :run].astype(np.float64).sum()
+    got = _ffi._pij_ext.runs_sum(data, run, stride, keep)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError, match="runs_sum: expected run a positive multiple of 16"):
+        _ffi._pij_ext.runs_sum(data, 40, stride, keep)
+    with pytest.raises(ValueError, match="one keep flag per stride"):
+        _ffi._pij_ext.runs_sum(data, run, stride, keep[:-1])

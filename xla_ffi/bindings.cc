@@ -150,6 +150,25 @@ NB_MODULE(_pij_ext, m) {
     nb::gil_scoped_release release;
     return pij::StreamSum(std::span<const float>(a.data(), a.shape(0)), pij::GetCpuRuntime().pool);
   }, nb::arg("data"), "Sum a float32 array with all pool threads: times the machine's read bandwidth.");
+  m.def("runs_sum", [](nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> a,
+                       int64_t run, int64_t stride,
+                       nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> keep) {
+    const int64_t n = static_cast<int64_t>(a.shape(0));
+    if (run <= 0 || run % 16 != 0 || stride < run || n % stride != 0 ||
+        static_cast<int64_t>(keep.shape(0)) != n / stride) {
+      throw std::invalid_argument(
+          "runs_sum: expected run a positive multiple of 16, stride >= run dividing the data's "
+          "length, and one keep flag per stride, got run " + std::to_string(run) + ", stride " +
+          std::to_string(stride) + ", " + std::to_string(n) + " floats, " +
+          std::to_string(keep.shape(0)) + " flags");
+    }
+    nb::gil_scoped_release release;
+    return pij::RunsSum(std::span<const float>(a.data(), n), run, stride,
+                        std::span<const uint8_t>(keep.data(), keep.shape(0)),
+                        pij::GetCpuRuntime().pool);
+  }, nb::arg("data"), nb::arg("run"), nb::arg("stride"), nb::arg("keep"),
+     "Sum the kept runs of a float32 array with all pool threads: times the bandwidth of "
+     "input sparsity's read pattern.");
   m.def("pool_stress", [](int threads, int64_t runs, int64_t tasks) {
     CheckThreadCount("pool_stress: threads", threads);
     if (runs < 0 || tasks < 0) {
