@@ -47,7 +47,7 @@ def _close(got, want):
 
 @pytest.mark.parametrize("gate_t,down_t", [("Q4_0", "Q4_0"), ("Q8_0", "Q8_0"),
                                            ("Q4_K", "Q6_K"), ("Q4_0", "Q8_0")])
-@pytest.mark.parametrize("n", [1, 3, 16])
+@pytest.mark.parametrize("n", [1, pytest.param(3, marks=pytest.mark.slow), 16])
 def test_matches_the_dense_reference(gate_t, down_t, n):
     x, ids, w, gate, up, down = operands(gate_t, down_t, n, seed=n)
     kw = dict(gate_qtype=gate_t, up_qtype=gate_t, down_qtype=down_t)
