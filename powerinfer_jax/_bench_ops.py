@@ -51,19 +51,24 @@ def _median_us(fn, arg_sets, *, repeats: int) -> float:
     return median_seconds(fn, repeats=repeats, arg_sets=arg_sets) * 1e6
 
 
+def _best_seconds(fn, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of fn, after one untimed call (pages touched)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def read_bandwidth_gbs(repeats: int = 5, nbytes: int = _BANDWIDTH_BYTES) -> float:
     """The machine's read bandwidth (GB/s) over `nbytes` with the kernel thread pool's current
     thread count."""
     from powerinfer_jax.ops import _ffi  # lazy: optional C++ extension
 
     data = np.ones(nbytes // 4, np.float32)
-    _ffi._pij_ext.stream_sum(data)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        _ffi._pij_ext.stream_sum(data)
-        best = min(best, time.perf_counter() - t0)
-    return data.nbytes / best / 1e9
+    return data.nbytes / _best_seconds(lambda: _ffi._pij_ext.stream_sum(data), repeats) / 1e9
 
 
 def runs_bandwidth_gbs(run_bytes: int, stride_bytes: int, keep: float, *, repeats: int = 5,
@@ -79,12 +84,8 @@ def runs_bandwidth_gbs(run_bytes: int, stride_bytes: int, keep: float, *, repeat
     stride = stride_bytes // 4
     data = np.ones(nbytes // 4 // stride * stride, np.float32)
     flags = (np.random.default_rng(seed).random(data.size // stride) < keep).astype(np.uint8)
-    _ffi._pij_ext.runs_sum(data, run_bytes // 4, stride, flags)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        _ffi._pij_ext.runs_sum(data, run_bytes // 4, stride, flags)
-        best = min(best, time.perf_counter() - t0)
+    best = _best_seconds(lambda: _ffi._pij_ext.runs_sum(data, run_bytes // 4, stride, flags),
+                         repeats)
     read = int(flags.sum()) * run_bytes
     return read / best / 1e9, read
 
