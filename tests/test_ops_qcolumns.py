@@ -153,3 +153,18 @@ def test_runs_sum_reads_the_kept_runs_only():
         _ffi._pij_ext.runs_sum(data, 40, stride, keep)
     with pytest.raises(ValueError, match="one keep flag per stride"):
         _ffi._pij_ext.runs_sum(data, run, stride, keep[:-1])
+
+
+def test_columns_access_refuses_bad_arguments(capsys):
+    """The ceiling benchmark's inputs: a fraction outside (0, 1] or a count below its minimum is
+    a one-line error, before anything is allocated or timed."""
+    from benchmarks import columns_access
+    from powerinfer_jax._bench_ops import runs_bandwidth_gbs
+
+    with pytest.raises(ValueError, match=r"keep: expected a fraction in \(0, 1\], got 0"):
+        runs_bandwidth_gbs(384, 448, 0.0)
+    for argv in (["--threads", "0"], ["--rounds", "0"], ["--mib", "8"]):
+        with pytest.raises(SystemExit) as e:
+            columns_access.main(argv)
+        assert e.value.code == 2
+        assert "expected --threads >= 1, --rounds >= 1, --mib >= 16" in capsys.readouterr().err
